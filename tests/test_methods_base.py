@@ -42,7 +42,8 @@ def test_dense_decode_matches_oracle(hq, hkv, d):
     k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32)
     v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32)
     lengths = jnp.array([77, 1, 40], jnp.int32)
-    out = DenseAttention().decode_attention(q, k, v, lengths, None)
+    out, state = DenseAttention().decode_attention(q, k, v, lengths, None)
+    assert state is None
     keep = np.arange(s)[None, None, :] < np.asarray(lengths)[:, None, None]
     keep = np.broadcast_to(keep, (b, hkv, s))
     np.testing.assert_allclose(out, _oracle_decode(q, k, v, keep), rtol=1e-5, atol=1e-5)

@@ -23,7 +23,10 @@ hook                   called
                        [B,Hkv,D]`` at ``positions int32[B]``
 ``decode_attention``   decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
                        first ``lengths[b]`` tokens are valid (the new token
-                       included) -> ``[B,Hq,D]``
+                       included) -> ``(out [B,Hq,D], state)``; the state is
+                       returned because some methods learn from the query
+                       (AsyncTLS's one-step-lag block set, AsyncSpade's query
+                       history)
 =====================  ======================================================
 
 Everything runs inside the model's ``jax.jit``; a method's dataclass fields
@@ -39,7 +42,8 @@ Example: a method that attends to the last ``window`` tokens only::
         def decode_attention(self, q, k, v, lengths, state):
             pos = jnp.arange(k.shape[2])
             keep = pos[None, :] >= (lengths[:, None] - self.window)
-            return masked_decode_attention(q, k, v, keep & (pos[None] < lengths[:, None]))
+            out = masked_decode_attention(q, k, v, keep & (pos[None] < lengths[:, None]))
+            return out, state
 
     model = models.load_model("smollm2-135m", attention="last_window")
 """
@@ -89,7 +93,9 @@ class AttentionMethod:
     def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
         return dense_prefill_attention(q, k, v)
 
-    def decode_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any) -> jax.Array:
+    def decode_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any
+    ) -> tuple[jax.Array, Any]:
         raise NotImplementedError
 
 
@@ -101,7 +107,7 @@ class DenseAttention(AttentionMethod):
 
     def decode_attention(self, q, k, v, lengths, state):
         valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
-        return masked_decode_attention(q, k, v, valid[:, None, :])
+        return masked_decode_attention(q, k, v, valid[:, None, :]), state
 
 
 def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
