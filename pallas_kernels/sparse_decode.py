@@ -1,0 +1,325 @@
+"""Token-gather sparse decode attention: Pallas (Triton) kernel + jnp reference.
+
+Shapes (one new query token per sequence, head-major KV cache):
+
+* ``q``        ``[B, Hq, D]``
+* ``k``, ``v`` ``[B, Hkv, S, D]``
+* ``indices``  ``int32[B, Hkv, K]``: selected token positions per KV head
+* ``counts``   ``int32[B, Hkv]``: how many leading entries of ``indices`` count
+
+Query head ``i`` belongs to KV head ``i // G`` with ``G = Hq // Hkv``. For each
+``(b, h)`` the G query heads of the group attend to the tokens
+``indices[b, h, :min(counts[b, h], K)]``, softmax over exactly those tokens.
+
+* Entries past the count are ignored whatever they hold (garbage, negative,
+  ``>= S``). A count ``<= 0`` gives a zero output (and ``m = MASK_VALUE``,
+  ``l = 0``). Counts above K are clamped to K.
+* Entries inside the count must lie in ``[0, S)``; out-of-range ones are
+  clamped into range (a memory-safety guard, not a feature).
+* Duplicated positions inside the count are attended once per occurrence
+  (the kernel does not deduplicate; callers are expected not to produce them).
+
+The output is ``[B, Hq, D]`` in q's dtype; logits, softmax and accumulation are
+float32. With ``return_residuals=True`` the result is ``(out, (m, l))`` with
+``m, l`` float32 ``[B, Hq]`` (see ``pallas_kernels.merge``).
+
+GPU kernel design
+-----------------
+Grid ``(B, Hkv, num_splits)``. One program owns one GQA group: its q tile is
+``[G_pad, D]`` (G padded with zero rows up to >= 16, because Triton's ``tl.dot``
+needs M >= 16), so every gathered K/V row is loaded once and used by all G
+query heads through tensor-core dots. The K selected slots are cut into
+``num_splits`` contiguous shares (flash-decoding) so that small ``B * Hkv``
+still fills the GPU; each program loops over its share in tiles of
+``block_k`` slots:
+
+1. load ``block_k`` indices (a contiguous ``pl.ds`` slice of the index row),
+2. mask slots past the count and point them at row 0 (always in bounds, so the
+   gather needs no load mask),
+3. gather the K rows: ``k_ref[idx]`` with an int-array indexer lowers to a
+   pointer gather ``base + idx[:, None] * D + arange(D)[None, :]``, contiguous
+   along D (vectorised loads),
+4. ``logits = q @ k.T`` ``[G_pad, block_k]``, online softmax in float32,
+   ``o += p @ v`` with V gathered the same way.
+
+Each split writes unnormalised ``(o, m, l)``; a small jnp epilogue
+(``merge.combine_splits``) merges the splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.merge import MASK_VALUE, combine_splits
+
+# Tuning defaults (the lead sweeps these on the H100).
+DEFAULT_BLOCK_K = 64          # gathered tokens per inner-loop tile
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+MIN_TOKENS_PER_SPLIT = 256    # below this a split's fixed cost dominates
+TARGET_PROGRAMS = 264         # ~2 waves of programs on 132 SMs (H100 SXM)
+MIN_GROUP_ROWS = 16           # tl.dot needs M >= 16
+
+TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def unsupported_reason(head_dim: int) -> str | None:
+    """Why the Triton kernel cannot run this head_dim, or None if it can."""
+    if not _is_pow2(head_dim) or head_dim < 16:
+        return f"head_dim must be a power of two >= 16 for the Triton kernel, got {head_dim}"
+    return None
+
+
+def choose_num_splits(work_items: int, items_per_tile: int, min_items_per_split: int,
+                      num_rows: int) -> int:
+    """Default flash-decoding split count.
+
+    ``work_items`` slots, processed ``items_per_tile`` at a time; ``num_rows`` =
+    ``B * Hkv`` programs per split. Split until the grid has about
+    TARGET_PROGRAMS programs, but keep >= ``min_items_per_split`` slots per
+    split and never more splits than tiles.
+    """
+    tiles = max(1, -(-work_items // items_per_tile))
+    want = max(1, -(-TARGET_PROGRAMS // max(1, num_rows)))
+    by_work = max(1, work_items // max(1, min_items_per_split))
+    return max(1, min(want, by_work, tiles))
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+def gathered_attention_reference(q, k, v, pos, valid, scale: float,
+                                 return_residuals: bool):
+    """Shared jnp reference: attention of each GQA group over gathered tokens.
+
+    q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; pos ``int32[B, Hkv, T]`` (any
+    values where ``valid`` is False); valid ``bool[B, Hkv, T]``.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    G = Hq // Hkv
+    pos = jnp.where(valid, jnp.clip(pos, 0, S - 1), 0).astype(jnp.int32)
+    qg = q.reshape(B, Hkv, G, D).astype(jnp.float32)
+    kg = jnp.take_along_axis(k, pos[..., None], axis=2).astype(jnp.float32)
+    vg = jnp.take_along_axis(v, pos[..., None], axis=2).astype(jnp.float32)
+    hi = lax.Precision.HIGHEST  # no TF32 in the reference on GPU
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qg, kg, precision=hi) * scale
+    vmask = valid[:, :, None, :]
+    logits = jnp.where(vmask, logits, MASK_VALUE)
+    m = jnp.max(logits, axis=-1, initial=MASK_VALUE)
+    # where() rather than relying on exp(MASK - m) == 0: for an empty set
+    # m == MASK and exp(0) would be 1.
+    p = jnp.where(vmask, jnp.exp(logits - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhgt,bhtd->bhgd", p, vg, precision=hi)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    out = o.reshape(B, Hq, D).astype(q.dtype)
+    if return_residuals:
+        return out, (m.reshape(B, Hq), l.reshape(B, Hq))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_residuals"))
+def sparse_decode_attention_reference(q, k, v, indices, counts, *, scale=None,
+                                      return_residuals=False):
+    """Pure-jnp reference (float32 math). Same contract as the kernel."""
+    K = indices.shape[-1]
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    cnt = jnp.clip(counts.astype(jnp.int32), 0, K)
+    valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < cnt[..., None]
+    return gathered_attention_reference(q, k, v, indices.astype(jnp.int32), valid,
+                                        scale, return_residuals)
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+def online_softmax_step(q, k, v, valid, carry, *, scale: float, precision):
+    """One flash step for a tile: q ``[G_pad, D]``, k/v ``[T, D]``, valid ``[T]``.
+
+    Shared by both decode kernels. ``carry = (o [G_pad, D] f32, m [G_pad] f32,
+    l [G_pad] f32)``; o is unnormalised.
+    """
+    o_prev, m_prev, l_prev = carry
+    logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [G_pad, T] f32
+    vmask = valid[None, :]
+    logits = jnp.where(vmask, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
+    corr = jnp.exp(m_prev - m_next)
+    # where(): a fully masked tile (possible in the block-sparse kernel) with
+    # m_prev == MASK would otherwise give exp(0) = 1 for every masked slot.
+    p = jnp.where(vmask, jnp.exp(logits - m_next[:, None]), 0.0)
+    l_next = corr * l_prev + jnp.sum(p, axis=-1)
+    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o_next, m_next, l_next
+
+
+def dot_precision(dtype):
+    # float32 inputs: IEEE fp32 dot (Triton's default would be TF32, ~1e-3
+    # relative error). bf16/f16: native tensor-core dot, f32 accumulation.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
+                          o_ref, m_ref, l_ref, *,
+                          scale: float, block_k: int, k_split: int, K: int, S: int,
+                          precision):
+    # Block refs: counts_ref [] ; q_ref [G_pad, D] ; idx_ref [k_split] (this
+    # split's slots) ; k_ref, v_ref [S, D] (this (b, h)'s whole cache row) ;
+    # o_ref [G_pad, D] f32 ; m_ref, l_ref [G_pad] f32.
+    g_pad, d = q_ref.shape
+    split = pl.program_id(2)
+    count = jnp.clip(counts_ref[()], 0, K)
+    # Valid slots of this split: [split * k_split, count) ∩ the split's range.
+    n_valid = jnp.clip(count - split * k_split, 0, k_split)
+    # Only tiles with >= 1 valid slot are visited (early exit for short rows).
+    n_tiles = lax.div(n_valid + (block_k - 1), block_k)
+
+    q = q_ref[...]
+    lanes = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(t, carry):
+        start = t * block_k
+        idx = idx_ref[pl.ds(start, block_k)]
+        valid = start + lanes < n_valid
+        # Slots past the count may hold anything: point them at row 0 so the
+        # gather stays in bounds; their logits are masked below.
+        idx = jnp.where(valid, jnp.clip(idx, 0, S - 1), 0)
+        k = k_ref[idx]  # [block_k, D] row gather
+        v = v_ref[idx]
+        return online_softmax_step(q, k, v, valid, carry, scale=scale, precision=precision)
+
+    init = (
+        jnp.zeros((g_pad, d), jnp.float32),
+        jnp.full((g_pad,), MASK_VALUE, jnp.float32),
+        jnp.zeros((g_pad,), jnp.float32),
+    )
+    o, m, l = lax.fori_loop(0, n_tiles, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def resolve_sparse_tuning(B: int, Hkv: int, K: int, D: int, *, block_k=None,
+                          num_splits=None):
+    """Static tiling for the token-gather kernel: (block_k, num_splits, k_split)."""
+    if block_k is None:
+        block_k = DEFAULT_BLOCK_K if D <= 128 else 32
+        # Short selections: don't pad a 40-slot row to 64.
+        block_k = min(block_k, max(16, _next_pow2(max(K, 1))))
+    block_k = int(block_k)
+    if not _is_pow2(block_k) or block_k < 16:
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    tiles = max(1, -(-K // block_k))
+    if num_splits is None:
+        num_splits = choose_num_splits(K, block_k, MIN_TOKENS_PER_SPLIT, B * Hkv)
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_splits = min(num_splits, tiles)
+    tiles_per_split = -(-tiles // num_splits)
+    num_splits = -(-tiles // tiles_per_split)  # drop splits that would be empty
+    return block_k, num_splits, tiles_per_split * block_k
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "return_residuals", "block_k", "num_splits",
+                     "num_warps", "num_stages", "interpret"),
+)
+def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
+                                   return_residuals=False, block_k=None,
+                                   num_splits=None, num_warps=None,
+                                   num_stages=None, interpret=False):
+    """Pallas-Triton token-gather decode attention (see module docstring).
+
+    Tuning: ``block_k`` (tokens per tile, power of two >= 16; default 64 for
+    D <= 128 else 32, capped by K), ``num_splits`` (default from
+    ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2).
+    """
+    B, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    K = indices.shape[-1]
+    G = Hq // Hkv
+    g_pad = max(MIN_GROUP_ROWS, _next_pow2(G))
+    scale = default_scale(D) if scale is None else float(scale)
+    block_k, ns, k_split = resolve_sparse_tuning(B, Hkv, K, D, block_k=block_k,
+                                                 num_splits=num_splits)
+
+    qg = q.reshape(B, Hkv, G, D)
+    if g_pad != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
+    idx = indices.astype(jnp.int32)
+    pad = ns * k_split - K
+    if pad:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad)))  # masked by the count
+    idx = idx.reshape(B, Hkv, ns, k_split)
+    cnt = counts.astype(jnp.int32)
+
+    kernel = functools.partial(
+        _sparse_decode_kernel, scale=scale, block_k=block_k, k_split=k_split,
+        K=K, S=S, precision=dot_precision(q.dtype))
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, ns),
+        in_specs=[
+            pl.BlockSpec((None, None), lambda b, h, s: (b, h)),                     # counts
+            pl.BlockSpec((None, None, g_pad, D), lambda b, h, s: (b, h, 0, 0)),     # q
+            pl.BlockSpec((None, None, None, k_split), lambda b, h, s: (b, h, s, 0)),  # indices
+            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # k
+            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # v
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, g_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
+            num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
+        interpret=interpret,
+        name=f"sparse_decode_bk{block_k}_ns{ns}",
+    )(cnt, qg, idx, k, v)
+    return finish_splits(o, m, l, G, q.dtype, return_residuals)
+
+
+def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool):
+    """Merge the kernel's per-split partials ``[B, Hkv, NS, G_pad, ...]``."""
+    B, Hkv = o.shape[:2]
+    D = o.shape[-1]
+    # Drop the zero-padded query rows before merging (less work).
+    o, m, l = o[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
+    # JAX's own decode kernel notes NaNs after jit without a barrier here;
+    # it costs nothing, so keep the max from being fused into the kernel inputs.
+    m = lax.optimization_barrier(m)
+    out, m_all, l_all = combine_splits(o, m, l, axis=2)
+    out = out.reshape(B, Hkv * G, D).astype(out_dtype)
+    if return_residuals:
+        return out, (m_all.reshape(B, Hkv * G), l_all.reshape(B, Hkv * G))
+    return out

@@ -1,0 +1,255 @@
+"""Public sparse decode-attention ops (argument checks + implementation dispatch).
+
+Layouts (one new query token per sequence, head-major KV cache):
+
+* ``q``    ``[B, Hq, D]``
+* ``k, v`` ``[B, Hkv, S, D]``; query head ``i`` uses KV head ``i // (Hq // Hkv)``
+
+Ops:
+
+* ``sparse_decode_attention``: each GQA group attends to a per-(b, h) list of
+  token positions (``indices[b, h, :counts[b, h]]``).
+* ``block_sparse_decode_attention``: each GQA group attends to a per-(b, h)
+  list of fixed-size token blocks, masked by the sequence length.
+* ``merge_attention``: exact log-sum-exp merge of two partial results over
+  disjoint token sets (e.g. a dense local window + a sparse selection).
+
+All return ``[B, Hq, D]`` in q's dtype (float32 math inside). With
+``return_residuals=True`` they return ``(out, (m, l))``, ``m, l`` float32
+``[B, Hq]``: ``m`` the max scaled logit over the attended tokens (the finite
+``MASK_VALUE`` for an empty set) and ``l = sum exp(logit - m)`` (0 for an
+empty set). An empty token set gives a zero output.
+
+``impl``: "auto" (Pallas-Triton kernel on GPU, jnp reference elsewhere),
+"pallas" (the kernel; Pallas interpret mode on a machine without a GPU),
+"reference". Tuning keyword arguments only affect the kernel (they are still
+validated when the reference runs): see ``SPARSE_TUNING_KEYS`` /
+``BLOCK_SPARSE_TUNING_KEYS``.
+
+All argument checks run on shapes/dtypes only, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from pallas_kernels import block_sparse_decode as _bsd
+from pallas_kernels import sparse_decode as _sd
+from pallas_kernels.merge import MASK_VALUE, merge_normalized
+from sparse_jax.ops._checks import (
+    check_float,
+    check_gqa,
+    check_int,
+    check_rank,
+    check_shape,
+)
+from sparse_jax.ops._dispatch import resolve_impl
+
+__all__ = [
+    "MASK_VALUE",
+    "SPARSE_TUNING_KEYS",
+    "BLOCK_SPARSE_TUNING_KEYS",
+    "sparse_decode_attention",
+    "block_sparse_decode_attention",
+    "merge_attention",
+]
+
+#: ``block_k`` (gathered tokens per tile, power of two >= 16; default 64, 32
+#: for D > 128, capped by K), ``num_splits`` (flash-decoding splits per
+#: (b, h); default: enough for ~264 programs, >= 256 slots per split),
+#: ``num_warps`` (4), ``num_stages`` (2).
+SPARSE_TUNING_KEYS = _sd.TUNING_KEYS
+#: ``block_k`` (max tokens per inner iteration; default 64, 32 for D > 128),
+#: ``blocks_per_iter`` (blocks gathered per iteration; default
+#: ``block_k // block_size`` for power-of-two block sizes below block_k, else
+#: 1 = one contiguous slice per iteration), ``num_splits``, ``num_warps`` (4),
+#: ``num_stages`` (2).
+BLOCK_SPARSE_TUNING_KEYS = _bsd.TUNING_KEYS
+
+
+# --------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    """Check q/k/v; return (B, Hq, Hkv, S, D)."""
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_rank("k", k, 4, "[B, Hkv, S, D]")
+    check_rank("v", v, 4, "[B, Hkv, S, D]")
+    check_float("q", q)
+    check_float("k", k)
+    check_float("v", v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    B, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    check_shape("k", k, (B, Hkv, S, D), "[B, Hkv, S, D] (B and D from q)")
+    check_shape("v", v, k.shape, "[B, Hkv, S, D] (same as k)")
+    check_gqa(Hq, Hkv)
+    if S < 1:
+        raise ValueError(f"the KV cache must hold at least one position (S >= 1), got S={S}")
+    if D < 1:
+        raise ValueError(f"head_dim must be >= 1, got {D}")
+    return B, Hq, Hkv, S, D
+
+
+def _check_scale(scale) -> None:
+    if scale is None:
+        return
+    if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+            or not math.isfinite(float(scale))):
+        raise TypeError(f"scale must be None or a finite Python number, got {scale!r}")
+
+
+def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
+    unknown = sorted(set(tuning) - set(allowed))
+    if unknown:
+        raise TypeError(f"{op}: unknown tuning argument(s) {unknown}; allowed: {list(allowed)}")
+    for key, val in tuning.items():
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise TypeError(f"{op}: tuning argument {key} must be an int or None, got {val!r}")
+        if val < 1:
+            raise ValueError(f"{op}: tuning argument {key} must be >= 1, got {val}")
+
+
+# --------------------------------------------------------------------------
+# Ops
+# --------------------------------------------------------------------------
+
+def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
+                            return_residuals=False, impl="auto", **tuning):
+    """Decode attention over a per-(batch, KV head) list of token positions.
+
+    Args:
+      q: ``[B, Hq, D]`` query for the current token.
+      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q).
+      indices: ``int32[B, Hkv, K]`` token positions. The query heads of KV head
+        h attend to ``indices[b, h, :counts[b, h]]``. Entries past the count
+        are ignored whatever they hold. Entries inside the count should lie in
+        ``[0, S)`` (out-of-range ones are clamped into range). A position
+        listed twice is attended twice (no deduplication).
+      counts: ``int32[B, Hkv]``; values > K are clamped to K, values <= 0 give
+        an empty set (zero output).
+      scale: logit scale (a Python number); default ``1 / sqrt(D)``.
+      return_residuals: also return ``(m, l)``, float32 ``[B, Hq]``.
+      impl: "auto" | "pallas" | "reference".
+      **tuning: kernel knobs, see ``SPARSE_TUNING_KEYS``.
+
+    Returns:
+      ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
+    """
+    B, Hq, Hkv, S, D = _check_qkv(q, k, v)
+    check_rank("indices", indices, 3, "[B, Hkv, K]")
+    check_int("indices", indices)
+    check_shape("indices", indices, (B, Hkv, indices.shape[-1]), "[B, Hkv, K]")
+    check_rank("counts", counts, 2, "[B, Hkv]")
+    check_int("counts", counts)
+    check_shape("counts", counts, (B, Hkv), "[B, Hkv]")
+    _check_scale(scale)
+    _check_tuning(tuning, SPARSE_TUNING_KEYS, "sparse_decode_attention")
+    scale = None if scale is None else float(scale)
+    return_residuals = bool(return_residuals)
+
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_sd.unsupported_reason(D))
+    if choice == "reference":
+        return _sd.sparse_decode_attention_reference(
+            q, k, v, indices, counts, scale=scale, return_residuals=return_residuals)
+    # Resolve the static tiling now so that bad knobs fail before tracing.
+    _sd.resolve_sparse_tuning(B, Hkv, indices.shape[-1], D,
+                              block_k=tuning.get("block_k"),
+                              num_splits=tuning.get("num_splits"))
+    return _sd.sparse_decode_attention_pallas(
+        q, k, v, indices, counts, scale=scale, return_residuals=return_residuals,
+        interpret=interpret, **tuning)
+
+
+def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths, *,
+                                  block_size, scale=None, return_residuals=False,
+                                  impl="auto", **tuning):
+    """Decode attention over a per-(batch, KV head) list of token blocks.
+
+    Args:
+      q: ``[B, Hq, D]``.
+      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q).
+      block_indices: ``int32[B, Hkv, NBsel]`` block ids; block j covers tokens
+        ``[j * block_size, (j + 1) * block_size)``. The query heads of KV head
+        h attend to the blocks ``block_indices[b, h, :block_counts[b, h]]``;
+        entries past the count are ignored whatever they hold; ids outside
+        ``[0, ceil(S / block_size))`` contribute nothing; a repeated id is
+        attended twice.
+      block_counts: ``int32[B, Hkv]`` (clamped to ``[0, NBsel]``).
+      lengths: ``int32[B]``: tokens at or beyond ``lengths[b]`` (and beyond S)
+        are masked, so a partial last block is fine.
+      block_size: tokens per block (a positive Python int).
+      scale, return_residuals, impl: as ``sparse_decode_attention``.
+      **tuning: kernel knobs, see ``BLOCK_SPARSE_TUNING_KEYS``.
+
+    Returns:
+      ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
+    """
+    B, Hq, Hkv, S, D = _check_qkv(q, k, v)
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be a Python int, got {block_size!r}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    block_size = int(block_size)
+    check_rank("block_indices", block_indices, 3, "[B, Hkv, NBsel]")
+    check_int("block_indices", block_indices)
+    check_shape("block_indices", block_indices, (B, Hkv, block_indices.shape[-1]),
+                "[B, Hkv, NBsel]")
+    check_rank("block_counts", block_counts, 2, "[B, Hkv]")
+    check_int("block_counts", block_counts)
+    check_shape("block_counts", block_counts, (B, Hkv), "[B, Hkv]")
+    check_rank("lengths", lengths, 1, "[B]")
+    check_int("lengths", lengths)
+    check_shape("lengths", lengths, (B,), "[B]")
+    _check_scale(scale)
+    _check_tuning(tuning, BLOCK_SPARSE_TUNING_KEYS, "block_sparse_decode_attention")
+    scale = None if scale is None else float(scale)
+    return_residuals = bool(return_residuals)
+
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_bsd.unsupported_reason(D))
+    if choice == "reference":
+        return _bsd.block_sparse_decode_attention_reference(
+            q, k, v, block_indices, block_counts, lengths, block_size=block_size,
+            scale=scale, return_residuals=return_residuals)
+    _bsd.resolve_block_tuning(B, Hkv, block_indices.shape[-1], D, block_size,
+                              block_k=tuning.get("block_k"),
+                              blocks_per_iter=tuning.get("blocks_per_iter"),
+                              num_splits=tuning.get("num_splits"))
+    return _bsd.block_sparse_decode_attention_pallas(
+        q, k, v, block_indices, block_counts, lengths, block_size=block_size,
+        scale=scale, return_residuals=return_residuals, interpret=interpret, **tuning)
+
+
+def merge_attention(o1, res1, o2, res2, *, return_residuals=False):
+    """Merge two partial decode-attention results over disjoint token sets.
+
+    ``o1, o2``: ``[B, Hq, D]`` normalised outputs; ``res1, res2``: their
+    ``(m, l)`` residuals, float32 ``[B, Hq]`` (from ``return_residuals=True``).
+    Returns the attention over the union of the two token sets, in
+    ``o1``'s dtype (float32 math), or ``(out, (m, l))`` with
+    ``return_residuals=True`` so more partials can be merged in. Merging
+    with an empty partial (``l == 0``) returns the other one; two empty
+    partials give zeros.
+    """
+    check_rank("o1", o1, 3, "[B, Hq, D]")
+    check_float("o1", o1)
+    check_float("o2", o2)
+    check_shape("o2", o2, o1.shape, "[B, Hq, D] (same as o1)")
+    for name, res in (("res1", res1), ("res2", res2)):
+        if not isinstance(res, (tuple, list)) or len(res) != 2:
+            raise TypeError(f"{name} must be the (m, l) pair returned with return_residuals=True")
+        for part, x in zip(("m", "l"), res):
+            check_shape(f"{name}.{part}", x, o1.shape[:-1], "[B, Hq]")
+            check_float(f"{name}.{part}", x)
+    (m1, l1), (m2, l2) = res1, res2
+    o, m, l = merge_normalized(o1, m1, l1, o2, m2, l2)
+    o = o.astype(o1.dtype)
+    if return_residuals:
+        return o, (m, l)
+    return o
