@@ -1,4 +1,8 @@
-"""Attention methods (one module each) and their registry."""
+"""Attention methods (one module each) and their registry.
+
+Importing this package registers every method: ``dense``, ``oracle_topk``,
+``streaming``, ``quest``, ``arkvale``, ``double_sparsity``, ``asynctls``.
+"""
 
 from sparse_jax.methods.base import (
     AttentionMethod,
@@ -7,10 +11,24 @@ from sparse_jax.methods.base import (
     masked_decode_attention,
 )
 from sparse_jax.methods.registry import available_methods, get_method, register
+from sparse_jax.methods.sparse_base import BlockSparseMethod, SparseMethod
+from sparse_jax.methods import oracle, streaming, quest, double_sparsity  # noqa: E402,F401  (registration)
+from sparse_jax.methods.oracle import OracleTopK
+from sparse_jax.methods.streaming import StreamingLLM
+from sparse_jax.methods.quest import ArkVale, Quest
+from sparse_jax.methods.double_sparsity import AsyncTLS, DoubleSparsity
 
 __all__ = [
+    "ArkVale",
+    "AsyncTLS",
     "AttentionMethod",
+    "BlockSparseMethod",
     "DenseAttention",
+    "DoubleSparsity",
+    "OracleTopK",
+    "Quest",
+    "SparseMethod",
+    "StreamingLLM",
     "available_methods",
     "dense_prefill_attention",
     "get_method",

@@ -19,8 +19,10 @@ hook                   called
                        tokens, cache empty before), causal -> ``[B,T,Hq,D]``
 ``prefill_state``      after the prefill wrote K/V: state from the whole
                        layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
-``append_state``       decode, after the new token was written: ``k_new, v_new
-                       [B,Hkv,D]`` at ``positions int32[B]``
+``append_state``       decode, after the new token was written at ``positions
+                       int32[B]``: the whole layer cache ``k, v [B,Hkv,S,D]``
+                       (methods slice the new token, or re-summarise a block
+                       that just filled)
 ``decode_attention``   decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
                        first ``lengths[b]`` tokens are valid (the new token
                        included) -> ``(out [B,Hq,D], state)``; the state is
@@ -71,6 +73,12 @@ class AttentionMethod:
     name: ClassVar[str] = "base"
     dense_layers: tuple[int, ...] = ()
 
+    # -- binding to a model ---------------------------------------------------
+    def for_model(self, model_name: str, *, num_layers: int, head_dim: int) -> "AttentionMethod":
+        """Called once by ``load_model``: a method that needs per-model data
+        (calibrated channels) returns a copy holding it, or raises a clear error."""
+        return self
+
     # -- which method runs a layer -------------------------------------------
     def layer_method(self, layer: int, num_layers: int) -> "AttentionMethod":
         dense = {i % num_layers for i in self.dense_layers}
@@ -86,7 +94,7 @@ class AttentionMethod:
     def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Any:
         return state
 
-    def append_state(self, state: Any, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> Any:
+    def append_state(self, state: Any, k: jax.Array, v: jax.Array, positions: jax.Array) -> Any:
         return state
 
     # -- attention ------------------------------------------------------------
