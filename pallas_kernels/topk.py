@@ -1,0 +1,531 @@
+"""Exact top-k *index* selection without a sort: a threshold (radix) select.
+
+Shapes:
+
+* ``scores``: ``float32[R, N]`` (rows = flattened leading dims, e.g. B*Hkv).
+* ``counts``: ``int32[R]`` or ``None``: row ``r`` has ``counts[r]`` valid
+  leading entries; positions ``>= counts[r]`` are never selected
+  (``None`` = all ``N`` valid). Values are clipped to ``[0, N]``.
+* result: ``int32[R, k]``: the positions of the ``k`` largest valid entries
+  of each row, each position at most once, ties broken arbitrarily.
+  When a row has fewer than ``k`` valid entries, the result holds all of its
+  valid positions and the other slots hold distinct invalid positions in
+  ``[count, N)``; callers use ``min(k, count)`` as the selection size. The
+  kernel returns positions in ascending order (the reference does not).
+
+Order: scores are compared as floats, except that NaN is treated as ``-inf``
+(a tie with ``-inf``), and ``-0.0`` sorts just below ``+0.0`` (they are equal
+floats, so either order is a valid tie-break). ``-inf`` is a valid score: a
+valid ``-inf`` is always preferred to an invalid position.
+
+Why no sort: ``lax.top_k`` on a GPU sorts the row (0.15 ms for 64 x 2048
+already), while the data is tiny (64 x 8192 x 4 B = 2 MB). The kernel maps each
+score to an order-preserving int32 key (invalid -> INT32_MIN), finds the exact
+k-th largest key ``T`` by a bitwise binary search on the key (each step is a
+count ``#(key >= candidate)``: one reduction over the row held in registers),
+then compacts: every key ``> T`` plus the first ``k - #(key > T)`` keys ``== T``
+(one prefix sum gives both the tie rank and the output slot), written by a
+masked scatter store.
+
+Rows longer than one program can hold (``max_single`` keys, default 16384) use
+a multi-level scheme: level 1 splits each row into chunks of ``chunk`` keys;
+each (row, chunk) program keeps its chunk's local top-k (keys + positions),
+which provably contains the row's top-k. The survivors (``n_chunks * k`` per
+row) are selected again, until one program per row can finish. Every level is
+one ``pallas_call``; all SMs work on level 1.
+
+Triton constraints honoured: every in-kernel tensor has power-of-two size
+(rows are padded in registers with masked loads, never in memory); refs are
+flat 1-D arrays addressed with computed int32 offsets (``R * N < 2**31`` is
+checked); only primitives with Pallas-Triton lowering rules are used
+(bitcast_convert_type, integer compare/select/shift, reduce_sum, cumsum
+(forward), iota, while_loop).
+
+Interpret-mode note: Pallas interpret mode implements a masked scatter store as
+gather-old / select / scatter, so masked-off lanes *do* write (their old value)
+and collide with live lanes that share an index. Masked-off lanes therefore
+get an out-of-bounds index (dropped by the interpreter's scatter; never
+touched on the GPU, where a masked lane does not access memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = [
+    "topk_reference",
+    "topk_pallas",
+    "plan_topk",
+    "TopkPlan",
+    "DEFAULT_MAX_SINGLE",
+    "float_to_key",
+]
+
+INT32_MIN = -(2**31)
+DEFAULT_MAX_SINGLE = 16384  # keys one program holds in registers (64 KiB)
+MAX_CHUNK = 32768
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _i32(v: int) -> np.int32:
+    """A Python int taken modulo 2**32 as an int32 constant (two's complement)."""
+    v &= 0xFFFFFFFF
+    return np.int32(v - (1 << 32) if v >= (1 << 31) else v)
+
+
+# ----------------------------------------------------------------------------
+# Keys (shared by kernel and reference so both impls order values identically)
+# ----------------------------------------------------------------------------
+
+# key(-inf): bits 0xFF800000 are negative, so key = bits ^ 0x7FFFFFFF.
+_NEG_INF_KEY = _i32(0xFF800000 ^ 0x7FFFFFFF)
+
+
+def float_to_key(x):
+    """Order-preserving map float32 -> int32 (signed compare); NaN -> key(-inf).
+
+    Non-negative floats keep their bits (0 .. 0x7F800000 for +inf); negative
+    floats get their magnitude bits flipped so larger magnitude -> smaller key.
+    Every float (incl. -inf) maps above INT32_MIN, which is kept for invalid
+    positions.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
+    return jnp.where(x != x, _NEG_INF_KEY, key)
+
+
+# ----------------------------------------------------------------------------
+# Reference (pure jnp): exact, via lax.top_k on the int32 keys
+# ----------------------------------------------------------------------------
+
+
+def topk_reference(scores, k: int, counts=None):
+    """``int32[R, k]`` via ``lax.top_k`` on int32 keys (invalid -> INT32_MIN).
+
+    Keys rather than floats so that a valid ``-inf`` always beats an invalid
+    position (with invalid -> -inf the sort could pick either).
+    """
+    r, n = scores.shape
+    key = float_to_key(scores.astype(jnp.float32))
+    if counts is not None:
+        valid = jnp.arange(n, dtype=jnp.int32)[None, :] < counts.astype(jnp.int32)[:, None]
+        key = jnp.where(valid, key, np.int32(INT32_MIN))
+    _, idx = lax.top_k(key, k, is_stable=False)  # order is unspecified anyway
+    return idx.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Planning: how many levels, which chunk sizes
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkLevel:
+    n_in: int  # keys per row entering this level
+    chunk: int  # power-of-two lanes per program (>= the chunk of keys it reads)
+    n_chunks: int  # programs per row
+    k_sel: int  # keys kept per (row, chunk)
+    final: bool
+    block_rows: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkPlan:
+    levels: tuple[TopkLevel, ...]
+
+
+def _default_warps(elems: int) -> int:
+    # ~16-32 keys per thread: enough ILP in the per-thread part of each
+    # reduction, few enough registers that the row, keys and prefix sum fit.
+    return int(min(16, max(4, elems // 1024)))
+
+
+def plan_topk(
+    n: int,
+    k: int,
+    *,
+    max_single: int = DEFAULT_MAX_SINGLE,
+    chunk: int | None = None,
+    block_rows: int = 1,
+    num_warps: int | None = None,
+) -> TopkPlan | None:
+    """Levels for rows of ``n`` keys; ``None`` if the kernel cannot do it.
+
+    Single level when ``n <= max_single``. Otherwise each level cuts rows into
+    ``chunk``-key pieces and keeps k per piece, until at most ``max_single``
+    survivors remain. Default chunk: the smallest power of two >= max(4096,
+    4k): 4x shrink per level, and at most 8192 lanes for k <= 2048, which
+    compiles without spills at 8 warps (16384-lane non-final programs spill
+    on sm_90 at 16 warps: they keep keys and positions live to the end).
+    """
+    if not (1 <= k <= n):
+        return None
+    max_single = _next_pow2(max_single)
+    levels = []
+    m = n
+    while m > max_single:
+        c = chunk if chunk is not None else max(4096, _next_pow2(4 * k))
+        c = _next_pow2(c)
+        n_chunks = -(-m // c)
+        m_next = n_chunks * k
+        if c <= k or m_next >= m or c > MAX_CHUNK:
+            return None  # selection would not shrink the row
+        w = num_warps or _default_warps(c)
+        levels.append(TopkLevel(m, c, n_chunks, k, False, 1, w))
+        m = m_next
+    c = _next_pow2(m)
+    if c > MAX_CHUNK:
+        return None
+    br = block_rows if not levels else 1
+    w = num_warps or _default_warps(c * br)
+    levels.append(TopkLevel(m, c, 1, k, True, br, w))
+    return TopkPlan(tuple(levels))
+
+
+# ----------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------
+
+
+def _count_ge(key, cands):
+    """``[#(key >= c) for c in cands]``, each ``int32[BR, 1]``.
+
+    Counts fit in 16 bits (chunk <= 32768), so two counts share one int32
+    reduction (low / high half): half the reductions, hence half the
+    cross-warp shared-memory round trips, for the multi-candidate search.
+    """
+    out = []
+    i = 0
+    while i < len(cands):
+        if i + 1 < len(cands):
+            both = (key >= cands[i]).astype(jnp.int32) + ((key >= cands[i + 1]).astype(jnp.int32) << 16)
+            s = jnp.sum(both, axis=1, keepdims=True)
+            out.append(s & np.int32(0xFFFF))
+            out.append(lax.shift_right_logical(s, np.int32(16)))
+            i += 2
+        else:
+            out.append(jnp.sum((key >= cands[i]).astype(jnp.int32), axis=1, keepdims=True))
+            i += 1
+    return out
+
+
+def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok):
+    """An int32 ``T`` with ``#(key >= T) >= k`` and ``#(key > T) <= k`` per row.
+
+    ``key: int32[BR, C]``; returns ``int32[BR, 1]``. Without early exit ``T``
+    is the k-th largest key (the largest ``T`` with ``#(key >= T) >= k``);
+    with it, the search may stop at any ``T`` with ``#(key >= T) == k``.
+
+    Built MSB-first in the unsigned image ``u = key ^ 0x80000000`` of the key
+    (so the top bit is searched like any other): with ``T_u`` fixed above bit
+    ``s + r``, the ``2**r - 1`` candidates ``T_u + (j << s)`` have
+    non-increasing counts; the number of candidates whose count is still
+    ``>= k`` is the next digit. In the signed domain ``T_u + x`` is ``T + x``
+    with wrap-around, so everything stays int32.
+    """
+    br, c = key.shape
+    n_rounds = 32 // radix_bits
+    n_cand = (1 << radix_bits) - 1
+    t0 = jnp.full((br, 1), INT32_MIN, jnp.int32)
+
+    def one_round(t, cnt_t, shift):
+        # shift: a Python int (unrolled) or a traced int32 scalar (loop)
+        if isinstance(shift, int):
+            offs = [_i32(j << shift) for j in range(1, n_cand + 1)]
+        else:
+            offs = [np.int32(j) << shift for j in range(1, n_cand + 1)]
+        cnts = _count_ge(key, [t + o for o in offs])
+        digit = sum((cn >= k).astype(jnp.int32) for cn in cnts)
+        # count(>= new T): unchanged when the digit is 0
+        for j, cn in enumerate(cnts, start=1):
+            cnt_t = jnp.where(digit == j, cn, cnt_t)
+        return t + (digit << shift), cnt_t
+
+    cnt0 = jnp.full((br, 1), c, jnp.int32)  # count(>= INT32_MIN) = all lanes
+    if not early_exit:
+        t, cnt = t0, cnt0
+        for i in range(n_rounds):
+            t, cnt = one_round(t, cnt, 32 - radix_bits * (i + 1))
+        return t
+
+    # Early exit: stop once every row has #(key >= T) == k (then "take
+    # key >= T" is exact and T need not be a key). For distinct-ish scores
+    # that happens once T separates the k-th from the (k+1)-th key, well
+    # before all 32 bits are fixed (bf16-derived scores: after <= 16 bits).
+    # Rows with <= k valid keys are done at once: T = INT32_MIN satisfies
+    # the contract (all valid keys are > T; the fill comes from ties at T).
+    # Later rounds keep a done row valid: T only moves up while
+    # #(key >= T) >= k, and that count cannot grow.
+    n_valid = jnp.sum((key > np.int32(INT32_MIN)).astype(jnp.int32), axis=1, keepdims=True)
+    settled = (n_valid <= k) | ~row_ok
+
+    def all_done(cnt):
+        return jnp.min((settled | (cnt == k)).astype(jnp.int32))
+
+    def cond(carry):
+        i, _, _, done = carry
+        return (i < n_rounds) & (done == 0)
+
+    def body(carry):
+        i, t, cnt, _ = carry
+        shift = np.int32(32) - np.int32(radix_bits) * (i + 1)
+        t, cnt = one_round(t, cnt, shift)
+        return i + 1, t, cnt, all_done(cnt)
+
+    init = (np.int32(0), t0, cnt0, all_done(cnt0))
+    _, t, _, _ = lax.while_loop(cond, body, init)
+    return t
+
+
+def _select_kernel(
+    *refs,
+    first: bool,
+    final: bool,
+    has_counts: bool,
+    n_rows: int,
+    n_in: int,
+    n_orig: int,
+    chunk: int,
+    k_sel: int,
+    k_out: int,
+    out_stride: int,
+    block_rows: int,
+    radix_bits: int,
+    early_exit: bool,
+):
+    """One (row block, chunk) program of one level.
+
+    Inputs (flat): level 1: ``scores f32[R*N]``; later levels:
+    ``keys i32[R*M], pos i32[R*M]``; plus ``counts i32[R]`` if given.
+    Outputs (flat): final: ``idx i32[R*k]``; else ``keys, pos i32[R*M']``.
+    """
+    if first:
+        src_refs, rest = refs[:1], refs[1:]
+    else:
+        src_refs, rest = refs[:2], refs[2:]
+    if has_counts:
+        counts_ref, out_refs = rest[0], rest[1:]
+    else:
+        counts_ref, out_refs = None, rest
+
+    br, c = block_rows, chunk
+    row0 = pl.program_id(0) * br
+    ci = pl.program_id(1)
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (br, 1), 0)  # [BR, 1]
+    lane = lax.broadcasted_iota(jnp.int32, (1, c), 1)  # [1, C]
+    col = ci * c + lane  # position within this level's input row
+    row_ok = rows < n_rows
+    live = row_ok & (col < n_in)  # [BR, C]
+    src = rows * n_in + col
+
+    if has_counts:
+        cnt = plgpu.load(counts_ref.at[jnp.minimum(rows, n_rows - 1)])
+        cnt = jnp.clip(cnt, 0, n_orig)
+    else:
+        cnt = jnp.full((br, 1), n_orig, jnp.int32)
+
+    if first:
+        x = plgpu.load(src_refs[0].at[src], mask=live, other=0.0)
+        key = jnp.where(live & (col < cnt), float_to_key(x), np.int32(INT32_MIN))
+        pos = jnp.broadcast_to(col, (br, c))
+    else:
+        key = plgpu.load(src_refs[0].at[src], mask=live, other=np.int32(INT32_MIN))
+        pos = plgpu.load(src_refs[1].at[src], mask=live, other=np.int32(0))
+
+    t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
+
+    # Compaction. take = (key > T) | (key == T and tie rank <= need). One
+    # prefix sum of gt<<16 | eq gives, at each lane, #gt and #eq up to it
+    # (inclusive); a taken lane's slot is #gt + min(#eq, need) - 1.
+    gt = key > t
+    eq = key == t
+    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1, keepdims=True)
+    need = k_sel - n_gt
+    if c <= 16384:  # both halves < 2**15: the packed sum cannot overflow
+        cs = jnp.cumsum((gt.astype(jnp.int32) << 16) | eq.astype(jnp.int32), axis=1)
+        gt_incl = lax.shift_right_logical(cs, np.int32(16))
+        eq_incl = cs & np.int32(0xFFFF)
+    else:
+        gt_incl = jnp.cumsum(gt.astype(jnp.int32), axis=1)
+        eq_incl = jnp.cumsum(eq.astype(jnp.int32), axis=1)
+    take = gt | (eq & (eq_incl <= need))
+    slot = gt_incl + jnp.minimum(eq_incl, need) - 1
+    take = take & row_ok
+
+    oob = n_rows * out_stride  # masked lanes: see module docstring
+    if final:
+        # Rows with fewer than k valid entries: the answer is all valid
+        # positions (0..cnt-1) plus invalid fill, i.e. exactly arange(k).
+        # Writing that directly keeps fill positions < N at every level
+        # (a chunked level's fill may be padding lanes >= N).
+        short = cnt < k_out
+        dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
+        plgpu.store(out_refs[0].at[dst], pos, mask=take & ~short)
+        fill = row_ok & short & (lane < k_out)
+        dst2 = jnp.where(fill, rows * out_stride + lane, oob)
+        plgpu.store(out_refs[0].at[dst2], jnp.broadcast_to(lane, (br, c)), mask=fill)
+    else:
+        dst = jnp.where(take, rows * out_stride + ci * k_sel + slot, oob)
+        plgpu.store(out_refs[0].at[dst], key, mask=take)
+        plgpu.store(out_refs[1].at[dst], pos, mask=take)
+
+
+def topk_pallas(
+    scores,
+    k: int,
+    counts=None,
+    *,
+    max_single: int = DEFAULT_MAX_SINGLE,
+    chunk: int | None = None,
+    block_rows: int = 1,
+    num_warps: int | None = None,
+    num_stages: int = 1,
+    radix_bits: int = 1,
+    early_exit: bool = True,
+    interpret: bool = False,
+):
+    """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``.
+
+    Tuning: ``max_single`` (longest row one program selects on; longer rows go
+    multi-level), ``chunk`` (keys per program on non-final levels; power of
+    two > k), ``block_rows`` (rows per program, single-level only; power of
+    two), ``num_warps`` (default by lanes per program), ``num_stages``
+    (Triton pipelining; there is no loop over memory, 1 is right),
+    ``radix_bits`` (1, 2 or 4 key bits fixed per search round: 32/r rounds of
+    2**r-1 counts each), ``early_exit`` (stop the search once #(key >= T) == k).
+    """
+    r, n = scores.shape
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    plan = plan_topk(n, k, max_single=max_single, chunk=chunk, block_rows=block_rows, num_warps=num_warps)
+    if plan is None:
+        raise ValueError(f"no top-k plan for N={n}, k={k}, chunk={chunk}, max_single={max_single}")
+    if r * max(n, plan.levels[0].n_chunks * plan.levels[0].chunk) >= 2**31:
+        raise ValueError("R * N must be < 2**31 (int32 offsets)")
+    has_counts = counts is not None
+    extra = (counts.astype(jnp.int32),) if has_counts else ()
+
+    srcs = (scores.astype(jnp.float32).reshape(r * n),)
+    for lvl_i, lvl in enumerate(plan.levels):
+        first = lvl_i == 0
+        if lvl.final:
+            out_stride = k
+            out_shape = (jax.ShapeDtypeStruct((r * k,), jnp.int32),)
+        else:
+            out_stride = lvl.n_chunks * lvl.k_sel
+            out_shape = (jax.ShapeDtypeStruct((r * out_stride,), jnp.int32),) * 2
+        kern = functools.partial(
+            _select_kernel,
+            first=first,
+            final=lvl.final,
+            has_counts=has_counts,
+            n_rows=r,
+            n_in=lvl.n_in,
+            n_orig=n,
+            chunk=lvl.chunk,
+            k_sel=lvl.k_sel,
+            k_out=k,
+            out_stride=out_stride,
+            block_rows=lvl.block_rows,
+            radix_bits=radix_bits,
+            early_exit=early_exit,
+        )
+        outs = pl.pallas_call(
+            kern,
+            out_shape=out_shape,
+            grid=(pl.cdiv(r, lvl.block_rows), lvl.n_chunks),
+            compiler_params=plgpu.CompilerParams(num_warps=lvl.num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name=f"topk_select_l{lvl_i}",
+        )(*srcs, *extra)
+        srcs = tuple(outs)
+    return srcs[0].reshape(r, k)
+
+
+# ----------------------------------------------------------------------------
+# Tuning sweep (run on the GPU: python -m pallas_kernels.topk [--quick])
+# ----------------------------------------------------------------------------
+
+
+def _sweep_main(argv=None):
+    """Time the kernel's knobs on the shapes that matter; print the best per shape.
+
+    Baselines: ``lax.top_k`` on f32 (``is_stable=False``) and the reference
+    (int32 keys). Every kernel result is checked against the reference set
+    first. Times are CUPTI device times where available (benchmarks.timing).
+    """
+    import argparse
+    import itertools
+
+    from benchmarks.timing import time_fn
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--shapes", default=None, help="R,N,k;R,N,k;... instead of the default list")
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+    args = ap.parse_args(argv)
+
+    shapes = [(64, 2048, 128), (64, 8192, 512), (64, 8192, 2048)]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    elif not args.quick:
+        shapes += [(64, 8192, 1024), (64, 16384, 2048), (64, 32768, 512), (64, 131072, 512), (64, 131072, 2048)]
+    knobs = dict(num_warps=[None, 4, 8, 16], radix_bits=[1, 2, 4], early_exit=[True, False])
+    if args.quick:
+        knobs = dict(num_warps=[None, 8], radix_bits=[1, 2], early_exit=[True])
+    print(f"device: {jax.devices()[0].device_kind}")
+    for r, n, k in shapes:
+        x = jax.random.normal(jax.random.key(n + k), (r, n), jnp.float32)
+        want = np.sort(np.asarray(topk_reference(x, k)), axis=1)
+        base = {}
+        for name, fn in {
+            "lax.top_k f32 is_stable=False": lambda s: lax.top_k(s, k, is_stable=False)[1],
+            "reference (int keys)": lambda s: topk_reference(s, k),
+        }.items():
+            base[name] = time_fn(jax.jit(fn), (x,), runs=args.runs).best_ms
+        print(f"\n== {r} x {n}, k={k}: " + ", ".join(f"{a} {b * 1e3:.1f} us" for a, b in base.items()))
+        extra = [dict()]
+        if n > DEFAULT_MAX_SINGLE:
+            extra = [dict(), dict(chunk=8192), dict(chunk=16384), dict(max_single=8192)]
+        elif n <= 4096:
+            extra = [dict(), dict(block_rows=2)]
+        results = []
+        for vals in itertools.product(*knobs.values()):
+            for ex in extra:
+                tuning = {**dict(zip(knobs, vals)), **ex}
+                if plan_topk(n, k, **{a: tuning[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in tuning}) is None:
+                    continue
+                fn = jax.jit(functools.partial(topk_pallas, k=k, interpret=args.interpret, **tuning))
+                try:
+                    got = np.sort(np.asarray(fn(x)), axis=1)
+                    if not np.array_equal(got, want):
+                        print(f"  {tuning}: WRONG RESULT")
+                        continue
+                    t = time_fn(fn, (x,), runs=args.runs).best_ms
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"  {tuning}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                results.append((t, tuning))
+                print(f"  {str(tuning):<70s} {t * 1e3:8.1f} us")
+        if results:
+            t, tuning = min(results, key=lambda p: p[0])
+            print(f"  BEST {tuning}: {t * 1e3:.1f} us ({min(base.values()) / t:.1f}x the best baseline)")
+
+
+if __name__ == "__main__":
+    _sweep_main()

@@ -1,0 +1,163 @@
+"""Top-k index selection: ``topk_indices``.
+
+Shapes: ``scores: float[R..., N]`` (any number of leading dims, e.g.
+``[B, Hkv, N]``), ``counts: int32[R...] | None`` -> ``int32[R..., k]``.
+
+Contract (both implementations):
+
+* The result holds, per row, the positions of the ``k`` largest *valid*
+  scores, each position at most once, in unspecified order (the Pallas kernel
+  returns ascending positions; the reference returns descending scores).
+  Ties are broken arbitrarily.
+* Position ``j`` of a row is valid iff ``j < counts[row]`` (``counts`` is
+  clipped to ``[0, N]``; ``None`` means all ``N`` are valid).
+* If a row has fewer than ``k`` valid positions, the result holds all of them
+  and the remaining slots hold distinct *invalid* positions in ``[count, N)``:
+  callers must use ``min(k, count)`` as the number of selected entries (the
+  Pallas kernel returns exactly ``arange(k)`` for such rows).
+* ``-inf`` is a valid score (the smallest; a valid ``-inf`` is still preferred
+  to any invalid position). NaN is treated as ``-inf`` (it ties with it); it
+  never raises, as that is impossible under ``jit``.
+* bfloat16 / float16 scores are upcast to float32 (exact, order-preserving).
+
+Implementations (``impl``):
+
+* ``"reference"``: ``lax.top_k`` on an order-preserving int32 key of the
+  scores (invalid positions -> INT32_MIN); exact, a full sort on GPU.
+* ``"pallas"``: the radix-select kernel of ``pallas_kernels/topk.py``
+  (interpret mode without a GPU).
+* ``"auto"``: on GPU, the first matching row of ``TOPK_AUTO_TABLE``; the
+  reference elsewhere.
+
+Tuning keywords (``**tuning``) go to the Pallas kernel: ``max_single``,
+``chunk``, ``block_rows``, ``num_warps``, ``num_stages``, ``radix_bits``,
+``early_exit`` (see ``pallas_kernels.topk.topk_pallas``). With ``impl="auto"``
+they override the table's entries for the kernel rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import topk as _topk
+from sparse_jax.ops import _checks
+from sparse_jax.ops._dispatch import on_gpu, resolve_impl
+
+__all__ = ["topk_indices", "TOPK_AUTO_TABLE", "topk_auto_choice", "TUNING_KEYS"]
+
+TUNING_KEYS = frozenset(
+    {"max_single", "chunk", "block_rows", "num_warps", "num_stages", "radix_bits", "early_exit"}
+)
+
+# The "auto" choice on GPU, in one place so it can be re-tuned after measuring
+# on the H100. Rows are (max_n, max_k, impl, tuning): the first row with
+# N <= max_n and k <= max_k (None = no limit) wins. impl "pallas" falls back to
+# the reference when the kernel has no plan for the shape (plan_topk -> None,
+# e.g. k > 16384 on long rows). Expectations (not yet measured): the kernel
+# is ~10 us at N <= 16384 against 150 us for lax.top_k, and tens of us at
+# N = 131072 (2-3 launches) against 1.3 ms.
+TOPK_AUTO_TABLE: list[tuple[int | None, int | None, str, dict]] = [
+    (2048, None, "pallas", {}),  # (a) 64 x 2048 block scores, k = 128
+    (16384, None, "pallas", {}),  # (b) 64 x 8192 candidate tokens, k 512..2048
+    (None, None, "pallas", {}),  # (c) full contexts: multi-level
+]
+
+
+def topk_auto_choice(n: int, k: int) -> tuple[str, dict]:
+    """``(impl, tuning)`` that "auto" uses on GPU for rows of ``n``, top ``k``."""
+    for max_n, max_k, impl, tuning in TOPK_AUTO_TABLE:
+        if (max_n is None or n <= max_n) and (max_k is None or k <= max_k):
+            if impl == "pallas" and _plan(n, k, tuning) is None:
+                return "reference", {}
+            return impl, dict(tuning)
+    return "reference", {}
+
+
+def _plan(n, k, tuning):
+    keys = ("max_single", "chunk", "block_rows", "num_warps")
+    return _topk.plan_topk(n, k, **{a: tuning[a] for a in keys if a in tuning})
+
+
+def _check_args(scores, k, counts, tuning):
+    if not hasattr(scores, "shape") or not hasattr(scores, "dtype"):
+        raise TypeError(f"scores must be an array, got {type(scores).__name__}")
+    if scores.ndim < 1:
+        raise ValueError(f"scores must have shape [..., N] (rank >= 1), got shape {scores.shape}")
+    if not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise TypeError(f"scores must be a float array (float32, bfloat16 or float16), got {scores.dtype}")
+    _checks.check_float("scores", scores)
+    n = scores.shape[-1]
+    if isinstance(k, bool):
+        raise TypeError("k must be a static Python int, got bool")
+    try:
+        k = operator.index(k)  # accepts int / numpy ints; floats and tracers raise
+    except TypeError:
+        raise TypeError(f"k must be a static Python int, got {type(k).__name__}") from None
+    if n < 1:
+        raise ValueError(f"scores must have at least one entry per row (N >= 1), got shape {scores.shape}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must satisfy 1 <= k <= N = {n}, got k={k}")
+    if counts is not None:
+        if not hasattr(counts, "dtype"):
+            raise TypeError(f"counts must be an int32 array or None, got {type(counts).__name__}")
+        _checks.check_int("counts", counts)
+        _checks.check_shape("counts", counts, scores.shape[:-1], "scores.shape[:-1]")
+    unknown = set(tuning) - TUNING_KEYS
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
+    if "radix_bits" in tuning and tuning["radix_bits"] not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {tuning['radix_bits']}")
+    br = tuning.get("block_rows", 1)
+    if not isinstance(br, int) or br < 1 or br & (br - 1):
+        raise ValueError(f"block_rows must be a power-of-two int, got {br!r}")
+    return k
+
+
+@functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning"))
+def _run(scores, counts, *, k, choice, interpret, tuning):
+    lead = scores.shape[:-1]
+    n = scores.shape[-1]
+    r = math.prod(lead)
+    x = scores.reshape(r, n).astype(jnp.float32)
+    c = None if counts is None else counts.reshape(r).astype(jnp.int32)
+    if choice == "reference":
+        out = _topk.topk_reference(x, k, c)
+    else:
+        out = _topk.topk_pallas(x, k, c, interpret=interpret, **dict(tuning))
+    return out.reshape(*lead, k)
+
+
+def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", **tuning):
+    """Positions of the ``k`` largest valid scores per row: ``int32[R..., k]``.
+
+    Args:
+      scores: ``float32[R..., N]`` (bf16/f16 are upcast).
+      k: static int, ``1 <= k <= N``.
+      counts: optional ``int32[R...]``, valid leading entries per row.
+      impl: "auto" | "pallas" | "reference".
+      **tuning: kernel knobs (see module docstring).
+
+    See the module docstring for the full contract (order, ties, short rows,
+    -inf and NaN).
+    """
+    k = _check_args(scores, k, counts, tuning)
+    n = scores.shape[-1]
+    lead = scores.shape[:-1]
+    if math.prod(lead) == 0:
+        return jnp.zeros((*lead, k), jnp.int32)
+    if impl == "auto" and on_gpu():
+        auto_impl, auto_tuning = topk_auto_choice(n, k)
+        tuning = {**auto_tuning, **tuning}
+        if auto_impl == "reference":
+            return _run(scores, counts, k=k, choice="reference", interpret=False, tuning=())
+    unsupported = None
+    if impl != "reference" and _plan(n, k, tuning) is None:
+        unsupported = f"no kernel plan for N={n}, k={k} with tuning {tuning}"
+    choice, interpret = resolve_impl(impl, kernel_unsupported=unsupported)
+    tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
+    return _run(scores, counts, k=k, choice=choice, interpret=interpret, tuning=tuning_items)

@@ -1,0 +1,338 @@
+"""topk_indices: Pallas radix select (interpret mode on CPU) vs. a sort oracle.
+
+Distinct random values make the selected *set* unique, so it is compared
+exactly; tie tests compare the multiset of selected values instead. Sizes stay
+small: every distinct (shape, k, tuning) is one interpret-mode compile.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import topk as topk_k
+from sparse_jax.ops.selection import TOPK_AUTO_TABLE, topk_auto_choice, topk_indices
+
+RNG = np.random.default_rng(1234)
+
+
+def distinct_scores(shape):
+    """Distinct float32 values (a shuffled grid, both signs), one row per leading index."""
+    n = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    base = (np.arange(n, dtype=np.float32) - n / 3) * np.float32(0.37)
+    x = np.stack([RNG.permutation(base) for _ in range(rows)]) if rows else np.zeros((0, n), np.float32)
+    return x.reshape(shape).astype(np.float32)
+
+
+def oracle_sets(x, k, counts=None):
+    """Per row: the set of positions of the k largest valid entries (numpy sort)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    c2 = np.full(x2.shape[0], n) if counts is None else np.clip(np.asarray(counts).reshape(-1), 0, n)
+    out = []
+    for row, cnt in zip(x2, c2):
+        order = np.argsort(-row[:cnt], kind="stable")
+        out.append(set(order[: min(k, cnt)].tolist()))
+    return out, c2
+
+
+def check_contract(idx, x, k, counts=None, exact=True):
+    """The documented contract; exact=True also demands the oracle's set."""
+    idx = np.asarray(idx)
+    n = x.shape[-1]
+    assert idx.shape == x.shape[:-1] + (k,)
+    assert idx.dtype == np.int32
+    sets, c2 = oracle_sets(x, k, counts)
+    for r, (row, cnt) in enumerate(zip(idx.reshape(-1, k), c2)):
+        assert len(set(row.tolist())) == k, f"row {r}: repeated index {row}"
+        assert row.min() >= 0 and row.max() < n, f"row {r}: index out of [0, N): {row}"
+        if cnt >= k:
+            assert (row < cnt).all(), f"row {r}: invalid position selected"
+            if exact:
+                assert set(row.tolist()) == sets[r], f"row {r}: wrong set"
+        else:
+            got = set(row.tolist())
+            assert set(range(cnt)) <= got, f"row {r}: a valid position is missing"
+            assert all(cnt <= v < n for v in got - set(range(cnt)))
+
+
+def run(x, k, counts=None, impl="pallas", **tuning):
+    c = None if counts is None else jnp.asarray(counts, jnp.int32)
+    return topk_indices(jnp.asarray(x), k, c, impl=impl, **tuning)
+
+
+# ---------------------------------------------------------------------------
+# exact sets, distinct values
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape,k",
+    [
+        ((3, 100), 7),  # N not a power of two
+        ((2, 1), 1),  # N = k = 1
+        ((2, 64), 64),  # k = N
+        ((2, 3, 50), 1),  # k = 1, two leading dims
+        ((5, 300), 37),
+        ((2, 2048), 128),  # shape (a), two rows
+    ],
+)
+def test_pallas_matches_sort(shape, k):
+    x = distinct_scores(shape)
+    out = run(x, k)
+    check_contract(out, x, k)
+    # the kernel returns ascending positions
+    o = np.asarray(out).reshape(-1, k)
+    assert (np.diff(o, axis=1) > 0).all()
+
+
+@pytest.mark.parametrize("shape,k", [((3, 100), 7), ((2, 64), 64), ((2, 3, 50), 1)])
+def test_reference_matches_sort(shape, k):
+    x = distinct_scores(shape)
+    check_contract(run(x, k, impl="reference"), x, k)
+
+
+def test_counts_below_k_zero_and_beyond():
+    n, k = 100, 10
+    counts = np.array([0, 1, 5, 9, 10, 11, 57, 100, 150, -3], np.int32)
+    x = distinct_scores((len(counts), n))
+    for impl in ("pallas", "reference"):
+        check_contract(run(x, k, counts, impl=impl), x, k, counts)
+    # the kernel fills short rows with exactly arange(k)
+    out = np.asarray(run(x, k, counts))
+    for r, c in enumerate(counts):
+        if c < k:
+            np.testing.assert_array_equal(out[r], np.arange(k))
+
+
+def test_neg_inf_valid_beats_invalid():
+    # 3 finite values, 7 valid -inf, then invalid positions holding large values
+    n, k, cnt = 20, 8, 10
+    row = np.full(n, 1e30, np.float32)
+    row[:cnt] = -np.inf
+    row[[1, 4, 7]] = [3.0, -2.0, 5.0]
+    x = np.stack([row, np.roll(row, 0)])
+    counts = np.array([cnt, cnt], np.int32)
+    for impl in ("pallas", "reference"):
+        out = np.asarray(run(x, k, counts, impl=impl))
+        for r in range(2):
+            got = set(out[r].tolist())
+            assert {1, 4, 7} <= got and len(got) == k
+            assert all(v < cnt for v in got), f"{impl}: picked an invalid position over a valid -inf"
+
+
+def test_all_neg_inf_row_and_nan_as_neg_inf():
+    n, k = 40, 6
+    x = distinct_scores((3, n))
+    x[0] = -np.inf  # every entry -inf: any k distinct valid positions
+    x[1, ::2] = np.nan  # NaN ranks with -inf: below every finite value
+    x[2, :] = np.nan
+    x[2, [3, 9]] = [-1e30, 0.0]
+    for impl in ("pallas", "reference"):
+        out = np.asarray(run(x, k, impl=impl))
+        assert len(set(out[0].tolist())) == k
+        finite1 = np.where(~np.isnan(x[1]))[0]
+        best1 = set(finite1[np.argsort(-x[1, finite1])][:k].tolist())
+        assert set(out[1].tolist()) == best1
+        assert {3, 9} <= set(out[2].tolist()) and len(set(out[2].tolist())) == k
+
+
+def test_ties_value_multiset():
+    # values from a 4-element set: many ties at the threshold
+    n, k = 200, 50
+    x = RNG.integers(0, 4, size=(4, n)).astype(np.float32)
+    x[3] = 1.0  # a row that is one big tie
+    for impl in ("pallas", "reference"):
+        out = np.asarray(run(x, k, impl=impl))
+        for r in range(4):
+            assert len(set(out[r].tolist())) == k
+            want = np.sort(x[r])[::-1][:k]
+            np.testing.assert_array_equal(np.sort(x[r, out[r]])[::-1], want)
+
+
+def test_signed_zero_and_extremes():
+    fmax = np.finfo(np.float32).max
+    tiny = np.finfo(np.float32).tiny
+    row = np.array([0.0, -0.0, fmax, -fmax, np.inf, -np.inf, tiny, -tiny, 1.0, -1.0], np.float32)
+    x = row[None]
+    for k in (1, 6, 9):
+        out = np.asarray(run(x, k))[0]
+        want = np.sort(row)[::-1][:k]
+        np.testing.assert_array_equal(np.sort(row[out])[::-1], want)
+
+
+def test_bf16_input():
+    x = distinct_scores((2, 64)).astype(jnp.bfloat16)
+    x32 = np.asarray(jnp.asarray(x, jnp.float32))
+    out = np.asarray(run(x, 9))
+    for r in range(2):
+        np.testing.assert_array_equal(np.sort(x32[r, out[r]])[::-1], np.sort(x32[r])[::-1][:9])
+
+
+# ---------------------------------------------------------------------------
+# tuning knobs and the multi-level path
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(early_exit=False),
+        dict(radix_bits=2),
+        dict(radix_bits=4, early_exit=False),
+        dict(block_rows=4),  # 5 rows: a partial row block
+        dict(num_warps=8, num_stages=2),  # accepted, no effect in interpret mode
+    ],
+)
+def test_tuning_variants(tuning):
+    n, k = 100, 10
+    counts = np.array([100, 3, 0, 64, 10], np.int32)
+    x = distinct_scores((5, n))
+    check_contract(run(x, k, counts, **tuning), x, k, counts)
+
+
+@pytest.mark.parametrize(
+    "n,k,tuning,levels",
+    [
+        (1000, 16, dict(max_single=128, chunk=64), 3),
+        (700, 5, dict(max_single=256, chunk=64), 2),
+        (300, 30, dict(max_single=128, chunk=64, radix_bits=2), 3),
+    ],
+)
+def test_multilevel(n, k, tuning, levels):
+    plan = topk_k.plan_topk(n, k, max_single=tuning["max_single"], chunk=tuning["chunk"])
+    assert plan is not None and len(plan.levels) == levels
+    counts = np.array([n, 3, 0, n // 2 + 1, k, k - 1], np.int32)
+    x = distinct_scores((len(counts), n))
+    out = run(x, k, counts, **tuning)
+    check_contract(out, x, k, counts)
+    o = np.asarray(out)
+    assert (np.diff(o, axis=1) > 0).all()  # ascending at every level
+    for r, c in enumerate(counts):
+        if c < k:
+            np.testing.assert_array_equal(o[r], np.arange(k))
+
+
+def test_multilevel_ties():
+    n, k = 500, 40
+    x = RNG.integers(0, 3, size=(3, n)).astype(np.float32)
+    out = np.asarray(run(x, k, max_single=128, chunk=64))
+    for r in range(3):
+        assert len(set(out[r].tolist())) == k
+        np.testing.assert_array_equal(np.sort(x[r, out[r]])[::-1], np.sort(x[r])[::-1][:k])
+
+
+def test_plan_defaults():
+    # the shapes that matter: (a), (b) single level; (c) multi-level
+    assert len(topk_k.plan_topk(2048, 128).levels) == 1
+    assert len(topk_k.plan_topk(8192, 2048).levels) == 1
+    for n, k in [(32768, 512), (131072, 512), (131072, 2048)]:
+        plan = topk_k.plan_topk(n, k)
+        assert plan is not None and 2 <= len(plan.levels) <= 3
+        assert plan.levels[-1].final and plan.levels[-1].n_in <= topk_k.DEFAULT_MAX_SINGLE
+    assert topk_k.plan_topk(10, 11) is None
+    assert topk_k.plan_topk(100000, 30000) is None  # too wide to chunk: reference
+
+
+def test_auto_table():
+    assert TOPK_AUTO_TABLE  # one place for the lead to edit
+    assert topk_auto_choice(2048, 128)[0] == "pallas"
+    assert topk_auto_choice(131072, 2048)[0] == "pallas"
+    assert topk_auto_choice(100000, 30000)[0] == "reference"
+
+
+def test_auto_on_cpu_is_reference():
+    x = distinct_scores((2, 30))
+    np.testing.assert_array_equal(run(x, 4, impl="auto"), run(x, 4, impl="reference"))
+
+
+def test_jit_and_empty_rows():
+    x = distinct_scores((3, 40))
+    f = jax.jit(lambda s, c: topk_indices(s, 5, c, impl="pallas"))
+    counts = np.array([40, 2, 7], np.int32)
+    check_contract(f(jnp.asarray(x), jnp.asarray(counts)), x, 5, counts)
+    empty = topk_indices(jnp.zeros((0, 4, 10)), 3, impl="pallas")
+    assert empty.shape == (0, 4, 3) and empty.dtype == jnp.int32
+
+
+# ---------------------------------------------------------------------------
+# bad input: clear errors before any compilation
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((np.zeros((2, 5), np.float32), 6), {}, ValueError, "1 <= k <= N"),
+        ((np.zeros((2, 5), np.float32), 0), {}, ValueError, "1 <= k <= N"),
+        ((np.zeros((2, 5), np.float32), -1), {}, ValueError, "1 <= k <= N"),
+        ((np.zeros((2, 5), np.int32), 2), {}, TypeError, "float"),
+        ((np.zeros((2, 5), np.float32), 2.0), {}, TypeError, "static Python int"),
+        ((np.zeros((2, 5), np.float32), True), {}, TypeError, "static Python int"),
+        ((np.zeros((2, 5), np.float32), 2, np.zeros((3,), np.int32)), {}, ValueError, "counts must have shape"),
+        ((np.zeros((2, 5), np.float32), 2, np.zeros((2,), np.float32)), {}, TypeError, "counts must be an integer"),
+        ((np.zeros((2, 0), np.float32), 1), {}, ValueError, "N >= 1"),
+        ((np.float32(1.0), 1), {}, ValueError, "rank >= 1"),
+        ((np.zeros((2, 5), np.float32), 2), {"impl": "bogus"}, ValueError, "impl must be"),
+        ((np.zeros((2, 5), np.float32), 2), {"bogus_knob": 1}, TypeError, "unknown tuning"),
+        ((np.zeros((2, 5), np.float32), 2), {"radix_bits": 3}, ValueError, "radix_bits"),
+        ((np.zeros((2, 5), np.float32), 2), {"block_rows": 3}, ValueError, "block_rows"),
+        ((np.zeros((2, 50), np.float32), 10), {"impl": "pallas", "max_single": 16, "chunk": 8}, ValueError, "cannot run"),
+    ],
+)
+def test_bad_input(args, kwargs, exc, match):
+    args = tuple(jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+    with pytest.raises(exc, match=match):
+        topk_indices(*args, **kwargs)
+
+
+def test_k_must_be_static_under_jit():
+    with pytest.raises(TypeError, match="static Python int"):
+        jax.jit(lambda s, k: topk_indices(s, k))(jnp.zeros((2, 5)), 2)
+
+
+# ---------------------------------------------------------------------------
+# the kernels lower to Triton IR for an H100 (no GPU needed)
+# ---------------------------------------------------------------------------
+
+
+def _lower_for_h100(fn, *specs):
+    from jax import export
+
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Triton backend's deprecation notice
+        with jax.sharding.use_abstract_mesh(mesh):
+            exp = export.export(
+                jax.jit(fn),
+                platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(*specs)
+    return exp.mlir_module()
+
+
+@pytest.mark.parametrize(
+    "r,n,k,tuning,calls",
+    [
+        (64, 2048, 128, {}, 1),
+        (64, 8192, 1024, dict(radix_bits=2), 1),
+        (64, 8192, 512, dict(early_exit=False, radix_bits=4), 1),
+        (64, 2048, 128, dict(block_rows=4), 1),
+        (64, 131072, 2048, {}, 3),
+        (64, 32768, 512, {}, 2),
+    ],
+)
+def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):
+    pytest.importorskip("jax._src.lib.triton")
+
+    def fn(x, c):
+        return topk_k.topk_pallas(x, k, c, **tuning)
+
+    txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((r, n), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == calls
