@@ -1,0 +1,327 @@
+"""Public scoring ops: Quest/ArkVale block metadata and scores, Double-Sparsity labels.
+
+Each op checks its arguments on shapes and dtypes (so bad input fails before
+any compilation) and dispatches between the Pallas-Triton kernel and the
+pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
+``sparse_jax.ops._dispatch``). Layouts (head-major cache, ragged batch):
+
+* ``block_minmax(k, lengths, *, block_size)`` -> ``(k_max, k_min)``
+  ``[B, Hkv, NB, D]`` in k's dtype, ``NB = ceil(S / block_size)``. Tokens at or
+  past ``lengths[b]`` are excluded; a block without a valid token is all
+  zeros, so callers must mask blocks ``>= ceil(lengths[b] / block_size)``.
+* ``update_block_minmax(k_max, k_min, k_new, positions, *, block_size)``:
+  Quest's per-append update (``k_new [B, Hkv, D]`` written at ``positions[b]``).
+* ``block_cuboid(k, lengths, *, block_size)`` -> ``(upper, lower)``: ArkVale's
+  box, centre ``(max+min)/2`` +- mean ``|centre - k|``; score it with
+  ``quest_block_scores``.
+* ``quest_block_scores(q [B, Hq, D], k_max, k_min)`` -> ``float32[B, Hkv, NB]``.
+* ``build_label_cache(k, channels [Hkv, r], *, bits=4)`` -> ``LabelCache``;
+  ``update_label_cache(cache, k_new, channels, positions, *, bits=4)``;
+  ``dequantize_labels(cache, *, bits=4)`` -> ``float32[B, Hkv, S, r]``.
+* ``label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None, bits=4)``
+  -> ``float32[B, Hkv, C]``: softmax over the candidate set of the label
+  logits of each query head, averaged over the GQA group; masked entries are 0.
+
+The kernels and their contracts are documented in ``pallas_kernels.block_scores``
+and ``pallas_kernels.labels``. The kernels need power-of-two ``block_size``,
+``D`` and packed label width ``r * bits // 8``; "auto" falls back to the
+reference otherwise (and on CPU), "pallas" raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+
+from pallas_kernels import block_scores as _bs
+from pallas_kernels import labels as _lb
+from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, dequantize_labels
+from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_rank, check_shape
+from sparse_jax.ops._dispatch import resolve_impl
+
+__all__ = [
+    "LabelCache",
+    "block_minmax",
+    "update_block_minmax",
+    "block_cuboid",
+    "quest_block_scores",
+    "build_label_cache",
+    "update_label_cache",
+    "dequantize_labels",
+    "label_scores",
+]
+
+
+# ----------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------
+
+
+def _check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def _check_cache(k, lengths) -> None:
+    check_rank("k", k, 4, "[B, Hkv, S, D]")
+    check_float("k", k)
+    check_rank("lengths", lengths, 1, "[B]")
+    check_int("lengths", lengths)
+    check_shape("lengths", lengths, (k.shape[0],), "[B]")
+    if k.shape[2] == 0:
+        raise ValueError("k must have at least one position (S >= 1)")
+
+
+def _concrete(x):
+    """x as a NumPy array, or None when it is traced (its values are unknown)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_channels(channels, num_kv_heads: int, head_dim: int, bits: int) -> None:
+    check_rank("channels", channels, 2, "[Hkv, r]")
+    check_int("channels", channels)
+    hkv, r = channels.shape
+    if hkv != num_kv_heads:
+        raise ValueError(f"channels must have shape [Hkv={num_kv_heads}, r], got {tuple(channels.shape)}")
+    if r <= 0 or r % 2:
+        raise ValueError(f"the number of label channels r must be even and positive, got r={r}")
+    if (r * bits) % 8:
+        raise ValueError(f"r={r} channels of {bits} bits do not fill whole bytes (r * bits % 8 != 0)")
+    values = _concrete(channels)
+    if values is not None and values.size and (values.min() < 0 or values.max() >= head_dim):
+        raise ValueError(
+            f"channels must lie in [0, D={head_dim}), got values in [{values.min()}, {values.max()}]")
+
+
+def _check_bits(bits) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def _check_labels(labels) -> tuple:
+    if not isinstance(labels, LabelCache):
+        raise TypeError(f"labels must be a LabelCache, got {type(labels).__name__}")
+    check_rank("labels.packed", labels.packed, 4, "[B, Hkv, S, r*bits//8]")
+    if labels.packed.dtype != np.uint8:
+        raise TypeError(f"labels.packed must be uint8, got {labels.packed.dtype}")
+    lb, lh, s, _ = labels.packed.shape
+    for name in ("scale", "offset"):
+        x = getattr(labels, name)
+        check_rank(f"labels.{name}", x, 3, "[B, Hkv, S]")
+        check_shape(f"labels.{name}", x, (lb, lh, s), "[B, Hkv, S]")
+        if x.dtype != np.float32:
+            raise TypeError(f"labels.{name} must be float32, got {x.dtype}")
+    return labels.packed.shape
+
+
+def _pow2_reason(**dims) -> str | None:
+    bad = [f"{k}={v}" for k, v in dims.items() if not _bs.is_pow2(int(v))]
+    return None if not bad else "the Triton kernel needs powers of two: " + ", ".join(bad)
+
+
+# ----------------------------------------------------------------------------
+# Block metadata and Quest scores
+# ----------------------------------------------------------------------------
+
+
+def block_minmax(k, lengths, *, block_size, impl="auto", blocks_per_program=None, num_warps=4,
+                 num_stages=2):
+    """Per-block channel-wise ``(k_max, k_min)`` over valid tokens, ``[B, Hkv, NB, D]``.
+
+    Empty blocks (no token below ``lengths[b]``) are zeros: mask blocks
+    ``>= ceil(lengths[b] / block_size)`` before selecting. Tuning (kernel only):
+    ``blocks_per_program`` (power of two; default ~128 tokens per program),
+    ``num_warps``, ``num_stages``.
+    """
+    _check_cache(k, lengths)
+    _check_block_size(block_size)
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(block_size=block_size, head_dim=k.shape[-1]))
+    if choice == "reference":
+        return _bs.block_minmax_reference(k, lengths, block_size=block_size)
+    return _bs.block_summary_kernel(
+        k, lengths, block_size=block_size, mode="minmax", blocks_per_program=blocks_per_program,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def update_block_minmax(k_max, k_min, k_new, positions, *, block_size):
+    """Quest's per-append update of the block metadata (pure jnp).
+
+    ``k_new [B, Hkv, D]`` is the key just written at ``positions[b]`` (the row's
+    length before the append). A position that opens a block resets that
+    block to ``k_new``; otherwise the block's max/min absorb it. Positions
+    outside ``[0, NB * block_size)`` change nothing.
+    """
+    check_rank("k_max", k_max, 4, "[B, Hkv, NB, D]")
+    check_float("k_max", k_max)
+    check_shape("k_min", k_min, k_max.shape, "[B, Hkv, NB, D]")
+    check_float("k_min", k_min)
+    b, hkv, _, d = k_max.shape
+    check_rank("k_new", k_new, 3, "[B, Hkv, D]")
+    check_float("k_new", k_new)
+    check_shape("k_new", k_new, (b, hkv, d), "[B, Hkv, D]")
+    check_rank("positions", positions, 1, "[B]")
+    check_int("positions", positions)
+    check_shape("positions", positions, (b,), "[B]")
+    _check_block_size(block_size)
+    return _bs.update_block_minmax_reference(k_max, k_min, k_new, positions, block_size=block_size)
+
+
+def block_cuboid(k, lengths, *, block_size, impl="auto", blocks_per_program=None, num_warps=4,
+                 num_stages=2):
+    """ArkVale's block box ``(upper, lower) = centre +- radius``, ``[B, Hkv, NB, D]``.
+
+    ``centre = (max + min) / 2`` and ``radius = mean |centre - k|`` per channel
+    over the block's valid tokens; empty blocks are zeros. Scored with
+    ``quest_block_scores`` (an estimate, not a bound). The kernel is the
+    ``block_minmax`` kernel with a second reduction over the tile it already
+    holds, so it reads ``k`` once; same tuning knobs.
+    """
+    _check_cache(k, lengths)
+    _check_block_size(block_size)
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(block_size=block_size, head_dim=k.shape[-1]))
+    if choice == "reference":
+        return _bs.block_cuboid_reference(k, lengths, block_size=block_size)
+    return _bs.block_summary_kernel(
+        k, lengths, block_size=block_size, mode="cuboid", blocks_per_program=blocks_per_program,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=128, num_warps=4, num_stages=2):
+    """Quest upper bound per block, summed over the GQA group: ``float32[B, Hkv, NB]``.
+
+    ``score = sum_g max(q_g, 0) . k_max + min(q_g, 0) . k_min``. Tuning (kernel
+    only): ``block_n`` (blocks per program, power of two), ``num_warps``,
+    ``num_stages``.
+    """
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_float("q", q)
+    check_rank("k_max", k_max, 4, "[B, Hkv, NB, D]")
+    check_float("k_max", k_max)
+    check_shape("k_min", k_min, k_max.shape, "[B, Hkv, NB, D]")
+    check_float("k_min", k_min)
+    b, hkv, _, d = k_max.shape
+    if q.shape[0] != b or q.shape[2] != d:
+        raise ValueError(f"q must have shape [B={b}, Hq, D={d}], got {tuple(q.shape)}")
+    check_gqa(q.shape[1], hkv)
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n <= 0:
+        raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(head_dim=d, block_n=block_n))
+    if choice == "reference":
+        return _bs.quest_block_scores_reference(q, k_max, k_min)
+    return _bs.quest_block_scores_kernel(q, k_max, k_min, block_n=block_n, num_warps=num_warps,
+                                         num_stages=num_stages, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------
+# Double-Sparsity labels
+# ----------------------------------------------------------------------------
+
+
+def build_label_cache(k, channels, *, bits=4, impl="auto", block_s=128, num_warps=4, num_stages=2):
+    """Quantized labels of ``k[..., channels]`` for every position: a ``LabelCache``.
+
+    ``packed uint8[B, Hkv, S, r*bits//8]`` (INT4: even channel in the low
+    nibble), ``scale``/``offset`` ``float32[B, Hkv, S]``; asymmetric per-token
+    quantization, ``|k - dequant| <= scale / 2``. Tuning (kernel only):
+    ``block_s`` tokens per program, ``num_warps``, ``num_stages``.
+    """
+    check_rank("k", k, 4, "[B, Hkv, S, D]")
+    check_float("k", k)
+    _check_bits(bits)
+    _check_channels(channels, k.shape[1], k.shape[3], bits)
+    r = channels.shape[1]
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(packed_width=r * bits // 8, block_s=block_s))
+    if choice == "reference":
+        return _lb.build_label_cache_reference(k, channels, bits=bits)
+    return _lb.build_label_cache_kernel(k, channels, bits=bits, block_s=block_s,
+                                        num_warps=num_warps, num_stages=num_stages,
+                                        interpret=interpret)
+
+
+def update_label_cache(cache, k_new, channels, positions, *, bits=4):
+    """Write the labels of one appended key per row (``k_new [B, Hkv, D]``) at
+    ``positions[b]``; positions outside ``[0, S)`` change nothing. Pure jnp.
+    ``bits`` must be the width the cache was built with."""
+    b, hkv, _, w = _check_labels(cache)
+    check_rank("k_new", k_new, 3, "[B, Hkv, D]")
+    check_float("k_new", k_new)
+    if tuple(k_new.shape[:2]) != (b, hkv):
+        raise ValueError(f"k_new must have shape [B={b}, Hkv={hkv}, D], got {tuple(k_new.shape)}")
+    _check_bits(bits)
+    _check_channels(channels, hkv, k_new.shape[2], bits)
+    _lb.check_packed_width(w, channels.shape[1], bits)
+    check_rank("positions", positions, 1, "[B]")
+    check_int("positions", positions)
+    check_shape("positions", positions, (b,), "[B]")
+    return _lb.update_label_cache_reference(cache, k_new, channels, positions, bits=bits)
+
+
+def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None,
+                 bits=4, impl="auto", block_c=64, num_warps=4, num_stages=2):
+    """Approximate attention probabilities from the label cache: ``float32[B, Hkv, C]``.
+
+    For each query head of the group, softmax over the candidates of
+    ``scale * q_h[channels] . dequant(label_j)`` (``scale`` defaults to
+    ``1/sqrt(D)``), then the mean over the G heads. ``candidates int32[B, Hkv, C]``
+    are token positions, ``counts int32[B, Hkv]`` how many are real (None: all
+    C); ``candidates=None`` scores all S positions and needs ``lengths``.
+    Entries past the count, at or past ``lengths[b]`` (when given), or outside
+    ``[0, S)`` get ``-inf`` before the softmax and exactly 0 after; a row with no
+    valid entry is all zeros. The query is used unquantized (more accurate than
+    Double Sparsity's quantized query label). ``bits`` must be the width the
+    cache was built with. Tuning (kernel only):
+    ``block_c`` candidates per program (power of two), ``num_warps``,
+    ``num_stages``.
+    """
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_float("q", q)
+    b, hq, d = q.shape
+    _, hkv, _, w = _check_labels(labels)
+    if labels.packed.shape[0] != b:
+        raise ValueError(f"labels are for batch {labels.packed.shape[0]}, q for batch {b}")
+    check_gqa(hq, hkv)
+    _check_bits(bits)
+    _check_channels(channels, hkv, d, bits)
+    _lb.check_packed_width(w, channels.shape[1], bits)
+    if candidates is None:
+        if lengths is None:
+            raise ValueError("label_scores with candidates=None scores every position: pass lengths")
+        if counts is not None:
+            raise ValueError("counts applies to candidates; with candidates=None pass lengths only")
+    else:
+        check_rank("candidates", candidates, 3, "[B, Hkv, C]")
+        check_int("candidates", candidates)
+        if tuple(candidates.shape[:2]) != (b, hkv) or candidates.shape[2] == 0:
+            raise ValueError(f"candidates must have shape [B={b}, Hkv={hkv}, C>=1], got "
+                             f"{tuple(candidates.shape)}")
+        if counts is not None:
+            check_rank("counts", counts, 2, "[B, Hkv]")
+            check_int("counts", counts)
+            check_shape("counts", counts, (b, hkv), "[B, Hkv]")
+    if lengths is not None:
+        check_rank("lengths", lengths, 1, "[B]")
+        check_int("lengths", lengths)
+        check_shape("lengths", lengths, (b,), "[B]")
+    if scale is not None:
+        try:
+            scale = float(scale)
+        except (TypeError, jax.errors.ConcretizationTypeError) as e:
+            raise TypeError(f"scale must be a Python float (static), got {scale!r}") from e
+    if isinstance(block_c, bool) or not isinstance(block_c, int) or block_c <= 0:
+        raise ValueError(f"block_c must be a positive int, got {block_c!r}")
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(packed_width=w, block_c=block_c))
+    if choice == "reference":
+        return _lb.label_scores_reference(q, labels, channels, candidates, counts, lengths=lengths,
+                                          scale=scale, bits=bits)
+    return _lb.label_scores_kernel(q, labels, channels, candidates, counts, lengths=lengths,
+                                   scale=scale, bits=bits, block_c=block_c, num_warps=num_warps,
+                                   num_stages=num_stages, interpret=interpret)

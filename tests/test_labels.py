@@ -1,0 +1,325 @@
+"""Double-Sparsity label cache and label scores.
+
+Reference and Pallas kernel (interpret mode) against float64 NumPy oracles:
+packing layout (even channel in the low nibble), quantization error within
+scale/2, incremental updates equal to a rebuild, and label scores over
+candidate sets with counts below C (garbage past the count), candidates past
+the length, and candidates=None with ragged lengths; GQA ratios 1, 3, 4, 8.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax.ops import scoring
+from sparse_jax.ops.scoring import LabelCache
+
+IMPLS = ["reference", "pallas"]
+
+
+# NumPy random data (jax.random would compile once per shape: slow on CPU CI).
+def _randn(seed, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
+    x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
+    return jnp.asarray(x.astype(np.float32), dtype=dtype)
+
+
+def _keys(seed, b, hkv, s, d, dtype):
+    return _randn(seed, (b, hkv, s, d), dtype, 1.5, -0.2)
+
+
+def _channels(seed, hkv, d, r):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.stack([rng.permutation(d)[:r] for _ in range(hkv)]), jnp.int32)
+
+
+def _np_unpack(packed, bits):
+    """Independent unpacking: code of channel j*vpb + i is bits [i*bits, (i+1)*bits) of byte j."""
+    packed = np.asarray(packed).astype(np.int64)
+    vpb = 8 // bits
+    codes = [(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(vpb)]
+    return np.stack(codes, axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * vpb,))
+
+
+def _np_selected(k, channels):
+    k = np.asarray(k.astype(jnp.float32), np.float64)
+    ch = np.asarray(channels)
+    return np.stack([k[:, h][..., ch[h]] for h in range(k.shape[1])], axis=1)
+
+
+def _np_dequant(cache, bits):
+    codes = _np_unpack(cache.packed, bits).astype(np.float64)
+    return np.asarray(cache.offset, np.float64)[..., None] + np.asarray(cache.scale, np.float64)[..., None] * codes
+
+
+# (dtype, D, r, bits)
+BUILD_CASES = [
+    (jnp.float32, 64, 16, 4),
+    (jnp.bfloat16, 128, 32, 4),
+    (jnp.float32, 128, 16, 8),
+    (jnp.bfloat16, 64, 32, 2),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,d,r,bits", BUILD_CASES)
+def test_build_label_cache_matches_oracle(impl, dtype, d, r, bits):
+    b, hkv, s = 2, 3, 77  # S not a multiple of the kernel's token tile
+    k = np.array(_keys(d + r + bits, b, hkv, s, d, dtype).astype(jnp.float32))
+    k[1, 2, 5] = 0.75  # a constant row: scale 0, exact dequantization
+    k = jnp.asarray(k, dtype)
+    channels = _channels(r, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, bits=bits, impl=impl, block_s=32)
+    assert isinstance(cache, LabelCache)
+    assert cache.packed.shape == (b, hkv, s, r * bits // 8) and cache.packed.dtype == jnp.uint8
+    assert cache.scale.shape == cache.offset.shape == (b, hkv, s)
+    assert cache.scale.dtype == cache.offset.dtype == jnp.float32
+
+    x = _np_selected(k, channels)  # [B, Hkv, S, r] float64
+    levels = (1 << bits) - 1
+    lo, hi = x.min(-1), x.max(-1)
+    np.testing.assert_array_equal(np.asarray(cache.offset, np.float64), lo)
+    np.testing.assert_allclose(np.asarray(cache.scale, np.float64), (hi - lo) / levels, rtol=1e-6)
+    scale = np.asarray(cache.scale, np.float64)
+    assert scale[1, 2, 5] == 0.0
+
+    codes = _np_unpack(cache.packed, bits)
+    safe = np.where(scale > 0, scale, 1.0)[..., None]
+    want = np.clip(np.floor((x - lo[..., None]) / safe + 0.5), 0, levels)
+    # f32 vs f64 may round a code differently only at an exact .5 tie.
+    diff = np.abs(codes - want)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+
+    deq = np.asarray(scoring.dequantize_labels(cache, bits=bits), np.float64)
+    np.testing.assert_allclose(deq, _np_dequant(cache, bits), rtol=1e-6, atol=1e-6)
+    err = np.abs(deq - x)
+    assert np.all(err <= scale[..., None] / 2 * (1 + 1e-5) + 1e-6 * np.abs(x) + 1e-7)
+    assert np.all(err[1, 2, 5] == 0.0)
+
+
+def test_build_label_cache_kernel_equals_reference_bitwise():
+    k = _keys(7, 2, 2, 50, 128, jnp.bfloat16)
+    channels = _channels(3, 2, 128, 16)
+    ref = scoring.build_label_cache(k, channels, impl="reference")
+    ker = scoring.build_label_cache(k, channels, impl="pallas", block_s=16)
+    for a, b in zip(ref, ker):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_update_label_cache_equals_rebuild():
+    b, hkv, s, d, r = 3, 2, 40, 64, 16
+    k = _keys(21, b, hkv, s, d, jnp.bfloat16)
+    channels = _channels(5, hkv, d, r)
+    lengths = jnp.asarray([3, 15, 30], jnp.int32)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    k_np = np.array(k.astype(jnp.float32))
+    for step in range(3):
+        k_new = _randn(50 + step, (b, hkv, d), jnp.bfloat16, 2.0)
+        k_np[np.arange(b), :, np.asarray(lengths)] = np.asarray(k_new.astype(jnp.float32))
+        cache = scoring.update_label_cache(cache, k_new, channels, lengths)
+        lengths = lengths + 1
+    rebuilt = scoring.build_label_cache(jnp.asarray(k_np, jnp.bfloat16), channels, impl="reference")
+    for a, want in zip(cache, rebuilt):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
+    # out-of-range positions change nothing
+    same = scoring.update_label_cache(cache, k_new * 9, channels, jnp.asarray([s, -1, s + 5]))
+    for a, want in zip(same, cache):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
+
+
+def _oracle_scores(q, cache, channels, bits, pos, valid, scale):
+    """float64: softmax over candidates per query head, mean over the group."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    b, hq, d = q.shape
+    hkv = cache.packed.shape[1]
+    g = hq // hkv
+    deq = _np_dequant(cache, bits)  # [B, Hkv, S, r]
+    ch = np.asarray(channels)
+    out = np.zeros(pos.shape)
+    for bi in range(b):
+        for h in range(hkv):
+            idx = np.nonzero(valid[bi, h])[0]
+            if idx.size == 0:
+                continue
+            lab = deq[bi, h, pos[bi, h, idx]]  # [n, r]
+            for gi in range(g):
+                logit = lab @ q[bi, h * g + gi, ch[h]] * scale
+                p = np.exp(logit - logit.max())
+                out[bi, h, idx] += p / p.sum() / g
+    return out
+
+
+# (Hq, Hkv, D, r, dtype)
+SCORE_CASES = [
+    (2, 2, 64, 16, jnp.float32),
+    (9, 3, 64, 16, jnp.bfloat16),
+    (8, 2, 128, 32, jnp.bfloat16),
+    (16, 2, 128, 16, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,r,dtype", SCORE_CASES)
+def test_label_scores_candidates_match_oracle(impl, hq, hkv, d, r, dtype):
+    b, s, c = 2, 90, 37
+    k = _keys(hq + d, b, hkv, s, d, dtype)
+    channels = _channels(hq, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = _randn(hq * r, (b, hq, d), dtype, 2.0)
+    rng = np.random.default_rng(hq + r)
+    lengths = np.array([90, 61])
+    cand = rng.integers(0, 90, size=(b, hkv, c))
+    counts = rng.integers(1, c + 1, size=(b, hkv))
+    counts[0, 0] = c
+    counts[1, -1] = 0  # an empty row: all zeros
+    # garbage past the count: negative, past S, anything
+    junk = rng.integers(-1000, 1000, size=(b, hkv, c))
+    idx = np.arange(c)
+    cand = np.where(idx < counts[..., None], cand, junk)
+    valid = (idx < counts[..., None]) & (cand >= 0) & (cand < lengths[:, None, None])
+    assert (~valid & (idx < counts[..., None])).any()  # some in-count candidates past the length
+    got = scoring.label_scores(q, cache, channels, jnp.asarray(cand, jnp.int32),
+                               jnp.asarray(counts, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32),
+                               impl=impl, block_c=16)
+    assert got.shape == (b, hkv, c) and got.dtype == jnp.float32
+    want = _oracle_scores(q, cache, channels, 4, np.clip(cand, 0, s - 1), valid, 1 / math.sqrt(d))
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.all(got[~valid] == 0.0)  # masked entries are exactly zero
+    rows = valid.any(-1)
+    np.testing.assert_allclose(got.sum(-1)[rows], 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,r,dtype", [SCORE_CASES[1], SCORE_CASES[2]])
+def test_label_scores_all_positions_with_lengths(impl, hq, hkv, d, r, dtype):
+    b, s = 3, 75
+    k = _keys(5 * hq, b, hkv, s, d, dtype)
+    channels = _channels(hq + 1, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = _randn(d, (b, hq, d), dtype)
+    lengths = np.array([75, 32, 1])
+    got = scoring.label_scores(q, cache, channels, lengths=jnp.asarray(lengths, jnp.int32),
+                               scale=0.3, impl=impl, block_c=32)
+    assert got.shape == (b, hkv, s)
+    pos = np.broadcast_to(np.arange(s), (b, hkv, s))
+    valid = pos < lengths[:, None, None]
+    want = _oracle_scores(q, cache, channels, 4, pos, valid, 0.3)
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.all(got[~valid] == 0.0)
+    np.testing.assert_allclose(got[2, :, 0], 1.0, rtol=1e-6)  # a single valid token
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_label_scores_other_bit_widths(impl):
+    b, hq, hkv, s, d, r = 2, 4, 2, 40, 64, 16
+    k = _keys(9, b, hkv, s, d, jnp.float32)
+    channels = _channels(9, hkv, d, r)
+    q = _randn(9, (b, hq, d))
+    lengths = np.array([40, 23])
+    pos = np.broadcast_to(np.arange(s), (b, hkv, s))
+    for bits in (8, 2):
+        cache = scoring.build_label_cache(k, channels, bits=bits, impl="reference")
+        got = scoring.label_scores(q, cache, channels, lengths=jnp.asarray(lengths), bits=bits,
+                                   impl=impl, block_c=16)
+        want = _oracle_scores(q, cache, channels, bits, pos, pos < lengths[:, None, None],
+                              1 / math.sqrt(d))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-6)
+
+
+def test_label_scores_kernel_tiles_and_raw_outputs():
+    """Raw kernel outputs: masked logits are -inf and the per-tile stats recombine."""
+    from pallas_kernels import labels as lb
+
+    b, hq, hkv, s, d, r = 1, 4, 1, 50, 64, 16
+    k = _keys(31, b, hkv, s, d, jnp.float32)
+    channels = _channels(31, hkv, d, r)
+    cache = lb.build_label_cache_reference(k, channels)
+    q = _randn(31, (b, hq, d))
+    logits, tmax, tsum = lb.label_scores_kernel(q, cache, channels, lengths=jnp.asarray([20]),
+                                                block_c=16, interpret=True, return_raw=True)
+    assert logits.shape == (b, hkv, hq, s) and tmax.shape == tsum.shape == (b, hkv, 4, hq)
+    logits = np.asarray(logits)
+    assert np.all(np.isneginf(logits[..., 20:])) and np.all(np.isfinite(logits[..., :20]))
+    assert np.all(np.isneginf(np.asarray(tmax)[:, :, 2:])) and np.all(np.asarray(tsum)[:, :, 2:] == 0)
+    want = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1)).mean(2)
+    np.testing.assert_allclose(np.asarray(lb.label_scores_epilogue(logits, tmax, tsum)), want,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_label_scores_bad_inputs():
+    b, hq, hkv, s, d, r = 2, 4, 2, 40, 64, 16
+    k = _keys(1, b, hkv, s, d, jnp.float32)
+    channels = _channels(1, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = jnp.ones((b, hq, d))
+    cand = jnp.zeros((b, hkv, 8), jnp.int32)
+    lengths = jnp.asarray([40, 3])
+    bad = [
+        # build
+        (ValueError, lambda: scoring.build_label_cache(k[0], channels)),
+        (TypeError, lambda: scoring.build_label_cache(k.astype(jnp.int8), channels)),
+        (ValueError, lambda: scoring.build_label_cache(k, channels[:, :15])),  # odd r
+        (ValueError, lambda: scoring.build_label_cache(k, channels.at[0, 0].set(d))),  # range
+        (ValueError, lambda: scoring.build_label_cache(k, channels.at[1, 3].set(-1))),
+        (ValueError, lambda: scoring.build_label_cache(k, channels[:1])),  # Hkv mismatch
+        (TypeError, lambda: scoring.build_label_cache(k, channels.astype(jnp.float32))),
+        (ValueError, lambda: scoring.build_label_cache(k, channels, bits=3)),
+        (ValueError, lambda: scoring.build_label_cache(k, channels[:, :6], bits=2)),  # 6*2 % 8
+        # update
+        (ValueError, lambda: scoring.update_label_cache(cache, k[:, :, 0, :], channels, lengths[:1])),
+        (ValueError, lambda: scoring.update_label_cache(cache, k[:, :1, 0, :], channels, lengths)),
+        (TypeError, lambda: scoring.update_label_cache(tuple(cache), k[:, :, 0, :], channels, lengths)),
+        # scores
+        (ValueError, lambda: scoring.label_scores(q, cache, channels)),  # needs lengths
+        (ValueError, lambda: scoring.label_scores(q[0], cache, channels, cand)),
+        (ValueError, lambda: scoring.label_scores(jnp.ones((b, 3, d)), cache, channels, cand)),  # GQA
+        (ValueError, lambda: scoring.label_scores(q, cache, channels[:, :8], cand)),  # r vs width
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, cand, bits=8)),  # bits vs width
+        (ValueError, lambda: scoring.update_label_cache(cache, k[:, :, 0, :], channels, lengths, bits=8)),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels.at[0, 0].set(99), cand)),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, cand[:1])),
+        (TypeError, lambda: scoring.label_scores(q, cache, channels, cand.astype(jnp.float32))),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, cand, jnp.zeros((b,), jnp.int32))),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, cand, lengths=lengths[:1])),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, None, jnp.zeros((b, hkv), jnp.int32),
+                                                  lengths=lengths)),
+        (TypeError, lambda: scoring.label_scores(q, cache._replace(packed=cache.packed.astype(jnp.int32)),
+                                                 channels, cand)),
+        (TypeError, lambda: scoring.label_scores(q, tuple(cache), channels, cand)),
+        (ValueError, lambda: scoring.label_scores(q, cache, channels, cand, impl="fast")),
+    ]
+    for i, (err, fn) in enumerate(bad):
+        with pytest.raises(err):
+            fn()
+            print("no error for case", i)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_kernels_lower_to_triton(monkeypatch):
+    """Lower the label kernels for CUDA on CPU (abstract H100): catches ops the
+    Triton lowering rejects before the code reaches a GPU."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration
+        info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"cannot fake a GPU for lowering: {e}")
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda *a, **k: info)
+    from pallas_kernels import labels as lb
+
+    sd = jax.ShapeDtypeStruct
+    cache = LabelCache(sd((2, 3, 300, 8), jnp.uint8), sd((2, 3, 300), jnp.float32),
+                       sd((2, 3, 300), jnp.float32))
+    q, ch = sd((2, 9, 128), jnp.bfloat16), sd((3, 16), jnp.int32)  # G = 3
+    fns = [
+        (lb.build_label_cache_kernel, (sd((2, 3, 300, 128), jnp.bfloat16), ch)),
+        (lambda q, c, ch, cand, n, l: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l),
+         (q, cache, ch, sd((2, 3, 100), jnp.int32), sd((2, 3), jnp.int32), sd((2,), jnp.int32))),
+        (lambda q, c, ch, l: lb.label_scores_kernel(q, c, ch, lengths=l), (q, cache, ch, sd((2,), jnp.int32))),
+    ]
+    for fn, args in fns:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
