@@ -1,0 +1,597 @@
+"""Accuracy harness: RULER-style synthetic tasks (and optionally fidelity on real
+text) for every attention method x budget x context length, against dense.
+
+Usage::
+
+    python -m benchmarks.accuracy --model smollm2-135m \\
+        --methods dense,oracle_topk,streaming,quest,arkvale,double_sparsity,asynctls \\
+        --budgets 512,1024,2048 --lengths 2048,4096,8192 --samples 20 --fidelity
+
+    # quick CPU smoke run
+    JAX_PLATFORMS=cpu python -m benchmarks.accuracy --methods dense,oracle_topk --budgets 256 \\
+        --lengths 1024 --samples 2 --batch-size 2 --tasks niah_single_1,vt --out /tmp/acc
+
+What it does, per context length:
+
+1. Generates ``--samples`` samples of every task (:mod:`benchmarks.ruler_tasks`;
+   deterministic per task, length, index and ``--seed``), each a chat-formatted
+   prompt of at most ``length - 64`` tokens.
+2. Runs dense once (budget "-"), then every method at every budget: the model
+   weights are loaded once and only the method is swapped
+   (``Model.with_method``: same params, new jitted prefill / decode). Samples
+   of one length are batched (``--batch-size``) with the ragged prefill:
+   right-padded to the length (one compilation per method and length), the real
+   lengths passed along. Greedy decoding to EOS or the task's answer length;
+   scored by RULER's string match (fraction of expected strings in the output),
+   averaged per task and over tasks.
+3. With ``--fidelity``: on standard-library source text, the per-layer and
+   per-head attention-output relative error and attention-mass recovery
+   (through :class:`benchmarks.fidelity.FidelityProbe`), and the next-token
+   KL divergence / greedy agreement over ``--kl-steps`` teacher-forced steps.
+
+Dense always runs (it is the baseline). A budget >= the context length is
+skipped (every sparse method then attends the whole context: it *is* dense),
+unless ``--keep-full-budget``. A method that cannot be built or run (unknown
+name, missing calibration, an error while tracing) is reported in the table and
+the run goes on.
+
+Outputs, in ``--out`` (default ``benchmarks/results/``): ``<name>.json`` (all
+numbers, per-layer/head fidelity arrays, the stamp: device, jax version, date,
+command, commit), ``<name>.md`` (the table), ``<name>.png`` (synthetic average,
+mass recovered and KL against the budget, one panel per length, one line per
+method) and ``<name>_predictions.json`` (every output text with its score).
+``<name>`` defaults to ``accuracy_<model>``.
+
+Method hyperparameters: ``--set quest.block_size=16 --set streaming.sink=8``
+(fields of the method's dataclass; the budget comes from ``--budgets``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import json
+import math
+import pkgutil
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import fidelity as fid
+from benchmarks import ruler_tasks
+from benchmarks.timing import markdown_table, stamp, write_results
+
+DEFAULT_METHODS = ("dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls")
+
+
+# -----------------------------------------------------------------------------
+# Methods
+# -----------------------------------------------------------------------------
+
+
+def import_methods() -> dict[str, str]:
+    """Import every module of ``sparse_jax.methods`` so that the registry is full;
+    return ``{module: error}`` for those that failed to import."""
+    import sparse_jax.methods as pkg
+
+    errors = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        try:
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+        except Exception as e:  # noqa: BLE001 - a broken method must not stop the others
+            errors[info.name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def build_method(name: str, budget: int | None, options: dict | None = None):
+    """The registered method ``name`` with ``options``, and ``budget`` if it has one.
+
+    Returns ``(method, budget)``; the budget is None for a method without a
+    ``budget`` field (dense).
+    """
+    from sparse_jax.methods import get_method
+
+    m = get_method(name, **(options or {}))
+    if not any(f.name == "budget" for f in dataclasses.fields(m)):
+        return m, None
+    if budget is None:
+        raise ValueError(f"method {name!r} needs a budget")
+    return dataclasses.replace(m, budget=int(budget)), int(budget)
+
+
+def has_budget(name: str, options: dict | None = None) -> bool:
+    from sparse_jax.methods import get_method
+
+    m = get_method(name, **(options or {}))
+    return any(f.name == "budget" for f in dataclasses.fields(m))
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["quest.block_size=16", ...]`` -> ``{"quest": {"block_size": 16}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for it in items:
+        if "=" not in it or "." not in it.split("=", 1)[0]:
+            raise ValueError(f"--set expects METHOD.FIELD=VALUE, got {it!r}")
+        lhs, val = it.split("=", 1)
+        method, field = lhs.split(".", 1)
+        try:
+            value = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            value = val
+        if isinstance(value, list):
+            value = tuple(value)
+        out.setdefault(method, {})[field] = value
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Generation and scoring
+# -----------------------------------------------------------------------------
+
+
+@jax.jit
+def _argmax(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    s = {model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)}
+    return {int(i) for i in s if i is not None}
+
+
+def pad_id(model) -> int:
+    for i in (model.config.pad_token_id, model.config.eos_token_id, 0):
+        if i is not None:
+            return int(i)
+    return 0
+
+
+def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[int], *, width: int,
+                    batch_size: int, stops: set[int], pad: int) -> list[list[int]]:
+    """Greedy continuation of one batch of prompts (``len(prompts) <= batch_size``).
+
+    Prompts are right-padded to ``width`` tokens and the batch padded to
+    ``batch_size`` rows (copies of the last prompt, discarded), so every batch of
+    one length has the same shapes (one compilation). The cache holds ``width``
+    tokens: each prompt plus the longest ``max_new`` of the batch must fit.
+    """
+    n = len(prompts)
+    if not 0 < n <= batch_size:
+        raise ValueError(f"need 1..{batch_size} prompts, got {n}")
+    steps = max(max_new)
+    rows = list(prompts) + [prompts[-1]] * (batch_size - n)
+    lens = np.asarray([len(p) for p in rows], np.int32)
+    if lens.max() + steps > width:
+        raise ValueError(f"a prompt of {lens.max()} tokens + {steps} new tokens exceeds {width}")
+    tokens = np.full((batch_size, width), pad, np.int32)
+    for r, p in enumerate(rows):
+        tokens[r, : len(p)] = p
+    cache = model.init_cache(batch_size, width)
+    logits, cache = model.fns.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    out: list[list[int]] = [[] for _ in range(n)]
+    done = np.zeros(batch_size, bool)
+    done[n:] = True
+    for step in range(steps):
+        tok = _argmax(logits)
+        th = np.asarray(tok)
+        for r in range(n):
+            if done[r]:
+                continue
+            if int(th[r]) in stops:
+                done[r] = True
+            else:
+                out[r].append(int(th[r]))
+                done[r] = len(out[r]) >= max_new[r]
+        if done.all() or step == steps - 1:
+            break
+        logits, cache = model.fns.decode_step(model.params, tok, cache)
+    return out
+
+
+def run_samples(model, samples: Sequence[ruler_tasks.Sample], tokenizer, *, batch_size: int,
+                progress: bool = True, desc: str = "") -> list[dict]:
+    """Generate and score every sample (all of one target length)."""
+    if not samples:
+        return []
+    width = samples[0].target_len
+    if any(s.target_len != width for s in samples):
+        raise ValueError("run_samples expects samples of one target length")
+    stops, pad = stop_ids(model, tokenizer), pad_id(model)
+    batches = [samples[i: i + batch_size] for i in range(0, len(samples), batch_size)]
+    it = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(batches, desc=desc, leave=False, file=sys.stderr, unit="batch")
+    results = []
+    for batch in it:
+        outs = greedy_generate(model, [s.input_ids for s in batch], [s.max_new_tokens for s in batch],
+                               width=width, batch_size=batch_size, stops=stops, pad=pad)
+        for s, ids in zip(batch, outs):
+            text = tokenizer.decode(ids, skip_special_tokens=True) if _takes_skip(tokenizer) else tokenizer.decode(ids)
+            results.append({"task": s.task, "index": s.index, "prompt_tokens": s.num_tokens,
+                            "new_tokens": len(ids), "prediction": text, "answers": list(s.answers),
+                            "score": ruler_tasks.score(text, s.answers)})
+    return results
+
+
+def _takes_skip(tokenizer) -> bool:
+    import inspect
+
+    try:
+        return "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def summarize(results: Sequence[dict], tasks: Sequence[str]) -> tuple[dict[str, float], float]:
+    """Mean score per task and the mean over tasks (each task weighted equally)."""
+    per = {}
+    for t in tasks:
+        sc = [r["score"] for r in results if r["task"] == t]
+        per[t] = float(np.mean(sc)) if sc else float("nan")
+    vals = [v for v in per.values() if not math.isnan(v)]
+    return per, float(np.mean(vals)) if vals else float("nan")
+
+
+# -----------------------------------------------------------------------------
+# The whole run
+# -----------------------------------------------------------------------------
+
+
+def _default_tokenizer(model):
+    """The model's tokenizer, or SmolLM2's for a random-weights model whose vocabulary
+    is large enough (accuracy is then meaningless, fidelity still measures something)."""
+    if model.tokenizer is not None:
+        return model.tokenizer
+    from models import gguf_loader
+
+    tok = gguf_loader.read_gguf(gguf_loader.smollm2_gguf_path(), tensors=False).tokenizer
+    if tok is None or tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"model {model.config.name!r} has no tokenizer and SmolLM2's does not fit its vocabulary")
+    return tok
+
+
+def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int],
+        tasks: Sequence[str] = ruler_tasks.TASKS, samples: int = 5, batch_size: int = 8,
+        fidelity: bool = False, probe_steps: int = 16, kl_steps: int = 64, seed: int = 0,
+        method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
+        accuracy: bool = True, tokenizer=None, progress: bool = True,
+        log: Callable[[str], None] | None = None) -> dict:
+    """Run the harness on a loaded ``model`` (``models.load_model(...)``); returns the
+    results payload (no stamp). See the module docstring."""
+    method_options = method_options or {}
+    tokenizer = tokenizer or _default_tokenizer(model)
+    cfg = model.config
+    limit = min(model.max_len, cfg.max_position)
+    for L in lengths:
+        if L > limit:
+            raise ValueError(f"length {L} exceeds the model's context of {limit} tokens")
+        if fidelity and kl_steps >= L:
+            raise ValueError(f"--kl-steps ({kl_steps}) must be below the length ({L})")
+    for t in tasks:
+        if t not in ruler_tasks.TASKS:
+            raise ValueError(f"unknown task {t!r}; available: {', '.join(ruler_tasks.TASKS)}")
+    if samples < 1 or batch_size < 1:
+        raise ValueError("--samples and --batch-size must be >= 1")
+    import_errors = import_methods()
+
+    if progress:
+        from tqdm.auto import tqdm
+
+        write = log or tqdm.write
+    else:
+        write = log or (lambda s: print(s, file=sys.stderr))
+
+    # (method, budget) combinations; dense first, once
+    combos: list[tuple[str, int | None]] = [("dense", None)]
+    for name in methods:
+        if name == "dense":
+            continue
+        try:
+            with_budget = has_budget(name, method_options.get(name))
+        except Exception as e:  # noqa: BLE001 - unknown method or bad options: report, go on
+            combos.append((name, None))
+            write(f"[accuracy] {name}: {e}")
+            continue
+        if with_budget:
+            combos.extend((name, b) for b in budgets)
+        else:
+            combos.append((name, None))
+
+    rows: list[dict] = []
+    predictions: list[dict] = []
+    total = len(combos) * len(lengths)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="accuracy", file=sys.stderr, unit="run")
+    for L in lengths:
+        t0 = time.perf_counter()
+        samp = ruler_tasks.generate_samples(tasks, L, samples, tokenizer, seed=seed, progress=progress) \
+            if accuracy else []
+        gen_s = time.perf_counter() - t0
+        write(f"[accuracy] length {L}: {len(samp)} samples generated in {gen_s:.1f}s")
+        ref = None
+        fid_batch = batch_size
+        for name, budget in combos:
+            if bar is not None:
+                bar.set_postfix_str(f"{name} b={budget if budget is not None else '-'} L={L}")
+            row: dict[str, Any] = {"method": name, "budget": budget, "length": L, "status": "ok"}
+            try:
+                if name == "dense":
+                    method, budget = build_method("dense", None)
+                else:
+                    method, budget = build_method(name, budget, method_options.get(name))
+                row["config"] = repr(method)
+                if budget is not None and budget >= L and not keep_full_budget:
+                    row.update(status="skipped", reason=f"budget {budget} >= length {L}: attends everything (= dense)")
+                    rows.append(row)
+                    if bar is not None:
+                        bar.update(1)
+                    continue
+                mm = model.with_method(method)
+                if accuracy:
+                    t1 = time.perf_counter()
+                    res = run_samples(mm, samp, tokenizer, batch_size=batch_size, progress=progress,
+                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}")
+                    row["accuracy_s"] = time.perf_counter() - t1
+                    row["scores"], row["average"] = summarize(res, tasks)
+                    row["n_samples"] = len(res)
+                    for r in res:
+                        predictions.append({"method": name, "budget": budget, "length": L, **r})
+                if fidelity:
+                    t1 = time.perf_counter()
+                    if ref is None:
+                        dense_model = mm if name == "dense" else model.with_method("dense")
+                        text = fid.fidelity_text_ids(tokenizer, L, fid_batch)
+                        ref = fid.reference_run(dense_model, text, kl_steps, pad_to=L, cache_len=L)
+                    if name != "dense":
+                        f = fid.method_kl(mm, ref)
+                        probe = fid.FidelityProbe(inner=method, num_q_heads=cfg.num_heads)
+                        f.update(fid.probe_metrics(model.with_method(probe), ref, probe_steps))
+                        row["fidelity"] = f
+                    row["fidelity_s"] = time.perf_counter() - t1
+                if name != "dense" and accuracy and "average" in row:
+                    write(f"[accuracy] {name} b={budget} L={L}: avg {row['average']:.3f}"
+                          + (f", mass {row['fidelity']['mass']:.3f}, KL {row['fidelity']['kl']:.4f}"
+                             if "fidelity" in row else ""))
+                elif name == "dense" and accuracy:
+                    write(f"[accuracy] dense L={L}: avg {row['average']:.3f}")
+            except Exception as e:  # noqa: BLE001 - report the method and go on with the others
+                row.update(status="error", reason=f"{type(e).__name__}: {e}",
+                           traceback=traceback.format_exc(limit=8))
+                write(f"[accuracy] {name} b={budget} L={L} FAILED: {type(e).__name__}: {e}")
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    return {
+        "settings": {
+            "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
+            "budgets": list(budgets), "lengths": list(lengths), "tasks": list(tasks), "samples": samples,
+            "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
+            "kl_steps": kl_steps, "method_options": method_options, "keep_full_budget": keep_full_budget,
+            "answer_room": ruler_tasks.ANSWER_ROOM,
+        },
+        "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+                  "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "max_position": cfg.max_position},
+        "method_import_errors": import_errors,
+        "rows": rows,
+        "predictions": predictions,
+    }
+
+
+# -----------------------------------------------------------------------------
+# Reports
+# -----------------------------------------------------------------------------
+
+
+def _pct(x) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+
+
+def render_markdown(payload: dict) -> str:
+    st = payload.get("stamp", {})
+    s = payload["settings"]
+    lines = [f"# Accuracy: {s['model']} ({s['dtype']})", ""]
+    if st:
+        lines += [f"- device: {st.get('device')} ({st.get('backend')}), jax {st.get('jax')}, "
+                  f"python {st.get('python')}, commit {st.get('git_commit') or '?'}",
+                  f"- date: {st.get('date')}", f"- command: `{st.get('command')}`"]
+    lines += [f"- {s['samples']} samples per task and length, seed {s['seed']}; scores in % "
+              "(RULER string match: fraction of expected strings in the greedy output)", ""]
+    tasks = s["tasks"]
+    cols = ["method", "budget", "length"] + tasks + ["avg"]
+    fid_cols = ["mass", "rel_err", "KL", "agree"] if s["fidelity"] else []
+    cols += fid_cols + ["status"]
+    rows = []
+    for r in payload["rows"]:
+        d = {"method": r["method"], "budget": "-" if r["budget"] is None else r["budget"], "length": r["length"]}
+        for t in tasks:
+            d[t] = _pct(r.get("scores", {}).get(t))
+        d["avg"] = _pct(r.get("average"))
+        f = r.get("fidelity")
+        if f:
+            d["mass"] = f"{f['mass']:.3f}"
+            d["rel_err"] = f"{f['rel_err']:.3g}"
+            d["KL"] = f"{f['kl']:.3g}"
+            d["agree"] = f"{f['agreement']:.2f}"
+        d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"[:120]
+        rows.append(d)
+    lines.append(markdown_table(rows, cols))
+    if s["fidelity"]:
+        lines += ["", f"Fidelity on standard-library source text, teacher-forced against dense: `mass` = "
+                  "dense attention mass on the method's selection / mass on the oracle top-K of the same size "
+                  f"(mean over layers, query heads, {s['probe_steps']} decode steps); `rel_err` = "
+                  "||o_method - o_dense|| / ||o_dense|| (same mean); `KL` = mean KL(p_dense || p_method) of "
+                  f"the next-token distribution over {s['kl_steps']} steps; `agree` = fraction of those steps "
+                  "with the same argmax. Per-layer and per-head values are in the JSON."]
+    if payload.get("method_import_errors"):
+        lines += ["", "Method modules that failed to import:", ""]
+        lines += [f"- `{k}`: {v}" for k, v in payload["method_import_errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = payload["settings"]
+    lengths = s["lengths"]
+    ok = [r for r in payload["rows"] if r["status"] == "ok"]
+    if not ok:
+        return None
+    panels = []
+    if any("average" in r for r in ok):
+        panels.append(("synthetic average (%)", lambda r: 100 * r["average"] if "average" in r else None))
+    if any("fidelity" in r for r in ok):
+        panels.append(("attention mass recovered", lambda r: r["fidelity"]["mass"] if "fidelity" in r else None))
+        panels.append(("KL(dense || method)", lambda r: r["fidelity"]["kl"] if "fidelity" in r else None))
+    fig, axes = plt.subplots(len(panels), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(panels)),
+                             squeeze=False)
+    methods = sorted({r["method"] for r in ok if r["method"] != "dense"})
+    for j, L in enumerate(lengths):
+        for i, (label, get) in enumerate(panels):
+            ax = axes[i][j]
+            for m in methods:
+                pts = sorted((r["budget"], get(r)) for r in ok
+                             if r["method"] == m and r["length"] == L and r["budget"] is not None and get(r) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            dense = [get(r) for r in ok if r["method"] == "dense" and r["length"] == L and get(r) is not None]
+            if dense and i == 0:
+                ax.axhline(dense[0], color="k", ls="--", lw=1, label="dense")
+            if label.startswith("synthetic"):
+                ax.set_ylim(-2, 102)
+            elif label.startswith("attention mass"):
+                ax.set_ylim(0, 1.02)
+            ax.set_xscale("log", base=2)
+            budgets = sorted({r["budget"] for r in ok if r["budget"] is not None and r["length"] == L})
+            if budgets:
+                ax.set_xticks(budgets, [str(b) for b in budgets])
+                ax.minorticks_off()
+            ax.set_xlabel("budget (tokens per KV head)")
+            if label.startswith("KL"):
+                ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylabel(label)
+            ax.set_title(f"{s['model']}, {L} tokens")
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def save(payload: dict, name: str, out_dir: Path | str | None) -> Path:
+    """``<name>.json`` + ``.md`` + ``.png`` + ``_predictions.json`` under ``out_dir``."""
+    preds = payload.get("predictions", [])
+    main = {k: v for k, v in payload.items() if k != "predictions"}
+    out = write_results(name, main, render_markdown(payload), out_dir)
+    (out / f"{name}_predictions.json").write_text(json.dumps(preds, indent=1))
+    plot(payload, out / f"{name}.png")
+    return out
+
+
+# -----------------------------------------------------------------------------
+# CLI
+# -----------------------------------------------------------------------------
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m)")
+    p.add_argument("--weights", default=None, help="weights path passed to models.load_model (default: the preset's)")
+    p.add_argument("--methods", type=_names, default=list(DEFAULT_METHODS),
+                   help=f"comma-separated method names (default: {','.join(DEFAULT_METHODS)}); dense always runs")
+    p.add_argument("--budgets", type=_ints, default=[512, 1024, 2048], help="tokens per KV head (default 512,1024,2048)")
+    p.add_argument("--lengths", type=_ints, default=[2048, 4096, 8192], help="context lengths (default 2048,4096,8192)")
+    p.add_argument("--tasks", type=_names, default=list(ruler_tasks.TASKS),
+                   help=f"subset of {','.join(ruler_tasks.TASKS)}")
+    p.add_argument("--samples", type=int, default=5, help="samples per task and length (default 5)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per prefill/decode batch (default 8)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="task generation seed")
+    p.add_argument("--fidelity", action="store_true", help="also measure fidelity on real text (see fidelity.py)")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the synthetic tasks (fidelity only)")
+    p.add_argument("--probe-steps", type=int, default=16, help="decode steps averaged by the fidelity probe")
+    p.add_argument("--kl-steps", type=int, default=64, help="teacher-forced steps of the KL / agreement measure")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="METHOD.FIELD=VALUE",
+                   help="method hyperparameter override (repeatable)")
+    p.add_argument("--keep-full-budget", action="store_true", help="also run budgets >= the length")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results/)")
+    p.add_argument("--name", default=None, help="output file stem (default accuracy_<model>)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    args = p.parse_args(argv)
+    if args.no_accuracy and not args.fidelity:
+        p.error("--no-accuracy needs --fidelity (otherwise there is nothing to do)")
+    bad = [t for t in args.tasks if t not in ruler_tasks.TASKS]
+    if bad:
+        p.error(f"unknown task(s) {bad}; available: {', '.join(ruler_tasks.TASKS)}")
+    if any(b < 1 for b in args.budgets) or any(L < 1 for L in args.lengths):
+        p.error("budgets and lengths must be positive")
+    if args.samples < 1 or args.batch_size < 1:
+        p.error("--samples and --batch-size must be >= 1")
+    try:
+        args.method_options = parse_sets(args.sets)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    command = "python -m benchmarks.accuracy " + shlex.join(argv)
+    import models
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
+    t0 = time.perf_counter()
+    model = models.load_model(args.model, dtype=dtype, max_len=max(args.lengths), weights=args.weights)
+    print(f"[accuracy] loaded {model!r} in {time.perf_counter() - t0:.1f}s on {jax.devices()[0]}", file=sys.stderr)
+    payload = run(model, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
+                  samples=args.samples, batch_size=args.batch_size, fidelity=args.fidelity,
+                  probe_steps=args.probe_steps, kl_steps=args.kl_steps, seed=args.seed,
+                  method_options=args.method_options, keep_full_budget=args.keep_full_budget,
+                  accuracy=not args.no_accuracy, progress=not args.no_progress)
+    payload = {"stamp": stamp(command), **payload, "wall_s": time.perf_counter() - t0}
+    name = args.name or f"accuracy_{args.model}"
+    out = save(payload, name, args.out)
+    print(render_markdown(payload))
+    print(f"[accuracy] wrote {out / name}.json/.md/.png in {payload['wall_s']:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

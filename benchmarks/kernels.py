@@ -1,0 +1,273 @@
+"""Decode-kernel benchmark against dense cuDNN decode attention.
+
+Run on the GPU (device tool):
+
+    python -m benchmarks.kernels --out $OUT            # full grid
+    python -m benchmarks.kernels --quick --out $OUT    # one size, every kernel
+
+For each (B, S): dense cuDNN decode (`jax.nn.dot_product_attention(
+implementation="cudnn")`, its preferred `[B, S, H, D]` layout) is timed in the
+same run; each kernel reports its time, the bytes it must move, GB/s on those
+bytes, the distance to the HBM floor, and the ratio to dense. Numerics are
+cross-checked against the pure-jnp references first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import (
+    H100_HBM_BYTES_PER_S,
+    RESULTS_DIR,
+    hbm_floor_ms,
+    markdown_table,
+    stamp,
+    time_fn,
+    write_results,
+)
+from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
+from sparse_jax.ops.scoring import block_minmax, build_label_cache, label_scores, quest_block_scores
+from sparse_jax.ops.selection import topk_indices
+
+HQ, HKV, D = 32, 8, 128
+BLOCK = 64  # AsyncTLS block size
+KB = 128  # blocks kept by the Quest filter (8,192 candidate tokens)
+CHANNELS = 32  # label channels for GQA (AsyncTLS)
+DT = jnp.bfloat16
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_inputs(key, b, s):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, HQ, D), DT)
+    k = jax.random.normal(kk, (b, HKV, s, D), DT)
+    v = jax.random.normal(kv, (b, HKV, s, D), DT)
+    return q, k, v
+
+
+def dense_cudnn(q, k_bshd, v_bshd):
+    out = jax.nn.dot_product_attention(q[:, None], k_bshd, v_bshd, implementation="cudnn")
+    return out[:, 0]
+
+
+def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budget, impl="auto", return_parts=False):
+    """AsyncTLS two-level selection + sparse attention, one decode step.
+
+    Quest GEMM block scores over 64-token blocks -> top-KB blocks -> label
+    scores over their KB*64 tokens -> top-``budget`` tokens -> sparse attention.
+    """
+    b = q.shape[0]
+    nb = k_max.shape[2]
+    scores = quest_block_scores(q, k_max, k_min, impl=impl)
+    nvalid = (lengths + BLOCK - 1) // BLOCK
+    block_counts = jnp.broadcast_to(nvalid[:, None], (b, HKV)).astype(jnp.int32)
+    blocks = topk_indices(scores, KB, block_counts, impl=impl)  # [B, Hkv, KB]
+    cand = (blocks[..., None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(b, HKV, KB * BLOCK)
+    cand_counts = jnp.full((b, HKV), KB * BLOCK, jnp.int32)
+    ls = label_scores(q, labels, channels, cand, cand_counts, lengths=lengths, impl=impl)
+    pick = topk_indices(ls, budget, impl=impl)
+    tokens = jnp.take_along_axis(cand, pick, axis=-1)
+    counts = jnp.full((b, HKV), budget, jnp.int32)
+    out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
+    if return_parts:
+        return out, tokens
+    return out
+
+
+def check_numerics(key) -> list[dict]:
+    """Kernel vs reference on one mid-size input; prints and returns the errors."""
+    b, s = 2, 16384 + 100
+    q, k, v = make_inputs(key, b, s)
+    lengths = jnp.array([s, s - 777], jnp.int32)
+    rows = []
+    kk = 1000
+    idx = jax.random.randint(jax.random.key(5), (b, HKV, kk), 0, s - 777, jnp.int32)
+    counts = jnp.array([[kk] * HKV, [kk - 37] * HKV], jnp.int32)
+    for name, fn in {
+        "sparse_decode_attention": lambda impl: sparse_decode_attention(q, k, v, idx, counts, impl=impl),
+        "block_sparse_decode_attention": lambda impl: block_sparse_decode_attention(
+            q, k, v, idx[..., :40] // BLOCK, counts // 25, lengths, block_size=BLOCK, impl=impl
+        ),
+        "block_minmax": lambda impl: block_minmax(k, lengths, block_size=BLOCK, impl=impl),
+    }.items():
+        got, ref = fn("pallas"), fn("reference")
+        err = max(rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+        rows.append({"kernel": name, "rel_err": err})
+    kmax, kmin = block_minmax(k, lengths, block_size=BLOCK, impl="reference")
+    rows.append({
+        "kernel": "quest_block_scores",
+        "rel_err": rel_err(quest_block_scores(q, kmax, kmin, impl="pallas"), quest_block_scores(q, kmax, kmin, impl="reference")),
+    })
+    channels = jnp.tile(jnp.arange(CHANNELS, dtype=jnp.int32)[None] * 3 % D, (HKV, 1))
+    lab_p = build_label_cache(k, channels, impl="pallas")
+    lab_r = build_label_cache(k, channels, impl="reference")
+    rows.append({"kernel": "build_label_cache", "rel_err": float(np.mean(np.asarray(lab_p.packed) != np.asarray(lab_r.packed)))})
+    cand = jax.random.randint(jax.random.key(6), (b, HKV, 8192), 0, s - 777, jnp.int32)
+    cc = jnp.full((b, HKV), 8000, jnp.int32)
+    rows.append({
+        "kernel": "label_scores",
+        "rel_err": rel_err(label_scores(q, lab_r, channels, cand, cc, impl="pallas"), label_scores(q, lab_r, channels, cand, cc, impl="reference")),
+    })
+    for n, kk2 in ((2048, 128), (8192, 2048), (131072, 2048)):
+        sc = jax.random.normal(jax.random.key(n), (64, n), jnp.float32)
+        got = np.sort(np.asarray(topk_indices(sc, kk2, impl="pallas")), -1)
+        ref = np.sort(np.asarray(jax.lax.top_k(sc, kk2)[1]), -1)
+        rows.append({"kernel": f"topk_indices {64}x{n} k={kk2}", "rel_err": float(np.mean(got != ref))})
+    # AsyncTLS end to end: kernel path vs reference path on the same selections.
+    kmax, kmin = block_minmax(k, lengths, block_size=BLOCK)
+    out_p = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="pallas")
+    out_r = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="reference")
+    rows.append({"kernel": "asynctls operator (pallas vs reference path)", "rel_err": rel_err(out_p, out_r)})
+    for r in rows:
+        print(f"  check {r['kernel']:<48s} rel_err/mismatch = {r['rel_err']:.2e}")
+    return rows
+
+
+def bench_shape(b, s, budgets, key, runs):
+    q, k, v = make_inputs(key, b, s)
+    lengths = jnp.full((b,), s, jnp.int32)
+    k_bshd, v_bshd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    kv_bytes = 2 * b * HKV * s * D * 2
+    rows = []
+
+    def add(kernel, t, nbytes, budget=None, dense_ms=None, **extra):
+        row = {
+            "B": b, "S": s, "K": budget or "", "kernel": kernel,
+            "ms": t.best_ms, "wall_ms": t.wall_ms, "device_ms": t.device_ms,
+            "bytes": nbytes, "GB/s": nbytes / (t.best_ms * 1e-3) / 1e9,
+            "floor_ms": hbm_floor_ms(nbytes), "x_floor": t.best_ms / hbm_floor_ms(nbytes),
+        }
+        if dense_ms:
+            row["speedup_vs_dense"] = dense_ms / t.best_ms
+        row["kernels"] = t.kernels
+        row.update(extra)
+        rows.append(row)
+        print(f"  B={b} S={s} K={budget or '-':>5} {kernel:<34s} {t.best_ms:8.4f} ms  {row['GB/s']:7.0f} GB/s"
+              + (f"  x{row['speedup_vs_dense']:.2f} vs dense" if dense_ms else ""), flush=True)
+        return row
+
+    t_dense = time_fn(jax.jit(dense_cudnn), (q, k_bshd, v_bshd), name="dense_cudnn", runs=runs)
+    dense_ms = add("dense cuDNN", t_dense, kv_bytes)["ms"]
+    t_xla = time_fn(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="xla")[:, 0]),
+                    (q, k_bshd, v_bshd), runs=runs)
+    add("dense XLA", t_xla, kv_bytes, dense_ms=dense_ms)
+    del k_bshd, v_bshd
+
+    k_max, k_min = jax.jit(functools.partial(block_minmax, block_size=BLOCK))(k, lengths)
+    nb = k_max.shape[2]
+    meta_bytes = 2 * b * HKV * nb * D * 2
+    t = time_fn(jax.jit(quest_block_scores), (q, k_max, k_min), runs=runs)
+    add("quest_block_scores", t, meta_bytes, dense_ms=dense_ms)
+    channels = jnp.tile((jnp.arange(CHANNELS, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
+    labels = jax.jit(build_label_cache)(k, channels)
+    scores = quest_block_scores(q, k_max, k_min)
+    for impl in ("pallas", "reference"):
+        t = time_fn(jax.jit(functools.partial(topk_indices, k=KB, impl=impl)), (scores,), runs=runs)
+        add(f"topk blocks {nb}->{KB} [{impl}]", t, scores.size * 4, dense_ms=dense_ms)
+    blocks = topk_indices(scores, KB)
+    cand = (blocks[..., None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(b, HKV, -1)
+    cc = jnp.full((b, HKV), cand.shape[-1], jnp.int32)
+    lab_bytes = b * HKV * cand.shape[-1] * (CHANNELS // 2 + 8) + cand.size * 4 * 2
+    t = time_fn(jax.jit(label_scores), (q, labels, channels, cand, cc), runs=runs)
+    add("label_scores 8192 cand", t, lab_bytes, dense_ms=dense_ms)
+    ls = label_scores(q, labels, channels, cand, cc)
+    for budget in budgets:
+        for impl in ("pallas", "reference"):
+            t = time_fn(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (ls,), runs=runs)
+            add(f"topk tokens 8192->K [{impl}]", t, ls.size * 4, budget, dense_ms)
+        idx = jax.random.randint(jax.random.key(budget), (b, HKV, budget), 0, s, jnp.int32)
+        counts = jnp.full((b, HKV), budget, jnp.int32)
+        sel_bytes = 2 * b * HKV * budget * D * 2 + idx.size * 4
+        for impl in ("pallas", "reference"):
+            t = time_fn(jax.jit(functools.partial(sparse_decode_attention, impl=impl)), (q, k, v, idx, counts), runs=runs)
+            add(f"sparse_decode_attention [{impl}]", t, sel_bytes, budget, dense_ms)
+        bidx = jax.random.randint(jax.random.key(budget + 1), (b, HKV, budget // BLOCK), 0, nb, jnp.int32)
+        bcounts = jnp.full((b, HKV), budget // BLOCK, jnp.int32)
+        t = time_fn(jax.jit(functools.partial(block_sparse_decode_attention, block_size=BLOCK)),
+                    (q, k, v, bidx, bcounts, lengths), runs=runs)
+        add("block_sparse_decode_attention", t, sel_bytes, budget, dense_ms)
+        op = jax.jit(functools.partial(asynctls_operator, budget=budget))
+        t = time_fn(op, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
+        op_bytes = meta_bytes + lab_bytes + sel_bytes
+        add("AsyncTLS operator (end to end)", t, op_bytes, budget, dense_ms)
+        if s >= 131072:
+            sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)
+            for impl in ("pallas", "reference"):
+                t = time_fn(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (sfull,), runs=runs)
+                add(f"topk full context S->K [{impl}]", t, sfull.size * 4, budget, dense_ms)
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, b in zip(axes, sorted({r["B"] for r in rows})):
+        for kernel, style in (("AsyncTLS operator (end to end)", "o-"), ("sparse_decode_attention [pallas]", "s--"),
+                              ("block_sparse_decode_attention", "^:")):
+            for budget in sorted({r["K"] for r in rows if r["K"]}):
+                pts = [(r["S"], r["speedup_vs_dense"]) for r in rows
+                       if r["B"] == b and r["kernel"] == kernel and r["K"] == budget]
+                if pts:
+                    xs, ys = zip(*sorted(pts))
+                    ax.plot([x // 1024 for x in xs], ys, style, label=f"{kernel.split(' [')[0]} K={budget}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(8.0, color="r", lw=0.8, ls="--", label="target 8x (AsyncTLS op)")
+        ax.set_xlabel("context S (K tokens)")
+        ax.set_ylabel("speedup vs dense cuDNN decode")
+        ax.set_yscale("log")
+        ax.set_title(f"B={b}, Hq=32, Hkv=8, D=128, bf16")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one size only (B=8, S=32K, K=2048)")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--skip-check", action="store_true")
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("benchmarks.kernels needs a GPU (run it through the device tool)")
+    info = stamp()
+    print(json.dumps(info))
+    checks = [] if args.skip_check else check_numerics(jax.random.key(0))
+    grid = [(8, 32768)] if args.quick else [(b, s) for b in (1, 8) for s in (32768, 65536, 131072)]
+    budgets = [2048] if args.quick else [512, 1024, 2048]
+    rows = []
+    for i, (b, s) in enumerate(grid):
+        rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs)
+    payload = {"stamp": info, "hbm_bytes_per_s": H100_HBM_BYTES_PER_S, "checks": checks, "rows": rows}
+    cols = ["B", "S", "K", "kernel", "ms", "GB/s", "x_floor", "speedup_vs_dense"]
+    md = (f"# Decode kernels vs dense cuDNN\n\n{info['device']}, jax {info['jax']}, {info['date']}\n\n"
+          f"Command: `{info['command']}`\n\nTimes are CUPTI kernel time (median) where available.\n\n"
+          + markdown_table(rows, cols, {"ms": ".4f", "GB/s": ".0f", "x_floor": ".2f", "speedup_vs_dense": ".2f"}))
+    if checks:
+        md += "\n## Numerics (kernel vs reference)\n\n" + markdown_table(checks, ["kernel", "rel_err"], {"rel_err": ".2e"})
+    name = "kernels_quick" if args.quick else "kernels"
+    write_results(name, payload, md, args.out)
+    if not args.quick:
+        plot(rows, Path(args.out) / f"{name}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
