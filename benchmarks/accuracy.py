@@ -263,7 +263,8 @@ def _default_tokenizer(model):
 
 def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int],
         tasks: Sequence[str] = ruler_tasks.TASKS, samples: int = 5, batch_size: int = 8,
-        fidelity: bool = False, probe_steps: int = 16, kl_steps: int = 64, seed: int = 0,
+        fidelity: bool = False, probe_steps: int = 16, kl_steps: int = 64, fidelity_batch: int | None = None,
+        seed: int = 0,
         method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
         accuracy: bool = True, tokenizer=None, progress: bool = True,
         log: Callable[[str], None] | None = None) -> dict:
@@ -323,7 +324,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         gen_s = time.perf_counter() - t0
         write(f"[accuracy] length {L}: {len(samp)} samples generated in {gen_s:.1f}s")
         ref = None
-        fid_batch = batch_size
+        fid_batch = fidelity_batch or batch_size
         for name, budget in combos:
             if bar is not None:
                 bar.set_postfix_str(f"{name} b={budget if budget is not None else '-'} L={L}")
@@ -383,7 +384,8 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
             "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
             "budgets": list(budgets), "lengths": list(lengths), "tasks": list(tasks), "samples": samples,
             "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
-            "kl_steps": kl_steps, "method_options": method_options, "keep_full_budget": keep_full_budget,
+            "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
+            "method_options": method_options, "keep_full_budget": keep_full_budget,
             "answer_room": ruler_tasks.ANSWER_ROOM,
         },
         "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
@@ -446,7 +448,12 @@ def render_markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: Path) -> Path | None:
-    import matplotlib
+    """The PNG (None when there is nothing to plot or matplotlib is missing)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("[accuracy] matplotlib is not installed: no plot", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -461,7 +468,7 @@ def plot(payload: dict, path: Path) -> Path | None:
         panels.append(("synthetic average (%)", lambda r: 100 * r["average"] if "average" in r else None))
     if any("fidelity" in r for r in ok):
         panels.append(("attention mass recovered", lambda r: r["fidelity"]["mass"] if "fidelity" in r else None))
-        panels.append(("KL(dense || method)", lambda r: r["fidelity"]["kl"] if "fidelity" in r else None))
+        panels.append(("KL(dense || method)", lambda r: max(r["fidelity"]["kl"], 1e-9) if "fidelity" in r else None))
     fig, axes = plt.subplots(len(panels), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(panels)),
                              squeeze=False)
     methods = sorted({r["method"] for r in ok if r["method"] != "dense"})
@@ -487,7 +494,7 @@ def plot(payload: dict, path: Path) -> Path | None:
                 ax.minorticks_off()
             ax.set_xlabel("budget (tokens per KV head)")
             if label.startswith("KL"):
-                ax.set_yscale("symlog", linthresh=1e-3)
+                ax.set_yscale("log")
             ax.set_ylabel(label)
             ax.set_title(f"{s['model']}, {L} tokens")
             ax.grid(alpha=0.3)
@@ -529,7 +536,8 @@ def _names(s: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy",
+                                description="RULER-style accuracy and fidelity of attention methods against dense.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="model preset (default: smollm2-135m)")
     p.add_argument("--weights", default=None, help="weights path passed to models.load_model (default: the preset's)")
@@ -547,6 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-accuracy", action="store_true", help="skip the synthetic tasks (fidelity only)")
     p.add_argument("--probe-steps", type=int, default=16, help="decode steps averaged by the fidelity probe")
     p.add_argument("--kl-steps", type=int, default=64, help="teacher-forced steps of the KL / agreement measure")
+    p.add_argument("--fidelity-batch", type=int, default=None,
+                   help="text rows of the fidelity runs (default: --batch-size, which reuses the accuracy run's "
+                        "compiled functions)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="METHOD.FIELD=VALUE",
                    help="method hyperparameter override (repeatable)")
     p.add_argument("--keep-full-budget", action="store_true", help="also run budgets >= the length")
@@ -561,8 +572,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown task(s) {bad}; available: {', '.join(ruler_tasks.TASKS)}")
     if any(b < 1 for b in args.budgets) or any(L < 1 for L in args.lengths):
         p.error("budgets and lengths must be positive")
-    if args.samples < 1 or args.batch_size < 1:
-        p.error("--samples and --batch-size must be >= 1")
+    if args.samples < 1 or args.batch_size < 1 or (args.fidelity_batch is not None and args.fidelity_batch < 1):
+        p.error("--samples, --batch-size and --fidelity-batch must be >= 1")
+    if args.probe_steps < 1 or args.kl_steps < 1 or args.probe_steps > args.kl_steps:
+        p.error("need 1 <= --probe-steps <= --kl-steps (the probe runs on the KL run's first steps)")
     try:
         args.method_options = parse_sets(args.sets)
     except ValueError as e:
@@ -582,7 +595,8 @@ def main(argv=None) -> int:
     print(f"[accuracy] loaded {model!r} in {time.perf_counter() - t0:.1f}s on {jax.devices()[0]}", file=sys.stderr)
     payload = run(model, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
                   samples=args.samples, batch_size=args.batch_size, fidelity=args.fidelity,
-                  probe_steps=args.probe_steps, kl_steps=args.kl_steps, seed=args.seed,
+                  probe_steps=args.probe_steps, kl_steps=args.kl_steps, fidelity_batch=args.fidelity_batch,
+                  seed=args.seed,
                   method_options=args.method_options, keep_full_budget=args.keep_full_budget,
                   accuracy=not args.no_accuracy, progress=not args.no_progress)
     payload = {"stamp": stamp(command), **payload, "wall_s": time.perf_counter() - t0}

@@ -1,0 +1,234 @@
+"""The accuracy harness: RULER-style task generators, the fidelity probe, and an
+end-to-end run on a tiny random-weights model (SmolLM2's tokenizer)."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import accuracy as acc
+from benchmarks import fidelity as fid
+from benchmarks import ruler_tasks as rt
+from sparse_jax.methods import AttentionMethod, DenseAttention, masked_decode_attention
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from models import gguf_loader
+
+    try:
+        path = gguf_loader.smollm2_gguf_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"SmolLM2 GGUF (tokenizer) not installed: {e}")
+    return gguf_loader.read_gguf(path, tensors=False).tokenizer
+
+
+# -----------------------------------------------------------------------------
+# Tasks
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [512, 2048])
+def test_tasks_hit_target_length_and_are_deterministic(tokenizer, target):
+    for task in rt.TASKS:
+        s = rt.generate_sample(task, target, 0, tokenizer)
+        again = rt.generate_sample(task, target, 0, tokenizer)
+        assert s == again, task
+        assert s.input_ids == tuple(tokenizer.encode(s.prompt))
+        assert s.max_new_tokens <= rt.ANSWER_ROOM
+        budget = target - rt.ANSWER_ROOM
+        # within one filler unit of the budget (cwe: 3 list entries), never over
+        assert budget - 40 <= s.num_tokens <= budget, (task, s.num_tokens, budget)
+        for a in s.answers:
+            assert a in s.prompt, (task, a)
+        other = rt.generate_sample(task, target, 1, tokenizer)
+        assert other.answers != s.answers, task
+    # the seed changes the samples
+    assert rt.generate_sample("niah_single_1", target, 0, tokenizer, seed=1).answers != \
+        rt.generate_sample("niah_single_1", target, 0, tokenizer).answers
+
+
+def test_task_structure(tokenizer):
+    mk = rt.generate_sample("niah_multikey", 1024, 3, tokenizer)
+    assert len(mk.answers) == 1 and mk.prompt.count("One of the special magic numbers for") == 4
+    mv = rt.generate_sample("niah_multivalue", 1024, 3, tokenizer)
+    assert len(mv.answers) == 4 and len(set(mv.answers)) == 4
+    mq = rt.generate_sample("niah_multiquery", 1024, 3, tokenizer)
+    assert len(mq.answers) == 4
+    vt = rt.generate_sample("vt", 1024, 3, tokenizer)
+    assert len(vt.answers) == 5 and all(f"VAR {n} =" in vt.prompt for n in vt.answers)
+    cwe = rt.generate_sample("cwe", 2048, 3, tokenizer)
+    body = cwe.prompt.split("Question:")[0]
+    counts = {w: len([l for l in body.splitlines() if l.endswith(f". {w}")]) for w in cwe.answers}
+    assert len(counts) == 10 and min(counts.values()) == 16  # 2048 // 128 repeats
+    s2 = rt.generate_sample("niah_single_2", 1024, 0, tokenizer)
+    assert "The grass is green." not in s2.prompt  # real text, not noise
+    assert s2.prompt.endswith("mentioned in the provided text is")
+    assert "<|im_start|>assistant\n" in s2.prompt  # chat template applied
+
+
+def test_scorer():
+    assert rt.score("The number is 1234567.", ["1234567"]) == 1.0
+    assert rt.score("The number is 7654321.", ["1234567"]) == 0.0
+    assert rt.score("", ["1234567"]) == 0.0
+    assert rt.score("1, 2 and three", ["1", "2", "three", "four"]) == 0.75
+    assert rt.score("ABCDE and fghij", ["abcde", "FGHIJ"]) == 1.0  # case-insensitive
+    with pytest.raises(ValueError):
+        rt.score("x", [])
+
+
+def test_stdlib_text_is_deterministic():
+    assert rt.stdlib_modules() == tuple(sorted(rt.stdlib_modules()))
+    a = rt.stdlib_prose_sentences()
+    rt.stdlib_prose_sentences.cache_clear()
+    assert rt.stdlib_prose_sentences() == a and len(a) > 500
+    assert rt.stdlib_source_text(min_chars=1000).startswith("# file: ")
+
+
+def test_bad_task_arguments(tokenizer):
+    with pytest.raises(ValueError, match="unknown task"):
+        rt.generate_sample("niah_nope", 1024, 0, tokenizer)
+    with pytest.raises(ValueError, match="over its budget"):
+        rt.generate_sample("niah_single_1", 128, 0, tokenizer)
+
+
+# -----------------------------------------------------------------------------
+# Fidelity probe (no model)
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerHeadTopK(AttentionMethod):
+    """Test-only selector: top-``budget`` keys by each KV head's own summed logits."""
+
+    budget: int = 8
+
+    def select(self, q, k, v, lengths, state):
+        b, hq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        p = fid.dense_probabilities(q, k, lengths).sum(axis=2)  # [B, Hkv, S]
+        kk = min(self.budget, s)
+        _, idx = jax.lax.top_k(p, kk)
+        counts = jnp.broadcast_to(jnp.minimum(lengths, kk)[:, None], (b, hkv)).astype(jnp.int32)
+        return idx.astype(jnp.int32), counts, state
+
+    def decode_attention(self, q, k, v, lengths, state):
+        idx, counts, state = self.select(q, k, v, lengths, state)
+        mask = fid.selection_mask(idx, counts, lengths, k.shape[2])
+        return masked_decode_attention(q, k, v, mask), state
+
+
+def _qkv(b, hq, hkv, s, d, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, hq, d), jnp.float32) * 2
+    k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32)
+    v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32)
+    return q, k, v
+
+
+def _probe_step(inner, q, k, v, lengths):
+    b, hq, d = q.shape
+    probe = fid.FidelityProbe(inner=inner, num_q_heads=hq).layer_method(0, 1)
+    state = probe.init_state(batch=b, num_kv_heads=k.shape[1], max_len=k.shape[2], head_dim=d, dtype=q.dtype)
+    out, state = jax.jit(probe.decode_attention)(q, k, v, lengths, state)
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    np.testing.assert_array_equal(out, masked_decode_attention(q, k, v, valid[:, None, :]))  # returns dense
+    return np.asarray(state["rel_err"]), np.asarray(state["mass"])
+
+
+def test_probe_dense_and_full_budget_are_exact():
+    q, k, v = _qkv(2, 8, 2, 45, 16)
+    lengths = jnp.array([45, 30], jnp.int32)
+    rel, mass = _probe_step(DenseAttention(), q, k, v, lengths)
+    assert rel.shape == (2, 8) and np.all(rel == 0) and np.all(mass == 1)
+    rel, mass = _probe_step(_PerHeadTopK(budget=64), q, k, v, lengths)  # budget > context
+    assert np.all(rel < 1e-5) and np.allclose(mass, 1, atol=1e-5)
+
+
+def test_probe_small_budget():
+    # MHA: per-head top-K is the oracle top-K -> mass ratio 1, but the output is not exact
+    q, k, v = _qkv(2, 4, 4, 60, 16, seed=1)
+    lengths = jnp.array([60, 41], jnp.int32)
+    rel, mass = _probe_step(_PerHeadTopK(budget=8), q, k, v, lengths)
+    np.testing.assert_allclose(mass, 1, atol=1e-5)
+    assert np.all(rel > 1e-3)
+    # GQA: a group-wide choice recovers less than each head's own top-K, but more than a window
+    q, k, v = _qkv(2, 8, 2, 60, 16, seed=2)
+    rel, mass = _probe_step(_PerHeadTopK(budget=8), q, k, v, lengths)
+    assert np.all(mass <= 1 + 1e-6) and np.all(mass > 0.3)
+
+
+def test_selection_mass_ratio_matches_numpy():
+    b, hq, hkv, s, d = 2, 6, 2, 33, 8
+    q, k, _ = _qkv(b, hq, hkv, s, d, seed=3)
+    lengths = jnp.array([33, 20], jnp.int32)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, s, (b, hkv, 10)).astype(np.int32)  # duplicates and positions past length
+    counts = np.array([[10, 7], [4, 10]], np.int32)
+    got = np.asarray(fid.selection_mass_ratio(q, k, lengths, jnp.asarray(idx), jnp.asarray(counts)))
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for bi in range(b):
+        n = int(lengths[bi])
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            logit = kn[bi, kh, :n] @ qn[bi, h] / np.sqrt(d)
+            p = np.exp(logit - logit.max())
+            p /= p.sum()
+            sel = sorted({int(i) for i in idx[bi, kh, : counts[bi, kh]] if i < n})
+            want = p[sel].sum() / np.sort(p)[::-1][: len(sel)].sum()
+            np.testing.assert_allclose(got[bi, h], want, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# End to end on a tiny random-weights model
+# -----------------------------------------------------------------------------
+
+
+def test_harness_end_to_end(tokenizer, tmp_path):
+    import models
+    from sparse_jax import available_methods
+
+    acc.import_methods()
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=tokenizer.vocab_size,
+                             max_position=1024, rope_theta=1e4, tie_embeddings=True, eos_token_id=2, pad_token_id=2)
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=384)
+    sparse = "oracle_topk" if "oracle_topk" in available_methods() else None
+    methods = ["dense", "no_such_method"] + ([sparse] if sparse else [])
+    payload = acc.run(model, tokenizer=tokenizer, methods=methods, budgets=[48, 1024], lengths=[384],
+                      tasks=["niah_single_1", "vt"], samples=1, batch_size=2, fidelity=True, probe_steps=2,
+                      kl_steps=4, keep_full_budget=True, progress=False, log=lambda s: None)
+    rows = {(r["method"], r["budget"]): r for r in payload["rows"]}
+    dense = rows[("dense", None)]
+    assert dense["status"] == "ok" and set(dense["scores"]) == {"niah_single_1", "vt"}
+    assert 0.0 <= dense["average"] <= 1.0 and dense["n_samples"] == 2
+    assert rows[("no_such_method", None)]["status"] == "error"  # reported, the run went on
+    assert len(payload["predictions"]) == 2 * (1 + (2 if sparse else 0))
+    if sparse:
+        full = rows[(sparse, 1024)]["fidelity"]  # budget > context: the dense fallback
+        assert full["rel_err"] < 1e-4 and full["mass"] > 0.9999
+        assert full["kl"] < 1e-6 and full["agreement"] == 1.0 and full["max_logp_diff"] < 1e-4
+        small = rows[(sparse, 48)]["fidelity"]
+        assert 0 < small["mass"] <= 1 + 1e-6 and small["rel_err"] > 1e-4
+        assert np.asarray(small["rel_err_per_layer_head"]).shape == (2, 4)
+        assert small["max_logp_diff"] < 1e-4  # the probe runs dense: teacher forcing
+    payload["stamp"] = {"device": "cpu", "command": "test"}
+    out = acc.save(payload, "acc_test", tmp_path)
+    assert json.loads((out / "acc_test.json").read_text())["rows"]
+    assert "| dense | - | 384 |" in (out / "acc_test.md").read_text()
+    assert (out / "acc_test.png").stat().st_size > 0
+    assert json.loads((out / "acc_test_predictions.json").read_text())
+
+
+def test_cli_arguments():
+    a = acc.parse_args(["--methods", "dense,quest", "--budgets", "64,128", "--lengths", "512",
+                        "--set", "quest.block_size=8", "--set", "streaming.sink=2", "--fidelity"])
+    assert a.methods == ["dense", "quest"] and a.budgets == [64, 128] and a.lengths == [512]
+    assert a.method_options == {"quest": {"block_size": 8}, "streaming": {"sink": 2}}
+    with pytest.raises(SystemExit):
+        acc.parse_args(["--tasks", "nope"])
+    with pytest.raises(SystemExit):
+        acc.parse_args(["--set", "budget=3"])
