@@ -54,6 +54,7 @@ def write_prefill(layer: LayerCache, k_new: jax.Array, v_new: jax.Array) -> Laye
     """Write ``k_new, v_new [B, Hkv, T, D]`` at positions ``[0, T)``."""
     k = jax.lax.dynamic_update_slice(layer.k, k_new.astype(layer.k.dtype), (0, 0, 0, 0))
     v = jax.lax.dynamic_update_slice(layer.v, v_new.astype(layer.v.dtype), (0, 0, 0, 0))
+    k, v = jax.lax.optimization_barrier((k, v))  # see write_token
     return dataclasses.replace(layer, k=k, v=v)
 
 
@@ -66,6 +67,11 @@ def write_token(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, positions
 
     k = jax.vmap(one)(layer.k, k_new, positions)
     v = jax.vmap(one)(layer.v, v_new, positions)
+    # The barrier keeps the update a single in-place op. Without it XLA:CPU
+    # duplicates the update into the fusion of each consumer (the attention dot
+    # reading the cache) and copies the whole donated cache ~4 times per layer
+    # per decode step (measured: 1.1 s -> 0.2 s per SmolLM2 step at S=4096).
+    k, v = jax.lax.optimization_barrier((k, v))
     return dataclasses.replace(layer, k=k, v=v)
 
 

@@ -84,6 +84,11 @@ class AttentionMethod:
         dense = {i % num_layers for i in self.dense_layers}
         return DenseAttention() if layer in dense else self
 
+    @property
+    def cache_multiple(self) -> int:
+        """The KV cache capacity must be a multiple of this (block methods: the block size)."""
+        return 1
+
     def check(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
         """Raise ValueError, before any compilation, if this method cannot run the model."""
 
@@ -123,10 +128,63 @@ def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arr
 
     Right-padded ragged rows need no extra mask: a valid query at position t
     only sees keys ``<= t``, all valid. GQA is passed to the backend as is (no
-    repeated K/V). cuDNN needs bf16/f16 and a GPU; otherwise XLA.
+    repeated K/V). cuDNN needs bf16/f16 and a GPU; other GPU dtypes use XLA.
+    On CPU, :func:`blockwise_causal_attention` (5x faster than XLA's version,
+    which materialises and re-reads the whole ``[T, T]`` score matrix).
     """
-    impl = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    if not on_gpu():
+        return blockwise_causal_attention(q, k, v)
+    impl = "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 256) -> jax.Array:
+    """Causal attention in blocks with an online softmax (flash-attention in jnp).
+
+    ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` -> ``[B,T,Hq,D]``. A scan over query
+    blocks; for each, a loop over the key blocks up to the diagonal only (half
+    the work of a full masked product), each ``[G*block, block]`` score tile
+    small enough to stay in cache. f32 scores and accumulators. Measured on
+    2 CPU cores (T=4000, Hq=9, Hkv=3, D=64, f32): 0.27 s against 1.5 s for
+    ``jax.nn.dot_product_attention(implementation="xla")``.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    c = min(block, -(-t // 8) * 8)
+    tp = -(-t // c) * c
+    nb = tp // c
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+
+    qs = (pad(q) * jnp.asarray(d**-0.5, q.dtype)).reshape(b, nb, c, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+    kp = pad(k).transpose(0, 2, 1, 3)  # [B, Hkv, Tp, D]
+    vp = pad(v).transpose(0, 2, 1, 3)
+
+    def per_query_block(_, xs):
+        i, qi = xs  # qi [B, Hkv, G, c, D]
+        qpos = i * c + jnp.arange(c)
+
+        def body(j, carry):
+            m, l, acc = carry
+            kb = jax.lax.dynamic_slice_in_dim(kp, j * c, c, axis=2)
+            vb = jax.lax.dynamic_slice_in_dim(vp, j * c, c, axis=2)
+            s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb, preferred_element_type=jnp.float32)
+            s = jnp.where(qpos[:, None] >= (j * c + jnp.arange(c))[None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))  # finite: key 0 is visible to every query
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        init = (jnp.full((b, hkv, g, c), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, c), jnp.float32),
+                jnp.zeros((b, hkv, g, c, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)
+        return None, (acc / l[..., None]).astype(q.dtype)
+
+    _, out = jax.lax.scan(per_query_block, None, (jnp.arange(nb), qs))  # [nb, B, Hkv, G, c, D]
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, hq, d)[:, :t]
 
 
 def masked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.Array:

@@ -125,6 +125,10 @@ class AsyncTLS(DoubleSparsity):
     kb: int = 128
     ranking: str = "maxabs"
 
+    @property
+    def cache_multiple(self) -> int:
+        return self.block_size
+
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
         super().check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
         if max_len % self.block_size:

@@ -130,6 +130,10 @@ class BlockSparseMethod(SparseMethod):
             )
 
     @property
+    def cache_multiple(self) -> int:
+        return self.block_size
+
+    @property
     def num_blocks(self) -> int:
         return self.budget // self.block_size
 

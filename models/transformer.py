@@ -1,0 +1,351 @@
+"""The decoder-only transformer (Flax NNX) and its pure prefill / decode / forward.
+
+Architectures: the Llama family (RMSNorm, RoPE with an optional Llama-3
+frequency scaling, SwiGLU MLP, grouped-query attention, optionally tied
+embeddings; SmolLM2 is one) and Qwen3 (the same plus a per-head RMSNorm on q
+and k before RoPE, no attention bias).
+
+The module only holds parameters (named like the Hugging Face checkpoints:
+``embed_tokens``, ``layers[i].self_attn.q_proj``, ... so the loaders map names
+one to one). The computations are pure functions of ``(module, arrays)``; the
+public wrappers in :func:`build_functions` split the module once
+(``nnx.split``) and jit functions of ``(params, tokens, lengths, cache)`` with
+the cache donated and the attention method static (closed over).
+
+Attention goes only through the method interface of
+:mod:`sparse_jax.methods.base`: for layer ``i`` the model asks
+``method.layer_method(i, num_layers)`` and calls its ``prefill_attention`` /
+``prefill_state`` (prefill) or ``append_state`` / ``decode_attention``
+(decode; it returns ``(out, state)``). The KV cache (:class:`sparse_jax.cache.KVCache`) is head-major
+``[B, Hkv, S_max, D]`` and holds post-RoPE keys.
+
+RoPE uses Hugging Face's half-split ("rotate_half") layout: the pair rotated
+together is ``(x[i], x[i + D/2])``. The GGUF loader undoes llama.cpp's
+interleaved-pair row permutation of ``q_proj``/``k_proj`` so the weights match.
+
+Numerics: matmuls run in the parameter dtype with f32 accumulation where it
+matters (logits); RMSNorm statistics, RoPE and the attention softmax run in
+f32; logits are returned in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig, RopeScaling
+from sparse_jax.cache import KVCache, LayerCache, write_prefill, write_token
+from sparse_jax.methods.base import AttentionMethod
+from sparse_jax.ops._dispatch import on_gpu
+
+# -----------------------------------------------------------------------------
+# Pieces (pure functions; tested against NumPy)
+# -----------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis; statistics in f32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE inverse frequencies ``float32[head_dim // 2]``, with Llama-3 scaling if given.
+
+    Llama-3 scaling: wavelength ``w = 2 pi / f``. With ``L = original_max_position``,
+    ``w > L / low`` -> ``f / factor``; ``w < L / high`` -> ``f``; in between
+    ``(1 - s) f / factor + s f`` with ``s = (L / w - low) / (high - low)``.
+    """
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    inv = inv.astype(np.float32)
+    if scaling is None:
+        return inv
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling type {scaling.rope_type!r} (supported: llama3)")
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old = scaling.original_max_position
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin`` of ``positions[..., None] * inv_freq``: shape ``positions.shape + (D/2,)``, f32."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [..., H, D]`` in half-split layout; ``cos, sin`` broadcast to ``[..., 1, D/2]``."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, dims, preferred_element_type=None) -> jax.Array:
+    """``lax.dot_general(x, w, dims)``, working around XLA:CPU's slow bf16/f16
+    matrix-vector path: with a single row it is 4-5x slower than with two
+    (measured: 30 [1,576]x[576,1536] bf16 products 52 ms, with 2 rows 12 ms), so
+    a lone row is duplicated on CPU. No effect on GPU or in f32."""
+    rows = math.prod(x.shape[:-1])
+    if rows == 1 and x.dtype != jnp.float32 and not on_gpu():
+        y = jax.lax.dot_general(jnp.concatenate([x, x], axis=0), w, dims, preferred_element_type=preferred_element_type)
+        return y[:1]
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+
+
+# -----------------------------------------------------------------------------
+# Modules (parameters only; names follow the HF checkpoints)
+# -----------------------------------------------------------------------------
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
+    # Drawn directly in the target dtype: no f32 copy of big matrices.
+    return (jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` with ``kernel [in, out]`` (no bias)."""
+
+    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (din, dout), dtype, din**-0.5))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return matmul(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab, dim), dtype, 0.02))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = Linear(h, cfg.num_heads * d, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, h, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """``x [..., H]`` -> post-RoPE ``q [..., Hq, D]``, ``k, v [..., Hkv, D]``."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: jax.Array) -> jax.Array:
+        """``o [..., Hq, D]`` -> ``[..., H]``."""
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, i, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, h, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+
+class Transformer(nnx.Module):
+    """Parameters of a Llama-family / Qwen3 decoder. ``lm_head`` is None when tied."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm + LM head: ``x [..., H]`` -> f32 ``[..., V]``."""
+        x = self.norm(x)
+        if self.lm_head is None:
+            # contract with the embedding's hidden axis directly: a `.T` here makes
+            # XLA:CPU materialise the transposed [H, V] matrix every call (4x slower)
+            w = self.embed_tokens.weight[...]
+            return matmul(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return matmul(x, self.lm_head.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
+                      preferred_element_type=jnp.float32)
+
+
+# -----------------------------------------------------------------------------
+# Pure computations on a (merged) module
+# -----------------------------------------------------------------------------
+
+
+def _inv_freq(cfg: ModelConfig) -> np.ndarray:
+    return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array) -> jax.Array:
+    """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``."""
+    b, t = tokens.shape
+    cos, sin = rope_cos_sin(jnp.arange(t), _inv_freq(cfg))  # [T, D/2]
+    lengths = jnp.full((b,), t, jnp.int32)
+    x = model.embed_tokens(tokens)
+    for i, layer in enumerate(model.layers):
+        m = method.layer_method(i, cfg.num_layers)
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        x = x + layer.self_attn.out(m.prefill_attention(q, k, v, lengths))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.logits(x)
+
+
+def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
+            lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Prefill right-padded ``tokens int32[B, T]`` (row ``b`` valid up to ``lengths[b]``)
+    into an empty ``cache``; return the f32 logits ``[B, V]`` at each row's last valid
+    position and the cache (``lengths`` set)."""
+    b, t = tokens.shape
+    cos, sin = rope_cos_sin(jnp.arange(t), _inv_freq(cfg))
+    x = model.embed_tokens(tokens)
+    new_layers = []
+    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
+        m = method.layer_method(i, cfg.num_layers)
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        o = m.prefill_attention(q, k, v, lengths)
+        lc = write_prefill(lc, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        lc = dataclasses.replace(lc, state=m.prefill_state(lc.state, lc.k, lc.v, lengths))
+        new_layers.append(lc)
+        x = x + layer.self_attn.out(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
+    return model.logits(last), KVCache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32))
+
+
+def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One token per row ``tokens int32[B]`` at positions ``cache.lengths``: f32 logits
+    ``[B, V]`` and the cache with the token appended (``lengths + 1``)."""
+    pos = cache.lengths
+    cos, sin = rope_cos_sin(pos, _inv_freq(cfg))  # [B, D/2]
+    x = model.embed_tokens(tokens)  # [B, H]
+    new_layers = []
+    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
+        m = method.layer_method(i, cfg.num_layers)
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)  # [B, H*, D]
+        lc = write_token(lc, k, v, pos)
+        state = m.append_state(lc.state, lc.k, lc.v, pos)
+        o, state = m.decode_attention(q, lc.k, lc.v, pos + 1, state)
+        new_layers.append(dataclasses.replace(lc, state=state))
+        x = x + layer.self_attn.out(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.logits(x), KVCache(layers=tuple(new_layers), lengths=pos + 1)
+
+
+# -----------------------------------------------------------------------------
+# Construction and the jitted pure functions
+# -----------------------------------------------------------------------------
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16) -> tuple[nnx.GraphDef, nnx.State]:
+    """GraphDef and abstract (ShapeDtypeStruct) params; allocates nothing."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def init_params(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random parameters drawn under ``jit`` directly in ``dtype`` (cheap even for 8B)."""
+    graphdef, _ = abstract_model(cfg, dtype)
+    return graphdef, _init_fn(cfg, jnp.dtype(dtype))(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _init_fn(cfg: ModelConfig, dtype):
+    @jax.jit
+    def make(key):
+        return nnx.state(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(params=key)))
+
+    return make
+
+
+def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype) -> KVCache:
+    """Empty cache ``[B, Hkv, max_len, D]`` per layer plus each layer method's state."""
+    method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    layers = []
+    for i in range(cfg.num_layers):
+        m = method.layer_method(i, cfg.num_layers)
+        state = m.init_state(batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=max_len,
+                             head_dim=cfg.head_dim, dtype=dtype)
+        layers.append(LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), state=state))
+    return KVCache(layers=tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFunctions:
+    """Jitted pure functions of the split params (the method is closed over, static).
+
+    ``forward(params, tokens) -> logits [B,T,V]``;
+    ``prefill(params, tokens, lengths, cache) -> (logits [B,V], cache)`` (cache donated);
+    ``decode_step(params, tokens, cache) -> (logits [B,V], cache)`` (cache donated).
+    """
+
+    forward: Callable[..., jax.Array]
+    prefill: Callable[..., tuple[jax.Array, KVCache]]
+    decode_step: Callable[..., tuple[jax.Array, KVCache]]
+
+
+@functools.lru_cache(maxsize=32)
+def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod) -> ModelFunctions:
+    """The jitted functions; cached, so models with the same structure, config and
+    method (e.g. loaded twice, or from a GGUF and from its HF export) share compilations."""
+    def _forward(params, tokens):
+        return forward(nnx.merge(graphdef, params), cfg, method, tokens)
+
+    def _prefill(params, tokens, lengths, cache):
+        return prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, cache)
+
+    def _decode(params, tokens, cache):
+        return decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache)
+
+    return ModelFunctions(
+        forward=jax.jit(_forward),
+        prefill=jax.jit(_prefill, donate_argnums=(3,)),
+        decode_step=jax.jit(_decode, donate_argnums=(2,)),
+    )

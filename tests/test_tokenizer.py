@@ -1,0 +1,105 @@
+"""The SmolLM2 tokenizer built from the GGUF: round trips, special tokens, the chat
+template, and agreement with Hugging Face's tokenizer (fixture
+``tests/fixtures/smollm2_tokenizer.json``, made by scripts/make_hf_fixture.py)."""
+
+import json
+import os
+
+import pytest
+
+from models import gguf_loader
+from models.tokenizer import Tokenizer, chatml_default_system, render_chatml
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    try:
+        path = gguf_loader.smollm2_gguf_path()
+    except gguf_loader.WeightsNotFoundError as e:
+        pytest.skip(str(e))
+    return gguf_loader.read_gguf(path, tensors=False).tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf():
+    if not os.path.exists(FIXTURE):
+        pytest.skip(f"missing fixture {FIXTURE} (python scripts/make_hf_fixture.py)")
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+TEXTS = [
+    "Hello, world!",
+    "Ünïcödé: Straße, naïve, 日本語, 한국어, emoji 🙂🚀👩‍💻 ∑∫√",
+    "  leading and trailing spaces   ",
+    "tabs\tand\t\ttabs\nnew line\n\n\nblank\r\nCRLF",
+    "",
+    " ",
+    "\n",
+    "digits 1234567890 and 3.14159",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_basics(tok):
+    assert tok.vocab_size == 49152
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    assert tok.encode("Hello world") == [19556, 905]  # merged BPE tokens, no BOS added
+    assert tok.encode("<|im_start|>") == [1]  # special-token text maps to the special id
+    assert len(tok.encode("12345")) == 5  # digits split one by one (GGUF pre-tokenizer "smollm")
+
+
+def test_matches_hf_tokenizer(tok, hf):
+    assert tok.bos_token_id == hf["special"]["bos_token_id"]
+    assert tok.eos_token_id == hf["special"]["eos_token_id"]
+    assert tok.vocab_size == hf["special"]["vocab_size"]
+    for s in hf["strings"]:
+        assert tok.encode(s["text"]) == s["ids"], s["text"]
+        assert tok.decode(s["ids"]) == s["decoded"]
+
+
+def test_chat_template(tok, hf):
+    assert tok.chat_template == hf["chat_template"]
+    for name, case in hf["chat"].items():
+        rendered = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+        assert rendered == case["rendered"], name
+        assert tok.encode(rendered) == case["ids"], name
+
+
+def test_chat_template_opens_assistant_turn(tok):
+    s = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert s.endswith("<|im_start|>assistant\n")
+    assert s.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    s2 = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert s2 == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+
+
+def test_chatml_fallback_matches_jinja(tok):
+    """The built-in ChatML renderer (used without jinja2) equals jinja2's rendering."""
+    jinja2 = pytest.importorskip("jinja2")
+    from models.tokenizer import _render_jinja
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    want = _render_jinja(tok.chat_template, msgs, True, bos_token="", eos_token="")
+    assert render_chatml(msgs, True, chatml_default_system(tok.chat_template)) == want
+
+
+def test_hf_directory_round_trip(tok, tmp_path):
+    tok.save_hf(tmp_path)
+    t2 = Tokenizer.from_hf_directory(tmp_path)
+    assert (t2.bos_token_id, t2.eos_token_id, t2.pad_token_id) == (1, 2, 2)
+    assert t2.chat_template == tok.chat_template
+    for text in TEXTS:
+        assert t2.encode(text) == tok.encode(text)
+    assert Tokenizer.from_hf_directory(tmp_path / "nothing") is None
