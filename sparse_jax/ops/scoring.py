@@ -192,7 +192,7 @@ def block_cuboid(k, lengths, *, block_size, impl="auto", blocks_per_program=None
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
-def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=128, num_warps=4, num_stages=2):
+def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=64, num_warps=4, num_stages=2):
     """Quest upper bound per block, summed over the GQA group: ``float32[B, Hkv, NB]``.
 
     ``score = sum_g max(q_g, 0) . k_max + min(q_g, 0) . k_min``. Tuning (kernel
