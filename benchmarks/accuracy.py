@@ -267,9 +267,12 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         seed: int = 0,
         method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
         accuracy: bool = True, tokenizer=None, progress: bool = True,
-        log: Callable[[str], None] | None = None) -> dict:
+        log: Callable[[str], None] | None = None,
+        on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the harness on a loaded ``model`` (``models.load_model(...)``); returns the
-    results payload (no stamp). See the module docstring."""
+    results payload (no stamp). See the module docstring. ``on_row`` receives the
+    payload so far after every finished row (main saves it, so a run cut off by
+    a time limit keeps what it measured)."""
     method_options = method_options or {}
     tokenizer = tokenizer or _default_tokenizer(model)
     cfg = model.config
@@ -311,6 +314,24 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
 
     rows: list[dict] = []
     predictions: list[dict] = []
+
+    def payload() -> dict:
+        return {
+            "settings": {
+                "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
+                "budgets": list(budgets), "lengths": list(lengths), "tasks": list(tasks), "samples": samples,
+                "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
+                "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
+                "method_options": method_options, "keep_full_budget": keep_full_budget,
+                "answer_room": ruler_tasks.ANSWER_ROOM,
+            },
+            "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+                      "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "max_position": cfg.max_position},
+            "method_import_errors": import_errors,
+            "rows": rows,
+            "predictions": predictions,
+        }
+
     total = len(combos) * len(lengths)
     bar = None
     if progress:
@@ -366,9 +387,11 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 if name != "dense" and accuracy and "average" in row:
                     write(f"[accuracy] {name} b={budget} L={L}: avg {row['average']:.3f}"
                           + (f", mass {row['fidelity']['mass']:.3f}, KL {row['fidelity']['kl']:.4f}"
-                             if "fidelity" in row else ""))
+                             if "fidelity" in row else "")
+                          + " | " + " ".join(f"{t}={v:.2f}" for t, v in row["scores"].items()))
                 elif name == "dense" and accuracy:
-                    write(f"[accuracy] dense L={L}: avg {row['average']:.3f}")
+                    write(f"[accuracy] dense L={L}: avg {row['average']:.3f} | "
+                          + " ".join(f"{t}={v:.2f}" for t, v in row["scores"].items()))
             except Exception as e:  # noqa: BLE001 - report the method and go on with the others
                 row.update(status="error", reason=f"{type(e).__name__}: {e}",
                            traceback=traceback.format_exc(limit=8))
@@ -376,24 +399,11 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
             rows.append(row)
             if bar is not None:
                 bar.update(1)
+            if on_row is not None:
+                on_row(payload())
     if bar is not None:
         bar.close()
-
-    return {
-        "settings": {
-            "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
-            "budgets": list(budgets), "lengths": list(lengths), "tasks": list(tasks), "samples": samples,
-            "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
-            "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
-            "method_options": method_options, "keep_full_budget": keep_full_budget,
-            "answer_room": ruler_tasks.ANSWER_ROOM,
-        },
-        "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
-                  "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "max_position": cfg.max_position},
-        "method_import_errors": import_errors,
-        "rows": rows,
-        "predictions": predictions,
-    }
+    return payload()
 
 
 # -----------------------------------------------------------------------------
@@ -593,14 +603,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = models.load_model(args.model, dtype=dtype, max_len=max(args.lengths), weights=args.weights)
     print(f"[accuracy] loaded {model!r} in {time.perf_counter() - t0:.1f}s on {jax.devices()[0]}", file=sys.stderr)
-    payload = run(model, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
+    name = args.name or f"accuracy_{args.model}"
+    st = stamp(command)
+
+    def checkpoint(partial: dict) -> None:
+        save({"stamp": st, **partial, "wall_s": time.perf_counter() - t0, "partial": True}, name, args.out)
+
+    payload = run(model, on_row=checkpoint, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
                   samples=args.samples, batch_size=args.batch_size, fidelity=args.fidelity,
                   probe_steps=args.probe_steps, kl_steps=args.kl_steps, fidelity_batch=args.fidelity_batch,
                   seed=args.seed,
                   method_options=args.method_options, keep_full_budget=args.keep_full_budget,
                   accuracy=not args.no_accuracy, progress=not args.no_progress)
-    payload = {"stamp": stamp(command), **payload, "wall_s": time.perf_counter() - t0}
-    name = args.name or f"accuracy_{args.model}"
+    payload = {"stamp": st, **payload, "wall_s": time.perf_counter() - t0}
     out = save(payload, name, args.out)
     print(render_markdown(payload))
     print(f"[accuracy] wrote {out / name}.json/.md/.png in {payload['wall_s']:.0f}s", file=sys.stderr)
