@@ -141,9 +141,17 @@ def stamp(command: str | None = None) -> dict:
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command or _command_line(),
         "git_commit": commit or os.environ.get("GIT_COMMIT", ""),
     }
+
+
+def _command_line() -> str:
+    """How this process was started, as ``python -m pkg.module args`` where it was."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = f"python -m {spec.name}" if spec is not None and spec.name else f"python {sys.argv[0]}"
+    return " ".join([head, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> Path:

@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -26,6 +27,7 @@ from sparse_jax.ops.scoring import build_label_cache, label_scores, quest_block_
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
+DEADLINE = float("inf")
 
 
 def rel_err(a, b):
@@ -33,18 +35,23 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def sweep(name, fn, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exact=False):
+def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exact=False):
+    """``fn(*args, **cfg)`` for each cfg. The arrays are passed as arguments:
+    closing over them would embed gigabytes of constants in the program."""
     best = None
     for cfg in configs:
+        if time.time() > DEADLINE:
+            print(f"  {name} {cfg}: skipped (time budget)", flush=True)
+            continue
         try:
             f = jax.jit(functools.partial(fn, **cfg))
-            out = f()
+            out = f(*args)
             err = float(np.mean(np.sort(np.asarray(out), -1) != np.sort(np.asarray(ref), -1))) if exact else rel_err(out, ref)
             if err > tol:
                 print(f"  {name} {cfg}: WRONG (err {err:.3g})", flush=True)
                 rows.append({"kernel": name, "shape": shape, "config": json.dumps(cfg), "ms": float("nan"), "err": err})
                 continue
-            t = time_fn(f, (), runs=runs)
+            t = time_fn(f, args, runs=runs)
         except Exception as e:  # noqa: BLE001 - a config that fails to lower is a result too
             print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"kernel": name, "shape": shape, "config": json.dumps(cfg), "ms": float("nan"), "err": -1.0})
@@ -66,13 +73,16 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--only", default="", help="comma list: sparse,block,quest,labels,topk")
+    p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks.tune needs a GPU")
+    global DEADLINE
+    DEADLINE = time.time() + args.budget_s
     only = set(filter(None, args.only.split(",")))
     rows, best = [], {}
     key = jax.random.key(0)
-    for b, s in ((8, 131072), (1, 131072)):
+    for b, s in ((8, 131072), (1, 32768)):
         kq, kk, kv = jax.random.split(jax.random.fold_in(key, b), 3)
         q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
         k = jax.random.normal(kk, (b, HKV, s, D), jnp.bfloat16)
@@ -86,36 +96,36 @@ def main(argv=None):
         if not only or "sparse" in only:
             ref = sparse_decode_attention(q, k, v, idx, counts, impl="reference")
             cfgs = [dict(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st)
-                    for bk, ns, nw, st in itertools.product((32, 64, 128), (None, 8, 16), (4, 8), (2,))] + [dict(block_k=64, num_stages=3), dict(block_k=128, num_stages=3)]
+                    for bk, ns, nw, st in itertools.product((32, 64, 128), (None, 8, 16), (4,), (2,))] + [dict(block_k=64, num_warps=8), dict(block_k=64, num_stages=3)]
             best[("sparse", shape)] = sweep("sparse_decode_attention",
-                                            lambda **c: sparse_decode_attention(q, k, v, idx, counts, impl="pallas", **c),
-                                            ref, cfgs, nbytes, args.runs, rows, shape)
+                                            lambda *a, **c: sparse_decode_attention(*a, impl="pallas", **c),
+                                            (q, k, v, idx, counts), ref, cfgs, nbytes, args.runs, rows, shape)
         if not only or "block" in only:
             bidx = jax.random.randint(jax.random.key(2), (b, HKV, K // 64), 0, s // 64, jnp.int32)
             bc = jnp.full((b, HKV), K // 64, jnp.int32)
             ref = block_sparse_decode_attention(q, k, v, bidx, bc, lengths, block_size=64, impl="reference")
             cfgs = [dict(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st)
-                    for bk, ns, nw, st in itertools.product((64, 128), (None, 8, 16), (4, 8), (2,))]
+                    for bk, ns, nw, st in itertools.product((64, 128), (None, 8, 16), (4,), (2,))] + [dict(block_k=64, num_warps=8)]
             best[("block", shape)] = sweep("block_sparse_decode_attention",
-                                           lambda **c: block_sparse_decode_attention(q, k, v, bidx, bc, lengths, block_size=64, impl="pallas", **c),
-                                           ref, cfgs, nbytes, args.runs, rows, shape)
+                                           lambda *a, **c: block_sparse_decode_attention(*a, block_size=64, impl="pallas", **c),
+                                           (q, k, v, bidx, bc, lengths), ref, cfgs, nbytes, args.runs, rows, shape)
         if not only or "quest" in only:
             nb = s // 64
             kmax = jax.random.normal(jax.random.key(3), (b, HKV, nb, D), jnp.bfloat16)
             kmin = kmax - 1
             ref = quest_block_scores(q, kmax, kmin, impl="reference")
-            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=st) for bn, nw, st in itertools.product((64, 128, 256), (4, 8), (2,))]
-            best[("quest", shape)] = sweep("quest_block_scores", lambda **c: quest_block_scores(q, kmax, kmin, impl="pallas", **c),
-                                           ref, cfgs, 2 * kmax.size * 2, args.runs, rows, shape, tol=1e-3)
+            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=st) for bn, nw, st in itertools.product((64, 128, 256), (4,), (2,))]
+            best[("quest", shape)] = sweep("quest_block_scores", lambda *a, **c: quest_block_scores(*a, impl="pallas", **c),
+                                           (q, kmax, kmin), ref, cfgs, 2 * kmax.size * 2, args.runs, rows, shape, tol=1e-3)
         if not only or "labels" in only:
             channels = jnp.tile((jnp.arange(32, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
             labels = build_label_cache(k, channels)
             cand = jax.random.randint(jax.random.key(4), (b, HKV, 8192), 0, s, jnp.int32)
             cc = jnp.full((b, HKV), 8192, jnp.int32)
             ref = label_scores(q, labels, channels, cand, cc, impl="reference")
-            cfgs = [dict(block_c=bc_, num_warps=nw, num_stages=st) for bc_, nw, st in itertools.product((32, 64, 128, 256, 512), (4, 8), (2,))]
-            best[("labels", shape)] = sweep("label_scores", lambda **c: label_scores(q, labels, channels, cand, cc, impl="pallas", **c),
-                                            ref, cfgs, b * HKV * 8192 * (16 + 8 + 4), args.runs, rows, shape, tol=1e-3)
+            cfgs = [dict(block_c=bc_, num_warps=nw, num_stages=st) for bc_, nw, st in itertools.product((64, 128, 256, 512), (4, 8), (2,))]
+            best[("labels", shape)] = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
+                                            (q, labels, channels, cand, cc), ref, cfgs, b * HKV * 8192 * (16 + 8 + 4), args.runs, rows, shape, tol=1e-3)
     if not only or "topk" in only:
         from pallas_kernels import topk as _topk
 
@@ -124,7 +134,7 @@ def main(argv=None):
             sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
             ref = jax.lax.top_k(sc, kk)[1]
             cfgs = [dict()] + [dict(c) for c in getattr(_topk, "TUNING_CANDIDATES", lambda n, k: [])(n, kk)]
-            best[("topk", shape)] = sweep("topk_indices", lambda **c: topk_indices(sc, kk, impl="pallas", **c), ref, cfgs,
+            best[("topk", shape)] = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
                                           sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
             t = time_fn(jax.jit(lambda x: jax.lax.top_k(x, kk)[1]), (sc,), runs=args.runs)
             rows.append({"kernel": "lax.top_k", "shape": shape, "config": "{}", "ms": t.best_ms, "err": 0.0})
