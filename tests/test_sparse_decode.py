@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels.merge import MASK_VALUE
 from pallas_kernels.sparse_decode import choose_num_splits, resolve_sparse_tuning
 from sparse_jax.ops.attention import merge_attention, sparse_decode_attention
+from attention_oracle import oracle
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
@@ -23,30 +24,6 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 # Oracle and data
 # --------------------------------------------------------------------------
 
-def oracle(q, k, v, token_lists, scale):
-    """float64 attention; token_lists[b][h] is the list of attended positions."""
-    q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
-    B, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    out = np.zeros((B, Hq, D))
-    m = np.full((B, Hq), MASK_VALUE)
-    l = np.zeros((B, Hq))
-    for b in range(B):
-        for h in range(Hkv):
-            toks = np.asarray(token_lists[b][h], np.int64)
-            if toks.size == 0:
-                continue
-            for g in range(G):
-                i = h * G + g
-                s = k[b, h, toks] @ q[b, i] * scale
-                m[b, i] = s.max()
-                p = np.exp(s - m[b, i])
-                l[b, i] = p.sum()
-                out[b, i] = p @ v[b, h, toks] / l[b, i]
-    return out, m, l
 
 
 def make_qkv(rng, B, Hq, Hkv, S, D, dtype):
