@@ -38,22 +38,63 @@ Label scores (AsyncTLS's fine-grained token scorer over a candidate set):
 * the query is not quantized (Double Sparsity quantizes its query label too):
   this is more accurate at no cost, since the query is one vector per step.
 
-Kernel design (``label_scores_kernel``): grid ``(B, Hkv, ceil(C / block_c))``.
-Each program gathers the packed rows, scales and offsets of ``block_c``
-candidates (one pointer gather per row), unpacks the codes and computes the
-logits of all G heads. Dequantization is folded into the dot product:
-``sum_c q_c (offset + scale * code_c) = offset * sum_c q_c + scale * (q . code)``,
-so the codes are used as small integers and never scaled per element. Softmax
-needs the max and sum over the whole candidate set, so the kernel writes raw
-logits ``[B, Hkv, G, C]`` plus per-tile max and sum-of-exp, and a jnp epilogue
-(one fused XLA elementwise + reduce over G) rescales. Why two phases rather
-than one program per (b, kv-head): that grid would give only B*Hkv programs
-(64 at B=8, Hkv=8, fewer than the 132 SMs of an H100), each walking C=8192
-candidates serially; the raw-logit round trip costs ``B * Hq * C * 4`` bytes
-(8 MiB at B=8, Hq=32, C=8192: a few microseconds at HBM speed).
-Tuning: ``block_c`` (candidates per program, default 64; the per-program
-product tensor is ``Gp x block_c x W`` floats, so lower it for MQA-sized
-groups), ``num_warps``, ``num_stages``.
+Block-structured candidates (``block_label_scores_*``): ``block_ids
+int32[B, Hkv, NBsel]`` + ``block_counts`` + ``lengths`` + static ``block_size``
+stand for the candidates ``block_ids[..., j] * block_size + arange(block_size)``
+(output in that order, ``[B, Hkv, NBsel * block_size]``); masked: slots at or
+past the count, ids outside ``[0, ceil(S / block_size))``, tokens at or past
+``min(lengths[b], S)`` (see ``expand_blocks``). Same numbers as
+``label_scores`` on the expanded positions, without a candidate array.
+
+Kernel design (``label_scores_kernel`` / ``block_label_scores_kernel``, modes
+"two_pass" and "logits"). The earlier design (mode "per_tile": one program per
+64-candidate tile, a 3-D broadcast product reduced across lanes) compiled to a
+warp-shuffle reduction per product (~2300 instructions per candidate) and ran
+~86 us at B=8, C=8192 on the H100. Now:
+
+* grid ``(B, Hkv, P)``: ``P = splits`` programs per (b, kv-head) row, by
+  default as many as the GPU holds at once (``choose_splits`` with
+  ``programs_per_sm``, a register estimate: 2 programs of 4 warps per SM with
+  the query in registers, 3 without), so one wave; each program loops over
+  its contiguous share of tiles of ``block_c = 32 * num_warps`` candidates:
+  one candidate per thread.
+* a thread loads its candidate's packed row with one vector load, reassembled
+  as little-endian 32-bit words (LLVM folds that back into the loaded
+  registers), unpacks each code with a shift, a mask and an int-to-float
+  conversion, and accumulates ``q . code`` for each head in FMA chains inside
+  the thread: no cross-thread reduction, no shared memory in the loop. The query
+  (``G * r`` floats, prepared by one small XLA fusion: channel gather, scale,
+  field order) stays in registers across the loop when ``G * (r + 16) <= 192``
+  (``hoist_q``; G=4, r=32 fits), else it is reloaded from L1 every tile. Dequantization is
+  folded into the dot: ``sum_c q_c (offset + scale * code_c) = offset *
+  sum_c q_c + scale * (q . code)``.
+* software pipeline (``prefetch`` = D, default 2): at step t the rows of tile
+  t+D and the candidate ids of tile t+2D are loaded; the loop body is unrolled
+  D times with fixed register slots, and each tile's work sits in a branch
+  (``lax.cond``, which also skips tiles past the count) so the scheduler keeps
+  the loads ahead of it. The block path makes positions in registers from the
+  block ids (a tile's rows are then consecutive).
+* softmax statistics are online per lane (running max and sum of exp, one exp
+  per candidate and head), reduced across lanes once per program into
+  ``(max, sum) [B, Hkv, P, G]``.
+* "two_pass": kernel 1 writes only those statistics; kernel 2 combines the P
+  partials of its row and recomputes the logits (their label rows are L2-warm)
+  to write ``mean_g exp(logit - M_g) / L_g`` directly: no logits round trip,
+  no XLA epilogue. "logits": one kernel writes raw logits ``[B, Hkv, G, C]``
+  (-inf where masked) and the statistics, and a memory-bound Pallas kernel
+  normalizes. Per tile of 128 candidates at G=4, r=32 the compute is ~350 SASS
+  instructions a thread (128 FFMA) with ~230 registers (2 programs of 4 warps
+  per SM), spill-free (offline sm_90 compile).
+
+Expected cost at B=8, Hq=32, Hkv=8, r=32, C=8192 (not yet measured): each
+compute pass ~6-9 us (issue-bound: 524K candidates x ~350 instructions); the
+logits round trip 8 MiB out and in (~4 us); so "logits" ~12-15 us and
+"two_pass" ~15-18 us, plus a ~1-2 us query-preparation fusion.
+
+Tuning (all static): ``mode`` (default "logits"), ``block_c`` (power of two;
+keep it ``32 * num_warps``: other values need layout conversions), ``num_warps``
+(default 4), ``num_stages`` (default 1: the pipelining is explicit),
+``splits``, ``prefetch`` (0-3), ``hoist_q`` (None = auto).
 
 ``build_label_cache_kernel``: grid ``(B, Hkv, ceil(S / block_s))``; for each of
 the ``8 // bits`` code slots of a byte one 2-D pointer gather
@@ -63,8 +104,9 @@ pack in registers; masked stores for the tail tile. Tuning: ``block_s``
 
 Triton constraints: in-kernel tensors need power-of-two sizes, so the packed
 width ``r * bits // 8`` and the tiles must be powers of two (the public op
-falls back to the reference otherwise); G is padded to a power of two with
-zero query rows whose outputs are never stored.
+falls back to the reference otherwise); G and the block size may be anything
+(heads are a static loop; "per_tile" pads G to a power of two with zero query
+rows whose outputs are never stored).
 """
 
 from __future__ import annotations
@@ -75,6 +117,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -89,6 +132,12 @@ __all__ = [
     "label_scores_kernel",
     "label_scores_epilogue",
     "check_packed_width",
+    "expand_blocks",
+    "block_label_scores_reference",
+    "block_label_scores_kernel",
+    "choose_splits",
+    "MODES",
+    "TUNING_KEYS",
 ]
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -369,14 +418,9 @@ def label_scores_epilogue(logits, tile_max, tile_sum):
     return jnp.mean(p, axis=2)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "bits", "block_c", "num_warps", "num_stages", "interpret",
-                     "return_raw"),
-)
-def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, lengths=None,
-                        scale=None, bits=4, block_c=64, num_warps=4, num_stages=2, interpret=False,
-                        return_raw=False):
+def _per_tile_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None,
+                     scale=None, bits=4, block_c=64, num_warps=4, num_stages=2, interpret=False,
+                     return_raw=False):
     """Pallas path of ``label_scores`` (kernel + jnp epilogue).
 
     ``block_c`` (power of two) candidates per program; the packed width
@@ -449,3 +493,526 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     if return_raw:
         return logits, tmax, tsum
     return label_scores_epilogue(logits, tmax, tsum)
+
+
+# ----------------------------------------------------------------------------
+# Kernel: label scores, looped programs (grid (B, Hkv, splits))
+# ----------------------------------------------------------------------------
+
+# Running max of a lane that has seen no valid candidate yet (finite: no inf - inf).
+_STAT_FLOOR = -1e30
+
+MODES = ("two_pass", "logits", "per_tile")
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.cache
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 0) or 0) or 132
+    except RuntimeError:
+        pass
+    return 132  # H100 SXM
+
+
+def programs_per_sm(group: int, r: int, num_warps: int, hoist_q: bool) -> int:
+    """Resident programs per SM, from a register estimate fitted to offline
+    sm_90 compiles of the looped kernels (G=4, r=32: ~230 registers with the
+    query in registers, ~130 without; G=8, r=32 without: ~190)."""
+    regs = 72 + 16 * group + (group * r if hoist_q else 0)
+    regs = min(256, -(-regs // 8) * 8)
+    return max(1, min(64 // num_warps, 65536 // (regs * 32 * num_warps)))
+
+
+def choose_splits(rows: int, num_tiles: int, per_sm: int = 2, splits=None) -> int:
+    """Programs per (b, kv-head) row, at most the number of tiles.
+
+    Default: as many as the GPU holds at once, ``SMs * per_sm // rows`` (one
+    wave; every program loops over its share), at least 1.
+    """
+    if splits is None:
+        splits = max(1, (_num_sms() * per_sm) // max(1, rows))
+    splits = int(splits)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    return max(1, min(splits, num_tiles))
+
+
+def _combine_stats(m_in, l_in, group):
+    """Per head: the global max (0 when empty) and ``1 / (G * sum)`` (0 when empty)
+    from the per-program ``(max, sum-exp)`` refs ``[P, G]``."""
+    npart = m_in.shape[0]
+    npad = _next_pow2(npart)  # in-kernel tensors: power-of-two sizes
+    ok = jnp.arange(npad, dtype=jnp.int32) < npart
+    maxes, weights = [], []
+    for g in range(group):
+        mg = plgpu.load(m_in.at[pl.ds(0, npad), jnp.int32(g)], mask=ok, other=-jnp.inf)
+        lg = plgpu.load(l_in.at[pl.ds(0, npad), jnp.int32(g)], mask=ok, other=0.0)
+        big = jnp.max(mg)
+        big = jnp.where(big == -jnp.inf, 0.0, big)
+        tot = jnp.sum(lg * jnp.exp(mg - big))
+        weights.append(jnp.where(tot > 0, (1.0 / group) / jnp.where(tot > 0, tot, 1.0), 0.0))
+        maxes.append(big)
+    return maxes, weights
+
+
+def _looped_body(len_ref, cnt_ref, src_ref, q_ref, packed_ref, scale_ref, offset_ref,
+                 *rest, phase, source, seq_len, num_cand, block_c, tiles_per_prog, num_tiles,
+                 group, bits, block_size, num_block_slots, words, hoist_q, prefetch):
+    # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
+    # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
+    # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
+    # field (see _prepare_query); packed_ref: [S, W] uint8;
+    # scale_ref, offset_ref: [S] f32. rest by phase:
+    #   "stats":  m_ref, l_ref [P, G]                  (outputs)
+    #   "logits": logit_ref [G, C], m_ref, l_ref [P, G] (outputs)
+    #   "scores": m_in, l_in [P, G] (inputs), out_ref [C] (output)
+    tc = block_c
+    levels = (1 << bits) - 1
+    vpb = 8 // bits
+    width = packed_ref.shape[-1]
+    lanes = jnp.arange(tc, dtype=jnp.int32)
+    p = pl.program_id(2)
+    t_first = p * tiles_per_prog
+    t_last = jnp.minimum(t_first + tiles_per_prog, num_tiles)  # this program's tiles: [t_first, t_last)
+    length = jnp.clip(len_ref[()], 0, seq_len)
+    if source == "dense":
+        limit = length  # pos == index: nothing at or past the length is valid
+    elif source == "array":
+        limit = jnp.clip(cnt_ref[()], 0, num_cand)
+    else:
+        limit = jnp.clip(cnt_ref[()], 0, num_block_slots) * block_size
+    # Tiles at or past the count hold no valid candidate: never loaded, only filled.
+    t_work = jnp.clip(lax.div(limit + (tc - 1), tc), t_first, t_last)
+    lim = jnp.minimum(limit, t_work * tc)  # prefetches past this program's work load nothing
+    num_blocks_total = -(-seq_len // block_size) if source == "blocks" else 0
+
+    def fetch_pos(t):
+        """Cache positions of tile t's candidates, -1 where masked."""
+        cidx = t * tc + lanes
+        ok = cidx < lim
+        if source == "dense":
+            pos = cidx
+        elif source == "array":
+            pos = plgpu.load(src_ref.at[pl.ds(t * tc, tc)], mask=ok, other=0)
+        else:
+            slot = lax.div(cidx, block_size)
+            bid = plgpu.load(src_ref.at[jnp.where(ok, slot, 0)], mask=ok, other=0)
+            ok &= (bid >= 0) & (bid < num_blocks_total)  # also keeps bid * block_size from overflowing
+            pos = bid * block_size + (cidx - slot * block_size)
+        ok &= (pos >= 0) & (pos < length)
+        return jnp.where(ok, pos, -1)
+
+    def fetch_rows(pos):
+        """Tile rows ``[TC, W]`` uint8 (or ``[TC, W/4]`` int32 words), scales, offsets."""
+        ok = pos >= 0
+        posc = jnp.maximum(pos, 0)
+        cols = jnp.arange(width, dtype=jnp.int32)
+        # One row per thread, contiguous along W: a single vector load per row.
+        rows = plgpu.load(packed_ref.at[posc[:, None], cols[None, :]], mask=ok[:, None], other=0)
+        lsc = plgpu.load(scale_ref.at[posc], mask=ok, other=0.0)
+        loff = plgpu.load(offset_ref.at[posc], mask=ok, other=0.0)
+        if words:
+            # Little-endian 32-bit words: LLVM folds this back into the loaded
+            # registers, so the prefetch queue holds 4 packed registers, not bytes.
+            x = rows.astype(jnp.int32).reshape(tc, width // 4, 4)
+            rows = jnp.sum(x << (8 * jnp.arange(4, dtype=jnp.int32))[None, None, :], axis=2)
+        return rows, lsc, loff
+
+    nper = q_ref.shape[-1]  # words (bytes) per row
+    if hoist_q:
+        # The query lives in registers across the loop; its channel sums come
+        # from the same registers (in-thread: every thread holds all of it).
+        qv = [[q_ref[jnp.int32(f), jnp.int32(g), :] for g in range(group)]
+              for f in range(q_ref.shape[0])]
+        # [TC] (every lane the same) rather than a scalar: reduced like the
+        # products, inside each thread, with no cross-lane reduction.
+        ones = jnp.ones((tc, nper), jnp.float32)
+        qsum = [jnp.sum(functools.reduce(lambda a, b: a + b, [ones * qv[f][g][None, :]
+                                                             for f in range(len(qv))]), axis=1)
+                for g in range(group)]
+        load_q = lambda f, g, t: qv[f][g]  # noqa: E731
+    else:
+        # Reloaded (L1 hits) every tile: the loop-variant mask keeps LLVM from
+        # hoisting the loads and keeping them in registers anyway.
+        def load_q(f, g, t):
+            return plgpu.load(q_ref.at[jnp.int32(f), jnp.int32(g), pl.ds(0, nper)],
+                              mask=jnp.full((nper,), t >= 0), other=0.0)
+
+        qsum = [functools.reduce(lambda a, b: a + b, [jnp.sum(q_ref[jnp.int32(f), jnp.int32(g), :])
+                                                     for f in range(q_ref.shape[0])])
+                for g in range(group)]
+
+    def logits_of(t, rows, lsc, loff):
+        x = rows.astype(jnp.int32)
+        if words:  # field k of word a is channel a * (32 // bits) + k
+            codes = [((x >> (bits * k)) & levels if k else x & levels).astype(jnp.float32)
+                     for k in range(32 // bits)]
+        else:  # slot i of byte j is channel j * vpb + i
+            codes = [((x >> (bits * i)) & levels if vpb > 1 else x).astype(jnp.float32)
+                     for i in range(vpb)]
+        out = []
+        for g in range(group):
+            if words:
+                # Many short fields: elementwise FMA chains over the fields, then one row sum.
+                acc = None
+                for f, c in enumerate(codes):
+                    prod = c * load_q(f, g, t)[None, :]
+                    acc = prod if acc is None else acc + prod
+                dot = jnp.sum(acc, axis=1)
+            else:
+                # Few wide fields: one in-thread row reduction (an FMA chain) per field.
+                dot = None
+                for f, c in enumerate(codes):
+                    part = jnp.sum(c * load_q(f, g, t)[None, :], axis=1)
+                    dot = part if dot is None else dot + part
+            out.append(dot * lsc + qsum[g] * loff)  # dequantization folded in
+        return out
+
+    if phase == "scores":
+        m_in, l_in, out_ref = rest
+        maxes, weights = _combine_stats(m_in, l_in, group)
+        stats0 = ()
+    else:
+        if phase == "logits":
+            logit_ref, m_ref, l_ref = rest
+        else:
+            m_ref, l_ref = rest
+        floor = jnp.full((tc,), _STAT_FLOOR, jnp.float32)
+        zero = jnp.zeros((tc,), jnp.float32)
+        stats0 = tuple(floor for _ in range(group)) + tuple(zero for _ in range(group))
+
+    def compute(t, pos, rows, lsc, loff, stats):
+        valid = pos >= 0
+        logits = logits_of(t, rows, lsc, loff)
+        in_c = t * tc + lanes < num_cand
+        if phase == "scores":
+            acc = None
+            for g in range(group):
+                e = jnp.exp(logits[g] - maxes[g]) * weights[g]
+                acc = e if acc is None else acc + e
+            plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid, acc, 0.0), mask=in_c)
+            return stats
+        if phase == "logits":
+            for g in range(group):
+                plgpu.store(logit_ref.at[jnp.int32(g), pl.ds(t * tc, tc)],
+                            jnp.where(valid, logits[g], -jnp.inf), mask=in_c)
+        # Per-lane online softmax statistics (combined across lanes once, at
+        # the end): one exp per candidate and head, no cross-thread work.
+        ms, ls = list(stats[:group]), list(stats[group:])
+        for g in range(group):
+            d = logits[g] - ms[g]
+            e = jnp.exp(-jnp.abs(d))
+            up = d > 0
+            ms[g] = jnp.where(valid & up, logits[g], ms[g])
+            ls[g] = jnp.where(valid, jnp.where(up, ls[g] * e + 1.0, ls[g] + e), ls[g])
+        return tuple(ms) + tuple(ls)
+
+    n_work = t_work - t_first
+
+    def guarded(t, tile, stats):
+        # A branch, not just masks: tiles past the work are skipped, and the
+        # loads issued before it stay there (the scheduler does not move code
+        # across the branch), so prefetches are issued a whole step early.
+        return lax.cond(t < t_work, lambda tl, st: compute(t, *tl, st), lambda tl, st: st,
+                        tile, stats)
+
+    if prefetch:
+        # Software pipeline ``prefetch`` (D) tiles deep: at step t the rows of
+        # tile t+D are loaded (with positions loaded at step t-D) and the
+        # positions of tile t+2D, then tile t is computed. The body is unrolled
+        # D times and step k always uses queue slot k, so a slot's registers
+        # are written by its load and read D steps later (a rotating queue
+        # would need register moves, which wait for the loads).
+        d = prefetch
+        rowq, posq = [], []
+        for k in range(d):
+            pos_k = fetch_pos(t_first + k)
+            rowq.append((pos_k, *fetch_rows(pos_k)))
+            posq.append(fetch_pos(t_first + d + k))
+
+        def body(j, carry):
+            rowq, posq, stats = carry
+            rowq, posq = list(rowq), list(posq)
+            for k in range(d):
+                t = t_first + j * d + k
+                pos_new = fetch_pos(t + 2 * d)
+                rows_new = (posq[k], *fetch_rows(posq[k]))
+                stats = guarded(t, rowq[k], stats)
+                rowq[k], posq[k] = rows_new, pos_new
+            return (tuple(rowq), tuple(posq), stats)
+
+        init = (tuple(rowq), tuple(posq), stats0)
+        stats = lax.fori_loop(0, lax.div(n_work + (d - 1), d), body, init)[-1]
+    else:
+        def body(j, stats):
+            t = t_first + j
+            pos = fetch_pos(t)
+            return compute(t, pos, *fetch_rows(pos), stats)
+
+        stats = lax.fori_loop(0, n_work, body, stats0)
+
+    if phase != "stats":
+        # Tiles past the count: masked entries only.
+        fill = 0.0 if phase == "scores" else -jnp.inf
+
+        def fill_body(t, c):
+            in_c = t * tc + lanes < num_cand
+            vals = jnp.full((tc,), fill, jnp.float32)
+            if phase == "scores":
+                plgpu.store(out_ref.at[pl.ds(t * tc, tc)], vals, mask=in_c)
+            else:
+                for g in range(group):
+                    plgpu.store(logit_ref.at[jnp.int32(g), pl.ds(t * tc, tc)], vals, mask=in_c)
+            return c
+
+        lax.fori_loop(t_work, t_last, fill_body, 0)
+
+    if phase != "scores":
+        for g in range(group):
+            mg, lg = stats[g], stats[group + g]
+            big = jnp.max(mg)
+            tot = jnp.sum(lg * jnp.exp(mg - big))
+            m_ref[p, jnp.int32(g)] = jnp.where(tot > 0, big, -jnp.inf)
+            l_ref[p, jnp.int32(g)] = tot
+
+
+def _normalize_body(logit_ref, m_in, l_in, out_ref, *, num_cand, block_c, group):
+    # logit_ref: [G, C] raw logits (-inf where masked); m_in, l_in: [P, G]; out_ref: [C].
+    maxes, weights = _combine_stats(m_in, l_in, group)
+    t = pl.program_id(2)
+    in_c = t * block_c + jnp.arange(block_c, dtype=jnp.int32) < num_cand
+    acc = None
+    for g in range(group):
+        x = plgpu.load(logit_ref.at[jnp.int32(g), pl.ds(t * block_c, block_c)], mask=in_c,
+                       other=-jnp.inf)
+        e = jnp.exp(x - maxes[g]) * weights[g]  # exactly 0 where the logit is -inf
+        acc = e if acc is None else acc + e
+    plgpu.store(out_ref.at[pl.ds(t * block_c, block_c)], acc, mask=in_c)
+
+
+def _prepare_query(q, channels, hkv, sm_scale, bits, words):
+    """The channel-gathered, pre-scaled query by code field: ``[B, Hkv, F, G, N]`` f32.
+
+    ``words``: F = 32 // bits fields of N = W // 4 little-endian 32-bit words
+    (field k of word a holds channel ``a * F + k``); else F = 8 // bits slots of
+    N = W bytes (slot i of byte j holds channel ``j * F + i``).
+    """
+    b, hq, d = q.shape
+    g = hq // hkv
+    r = channels.shape[-1]
+    qc = _gather_channels(q.reshape(b, hkv, g, d), channels) * sm_scale  # [B, Hkv, G, r]
+    nf = (32 if words else 8) // bits
+    return qc.reshape(b, hkv, g, r // nf, nf).transpose(0, 1, 4, 2, 3)
+
+
+def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, block_size,
+                   sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
+                   hoist_q, interpret, return_raw):
+    b, hq, _ = q.shape
+    _, hkv, s, w = labels.packed.shape
+    g = hq // hkv
+    r = channels.shape[-1]
+    if not (_is_pow2(w) and _is_pow2(block_c)):
+        raise ValueError("label_scores_kernel needs power-of-two r*bits//8 and block_c")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    words = w % 4 == 0  # whole 32-bit words per row (r*bits >= 32)
+    if hoist_q is None:
+        # G*r registers of query + ~16 a head of accumulators and statistics:
+        # G=4, r=32 fits (~230 registers), G=8, r=16 would spill (offline sm_90 compile).
+        hoist_q = g * (r + 16) <= 192
+    num_tiles = pl.cdiv(num_cand, block_c)
+    nsplit = choose_splits(b * hkv, num_tiles, programs_per_sm(g, r, num_warps, hoist_q), splits)
+    tpp = pl.cdiv(num_tiles, nsplit)
+    nsplit = pl.cdiv(num_tiles, tpp)  # no program without a tile
+    common = dict(
+        source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
+        num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
+        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch)
+    qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
+    meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
+    in_specs = [
+        pl.BlockSpec((None,), lambda i, j, t: (i,)),
+        pl.BlockSpec((None, None), lambda i, j, t: (i, j)),
+        pl.BlockSpec((None, None, src.shape[-1]), lambda i, j, t: (i, j, 0)),
+        pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0)),
+        pl.BlockSpec((None, None, s, w), lambda i, j, t: (i, j, 0, 0)),
+        meta_spec,
+        meta_spec,
+    ]
+    args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), qp,
+            labels.packed, labels.scale, labels.offset)
+    stat_spec = pl.BlockSpec((None, None, nsplit, g), lambda i, j, t: (i, j, 0, 0))
+    stat = jax.ShapeDtypeStruct((b, hkv, nsplit, g), jnp.float32)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    grid = (b, hkv, nsplit)
+    tag = f"{source}_c{block_c}_p{nsplit}"
+    out_spec = pl.BlockSpec((None, None, num_cand), lambda i, j, t: (i, j, 0))
+    out_shape = jax.ShapeDtypeStruct((b, hkv, num_cand), jnp.float32)
+    if mode == "logits":
+        logits, m, l = pl.pallas_call(
+            functools.partial(_looped_body, phase="logits", **common),
+            grid=grid, in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, None, g, num_cand), lambda i, j, t: (i, j, 0, 0)),
+                       stat_spec, stat_spec],
+            out_shape=[jax.ShapeDtypeStruct((b, hkv, g, num_cand), jnp.float32), stat, stat],
+            compiler_params=params, interpret=interpret, name=f"label_logits_{tag}",
+        )(*args)
+        if return_raw:
+            return logits, m, l
+        # Memory-bound normalization: one tile per program, 4 candidates a
+        # thread (vector loads and stores), few registers, many programs.
+        nbc = min(4 * 32 * num_warps, _next_pow2(num_cand))
+        ntn = pl.cdiv(num_cand, nbc)
+        return pl.pallas_call(
+            functools.partial(_normalize_body, num_cand=num_cand, block_c=nbc, group=g),
+            grid=(b, hkv, ntn),
+            in_specs=[pl.BlockSpec((None, None, g, num_cand), lambda i, j, t: (i, j, 0, 0)),
+                      stat_spec, stat_spec],
+            out_specs=out_spec, out_shape=out_shape,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret, name=f"label_normalize_c{nbc}",
+        )(logits, m, l)
+    m, l = pl.pallas_call(
+        functools.partial(_looped_body, phase="stats", **common),
+        grid=grid, in_specs=in_specs, out_specs=[stat_spec, stat_spec], out_shape=[stat, stat],
+        compiler_params=params, interpret=interpret, name=f"label_stats_{tag}",
+    )(*args)
+    out = pl.pallas_call(
+        functools.partial(_looped_body, phase="scores", **common),
+        grid=grid, in_specs=in_specs + [stat_spec, stat_spec], out_specs=out_spec,
+        out_shape=out_shape, compiler_params=params, interpret=interpret,
+        name=f"label_scores_{tag}",
+    )(*args, m, l)
+    if return_raw:
+        return out, m, l
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Public kernel entry points
+# ----------------------------------------------------------------------------
+
+DEFAULT_MODE = "logits"
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 1
+DEFAULT_PREFETCH = 2
+
+TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q")
+_KERNEL_STATIC = ("scale", "bits", "interpret", "return_raw") + TUNING_KEYS
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _looped_tuning(block_c, num_warps, num_stages, prefetch):
+    nw = DEFAULT_NUM_WARPS if num_warps is None else int(num_warps)
+    return dict(
+        block_c=32 * nw if block_c is None else int(block_c),  # one candidate per thread
+        num_warps=nw,
+        num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages),
+        prefetch=DEFAULT_PREFETCH if prefetch is None else int(prefetch))
+
+
+@functools.partial(jax.jit, static_argnames=_KERNEL_STATIC)
+def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, lengths=None,
+                        scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
+                        num_stages=None, splits=None, prefetch=None, hoist_q=None,
+                        interpret=False, return_raw=False):
+    """Pallas path of ``label_scores`` (modes and tuning: see the module docstring).
+
+    ``return_raw=True`` returns the kernels' intermediate results:
+    ``(logits [B, Hkv, G, C], max, sum)`` with per-tile ``[B, Hkv, NT, G]``
+    statistics for "per_tile" and per-program ``[B, Hkv, P, G]`` ones for
+    "logits"; ``(scores, max, sum)`` for "two_pass".
+    """
+    _check_mode(mode)
+    b, hq, d = q.shape
+    _, hkv, s, w = labels.packed.shape
+    check_packed_width(w, channels.shape[-1], bits)
+    sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
+    if mode == "per_tile":
+        return _per_tile_scores(
+            q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
+            block_c=64 if block_c is None else block_c, num_warps=4 if num_warps is None else num_warps,
+            num_stages=2 if num_stages is None else num_stages, interpret=interpret,
+            return_raw=return_raw)
+    if lengths is None:
+        lengths = jnp.full((b,), s, jnp.int32)
+    if candidates is None:
+        source, num_cand = "dense", s
+        src = jnp.zeros((b, hkv, 1), jnp.int32)
+        cnt = jnp.full((b, hkv), s, jnp.int32)
+    else:
+        source, num_cand = "array", candidates.shape[-1]
+        src = candidates
+        cnt = jnp.full((b, hkv), num_cand, jnp.int32) if counts is None else counts
+    return _looped_scores(
+        q, labels, channels, src, cnt, lengths, source=source, num_cand=num_cand, block_size=1,
+        sm_scale=sm_scale, bits=bits, mode=mode, splits=splits, hoist_q=hoist_q,
+        interpret=interpret, return_raw=return_raw,
+        **_looped_tuning(block_c, num_warps, num_stages, prefetch))
+
+
+def expand_blocks(block_ids, block_counts, lengths, *, block_size, seq_len):
+    """Token positions ``int32[B, Hkv, NBsel * block_size]`` of the selected blocks, -1 where masked.
+
+    Slot ``j`` expands to ``block_ids[..., j] * block_size + arange(block_size)``;
+    masked: slots at or past ``block_counts`` (clamped to ``[0, NBsel]``), block ids
+    outside ``[0, ceil(S / block_size))``, positions at or past ``min(lengths[b], S)``.
+    """
+    b, hkv, nb = block_ids.shape
+    bid = block_ids.astype(jnp.int32)
+    cnt = jnp.clip(block_counts.astype(jnp.int32), 0, nb)
+    ok = (jnp.arange(nb, dtype=jnp.int32)[None, None, :] < cnt[..., None]) & (bid >= 0) & (
+        bid < -(-seq_len // block_size))
+    pos = jnp.where(ok, bid, 0)[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    limit = jnp.clip(lengths.astype(jnp.int32), 0, seq_len)[:, None, None, None]
+    pos = jnp.where(ok[..., None] & (pos < limit), pos, -1)
+    return pos.reshape(b, hkv, nb * block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "bits"))
+def block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths, *,
+                                 block_size, scale=None, bits=4):
+    """``float32[B, Hkv, NBsel * block_size]``: ``label_scores`` over the tokens of the
+    selected blocks, in block-slot order (``expand_blocks`` says what is masked)."""
+    pos = expand_blocks(block_ids, block_counts, lengths, block_size=block_size,
+                        seq_len=labels.packed.shape[2])
+    return label_scores_reference(q, labels, channels, pos, None, lengths=lengths, scale=scale,
+                                  bits=bits)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",) + _KERNEL_STATIC)
+def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
+                              scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
+                              num_stages=None, splits=None, prefetch=None, hoist_q=None,
+                              interpret=False, return_raw=False):
+    """Pallas path of ``block_label_scores``: candidate positions are made in
+    registers from the block ids (no candidate array is read), and a block's
+    rows are consecutive. Modes "two_pass" and "logits"; tuning as
+    ``label_scores_kernel``."""
+    _check_mode(mode)
+    if mode == "per_tile":
+        raise ValueError("block_label_scores_kernel has no 'per_tile' mode")
+    b, hq, d = q.shape
+    _, hkv, s, w = labels.packed.shape
+    check_packed_width(w, channels.shape[-1], bits)
+    sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
+    return _looped_scores(
+        q, labels, channels, block_ids, block_counts, lengths, source="blocks",
+        num_cand=block_ids.shape[-1] * block_size, block_size=block_size, sm_scale=sm_scale,
+        bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, interpret=interpret,
+        return_raw=return_raw, **_looped_tuning(block_c, num_warps, num_stages, prefetch))

@@ -1,10 +1,13 @@
 """Double-Sparsity label cache and label scores.
 
-Reference and Pallas kernel (interpret mode) against float64 NumPy oracles:
+Reference and Pallas kernels (interpret mode) against float64 NumPy oracles:
 packing layout (even channel in the low nibble), quantization error within
 scale/2, incremental updates equal to a rebuild, and label scores over
 candidate sets with counts below C (garbage past the count), candidates past
-the length, and candidates=None with ragged lengths; GQA ratios 1, 3, 4, 8.
+the length, and candidates=None with ragged lengths; GQA ratios 1, 3, 4, 8;
+every kernel mode (two_pass, logits, per_tile) with several programs per row
+and prefetch depths; block-structured candidates (block_label_scores) with
+partial and out-of-range blocks.
 """
 
 import math
@@ -231,7 +234,8 @@ def test_label_scores_other_bit_widths(impl):
 
 
 def test_label_scores_kernel_tiles_and_raw_outputs():
-    """Raw kernel outputs: masked logits are -inf and the per-tile stats recombine."""
+    """Raw kernel outputs: masked logits are -inf and the per-tile (per_tile) or
+    per-program (logits, two_pass) statistics recombine."""
     from pallas_kernels import labels as lb
 
     b, hq, hkv, s, d, r = 1, 4, 1, 50, 64, 16
@@ -239,7 +243,8 @@ def test_label_scores_kernel_tiles_and_raw_outputs():
     channels = _channels(31, hkv, d, r)
     cache = lb.build_label_cache_reference(k, channels)
     q = _randn(31, (b, hq, d))
-    logits, tmax, tsum = lb.label_scores_kernel(q, cache, channels, lengths=jnp.asarray([20]),
+    lengths = jnp.asarray([20])
+    logits, tmax, tsum = lb.label_scores_kernel(q, cache, channels, lengths=lengths, mode="per_tile",
                                                 block_c=16, interpret=True, return_raw=True)
     assert logits.shape == (b, hkv, hq, s) and tmax.shape == tsum.shape == (b, hkv, 4, hq)
     logits = np.asarray(logits)
@@ -248,6 +253,192 @@ def test_label_scores_kernel_tiles_and_raw_outputs():
     want = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1)).mean(2)
     np.testing.assert_allclose(np.asarray(lb.label_scores_epilogue(logits, tmax, tsum)), want,
                                rtol=1e-6, atol=1e-7)
+
+    # Looped kernels: 4 tiles of 16 over 2 programs; the second program's tiles
+    # are past the length (its statistics are empty: max -inf, sum 0).
+    raw, m, l = lb.label_scores_kernel(q, cache, channels, lengths=lengths, mode="logits",
+                                       block_c=16, splits=2, interpret=True, return_raw=True)
+    assert raw.shape == (b, hkv, hq, s) and m.shape == l.shape == (b, hkv, 2, hq)
+    raw = np.asarray(raw)
+    np.testing.assert_allclose(raw[..., :20], logits[..., :20], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(raw[..., 20:]))
+    assert np.all(np.isneginf(np.asarray(m)[:, :, 1])) and np.all(np.asarray(l)[:, :, 1] == 0)
+    np.testing.assert_allclose(np.asarray(m)[:, :, 0], raw[..., :20].max(-1), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(l)[:, :, 0],
+                               np.exp(raw[..., :20] - raw[..., :20].max(-1, keepdims=True)).sum(-1),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lb.label_scores_epilogue(raw, m, l)), want, rtol=1e-5,
+                               atol=1e-7)
+    out, m2, l2 = lb.label_scores_kernel(q, cache, channels, lengths=lengths, mode="two_pass",
+                                         block_c=16, splits=2, interpret=True, return_raw=True)
+    np.testing.assert_allclose(np.asarray(m2), np.asarray(m), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(l2), np.asarray(l), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-7)
+
+
+# (Hq, Hkv, D, r, bits, C, tuning): awkward sizes; tiles of 16-32 candidates so
+# that several programs (splits, also not powers of two) each loop over several tiles.
+LOOPED_CASES = [
+    (2, 2, 64, 16, 4, 37, dict(mode="two_pass", block_c=16, splits=2)),
+    (6, 2, 64, 16, 4, 100, dict(mode="logits", block_c=16, splits=3, prefetch=1)),
+    (8, 2, 128, 32, 4, 77, dict(mode="two_pass", block_c=16, splits=3, prefetch=3)),
+    (16, 2, 128, 32, 4, 50, dict(mode="logits", block_c=32, splits=1)),  # G=8: query reloaded per tile
+    (4, 1, 64, 32, 4, 61, dict(mode="two_pass", block_c=16, splits=2, prefetch=0)),
+    (4, 2, 64, 16, 4, 45, dict(mode="two_pass", block_c=16, hoist_q=False, prefetch=2)),
+    (3, 1, 64, 32, 2, 40, dict(mode="logits", block_c=16, splits=2)),
+    (9, 3, 64, 16, 8, 33, dict(mode="two_pass", block_c=16, splits=2)),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,r,bits,c,tuning", LOOPED_CASES)
+def test_label_scores_looped_kernels_match_oracle(hq, hkv, d, r, bits, c, tuning):
+    """The looped kernels across modes, splits, prefetch depths, GQA ratios 1-8,
+    r = 16/32 and bit widths: candidates with garbage past the count, past the
+    length, an empty row, and counts ending inside a tile."""
+    b, s = 2, 90
+    dtype = jnp.bfloat16 if d == 128 else jnp.float32
+    k = _keys(hq + c, b, hkv, s, d, dtype)
+    channels = _channels(hq + r, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, bits=bits, impl="reference")
+    q = _randn(c + r, (b, hq, d), dtype, 2.0)
+    rng = np.random.default_rng(c)
+    lengths = np.array([90, 61])
+    cand = rng.integers(0, 90, size=(b, hkv, c))
+    counts = rng.integers(1, c + 1, size=(b, hkv))
+    counts[0, 0] = c
+    counts[1, -1] = 0
+    junk = rng.integers(-1000, 1000, size=(b, hkv, c))
+    idx = np.arange(c)
+    cand = np.where(idx < counts[..., None], cand, junk)
+    valid = (idx < counts[..., None]) & (cand >= 0) & (cand < lengths[:, None, None])
+    got = scoring.label_scores(q, cache, channels, jnp.asarray(cand, jnp.int32),
+                               jnp.asarray(counts, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32),
+                               bits=bits, impl="pallas", **tuning)
+    want = _oracle_scores(q, cache, channels, bits, np.clip(cand, 0, s - 1), valid, 1 / math.sqrt(d))
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.all(got[~valid] == 0.0)
+    rows = valid.any(-1)
+    np.testing.assert_allclose(got.sum(-1)[rows], 1.0, rtol=1e-5)
+    assert np.all(got[~rows] == 0.0)
+
+
+@pytest.mark.parametrize("mode", ["two_pass", "logits"])
+def test_label_scores_looped_all_positions(mode):
+    b, hq, hkv, s, d, r = 3, 8, 2, 75, 128, 32
+    k = _keys(77, b, hkv, s, d, jnp.bfloat16)
+    channels = _channels(78, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = _randn(79, (b, hq, d), jnp.bfloat16)
+    lengths = np.array([75, 32, 1])
+    got = scoring.label_scores(q, cache, channels, lengths=jnp.asarray(lengths, jnp.int32), scale=0.3,
+                               impl="pallas", mode=mode, block_c=16, splits=2)
+    pos = np.broadcast_to(np.arange(s), (b, hkv, s))
+    valid = pos < lengths[:, None, None]
+    want = _oracle_scores(q, cache, channels, 4, pos, valid, 0.3)
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.all(got[~valid] == 0.0)
+
+
+def _expand_blocks_np(block_ids, block_counts, lengths, block_size, s):
+    b, hkv, nb = block_ids.shape
+    nbt = -(-s // block_size)
+    pos = np.full((b, hkv, nb, block_size), -1)
+    for bi in range(b):
+        for h in range(hkv):
+            for j in range(min(max(block_counts[bi, h], 0), nb)):
+                bid = block_ids[bi, h, j]
+                if 0 <= bid < nbt:
+                    p = bid * block_size + np.arange(block_size)
+                    pos[bi, h, j] = np.where(p < min(lengths[bi], s), p, -1)
+    return pos.reshape(b, hkv, nb * block_size)
+
+
+# (Hq, Hkv, D, r, block_size, NBsel, tuning)
+BLOCK_CASES = [
+    (8, 2, 128, 32, 16, 7, dict(mode="two_pass", block_c=32, splits=2)),
+    (6, 2, 64, 16, 64, 3, dict(mode="logits", block_c=16, splits=5)),
+    (3, 1, 64, 32, 48, 3, dict(mode="two_pass", block_c=16, splits=2, prefetch=1)),  # block not pow2
+    (4, 4, 64, 16, 8, 5, dict(mode="logits", block_c=16, prefetch=3)),
+    (16, 2, 64, 32, 16, 4, dict(mode="two_pass", block_c=32, splits=1)),  # G=8
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,r,bs,nb,tuning", BLOCK_CASES)
+def test_block_label_scores_match_oracle(impl, hq, hkv, d, r, bs, nb, tuning):
+    """Block-structured candidates: lengths cutting the last block, garbage ids
+    past the count, out-of-range ids inside it, an empty row; block-slot order."""
+    b, s = 2, 150
+    dtype = jnp.bfloat16 if d == 128 else jnp.float32
+    k = _keys(hq + bs, b, hkv, s, d, dtype)
+    channels = _channels(bs, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = _randn(hq * bs, (b, hq, d), dtype, 2.0)
+    rng = np.random.default_rng(bs + nb)
+    nbt = -(-s // bs)
+    lengths = np.array([s, s - bs // 2 - 5])
+    ids = np.stack([np.stack([rng.permutation(nbt)[:nb] for _ in range(hkv)]) for _ in range(b)])
+    ids[0, 0, 0] = nbt - 1  # the partial last block of a full row
+    ids[1, 0, -1] = (lengths[1] - 1) // bs  # a block cut by the length
+    counts = rng.integers(1, nb + 1, size=(b, hkv))
+    counts[0, 0] = nb
+    counts[1, 0] = nb
+    counts[1, -1] = 0 if hkv > 1 else counts[1, -1]  # an empty row
+    counts[0, -1] = nb + 3  # clamped to NBsel
+    if nb > 1 and hkv > 1:
+        ids[0, 1, 0] = nbt + 2  # out of range inside the count
+    junk = rng.integers(-(2 ** 30), 2 ** 30, size=(b, hkv, nb))  # garbage past the count
+    ids = np.where(np.arange(nb) < counts[..., None], ids, junk)
+    args = (q, cache, channels, jnp.asarray(ids, jnp.int32), jnp.asarray(counts, jnp.int32),
+            jnp.asarray(lengths, jnp.int32))
+    got = scoring.block_label_scores(*args, block_size=bs, impl=impl,
+                                     **(tuning if impl == "pallas" else {}))
+    assert got.shape == (b, hkv, nb * bs) and got.dtype == jnp.float32
+    pos = _expand_blocks_np(ids, counts, lengths, bs, s)
+    valid = pos >= 0
+    want = _oracle_scores(q, cache, channels, 4, np.maximum(pos, 0), valid, 1 / math.sqrt(d))
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert np.all(got[~valid] == 0.0)
+    # Same as label_scores over the expanded positions.
+    same = scoring.label_scores(q, cache, channels, jnp.asarray(pos, jnp.int32),
+                                lengths=jnp.asarray(lengths, jnp.int32), impl="reference")
+    np.testing.assert_allclose(got, np.asarray(same), rtol=2e-5, atol=1e-6)
+
+
+def test_block_label_scores_bad_inputs():
+    b, hq, hkv, s, d, r = 2, 4, 2, 40, 64, 16
+    k = _keys(2, b, hkv, s, d, jnp.float32)
+    channels = _channels(2, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    q = jnp.ones((b, hq, d))
+    ids = jnp.zeros((b, hkv, 3), jnp.int32)
+    cnt = jnp.full((b, hkv), 3, jnp.int32)
+    lengths = jnp.asarray([40, 3])
+    f = scoring.block_label_scores
+    bad = [
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, None, block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=0)),
+        (ValueError, lambda: f(q, cache, channels, ids[0], cnt, lengths, block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids[:1], cnt, lengths, block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids[..., :0], cnt, lengths, block_size=16)),
+        (TypeError, lambda: f(q, cache, channels, ids.astype(jnp.float32), cnt, lengths, block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt[0], lengths, block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths[:1], block_size=16)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, bits=8)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, mode="per_tile")),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, mode="fast")),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, splits=0)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, prefetch=-1)),
+        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, impl="pallas",
+                               block_c=24)),
+    ]
+    for i, (err, fn) in enumerate(bad):
+        with pytest.raises(err):
+            fn()
+            print("no error for case", i)
 
 
 def test_label_scores_bad_inputs():
@@ -314,12 +505,26 @@ def test_kernels_lower_to_triton(monkeypatch):
     cache = LabelCache(sd((2, 3, 300, 8), jnp.uint8), sd((2, 3, 300), jnp.float32),
                        sd((2, 3, 300), jnp.float32))
     q, ch = sd((2, 9, 128), jnp.bfloat16), sd((3, 16), jnp.int32)  # G = 3
-    fns = [
-        (lb.build_label_cache_kernel, (sd((2, 3, 300, 128), jnp.bfloat16), ch)),
-        (lambda q, c, ch, cand, n, l: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l),
-         (q, cache, ch, sd((2, 3, 100), jnp.int32), sd((2, 3), jnp.int32), sd((2,), jnp.int32))),
-        (lambda q, c, ch, l: lb.label_scores_kernel(q, c, ch, lengths=l), (q, cache, ch, sd((2,), jnp.int32))),
-    ]
+    cache32 = LabelCache(sd((2, 3, 300, 16), jnp.uint8), sd((2, 3, 300), jnp.float32),
+                         sd((2, 3, 300), jnp.float32))
+    q8, ch32 = sd((2, 24, 128), jnp.bfloat16), sd((3, 32), jnp.int32)  # G = 8, r = 32
+    cand, cnt, lens = sd((2, 3, 100), jnp.int32), sd((2, 3), jnp.int32), sd((2,), jnp.int32)
+    fns = [(lb.build_label_cache_kernel, (sd((2, 3, 300, 128), jnp.bfloat16), ch))]
+    for mode in ("two_pass", "logits", "per_tile"):
+        fns += [
+            (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l, mode=mode),
+             (q, cache, ch, cand, cnt, lens)),
+            (lambda q, c, ch, l, mode=mode: lb.label_scores_kernel(q, c, ch, lengths=l, mode=mode),
+             (q, cache, ch, lens)),
+        ]
+    for mode in ("two_pass", "logits"):
+        fns += [
+            (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l, mode=mode),
+             (q8, cache32, ch32, cand, cnt, lens)),
+            (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
+                                                                                 mode=mode),
+             (q, cache32, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+        ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text

@@ -21,6 +21,9 @@ pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
 * ``label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None, bits=4)``
   -> ``float32[B, Hkv, C]``: softmax over the candidate set of the label
   logits of each query head, averaged over the GQA group; masked entries are 0.
+* ``block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size)``
+  -> ``float32[B, Hkv, NBsel * block_size]``: the same over the tokens of
+  selected blocks (in block-slot order), without a candidate array.
 
 The kernels and their contracts are documented in ``pallas_kernels.block_scores``
 and ``pallas_kernels.labels``. The kernels need power-of-two ``block_size``,
@@ -50,6 +53,7 @@ __all__ = [
     "update_label_cache",
     "dequantize_labels",
     "label_scores",
+    "block_label_scores",
 ]
 
 
@@ -264,8 +268,51 @@ def update_label_cache(cache, k_new, channels, positions, *, bits=4):
     return _lb.update_label_cache_reference(cache, k_new, channels, positions, bits=bits)
 
 
+def _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode) -> None:
+    for name, v in (("block_c", block_c), ("num_warps", num_warps), ("num_stages", num_stages),
+                    ("splits", splits)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer))
+                                 or prefetch < 0):
+        raise ValueError(f"prefetch must be a non-negative int or None, got {prefetch!r}")
+    if mode is not None and mode not in _lb.MODES:
+        raise ValueError(f"mode must be one of {_lb.MODES} or None, got {mode!r}")
+
+
+def _check_scores_args(q, labels, channels, lengths, scale, bits):
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_float("q", q)
+    b, hq, d = q.shape
+    _, hkv, _, w = _check_labels(labels)
+    if labels.packed.shape[0] != b:
+        raise ValueError(f"labels are for batch {labels.packed.shape[0]}, q for batch {b}")
+    check_gqa(hq, hkv)
+    _check_bits(bits)
+    _check_channels(channels, hkv, d, bits)
+    _lb.check_packed_width(w, channels.shape[1], bits)
+    if lengths is not None:
+        check_rank("lengths", lengths, 1, "[B]")
+        check_int("lengths", lengths)
+        check_shape("lengths", lengths, (b,), "[B]")
+    if scale is not None:
+        try:
+            scale = float(scale)
+        except (TypeError, jax.errors.ConcretizationTypeError) as e:
+            raise TypeError(f"scale must be a Python float (static), got {scale!r}") from e
+    return b, hkv, w, scale
+
+
+def _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q) -> dict:
+    """Tuning kwargs for the kernel, leaving its defaults where None."""
+    kw = dict(mode=mode, block_c=block_c, num_warps=num_warps, num_stages=num_stages,
+              splits=splits, prefetch=prefetch, hoist_q=hoist_q)
+    return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in kw.items() if v is not None}
+
+
 def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None,
-                 bits=4, impl="auto", block_c=64, num_warps=4, num_stages=2):
+                 bits=4, impl="auto", mode=None, block_c=None, num_warps=None, num_stages=None,
+                 splits=None, prefetch=None, hoist_q=None):
     """Approximate attention probabilities from the label cache: ``float32[B, Hkv, C]``.
 
     For each query head of the group, softmax over the candidates of
@@ -277,20 +324,20 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
     ``[0, S)`` get ``-inf`` before the softmax and exactly 0 after; a row with no
     valid entry is all zeros. The query is used unquantized (more accurate than
     Double Sparsity's quantized query label). ``bits`` must be the width the
-    cache was built with. Tuning (kernel only):
-    ``block_c`` candidates per program (power of two), ``num_warps``,
-    ``num_stages``.
+    cache was built with. Candidates that are whole blocks of consecutive
+    tokens are better scored with ``block_label_scores``.
+
+    Tuning (kernel only; None = the kernel's default, see
+    ``pallas_kernels.labels``): ``mode`` ("logits", the default: one kernel
+    writing raw logits and statistics, then a normalization kernel;
+    "two_pass": a statistics kernel, then a scores kernel that recomputes the
+    logits; "per_tile": the previous one-tile-per-program kernel), ``block_c``
+    candidates per tile (power of two; default ``32 * num_warps``),
+    ``num_warps``, ``num_stages``, ``splits`` programs per (b, kv-head),
+    ``prefetch`` tiles loaded ahead, ``hoist_q`` (keep the query in registers:
+    fewer instructions, half the occupancy; None = when G * (r + 16) <= 192).
     """
-    check_rank("q", q, 3, "[B, Hq, D]")
-    check_float("q", q)
-    b, hq, d = q.shape
-    _, hkv, _, w = _check_labels(labels)
-    if labels.packed.shape[0] != b:
-        raise ValueError(f"labels are for batch {labels.packed.shape[0]}, q for batch {b}")
-    check_gqa(hq, hkv)
-    _check_bits(bits)
-    _check_channels(channels, hkv, d, bits)
-    _lb.check_packed_width(w, channels.shape[1], bits)
+    b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
     if candidates is None:
         if lengths is None:
             raise ValueError("label_scores with candidates=None scores every position: pass lengths")
@@ -306,22 +353,58 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
             check_rank("counts", counts, 2, "[B, Hkv]")
             check_int("counts", counts)
             check_shape("counts", counts, (b, hkv), "[B, Hkv]")
-    if lengths is not None:
-        check_rank("lengths", lengths, 1, "[B]")
-        check_int("lengths", lengths)
-        check_shape("lengths", lengths, (b,), "[B]")
-    if scale is not None:
-        try:
-            scale = float(scale)
-        except (TypeError, jax.errors.ConcretizationTypeError) as e:
-            raise TypeError(f"scale must be a Python float (static), got {scale!r}") from e
-    if isinstance(block_c, bool) or not isinstance(block_c, int) or block_c <= 0:
-        raise ValueError(f"block_c must be a positive int, got {block_c!r}")
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
     choice, interpret = resolve_impl(
-        impl, kernel_unsupported=_pow2_reason(packed_width=w, block_c=block_c))
+        impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
+                                                                 {"block_c": block_c})))
     if choice == "reference":
         return _lb.label_scores_reference(q, labels, channels, candidates, counts, lengths=lengths,
                                           scale=scale, bits=bits)
-    return _lb.label_scores_kernel(q, labels, channels, candidates, counts, lengths=lengths,
-                                   scale=scale, bits=bits, block_c=block_c, num_warps=num_warps,
-                                   num_stages=num_stages, interpret=interpret)
+    return _lb.label_scores_kernel(
+        q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
+        interpret=interpret,
+        **_kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q))
+
+
+def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
+                       scale=None, bits=4, impl="auto", mode=None, block_c=None, num_warps=None,
+                       num_stages=None, splits=None, prefetch=None, hoist_q=None):
+    """``label_scores`` over the tokens of selected blocks: ``float32[B, Hkv, NBsel * block_size]``.
+
+    Block slot ``j`` of ``block_ids int32[B, Hkv, NBsel]`` stands for the tokens
+    ``block_ids[..., j] * block_size + arange(block_size)``, and the output is
+    in that order (the same as ``label_scores`` with those positions as
+    candidates). Masked (score exactly 0, excluded from the softmax): slots at
+    or past ``block_counts int32[B, Hkv]`` (clamped to ``[0, NBsel]``), block
+    ids outside ``[0, ceil(S / block_size))``, and tokens at or past
+    ``min(lengths[b], S)`` (so a partial last block is handled). The kernel
+    makes the positions in registers (no candidate array) and reads each
+    block's labels as consecutive rows. Tuning as ``label_scores`` (modes
+    "two_pass" and "logits").
+    """
+    b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
+    if lengths is None:
+        raise ValueError("block_label_scores needs lengths")
+    _check_block_size(block_size)
+    check_rank("block_ids", block_ids, 3, "[B, Hkv, NBsel]")
+    check_int("block_ids", block_ids)
+    if tuple(block_ids.shape[:2]) != (b, hkv) or block_ids.shape[2] == 0:
+        raise ValueError(f"block_ids must have shape [B={b}, Hkv={hkv}, NBsel>=1], got "
+                         f"{tuple(block_ids.shape)}")
+    check_rank("block_counts", block_counts, 2, "[B, Hkv]")
+    check_int("block_counts", block_counts)
+    check_shape("block_counts", block_counts, (b, hkv), "[B, Hkv]")
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
+    if mode == "per_tile":
+        raise ValueError("block_label_scores has no 'per_tile' mode")
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
+                                                                 {"block_c": block_c})))
+    if choice == "reference":
+        return _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts,
+                                                lengths, block_size=int(block_size), scale=scale,
+                                                bits=bits)
+    return _lb.block_label_scores_kernel(
+        q, labels, channels, block_ids, block_counts, lengths, block_size=int(block_size),
+        scale=scale, bits=bits, interpret=interpret,
+        **_kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q))
