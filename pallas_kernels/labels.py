@@ -86,10 +86,16 @@ warp-shuffle reduction per product (~2300 instructions per candidate) and ran
   instructions a thread (128 FFMA) with ~230 registers (2 programs of 4 warps
   per SM), spill-free (offline sm_90 compile).
 
-Expected cost at B=8, Hq=32, Hkv=8, r=32, C=8192 (not yet measured): each
-compute pass ~6-9 us (issue-bound: 524K candidates x ~350 instructions); the
-logits round trip 8 MiB out and in (~4 us); so "logits" ~12-15 us and
-"two_pass" ~15-18 us, plus a ~1-2 us query-preparation fusion.
+Measured on the H100 (``benchmarks/label_scores_probe.py``, CUPTI, B=8,
+Hq=32, Hkv=8, r=32, C=8192 of S=131072, 128 blocks of 64 tokens): "logits"
+18.3 us (prep fusion 1.5 + kernel 13.3 + normalization 3.5), "two_pass"
+24.7 us, old "per_tile" 70.5 us; at B=1 8.2 us (old 15.6). Block ids or a
+candidate array cost the same; random (non-block) candidates are bound by
+scattered 32-byte sectors (row, scale and offset are three arrays): 73 us
+("logits"), 97 us old. The prefetch depth made no difference, so the kernel
+is issue-bound (~370 instructions per candidate at ~0.5 IPC per scheduler
+with 2 warps each): ``hoist_q=False`` (query reloaded from L1, ~130
+registers, 3 programs per SM, ~10% more instructions) may trade better.
 
 Tuning (all static): ``mode`` (default "logits"), ``block_c`` (power of two;
 keep it ``32 * num_warps``: other values need layout conversions), ``num_warps``
