@@ -45,6 +45,7 @@ from sparse_jax.methods.base import (
     dense_prefill_attention,
     masked_decode_attention,
 )
+from sparse_jax.methods.sparse_base import decode_probabilities
 
 __all__ = [
     "FidelityProbe",
@@ -72,13 +73,7 @@ def relative_error(out: jax.Array, ref: jax.Array) -> jax.Array:
 
 def dense_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """Exact decode softmax ``[B, Hkv, G, S]`` f32 (0 past ``lengths``)."""
-    b, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-    logits = jnp.where(valid, logits, -jnp.inf)
-    return jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0)
+    return decode_probabilities(q, k, lengths)
 
 
 def selection_mask(indices: jax.Array, counts: jax.Array, lengths: jax.Array, s: int) -> jax.Array:

@@ -189,12 +189,10 @@ def fallback_to_dense(indices: jax.Array, lengths: jax.Array, budget: int) -> tu
     return indices, jnp.broadcast_to(counts, (b, hkv)).astype(jnp.int32)
 
 
-def group_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Exact softmax probabilities summed over each GQA group: ``[B, Hkv, S]`` f32.
+def decode_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Exact decode softmax per query head ``[B, Hkv, G, S]`` f32 (0 at and past ``lengths``).
 
-    ``q [B,Hq,D]``, ``k [B,Hkv,S,D]``; positions ``>= lengths`` get 0. Kascade
-    pools post-softmax over the group, which ranks tokens for the whole group
-    better than pre-softmax sums (one head's sharp peak is not drowned out).
+    ``q [B,Hq,D]``, ``k [B,Hkv,S,D]``.
     """
     b, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -202,7 +200,16 @@ def group_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.A
     logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
     valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
     logits = jnp.where(valid, logits, -jnp.inf)
-    return jnp.sum(jax.nn.softmax(logits, axis=-1), axis=2)
+    return jnp.where(valid, jax.nn.softmax(logits, axis=-1), 0.0)
+
+
+def group_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Exact softmax probabilities summed over each GQA group: ``[B, Hkv, S]`` f32.
+
+    Kascade pools post-softmax over the group, which ranks tokens for the whole
+    group better than pre-softmax sums (one head's sharp peak is not drowned out).
+    """
+    return jnp.sum(decode_probabilities(q, k, lengths), axis=2)
 
 
 def newest_token(x: jax.Array, positions: jax.Array) -> jax.Array:
