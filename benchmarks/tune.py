@@ -123,7 +123,9 @@ def main(argv=None):
             cand = jax.random.randint(jax.random.key(4), (b, HKV, 8192), 0, s, jnp.int32)
             cc = jnp.full((b, HKV), 8192, jnp.int32)
             ref = label_scores(q, labels, channels, cand, cc, impl="reference")
-            cfgs = [dict(block_c=bc_, num_warps=nw, num_stages=st) for bc_, nw, st in itertools.product((64, 128, 256, 512), (4, 8), (2,))]
+            # The looped kernel keeps block_c = 32 * num_warps; sweep the mode and register plan.
+            cfgs = [dict(mode=m, hoist_q=hq, num_warps=nw)
+                    for m, hq, nw in itertools.product(("logits", "two_pass"), (True, False), (4, 8))]
             best[("labels", shape)] = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
                                             (q, labels, channels, cand, cc), ref, cfgs, b * HKV * 8192 * (16 + 8 + 4), args.runs, rows, shape, tol=1e-3)
     if not only or "topk" in only:
