@@ -35,3 +35,10 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
 def check_shape(name: str, x, expected: tuple, layout: str) -> None:
     if tuple(x.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def check_int_array(name: str, x, expected: tuple, layout: str) -> None:
+    """An integer array of exactly ``expected`` shape (rank, dtype, then shape)."""
+    check_rank(name, x, len(expected), layout)
+    check_int(name, x)
+    check_shape(name, x, expected, layout)

@@ -40,7 +40,7 @@ from pallas_kernels.merge import MASK_VALUE, merge_normalized
 from sparse_jax.ops._checks import (
     check_float,
     check_gqa,
-    check_int,
+    check_int_array,
     check_rank,
     check_shape,
 )
@@ -143,12 +143,8 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
       ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
     """
     B, Hq, Hkv, S, D = _check_qkv(q, k, v)
-    check_rank("indices", indices, 3, "[B, Hkv, K]")
-    check_int("indices", indices)
-    check_shape("indices", indices, (B, Hkv, indices.shape[-1]), "[B, Hkv, K]")
-    check_rank("counts", counts, 2, "[B, Hkv]")
-    check_int("counts", counts)
-    check_shape("counts", counts, (B, Hkv), "[B, Hkv]")
+    check_int_array("indices", indices, (B, Hkv, indices.shape[-1]), "[B, Hkv, K]")
+    check_int_array("counts", counts, (B, Hkv), "[B, Hkv]")
     _check_scale(scale)
     _check_tuning(tuning, SPARSE_TUNING_KEYS, "sparse_decode_attention")
     scale = None if scale is None else float(scale)
@@ -197,16 +193,9 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     block_size = int(block_size)
-    check_rank("block_indices", block_indices, 3, "[B, Hkv, NBsel]")
-    check_int("block_indices", block_indices)
-    check_shape("block_indices", block_indices, (B, Hkv, block_indices.shape[-1]),
-                "[B, Hkv, NBsel]")
-    check_rank("block_counts", block_counts, 2, "[B, Hkv]")
-    check_int("block_counts", block_counts)
-    check_shape("block_counts", block_counts, (B, Hkv), "[B, Hkv]")
-    check_rank("lengths", lengths, 1, "[B]")
-    check_int("lengths", lengths)
-    check_shape("lengths", lengths, (B,), "[B]")
+    check_int_array("block_indices", block_indices, (B, Hkv, block_indices.shape[-1]), "[B, Hkv, NBsel]")
+    check_int_array("block_counts", block_counts, (B, Hkv), "[B, Hkv]")
+    check_int_array("lengths", lengths, (B,), "[B]")
     _check_scale(scale)
     _check_tuning(tuning, BLOCK_SPARSE_TUNING_KEYS, "block_sparse_decode_attention")
     scale = None if scale is None else float(scale)

@@ -40,7 +40,7 @@ import jax
 from pallas_kernels import block_scores as _bs
 from pallas_kernels import labels as _lb
 from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, dequantize_labels
-from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_rank, check_shape
+from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_int_array, check_rank, check_shape
 from sparse_jax.ops._dispatch import resolve_impl
 
 __all__ = [
@@ -70,9 +70,7 @@ def _check_block_size(block_size) -> None:
 def _check_cache(k, lengths) -> None:
     check_rank("k", k, 4, "[B, Hkv, S, D]")
     check_float("k", k)
-    check_rank("lengths", lengths, 1, "[B]")
-    check_int("lengths", lengths)
-    check_shape("lengths", lengths, (k.shape[0],), "[B]")
+    check_int_array("lengths", lengths, (k.shape[0],), "[B]")
     if k.shape[2] == 0:
         raise ValueError("k must have at least one position (S >= 1)")
 
@@ -168,9 +166,7 @@ def update_block_minmax(k_max, k_min, k_new, positions, *, block_size):
     check_rank("k_new", k_new, 3, "[B, Hkv, D]")
     check_float("k_new", k_new)
     check_shape("k_new", k_new, (b, hkv, d), "[B, Hkv, D]")
-    check_rank("positions", positions, 1, "[B]")
-    check_int("positions", positions)
-    check_shape("positions", positions, (b,), "[B]")
+    check_int_array("positions", positions, (b,), "[B]")
     _check_block_size(block_size)
     return _bs.update_block_minmax_reference(k_max, k_min, k_new, positions, block_size=block_size)
 
@@ -262,9 +258,7 @@ def update_label_cache(cache, k_new, channels, positions, *, bits=4):
     _check_bits(bits)
     _check_channels(channels, hkv, k_new.shape[2], bits)
     _lb.check_packed_width(w, channels.shape[1], bits)
-    check_rank("positions", positions, 1, "[B]")
-    check_int("positions", positions)
-    check_shape("positions", positions, (b,), "[B]")
+    check_int_array("positions", positions, (b,), "[B]")
     return _lb.update_label_cache_reference(cache, k_new, channels, positions, bits=bits)
 
 
@@ -292,9 +286,7 @@ def _check_scores_args(q, labels, channels, lengths, scale, bits):
     _check_channels(channels, hkv, d, bits)
     _lb.check_packed_width(w, channels.shape[1], bits)
     if lengths is not None:
-        check_rank("lengths", lengths, 1, "[B]")
-        check_int("lengths", lengths)
-        check_shape("lengths", lengths, (b,), "[B]")
+        check_int_array("lengths", lengths, (b,), "[B]")
     if scale is not None:
         try:
             scale = float(scale)
@@ -350,9 +342,7 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
             raise ValueError(f"candidates must have shape [B={b}, Hkv={hkv}, C>=1], got "
                              f"{tuple(candidates.shape)}")
         if counts is not None:
-            check_rank("counts", counts, 2, "[B, Hkv]")
-            check_int("counts", counts)
-            check_shape("counts", counts, (b, hkv), "[B, Hkv]")
+            check_int_array("counts", counts, (b, hkv), "[B, Hkv]")
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
@@ -391,9 +381,7 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     if tuple(block_ids.shape[:2]) != (b, hkv) or block_ids.shape[2] == 0:
         raise ValueError(f"block_ids must have shape [B={b}, Hkv={hkv}, NBsel>=1], got "
                          f"{tuple(block_ids.shape)}")
-    check_rank("block_counts", block_counts, 2, "[B, Hkv]")
-    check_int("block_counts", block_counts)
-    check_shape("block_counts", block_counts, (b, hkv), "[B, Hkv]")
+    check_int_array("block_counts", block_counts, (b, hkv), "[B, Hkv]")
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
     if mode == "per_tile":
         raise ValueError("block_label_scores has no 'per_tile' mode")
