@@ -139,14 +139,20 @@ def block_minmax(k, lengths, *, block_size, impl="auto", blocks_per_program=None
     ``blocks_per_program`` (power of two; default ~128 tokens per program),
     ``num_warps``, ``num_stages``.
     """
+    return _block_summary(k, lengths, block_size, "minmax", impl, blocks_per_program, num_warps, num_stages)
+
+
+def _block_summary(k, lengths, block_size, mode, impl, blocks_per_program, num_warps, num_stages):
+    """Checks and dispatch shared by ``block_minmax`` and ``block_cuboid`` (one kernel, two modes)."""
     _check_cache(k, lengths)
     _check_block_size(block_size)
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(block_size=block_size, head_dim=k.shape[-1]))
     if choice == "reference":
-        return _bs.block_minmax_reference(k, lengths, block_size=block_size)
+        reference = _bs.block_minmax_reference if mode == "minmax" else _bs.block_cuboid_reference
+        return reference(k, lengths, block_size=block_size)
     return _bs.block_summary_kernel(
-        k, lengths, block_size=block_size, mode="minmax", blocks_per_program=blocks_per_program,
+        k, lengths, block_size=block_size, mode=mode, blocks_per_program=blocks_per_program,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
@@ -181,15 +187,7 @@ def block_cuboid(k, lengths, *, block_size, impl="auto", blocks_per_program=None
     ``block_minmax`` kernel with a second reduction over the tile it already
     holds, so it reads ``k`` once; same tuning knobs.
     """
-    _check_cache(k, lengths)
-    _check_block_size(block_size)
-    choice, interpret = resolve_impl(
-        impl, kernel_unsupported=_pow2_reason(block_size=block_size, head_dim=k.shape[-1]))
-    if choice == "reference":
-        return _bs.block_cuboid_reference(k, lengths, block_size=block_size)
-    return _bs.block_summary_kernel(
-        k, lengths, block_size=block_size, mode="cuboid", blocks_per_program=blocks_per_program,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return _block_summary(k, lengths, block_size, "cuboid", impl, blocks_per_program, num_warps, num_stages)
 
 
 def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=64, num_warps=4, num_stages=2):
