@@ -44,6 +44,9 @@ method) and ``<name>_predictions.json`` (every output text with its score).
 
 Method hyperparameters: ``--set quest.block_size=16 --set streaming.sink=8``
 (fields of the method's dataclass; the budget comes from ``--budgets``).
+Variants of one method run side by side under an alias: ``--methods
+asynctls,asynctls_lag=asynctls --set asynctls_lag.lag=True`` (the table names
+the alias).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def build_method(name: str, budget: int | None, options: dict | None = None):
     """
     from sparse_jax.methods import get_method
 
-    m = get_method(name, **(options or {}))
+    m = get_method(base_name(name), **(options or {}))
     if not any(f.name == "budget" for f in dataclasses.fields(m)):
         return m, None
     if budget is None:
@@ -111,8 +114,18 @@ def build_method(name: str, budget: int | None, options: dict | None = None):
 def has_budget(name: str, options: dict | None = None) -> bool:
     from sparse_jax.methods import get_method
 
-    m = get_method(name, **(options or {}))
+    m = get_method(base_name(name), **(options or {}))
     return any(f.name == "budget" for f in dataclasses.fields(m))
+
+
+def base_name(spec: str) -> str:
+    """``"alias=method"`` -> ``"method"``; a plain name is its own base."""
+    return spec.split("=", 1)[1] if "=" in spec else spec
+
+
+def alias_name(spec: str) -> str:
+    """``"alias=method"`` -> ``"alias"`` (the name rows and ``--set`` use)."""
+    return spec.split("=", 1)[0]
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -302,7 +315,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         if name == "dense":
             continue
         try:
-            with_budget = has_budget(name, method_options.get(name))
+            with_budget = has_budget(name, method_options.get(alias_name(name)))
         except Exception as e:  # noqa: BLE001 - unknown method or bad options: report, go on
             combos.append((name, None))
             write(f"[accuracy] {name}: {e}")
@@ -346,7 +359,8 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         write(f"[accuracy] length {L}: {len(samp)} samples generated in {gen_s:.1f}s")
         ref = None
         fid_batch = fidelity_batch or batch_size
-        for name, budget in combos:
+        for spec, budget in combos:
+            name = alias_name(spec)
             if bar is not None:
                 bar.set_postfix_str(f"{name} b={budget if budget is not None else '-'} L={L}")
             row: dict[str, Any] = {"method": name, "budget": budget, "length": L, "status": "ok"}
@@ -354,7 +368,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 if name == "dense":
                     method, budget = build_method("dense", None)
                 else:
-                    method, budget = build_method(name, budget, method_options.get(name))
+                    method, budget = build_method(spec, budget, method_options.get(name))
                 row["config"] = repr(method)
                 if budget is not None and budget >= L and not keep_full_budget:
                     row.update(status="skipped", reason=f"budget {budget} >= length {L}: attends everything (= dense)")

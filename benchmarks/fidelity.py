@@ -158,6 +158,9 @@ class FidelityProbe(AttentionMethod):
     def prefill_state(self, state, k, v, lengths):
         return {**state, "inner": self.inner.prefill_state(state["inner"], k, v, lengths)}
 
+    def prefill_query_state(self, state, q_last, lengths):
+        return {**state, "inner": self.inner.prefill_query_state(state["inner"], q_last, lengths)}
+
     def append_state(self, state, k, v, positions):
         return {**state, "inner": self.inner.append_state(state["inner"], k, v, positions)}
 

@@ -15,7 +15,7 @@ the cache donated and the attention method static (closed over).
 Attention goes only through the method interface of
 :mod:`sparse_jax.methods.base`: for layer ``i`` the model asks
 ``method.layer_method(i, num_layers)`` and calls its ``prefill_attention`` /
-``prefill_state`` (prefill) or ``append_state`` / ``decode_attention``
+``prefill_state`` / ``prefill_query_state`` (prefill) or ``append_state`` / ``decode_attention``
 (decode; it returns ``(out, state)``). The KV cache (:class:`sparse_jax.cache.KVCache`) is head-major
 ``[B, Hkv, S_max, D]`` and holds post-RoPE keys.
 
@@ -251,7 +251,9 @@ def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, token
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
         o = m.prefill_attention(q, k, v, lengths)
         lc = write_prefill(lc, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        lc = dataclasses.replace(lc, state=m.prefill_state(lc.state, lc.k, lc.v, lengths))
+        state = m.prefill_state(lc.state, lc.k, lc.v, lengths)
+        q_last = jnp.take_along_axis(q, (lengths - 1)[:, None, None, None].astype(jnp.int32), axis=1)[:, 0]
+        lc = dataclasses.replace(lc, state=m.prefill_query_state(state, q_last, lengths))
         new_layers.append(lc)
         x = x + layer.self_attn.out(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

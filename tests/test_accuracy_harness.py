@@ -197,16 +197,19 @@ def test_harness_end_to_end(tokenizer, tmp_path):
                              max_position=1024, rope_theta=1e4, tie_embeddings=True, eos_token_id=2, pad_token_id=2)
     model = models.load_model(config=cfg, dtype=jnp.float32, max_len=384)
     sparse = "oracle_topk" if "oracle_topk" in available_methods() else None
-    methods = ["dense", "no_such_method"] + ([sparse] if sparse else [])
+    methods = ["dense", "no_such_method", "win=streaming"] + ([sparse] if sparse else [])
     payload = acc.run(model, tokenizer=tokenizer, methods=methods, budgets=[48, 1024], lengths=[384],
                       tasks=["niah_single_1", "vt"], samples=1, batch_size=2, fidelity=True, probe_steps=2,
-                      kl_steps=4, keep_full_budget=True, progress=False, log=lambda s: None)
+                      kl_steps=4, keep_full_budget=True, progress=False, log=lambda s: None,
+                      method_options={"win": {"window": 40}})
     rows = {(r["method"], r["budget"]): r for r in payload["rows"]}
     dense = rows[("dense", None)]
     assert dense["status"] == "ok" and set(dense["scores"]) == {"niah_single_1", "vt"}
     assert 0.0 <= dense["average"] <= 1.0 and dense["n_samples"] == 2
     assert rows[("no_such_method", None)]["status"] == "error"  # reported, the run went on
-    assert len(payload["predictions"]) == 2 * (1 + (2 if sparse else 0))
+    assert len(payload["predictions"]) == 2 * (3 + (2 if sparse else 0))
+    # a variant runs under its alias, with its own options
+    assert rows[("win", 48)]["status"] == "ok" and "window=40" in rows[("win", 48)]["config"]
     if sparse:
         full = rows[(sparse, 1024)]["fidelity"]  # budget > context: the dense fallback
         assert full["rel_err"] < 1e-4 and full["mass"] > 0.9999

@@ -152,3 +152,37 @@ def test_missing_calibration_names_the_command(tmp_path):
     m = get_method("double_sparsity", calibration_root=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="python -m sparse_jax.calibrate --model nope"):
         m.for_model("nope", num_layers=2, head_dim=64)
+
+
+def test_asynctls_lag_searches_the_blocks_the_previous_query_chose():
+    """``lag=True``: step t's candidates are the blocks picked by step t-1's query
+    (the last prompt token's for the first step); with one query throughout
+    the lagged method equals the unlagged one."""
+    q, k, v, _ = peaked_inputs(3)
+    q2 = jnp.asarray(np.random.default_rng(9).normal(size=q.shape).astype(np.float32))
+    lengths = jnp.array([600, 333], jnp.int32)  # the first decode step's lengths
+    lag = make_method("asynctls", budget=128, kb=4, block_size=32, lag=True)
+    now = make_method("asynctls", budget=128, kb=4, block_size=32)
+    st = lag.init_state(batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
+    st = lag.prefill_state(st, k, v, lengths - 1)
+    st = lag.prefill_query_state(st, q2, lengths - 1)  # the "previous" query
+    expected = now.pick_blocks(q2, st.boxes, (lengths - 1) // 32)
+    np.testing.assert_array_equal(np.asarray(st.prev_blocks), np.asarray(expected))
+    st = lag.append_state(st, k, v, lengths - 1)
+    idx, cnt, st2 = lag.select(q, k, v, lengths, st)
+    cand, ccnt = now.expand_blocks(expected, lengths)
+    for b in range(B):
+        for h in range(HKV):
+            allowed = set(np.asarray(cand[b, h, : ccnt[b, h]]).tolist())
+            assert set(np.asarray(idx[b, h, : cnt[b, h]]).tolist()) <= allowed
+    # the state now holds this query's choice for the next step (newest = lengths // bs)
+    np.testing.assert_array_equal(np.asarray(st2.prev_blocks),
+                                  np.asarray(now.pick_blocks(q, st.boxes, lengths // 32)))
+    # same query at both steps: lagged == unlagged (no block completed in between)
+    st_same = dataclasses.replace(st, prev_blocks=now.pick_blocks(q, st.boxes, (lengths - 1) // 32))
+    i1, c1, _ = lag.select(q, k, v, lengths, st_same)
+    i0, c0, _ = now.select(q, k, v, lengths, dataclasses.replace(st, prev_blocks=None))
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))
+    for b in range(B):
+        for h in range(HKV):
+            assert sorted(np.asarray(i1[b, h, : c1[b, h]]).tolist()) == sorted(np.asarray(i0[b, h, : c0[b, h]]).tolist())

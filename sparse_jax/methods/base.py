@@ -10,26 +10,30 @@ Shapes: ``B`` batch, ``T`` new tokens, ``S`` cache capacity, ``Hq`` query
 heads, ``Hkv`` KV heads (GQA: query head ``i`` reads KV head ``i // (Hq // Hkv)``),
 ``D`` head dim. Keys in the cache are post-RoPE.
 
-=====================  ======================================================
-hook                   called
-=====================  ======================================================
-``init_state``         once per layer by ``init_cache``: the method's per-layer
-                       state (a pytree, or ``None``) stored in ``LayerCache.state``
-``prefill_attention``  prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
-                       tokens, cache empty before), causal -> ``[B,T,Hq,D]``
-``prefill_state``      after the prefill wrote K/V: state from the whole
-                       layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
-``append_state``       decode, after the new token was written at ``positions
-                       int32[B]``: the whole layer cache ``k, v [B,Hkv,S,D]``
-                       (methods slice the new token, or re-summarise a block
-                       that just filled)
-``decode_attention``   decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
-                       first ``lengths[b]`` tokens are valid (the new token
-                       included) -> ``(out [B,Hq,D], state)``; the state is
-                       returned because some methods learn from the query
-                       (AsyncTLS's one-step-lag block set, AsyncSpade's query
-                       history)
-=====================  ======================================================
+=======================  ======================================================
+hook                     called
+=======================  ======================================================
+``init_state``           once per layer by ``init_cache``: the method's per-layer
+                         state (a pytree, or ``None``) stored in ``LayerCache.state``
+``prefill_attention``    prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
+                         tokens, cache empty before), causal -> ``[B,T,Hq,D]``
+``prefill_state``        after the prefill wrote K/V: state from the whole
+                         layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
+``prefill_query_state``  after ``prefill_state``: the query of each row's last
+                         prompt token ``q [B,Hq,D]`` (a method whose selection
+                         lags one step, AsyncTLS with ``lag=True``, picks the
+                         first decode step's blocks with it); ``lengths int32[B]``
+``append_state``         decode, after the new token was written at ``positions
+                         int32[B]``: the whole layer cache ``k, v [B,Hkv,S,D]``
+                         (methods slice the new token, or re-summarise a block
+                         that just filled)
+``decode_attention``     decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
+                         first ``lengths[b]`` tokens are valid (the new token
+                         included) -> ``(out [B,Hq,D], state)``; the state is
+                         returned because some methods learn from the query
+                         (AsyncTLS's one-step-lag block set, AsyncSpade's query
+                         history)
+=======================  ======================================================
 
 Everything runs inside the model's ``jax.jit``; a method's dataclass fields
 are static (hashable, frozen), its state is traced.
@@ -97,6 +101,9 @@ class AttentionMethod:
         return None
 
     def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Any:
+        return state
+
+    def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array) -> Any:
         return state
 
     def append_state(self, state: Any, k: jax.Array, v: jax.Array, positions: jax.Array) -> Any:

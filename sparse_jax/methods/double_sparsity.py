@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from sparse_jax.calibration import select_channels
 from sparse_jax.methods.quest import BlockBoxes
 from sparse_jax.methods.registry import register
-from sparse_jax.methods.sparse_base import SparseMethod, fallback_to_dense, newest_token
+from sparse_jax.methods.sparse_base import SparseMethod, newest_token
 from sparse_jax.ops.scoring import (
     block_minmax,
     build_label_cache,
@@ -103,8 +103,12 @@ class DoubleSparsity(SparseMethod):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TwoLevelState:
+    """AsyncTLS's per-layer state. ``prev_blocks int32[B, Hkv, n-1]`` (``lag=True``
+    only, else None): the blocks the previous step's query chose for this step."""
+
     boxes: BlockBoxes
     labels: object
+    prev_blocks: object = None
 
 
 @register("asynctls")
@@ -119,11 +123,20 @@ class AsyncTLS(DoubleSparsity):
     max|q|*max|k| rule, INT4 labels, budgets 512/1024/2048 tokens. The paper
     names no dense layers, sink or window; we keep layers 0-1 dense as Quest
     and DS do. The newest block is always among the candidates.
+
+    ``lag`` (Sec. 4.2): with ``lag=True`` the block filter runs one step
+    ahead: the ``kb - 1`` blocks searched at step ``t`` were chosen by the
+    query of step ``t - 1`` (for the first decode step, by the last prompt
+    token's query), which is what lets an offloaded cache prefetch them while
+    step ``t - 1`` still computes. ``lag=False`` (default) chooses them with
+    the current query. The offloaded cache (:mod:`sparse_jax.offload`) runs
+    ``lag=True`` and matches this method's resident output.
     """
 
     block_size: int = 64
     kb: int = 128
     ranking: str = "maxabs"
+    lag: bool = False
 
     @property
     def cache_multiple(self) -> int:
@@ -136,40 +149,75 @@ class AsyncTLS(DoubleSparsity):
         if self.kb < 1:
             raise ValueError("asynctls: kb must be >= 1")
 
+    def filter_blocks(self, max_len: int) -> int:
+        """Blocks the filter picks besides the newest: ``min(kb, S / block) - 1``."""
+        return min(self.kb, max_len // self.block_size) - 1
+
     def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
         shape = (batch, num_kv_heads, max_len // self.block_size, head_dim)
         labels = super().init_state(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim, dtype=dtype)
-        return TwoLevelState(BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), labels)
+        prev = None
+        if self.lag:
+            prev = jnp.zeros((batch, num_kv_heads, self.filter_blocks(max_len)), jnp.int32)
+        return TwoLevelState(BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), labels, prev)
 
     def prefill_state(self, state, k, v, lengths):
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
-        return TwoLevelState(BlockBoxes(upper, lower), super().prefill_state(state.labels, k, v, lengths))
+        labels = super().prefill_state(state.labels, k, v, lengths)
+        return TwoLevelState(BlockBoxes(upper, lower), labels, state.prev_blocks)
+
+    def prefill_query_state(self, state, q_last, lengths):
+        if not self.lag:
+            return state
+        # the first decode step has length lengths + 1: its newest block is lengths // bs
+        prev = self.pick_blocks(q_last, state.boxes, lengths // self.block_size)
+        return dataclasses.replace(state, prev_blocks=prev)
 
     def append_state(self, state, k, v, positions):
         upper, lower = update_block_minmax(
             state.boxes.upper, state.boxes.lower, newest_token(k, positions), positions, block_size=self.block_size
         )
         labels = super().append_state(state.labels, k, v, positions)
-        return TwoLevelState(BlockBoxes(upper, lower), labels)
+        return TwoLevelState(BlockBoxes(upper, lower), labels, state.prev_blocks)
+
+    def pick_blocks(self, q, boxes, newest):
+        """The filter: ``int32[B, Hkv, n-1]`` best blocks by the Quest bound among
+        blocks ``< newest int32[B]`` (the newest block is attended anyway).
+        Rows with ``newest <= n-1`` get ``arange(n-1)``: all their blocks (and
+        some past the context, which :meth:`expand_blocks` counts out)."""
+        scores = quest_block_scores(q, boxes.upper, boxes.lower, impl=self.impl)
+        b, hkv, nb = scores.shape
+        n1 = min(self.kb, nb) - 1
+        if n1 < 1:
+            return jnp.zeros((b, hkv, 0), jnp.int32)
+        blk = jnp.arange(nb, dtype=jnp.int32)
+        scores = jnp.where(blk >= newest[:, None, None], -jnp.inf, scores)
+        top = topk_indices(scores, n1, jnp.broadcast_to(newest[:, None] + 1, (b, hkv)), impl=self.impl)
+        short = (newest <= n1)[:, None, None]
+        return jnp.where(short, jnp.arange(n1, dtype=jnp.int32), top).astype(jnp.int32)
+
+    def expand_blocks(self, blocks, lengths):
+        """Candidate tokens of ``blocks [B,Hkv,n-1]`` plus the newest block (last):
+        ``(positions int32[B,Hkv,n*bs], counts int32[B,Hkv])``, the first
+        ``counts`` real. A short row's ``arange`` blocks hold its newest block at
+        index ``newest``, so its first ``lengths`` candidates are ``0..L-1``."""
+        bs = self.block_size
+        b, hkv, n1 = blocks.shape
+        newest = (lengths - 1) // bs
+        all_blocks = jnp.concatenate([blocks, jnp.broadcast_to(newest[:, None, None], (b, hkv, 1))], -1)
+        tokens = (all_blocks[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(b, hkv, -1)
+        short = newest <= n1
+        counts = jnp.where(short, lengths, n1 * bs + lengths - newest * bs)
+        return tokens, jnp.broadcast_to(counts[:, None], (b, hkv)).astype(jnp.int32)
 
     def candidate_tokens(self, q, lengths, state):
         """Token positions of the kept blocks ``[B, Hkv, n*block]``, the newest
         (partial) block last, and how many of them are real ``[B, Hkv]``."""
-        bs = self.block_size
-        scores = quest_block_scores(q, state.boxes.upper, state.boxes.lower, impl=self.impl)
-        b, hkv, nb = scores.shape
-        n = min(self.kb, nb)
-        last = (lengths - 1) // bs
-        blk = jnp.arange(nb, dtype=jnp.int32)
-        scores = jnp.where(blk >= last[:, None, None], -jnp.inf, scores)
-        parts = []
-        if n > 1:
-            parts.append(topk_indices(scores, n - 1, jnp.broadcast_to(last[:, None] + 1, (b, hkv)), impl=self.impl))
-        parts.append(jnp.broadcast_to(last[:, None, None], (b, hkv, 1)))
-        blocks, block_counts = fallback_to_dense(jnp.concatenate(parts, -1).astype(jnp.int32), last + 1, n)
-        tokens = (blocks[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(b, hkv, -1)
-        counts = (block_counts - 1) * bs + (lengths - last * bs)[:, None]
-        return tokens, counts.astype(jnp.int32)
+        if self.lag:
+            blocks = state.prev_blocks
+        else:
+            blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size)
+        return self.expand_blocks(blocks, lengths)
 
     def labels(self, state):
         return state.labels
@@ -179,4 +227,7 @@ class AsyncTLS(DoubleSparsity):
         channels = self.layer_channels()
         scores = label_scores(q, state.labels, channels, cand, cand_counts, impl=self.impl)
         indices, counts = self.select_from_scores(scores, lengths, cand, cand_counts, capacity=k.shape[2])
+        if self.lag:
+            # this query picks the next step's blocks (its newest block is lengths // bs)
+            state = dataclasses.replace(state, prev_blocks=self.pick_blocks(q, state.boxes, lengths // self.block_size))
         return indices, counts, state

@@ -87,6 +87,10 @@ class SparseMethod(AttentionMethod):
         length = lengths[:, None, None]
         forced = (pos < self.sink) | (pos >= length - self.window)
         scores = jnp.where(forced | (pos >= length), -jnp.inf, scores.astype(jnp.float32))
+        counts = jnp.broadcast_to(lengths[:, None], (b, hkv)) if num_valid is None else num_valid
+        # candidates the top-k may take: real, not forced, inside the context
+        scorable = (jnp.arange(c) < counts[..., None]) & ~forced & (pos < length)
+        n_scorable = jnp.sum(scorable, axis=-1, dtype=jnp.int32)
         parts = []
         if self.sink:
             parts.append(jnp.broadcast_to(jnp.arange(self.sink, dtype=jnp.int32), (b, hkv, self.sink)))
@@ -95,11 +99,15 @@ class SparseMethod(AttentionMethod):
             parts.append(jnp.broadcast_to(win, (b, hkv, self.window)))
         k_sel = min(budget - self.sink - self.window, c)
         if k_sel > 0:
-            counts = jnp.broadcast_to(lengths[:, None], (b, hkv)) if num_valid is None else num_valid
             top = topk_indices(scores, k_sel, counts, impl=self.impl)
             parts.append(top if positions is None else jnp.take_along_axis(positions, top, axis=-1))
         indices = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
-        return fallback_to_dense(indices, lengths, budget)
+        indices, sel_counts = fallback_to_dense(indices, lengths, budget)
+        # fewer scorable candidates than k_sel (a small candidate set): the tail of
+        # the top-k holds filler positions, which must not count
+        taken = self.sink + self.window + jnp.minimum(max(k_sel, 0), n_scorable)
+        long = (lengths > budget)[:, None]
+        return indices, jnp.where(long, jnp.minimum(sel_counts, taken), sel_counts).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
