@@ -493,6 +493,8 @@ def plot(payload: dict, path: Path) -> Path | None:
     if any("fidelity" in r for r in ok):
         panels.append(("attention mass recovered", lambda r: r["fidelity"]["mass"] if "fidelity" in r else None))
         panels.append(("KL(dense || method)", lambda r: max(r["fidelity"]["kl"], 1e-9) if "fidelity" in r else None))
+    if not panels:  # e.g. a fidelity-only run saved after its dense row (dense is the reference)
+        return None
     fig, axes = plt.subplots(len(panels), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(panels)),
                              squeeze=False)
     methods = sorted({r["method"] for r in ok if r["method"] != "dense"})

@@ -140,6 +140,15 @@ class FidelityProbe(AttentionMethod):
     num_q_heads: int = 1
     layer: int = -1
 
+    def for_model(self, model_name, *, num_layers, head_dim):
+        # the measured method may need per-model data (calibrated channels)
+        inner = self.inner.for_model(model_name, num_layers=num_layers, head_dim=head_dim)
+        return dataclasses.replace(self, inner=inner)
+
+    @property
+    def cache_multiple(self) -> int:
+        return self.inner.cache_multiple
+
     def layer_method(self, layer: int, num_layers: int) -> "FidelityProbe":
         return dataclasses.replace(self, inner=self.inner.layer_method(layer, num_layers), layer=layer)
 

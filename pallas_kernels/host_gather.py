@@ -31,10 +31,16 @@ when the row size allows, and every program is one independent load + store:
 thousands of small CTAs keep many PCIe reads in flight, which is what host
 bandwidth needs (latency ~1-2 us x ~50 GB/s = ~100 KB outstanding).
 
+In-place variant (``host_gather_into_pallas``): ``dst_k[slots[i]] =
+src_k[block_ids[i]]`` and the same for V, for ``i < count``, in one launch
+over the same grid; ``dst_k, dst_v [NS, *block_shape]`` are aliased to the
+outputs, and programs with ``i >= count`` return before touching memory.
+
 Interpret mode (CPU tests): masked-off lanes use out-of-bounds indices only
 (``col >= W`` or leading index ``>= block dim``) so the interpreter's
 gather/scatter discharge of masked stores drops them instead of writing back
-stale values over live lanes.
+stale values over live lanes. ``pl.program_id`` is only substituted at the
+kernel's top level, so kernels read it before any ``pl.when``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["host_gather_reference", "host_gather_pallas", "plan_host_gather", "GatherPlan"]
+__all__ = [
+    "host_gather_reference",
+    "host_gather_pallas",
+    "host_gather_into_reference",
+    "host_gather_into_pallas",
+    "plan_host_gather",
+    "GatherPlan",
+]
 
 DEFAULT_TILE_BYTES = 8192
 MAX_GRID_Y = 65535  # CUDA limit on the second grid dimension
@@ -104,10 +117,12 @@ def plan_host_gather(
     return GatherPlan(tuple(outer), w, th, tw, n_row_tiles, n_col_tiles, num_warps)
 
 
-def _gather_kernel(ids_ref, src_ref, out_ref, *, nb: int, plan: GatherPlan):
-    i = pl.program_id(0)
-    t = pl.program_id(1)
-    b = jnp.clip(ids_ref[i], 0, nb - 1)
+def _tile_index(t, plan: GatherPlan):
+    """Index arrays and mask of tile ``t`` of one block: ``(lead, col, mask)``.
+
+    ``lead`` indexes the block's leading dims (``[TH, 1]`` each), ``col`` the
+    last dim (``[1, TW]``); ``mask`` is ``None`` when the tile is full.
+    """
     if plan.n_col_tiles == 1:
         rt, ct = t, 0
     else:
@@ -132,6 +147,13 @@ def _gather_kernel(ids_ref, src_ref, out_ref, *, nb: int, plan: GatherPlan):
             rem = rem // d
         lead.append(rem)
         lead.reverse()
+    return lead, col, mask
+
+
+def _gather_kernel(ids_ref, src_ref, out_ref, *, nb: int, plan: GatherPlan):
+    i = pl.program_id(0)
+    b = jnp.clip(ids_ref[i], 0, nb - 1)
+    lead, col, mask = _tile_index(pl.program_id(1), plan)
     tile = plgpu.load(src_ref.at[(b, *lead, col)], mask=mask)
     plgpu.store(out_ref.at[(i, *lead, col)], tile, mask=mask)
 
@@ -165,3 +187,94 @@ def host_gather_pallas(
         name="host_gather",
     )(block_ids.astype(jnp.int32), src)
     return out.reshape(m) if squeeze else out
+
+
+# ---------------------------------------------------------------------------
+# in-place variant: scatter listed host blocks into slots of device buffers
+# ---------------------------------------------------------------------------
+
+
+def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count):
+    """Pure-jnp ``host_gather_into``: whole-``src`` ``device_put``, then a scatter.
+
+    ``src_k, src_v [NB, *bs]``, ``dst_k, dst_v [NS, *bs]``, ``block_ids,
+    slots int32[M]``, ``count int32[1]``. Returns the new ``(dst_k, dst_v)``.
+    """
+    nb, ns, m = src_k.shape[0], dst_k.shape[0], block_ids.shape[0]
+    count = count.reshape(())
+    ids = jnp.clip(block_ids.astype(jnp.int32), 0, nb - 1)
+    # entries >= count go to slot NS, which mode="drop" discards, so they
+    # leave dst exactly as it was (clipping them would overwrite slot NS-1)
+    live = jnp.arange(m, dtype=jnp.int32) < count
+    tgt = jnp.where(live, jnp.clip(slots.astype(jnp.int32), 0, ns - 1), ns)
+    out = []
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        blocks = jnp.take(jax.device_put(src, jax.memory.Space.Device), ids, axis=0)
+        out.append(dst.at[tgt].set(blocks, mode="drop"))
+    return tuple(out)
+
+
+def _gather_into_kernel(
+    ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
+    *, nb: int, ns: int, plan: GatherPlan,
+):
+    # _dst_*_in are the same buffers as dst_*_ref (input_output_aliases);
+    # the kernel only writes the output refs, and only the listed slots
+    # program ids are read outside pl.when: interpret mode substitutes them
+    # only at the kernel's top level, not inside the cond's branch
+    i, t = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i < count_ref[0])
+    def _():
+        b = jnp.clip(ids_ref[i], 0, nb - 1)
+        s = jnp.clip(slots_ref[i], 0, ns - 1)
+        lead, col, mask = _tile_index(t, plan)
+        # both loads before either store: two PCIe reads in flight per program
+        k = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=mask)
+        v = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=mask)
+        plgpu.store(dst_k_ref.at[(s, *lead, col)], k, mask=mask)
+        plgpu.store(dst_v_ref.at[(s, *lead, col)], v, mask=mask)
+
+
+def host_gather_into_pallas(
+    src_k,
+    src_v,
+    dst_k,
+    dst_v,
+    block_ids,
+    slots,
+    count,
+    *,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    interpret: bool = False,
+):
+    """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), i < count.
+
+    ``src_k, src_v [NB, *bs]`` (any memory kind, read in place), ``dst_k,
+    dst_v [NS, *bs]`` (device; updated in place through
+    ``input_output_aliases``), ``block_ids, slots int32[M]``, ``count
+    int32[1]``. Grid ``(M, tiles per block)``; programs with ``i >= count``
+    return before any load or store. Ids are clamped to ``[0, NB)``, slots to
+    ``[0, NS)``. Returns ``(dst_k, dst_v)``. Tuning as ``host_gather_pallas``.
+    """
+    squeeze = src_k.ndim == 1
+    if squeeze:  # scalar blocks: give the kernel a last dim (tiny arrays only)
+        src_k, src_v = src_k.reshape(-1, 1), src_v.reshape(-1, 1)
+        dst_k, dst_v = dst_k.reshape(-1, 1), dst_v.reshape(-1, 1)
+    nb, *block_shape = src_k.shape
+    ns, m = dst_k.shape[0], block_ids.shape[0]
+    plan = plan_host_gather(tuple(block_shape), src_k.dtype.itemsize, tile_bytes=tile_bytes, num_warps=num_warps)
+    out_k, out_v = pl.pallas_call(
+        functools.partial(_gather_into_kernel, nb=nb, ns=ns, plan=plan),
+        out_shape=(jax.ShapeDtypeStruct(dst_k.shape, dst_k.dtype), jax.ShapeDtypeStruct(dst_v.shape, dst_v.dtype)),
+        grid=(m, plan.n_row_tiles * plan.n_col_tiles),
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="host_gather_into",
+    )(block_ids.astype(jnp.int32), slots.astype(jnp.int32), count.astype(jnp.int32).reshape(1), src_k, src_v, dst_k, dst_v)
+    if squeeze:
+        return out_k.reshape(ns), out_v.reshape(ns)
+    return out_k, out_v

@@ -235,3 +235,19 @@ def test_cli_arguments():
         acc.parse_args(["--tasks", "nope"])
     with pytest.raises(SystemExit):
         acc.parse_args(["--set", "budget=3"])
+
+
+def test_plot_skips_rows_without_numbers(tmp_path):
+    """A fidelity-only run checkpoints after its dense row, which has no numbers."""
+    payload = {"settings": {"lengths": [512]}, "rows": [{"method": "dense", "budget": None, "length": 512, "status": "ok"}]}
+    assert acc.plot(payload, tmp_path / "p.png") is None
+
+
+def test_probe_binds_the_measured_method_to_the_model():
+    """A calibrated method inside the probe gets its channels (it failed before)."""
+    from sparse_jax.methods import get_method
+
+    probe = fid.FidelityProbe(inner=get_method("asynctls", block_size=32), num_q_heads=9)
+    bound = probe.for_model("smollm2-135m", num_layers=30, head_dim=64)
+    assert bound.inner.channels_per_layer is not None and probe.inner.channels_per_layer is None
+    assert bound.cache_multiple == 32

@@ -20,6 +20,11 @@ Tuning keywords: ``tile_bytes`` (bytes copied per program, default 8192),
 Use: pass the pinned-host array itself (not a device copy). Inside your own
 ``jit`` do not apply any op to ``src`` before ``host_gather``: ops on a
 host-memory operand are either refused by JAX or turn into a bulk transfer.
+
+In-place variant ``host_gather_into``: one launch copies listed blocks of a
+K and a V host array into chosen slots of existing device buffers
+(``dst_k[slots[i]] = src_k[block_ids[i]]``, same for V, for ``i < count``),
+for a device-side block cache that is refilled inside a jitted decode step.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pallas_kernels import host_gather as _hg
 from sparse_jax.ops import _checks
 from sparse_jax.ops._dispatch import resolve_impl
 
-__all__ = ["host_gather", "TUNING_KEYS"]
+__all__ = ["host_gather", "host_gather_into", "TUNING_KEYS"]
 
 TUNING_KEYS = frozenset({"tile_bytes", "num_warps", "num_stages"})
 
@@ -48,6 +53,10 @@ def _check_args(src, block_ids, tuning):
         raise ValueError(f"src must hold at least one block (NB >= 1), got shape {src.shape}")
     _checks.check_rank("block_ids", block_ids, 1, "[M]")
     _checks.check_int("block_ids", block_ids)
+    _check_tuning(tuning)
+
+
+def _check_tuning(tuning):
     unknown = set(tuning) - TUNING_KEYS
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
@@ -97,3 +106,110 @@ def host_gather(src, block_ids, *, impl: str = "auto", **tuning):
         return jnp.zeros((0, *src.shape[1:]), src.dtype)
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
     return _run(src, block_ids, choice=choice, interpret=interpret, tuning=tuning_items)
+
+
+# ---------------------------------------------------------------------------
+# in place: listed host blocks into slots of device K/V buffers
+# ---------------------------------------------------------------------------
+
+
+def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning):
+    for name, x in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v),
+                    ("block_ids", block_ids), ("slots", slots)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if src_k.ndim < 1:
+        raise ValueError(f"src_k must have shape [NB, *block_shape] (rank >= 1), got shape {src_k.shape}")
+    if src_k.shape[0] < 1:
+        raise ValueError(f"src_k must hold at least one block (NB >= 1), got shape {src_k.shape}")
+    if tuple(src_v.shape) != tuple(src_k.shape) or src_v.dtype != src_k.dtype:
+        raise ValueError(
+            f"src_v must match src_k ([NB, *block_shape] = {tuple(src_k.shape)} {src_k.dtype}), "
+            f"got {tuple(src_v.shape)} {src_v.dtype}"
+        )
+    bs = tuple(src_k.shape[1:])
+    if dst_k.ndim != src_k.ndim or tuple(dst_k.shape[1:]) != bs:
+        raise ValueError(
+            f"dst_k must have shape [NS, *block_shape] with src's block_shape {bs}, got shape {tuple(dst_k.shape)}"
+        )
+    if dst_k.shape[0] < 1:
+        raise ValueError(f"dst_k must hold at least one slot (NS >= 1), got shape {tuple(dst_k.shape)}")
+    if dst_k.dtype != src_k.dtype:
+        raise TypeError(f"dst_k must have src's dtype {src_k.dtype} (no conversion is done), got {dst_k.dtype}")
+    if tuple(dst_v.shape) != tuple(dst_k.shape) or dst_v.dtype != dst_k.dtype:
+        raise ValueError(
+            f"dst_v must match dst_k ([NS, *block_shape] = {tuple(dst_k.shape)} {dst_k.dtype}), "
+            f"got {tuple(dst_v.shape)} {dst_v.dtype}"
+        )
+    _checks.check_rank("block_ids", block_ids, 1, "[M]")
+    _checks.check_int("block_ids", block_ids)
+    _checks.check_int_array("slots", slots, tuple(block_ids.shape), "[M] (one slot per block id)")
+    if isinstance(count, bool) or not (isinstance(count, int) or hasattr(count, "dtype")):
+        raise TypeError(f"count must be an int or an integer array of shape [] or [1], got {type(count).__name__}")
+    if not isinstance(count, int):
+        _checks.check_int("count", count)
+        if tuple(count.shape) not in ((), (1,)):
+            raise ValueError(f"count must have shape [] or [1], got shape {tuple(count.shape)}")
+    _check_tuning(tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("choice", "interpret", "tuning"))
+def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, interpret, tuning):
+    # no donation here: an eager call leaves the caller's dst valid (XLA
+    # copies it once); inside a caller's jit this jit is inlined, and a dst
+    # the caller donates is written in place through the kernel's aliasing
+    block_ids = block_ids.astype(jnp.int32)
+    slots = slots.astype(jnp.int32)
+    count = jnp.asarray(count).astype(jnp.int32).reshape(1)
+    if choice == "reference":
+        return _hg.host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count)
+    return _hg.host_gather_into_pallas(
+        src_k, src_v, dst_k, dst_v, block_ids, slots, count, interpret=interpret, **dict(tuning)
+    )
+
+
+def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto", **tuning):
+    """Copy listed host blocks into slots of device buffers, K and V in one launch.
+
+    For every ``i < count``: ``dst_k[slots[i]] = src_k[block_ids[i]]`` and
+    ``dst_v[slots[i]] = src_v[block_ids[i]]``; entries ``i >= count`` are
+    ignored (their kernel programs exit before any load or store, so a
+    static ``M`` sized for the worst case costs next to nothing when few
+    blocks are missing). Slots not listed keep their contents.
+
+    Args:
+      src_k, src_v: ``[NB, *block_shape]``, same shape and dtype; any memory
+        kind (``pinned_host`` is the point: read in place, over PCIe).
+      dst_k, dst_v: ``[NS, *block_shape]`` device arrays of src's dtype.
+      block_ids: ``int[M]``; clamped to ``[0, NB)``.
+      slots: ``int[M]``; clamped to ``[0, NS)``. If two of the first
+        ``count`` entries name the same slot, that slot's content is
+        unspecified: each element comes from one of the writers, and on GPU
+        different tiles (and K vs V) may come from different writers.
+      count: ``int[1]``, ``int[]`` or a Python int: how many leading entries
+        are live; values above ``M`` act as ``M``, values ``<= 0`` copy
+        nothing.
+      impl: "auto" | "pallas" | "reference".
+      **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``.
+
+    Returns:
+      ``(dst_k, dst_v)`` updated. The kernel writes through
+      ``input_output_aliases``: inside your ``jit`` with ``dst_k, dst_v``
+      donated (and the old values not read after this call) XLA needs no
+      copy of them. Called eagerly it does not donate: the arrays you pass
+      stay valid and XLA copies them once.
+
+    Inside your own ``jit``, pass ``src_k, src_v`` straight from the jit's
+    parameters (no op on them first; see the module docstring).
+    """
+    _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning)
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_kernel_unsupported(src_k, tuning))
+    m = block_ids.shape[0]
+    if m == 0:
+        return dst_k, dst_v
+    if isinstance(count, int):  # keep a huge Python int from overflowing int32
+        count = min(max(count, 0), m)
+    tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
+    return _run_into(
+        src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items
+    )
