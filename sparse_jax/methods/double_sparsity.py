@@ -78,7 +78,12 @@ class DoubleSparsity(SparseMethod):
 
     def layer_method(self, layer, num_layers):
         m = super().layer_method(layer, num_layers)
-        return dataclasses.replace(m, layer=layer) if m is self else m
+        if m is not self:
+            return m
+        # layers with the same channels share one method value, so a per-layer
+        # jit compiles once for all of them
+        first = self.channels_per_layer.index(self.channels_per_layer[layer]) if self.channels_per_layer else layer
+        return dataclasses.replace(m, layer=first)
 
     def layer_channels(self) -> jax.Array:
         """``int32[Hkv, r]`` for this layer (a constant in the jitted code)."""

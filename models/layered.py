@@ -1,0 +1,383 @@
+"""Layer-by-layer execution: one jitted call per layer, KV optionally offloaded.
+
+:class:`LayeredRunner` runs a loaded :class:`models.api.Model` with the
+same math as its whole-model jitted functions, but dispatches one jitted
+function per layer (parameters passed as arguments, so all layers of a kind
+share one compilation, also at 36 layers of Qwen3-8B). That granularity is
+what offloading needs:
+
+* ``mode="resident"``: every layer's KV cache on the device (dense or any
+  sparse method) -- the baseline, run the same way as the offloaded mode.
+* ``mode="offload"`` (AsyncTLS, ``lag=True`` forced): the sparse layers keep
+  only the device tier of :mod:`sparse_jax.offload.tiers` on the device and
+  every KV block in ``pinned_host`` memory. The layers the method keeps dense
+  stay resident.
+
+Prefill (SparseServe's layer-segmented idea): layer ``i``'s K/V is computed,
+its device tier built, and its blocks handed to ``jax.device_put(...,
+pinned_host)`` -- an asynchronous copy the next layer's compute overlaps --
+and then dropped, so device KV memory during prefill is about one layer.
+
+Decode: per step, the embedding, then per layer one jitted call (the
+offloaded ones read the host tier inside the call through
+``host_gather_into``), then the head. Completed blocks (the ring of the
+device tier) are copied back to the host tier by the CPU, one step later
+(SparseServe's CPU-assisted saving): a device->host copy of the block, then a
+store into the pinned buffer through its address. The engine tracks lengths
+on the host, so nothing here waits on the device except those small copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import transformer as tfm
+from sparse_jax.cache import KVCache, LayerCache, write_prefill, write_token
+from sparse_jax.methods.base import DenseAttention
+from sparse_jax.methods.double_sparsity import AsyncTLS
+from sparse_jax.offload import step as off
+from sparse_jax.offload.tiers import HostLayer, OffloadLayer, pinned_host_sharding
+
+MODES = ("resident", "offload")
+
+
+@dataclasses.dataclass
+class LayeredState:
+    """Everything one batch carries between steps (host-side object, not a pytree).
+
+    ``layers[i]``: a :class:`LayerCache` (resident) or :class:`OffloadLayer`;
+    ``host[i]``: the layer's :class:`HostLayer` (offloaded layers) or None;
+    ``lengths``: device ``int32[B]``; ``lengths_host``: its NumPy mirror.
+    """
+
+    layers: list
+    host: list
+    lengths: jax.Array
+    lengths_host: np.ndarray
+    max_len: int
+    pending: list = dataclasses.field(default_factory=list)  # flushes not yet stored on the host
+    counters: list = dataclasses.field(default_factory=list)  # per step: [(hits, misses) per offloaded layer]
+
+
+def _host_view(x: jax.Array) -> np.ndarray:
+    """A writable NumPy view of a ``pinned_host`` jax Array's buffer (its own memory).
+
+    JAX arrays are immutable; the host tier is the one place we write behind
+    JAX's back (the CPU half of SparseServe's saving), always to blocks no
+    kernel reads until a later step."""
+    if x.sharding.memory_kind != "pinned_host":
+        raise ValueError(f"expected a pinned_host array, got memory kind {x.sharding.memory_kind!r}")
+    dt = np.dtype(x.dtype)
+    n = x.size * dt.itemsize
+    buf = (ctypes.c_char * n).from_address(x.unsafe_buffer_pointer())
+    return np.frombuffer(buf, dtype=np.uint8).view(dt).reshape(x.shape)
+
+
+class LayeredRunner:
+    """Per-layer jitted prefill/decode of ``model`` (see the module docstring).
+
+    Args:
+      model: a :class:`models.api.Model` (its method is used; for
+        ``mode="offload"`` it must be ``asynctls``, run with ``lag=True``).
+      mode: "resident" or "offload".
+      pool_slots: resident block slots per (row, KV head) of an offloaded layer
+        (default: the filter's ``min(kb, S/block) - 1``, the smallest pool).
+    """
+
+    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.model = model
+        self.cfg = model.config
+        self.mode = mode
+        method = model.method
+        if mode == "offload":
+            if not isinstance(method, AsyncTLS):
+                raise ValueError(f"mode='offload' runs the asynctls method, the model has {method.name!r}")
+            method = dataclasses.replace(method, lag=True)
+        self.method = method
+        self.pool_slots = pool_slots
+        full = nnx.merge(model.graphdef, model.params)
+        splits = [nnx.split(layer) for layer in full.layers]
+        self.layer_graph = splits[0][0]
+        self.layer_params = [s for _, s in splits]
+        self.num_layers = self.cfg.num_layers
+        self.layer_methods = [method.layer_method(i, self.num_layers) for i in range(self.num_layers)]
+        self.offloaded = [mode == "offload" and not isinstance(m, DenseAttention) for m in self.layer_methods]
+        self.channels = [jnp.asarray(method.channels_per_layer[i], jnp.int32) if self.offloaded[i] else None
+                         for i in range(self.num_layers)]
+        # the "offload" layers run one shared method value (channels are an argument)
+        self.off_method = dataclasses.replace(method, layer=-1) if mode == "offload" else None
+        self._head = _head_fn(model.graphdef)
+        self._embed = _embed_fn(model.graphdef)
+
+    # -- helpers -----------------------------------------------------------------
+    def _pool(self, max_len: int) -> int:
+        n1 = self.method.filter_blocks(max_len)
+        p = max(n1, 1) if self.pool_slots is None else int(self.pool_slots)
+        off.check_offload(self.method, p, max_len)
+        return p
+
+    def _layer_method(self, i):
+        return self.off_method if self.offloaded[i] else self.layer_methods[i]
+
+    # -- building the state --------------------------------------------------------
+    def state_from_kv(self, kv_of_layer, lengths, max_len: int) -> LayeredState:
+        """The state of a batch whose layer ``i`` K/V is ``kv_of_layer(i) -> (k, v,
+        q_last)`` (device ``[B,Hkv,S,D]`` x2, ``[B,Hq,D]``): used by :meth:`prefill`
+        and by benchmarks that fill the cache with synthetic K/V. Each layer's
+        device K/V is dropped before the next is made (about one layer at a time)."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        layers, host = [], []
+        pool = self._pool(max_len) if self.mode == "offload" else 0
+        for i in range(self.num_layers):
+            k, v, q_last = kv_of_layer(i)
+            entry, hk, hv = _finish_layer(self._layer_method(i), self.offloaded[i], pool)(
+                k, v, lengths, q_last, self.channels[i])
+            del k, v
+            layers.append(entry)
+            if self.offloaded[i]:
+                sh = pinned_host_sharding()
+                host.append(HostLayer(jax.device_put(hk, sh), jax.device_put(hv, sh)))  # async D2H copies
+            else:
+                host.append(None)
+        return LayeredState(layers, host, lengths, np.asarray(lengths).copy(), max_len)
+
+    def prefill(self, tokens, lengths, max_len: int | None = None):
+        """Prefill right-padded ``tokens int32[B, T]``, layer by layer. Returns the
+        f32 logits ``[B, V]`` at each row's last token and the :class:`LayeredState`."""
+        max_len = int(max_len or self.model.max_len)
+        max_len = -(-max_len // self.method.cache_multiple) * self.method.cache_multiple
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        b, t = tokens.shape
+        if t >= max_len:
+            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
+        x = self._embed(self.model.params, tokens)
+        cur = {"x": x}
+        fn = _prefill_layer_fn(self.layer_graph, self.cfg, max_len)
+
+        def kv_of_layer(i):
+            cur["x"], k, v, q_last = fn(self.layer_params[i], cur["x"], lengths)
+            return k, v, q_last
+
+        state = self.state_from_kv(kv_of_layer, lengths, max_len)
+        last = jnp.take_along_axis(cur["x"], (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return self._head(self.model.params, last), state
+
+    # -- decode --------------------------------------------------------------------
+    def decode_step(self, tokens, state: LayeredState):
+        """One token per row: f32 logits ``[B, V]``; ``state`` is updated in place
+        (its device buffers are donated to the step)."""
+        if int(state.lengths_host.max()) >= state.max_len:
+            raise ValueError(f"the cache is full ({state.max_len} tokens)")
+        pos = state.lengths
+        x = self._embed(self.model.params, jnp.asarray(tokens, jnp.int32)[:, None])[:, 0]
+        step_counts = []
+        for i in range(self.num_layers):
+            if self.offloaded[i]:
+                x, state.layers[i] = _offload_decode_fn(self.layer_graph, self.cfg, self.off_method)(
+                    self.layer_params[i], x, state.layers[i], state.host[i], pos, self.channels[i])
+                step_counts.append((state.layers[i].hits, state.layers[i].misses))
+            else:
+                x, state.layers[i] = _resident_decode_fn(self.layer_graph, self.cfg, self.layer_methods[i])(
+                    self.layer_params[i], x, state.layers[i], pos)
+        logits = self._head(self.model.params, x)
+        state.lengths = pos + 1
+        state.lengths_host = state.lengths_host + 1
+        if step_counts:
+            state.counters.append(step_counts)
+        self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
+        self._start_flush(state)
+        return logits
+
+    def _start_flush(self, state: LayeredState):
+        """Copy the blocks completed by this step to the host (asynchronously)."""
+        if self.mode != "offload":
+            return
+        bs = self.method.block_size
+        rows = np.nonzero(state.lengths_host % bs == 0)[0]
+        if not rows.size:
+            return
+        idx = [i for i in range(self.num_layers) if self.offloaded[i]]
+        pool = state.layers[idx[0]].pool_slots
+        for r in rows:
+            block = int(state.lengths_host[r]) // bs - 1
+            ring = pool + block % 2
+            ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx), jnp.int32(r), jnp.int32(ring))
+            ks.copy_to_host_async()
+            vs.copy_to_host_async()
+            state.pending.append((int(r), block, idx, ks, vs))
+
+    def _store_pending(self, state: LayeredState):
+        hkv = self.cfg.num_kv_heads
+        while state.pending:
+            r, block, idx, ks, vs = state.pending.pop(0)
+            ks, vs = np.asarray(ks), np.asarray(vs)  # [n_layers, Hkv, bs, D]
+            for j, i in enumerate(idx):
+                h = state.host[i]
+                nb = h.k.shape[0] // (state.lengths_host.shape[0] * hkv)
+                rows = (r * hkv + np.arange(hkv)) * nb + block
+                _host_view(h.k)[rows] = ks[j]
+                _host_view(h.v)[rows] = vs[j]
+
+    def finish(self, state: LayeredState):
+        """Store the outstanding flushes (call before reading the host tier)."""
+        self._store_pending(state)
+
+    def transfer_stats(self, state: LayeredState) -> dict:
+        """Hits, misses and bytes moved per decode step (offloaded layers summed)."""
+        if not state.counters:
+            return {"steps": 0}
+        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64)  # [T, L, 2]
+        hits, misses = arr[..., 0].sum(1), arr[..., 1].sum(1)
+        d = self.cfg.head_dim
+        block_bytes = 2 * self.method.block_size * d * jnp.dtype(self.model.dtype).itemsize
+        return {
+            "steps": int(arr.shape[0]),
+            "hits_per_step": hits.tolist(), "misses_per_step": misses.tolist(),
+            "hit_rate": float(hits.sum() / max(hits.sum() + misses.sum(), 1)),
+            "bytes_per_step": (misses * block_bytes).tolist(),
+            "mean_bytes_per_step": float(misses.mean() * block_bytes),
+        }
+
+    def generate_ids(self, tokens, lengths, steps: int, max_len: int | None = None):
+        """Greedy ``steps`` tokens per row: ``(ids int32[B, steps], logits f32[B, steps, V], state)``."""
+        logits, state = self.prefill(tokens, lengths, max_len)
+        out, all_logits = [], []
+        for _ in range(steps):
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            out.append(nxt)
+            all_logits.append(logits)
+            logits = self.decode_step(nxt, state)
+        self.finish(state)
+        return jnp.stack(out, 1), jnp.stack(all_logits, 1), state
+
+
+# -----------------------------------------------------------------------------
+# The jitted pieces (cached by their static arguments)
+# -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _embed_fn(graphdef):
+    @jax.jit
+    def embed(params, tokens):
+        return nnx.merge(graphdef, params).embed_tokens(tokens)
+
+    return embed
+
+
+@functools.lru_cache(maxsize=8)
+def _head_fn(graphdef):
+    @jax.jit
+    def head(params, x):
+        return nnx.merge(graphdef, params).logits(x)
+
+    return head
+
+
+def _rope(cfg, positions):
+    return tfm.rope_cos_sin(positions, tfm.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+
+
+@functools.lru_cache(maxsize=8)
+def _prefill_layer_fn(layer_graph, cfg, max_len: int):
+    """``(params, x [B,T,H], lengths) -> (x, k, v [B,Hkv,S,D], q_last [B,Hq,D])``: causal
+    attention over the prompt (dense, cuDNN on GPU) and the layer's K/V padded to ``max_len``."""
+
+    @jax.jit
+    def run(params, x, lengths):
+        layer = nnx.merge(layer_graph, params)
+        b, t, _ = x.shape
+        cos, sin = _rope(cfg, jnp.arange(t))
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        o = DenseAttention().prefill_attention(q, k, v, lengths)
+        x = x + layer.self_attn.out(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        pad = ((0, 0), (0, 0), (0, max_len - t), (0, 0))
+        k = jnp.pad(k.transpose(0, 2, 1, 3), pad)
+        v = jnp.pad(v.transpose(0, 2, 1, 3), pad)
+        q_last = jnp.take_along_axis(q, (lengths - 1)[:, None, None, None], axis=1)[:, 0]
+        return x, k, v, q_last
+
+    return run
+
+
+@functools.lru_cache(maxsize=32)
+def _finish_layer(method, offloaded: bool, pool: int):
+    """``(k, v, lengths, q_last, channels) -> (entry, host_k, host_v)``; K/V donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def resident(k, v, lengths, q_last, channels):
+        b, hkv, s, d = k.shape
+        st = method.init_state(batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
+        st = method.prefill_state(st, k, v, lengths)
+        st = method.prefill_query_state(st, q_last, lengths)
+        return LayerCache(k, v, st), None, None
+
+    @jax.jit
+    def offloaded_(k, v, lengths, q_last, channels):
+        return off.layer_from_prefill(method, k, v, lengths, q_last, channels, pool)
+
+    return offloaded_ if offloaded else resident
+
+
+def _attn_in(layer, cfg, x, pos):
+    cos, sin = _rope(cfg, pos)
+    return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+
+
+def _attn_out(layer, x, o):
+    x = x + layer.self_attn.out(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@functools.lru_cache(maxsize=32)
+def _resident_decode_fn(layer_graph, cfg, method):
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def run(params, x, lc, pos):
+        layer = nnx.merge(layer_graph, params)
+        q, k, v = _attn_in(layer, cfg, x, pos)
+        lc = write_token(lc, k, v, pos)
+        st = method.append_state(lc.state, lc.k, lc.v, pos)
+        o, st = method.decode_attention(q, lc.k, lc.v, pos + 1, st)
+        return _attn_out(layer, x, o), dataclasses.replace(lc, state=st)
+
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def _offload_decode_fn(layer_graph, cfg, method):
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def run(params, x, layer_tier, host, pos, channels):
+        layer = nnx.merge(layer_graph, params)
+        q, k, v = _attn_in(layer, cfg, x, pos)
+        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels)
+        return _attn_out(layer, x, o), layer_tier
+
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def _extract_block_fn(bs: int):
+    @jax.jit
+    def run(layers, row, ring_slot):
+        def one(t):
+            k = jax.lax.dynamic_slice_in_dim(t.pool_k[row], ring_slot * bs, bs, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(t.pool_v[row], ring_slot * bs, bs, axis=1)
+            return k, v
+
+        ks, vs = zip(*(one(t) for t in layers))
+        return jnp.stack(ks), jnp.stack(vs)
+
+    return run

@@ -1,0 +1,197 @@
+"""Offloaded AsyncTLS, one layer at a time: building the tiers after prefill and
+one decode step (Sec. 4.2 of AsyncTLS, with SparseServe's GPU-direct loads).
+
+Decode step ``t`` of a sparse layer (all inside the caller's jit):
+
+1. the new token goes to the ring slot of its block; the label cache and the
+   block boxes take it (the same updates as the resident method);
+2. token selection runs over the blocks chosen at step ``t-1`` (resident in
+   the pool, or in the ring) plus the newest block, and attention reads the
+   selected tokens from the pool: ``S_t = TokenSelect(q_t, M_{t-1})``;
+3. the block filter picks ``M_t`` with ``q_t`` for step ``t+1``; blocks of
+   ``M_t`` not resident are assigned LRU slots and copied from the host tier
+   by one ``host_gather_into`` kernel (only the misses move:
+   ``T_t = M_t \\ C_t``). Step ``t+1``'s attention needs them, step ``t``'s
+   does not: the one-step lag.
+
+The selection is exactly :class:`sparse_jax.methods.AsyncTLS` with
+``lag=True``, with the same ops in the same order, so the offloaded output
+equals the resident one; only where the selected K/V rows are read differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sparse_jax.methods.double_sparsity import AsyncTLS, TwoLevelState
+from sparse_jax.methods.quest import BlockBoxes
+from sparse_jax.offload.tiers import HostLayer, OffloadLayer, host_block_ids
+from sparse_jax.ops.attention import sparse_decode_attention
+from sparse_jax.ops.scoring import block_minmax, build_label_cache, label_scores, update_block_minmax, update_label_cache
+from sparse_jax.ops.transfer import host_gather_into
+
+
+def check_offload(method: AsyncTLS, pool_slots: int, max_len: int) -> None:
+    """Raise ValueError when ``method`` cannot run offloaded with ``pool_slots``."""
+    if not isinstance(method, AsyncTLS):
+        raise ValueError(f"offloading runs the asynctls method (two-level, one-step lag), got {method.name!r}")
+    if method.sink or method.window:
+        raise ValueError("offloaded asynctls: sink/window tokens are not supported (the paper uses none)")
+    n1 = method.filter_blocks(max_len)
+    if pool_slots < max(n1, 1):
+        raise ValueError(
+            f"pool_slots={pool_slots} is smaller than the blocks the filter keeps besides the newest "
+            f"(min(kb, S/block) - 1 = {n1}): the chosen set must fit in the pool")
+    if method.budget > (n1 + 1) * method.block_size:
+        raise ValueError(
+            f"offloaded asynctls: the budget ({method.budget}) exceeds the candidate tokens "
+            f"((kb) * block = {(n1 + 1) * method.block_size}); raise kb")
+
+
+def _ring_rows(pos, pool_slots, bs):
+    """Pool row of token ``pos`` while its block is in the ring."""
+    return (pool_slots + (pos // bs) % 2) * bs + pos % bs
+
+
+def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_slots: int):
+    """Tiers of one sparse layer from its prefill K/V (device, ``[B,Hkv,S,D]``).
+
+    Returns ``(layer: OffloadLayer, host_k, host_v)`` where ``host_* [B*Hkv*NB,
+    bs, D]`` (still on device) is what the caller moves to the host tier. The
+    pool is primed with the blocks the last prompt query chose (the first
+    decode step's set), the ring with the prompt's last two blocks.
+    """
+    b, hkv, s, d = k.shape
+    bs = method.block_size
+    nb = s // bs
+    upper, lower = block_minmax(k, lengths, block_size=bs, impl=method.impl)
+    labels = build_label_cache(k, channels, impl=method.impl)
+    boxes = BlockBoxes(upper, lower)
+    newest = lengths // bs  # the first decode step's newest block
+    prev = method.pick_blocks(q_last, boxes, newest)  # [B, Hkv, n1]
+    n1 = prev.shape[-1]
+    kb_, vb_ = k.reshape(b, hkv, nb, bs, d), v.reshape(b, hkv, nb, bs, d)
+
+    def take_blocks(x, blocks):  # x [B,Hkv,NB,bs,D], blocks [B,Hkv,m] -> [B,Hkv,m,bs,D]
+        idx = jnp.clip(blocks, 0, nb - 1)[..., None, None]
+        return jnp.take_along_axis(x, idx, axis=2)
+
+    need = prev < (newest - 1)[:, None, None]
+    slots = jnp.arange(n1, dtype=jnp.int32)
+    slot_block = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :n1].set(jnp.where(need, prev, -1))
+    slot_used = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :n1].set(
+        jnp.where(need, lengths[:, None, None], -1))
+    block_slot = jax.vmap(jax.vmap(lambda blk, ok: jnp.full((nb,), -1, jnp.int32).at[jnp.where(ok, blk, nb)].set(
+        slots, mode="drop")))(prev, need)
+    ring_blocks = jnp.stack([newest - 1, newest], -1)  # [B, 2]
+    ring_order = jnp.argsort(ring_blocks % 2, axis=-1)  # ring slot j holds the block with n % 2 == j
+    ring = jnp.take_along_axis(ring_blocks, ring_order, axis=-1)
+    ring = jnp.broadcast_to(ring[:, None, :], (b, hkv, 2))
+
+    def pool(x):
+        primed = jnp.where(need[..., None, None], take_blocks(x, prev), 0).astype(x.dtype)
+        empty = jnp.zeros((b, hkv, pool_slots - n1, bs, d), x.dtype)
+        rings = take_blocks(x, ring)
+        return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + 2) * bs, d)
+
+    state = TwoLevelState(boxes, labels, prev)
+    zero = jnp.zeros((), jnp.int32)
+    layer = OffloadLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero)
+    return layer, k.reshape(b * hkv * nb, bs, d), v.reshape(b * hkv * nb, bs, d)
+
+
+def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels):
+    """One decode step of an offloaded sparse layer.
+
+    ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
+    ``pos int32[B]`` its position, ``channels int32[Hkv,r]`` the layer's label
+    channels. Returns ``(out [B,Hq,D], layer)``.
+    """
+    bs = method.block_size
+    b, hkv, d = k_new.shape
+    p = layer.pool_slots
+    nb = layer.block_slot.shape[2]
+    st = layer.state
+    lengths = pos + 1
+    k_new, v_new = k_new.astype(layer.pool_k.dtype), v_new.astype(layer.pool_v.dtype)  # as the resident cache stores them
+
+    # 1. append the token (ring slot of its block), labels and boxes
+    rows = _ring_rows(pos, p, bs)
+
+    def put(pool_row, new_row, r):  # pool_row [Hkv, R, D], new_row [Hkv, D]
+        return jax.lax.dynamic_update_slice(pool_row, new_row[:, None, :].astype(pool_row.dtype), (0, r, 0))
+
+    pool_k = jax.vmap(put)(layer.pool_k, k_new, rows)
+    pool_v = jax.vmap(put)(layer.pool_v, v_new, rows)
+    upper, lower = update_block_minmax(st.boxes.upper, st.boxes.lower, k_new, pos, block_size=bs)
+    labels = update_label_cache(st.labels, k_new, channels, pos)
+    boxes = BlockBoxes(upper, lower)
+
+    # 2. token selection inside last step's blocks + the newest, attention from the pool
+    cand, cand_counts = method.expand_blocks(st.prev_blocks, lengths)
+    scores = label_scores(q, labels, channels, cand, cand_counts, impl=method.impl)
+    sel, counts = method.select_from_scores(scores, lengths, cand, cand_counts, capacity=nb * bs)
+    blk, off = sel // bs, sel % bs
+    newest = ((lengths - 1) // bs)[:, None, None]
+    in_ring = blk >= newest - 1
+    slot = jnp.take_along_axis(layer.block_slot, jnp.clip(blk, 0, nb - 1), axis=-1)
+    pool_rows = jnp.where(in_ring, (p + blk % 2) * bs + off, jnp.maximum(slot, 0) * bs + off)
+    out = sparse_decode_attention(q, pool_k, pool_v, pool_rows.astype(jnp.int32), counts, impl=method.impl)
+
+    # 3. the next step's blocks, and the copies of the missing ones
+    newest_next = lengths // bs
+    nxt = method.pick_blocks(q, boxes, newest_next)  # [B, Hkv, n1]
+    need = nxt < (newest_next - 1)[:, None, None]  # newer blocks are in the ring
+    cur = jnp.take_along_axis(layer.block_slot, jnp.clip(nxt, 0, nb - 1), axis=-1)
+    hit = need & (cur >= 0)
+    miss = need & (cur < 0)
+    victims, block_slot, slot_block, slot_used = _assign_slots(
+        layer.block_slot, layer.slot_block, layer.slot_used, nxt, cur, hit, miss, lengths)
+
+    # attention read the pool before any slot is overwritten
+    pool_k, pool_v, out = jax.lax.optimization_barrier((pool_k, pool_v, out))
+    src = host_block_ids(nxt, hkv, nb)
+    dst = (jnp.arange(b, dtype=jnp.int32)[:, None, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :, None]) \
+        * (p + 2) + victims
+    flat_miss = miss.reshape(-1)
+    m = flat_miss.shape[0]
+    if m:
+        rank = jnp.cumsum(flat_miss.astype(jnp.int32)) - 1
+        at = jnp.where(flat_miss, rank, m)  # misses first, in order; the rest dropped
+        ids = jnp.zeros((m,), jnp.int32).at[at].set(src.reshape(-1), mode="drop")
+        slots = jnp.zeros((m,), jnp.int32).at[at].set(dst.reshape(-1), mode="drop")
+        count = jnp.sum(flat_miss, dtype=jnp.int32).reshape(1)
+        pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
+                                  ids, slots, count, impl=method.impl)
+        pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
+
+    state = TwoLevelState(boxes, labels, nxt)
+    layer = OffloadLayer(pool_k, pool_v, block_slot, slot_block, slot_used, state,
+                         jnp.sum(hit, dtype=jnp.int32), jnp.sum(miss, dtype=jnp.int32))
+    return out, layer
+
+
+def _assign_slots(block_slot, slot_block, slot_used, nxt, cur, hit, miss, lengths):
+    """LRU slot for every miss; the tables after the swap. All ``[B, Hkv, ...]``."""
+    nb = block_slot.shape[2]
+    p = slot_block.shape[2]
+
+    def one(bslot, sblock, sused, nxt_, cur_, hit_, miss_, length):
+        protect = jnp.zeros((p,), bool).at[jnp.where(hit_, cur_, p)].set(True, mode="drop")
+        key = jnp.where(protect, jnp.iinfo(jnp.int32).max, sused)
+        order = jnp.argsort(key, stable=True)  # empty (-1) first, then least recently used
+        rank = jnp.cumsum(miss_.astype(jnp.int32)) - 1
+        victim = jnp.where(miss_, order[jnp.clip(rank, 0, p - 1)], p)
+        evicted = jnp.where(miss_, sblock[jnp.clip(victim, 0, p - 1)], -1)
+        bslot = bslot.at[jnp.where(evicted >= 0, evicted, nb)].set(-1, mode="drop")
+        bslot = bslot.at[jnp.where(miss_, nxt_, nb)].set(victim, mode="drop")
+        sblock = sblock.at[victim].set(nxt_, mode="drop")
+        used = jnp.where(hit_, cur_, victim)
+        sused = sused.at[used].set(length, mode="drop")
+        return jnp.minimum(victim, p - 1), bslot, sblock, sused
+
+    lens = jnp.broadcast_to(lengths[:, None], nxt.shape[:2])
+    return jax.vmap(jax.vmap(one))(block_slot, slot_block, slot_used, nxt, cur, hit, miss, lens)
