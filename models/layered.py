@@ -44,6 +44,7 @@ from models import transformer as tfm
 from sparse_jax.cache import KVCache, LayerCache, write_prefill, write_token
 from sparse_jax.methods.base import DenseAttention
 from sparse_jax.methods.double_sparsity import AsyncTLS
+from sparse_jax.offload import capacity
 from sparse_jax.offload import step as off
 from sparse_jax.offload.tiers import HostLayer, OffloadLayer, pinned_host_sharding
 
@@ -130,6 +131,22 @@ class LayeredRunner:
     def _layer_method(self, i):
         return self.off_method if self.offloaded[i] else self.layer_methods[i]
 
+    def footprint(self, batch: int, max_len: int) -> capacity.Footprint:
+        """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`)."""
+        mode = self.mode if self.mode == "offload" else (
+            "dense" if isinstance(self.method, DenseAttention) else "sparse")
+        return capacity.footprint(self.cfg, self.method, batch=batch, max_len=max_len, mode=mode,
+                                  dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
+                                  pool_slots=self._pool(max_len) if self.mode == "offload" else None)
+
+    def check_capacity(self, batch: int, max_len: int, *, device_limit="auto", host_limit="auto"):
+        """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
+        when the batch does not fit (limits: measured, or given in bytes, or None)."""
+        dl = capacity.device_budget() if device_limit == "auto" else device_limit
+        hl = capacity.host_budget() if host_limit == "auto" else host_limit
+        capacity.check_fits(self.footprint(batch, max_len), device_limit=dl, host_limit=hl,
+                            what=f"{self.mode} batch of {batch} x {max_len} tokens")
+
     # -- building the state --------------------------------------------------------
     def state_from_kv(self, kv_of_layer, lengths, max_len: int) -> LayeredState:
         """The state of a batch whose layer ``i`` K/V is ``kv_of_layer(i) -> (k, v,
@@ -137,8 +154,9 @@ class LayeredRunner:
         and by benchmarks that fill the cache with synthetic K/V. Each layer's
         device K/V is dropped before the next is made (about one layer at a time)."""
         lengths = jnp.asarray(lengths, jnp.int32)
-        layers, host = [], []
         pool = self._pool(max_len) if self.mode == "offload" else 0
+        self.check_capacity(int(lengths.shape[0]), max_len)
+        layers, host = [], []
         for i in range(self.num_layers):
             k, v, q_last = kv_of_layer(i)
             entry, hk, hv = _finish_layer(self._layer_method(i), self.offloaded[i], pool)(

@@ -112,3 +112,50 @@ def test_offloaded_decoding_equals_resident_on_smollm2():
     runner._store_pending = lambda state: state.pending.clear()  # drop the completed blocks
     ids, lg, _ = runner.generate_ids(tokens, lengths, steps, 256)
     assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
+
+
+def test_capacity_planning():
+    from models.config import get_config
+    from sparse_jax.methods import get_method
+    from sparse_jax.offload import capacity
+
+    cfg = get_config("qwen3-8b")
+    m = get_method("asynctls", channels_per_layer=((tuple(range(32)),) * 8,) * 36)
+    s = 98304
+    dense = capacity.footprint(cfg, m, batch=4, max_len=s, mode="dense")
+    # Qwen3-8B KV: 36 layers x 2 x 8 heads x 128 x 2 bytes = 144 KiB per token
+    assert dense.device["kv"] == 4 * s * 36 * 2 * 8 * 128 * 2 and not dense.host
+    off = capacity.footprint(cfg, m, batch=4, max_len=s, mode="offload")
+    assert off.host["kv_blocks"] == 4 * s * 34 * 2 * 8 * 128 * 2  # layers 0-1 stay dense on the device
+    assert off.device["slot_pool"] == 34 * 2 * 4 * 8 * (127 + 2) * 64 * 128 * 2
+    w = dense.device["weights"]
+    assert off.device_bytes - w < (dense.device_bytes - w) / 3  # KV per row on the device shrinks > 3x
+    sparse = capacity.footprint(cfg, m, batch=4, max_len=s, mode="sparse")
+    assert sparse.device_bytes > dense.device_bytes  # the label cache and boxes come on top
+    lim = dict(device_limit=70 * capacity.GiB, host_limit=100 * capacity.GiB)
+    bd = capacity.max_batch(cfg, m, max_len=s, mode="dense", **lim)
+    bo = capacity.max_batch(cfg, m, max_len=s, mode="offload", **lim)
+    assert bd == 4 and bo == 7, (bd, bo)  # 70 GiB of HBM: 4 dense rows (13.5 GiB each); 100 GiB of host: 7
+    with pytest.raises(capacity.CapacityError, match="pinned host memory"):
+        capacity.check_fits(capacity.footprint(cfg, m, batch=8, max_len=s, mode="offload"), **lim)
+    with pytest.raises(capacity.CapacityError, match=r"device memory .*weights"):
+        capacity.check_fits(capacity.footprint(cfg, m, batch=5, max_len=s, mode="dense"), **lim)
+
+
+def test_runner_refuses_before_allocating():
+    import models
+    from models.layered import LayeredRunner
+    from sparse_jax.methods import get_method
+    from sparse_jax.offload import capacity
+
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
+                             tie_embeddings=True, eos_token_id=2, pad_token_id=2)
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,))
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+    runner = LayeredRunner(model, "offload")
+    with pytest.raises(capacity.CapacityError, match="pinned host memory"):
+        runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
+    fp = runner.footprint(2, 4096)
+    assert fp.host["kv_blocks"] == 2 * 2 * 2 * 4096 * 16 * 4 * 2  # 2 sparse layers, f32

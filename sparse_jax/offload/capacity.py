@@ -1,0 +1,149 @@
+"""Capacity planning: device and host bytes of a batch, checked before allocating.
+
+:func:`footprint` adds up, array by array, what :mod:`models.layered` allocates
+for ``batch`` rows of capacity ``max_len`` (``mode``: "dense" = every layer's
+KV on the device, no method state; "sparse" = the same plus the sparse
+method's state; "offload" = the tiers of :mod:`sparse_jax.offload.tiers`,
+dense layers resident). :func:`check_fits` raises :class:`CapacityError` with
+the breakdown when either memory would overflow; :func:`max_batch` is the
+largest batch that fits.
+
+Device budget: the allocator's limit (``memory_stats()["bytes_limit"]``)
+minus ``reserve`` for XLA's temporaries (default 2 GiB). Host budget: the
+kernel's ``MemAvailable`` times ``host_fraction`` (default 0.85: pinned pages
+cannot be swapped, and the process needs room besides the tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+GiB = 1 << 30
+MODES = ("dense", "sparse", "offload")
+
+
+class CapacityError(ValueError):
+    """The requested batch does not fit (raised before any allocation)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    device: dict[str, int]
+    host: dict[str, int]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    def describe(self) -> str:
+        def part(d):
+            return ", ".join(f"{k} {v / GiB:.2f}" for k, v in d.items() if v)
+
+        return (f"device {self.device_bytes / GiB:.2f} GiB ({part(self.device)}); "
+                f"host {self.host_bytes / GiB:.2f} GiB ({part(self.host) or 'nothing'})")
+
+
+def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: int = 2,
+              pool_slots: int | None = None) -> Footprint:
+    """Bytes of weights, caches and tiers (not XLA temporaries) for ``cfg`` (a
+    :class:`models.config.ModelConfig`) and ``method`` (an AsyncTLS-like method
+    for "sparse"/"offload"; ignored for "dense")."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    b, hkv, d, s = int(batch), cfg.num_kv_heads, cfg.head_dim, int(max_len)
+    e = dtype_bytes
+    kv_layer = 2 * b * hkv * s * d * e
+    dev = {"weights": cfg.num_params() * e, "logits": 2 * b * cfg.vocab_size * 4}
+    host: dict[str, int] = {}
+    if mode == "dense":
+        dev["kv"] = cfg.num_layers * kv_layer
+        return Footprint(dev, host)
+    dense_layers = {i % cfg.num_layers for i in getattr(method, "dense_layers", ())}
+    n_sparse = cfg.num_layers - len(dense_layers)
+    bs = getattr(method, "block_size", 64)
+    nb = s // bs
+    n1 = method.filter_blocks(s) if hasattr(method, "filter_blocks") else 0
+    state = state_bytes(method, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype_bytes=e)
+    if mode == "offload" and getattr(method, "lag", True) is False:
+        state += 4 * b * hkv * max(n1, 0)  # the offloaded layers keep the lagged block set
+    dev["kv_dense_layers"] = len(dense_layers) * kv_layer
+    dev["method_state"] = n_sparse * state
+    if mode == "sparse":
+        dev["kv_sparse_layers"] = n_sparse * kv_layer
+        return Footprint(dev, host)
+    p = max(n1, 1) if pool_slots is None else int(pool_slots)
+    dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
+    dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
+    dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)
+    dev["prefill_layer"] = 2 * kv_layer  # one layer's K/V and its block layout, while it is built
+    host["kv_blocks"] = n_sparse * kv_layer
+    return Footprint(dev, host)
+
+
+def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2) -> int:
+    """Bytes of ``method.init_state(...)`` for one layer (traced, nothing allocated)."""
+    import jax.numpy as jnp
+
+    dtype = {2: jnp.bfloat16, 4: jnp.float32}[dtype_bytes]
+    shapes = jax.eval_shape(lambda: method.init_state(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
+                                                      head_dim=head_dim, dtype=dtype))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def device_budget(reserve: int = 2 * GiB) -> int | None:
+    """Usable device bytes (None when the backend reports no limit, e.g. CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else int(limit) - reserve
+
+
+def host_budget(host_fraction: float = 0.85) -> int | None:
+    """``MemAvailable * host_fraction`` (None when /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * host_fraction)
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(fp: Footprint, *, device_limit: int | None, host_limit: int | None, what: str = "") -> None:
+    """Raise :class:`CapacityError` (with the breakdown) when ``fp`` overflows a limit."""
+    label = f"{what}: " if what else ""
+    if device_limit is not None and fp.device_bytes > device_limit:
+        raise CapacityError(
+            f"{label}needs {fp.device_bytes / GiB:.2f} GiB of device memory but {device_limit / GiB:.2f} GiB are "
+            f"usable ({fp.describe()}). Use a smaller batch or context, or offload the KV cache to host memory.")
+    if host_limit is not None and fp.host_bytes > host_limit:
+        raise CapacityError(
+            f"{label}needs {fp.host_bytes / GiB:.2f} GiB of pinned host memory but {host_limit / GiB:.2f} GiB are "
+            f"available ({fp.describe()}). Use a smaller batch or context.")
+
+
+def max_batch(cfg, method, *, max_len: int, mode: str, device_limit: int | None, host_limit: int | None,
+              dtype_bytes: int = 2, pool_slots: int | None = None, limit: int = 4096) -> int:
+    """Largest batch whose footprint fits both limits (0 when none does)."""
+    best = 0
+    for b in range(1, limit + 1):
+        fp = footprint(cfg, method, batch=b, max_len=max_len, mode=mode, dtype_bytes=dtype_bytes,
+                       pool_slots=pool_slots)
+        try:
+            check_fits(fp, device_limit=device_limit, host_limit=host_limit)
+        except CapacityError:
+            break
+        best = b
+    return best
+
+
+def env_fraction_hint() -> str:
+    """XLA preallocates 75% of the GPU by default; the budget follows that setting."""
+    return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (default)")
