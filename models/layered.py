@@ -92,9 +92,12 @@ class LayeredRunner:
       mode: "resident" or "offload".
       pool_slots: resident block slots per (row, KV head) of an offloaded layer
         (default: the filter's ``min(kb, S/block) - 1``, the smallest pool).
+      churn: benchmarks on random weights only (0 = the real method): the
+        fraction of the block set renewed per step, see
+        :func:`sparse_jax.offload.step.decode_layer`.
     """
 
-    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None):
+    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -107,6 +110,7 @@ class LayeredRunner:
             method = dataclasses.replace(method, lag=True)
         self.method = method
         self.pool_slots = pool_slots
+        self.churn = float(churn)  # benchmarks only: see sparse_jax.offload.step.decode_layer
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
         self.layer_graph = splits[0][0]
@@ -203,7 +207,7 @@ class LayeredRunner:
         step_counts = []
         for i in range(self.num_layers):
             if self.offloaded[i]:
-                x, state.layers[i] = _offload_decode_fn(self.layer_graph, self.cfg, self.off_method)(
+                x, state.layers[i] = _offload_decode_fn(self.layer_graph, self.cfg, self.off_method, self.churn)(
                     self.layer_params[i], x, state.layers[i], state.host[i], pos, self.channels[i])
                 step_counts.append((state.layers[i].hits, state.layers[i].misses))
             else:
@@ -375,12 +379,12 @@ def _resident_decode_fn(layer_graph, cfg, method):
 
 
 @functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, cfg, method):
+def _offload_decode_fn(layer_graph, cfg, method, churn):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, layer_tier, host, pos, channels):
         layer = nnx.merge(layer_graph, params)
         q, k, v = _attn_in(layer, cfg, x, pos)
-        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels)
+        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
         return _attn_out(layer, x, o), layer_tier
 
     return run

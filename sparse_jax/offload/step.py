@@ -103,12 +103,19 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
     return layer, k.reshape(b * hkv * nb, bs, d), v.reshape(b * hkv * nb, bs, d)
 
 
-def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels):
+def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels,
+                 churn: float = 0.0):
     """One decode step of an offloaded sparse layer.
 
     ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
     ``pos int32[B]`` its position, ``channels int32[Hkv,r]`` the layer's label
     channels. Returns ``(out [B,Hq,D], layer)``.
+
+    ``churn`` (benchmarks only, default 0 = the real method): random weights
+    have no temporal locality, so a benchmark can set the fraction of the
+    block set renewed per step: the filter still runs (its cost is paid), but
+    the next set is the last one with ``round(churn * (kb-1))`` blocks
+    replaced, which emulates a hit rate measured on real text.
     """
     bs = method.block_size
     b, hkv, d = k_new.shape
@@ -144,6 +151,8 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     # 3. the next step's blocks, and the copies of the missing ones
     newest_next = lengths // bs
     nxt = method.pick_blocks(q, boxes, newest_next)  # [B, Hkv, n1]
+    if churn > 0 and nxt.shape[-1]:
+        nxt = _churned(nxt, st.prev_blocks, newest_next, pos, churn)
     need = nxt < (newest_next - 1)[:, None, None]  # newer blocks are in the ring
     cur = jnp.take_along_axis(layer.block_slot, jnp.clip(nxt, 0, nb - 1), axis=-1)
     hit = need & (cur >= 0)
@@ -195,3 +204,16 @@ def _assign_slots(block_slot, slot_block, slot_used, nxt, cur, hit, miss, length
 
     lens = jnp.broadcast_to(lengths[:, None], nxt.shape[:2])
     return jax.vmap(jax.vmap(one))(block_slot, slot_block, slot_used, nxt, cur, hit, miss, lens)
+
+
+def _churned(real, prev, newest_next, pos, churn):
+    """Last step's set with its first ``round(churn * n1)`` blocks moved (benchmarks)."""
+    n1 = real.shape[-1]
+    c = max(1, round(churn * n1))
+    elig = jnp.maximum(newest_next - 1, 1)[:, None, None]
+    shift = 1 + (pos[:, None, None] * 7919) % jnp.maximum(elig - 1, 1)
+    moved = (prev + shift) % elig
+    sim = jnp.where(jnp.arange(n1) < c, moved, prev)
+    long = (newest_next > n1 + 1)[:, None, None]  # short rows keep the real (complete) set
+    # keep the real filter in the graph: its cost is what the benchmark measures
+    return jnp.where(long & (real != -12345), sim, real).astype(jnp.int32)

@@ -1,0 +1,462 @@
+"""End-to-end decode throughput with the KV cache offloaded to host memory.
+
+``python -m benchmarks.offload`` (on the GPU) measures, for a Qwen3-8B-shaped
+model with random bf16 weights (36 layers, 32/8 heads, D=128) at each context
+(default 32K, 64K, 96K):
+
+* three configurations, all run layer by layer by :class:`models.layered.LayeredRunner`:
+  ``dense`` (all KV on the device, cuDNN-class exact decode), ``sparse``
+  (AsyncTLS, everything resident) and ``offload`` (AsyncTLS, KV blocks in
+  pinned host memory, device tier only);
+* the largest batch that fits each (the capacity planner, then a real
+  allocation at that batch), decode time per output token (TPOT: median of
+  back-to-back steps / step) and tokens/s at that batch;
+* for ``offload``: hits, misses and bytes moved per step, and the step time
+  at the sparse configuration's batch (the equal-batch comparison);
+* a ``jax.profiler`` trace of offloaded steps and how much transfer it hides
+  (:mod:`benchmarks.trace_overlap`), and the alternative transfer path
+  (``jax.device_put`` of the same bytes on a copy stream, issued before a
+  resident step) timed against it.
+
+Locality. Random weights have no temporal locality: the block filter's choice
+changes almost completely every step. The throughput rows therefore run with
+``churn`` = the miss rate measured on SmolLM2 with real text (``--smollm2``
+runs that measurement; ``--churn`` sets it), and one extra row reports the
+raw random-weight behaviour. Each row says which it rests on.
+
+The KV content is synthetic (random keys and values written straight into
+the tiers, with ``--context`` tokens per row): decode time does not depend on
+how the cache was filled, and a real 96K prefill of every row would cost
+minutes of device time. Prefill itself is timed separately, with and without
+offload (``--prefill-len``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, write_results
+
+GiB = 1 << 30
+
+
+def qwen3_8b(max_position: int):
+    from models.config import get_config
+
+    # Qwen3-8B serves 128K contexts with YaRN; with random weights only the shapes matter
+    return dataclasses.replace(get_config("qwen3-8b"), max_position=max_position)
+
+
+def asynctls_for(cfg, budget: int, kb: int):
+    from sparse_jax.methods import get_method
+
+    r = cfg.head_dim // 4
+    chans = tuple(tuple(range(h % 4, cfg.head_dim, 4))[:r] for h in range(cfg.num_kv_heads))
+    # one channel set for every layer: random weights have nothing to calibrate, and equal
+    # channels let all layers share one compilation
+    return get_method("asynctls", budget=budget, kb=kb, channels_per_layer=(chans,) * cfg.num_layers)
+
+
+def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
+    """``kv_of_layer(i)`` for LayeredRunner.state_from_kv: random K/V, ``context`` valid tokens."""
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+
+    @jax.jit
+    def make(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        shape = (batch, hkv, max_len, d)
+        k = jax.random.normal(k1, shape, dtype)
+        v = jax.random.normal(k2, shape, dtype)
+        q = jax.random.normal(k3, (batch, cfg.num_heads, d), dtype)
+        return k, v, q
+
+    return lambda i: make(jax.random.fold_in(jax.random.key(seed), i))
+
+
+def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None):
+    """Fill a batch, decode ``warmup + steps`` tokens, return the measurements."""
+    from models.layered import LayeredRunner
+
+    runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn)
+    max_len = -(-(context + warmup + steps + 8) // 64) * 64
+    runner.check_capacity(batch, max_len)
+    t0 = time.perf_counter()
+    lengths = np.full((batch,), context, np.int32)
+    state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 0),
+                                 lengths, max_len)
+    jax.block_until_ready([layer for layer in state.layers])
+    fill_s = time.perf_counter() - t0
+    tok = jnp.zeros((batch,), jnp.int32)
+    logits = None
+    for _ in range(warmup):
+        logits = runner.decode_step(tok, state)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(steps):
+        t1 = time.perf_counter()
+        logits = runner.decode_step(tok, state)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        times.append(time.perf_counter() - t1)
+    # back-to-back (dispatch overlapped with the device): the throughput number
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.decode_step(tok, state)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    jax.block_until_ready(tok)
+    tpot = (time.perf_counter() - t1) / steps
+    out = {"mode": mode, "context": context, "batch": batch, "churn": churn, "fill_s": fill_s,
+           "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
+           "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
+           "footprint_device_gib": runner.footprint(batch, max_len).device_bytes / GiB,
+           "footprint_host_gib": runner.footprint(batch, max_len).host_bytes / GiB}
+    stats = jax.devices()[0].memory_stats() or {}
+    out["device_in_use_gib"] = stats.get("bytes_in_use", 0) / GiB
+    if mode == "offload":
+        runner.finish(state)
+        ts = runner.transfer_stats(state)
+        n = warmup + 2 * steps
+        miss = np.asarray(ts["misses_per_step"][-steps:], float)
+        hits = np.asarray(ts["hits_per_step"][-steps:], float)
+        out.update(hit_rate=float(hits.sum() / max(hits.sum() + miss.sum(), 1)),
+                   mib_per_step=float(np.mean(ts["bytes_per_step"][-steps:]) / (1 << 20)),
+                   misses_per_step=float(miss.mean()), steps_counted=n)
+    if trace_dir is not None:
+        from benchmarks import trace_overlap
+
+        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+        for _ in range(3):
+            logits = runner.decode_step(tok, state)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        jax.profiler.stop_trace()
+        events, _ = trace_overlap.load_events(trace_dir)
+        rep = trace_overlap.overlap_report(events)
+        out["trace"] = {k: rep.get(k) for k in ("transfer_busy_us", "compute_busy_us", "overlap_us",
+                                                 "hidden_fraction", "note")}
+        out["_trace_report"] = rep
+        out["_trace_events"] = events
+    del state, runner
+    gc.collect()
+    return out
+
+
+def fit_batch(model, mode, context, *, start, steps, warmup, churn=0.0, log=print, **kw):
+    """Run at the planner's batch; on an allocation failure step down (reported)."""
+    b = start
+    while b >= 1:
+        try:
+            r = run_config(model, mode, context=context, batch=b, steps=steps, warmup=warmup, churn=churn, **kw)
+            r["planner_batch"] = start
+            return r
+        except Exception as e:  # noqa: BLE001 - OOM at the planned batch: report and step down
+            log(f"[offload] {mode} ctx={context} batch={b} failed: {type(e).__name__}: {str(e)[:200]}")
+            gc.collect()
+            b -= 1
+    return {"mode": mode, "context": context, "batch": 0, "planner_batch": start, "error": "nothing fits"}
+
+
+def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
+    """The copy-stream path: a sparse-resident step with a bulk ``jax.device_put``
+    of ``mib_per_step`` MiB from pinned host memory issued just before it, against
+    the step alone and the copy alone. The CPU gather that would assemble the
+    contiguous buffer is timed separately (NumPy fancy indexing of 32 KiB blocks)."""
+    from models.layered import LayeredRunner, _host_view
+    from sparse_jax.offload.tiers import device_sharding, pinned_host_sharding
+
+    runner = LayeredRunner(model, "resident")
+    max_len = -(-(context + 3 * steps + 8) // 64) * 64
+    state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 1),
+                                 np.full((batch,), context, np.int32), max_len)
+    tok = jnp.zeros((batch,), jnp.int32)
+    jax.block_until_ready(runner.decode_step(tok, state))
+    nbytes = int(mib_per_step * (1 << 20))
+    blocks = max(nbytes // (64 * 128 * 2), 1)
+    src = jax.device_put(jnp.ones((blocks, 64, 128), jnp.bfloat16), pinned_host_sharding())
+    dev = device_sharding()
+
+    def timed(fn):
+        jax.block_until_ready(fn())
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = fn()
+        jax.block_until_ready(out)
+        return 1e3 * (time.perf_counter() - t) / steps
+
+    step_ms = timed(lambda: runner.decode_step(tok, state))
+    copy_ms = timed(lambda: jax.device_put(src, dev))
+
+    def both():
+        c = jax.device_put(src, dev)
+        return runner.decode_step(tok, state), c
+
+    both_ms = timed(both)
+    # CPU side of the copy-stream path: gather scattered blocks into a contiguous buffer
+    table = np.zeros((blocks * 8, 64, 128), np.uint16)
+    ids = np.random.default_rng(0).integers(0, table.shape[0], blocks)
+    staging = np.empty((blocks, 64, 128), np.uint16)
+    t = time.perf_counter()
+    np.take(table, ids, axis=0, out=staging)
+    gather_ms = 1e3 * (time.perf_counter() - t)
+    del state, runner, src, _host_view
+    gc.collect()
+    hidden = max(0.0, min(1.0, (step_ms + copy_ms - both_ms) / copy_ms)) if copy_ms > 0 else 0.0
+    return {"bytes": blocks * 64 * 128 * 2, "step_ms": step_ms, "copy_ms": copy_ms, "step_plus_copy_ms": both_ms,
+            "copy_hidden_fraction": hidden, "cpu_gather_ms": gather_ms,
+            "copy_gbps": blocks * 64 * 128 * 2 / copy_ms / 1e6, "cpu_gather_gbps": blocks * 64 * 128 * 2 / gather_ms / 1e6}
+
+
+def prefill_compare(model, *, length, log=print):
+    """Prefill time and peak device memory, KV resident vs offloaded (one row)."""
+    from models.layered import LayeredRunner
+
+    out = []
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (1, length)), jnp.int32)
+    lengths = jnp.asarray([length], jnp.int32)
+    for mode in ("offload", "resident"):  # offload first: the peak counter only grows
+        runner = LayeredRunner(model, mode)
+        max_len = -(-(length + 64) // 64) * 64
+        logits, state = runner.prefill(tokens, lengths, max_len)  # compile
+        jax.block_until_ready((logits, state.layers))
+        del state
+        gc.collect()
+        before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+        t = time.perf_counter()
+        logits, state = runner.prefill(tokens, lengths, max_len)
+        jax.block_until_ready((logits, state.layers, [h.k for h in state.host if h is not None]))
+        dt = time.perf_counter() - t
+        stats = jax.devices()[0].memory_stats() or {}
+        out.append({"mode": mode, "length": length, "prefill_s": dt,
+                    "device_kv_after_gib": (stats.get("bytes_in_use", 0) - before) / GiB,
+                    "peak_in_use_gib": stats.get("peak_bytes_in_use", 0) / GiB})
+        log(f"[offload] prefill {mode} {length}: {dt:.2f}s, device +{out[-1]['device_kv_after_gib']:.2f} GiB")
+        del state, runner
+        gc.collect()
+    return out
+
+
+def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=print):
+    """Hit rates of offloaded AsyncTLS on SmolLM2 with real text (stdlib source),
+    and the check that offloaded bf16 decoding matches the resident method."""
+    import models
+    from benchmarks.fidelity import fidelity_text_ids
+    from models.layered import LayeredRunner
+
+    cap = -(-(length + steps + 8) // 64) * 64
+    base = models.load_model("smollm2-135m", dtype=jnp.bfloat16, max_len=cap)
+    m = base.with_method("asynctls", budget=budget, kb=kb, lag=True)
+    ids = fidelity_text_ids(base.tokenizer, length, batch)
+    lengths = np.full((batch,), length, np.int32)
+    rows = []
+    for pool in (None, 2 * kb):
+        runner = LayeredRunner(m, "offload", pool_slots=pool)
+        out_ids, logits, state = runner.generate_ids(ids, lengths, steps, cap)
+        ts = runner.transfer_stats(state)
+        rows.append({"pool_slots": pool or kb - 1, "hit_rate": ts["hit_rate"],
+                     "misses_per_step": float(np.mean(ts["misses_per_step"])),
+                     "kib_per_step": ts["mean_bytes_per_step"] / 1024, "steps": ts["steps"]})
+        if pool is None:  # the same method with everything resident, run the same way (layer by layer)
+            rid, rlog, _ = LayeredRunner(m, "resident").generate_ids(ids, lengths, steps, cap)
+            rid, rlog = np.asarray(rid), np.asarray(rlog)
+            same = rid == np.asarray(out_ids)
+            rows[-1].update(token_agreement=float(same.mean()),
+                            max_abs_dlogit=float(np.abs(rlog - np.asarray(logits)).max()))
+        log(f"[offload] smollm2 pool={rows[-1]['pool_slots']}: hit rate {rows[-1]['hit_rate']:.3f}")
+    return {"length": length, "batch": batch, "steps": steps, "kb": kb, "budget": budget, "rows": rows}
+
+
+def plot(payload, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["throughput"] if r.get("batch")]
+    ctxs = sorted({r["context"] for r in rows})
+    modes = ["dense", "sparse", "offload"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    w = 0.27
+    for j, mode in enumerate(modes):
+        tps = [next((r["tokens_per_s"] for r in rows if r["context"] == c and r["label"] == mode), 0) for c in ctxs]
+        bs = [next((r["batch"] for r in rows if r["context"] == c and r["label"] == mode), 0) for c in ctxs]
+        x = np.arange(len(ctxs)) + (j - 1) * w
+        axes[0].bar(x, tps, w, label=mode)
+        axes[1].bar(x, bs, w, label=mode)
+    for ax, t in zip(axes, ("decode tokens/s at the largest batch", "largest batch that fits")):
+        ax.set_xticks(np.arange(len(ctxs)), [f"{c // 1024}K" for c in ctxs])
+        ax.set_title(t)
+        ax.legend()
+    fig.suptitle(f"Qwen3-8B shape, random weights, {payload['stamp'].get('device', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(payload) -> str:
+    st = payload["stamp"]
+    lines = ["# Offloaded decoding (Qwen3-8B shape, random weights)", "",
+             f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('commit')}",
+             f"- date: {st.get('date')}", f"- command: `{st.get('command')}`",
+             f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
+             f"set renewed per step (0 = the random weights' own behaviour)", ""]
+    cols = ["label", "context", "batch", "planner_batch", "churn", "tpot_ms", "tokens_per_s", "x_dense",
+            "hit_rate", "mib_per_step", "footprint_device_gib", "footprint_host_gib"]
+    lines.append(markdown_table(payload["throughput"], cols))
+    if payload.get("equal_batch"):
+        lines += ["", "## Equal batch: offloaded vs resident step", "",
+                  markdown_table(payload["equal_batch"], ["context", "batch", "churn", "sparse_tpot_ms",
+                                                          "offload_tpot_ms", "slowdown"])]
+    if payload.get("device_put"):
+        lines += ["", "## Transfer path: inline host_gather vs device_put on a copy stream", "",
+                  markdown_table([payload["device_put"]], list(payload["device_put"]))]
+    if payload.get("trace"):
+        lines += ["", "## Profiler trace of offloaded steps", "", markdown_table([payload["trace"]], list(payload["trace"]))]
+    if payload.get("prefill"):
+        lines += ["", "## Prefill with and without offload", "", markdown_table(payload["prefill"], list(payload["prefill"][0]))]
+    if payload.get("smollm2"):
+        s = payload["smollm2"]
+        lines += ["", f"## SmolLM2 real text: hit rates (length {s['length']}, batch {s['batch']}, kb {s['kb']}, "
+                      f"budget {s['budget']}, {s['steps']} steps)", "",
+                  markdown_table(s["rows"], sorted({k for r in s["rows"] for k in r}))]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.offload", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="32768,65536,98304")
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--kb", type=int, default=128)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--churn", type=float, default=0.1, help="block-set renewal per step (SmolLM2-measured miss rate)")
+    p.add_argument("--host-fraction", type=float, default=0.7, help="share of MemAvailable the host tier may use")
+    p.add_argument("--modes", default="dense,sparse,offload")
+    p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
+    p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
+    p.add_argument("--smollm2-only", action="store_true")
+    p.add_argument("--trace", action="store_true", help="profile offloaded steps at the longest context")
+    p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="offload_qwen3_8b")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    import models
+    from sparse_jax.offload import capacity
+
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    payload = {"stamp": stamp("python -m benchmarks.offload " + shlex.join(argv)), "budget": a.budget, "kb": a.kb,
+               "throughput": [], "equal_batch": []}
+    out_dir = Path(a.out) if a.out else None
+
+    def save():
+        md = render(payload)
+        path = write_results(a.name, {k: v for k, v in payload.items()}, md, out_dir)
+        try:
+            plot(payload, Path(path) / f"{a.name}.png")
+        except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
+            log(f"[offload] plot failed: {e}")
+        return path
+
+    if a.smollm2 or a.smollm2_only:
+        payload["smollm2"] = smollm2_locality(log=log)
+        save()
+        if a.smollm2_only:
+            print(render(payload))
+            return 0
+    contexts = [int(c) for c in a.contexts.split(",")]
+    if a.tiny:
+        cfg = models.ModelConfig(name="tiny", arch="qwen3", num_layers=3, hidden_size=64, num_heads=4,
+                                 num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=101,
+                                 max_position=1 << 17, rope_theta=1e6, tie_embeddings=False, eos_token_id=2)
+    else:
+        cfg = qwen3_8b(max(131072, max(contexts) + 1024))
+    method = asynctls_for(cfg, a.budget, a.kb)
+    t0 = time.perf_counter()
+    model = models.load_model(config=cfg, dtype=jnp.bfloat16, max_len=max(contexts) + 1024, attention=method)
+    dense = model.with_method("dense")
+    log(f"[offload] {cfg.name}: {cfg.num_params() / 1e9:.2f}B params in {time.perf_counter() - t0:.1f}s")
+    dl, hl = capacity.device_budget(), capacity.host_budget(a.host_fraction)
+    payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
+    modes = a.modes.split(",")
+    for ctx in contexts:
+        max_len = -(-(ctx + a.warmup + 2 * a.steps + 8) // 64) * 64
+        found = {}
+        for mode in modes:
+            mdl, rmode = (dense, "resident") if mode == "dense" else (model, "resident" if mode == "sparse" else "offload")
+            plan_mode = {"dense": "dense", "sparse": "sparse", "offload": "offload"}[mode]
+            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode=plan_mode, device_limit=dl,
+                                       host_limit=hl, limit=64 if not a.tiny else 4)
+            churn = a.churn if mode == "offload" else 0.0
+            r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log)
+            r["label"] = mode
+            found[mode] = r
+            payload["throughput"].append(r)
+            log(f"[offload] ctx={ctx} {mode}: batch {r.get('batch')} tpot {r.get('tpot_ms', 0):.2f} ms "
+                f"{r.get('tokens_per_s', 0):.1f} tok/s hit {r.get('hit_rate', '-')}")
+            save()
+        if "offload" in found and found["offload"].get("batch") and "sparse" in found and found["sparse"].get("batch"):
+            b = found["sparse"]["batch"]
+            eq = run_config(model, "offload", context=ctx, batch=b, steps=a.steps, warmup=a.warmup, churn=a.churn)
+            payload["equal_batch"].append({"context": ctx, "batch": b, "churn": a.churn,
+                                           "sparse_tpot_ms": found["sparse"]["tpot_ms"], "offload_tpot_ms": eq["tpot_ms"],
+                                           "slowdown": eq["tpot_ms"] / found["sparse"]["tpot_ms"] - 1,
+                                           "hit_rate": eq.get("hit_rate"), "mib_per_step": eq.get("mib_per_step")})
+            save()
+        d = found.get("dense", {}).get("tokens_per_s")
+        for r in payload["throughput"]:
+            if r["context"] == ctx and d and r.get("tokens_per_s"):
+                r["x_dense"] = r["tokens_per_s"] / d
+    # the random weights' own locality (no churn), at the longest context
+    ctx = contexts[-1]
+    off_rows = [r for r in payload["throughput"] if r["label"] == "offload" and r["context"] == ctx and r.get("batch")]
+    if off_rows:
+        b = off_rows[0]["batch"]
+        trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None
+        raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,
+                         churn=0.0)
+        raw["label"] = "offload (no churn)"
+        d = next((r["tokens_per_s"] for r in payload["throughput"] if r["label"] == "dense" and r["context"] == ctx
+                  and r.get("tokens_per_s")), None)
+        raw["x_dense"] = raw["tokens_per_s"] / d if d else None
+        payload["throughput"].append(raw)
+        save()
+        if trace_dir is not None:
+            tr = run_config(model, "offload", context=ctx, batch=b, steps=2, warmup=a.warmup, churn=a.churn,
+                            trace_dir=trace_dir)
+            payload["trace"] = tr["trace"]
+            from benchmarks import trace_overlap
+
+            png = Path(a.out or "benchmarks/results") / f"{a.name}_trace.png"
+            trace_overlap.plot_timeline(tr["_trace_events"], tr["_trace_report"], png, window_ms=None)
+            save()
+        payload["device_put"] = device_put_alternative(
+            model, context=ctx, batch=min(b, next((r["batch"] for r in payload["throughput"]
+                                                   if r["label"] == "sparse" and r["context"] == ctx), b) or 1),
+            mib_per_step=off_rows[0].get("mib_per_step") or 64)
+        save()
+    if a.prefill_len:
+        payload["prefill"] = prefill_compare(model, length=a.prefill_len, log=log)
+    path = save()
+    print(render(payload))
+    log(f"[offload] wrote {path} in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
