@@ -340,7 +340,8 @@ def parse_args(argv=None):
     p.add_argument("--kb", type=int, default=128)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--churn", type=float, default=0.1, help="block-set renewal per step (SmolLM2-measured miss rate)")
+    p.add_argument("--churn", type=float, default=0.1,
+                   help="block-set renewal per step (default 0.1: SmolLM2's measured miss rate with the smallest pool)")
     p.add_argument("--host-fraction", type=float, default=0.7, help="share of MemAvailable the host tier may use")
     p.add_argument("--modes", default="dense,sparse,offload")
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
@@ -423,7 +424,7 @@ def main(argv=None) -> int:
             if r["context"] == ctx and d and r.get("tokens_per_s"):
                 r["x_dense"] = r["tokens_per_s"] / d
     # the random weights' own locality (no churn), at the longest context
-    ctx = contexts[-1]
+    ctx = max(contexts)
     off_rows = [r for r in payload["throughput"] if r["label"] == "offload" and r["context"] == ctx and r.get("batch")]
     if off_rows:
         b = off_rows[0]["batch"]
