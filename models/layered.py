@@ -91,7 +91,8 @@ class LayeredRunner:
         ``mode="offload"`` it must be ``asynctls``, run with ``lag=True``).
       mode: "resident" or "offload".
       pool_slots: resident block slots per (row, KV head) of an offloaded layer
-        (default: the filter's ``min(kb, S/block) - 1``, the smallest pool).
+        (default :func:`sparse_jax.offload.step.default_pool_slots`: twice the
+        filter's ``min(kb, S/block) - 1``; that smallest pool is allowed).
       churn: benchmarks on random weights only (0 = the real method): the
         fraction of the block set renewed per step, see
         :func:`sparse_jax.offload.step.decode_layer`.
@@ -114,21 +115,31 @@ class LayeredRunner:
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
         self.layer_graph = splits[0][0]
-        self.layer_params = [s for _, s in splits]
+        # Per-call host overhead matters here (one dispatch per layer and step):
+        # parameters travel as flat tuples of arrays, and each layer's jitted
+        # function is looked up once, not per call.
+        self.layer_treedef = jax.tree.structure(splits[0][1])
+        self.layer_params = [tuple(jax.tree.leaves(s)) for _, s in splits]
         self.num_layers = self.cfg.num_layers
+        self.embed_table = full.embed_tokens.weight[...]
+        self.final_norm = full.norm.weight[...]
+        self.lm_head = None if full.lm_head is None else full.lm_head.kernel[...]
         self.layer_methods = [method.layer_method(i, self.num_layers) for i in range(self.num_layers)]
         self.offloaded = [mode == "offload" and not isinstance(m, DenseAttention) for m in self.layer_methods]
         self.channels = [jnp.asarray(method.channels_per_layer[i], jnp.int32) if self.offloaded[i] else None
                          for i in range(self.num_layers)]
         # the "offload" layers run one shared method value (channels are an argument)
         self.off_method = dataclasses.replace(method, layer=-1) if mode == "offload" else None
-        self._head = _head_fn(model.graphdef)
-        self._embed = _embed_fn(model.graphdef)
+        self._head = _head_fn(self.cfg.rms_eps, self.lm_head is None)
+        self._embed = _embed_fn()
+        g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
+        self._decode_fns = [
+            _offload_decode_fn(g, t, cfg, self.off_method, self.churn) if self.offloaded[i]
+            else _resident_decode_fn(g, t, cfg, self.layer_methods[i]) for i in range(self.num_layers)]
 
     # -- helpers -----------------------------------------------------------------
     def _pool(self, max_len: int) -> int:
-        n1 = self.method.filter_blocks(max_len)
-        p = max(n1, 1) if self.pool_slots is None else int(self.pool_slots)
+        p = off.default_pool_slots(self.method, max_len) if self.pool_slots is None else int(self.pool_slots)
         off.check_offload(self.method, p, max_len)
         return p
 
@@ -184,9 +195,9 @@ class LayeredRunner:
         b, t = tokens.shape
         if t >= max_len:
             raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
-        x = self._embed(self.model.params, tokens)
+        x = self._embed(self.embed_table, tokens)
         cur = {"x": x}
-        fn = _prefill_layer_fn(self.layer_graph, self.cfg, max_len)
+        fn = _prefill_layer_fn(self.layer_graph, self.layer_treedef, self.cfg, max_len)
 
         def kv_of_layer(i):
             cur["x"], k, v, q_last = fn(self.layer_params[i], cur["x"], lengths)
@@ -194,7 +205,11 @@ class LayeredRunner:
 
         state = self.state_from_kv(kv_of_layer, lengths, max_len)
         last = jnp.take_along_axis(cur["x"], (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return self._head(self.model.params, last), state
+        return self._head(self.final_norm, self._head_weight(), last), state
+
+    def _head_weight(self):
+        # tied embeddings: logits = x @ E^T (the head contracts E's hidden axis)
+        return self.embed_table if self.lm_head is None else self.lm_head
 
     # -- decode --------------------------------------------------------------------
     def decode_step(self, tokens, state: LayeredState):
@@ -203,17 +218,15 @@ class LayeredRunner:
         if int(state.lengths_host.max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         pos = state.lengths
-        x = self._embed(self.model.params, jnp.asarray(tokens, jnp.int32)[:, None])[:, 0]
+        x = self._embed(self.embed_table, jnp.asarray(tokens, jnp.int32))
         step_counts = []
-        for i in range(self.num_layers):
+        for i, fn in enumerate(self._decode_fns):
             if self.offloaded[i]:
-                x, state.layers[i] = _offload_decode_fn(self.layer_graph, self.cfg, self.off_method, self.churn)(
-                    self.layer_params[i], x, state.layers[i], state.host[i], pos, self.channels[i])
+                x, state.layers[i] = fn(self.layer_params[i], x, state.layers[i], state.host[i], pos, self.channels[i])
                 step_counts.append((state.layers[i].hits, state.layers[i].misses))
             else:
-                x, state.layers[i] = _resident_decode_fn(self.layer_graph, self.cfg, self.layer_methods[i])(
-                    self.layer_params[i], x, state.layers[i], pos)
-        logits = self._head(self.model.params, x)
+                x, state.layers[i] = fn(self.layer_params[i], x, state.layers[i], pos)
+        logits = self._head(self.final_norm, self._head_weight(), x)
         state.lengths = pos + 1
         state.lengths_host = state.lengths_host + 1
         if step_counts:
@@ -290,22 +303,25 @@ class LayeredRunner:
 # -----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _embed_fn(graphdef):
-    @jax.jit
-    def embed(params, tokens):
-        return nnx.merge(graphdef, params).embed_tokens(tokens)
-
-    return embed
+@functools.lru_cache(maxsize=2)
+def _embed_fn():
+    return jax.jit(lambda table, tokens: jnp.take(table, tokens, axis=0))
 
 
 @functools.lru_cache(maxsize=8)
-def _head_fn(graphdef):
+def _head_fn(eps: float, tied: bool):
     @jax.jit
-    def head(params, x):
-        return nnx.merge(graphdef, params).logits(x)
+    def head(norm_w, w, x):
+        """Final norm and logits f32: ``w`` is the embedding ``[V, H]`` (tied) or ``lm_head [H, V]``."""
+        x = tfm.rms_norm(x, norm_w, eps)
+        dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
+        return tfm.matmul(x, w, dims, preferred_element_type=jnp.float32)
 
     return head
+
+
+def _merge(layer_graph, treedef, leaves):
+    return nnx.merge(layer_graph, jax.tree.unflatten(treedef, leaves))
 
 
 def _rope(cfg, positions):
@@ -313,13 +329,13 @@ def _rope(cfg, positions):
 
 
 @functools.lru_cache(maxsize=8)
-def _prefill_layer_fn(layer_graph, cfg, max_len: int):
+def _prefill_layer_fn(layer_graph, treedef, cfg, max_len: int):
     """``(params, x [B,T,H], lengths) -> (x, k, v [B,Hkv,S,D], q_last [B,Hq,D])``: causal
     attention over the prompt (dense, cuDNN on GPU) and the layer's K/V padded to ``max_len``."""
 
     @jax.jit
     def run(params, x, lengths):
-        layer = nnx.merge(layer_graph, params)
+        layer = _merge(layer_graph, treedef, params)
         b, t, _ = x.shape
         cos, sin = _rope(cfg, jnp.arange(t))
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
@@ -364,11 +380,11 @@ def _attn_out(layer, x, o):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-@functools.lru_cache(maxsize=32)
-def _resident_decode_fn(layer_graph, cfg, method):
+@functools.lru_cache(maxsize=64)
+def _resident_decode_fn(layer_graph, treedef, cfg, method):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, lc, pos):
-        layer = nnx.merge(layer_graph, params)
+        layer = _merge(layer_graph, treedef, params)
         q, k, v = _attn_in(layer, cfg, x, pos)
         lc = write_token(lc, k, v, pos)
         st = method.append_state(lc.state, lc.k, lc.v, pos)
@@ -379,10 +395,10 @@ def _resident_decode_fn(layer_graph, cfg, method):
 
 
 @functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, cfg, method, churn):
+def _offload_decode_fn(layer_graph, treedef, cfg, method, churn):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, layer_tier, host, pos, channels):
-        layer = nnx.merge(layer_graph, params)
+        layer = _merge(layer_graph, treedef, params)
         q, k, v = _attn_in(layer, cfg, x, pos)
         o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
         return _attn_out(layer, x, o), layer_tier

@@ -98,7 +98,7 @@ def test_offloaded_decoding_equals_resident_on_smollm2():
         logits, cache = m.decode_step(nxt, cache)
     ref_ids, ref_logits = np.stack(ref_ids, 1), np.stack(ref_logits, 1)
 
-    for pool in (None, 10):
+    for pool in (7, None):  # 7 = kb - 1, the smallest pool: evictions every step; None = twice that
         runner = LayeredRunner(m, "offload", pool_slots=pool)
         ids, lg, state = runner.generate_ids(tokens, lengths, steps, 256)
         np.testing.assert_array_equal(np.asarray(ids), ref_ids)
@@ -127,7 +127,7 @@ def test_capacity_planning():
     assert dense.device["kv"] == 4 * s * 36 * 2 * 8 * 128 * 2 and not dense.host
     off = capacity.footprint(cfg, m, batch=4, max_len=s, mode="offload")
     assert off.host["kv_blocks"] == 4 * s * 34 * 2 * 8 * 128 * 2  # layers 0-1 stay dense on the device
-    assert off.device["slot_pool"] == 34 * 2 * 4 * 8 * (127 + 2) * 64 * 128 * 2
+    assert off.device["slot_pool"] == 34 * 2 * 4 * 8 * (2 * 127 + 2) * 64 * 128 * 2  # default pool: 2 x (kb - 1)
     w = dense.device["weights"]
     assert off.device_bytes - w < (dense.device_bytes - w) / 3  # KV per row on the device shrinks > 3x
     sparse = capacity.footprint(cfg, m, batch=4, max_len=s, mode="sparse")

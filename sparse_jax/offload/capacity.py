@@ -78,7 +78,7 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
     if mode == "sparse":
         dev["kv_sparse_layers"] = n_sparse * kv_layer
         return Footprint(dev, host)
-    p = max(n1, 1) if pool_slots is None else int(pool_slots)
+    p = 2 * max(n1, 1) if pool_slots is None else int(pool_slots)  # step.default_pool_slots
     dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
     dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
     dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)
@@ -105,15 +105,24 @@ def device_budget(reserve: int = 2 * GiB) -> int | None:
 
 
 def host_budget(host_fraction: float = 0.85) -> int | None:
-    """``MemAvailable * host_fraction`` (None when /proc/meminfo is missing)."""
+    """``MemAvailable * host_fraction``, capped by XLA's pinned-host allocator limit
+    when ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` sets it (None when unknown).
+
+    Measure it before the first pinned allocation: XLA's host allocator keeps
+    freed pinned memory pooled, which MemAvailable then no longer counts."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * host_fraction)
+                    avail = int(int(line.split()[1]) * 1024 * host_fraction)
     except OSError:
-        return None
-    return None
+        pass
+    limit = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    if limit:
+        cap = int(float(limit) * GiB)
+        avail = cap if avail is None else min(avail, cap)
+    return avail
 
 
 def check_fits(fp: Footprint, *, device_limit: int | None, host_limit: int | None, what: str = "") -> None:

@@ -1,0 +1,71 @@
+"""Where a decode step's time goes: a few Qwen3-8B-shaped layers (layers 0-1
+dense, the rest AsyncTLS), resident and offloaded, profiled with jax.profiler;
+prints the top GPU kernels per step. ``python -m benchmarks.offload_profile``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--context", type=int, default=98304)
+    p.add_argument("--batch", type=int, default=3)
+    p.add_argument("--churn", type=float, default=0.012)
+    p.add_argument("--pool-factor", type=int, default=2)
+    p.add_argument("--modes", default="dense,resident,offload")
+    p.add_argument("--out", default="/tmp/offload_profile")
+    a = p.parse_args(argv)
+    import models
+    from benchmarks import trace_overlap
+    from benchmarks.offload import _synthetic_kv, asynctls_for, qwen3_8b
+    from models.layered import LayeredRunner
+
+    cfg = dataclasses.replace(qwen3_8b(131072), num_layers=a.layers)
+    m = asynctls_for(cfg, 2048, 128)
+    model = models.load_model(config=cfg, dtype=jnp.bfloat16, max_len=a.context + 512, attention=m)
+    for mode in a.modes.split(","):
+        mdl = model.with_method("dense") if mode == "dense" else model
+        pool = (m.kb - 1) * a.pool_factor if mode == "offload" else None
+        runner = LayeredRunner(mdl, "offload" if mode == "offload" else "resident", pool_slots=pool,
+                               churn=a.churn if mode == "offload" else 0.0)
+        max_len = a.context + 512
+        st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
+                                  np.full((a.batch,), a.context, np.int32), max_len)
+        tok = jnp.zeros((a.batch,), jnp.int32)
+        for _ in range(3):
+            tok = jnp.argmax(runner.decode_step(tok, st), -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        t = time.perf_counter()
+        for _ in range(5):
+            tok = jnp.argmax(runner.decode_step(tok, st), -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        wall = (time.perf_counter() - t) / 5
+        d = Path(a.out) / mode
+        jax.profiler.start_trace(str(d), create_perfetto_trace=True)
+        for _ in range(2):
+            tok = jnp.argmax(runner.decode_step(tok, st), -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        jax.profiler.stop_trace()
+        ev, threads = trace_overlap.load_events(d)
+        rep = trace_overlap.overlap_report(ev, top=25)
+        print(f"== {mode}: {a.layers} layers, B={a.batch}, ctx={a.context}: wall {1e3 * wall:.2f} ms/step; "
+              f"GPU compute busy {rep['compute_busy_us'] / 2e3:.2f} ms/step, transfer {rep['transfer_busy_us'] / 2e3:.2f}")
+        for cls in ("compute", "transfer"):
+            for row in rep["top_names"].get(cls, [])[:25]:
+                print(f"  {cls[:4]} {row['total_us'] / 2e3:8.3f} ms/step x{row['count'] // 2:4d}  {row['name'][:110]}")
+        del st, runner
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
