@@ -119,9 +119,9 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     """Fill a batch, decode ``warmup + steps`` tokens, return the measurements."""
     from models.layered import LayeredRunner
 
-    runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn)
-    max_len = -(-(context + warmup + steps + 8) // 64) * 64
-    runner.check_capacity(batch, max_len, host_limit=host_limit)
+    runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn, host_limit=host_limit)
+    max_len = -(-(context + warmup + 2 * steps + 8) // 64) * 64
+    runner.check_capacity(batch, max_len)
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
     state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 0),
@@ -447,8 +447,12 @@ def main(argv=None) -> int:
             save()
         if "offload" in found and found["offload"].get("batch") and "sparse" in found and found["sparse"].get("batch"):
             b = found["sparse"]["batch"]
-            eq = run_config(model, "offload", context=ctx, batch=b, steps=a.steps, warmup=a.warmup, churn=a.churn,
-                            host_limit=hl)
+            try:
+                eq = run_config(model, "offload", context=ctx, batch=b, steps=a.steps, warmup=a.warmup,
+                                churn=a.churn, host_limit=hl)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                log(f"[offload] equal batch {ctx} failed: {type(e).__name__}: {str(e)[:200]}")
+                eq = {"tpot_ms": float("nan")}
             payload["equal_batch"].append({"context": ctx, "batch": b, "churn": a.churn,
                                            "sparse_tpot_ms": found["sparse"]["tpot_ms"], "offload_tpot_ms": eq["tpot_ms"],
                                            "slowdown": eq["tpot_ms"] / found["sparse"]["tpot_ms"] - 1,
@@ -485,13 +489,19 @@ def main(argv=None) -> int:
             png = Path(a.out or "benchmarks/results") / f"{a.name}_trace.png"
             trace_overlap.plot_timeline(tr["_trace_events"], tr["_trace_report"], png, window_ms=None)
             save()
-        payload["device_put"] = device_put_alternative(
-            model, context=ctx, batch=min(b, next((r["batch"] for r in payload["throughput"]
-                                                   if r["label"] == "sparse" and r["context"] == ctx), b) or 1),
-            mib_per_step=off_rows[0].get("mib_per_step") or 64)
+        try:
+            payload["device_put"] = device_put_alternative(
+                model, context=ctx, batch=min(b, next((r["batch"] for r in payload["throughput"]
+                                                       if r["label"] == "sparse" and r["context"] == ctx), b) or 1),
+                mib_per_step=off_rows[0].get("mib_per_step") or 64)
+        except Exception as e:  # noqa: BLE001 - report, go on
+            log(f"[offload] device_put comparison failed: {type(e).__name__}: {str(e)[:200]}")
         save()
     if a.prefill_len:
-        payload["prefill"] = prefill_compare(model, length=a.prefill_len, log=log)
+        try:
+            payload["prefill"] = prefill_compare(model, length=a.prefill_len, log=log)
+        except Exception as e:  # noqa: BLE001 - report, go on
+            log(f"[offload] prefill comparison failed: {type(e).__name__}: {str(e)[:200]}")
     path = save()
     print(render(payload))
     log(f"[offload] wrote {path} in {time.perf_counter() - t0:.0f}s")

@@ -93,12 +93,16 @@ class LayeredRunner:
       pool_slots: resident block slots per (row, KV head) of an offloaded layer
         (default :func:`sparse_jax.offload.step.default_pool_slots`: twice the
         filter's ``min(kb, S/block) - 1``; that smallest pool is allowed).
+      device_limit, host_limit: bytes the capacity check allows ("auto": measured
+        when checked, see :mod:`sparse_jax.offload.capacity`; None: unchecked).
+        Measure the host limit once, before the first pinned allocation.
       churn: benchmarks on random weights only (0 = the real method): the
         fraction of the block set renewed per step, see
         :func:`sparse_jax.offload.step.decode_layer`.
     """
 
-    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0):
+    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
+                 device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -112,6 +116,7 @@ class LayeredRunner:
         self.method = method
         self.pool_slots = pool_slots
         self.churn = float(churn)  # benchmarks only: see sparse_jax.offload.step.decode_layer
+        self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
         self.layer_graph = splits[0][0]
@@ -154,9 +159,11 @@ class LayeredRunner:
                                   dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
                                   pool_slots=self._pool(max_len) if self.mode == "offload" else None)
 
-    def check_capacity(self, batch: int, max_len: int, *, device_limit="auto", host_limit="auto"):
+    def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None):
         """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
-        when the batch does not fit (limits: measured, or given in bytes, or None)."""
+        when the batch does not fit (limits: the runner's unless given here)."""
+        device_limit = self.device_limit if device_limit is None else device_limit
+        host_limit = self.host_limit if host_limit is None else host_limit
         dl = capacity.device_budget() if device_limit == "auto" else device_limit
         hl = capacity.host_budget() if host_limit == "auto" else host_limit
         capacity.check_fits(self.footprint(batch, max_len), device_limit=dl, host_limit=hl,
