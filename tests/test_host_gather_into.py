@@ -17,13 +17,9 @@ import pytest
 from pallas_kernels import host_gather as hg_k
 from sparse_jax.ops import transfer
 from sparse_jax.ops.transfer import host_gather_into
+from tests.test_host_gather import pinned
 
 RNG = np.random.default_rng(11)
-
-
-def pinned(x):
-    dev = jax.devices()[0]
-    return jax.device_put(jnp.asarray(x), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
 
 
 def rand(shape, dtype):

@@ -43,14 +43,23 @@ __all__ = ["host_gather", "host_gather_into", "TUNING_KEYS"]
 TUNING_KEYS = frozenset({"tile_bytes", "num_warps", "num_stages"})
 
 
-def _check_args(src, block_ids, tuning):
-    for name, x in (("src", src), ("block_ids", block_ids)):
+def _check_arrays(**named):
+    for name, x in named.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if src.ndim < 1:
-        raise ValueError(f"src must have shape [NB, *block_shape] (rank >= 1), got shape {src.shape}")
-    if src.shape[0] < 1:
-        raise ValueError(f"src must hold at least one block (NB >= 1), got shape {src.shape}")
+
+
+def _check_blocks(name, x):
+    """``x`` is ``[NB, *block_shape]`` with at least one block."""
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have shape [NB, *block_shape] (rank >= 1), got shape {x.shape}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one block (NB >= 1), got shape {x.shape}")
+
+
+def _check_args(src, block_ids, tuning):
+    _check_arrays(src=src, block_ids=block_ids)
+    _check_blocks("src", src)
     _checks.check_rank("block_ids", block_ids, 1, "[M]")
     _checks.check_int("block_ids", block_ids)
     _check_tuning(tuning)
@@ -114,14 +123,8 @@ def host_gather(src, block_ids, *, impl: str = "auto", **tuning):
 
 
 def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning):
-    for name, x in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v),
-                    ("block_ids", block_ids), ("slots", slots)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if src_k.ndim < 1:
-        raise ValueError(f"src_k must have shape [NB, *block_shape] (rank >= 1), got shape {src_k.shape}")
-    if src_k.shape[0] < 1:
-        raise ValueError(f"src_k must hold at least one block (NB >= 1), got shape {src_k.shape}")
+    _check_arrays(src_k=src_k, src_v=src_v, dst_k=dst_k, dst_v=dst_v, block_ids=block_ids, slots=slots)
+    _check_blocks("src_k", src_k)
     if tuple(src_v.shape) != tuple(src_k.shape) or src_v.dtype != src_k.dtype:
         raise ValueError(
             f"src_v must match src_k ([NB, *block_shape] = {tuple(src_k.shape)} {src_k.dtype}), "
