@@ -68,6 +68,13 @@ def asynctls_for(cfg, budget: int, kb: int):
     return get_method("asynctls", budget=budget, kb=kb, channels_per_layer=(chans,) * cfg.num_layers)
 
 
+def cache_capacity(context: int, decode_steps: int) -> int:
+    """KV capacity for ``context`` tokens plus ``decode_steps`` new ones, in whole 64-token blocks."""
+    from models.api import round_up
+
+    return round_up(context + decode_steps + 8, 64)
+
+
 def random_model(cfg, method, max_len: int, seed: int = 0):
     """A :class:`models.api.Model` with random bf16 weights, drawn leaf by leaf (one
     small jit per distinct shape: seconds, where jitting the whole 8B-parameter
@@ -120,7 +127,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     from models.layered import LayeredRunner
 
     runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn, host_limit=host_limit)
-    max_len = -(-(context + warmup + 2 * steps + 8) // 64) * 64
+    max_len = cache_capacity(context, warmup + 2 * steps)
     runner.check_capacity(batch, max_len)
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
@@ -148,11 +155,11 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
     jax.block_until_ready(tok)
     tpot = (time.perf_counter() - t1) / steps
+    fp = runner.footprint(batch, max_len)
     out = {"mode": mode, "context": context, "batch": batch, "churn": churn, "fill_s": fill_s,
            "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
-           "footprint_device_gib": runner.footprint(batch, max_len).device_bytes / GiB,
-           "footprint_host_gib": runner.footprint(batch, max_len).host_bytes / GiB,
+           "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
            "pool_slots": runner._pool(max_len) if mode == "offload" else None}
     stats = jax.devices()[0].memory_stats() or {}
     out["device_in_use_gib"] = stats.get("bytes_in_use", 0) / GiB
@@ -205,11 +212,11 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
     of ``mib_per_step`` MiB from pinned host memory issued just before it, against
     the step alone and the copy alone. The CPU gather that would assemble the
     contiguous buffer is timed separately (NumPy fancy indexing of 32 KiB blocks)."""
-    from models.layered import LayeredRunner, _host_view
+    from models.layered import LayeredRunner
     from sparse_jax.offload.tiers import device_sharding, pinned_host_sharding
 
     runner = LayeredRunner(model, "resident")
-    max_len = -(-(context + 3 * steps + 8) // 64) * 64
+    max_len = cache_capacity(context, 3 * steps)
     state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 1),
                                  np.full((batch,), context, np.int32), max_len)
     tok = jnp.zeros((batch,), jnp.int32)
@@ -242,7 +249,7 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
     t = time.perf_counter()
     np.take(table, ids, axis=0, out=staging)
     gather_ms = 1e3 * (time.perf_counter() - t)
-    del state, runner, src, _host_view
+    del state, runner, src
     gc.collect()
     hidden = max(0.0, min(1.0, (step_ms + copy_ms - both_ms) / copy_ms)) if copy_ms > 0 else 0.0
     return {"bytes": blocks * 64 * 128 * 2, "step_ms": step_ms, "copy_ms": copy_ms, "step_plus_copy_ms": both_ms,
@@ -259,7 +266,7 @@ def prefill_compare(model, *, length, log=print):
     lengths = jnp.asarray([length], jnp.int32)
     for mode in ("offload", "resident"):  # offload first: the peak counter only grows
         runner = LayeredRunner(model, mode)
-        max_len = -(-(length + 64) // 64) * 64
+        max_len = cache_capacity(length, 56)
         logits, state = runner.prefill(tokens, lengths, max_len)  # compile
         jax.block_until_ready((logits, state.layers))
         del state
@@ -286,7 +293,7 @@ def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=
     from benchmarks.fidelity import fidelity_text_ids
     from models.layered import LayeredRunner
 
-    cap = -(-(length + steps + 8) // 64) * 64
+    cap = cache_capacity(length, steps)
     base = models.load_model("smollm2-135m", dtype=jnp.bfloat16, max_len=cap)
     m = base.with_method("asynctls", budget=budget, kb=kb, lag=True)
     ids = fidelity_text_ids(base.tokenizer, length, batch)
@@ -429,12 +436,11 @@ def main(argv=None) -> int:
     payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
     modes = a.modes.split(",")
     for ctx in contexts:
-        max_len = -(-(ctx + a.warmup + 2 * a.steps + 8) // 64) * 64
+        max_len = cache_capacity(ctx, a.warmup + 2 * a.steps)
         found = {}
         for mode in modes:
             mdl, rmode = (dense, "resident") if mode == "dense" else (model, "resident" if mode == "sparse" else "offload")
-            plan_mode = {"dense": "dense", "sparse": "sparse", "offload": "offload"}[mode]
-            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode=plan_mode, device_limit=dl,
+            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode=mode, device_limit=dl,
                                        host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if mode == "offload" else 0.0
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
@@ -470,7 +476,7 @@ def main(argv=None) -> int:
         trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None
         d = next((r["tokens_per_s"] for r in payload["throughput"] if r["label"] == "dense" and r["context"] == ctx
                   and r.get("tokens_per_s")), None)
-        n1 = method.filter_blocks(-(-(ctx + a.warmup + 2 * a.steps + 8) // 64) * 64)
+        n1 = method.filter_blocks(cache_capacity(ctx, a.warmup + 2 * a.steps))
         for label, churn, pool in (("offload (smallest pool, churn 0.10)", 0.10, n1),
                                    ("offload (random weights' own locality)", 0.0, None)):
             raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,

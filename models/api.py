@@ -122,7 +122,7 @@ class Model:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self._check_context(max_len, "a cache")
         # Block methods summarise whole blocks: the capacity is rounded up to a block multiple.
-        max_len = _round_up(max_len, self.method.cache_multiple)
+        max_len = round_up(max_len, self.method.cache_multiple)
         return tfm.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
 
     def forward(self, tokens) -> jax.Array:
@@ -219,10 +219,10 @@ class Model:
         lengths = np.asarray(lengths, np.int32)
         b, n = tokens.shape
         need = int(lengths.max()) + max_new_tokens
-        cache_len = min(_round_up(need, 256), min(self.max_len, self.config.max_position))
+        cache_len = min(round_up(need, 256), min(self.max_len, self.config.max_position))
         if need > cache_len:
             raise ValueError(f"{need} tokens exceed the maximum context of {cache_len}")
-        t_pad = min(_round_up(n, 64), cache_len)  # bucket prompt lengths: fewer compilations
+        t_pad = min(round_up(n, 64), cache_len)  # bucket prompt lengths: fewer compilations
         padded = np.full((b, t_pad), self._pad_id(), np.int32)
         padded[:, :n] = tokens
         cache = self.init_cache(b, cache_len)
@@ -264,7 +264,8 @@ class Model:
         return 0
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (cache capacities, prompt buckets)."""
     return -(-x // m) * m
 
 
@@ -321,7 +322,7 @@ class _TextStreamer:
 def _check_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
     """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method."""
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
-    max_len = _round_up(max_len, method.cache_multiple)
+    max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
     return method
 

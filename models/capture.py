@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import _inv_freq, rope_cos_sin
+from models.transformer import layer_output, layer_qkv, rope_for
 from sparse_jax.methods.base import dense_prefill_attention
 
 
@@ -17,14 +17,13 @@ from sparse_jax.methods.base import dense_prefill_attention
 def _capture(graphdef, cfg, params, tokens):
     model = nnx.merge(graphdef, params)
     t = tokens.shape[1]
-    cos, sin = rope_cos_sin(jnp.arange(t), _inv_freq(cfg))
+    cos, sin = rope_for(cfg, jnp.arange(t))
     x = model.embed_tokens(tokens)
     out = []
     for layer in model.layers:
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = layer_qkv(layer, x, cos, sin)
         out.append((q, k))
-        x = x + layer.self_attn.out(dense_prefill_attention(q, k, v))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer_output(layer, x, dense_prefill_attention(q, k, v))
     return out
 
 

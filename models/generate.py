@@ -315,12 +315,10 @@ class Prepared:
     context: int        # the model's maximum context
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def prepare_prompt(spec: RunSpec, config, tokenizer) -> Prepared:
     """Tokenize and check the lengths against the model's context; CLIError if they do not fit."""
+    from models.api import round_up
+
     text = tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}]) if spec.chat else spec.prompt
     ids = tokenizer.encode(text)
     n = len(ids)
@@ -334,8 +332,8 @@ def prepare_prompt(spec: RunSpec, config, tokenizer) -> Prepared:
         raise CLIError(f"the prompt ({n} tokens) + --max-new-tokens ({spec.max_new_tokens}) = "
                        f"{n + spec.max_new_tokens} tokens exceeds the context of model {config.name!r} "
                        f"({ctx} tokens); lower --max-new-tokens to at most {ctx - n}")
-    cache_len = min(_round_up(n + spec.max_new_tokens, BUCKET), ctx)
-    bucket = min(_round_up(n, BUCKET), cache_len)
+    cache_len = min(round_up(n + spec.max_new_tokens, BUCKET), ctx)
+    bucket = min(round_up(n, BUCKET), cache_len)
     try:
         spec.method.check(num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, max_len=cache_len)

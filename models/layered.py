@@ -32,8 +32,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +39,8 @@ import numpy as np
 from flax import nnx
 
 from models import transformer as tfm
-from sparse_jax.cache import KVCache, LayerCache, write_prefill, write_token
+from models.api import round_up
+from sparse_jax.cache import LayerCache
 from sparse_jax.methods.base import DenseAttention
 from sparse_jax.methods.double_sparsity import AsyncTLS
 from sparse_jax.offload import capacity
@@ -131,6 +130,7 @@ class LayeredRunner:
         self.lm_head = None if full.lm_head is None else full.lm_head.kernel[...]
         self.layer_methods = [method.layer_method(i, self.num_layers) for i in range(self.num_layers)]
         self.offloaded = [mode == "offload" and not isinstance(m, DenseAttention) for m in self.layer_methods]
+        self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
         self.channels = [jnp.asarray(method.channels_per_layer[i], jnp.int32) if self.offloaded[i] else None
                          for i in range(self.num_layers)]
         # the "offload" layers run one shared method value (channels are an argument)
@@ -195,8 +195,7 @@ class LayeredRunner:
     def prefill(self, tokens, lengths, max_len: int | None = None):
         """Prefill right-padded ``tokens int32[B, T]``, layer by layer. Returns the
         f32 logits ``[B, V]`` at each row's last token and the :class:`LayeredState`."""
-        max_len = int(max_len or self.model.max_len)
-        max_len = -(-max_len // self.method.cache_multiple) * self.method.cache_multiple
+        max_len = round_up(int(max_len or self.model.max_len), self.method.cache_multiple)
         tokens = jnp.asarray(tokens, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         b, t = tokens.shape
@@ -211,8 +210,7 @@ class LayeredRunner:
             return k, v, q_last
 
         state = self.state_from_kv(kv_of_layer, lengths, max_len)
-        last = jnp.take_along_axis(cur["x"], (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return self._head(self.final_norm, self._head_weight(), last), state
+        return self._head(tfm.last_valid(cur["x"], lengths), self.final_norm, self._head_weight()), state
 
     def _head_weight(self):
         # tied embeddings: logits = x @ E^T (the head contracts E's hidden axis)
@@ -233,7 +231,7 @@ class LayeredRunner:
                 step_counts.append((state.layers[i].hits, state.layers[i].misses))
             else:
                 x, state.layers[i] = fn(self.layer_params[i], x, state.layers[i], pos)
-        logits = self._head(self.final_norm, self._head_weight(), x)
+        logits = self._head(x, self.final_norm, self._head_weight())
         state.lengths = pos + 1
         state.lengths_host = state.lengths_host + 1
         if step_counts:
@@ -250,7 +248,7 @@ class LayeredRunner:
         rows = np.nonzero(state.lengths_host % bs == 0)[0]
         if not rows.size:
             return
-        idx = [i for i in range(self.num_layers) if self.offloaded[i]]
+        idx = self.offloaded_layers
         pool = state.layers[idx[0]].pool_slots
         for r in rows:
             block = int(state.lengths_host[r]) // bs - 1
@@ -317,22 +315,11 @@ def _embed_fn():
 
 @functools.lru_cache(maxsize=8)
 def _head_fn(eps: float, tied: bool):
-    @jax.jit
-    def head(norm_w, w, x):
-        """Final norm and logits f32: ``w`` is the embedding ``[V, H]`` (tied) or ``lm_head [H, V]``."""
-        x = tfm.rms_norm(x, norm_w, eps)
-        dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
-        return tfm.matmul(x, w, dims, preferred_element_type=jnp.float32)
-
-    return head
+    return jax.jit(functools.partial(tfm.head_logits, eps=eps, tied=tied))
 
 
 def _merge(layer_graph, treedef, leaves):
     return nnx.merge(layer_graph, jax.tree.unflatten(treedef, leaves))
-
-
-def _rope(cfg, positions):
-    return tfm.rope_cos_sin(positions, tfm.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
 
 @functools.lru_cache(maxsize=8)
@@ -344,16 +331,13 @@ def _prefill_layer_fn(layer_graph, treedef, cfg, max_len: int):
     def run(params, x, lengths):
         layer = _merge(layer_graph, treedef, params)
         b, t, _ = x.shape
-        cos, sin = _rope(cfg, jnp.arange(t))
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-        o = DenseAttention().prefill_attention(q, k, v, lengths)
-        x = x + layer.self_attn.out(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cos, sin = tfm.rope_for(cfg, jnp.arange(t))
+        q, k, v = tfm.layer_qkv(layer, x, cos, sin)
+        x = tfm.layer_output(layer, x, DenseAttention().prefill_attention(q, k, v, lengths))
         pad = ((0, 0), (0, 0), (0, max_len - t), (0, 0))
         k = jnp.pad(k.transpose(0, 2, 1, 3), pad)
         v = jnp.pad(v.transpose(0, 2, 1, 3), pad)
-        q_last = jnp.take_along_axis(q, (lengths - 1)[:, None, None, None], axis=1)[:, 0]
-        return x, k, v, q_last
+        return x, k, v, tfm.last_valid(q, lengths)
 
     return run
 
@@ -365,10 +349,8 @@ def _finish_layer(method, offloaded: bool, pool: int):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def resident(k, v, lengths, q_last, channels):
         b, hkv, s, d = k.shape
-        st = method.init_state(batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
-        st = method.prefill_state(st, k, v, lengths)
-        st = method.prefill_query_state(st, q_last, lengths)
-        return LayerCache(k, v, st), None, None
+        lc = LayerCache(k, v, method.init_state(batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype))
+        return dataclasses.replace(lc, state=tfm.prefill_layer_state(method, lc, lengths, q_last)), None, None
 
     @jax.jit
     def offloaded_(k, v, lengths, q_last, channels):
@@ -377,26 +359,12 @@ def _finish_layer(method, offloaded: bool, pool: int):
     return offloaded_ if offloaded else resident
 
 
-def _attn_in(layer, cfg, x, pos):
-    cos, sin = _rope(cfg, pos)
-    return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-
-
-def _attn_out(layer, x, o):
-    x = x + layer.self_attn.out(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 @functools.lru_cache(maxsize=64)
 def _resident_decode_fn(layer_graph, treedef, cfg, method):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, lc, pos):
-        layer = _merge(layer_graph, treedef, params)
-        q, k, v = _attn_in(layer, cfg, x, pos)
-        lc = write_token(lc, k, v, pos)
-        st = method.append_state(lc.state, lc.k, lc.v, pos)
-        o, st = method.decode_attention(q, lc.k, lc.v, pos + 1, st)
-        return _attn_out(layer, x, o), dataclasses.replace(lc, state=st)
+        cos, sin = tfm.rope_for(cfg, pos)
+        return tfm.decode_layer(_merge(layer_graph, treedef, params), method, x, lc, pos, cos, sin)
 
     return run
 
@@ -406,9 +374,9 @@ def _offload_decode_fn(layer_graph, treedef, cfg, method, churn):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, layer_tier, host, pos, channels):
         layer = _merge(layer_graph, treedef, params)
-        q, k, v = _attn_in(layer, cfg, x, pos)
+        q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))
         o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
-        return _attn_out(layer, x, o), layer_tier
+        return tfm.layer_output(layer, x, o), layer_tier
 
     return run
 

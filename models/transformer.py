@@ -204,14 +204,19 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm + LM head: ``x [..., H]`` -> f32 ``[..., V]``."""
-        x = self.norm(x)
-        if self.lm_head is None:
-            # contract with the embedding's hidden axis directly: a `.T` here makes
-            # XLA:CPU materialise the transposed [H, V] matrix every call (4x slower)
-            w = self.embed_tokens.weight[...]
-            return matmul(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return matmul(x, self.lm_head.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
-                      preferred_element_type=jnp.float32)
+        tied = self.lm_head is None
+        w = self.embed_tokens.weight[...] if tied else self.lm_head.kernel[...]
+        return head_logits(x, self.norm.weight[...], w, eps=self.norm.eps, tied=tied)
+
+
+def head_logits(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, eps: float, tied: bool) -> jax.Array:
+    """Final RMSNorm and LM head: ``x [..., H]`` -> f32 ``[..., V]``; ``w`` is the
+    embedding ``[V, H]`` when ``tied``, else ``lm_head [H, V]``."""
+    x = rms_norm(x, norm_weight, eps)
+    # tied: contract with the embedding's hidden axis directly; a `.T` here makes
+    # XLA:CPU materialise the transposed [H, V] matrix every call (4x slower)
+    dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
+    return matmul(x, w, dims, preferred_element_type=jnp.float32)
 
 
 # -----------------------------------------------------------------------------
@@ -223,17 +228,49 @@ def _inv_freq(cfg: ModelConfig) -> np.ndarray:
     return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
+def rope_for(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin`` of the model's RoPE at ``positions`` (``positions.shape + (D/2,)``)."""
+    return rope_cos_sin(positions, _inv_freq(cfg))
+
+
+def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Pre-norm and projections of one layer: post-RoPE ``q, k, v`` of ``x [..., H]``."""
+    return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+
+
+def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array) -> jax.Array:
+    """The attention output ``o [..., Hq, D]`` added to ``x``, then the MLP block."""
+    x = x + layer.self_attn.out(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """``x [B, T, ...]`` at each row's last valid position ``lengths - 1`` -> ``[B, ...]``."""
+    idx = (lengths - 1).astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def decode_layer(layer: DecoderLayer, method: AttentionMethod, x: jax.Array, lc: LayerCache, pos: jax.Array,
+                 cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, LayerCache]:
+    """One decode step of one layer with a resident cache: ``x [B, H]``, the new
+    tokens at ``pos int32[B]`` -> ``(x, lc)``."""
+    q, k, v = layer_qkv(layer, x, cos, sin)  # [B, H*, D]
+    lc = write_token(lc, k, v, pos)
+    state = method.append_state(lc.state, lc.k, lc.v, pos)
+    o, state = method.decode_attention(q, lc.k, lc.v, pos + 1, state)
+    return layer_output(layer, x, o), dataclasses.replace(lc, state=state)
+
+
 def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array) -> jax.Array:
     """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``."""
     b, t = tokens.shape
-    cos, sin = rope_cos_sin(jnp.arange(t), _inv_freq(cfg))  # [T, D/2]
+    cos, sin = rope_for(cfg, jnp.arange(t))  # [T, D/2]
     lengths = jnp.full((b,), t, jnp.int32)
     x = model.embed_tokens(tokens)
     for i, layer in enumerate(model.layers):
         m = method.layer_method(i, cfg.num_layers)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-        x = x + layer.self_attn.out(m.prefill_attention(q, k, v, lengths))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        q, k, v = layer_qkv(layer, x, cos, sin)
+        x = layer_output(layer, x, m.prefill_attention(q, k, v, lengths))
     return model.logits(x)
 
 
@@ -243,22 +280,24 @@ def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, token
     into an empty ``cache``; return the f32 logits ``[B, V]`` at each row's last valid
     position and the cache (``lengths`` set)."""
     b, t = tokens.shape
-    cos, sin = rope_cos_sin(jnp.arange(t), _inv_freq(cfg))
+    cos, sin = rope_for(cfg, jnp.arange(t))
     x = model.embed_tokens(tokens)
     new_layers = []
     for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
         m = method.layer_method(i, cfg.num_layers)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = layer_qkv(layer, x, cos, sin)
         o = m.prefill_attention(q, k, v, lengths)
         lc = write_prefill(lc, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        state = m.prefill_state(lc.state, lc.k, lc.v, lengths)
-        q_last = jnp.take_along_axis(q, (lengths - 1)[:, None, None, None].astype(jnp.int32), axis=1)[:, 0]
-        lc = dataclasses.replace(lc, state=m.prefill_query_state(state, q_last, lengths))
-        new_layers.append(lc)
-        x = x + layer.self_attn.out(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
-    return model.logits(last), KVCache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32))
+        new_layers.append(dataclasses.replace(lc, state=prefill_layer_state(m, lc, lengths, last_valid(q, lengths))))
+        x = layer_output(layer, x, o)
+    return model.logits(last_valid(x, lengths)), KVCache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32))
+
+
+def prefill_layer_state(method: AttentionMethod, lc: LayerCache, lengths: jax.Array, q_last: jax.Array):
+    """The method's state after a prefill wrote ``lc.k, lc.v``; ``q_last [B, Hq, D]``
+    is each row's last prompt query."""
+    state = method.prefill_state(lc.state, lc.k, lc.v, lengths)
+    return method.prefill_query_state(state, q_last, lengths)
 
 
 def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
@@ -266,18 +305,12 @@ def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, t
     """One token per row ``tokens int32[B]`` at positions ``cache.lengths``: f32 logits
     ``[B, V]`` and the cache with the token appended (``lengths + 1``)."""
     pos = cache.lengths
-    cos, sin = rope_cos_sin(pos, _inv_freq(cfg))  # [B, D/2]
+    cos, sin = rope_for(cfg, pos)  # [B, D/2]
     x = model.embed_tokens(tokens)  # [B, H]
     new_layers = []
     for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
-        m = method.layer_method(i, cfg.num_layers)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)  # [B, H*, D]
-        lc = write_token(lc, k, v, pos)
-        state = m.append_state(lc.state, lc.k, lc.v, pos)
-        o, state = m.decode_attention(q, lc.k, lc.v, pos + 1, state)
-        new_layers.append(dataclasses.replace(lc, state=state))
-        x = x + layer.self_attn.out(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x, lc = decode_layer(layer, method.layer_method(i, cfg.num_layers), x, lc, pos, cos, sin)
+        new_layers.append(lc)
     return model.logits(x), KVCache(layers=tuple(new_layers), lengths=pos + 1)
 
 

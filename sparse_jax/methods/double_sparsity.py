@@ -173,9 +173,30 @@ class AsyncTLS(DoubleSparsity):
         return TwoLevelState(BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), labels, prev)
 
     def prefill_state(self, state, k, v, lengths):
+        return self.state_from_keys(k, lengths, self.layer_channels(), state.prev_blocks)
+
+    # The state updates and the token selection take the label channels as an
+    # argument, so the offloaded cache (sparse_jax.offload), whose layers share
+    # one compiled step, runs exactly these functions.
+    def state_from_keys(self, k, lengths, channels, prev_blocks=None) -> TwoLevelState:
+        """Boxes and labels of a whole layer cache ``k [B,Hkv,S,D]``."""
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
-        labels = super().prefill_state(state.labels, k, v, lengths)
+        labels = build_label_cache(k, channels, impl=self.impl)
+        return TwoLevelState(BlockBoxes(upper, lower), labels, prev_blocks)
+
+    def append_key(self, state, k_new, positions, channels) -> TwoLevelState:
+        """``state`` with one appended key per row, ``k_new [B,Hkv,D]`` at ``positions``."""
+        upper, lower = update_block_minmax(state.boxes.upper, state.boxes.lower, k_new, positions,
+                                           block_size=self.block_size)
+        labels = update_label_cache(state.labels, k_new, channels, positions)
         return TwoLevelState(BlockBoxes(upper, lower), labels, state.prev_blocks)
+
+    def select_tokens(self, q, state, blocks, lengths, channels, capacity):
+        """Top tokens by label score inside ``blocks [B,Hkv,n-1]`` and the newest
+        block: ``(positions int32[B,Hkv,K], counts int32[B,Hkv])``."""
+        cand, cand_counts = self.expand_blocks(blocks, lengths)
+        scores = label_scores(q, state.labels, channels, cand, cand_counts, impl=self.impl)
+        return self.select_from_scores(scores, lengths, cand, cand_counts, capacity=capacity)
 
     def prefill_query_state(self, state, q_last, lengths):
         if not self.lag:
@@ -185,11 +206,7 @@ class AsyncTLS(DoubleSparsity):
         return dataclasses.replace(state, prev_blocks=prev)
 
     def append_state(self, state, k, v, positions):
-        upper, lower = update_block_minmax(
-            state.boxes.upper, state.boxes.lower, newest_token(k, positions), positions, block_size=self.block_size
-        )
-        labels = super().append_state(state.labels, k, v, positions)
-        return TwoLevelState(BlockBoxes(upper, lower), labels, state.prev_blocks)
+        return self.append_key(state, newest_token(k, positions), positions, self.layer_channels())
 
     def pick_blocks(self, q, boxes, newest):
         """The filter: ``int32[B, Hkv, n-1]`` best blocks by the Quest bound among
@@ -221,23 +238,15 @@ class AsyncTLS(DoubleSparsity):
         counts = jnp.where(short, lengths, n1 * bs + lengths - newest * bs)
         return tokens, jnp.broadcast_to(counts[:, None], (b, hkv)).astype(jnp.int32)
 
-    def candidate_tokens(self, q, lengths, state):
-        """Token positions of the kept blocks ``[B, Hkv, n*block]``, the newest
-        (partial) block last, and how many of them are real ``[B, Hkv]``."""
-        if self.lag:
-            blocks = state.prev_blocks
-        else:
-            blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size)
-        return self.expand_blocks(blocks, lengths)
-
     def labels(self, state):
         return state.labels
 
     def select(self, q, k, v, lengths, state):
-        cand, cand_counts = self.candidate_tokens(q, lengths, state)
-        channels = self.layer_channels()
-        scores = label_scores(q, state.labels, channels, cand, cand_counts, impl=self.impl)
-        indices, counts = self.select_from_scores(scores, lengths, cand, cand_counts, capacity=k.shape[2])
+        if self.lag:
+            blocks = state.prev_blocks
+        else:
+            blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size)
+        indices, counts = self.select_tokens(q, state, blocks, lengths, self.layer_channels(), k.shape[2])
         if self.lag:
             # this query picks the next step's blocks (its newest block is lengths // bs)
             state = dataclasses.replace(state, prev_blocks=self.pick_blocks(q, state.boxes, lengths // self.block_size))

@@ -151,8 +151,3 @@ def max_batch(cfg, method, *, max_len: int, mode: str, device_limit: int | None,
             break
         best = b
     return best
-
-
-def env_fraction_hint() -> str:
-    """XLA preallocates 75% of the GPU by default; the budget follows that setting."""
-    return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (default)")

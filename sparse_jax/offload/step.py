@@ -21,16 +21,13 @@ equals the resident one; only where the selected K/V rows are read differs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from sparse_jax.cache import write_rows
 from sparse_jax.methods.double_sparsity import AsyncTLS, TwoLevelState
-from sparse_jax.methods.quest import BlockBoxes
 from sparse_jax.offload.tiers import HostLayer, OffloadLayer, host_block_ids
 from sparse_jax.ops.attention import sparse_decode_attention
-from sparse_jax.ops.scoring import block_minmax, build_label_cache, label_scores, update_block_minmax, update_label_cache
 from sparse_jax.ops.transfer import host_gather_into
 
 
@@ -74,11 +71,10 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
     b, hkv, s, d = k.shape
     bs = method.block_size
     nb = s // bs
-    upper, lower = block_minmax(k, lengths, block_size=bs, impl=method.impl)
-    labels = build_label_cache(k, channels, impl=method.impl)
-    boxes = BlockBoxes(upper, lower)
+    state = method.state_from_keys(k, lengths, channels)
     newest = lengths // bs  # the first decode step's newest block
-    prev = method.pick_blocks(q_last, boxes, newest)  # [B, Hkv, n1]
+    prev = method.pick_blocks(q_last, state.boxes, newest)  # [B, Hkv, n1]
+    state = TwoLevelState(state.boxes, state.labels, prev)
     n1 = prev.shape[-1]
     kb_, vb_ = k.reshape(b, hkv, nb, bs, d), v.reshape(b, hkv, nb, bs, d)
 
@@ -104,7 +100,6 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
         rings = take_blocks(x, ring)
         return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + 2) * bs, d)
 
-    state = TwoLevelState(boxes, labels, prev)
     zero = jnp.zeros((), jnp.int32)
     layer = OffloadLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero)
     return layer, k.reshape(b * hkv * nb, bs, d), v.reshape(b * hkv * nb, bs, d)
@@ -133,24 +128,11 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     k_new, v_new = k_new.astype(layer.pool_k.dtype), v_new.astype(layer.pool_v.dtype)  # as the resident cache stores them
 
     # 1. append the token (ring slot of its block), labels and boxes
-    rows = _ring_rows(pos, p, bs)
-
-    def put(pool_row, new_row, r):  # pool_row [Hkv, R, D], new_row [Hkv, D]
-        return jax.lax.dynamic_update_slice(pool_row, new_row[:, None, :].astype(pool_row.dtype), (0, r, 0))
-
-    pool_k = jax.vmap(put)(layer.pool_k, k_new, rows)
-    pool_v = jax.vmap(put)(layer.pool_v, v_new, rows)
-    # keep the write a single in-place update: without the barrier XLA fuses it into
-    # its consumers as a select over the whole pool (profiled: ~40 us per layer)
-    pool_k, pool_v = jax.lax.optimization_barrier((pool_k, pool_v))
-    upper, lower = update_block_minmax(st.boxes.upper, st.boxes.lower, k_new, pos, block_size=bs)
-    labels = update_label_cache(st.labels, k_new, channels, pos)
-    boxes = BlockBoxes(upper, lower)
+    pool_k, pool_v = write_rows(layer.pool_k, layer.pool_v, k_new, v_new, _ring_rows(pos, p, bs))
+    st = method.append_key(st, k_new, pos, channels)
 
     # 2. token selection inside last step's blocks + the newest, attention from the pool
-    cand, cand_counts = method.expand_blocks(st.prev_blocks, lengths)
-    scores = label_scores(q, labels, channels, cand, cand_counts, impl=method.impl)
-    sel, counts = method.select_from_scores(scores, lengths, cand, cand_counts, capacity=nb * bs)
+    sel, counts = method.select_tokens(q, st, st.prev_blocks, lengths, channels, nb * bs)
     blk, off = sel // bs, sel % bs
     newest = ((lengths - 1) // bs)[:, None, None]
     in_ring = blk >= newest - 1
@@ -160,7 +142,7 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
 
     # 3. the next step's blocks, and the copies of the missing ones
     newest_next = lengths // bs
-    nxt = method.pick_blocks(q, boxes, newest_next)  # [B, Hkv, n1]
+    nxt = method.pick_blocks(q, st.boxes, newest_next)  # [B, Hkv, n1]
     if churn > 0 and nxt.shape[-1]:
         nxt = _churned(nxt, st.prev_blocks, newest_next, pos, churn)
     need = nxt < (newest_next - 1)[:, None, None]  # newer blocks are in the ring
@@ -173,8 +155,7 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     # attention read the pool before any slot is overwritten
     pool_k, pool_v, out = jax.lax.optimization_barrier((pool_k, pool_v, out))
     src = host_block_ids(nxt, hkv, nb)
-    dst = (jnp.arange(b, dtype=jnp.int32)[:, None, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None, :, None]) \
-        * (p + 2) + victims
+    dst = host_block_ids(victims, hkv, p + 2)  # the pool as [B*Hkv*(P+2), bs, D]: the same layout
     flat_miss = miss.reshape(-1)
     m = flat_miss.shape[0]
     if m:
@@ -187,7 +168,7 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
                                   ids, slots, count, impl=method.impl)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
 
-    state = TwoLevelState(boxes, labels, nxt)
+    state = TwoLevelState(st.boxes, st.labels, nxt)
     layer = OffloadLayer(pool_k, pool_v, block_slot, slot_block, slot_used, state,
                          jnp.sum(hit, dtype=jnp.int32), jnp.sum(miss, dtype=jnp.int32))
     return out, layer

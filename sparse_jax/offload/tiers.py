@@ -64,7 +64,8 @@ class HostLayer:
 
 
 def host_block_ids(block: jax.Array, num_kv_heads: int, num_blocks: int) -> jax.Array:
-    """Row of block ``block int32[B, Hkv, ...]`` in the host tier ``[B*Hkv*NB, ...]``."""
+    """Row of block ``block int32[B, Hkv, ...]`` in a ``[B*Hkv*NB, bs, D]`` view: the
+    host tier (``NB`` blocks per head), or the device pool (``P + 2`` slots per head)."""
     b, h = block.shape[:2]
     base = (jnp.arange(b, dtype=jnp.int32)[:, None] * num_kv_heads + jnp.arange(h, dtype=jnp.int32)[None, :])
     base = base.reshape((b, h) + (1,) * (block.ndim - 2))
