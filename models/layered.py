@@ -76,6 +76,9 @@ def _host_view(x: jax.Array) -> np.ndarray:
     kernel reads until a later step."""
     if x.sharding.memory_kind != "pinned_host":
         raise ValueError(f"expected a pinned_host array, got memory kind {x.sharding.memory_kind!r}")
+    # the array may still be filling (device_put to pinned_host is asynchronous):
+    # a store racing that copy would be overwritten by it
+    x.block_until_ready()
     dt = np.dtype(x.dtype)
     n = x.size * dt.itemsize
     buf = (ctypes.c_char * n).from_address(x.unsafe_buffer_pointer())
