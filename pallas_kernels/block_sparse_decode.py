@@ -68,6 +68,7 @@ from pallas_kernels.sparse_decode import (
     finish_splits,
     gathered_attention_reference,
     online_softmax_step,
+    split_outputs,
     unsupported_reason,  # noqa: F401  (re-exported for the dispatcher)
 )
 
@@ -274,16 +275,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
             pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),       # k
             pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),       # v
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, g_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
-        ],
+        **split_outputs(B, Hkv, ns, g_pad, D),
         compiler_params=plgpu.CompilerParams(
             num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
             num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),

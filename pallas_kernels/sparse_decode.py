@@ -290,6 +290,20 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
             pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # k
             pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # v
         ],
+        **split_outputs(B, Hkv, ns, g_pad, D),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
+            num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
+        interpret=interpret,
+        name=f"sparse_decode_bk{block_k}_ns{ns}",
+    )(cnt, qg, idx, k, v)
+    return finish_splits(o, m, l, G, q.dtype, return_residuals)
+
+
+def split_outputs(B: int, Hkv: int, ns: int, g_pad: int, D: int) -> dict:
+    """``out_specs`` and ``out_shape`` of a decode kernel with grid ``(B, Hkv, ns)``
+    writing per-split partials: ``o [B, Hkv, ns, g_pad, D]``, ``m, l [B, Hkv, ns, g_pad]`` (f32)."""
+    return dict(
         out_specs=[
             pl.BlockSpec((None, None, None, g_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
@@ -300,13 +314,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
             jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
             jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
-            num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
-        interpret=interpret,
-        name=f"sparse_decode_bk{block_k}_ns{ns}",
-    )(cnt, qg, idx, k, v)
-    return finish_splits(o, m, l, G, q.dtype, return_residuals)
+    )
 
 
 def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool):
