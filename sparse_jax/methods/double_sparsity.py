@@ -101,12 +101,9 @@ class DoubleSparsity(SparseMethod):
     def append_state(self, state, k, v, positions):
         return update_label_cache(state, newest_token(k, positions), self.layer_channels(), positions)
 
-    def labels(self, state):
-        return state
-
     def select(self, q, k, v, lengths, state):
         channels = self.layer_channels()
-        scores = label_scores(q, self.labels(state), channels, lengths=lengths, impl=self.impl)
+        scores = label_scores(q, state, channels, lengths=lengths, impl=self.impl)
         indices, counts = self.select_from_scores(scores, lengths)
         return indices, counts, state
 
@@ -237,9 +234,6 @@ class AsyncTLS(DoubleSparsity):
         short = newest <= n1
         counts = jnp.where(short, lengths, n1 * bs + lengths - newest * bs)
         return tokens, jnp.broadcast_to(counts[:, None], (b, hkv)).astype(jnp.int32)
-
-    def labels(self, state):
-        return state.labels
 
     def select(self, q, k, v, lengths, state):
         if self.lag:
