@@ -22,7 +22,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=3)
     p.add_argument("--churn", type=float, default=0.012)
     p.add_argument("--pool-factor", type=int, default=2)
-    p.add_argument("--modes", default="dense,resident,offload")
+    p.add_argument("--modes", default="dense,resident,offload",
+                   help="comma list of dense, resident, offload, offload_stream (the gather on GPU stream 1)")
+    p.add_argument("--hlo", action="store_true", help="print the async/copy ops of an offloaded layer's compiled HLO")
+    p.add_argument("--fusion", default="", help="with --hlo: also print the fused computations of fusions "
+                   "whose name contains this")
+    p.add_argument("--top", type=int, default=25, help="kernel names listed per class")
     p.add_argument("--out", default="/tmp/offload_profile")
     a = p.parse_args(argv)
     import models
@@ -35,9 +40,11 @@ def main(argv=None):
     model = models.load_model(config=cfg, dtype=jnp.bfloat16, max_len=a.context + 512, attention=m)
     for mode in a.modes.split(","):
         mdl = model.with_method("dense") if mode == "dense" else model
-        pool = (m.kb - 1) * a.pool_factor if mode == "offload" else None
-        runner = LayeredRunner(mdl, "offload" if mode == "offload" else "resident", pool_slots=pool,
-                               churn=a.churn if mode == "offload" else 0.0)
+        offload = mode.startswith("offload")
+        pool = (m.kb - 1) * a.pool_factor if offload else None
+        runner = LayeredRunner(mdl, "offload" if offload else "resident", pool_slots=pool,
+                               churn=a.churn if offload else 0.0,
+                               gather_stream=1 if mode == "offload_stream" else None)
         max_len = a.context + 512
         st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
                                   np.full((a.batch,), a.context, np.int32), max_len)
@@ -50,6 +57,16 @@ def main(argv=None):
             tok = jnp.argmax(runner.decode_step(tok, st), -1).astype(jnp.int32)
         jax.block_until_ready(tok)
         wall = (time.perf_counter() - t) / 5
+        if a.hlo and offload:
+            i = runner.offloaded_layers[0]
+            txt = runner._decode_fns[i].lower(runner.layer_params[i], jnp.zeros((a.batch, cfg.hidden_size), model.dtype),
+                                              st.layers[i], st.host[i], st.lengths, runner.channels[i]).compile().as_text()
+            keep = [ln.strip()[:220] for ln in txt.splitlines()
+                    if any(w in ln for w in ("-start", "-done", " copy(", "custom-call", "ENTRY"))]
+            print(f"-- {mode} layer {i} HLO ({len(txt.splitlines())} lines), async/copy/custom-call ops:")
+            print("\n".join(keep[:40]))
+            if a.fusion:
+                print(_fusion_bodies(txt, a.fusion))
         d = Path(a.out) / mode
         jax.profiler.start_trace(str(d), create_perfetto_trace=True)
         for _ in range(2):
@@ -57,14 +74,38 @@ def main(argv=None):
         jax.block_until_ready(tok)
         jax.profiler.stop_trace()
         ev, threads = trace_overlap.load_events(d)
-        rep = trace_overlap.overlap_report(ev, top=25)
+        rep = trace_overlap.overlap_report(ev, top=a.top)
         print(f"== {mode}: {a.layers} layers, B={a.batch}, ctx={a.context}: wall {1e3 * wall:.2f} ms/step; "
-              f"GPU compute busy {rep['compute_busy_us'] / 2e3:.2f} ms/step, transfer {rep['transfer_busy_us'] / 2e3:.2f}")
+              f"GPU compute busy {rep['compute_busy_us'] / 2e3:.2f} ms/step, transfer {rep['transfer_busy_us'] / 2e3:.2f} "
+              f"({100 * rep['hidden_fraction']:.0f}% hidden), idle {rep['gpu_idle_us'] / 2e3:.2f}")
         for cls in ("compute", "transfer"):
-            for row in rep["top_names"].get(cls, [])[:25]:
+            for row in rep["top_names"].get(cls, [])[:a.top]:
                 print(f"  {cls[:4]} {row['total_us'] / 2e3:8.3f} ms/step x{row['count'] // 2:4d}  {row['name'][:110]}")
         del st, runner
     return 0
+
+
+def _fusion_bodies(hlo: str, needle: str, limit: int = 4) -> str:
+    """The instructions and called computations of fusions named like ``needle``."""
+    lines = hlo.splitlines()
+    comps, cur = {}, None
+    for ln in lines:
+        head = ln.split(" ", 2)
+        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{"):
+            cur = head[0].lstrip("%") if head[0] != "ENTRY" else head[1].lstrip("%")
+            comps[cur] = [ln]
+        elif cur is not None:
+            comps[cur].append(ln)
+    out = []
+    for ln in lines:
+        name = ln.strip().removeprefix("ROOT ").split(" ", 1)[0].lstrip("%")
+        if needle in name and " fusion(" in ln and "calls=" in ln:
+            called = ln.split("calls=", 1)[1].split(",", 1)[0].split(" ", 1)[0].lstrip("%").rstrip("}")
+            out.append(ln.strip()[:400])
+            out.extend(x[:300] for x in comps.get(called, ["  (computation not found: " + called + ")"]))
+            if len(out) > 60 * limit:
+                break
+    return "\n".join(out) if out else f"(no fusion named like {needle!r})"
 
 
 if __name__ == "__main__":

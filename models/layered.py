@@ -104,7 +104,7 @@ class LayeredRunner:
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
-                 device_limit="auto", host_limit="auto"):
+                 gather_stream: int | None = None, device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -118,6 +118,7 @@ class LayeredRunner:
         self.method = method
         self.pool_slots = pool_slots
         self.churn = float(churn)  # benchmarks only: see sparse_jax.offload.step.decode_layer
+        self.gather_stream = gather_stream
         self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
@@ -142,7 +143,7 @@ class LayeredRunner:
         self._embed = _embed_fn()
         g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
         self._decode_fns = [
-            _offload_decode_fn(g, t, cfg, self.off_method, self.churn) if self.offloaded[i]
+            _offload_decode_fn(g, t, cfg, self.off_method, self.churn, self.gather_stream) if self.offloaded[i]
             else _resident_decode_fn(g, t, cfg, self.layer_methods[i]) for i in range(self.num_layers)]
 
     # -- helpers -----------------------------------------------------------------
@@ -281,7 +282,8 @@ class LayeredRunner:
         """Hits, misses and bytes moved per decode step (offloaded layers summed)."""
         if not state.counters:
             return {"steps": 0}
-        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64)  # [T, L, 2]
+        # per step and offloaded layer: (hits, misses), each int32[B*Hkv]
+        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64).sum(-1)  # [T, L, 2]
         hits, misses = arr[..., 0].sum(1), arr[..., 1].sum(1)
         d = self.cfg.head_dim
         block_bytes = 2 * self.method.block_size * d * jnp.dtype(self.model.dtype).itemsize
@@ -373,12 +375,12 @@ def _resident_decode_fn(layer_graph, treedef, cfg, method):
 
 
 @functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, treedef, cfg, method, churn):
+def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_stream):
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, layer_tier, host, pos, channels):
         layer = _merge(layer_graph, treedef, params)
         q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))
-        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
+        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn, gather_stream)
         return tfm.layer_output(layer, x, o), layer_tier
 
     return run

@@ -32,9 +32,11 @@ thousands of small CTAs keep many PCIe reads in flight, which is what host
 bandwidth needs (latency ~1-2 us x ~50 GB/s = ~100 KB outstanding).
 
 In-place variant (``host_gather_into_pallas``): ``dst_k[slots[i]] =
-src_k[block_ids[i]]`` and the same for V, for ``i < count``, in one launch
+src_k[block_ids[i]]`` and the same for V, for the live entries, in one launch
 over the same grid; ``dst_k, dst_v [NS, *block_shape]`` are aliased to the
-outputs, and programs with ``i >= count`` return before touching memory.
+outputs. ``count int32[G]`` splits the list into ``G`` equal segments, of
+which the first ``count[g]`` entries are live (``G = 1``: one list, one
+count); programs of other entries return before touching memory.
 
 Interpret mode (CPU tests): masked-off lanes use out-of-bounds indices only
 (``col >= W`` or leading index ``>= block dim``) so the interpreter's
@@ -198,14 +200,17 @@ def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, cou
     """Pure-jnp ``host_gather_into``: whole-``src`` ``device_put``, then a scatter.
 
     ``src_k, src_v [NB, *bs]``, ``dst_k, dst_v [NS, *bs]``, ``block_ids,
-    slots int32[M]``, ``count int32[1]``. Returns the new ``(dst_k, dst_v)``.
+    slots int32[M]``, ``count int32[G]`` (``G`` divides ``M``: per-segment
+    live counts). Returns the new ``(dst_k, dst_v)``.
     """
     nb, ns, m = src_k.shape[0], dst_k.shape[0], block_ids.shape[0]
-    count = count.reshape(())
+    seg = m // count.shape[0]
     ids = jnp.clip(block_ids.astype(jnp.int32), 0, nb - 1)
-    # entries >= count go to slot NS, which mode="drop" discards, so they
-    # leave dst exactly as it was (clipping them would overwrite slot NS-1)
-    live = jnp.arange(m, dtype=jnp.int32) < count
+    # entries past their segment's count go to slot NS, which mode="drop"
+    # discards, so they leave dst exactly as it was (clipping them would
+    # overwrite slot NS-1)
+    i = jnp.arange(m, dtype=jnp.int32)
+    live = i % seg < count.astype(jnp.int32)[i // seg]
     tgt = jnp.where(live, jnp.clip(slots.astype(jnp.int32), 0, ns - 1), ns)
     out = []
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
@@ -216,7 +221,7 @@ def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, cou
 
 def _gather_into_kernel(
     ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
-    *, nb: int, ns: int, plan: GatherPlan,
+    *, nb: int, ns: int, seg: int, plan: GatherPlan,
 ):
     # _dst_*_in are the same buffers as dst_*_ref (input_output_aliases);
     # the kernel only writes the output refs, and only the listed slots
@@ -224,7 +229,7 @@ def _gather_into_kernel(
     # only at the kernel's top level, not inside the cond's branch
     i, t = pl.program_id(0), pl.program_id(1)
 
-    @pl.when(i < count_ref[0])
+    @pl.when(i % seg < count_ref[i // seg])
     def _():
         b = jnp.clip(ids_ref[i], 0, nb - 1)
         s = jnp.clip(slots_ref[i], 0, ns - 1)
@@ -250,13 +255,14 @@ def host_gather_into_pallas(
     num_stages: int = 1,
     interpret: bool = False,
 ):
-    """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), i < count.
+    """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), live ``i``.
 
     ``src_k, src_v [NB, *bs]`` (any memory kind, read in place), ``dst_k,
     dst_v [NS, *bs]`` (device; updated in place through
     ``input_output_aliases``), ``block_ids, slots int32[M]``, ``count
-    int32[1]``. Grid ``(M, tiles per block)``; programs with ``i >= count``
-    return before any load or store. Ids are clamped to ``[0, NB)``, slots to
+    int32[G]`` (``G`` divides ``M``; entry ``i`` is live when ``i % (M/G) <
+    count[i // (M/G)]``). Grid ``(M, tiles per block)``; programs of entries
+    that are not live return before any load or store. Ids are clamped to ``[0, NB)``, slots to
     ``[0, NS)``. Returns ``(dst_k, dst_v)``. Tuning as ``host_gather_pallas``.
     """
     squeeze = src_k.ndim == 1
@@ -267,14 +273,14 @@ def host_gather_into_pallas(
     ns, m = dst_k.shape[0], block_ids.shape[0]
     plan = plan_host_gather(tuple(block_shape), src_k.dtype.itemsize, tile_bytes=tile_bytes, num_warps=num_warps)
     out_k, out_v = pl.pallas_call(
-        functools.partial(_gather_into_kernel, nb=nb, ns=ns, plan=plan),
+        functools.partial(_gather_into_kernel, nb=nb, ns=ns, seg=m // count.shape[0], plan=plan),
         out_shape=(jax.ShapeDtypeStruct(dst_k.shape, dst_k.dtype), jax.ShapeDtypeStruct(dst_v.shape, dst_v.dtype)),
         grid=(m, plan.n_row_tiles * plan.n_col_tiles),
         input_output_aliases={5: 0, 6: 1},
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=num_stages),
         interpret=interpret,
         name="host_gather_into",
-    )(block_ids.astype(jnp.int32), slots.astype(jnp.int32), count.astype(jnp.int32).reshape(1), src_k, src_v, dst_k, dst_v)
+    )(block_ids.astype(jnp.int32), slots.astype(jnp.int32), count.astype(jnp.int32), src_k, src_v, dst_k, dst_v)
     if squeeze:
         return out_k.reshape(ns), out_v.reshape(ns)
     return out_k, out_v

@@ -114,6 +114,27 @@ def test_count_forms(count):
         check(out, expected, jnp.float32)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_segment_counts(impl):
+    """count int[G]: G equal segments, each with its own live prefix (one per
+    block-table row); dead entries name live slots and wild ids, so a write by
+    one of them would show."""
+    g, seg, ns = 3, 4, 12
+    sk, sv = rand((10, 3, 16), jnp.float32), rand((10, 3, 16), jnp.float32)
+    dk, dv = rand((ns, 3, 16), jnp.float32), rand((ns, 3, 16), jnp.float32)
+    counts = np.array([2, 0, 4], np.int32)
+    ids = RNG.integers(-2, 12, size=g * seg).astype(np.int32)
+    slots = RNG.permutation(ns).astype(np.int32)  # distinct: any dead write would overwrite a live one's data
+    ek, ev = np.array(dk), np.array(dv)
+    for i in range(g * seg):
+        if i % seg < counts[i // seg]:
+            b = np.clip(ids[i], 0, 9)
+            ek[slots[i]], ev[slots[i]] = sk[b], sv[b]
+    out = host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
+                           jnp.asarray(slots), jnp.asarray(counts), impl=impl)
+    check(out, (ek, ev), jnp.float32)
+
+
 def test_duplicate_slots_get_one_writer():
     sk, sv = rand((5, 2, 16), jnp.float32), rand((5, 2, 16), jnp.float32)
     dk, dv = rand((3, 2, 16), jnp.float32), rand((3, 2, 16), jnp.float32)
@@ -208,8 +229,10 @@ def _args(**over):
         (dict(slots=np.zeros((3,), np.int32)), {}, ValueError, r"slots must have shape \[M\].* = \(2,\), got \(3,\)"),
         (dict(slots=np.zeros((2,), F)), {}, TypeError, r"slots must be an integer array"),
         (dict(count=np.array([2.0], F)), {}, TypeError, r"count must be an integer array"),
-        (dict(count=np.array([2, 2], np.int32)), {}, ValueError, r"count must have shape \[\] or \[1\], got shape \(2,\)"),
-        (dict(count=2.0), {}, TypeError, r"count must be an int or an integer array of shape \[\] or \[1\], got float"),
+        (dict(count=np.array([2, 2, 2], np.int32)), {}, ValueError,
+         r"count must have shape \[\] or \[G\] with G dividing the 2 listed blocks .*got shape \(3,\)"),
+        (dict(count=np.array([[2]], np.int32)), {}, ValueError, r"count must have shape \[\] or \[G\].*got shape \(1, 1\)"),
+        (dict(count=2.0), {}, TypeError, r"count must be an int or an integer array of shape \[\] or \[G\], got float"),
         (dict(count=True), {}, TypeError, r"count must be an int or an integer array"),
         (dict(dst_v=[1, 2]), {}, TypeError, r"dst_v must be an array, got list"),
         ({}, {"impl": "triton"}, ValueError, r"impl must be one of \('auto', 'pallas', 'reference'\)"),

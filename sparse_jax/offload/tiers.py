@@ -19,8 +19,8 @@ Device tier (:class:`OffloadLayer`):
   the LRU clock).
 * ``state``: the method's small per-layer state (AsyncTLS: block boxes, INT4
   label cache, the blocks chosen for the next step).
-* ``hits, misses``: this step's block counters for the layer (summed over
-  rows and KV heads): a needed block found in the pool, or copied from host.
+* ``hits, misses int32[B*Hkv]``: this step's block counters per (row, KV
+  head): needed blocks found in the pool, and blocks copied from the host.
 
 Eviction policy (documented contract): the blocks the last query chose for
 the next step are never evicted; a miss takes the least recently used other
@@ -61,15 +61,6 @@ class HostLayer:
 
     k: jax.Array
     v: jax.Array
-
-
-def host_block_ids(block: jax.Array, num_kv_heads: int, num_blocks: int) -> jax.Array:
-    """Row of block ``block int32[B, Hkv, ...]`` in a ``[B*Hkv*NB, bs, D]`` view: the
-    host tier (``NB`` blocks per head), or the device pool (``P + 2`` slots per head)."""
-    b, h = block.shape[:2]
-    base = (jnp.arange(b, dtype=jnp.int32)[:, None] * num_kv_heads + jnp.arange(h, dtype=jnp.int32)[None, :])
-    base = base.reshape((b, h) + (1,) * (block.ndim - 2))
-    return base * num_blocks + block
 
 
 def pinned_host_sharding(device=None) -> jax.sharding.Sharding:

@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
 
 from pallas_kernels import host_gather as _hg
 from sparse_jax.ops import _checks
@@ -148,11 +149,14 @@ def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning
     _checks.check_int("block_ids", block_ids)
     _checks.check_int_array("slots", slots, tuple(block_ids.shape), "[M] (one slot per block id)")
     if isinstance(count, bool) or not (isinstance(count, int) or hasattr(count, "dtype")):
-        raise TypeError(f"count must be an int or an integer array of shape [] or [1], got {type(count).__name__}")
+        raise TypeError(f"count must be an int or an integer array of shape [] or [G], got {type(count).__name__}")
     if not isinstance(count, int):
         _checks.check_int("count", count)
-        if tuple(count.shape) not in ((), (1,)):
-            raise ValueError(f"count must have shape [] or [1], got shape {tuple(count.shape)}")
+        m = block_ids.shape[0]
+        if count.ndim > 1 or (count.ndim == 1 and (count.shape[0] < 1 or m % count.shape[0])):
+            raise ValueError(
+                f"count must have shape [] or [G] with G dividing the {m} listed blocks (G equal segments), "
+                f"got shape {tuple(count.shape)}")
     _check_tuning(tuning)
 
 
@@ -163,7 +167,8 @@ def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, in
     # the caller donates is written in place through the kernel's aliasing
     block_ids = block_ids.astype(jnp.int32)
     slots = slots.astype(jnp.int32)
-    count = jnp.asarray(count).astype(jnp.int32).reshape(1)
+    count = jnp.asarray(count).astype(jnp.int32)
+    count = count.reshape(1) if count.ndim == 0 else count  # no op on an int32[G]
     if choice == "reference":
         return _hg.host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count)
     return _hg.host_gather_into_pallas(
@@ -171,12 +176,13 @@ def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, in
     )
 
 
-def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto", **tuning):
+def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto",
+                     stream: int | None = None, **tuning):
     """Copy listed host blocks into slots of device buffers, K and V in one launch.
 
-    For every ``i < count``: ``dst_k[slots[i]] = src_k[block_ids[i]]`` and
-    ``dst_v[slots[i]] = src_v[block_ids[i]]``; entries ``i >= count`` are
-    ignored (their kernel programs exit before any load or store, so a
+    For every live entry ``i`` (``i < count``; see ``count`` for segments):
+    ``dst_k[slots[i]] = src_k[block_ids[i]]`` and ``dst_v[slots[i]] =
+    src_v[block_ids[i]]``; other entries are ignored (their kernel programs exit before any load or store, so a
     static ``M`` sized for the worst case costs next to nothing when few
     blocks are missing). Slots not listed keep their contents.
 
@@ -189,10 +195,17 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         ``count`` entries name the same slot, that slot's content is
         unspecified: each element comes from one of the writers, and on GPU
         different tiles (and K vs V) may come from different writers.
-      count: ``int[1]``, ``int[]`` or a Python int: how many leading entries
+      count: ``int[]``, ``int[1]`` or a Python int: how many leading entries
         are live; values above ``M`` act as ``M``, values ``<= 0`` copy
-        nothing.
+        nothing. Or ``int[G]`` with ``G`` dividing ``M``: the list is ``G``
+        equal segments (one per row of a block table, say), and the first
+        ``count[g]`` entries of segment ``g`` are live.
       impl: "auto" | "pallas" | "reference".
+      stream: GPU kernel only: launch the copy on this extra stream (XLA's
+        explicit stream annotation, ``compute_on("gpu_stream:N")``), so that
+        work of the calling jit that does not depend on ``dst_k, dst_v``
+        runs while the copy is in flight. None (default): in program order.
+        Ignored by the reference and interpret mode.
       **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``.
 
     Returns:
@@ -212,7 +225,29 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         return dst_k, dst_v
     if isinstance(count, int):  # keep a huge Python int from overflowing int32
         count = min(max(count, 0), m)
+    if stream is not None:
+        if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
+            raise ValueError(f"stream must be a positive int (an extra GPU stream) or None, got {stream!r}")
+        if choice == "pallas" and not interpret:
+            return _run_into_on_stream(src_k, src_v, dst_k, dst_v, block_ids, slots, count, stream, tuning)
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
     return _run_into(
         src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items
     )
+
+
+def _run_into_on_stream(src_k, src_v, dst_k, dst_v, block_ids, slots, count, stream, tuning):
+    # XLA turns the annotated call into call-start/call-done on the stream;
+    # the region must hold the kernel alone: a nested call (an inner jit)
+    # would be wrapped again inside the async computation, which XLA rejects
+    block_ids = jnp.asarray(block_ids).astype(jnp.int32)
+    slots = jnp.asarray(slots).astype(jnp.int32)
+    count = jnp.asarray(count).astype(jnp.int32)
+    count = count.reshape(1) if count.ndim == 0 else count
+    dev = jax.memory.Space.Device
+
+    @functools.partial(compute_on, compute_type=f"gpu_stream:{stream}", out_memory_spaces=(dev, dev))
+    def run(sk, sv, dk, dv, ids, sl, c):
+        return _hg.host_gather_into_pallas(sk, sv, dk, dv, ids, sl, c, **tuning)
+
+    return run(src_k, src_v, dst_k, dst_v, block_ids, slots, count)
