@@ -65,6 +65,11 @@ def main(argv=None):
                     if any(w in ln for w in ("-start", "-done", " copy(", "custom-call", "ENTRY"))]
             print(f"-- {mode} layer {i} HLO ({len(txt.splitlines())} lines), async/copy/custom-call ops:")
             print("\n".join(keep[:40]))
+            entry = txt[txt.index("\nENTRY"):].split("\n}", 1)[0].splitlines()[1:]
+            names = [ln.strip().removeprefix("ROOT ").split(" ", 1)[0].lstrip("%") for ln in entry]
+            ops = [n for n, ln in zip(names, entry) if any(w in ln for w in (" fusion(", "custom-call(", "-start(",
+                                                                           "-done(", " sort(", " scatter("))]
+            print(f"-- ENTRY schedule ({len(ops)} kernels/async ops): " + " ".join(ops))
             if a.fusion:
                 print(_fusion_bodies(txt, a.fusion))
         d = Path(a.out) / mode

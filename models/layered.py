@@ -376,7 +376,11 @@ def _resident_decode_fn(layer_graph, treedef, cfg, method):
 
 @functools.lru_cache(maxsize=8)
 def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_stream):
-    @functools.partial(jax.jit, donate_argnums=(2,))
+    # with the copy on its own stream, XLA's latency-hiding scheduler is what
+    # places the copy's completion late, after the MLP it should overlap
+    opts = None if gather_stream is None else {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=opts)
     def run(params, x, layer_tier, host, pos, channels):
         layer = _merge(layer_graph, treedef, params)
         q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))

@@ -34,15 +34,17 @@ slots by increasing ``slot_used`` (empty slots first), ties by slot index.
 Every hit slot and every newly filled slot gets ``slot_used = clock``.
 Requires ``P >= n1`` (there is always a free slot) and consistent tables.
 
-Kernel (Pallas-Triton, grid ``(R,)``): the row's ``nxt`` and slot arrays in
-registers (padded to powers of two with masked loads); ``cur`` by a gather
-load from ``block_slot``; protected slots by a ``[P, n1]`` compare; then a
-loop over the row's misses (usually a handful) extracts the minimum-key slot
-each time; the new tables and the copy list are written with masked stores.
-``block_slot`` is updated in place (``input_output_aliases``): only evicted
-and newly filled entries are stored. Masked-off lanes of scatter stores use
-out-of-bounds indices (see ``pallas_kernels/topk.py``: interpret mode writes
-masked lanes back otherwise).
+Kernel (Pallas-Triton, grid ``(R,)``, one warp by default): the row's ``nxt``
+and slot arrays in registers (padded to powers of two with masked loads);
+``cur`` by a gather load from ``block_slot``; then a loop takes slots by
+increasing LRU key until every miss has one, skipping slots whose block is a
+hit (a scalar membership test against ``nxt``), so the work is about
+``n_miss`` vector reductions over ``P`` -- no ``[P, n1]`` tensor, which
+spilled registers and cost ~50 us. The three tables are updated in place
+(``input_output_aliases``): only evicted, newly filled and hit entries are
+stored. Masked-off lanes of scatter stores use out-of-bounds indices (see
+``pallas_kernels/topk.py``: interpret mode writes masked lanes back
+otherwise).
 """
 
 from __future__ import annotations
@@ -96,10 +98,12 @@ def assign_slots_reference(nxt, ring_start, clock, block_slot, slot_block, slot_
             jnp.sum(miss, axis=-1, dtype=jnp.int32), jnp.sum(hit, axis=-1, dtype=jnp.int32))
 
 
-def _assign_kernel(nxt_ref, ring_ref, clock_ref, _bslot_in, sblock_ref, sused_ref,
-                   bslot_ref, sblock_out, sused_out, src_out, dst_out, count_out, hits_out,
+def _assign_kernel(nxt_ref, ring_ref, clock_ref, _bslot_in, _sblock_in, _sused_in,
+                   bslot_ref, sblock_ref, sused_ref, src_out, dst_out, count_out, hits_out,
                    *, n_rows: int, n1: int, nb: int, p: int, ring_slots: int, n1p: int, pp: int):
-    # _bslot_in is bslot_ref's buffer (aliased): read through bslot_ref before any store
+    # the three tables are updated in place (aliased): read through the output
+    # refs before any store; only changed entries are stored, at addresses that
+    # are distinct within each table, so no two stores of a table can race
     r = pl.program_id(0)
     j = lax.broadcasted_iota(jnp.int32, (n1p,), 0)
     s = lax.broadcasted_iota(jnp.int32, (pp,), 0)
@@ -112,50 +116,52 @@ def _assign_kernel(nxt_ref, ring_ref, clock_ref, _bslot_in, sblock_ref, sused_re
     cur = plgpu.load(bslot_ref.at[r * nb + jnp.clip(nxt, 0, nb - 1)], mask=need, other=-1)
     hit, miss = need & (cur >= 0), need & (cur < 0)
     sblock = plgpu.load(sblock_ref.at[r * p + jnp.where(sv, s, 0)], mask=sv, other=-1)
-    sused = plgpu.load(sused_ref.at[r * p + jnp.where(sv, s, 0)], mask=sv, other=0)
+    sused = plgpu.load(sused_ref.at[r * p + jnp.where(sv, s, 0)], mask=sv, other=INT32_MAX)
+    n_miss = jnp.sum(miss.astype(jnp.int32))
+    rank = jnp.cumsum(miss.astype(jnp.int32)) - 1  # of each miss among the row's misses
 
-    # slots the next step reads from: [P, n1] compare
-    protect = jnp.max((hit[None, :] & (cur[None, :] == s[:, None])).astype(jnp.int32), axis=1) > 0
-    key = jnp.where(protect | ~sv, INT32_MAX, sused)
-    miss_i = miss.astype(jnp.int32)
-    n_miss = jnp.sum(miss_i)
-    rank = jnp.cumsum(miss_i) - 1  # of each miss among the row's misses
-    # the missing blocks in rank order: [n1 (rank), n1 (j)] one-hot
-    blk_by_rank = jnp.sum(jnp.where(miss[None, :] & (rank[None, :] == j[:, None]), nxt[None, :], 0), axis=1)
+    # Take slots by increasing (slot_used, slot) until every miss has one,
+    # skipping the slots of hits (protected). Hits were used by the last step,
+    # so their clocks are the newest: they are rarely met before n_miss free
+    # ones, and the loop runs about n_miss times (at most n1: P >= n1).
+    def cond(c):
+        return (c[1] < n_miss) & (c[5] < pp)  # the cap only guards malformed tables
 
-    def extract(i, carry):
-        key, vic = carry
+    def body(c):
+        key, found, vic, blk, ev, it = c
         kmin = jnp.min(key)
         smin = jnp.min(jnp.where(key == kmin, s, pp))  # ties: lowest slot
-        return jnp.where(s == smin, INT32_MAX, key), jnp.where(j == i, smin, vic)
+        held = jnp.sum(jnp.where(s == smin, sblock, 0))  # its block (-1: empty)
+        protected = (held >= 0) & (jnp.sum((hit & (nxt == held)).astype(jnp.int32)) > 0)
+        at = ~protected & (j == found)
+        block = jnp.sum(jnp.where(miss & (rank == found), nxt, 0))  # the miss of this rank
+        return (jnp.where(s == smin, INT32_MAX, key), found + (~protected).astype(jnp.int32),
+                jnp.where(at, smin, vic), jnp.where(at, block, blk), jnp.where(at, held, ev), it + 1)
 
-    _, vic_by_rank = lax.fori_loop(0, n_miss, extract, (key, jnp.zeros((n1p,), jnp.int32)))
+    zeros = jnp.zeros((n1p,), jnp.int32)
+    init = (jnp.where(sv, sused, INT32_MAX), np.int32(0), zeros, zeros, zeros - 1, np.int32(0))
+    _, _, vic, blk, evicted, _ = lax.while_loop(cond, body, init)
     live = j < n_miss  # ranks in use
-    evicted = plgpu.load(sblock_ref.at[r * p + jnp.where(live, vic_by_rank, 0)], mask=live, other=-1)
 
-    # new slot contents: [P, n1 (rank)] one-hot of the victims
-    filled = live[None, :] & (vic_by_rank[None, :] == s[:, None])
-    is_victim = jnp.max(filled.astype(jnp.int32), axis=1) > 0
-    new_block = jnp.sum(jnp.where(filled, blk_by_rank[None, :], 0), axis=1)
-    sblock_new = jnp.where(is_victim, new_block, sblock)
-    sused_new = jnp.where(is_victim | protect, clock, sused)
+    def scatter(ref, offset, idx, vals, mask, size):
+        # masked-off lanes point past the table (interpret mode writes them otherwise)
+        plgpu.store(ref.at[jnp.where(mask, offset + idx, size)], vals, mask=mask)
 
-    oob = n_rows * nb  # masked-off scatter lanes point past the table
     ev_ok = live & (evicted >= 0)
-    plgpu.store(bslot_ref.at[jnp.where(ev_ok, r * nb + evicted, oob)], jnp.full((n1p,), -1, jnp.int32), mask=ev_ok)
-    plgpu.store(bslot_ref.at[jnp.where(live, r * nb + blk_by_rank, oob)], vic_by_rank, mask=live)
-    s_at = jnp.where(sv, r * p + s, n_rows * p)
-    plgpu.store(sblock_out.at[s_at], sblock_new, mask=sv)
-    plgpu.store(sused_out.at[s_at], sused_new, mask=sv)
+    scatter(bslot_ref, r * nb, evicted, jnp.full((n1p,), -1, jnp.int32), ev_ok, n_rows * nb)
+    scatter(bslot_ref, r * nb, blk, vic, live, n_rows * nb)
+    scatter(sblock_ref, r * p, vic, blk, live, n_rows * p)
+    scatter(sused_ref, r * p, vic, jnp.full((n1p,), clock, jnp.int32), live, n_rows * p)
+    scatter(sused_ref, r * p, cur, jnp.full((n1p,), clock, jnp.int32), hit, n_rows * p)
     j_at = jnp.where(jv, r * n1 + j, n_rows * n1)
-    plgpu.store(src_out.at[j_at], jnp.where(live, r * nb + blk_by_rank, 0), mask=jv)
-    plgpu.store(dst_out.at[j_at], jnp.where(live, r * (p + ring_slots) + vic_by_rank, 0), mask=jv)
+    plgpu.store(src_out.at[j_at], jnp.where(live, r * nb + blk, 0), mask=jv)
+    plgpu.store(dst_out.at[j_at], jnp.where(live, r * (p + ring_slots) + vic, 0), mask=jv)
     count_out[r] = n_miss
     hits_out[r] = jnp.sum(hit.astype(jnp.int32))
 
 
 def assign_slots_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_used, *, ring_slots: int = 2,
-                        num_warps: int = 4, interpret: bool = False):
+                        num_warps: int = 1, interpret: bool = False):
     """Kernel path (same contract as :func:`assign_slots_reference`)."""
     r, n1 = nxt.shape
     nb, p = block_slot.shape[1], slot_block.shape[1]
@@ -177,7 +183,7 @@ def assign_slots_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_use
         kern,
         out_shape=out_shape,
         grid=(r,),
-        input_output_aliases={3: 0},
+        input_output_aliases={3: 0, 4: 1, 5: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="assign_pool_slots",
