@@ -23,7 +23,7 @@ def main(argv=None):
     p.add_argument("--churn", type=float, default=0.012)
     p.add_argument("--pool-factor", type=int, default=2)
     p.add_argument("--modes", default="dense,resident,offload",
-                   help="comma list of dense, resident, offload, offload_stream (the gather on GPU stream 1)")
+                   help="comma list of dense, resident, offload")
     p.add_argument("--hlo", action="store_true", help="print the async/copy ops of an offloaded layer's compiled HLO")
     p.add_argument("--fusion", default="", help="with --hlo: also print the fused computations of fusions "
                    "whose name contains this")
@@ -43,8 +43,7 @@ def main(argv=None):
         offload = mode.startswith("offload")
         pool = (m.kb - 1) * a.pool_factor if offload else None
         runner = LayeredRunner(mdl, "offload" if offload else "resident", pool_slots=pool,
-                               churn=a.churn if offload else 0.0,
-                               gather_stream=1 if mode == "offload_stream" else None)
+                               churn=a.churn if offload else 0.0)
         max_len = a.context + 512
         st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
                                   np.full((a.batch,), a.context, np.int32), max_len)

@@ -104,7 +104,7 @@ class LayeredRunner:
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
-                 gather_stream: int | None = None, device_limit="auto", host_limit="auto"):
+                 device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -118,7 +118,6 @@ class LayeredRunner:
         self.method = method
         self.pool_slots = pool_slots
         self.churn = float(churn)  # benchmarks only: see sparse_jax.offload.step.decode_layer
-        self.gather_stream = gather_stream
         self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
@@ -143,7 +142,7 @@ class LayeredRunner:
         self._embed = _embed_fn()
         g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
         self._decode_fns = [
-            _offload_decode_fn(g, t, cfg, self.off_method, self.churn, self.gather_stream) if self.offloaded[i]
+            _offload_decode_fn(g, t, cfg, self.off_method, self.churn) if self.offloaded[i]
             else _resident_decode_fn(g, t, cfg, self.layer_methods[i]) for i in range(self.num_layers)]
 
     # -- helpers -----------------------------------------------------------------
@@ -375,16 +374,12 @@ def _resident_decode_fn(layer_graph, treedef, cfg, method):
 
 
 @functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_stream):
-    # with the copy on its own stream, XLA's latency-hiding scheduler is what
-    # places the copy's completion late, after the MLP it should overlap
-    opts = None if gather_stream is None else {"xla_gpu_enable_latency_hiding_scheduler": True}
-
-    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=opts)
+def _offload_decode_fn(layer_graph, treedef, cfg, method, churn):
+    @functools.partial(jax.jit, donate_argnums=(2,))
     def run(params, x, layer_tier, host, pos, channels):
         layer = _merge(layer_graph, treedef, params)
         q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))
-        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn, gather_stream)
+        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
         return tfm.layer_output(layer, x, o), layer_tier
 
     return run

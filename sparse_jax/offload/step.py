@@ -107,7 +107,7 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
 
 
 def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels,
-                 churn: float = 0.0, gather_stream: int | None = None):
+                 churn: float = 0.0):
     """One decode step of an offloaded sparse layer.
 
     ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
@@ -119,10 +119,6 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     block set renewed per step: the filter still runs (its cost is paid), but
     the next set is the last one with ``round(churn * (kb-1))`` blocks
     replaced, which emulates a hit rate measured on real text.
-
-    ``gather_stream``: run the copy of the misses on this extra GPU stream
-    (XLA stream annotation) so that the rest of the caller's jit (the
-    layer's output projection and MLP) overlaps it; None: in program order.
     """
     bs = method.block_size
     b, hkv, d = k_new.shape
@@ -164,7 +160,7 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
         # src rows index the host tier [B*Hkv*NB, bs, D], dst rows the pool seen
         # as [B*Hkv*(P+2), bs, D]; the first copies[r] entries of row r are live
         pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
-                                  src.reshape(-1), dst.reshape(-1), copies, impl=method.impl, stream=gather_stream)
+                                  src.reshape(-1), dst.reshape(-1), copies, impl=method.impl)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
 
     state = TwoLevelState(st.boxes, st.labels, nxt)

@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 
 from pallas_kernels import host_gather as _hg
 from sparse_jax.ops import _checks
@@ -176,8 +175,7 @@ def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, in
     )
 
 
-def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto",
-                     stream: int | None = None, **tuning):
+def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto", **tuning):
     """Copy listed host blocks into slots of device buffers, K and V in one launch.
 
     For every live entry ``i`` (``i < count``; see ``count`` for segments):
@@ -201,11 +199,6 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         equal segments (one per row of a block table, say), and the first
         ``count[g]`` entries of segment ``g`` are live.
       impl: "auto" | "pallas" | "reference".
-      stream: GPU kernel only: launch the copy on this extra stream (XLA's
-        explicit stream annotation, ``compute_on("gpu_stream:N")``), so that
-        work of the calling jit that does not depend on ``dst_k, dst_v``
-        runs while the copy is in flight. None (default): in program order.
-        Ignored by the reference and interpret mode.
       **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``.
 
     Returns:
@@ -225,29 +218,8 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         return dst_k, dst_v
     if isinstance(count, int):  # keep a huge Python int from overflowing int32
         count = min(max(count, 0), m)
-    if stream is not None:
-        if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
-            raise ValueError(f"stream must be a positive int (an extra GPU stream) or None, got {stream!r}")
-        if choice == "pallas" and not interpret:
-            return _run_into_on_stream(src_k, src_v, dst_k, dst_v, block_ids, slots, count, stream, tuning)
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
     return _run_into(
         src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items
     )
 
-
-def _run_into_on_stream(src_k, src_v, dst_k, dst_v, block_ids, slots, count, stream, tuning):
-    # XLA turns the annotated call into call-start/call-done on the stream;
-    # the region must hold the kernel alone: a nested call (an inner jit)
-    # would be wrapped again inside the async computation, which XLA rejects
-    block_ids = jnp.asarray(block_ids).astype(jnp.int32)
-    slots = jnp.asarray(slots).astype(jnp.int32)
-    count = jnp.asarray(count).astype(jnp.int32)
-    count = count.reshape(1) if count.ndim == 0 else count
-    dev = jax.memory.Space.Device
-
-    @functools.partial(compute_on, compute_type=f"gpu_stream:{stream}", out_memory_spaces=(dev, dev))
-    def run(sk, sv, dk, dv, ids, sl, c):
-        return _hg.host_gather_into_pallas(sk, sv, dk, dv, ids, sl, c, **tuning)
-
-    return run(src_k, src_v, dst_k, dst_v, block_ids, slots, count)
