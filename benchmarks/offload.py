@@ -345,7 +345,7 @@ def plot(payload, path):
 def render(payload) -> str:
     st = payload["stamp"]
     lines = ["# Offloaded decoding (Qwen3-8B shape, random weights)", "",
-             f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('commit')}",
+             f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('git_commit') or 'unknown'}",
              f"- date: {st.get('date')}", f"- command: `{st.get('command')}`",
              f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
              f"set renewed per step (0 = the random weights' own behaviour)", ""]
