@@ -128,12 +128,16 @@ def hbm_floor_ms(nbytes: float, bandwidth: float = H100_HBM_BYTES_PER_S) -> floa
 def stamp(command: str | None = None) -> dict:
     """Device, jax version, date, command and git commit for a results file."""
     dev = jax.devices()[0]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    # GIT_COMMIT first: a copied working tree (the GPU machine's) can carry a
+    # stale .git whose HEAD is not the code that runs
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     return {
         "device": getattr(dev, "device_kind", str(dev)),
         "backend": jax.default_backend(),
@@ -142,7 +146,7 @@ def stamp(command: str | None = None) -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command or _command_line(),
-        "git_commit": commit or os.environ.get("GIT_COMMIT", ""),
+        "git_commit": commit,
     }
 
 
