@@ -6,9 +6,13 @@ offload shape (B=3 x 8 KV heads, 96K context: 1544 blocks of 64, kb 128 ->
 Each figure is the median over repeats of a jitted ``fori_loop`` of ``--inner``
 calls divided by ``--inner`` (a single ~us kernel is below dispatch time), so
 it includes the loop's per-iteration elementwise ``+ 0`` on every input
-(which keeps XLA from hoisting loop-invariant work) and the copy of the
-in-place ``block_slot``: the same for every implementation. The kernel's outputs are checked equal to
-the reference's first. ``python -m benchmarks.slot_pool``.
+(which keeps XLA from hoisting loop-invariant work). The kernel's figures
+also include a copy of ``block_slot`` per iteration (the kernel updates it in
+place, and the loop reuses the input), which the reference does not need;
+and inside the loop XLA fuses the reference into a few kernels, so its
+figure is not what it costs inside a layer's jit (there, the profile of
+``benchmarks/offload_profile.py`` is the measure). The kernel's outputs are
+checked equal to the reference's first. ``python -m benchmarks.slot_pool``.
 """
 
 from __future__ import annotations

@@ -222,4 +222,3 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
     return _run_into(
         src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items
     )
-
