@@ -48,6 +48,9 @@ from sparse_jax.offload import step as off
 from sparse_jax.offload.tiers import HostLayer, OffloadLayer, pinned_host_sharding
 
 MODES = ("resident", "offload")
+# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py:
+# 8 programs left the MLP's GEMMs the most SMs of 8/16/32/64 and still moved ~36-44 GB/s)
+DEFAULT_GATHER_PROGRAMS = 8
 
 
 @dataclasses.dataclass
@@ -101,9 +104,19 @@ class LayeredRunner:
       churn: benchmarks on random weights only (0 = the real method): the
         fraction of the block set renewed per step, see
         :func:`sparse_jax.offload.step.decode_layer`.
+      concurrent: compile the per-layer decode steps with XLA's concurrent
+        CUDA-graph schedule (``xla_gpu_command_buffer_scheduling_mode=
+        CONCURRENT``: kernels with no data dependence may run at once), so an
+        offloaded layer's host copy runs beside its output projection and MLP.
+        Default: on for ``mode="offload"``, off for ``"resident"``. GPU only
+        (ignored elsewhere).
+      gather_programs: grid of the offloaded layers' copy kernel (see
+        :func:`sparse_jax.offload.step.decode_layer`); default 8 when
+        ``concurrent``, else one program per block.
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
+                 concurrent: bool | None = None, gather_programs: int | None = None,
                  device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -118,6 +131,12 @@ class LayeredRunner:
         self.method = method
         self.pool_slots = pool_slots
         self.churn = float(churn)  # benchmarks only: see sparse_jax.offload.step.decode_layer
+        self.concurrent = (mode == "offload") if concurrent is None else bool(concurrent)
+        if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int)
+                                            or gather_programs < 1):
+            raise ValueError(f"gather_programs must be a positive int or None, got {gather_programs!r}")
+        self.gather_programs = (DEFAULT_GATHER_PROGRAMS if self.concurrent else None) if gather_programs is None \
+            else gather_programs
         self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
@@ -141,9 +160,10 @@ class LayeredRunner:
         self._head = _head_fn(self.cfg.rms_eps, self.lm_head is None)
         self._embed = _embed_fn()
         g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
+        conc = self.concurrent and jax.default_backend() == "gpu"
         self._decode_fns = [
-            _offload_decode_fn(g, t, cfg, self.off_method, self.churn) if self.offloaded[i]
-            else _resident_decode_fn(g, t, cfg, self.layer_methods[i]) for i in range(self.num_layers)]
+            _offload_decode_fn(g, t, cfg, self.off_method, self.churn, self.gather_programs, conc) if self.offloaded[i]
+            else _resident_decode_fn(g, t, cfg, self.layer_methods[i], conc) for i in range(self.num_layers)]
 
     # -- helpers -----------------------------------------------------------------
     def _pool(self, max_len: int) -> int:
@@ -363,9 +383,15 @@ def _finish_layer(method, offloaded: bool, pool: int):
     return offloaded_ if offloaded else resident
 
 
+def _compiler_options(concurrent: bool):
+    # CONCURRENT: XLA's CUDA graph keeps only the data dependences between
+    # kernels (its default, LHS, serialises them as scheduled)
+    return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} if concurrent else None
+
+
 @functools.lru_cache(maxsize=64)
-def _resident_decode_fn(layer_graph, treedef, cfg, method):
-    @functools.partial(jax.jit, donate_argnums=(2,))
+def _resident_decode_fn(layer_graph, treedef, cfg, method, concurrent=False):
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=_compiler_options(concurrent))
     def run(params, x, lc, pos):
         cos, sin = tfm.rope_for(cfg, pos)
         return tfm.decode_layer(_merge(layer_graph, treedef, params), method, x, lc, pos, cos, sin)
@@ -374,12 +400,12 @@ def _resident_decode_fn(layer_graph, treedef, cfg, method):
 
 
 @functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, treedef, cfg, method, churn):
-    @functools.partial(jax.jit, donate_argnums=(2,))
+def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_programs=None, concurrent=False):
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=_compiler_options(concurrent))
     def run(params, x, layer_tier, host, pos, channels):
         layer = _merge(layer_graph, treedef, params)
         q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))
-        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn)
+        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn, gather_programs)
         return tfm.layer_output(layer, x, o), layer_tier
 
     return run

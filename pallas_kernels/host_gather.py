@@ -241,6 +241,41 @@ def _gather_into_kernel(
         plgpu.store(dst_v_ref.at[(s, *lead, col)], v, mask=mask)
 
 
+def _gather_into_strided_kernel(
+    ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
+    *, nb: int, ns: int, m: int, seg: int, plan: GatherPlan, programs: int, unroll: int,
+):
+    # Program (p, t) copies tile t of entries p, p + programs, ...: a fixed,
+    # small grid, so that the copy holds few SMs while it waits on PCIe and
+    # kernels running beside it (another stream of a concurrent CUDA graph)
+    # keep the rest. `unroll` entries are loaded before any is stored, to keep
+    # 2 * unroll tiles of PCIe reads in flight per program.
+    p, t = pl.program_id(0), pl.program_id(1)
+    lead, col, mask = _tile_index(t, plan)
+    n_iter = -(-m // (programs * unroll))
+    tile_shape = (plan.th if plan.outer else 1, plan.tw)
+
+    def body(it, carry):
+        tiles = []
+        for u in range(unroll):
+            e = (it * unroll + u) * programs + p
+            ec = jnp.minimum(e, m - 1)
+            live = (e < m) & (ec % seg < count_ref[ec // seg])
+            # a dead entry's lanes are masked off; its (clamped) ids stay in bounds
+            b = jnp.clip(ids_ref[ec], 0, nb - 1)
+            s = jnp.where(live, jnp.clip(slots_ref[ec], 0, ns - 1), ns)  # ns: out of bounds (interpret)
+            lane = jnp.broadcast_to(live if mask is None else (mask & live), tile_shape)
+            k = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=lane)
+            v = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=lane)
+            tiles.append((s, lane, k, v))
+        for s, lane, k, v in tiles:
+            plgpu.store(dst_k_ref.at[(s, *lead, col)], k, mask=lane)
+            plgpu.store(dst_v_ref.at[(s, *lead, col)], v, mask=lane)
+        return carry
+
+    jax.lax.fori_loop(0, n_iter, body, 0)
+
+
 def host_gather_into_pallas(
     src_k,
     src_v,
@@ -253,6 +288,8 @@ def host_gather_into_pallas(
     tile_bytes: int = DEFAULT_TILE_BYTES,
     num_warps: int = 4,
     num_stages: int = 1,
+    programs: int | None = None,
+    unroll: int = 2,
     interpret: bool = False,
 ):
     """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), live ``i``.
@@ -263,7 +300,11 @@ def host_gather_into_pallas(
     int32[G]`` (``G`` divides ``M``; entry ``i`` is live when ``i % (M/G) <
     count[i // (M/G)]``). Grid ``(M, tiles per block)``; programs of entries
     that are not live return before any load or store. Ids are clamped to ``[0, NB)``, slots to
-    ``[0, NS)``. Returns ``(dst_k, dst_v)``. Tuning as ``host_gather_pallas``.
+    ``[0, NS)``. Returns ``(dst_k, dst_v)``. Tuning as ``host_gather_pallas``,
+    plus ``programs``: None (default) = one program per entry and tile, as
+    above; an int = a fixed grid ``(programs, tiles per block)`` whose
+    programs stride over the entries, ``unroll`` entries per iteration (few
+    SMs busy: for running beside other kernels).
     """
     squeeze = src_k.ndim == 1
     if squeeze:  # scalar blocks: give the kernel a last dim (tiny arrays only)
@@ -272,10 +313,21 @@ def host_gather_into_pallas(
     nb, *block_shape = src_k.shape
     ns, m = dst_k.shape[0], block_ids.shape[0]
     plan = plan_host_gather(tuple(block_shape), src_k.dtype.itemsize, tile_bytes=tile_bytes, num_warps=num_warps)
+    seg = m // count.shape[0]
+    if programs is None:
+        kernel = functools.partial(_gather_into_kernel, nb=nb, ns=ns, seg=seg, plan=plan)
+        grid = (m, plan.n_row_tiles * plan.n_col_tiles)
+    else:
+        if programs < 1 or unroll < 1:
+            raise ValueError(f"programs and unroll must be >= 1, got {programs}, {unroll}")
+        programs = min(programs, m)
+        kernel = functools.partial(_gather_into_strided_kernel, nb=nb, ns=ns, m=m, seg=seg, plan=plan,
+                                   programs=programs, unroll=unroll)
+        grid = (programs, plan.n_row_tiles * plan.n_col_tiles)
     out_k, out_v = pl.pallas_call(
-        functools.partial(_gather_into_kernel, nb=nb, ns=ns, seg=m // count.shape[0], plan=plan),
+        kernel,
         out_shape=(jax.ShapeDtypeStruct(dst_k.shape, dst_k.dtype), jax.ShapeDtypeStruct(dst_v.shape, dst_v.dtype)),
-        grid=(m, plan.n_row_tiles * plan.n_col_tiles),
+        grid=grid,
         input_output_aliases={5: 0, 6: 1},
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -135,6 +135,30 @@ def test_segment_counts(impl):
     check(out, (ek, ev), jnp.float32)
 
 
+@pytest.mark.parametrize("programs,unroll,tile_bytes", [(1, 1, 64), (3, 2, 64), (5, 3, 1024), (64, 2, 96)])
+def test_strided_programs_match_oracle(programs, unroll, tile_bytes):
+    """``programs``: a fixed grid striding over the entries, ``unroll`` in
+    flight; per-segment counts, wild ids and slots on dead entries, and
+    programs > M (clipped) or M not a multiple of programs * unroll."""
+    g, seg, ns = 3, 5, 16
+    sk, sv = rand((10, 3, 20), jnp.float32), rand((10, 3, 20), jnp.float32)
+    dk, dv = rand((ns, 3, 20), jnp.float32), rand((ns, 3, 20), jnp.float32)
+    counts = np.array([2, 0, 5], np.int32)
+    ids = RNG.integers(-2, 12, size=g * seg).astype(np.int32)
+    slots = RNG.permutation(ns)[: g * seg].astype(np.int32)
+    # dead entries (all of segment 1, entries 2-4 of segment 0) name wild slots or live entries' slots
+    slots[[3, 5, 7, 9]] = [slots[0], -40, 99, slots[10]]
+    ek, ev = np.array(dk), np.array(dv)
+    for i in range(g * seg):
+        if i % seg < counts[i // seg]:
+            b, s = np.clip(ids[i], 0, 9), np.clip(slots[i], 0, ns - 1)
+            ek[s], ev[s] = sk[b], sv[b]
+    out = host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
+                           jnp.asarray(slots), jnp.asarray(counts), impl="pallas", programs=programs, unroll=unroll,
+                           tile_bytes=tile_bytes)
+    check(out, (ek, ev), jnp.float32)
+
+
 def test_duplicate_slots_get_one_writer():
     sk, sv = rand((5, 2, 16), jnp.float32), rand((5, 2, 16), jnp.float32)
     dk, dv = rand((3, 2, 16), jnp.float32), rand((3, 2, 16), jnp.float32)
@@ -239,6 +263,9 @@ def _args(**over):
         ({}, {"tile": 4}, TypeError, r"unknown tuning keyword\(s\) \['tile'\]; allowed"),
         ({}, {"tile_bytes": 0}, ValueError, r"tile_bytes must be a positive int"),
         ({}, {"num_warps": 3}, ValueError, r"num_warps must be a power of two in \[1, 32\]"),
+        ({}, {"programs": 0}, ValueError, r"programs must be a positive int or None, got 0"),
+        ({}, {"programs": 2.0}, ValueError, r"programs must be a positive int or None"),
+        ({}, {"unroll": 0}, ValueError, r"unroll must be a positive int, got 0"),
         (dict(src_k=np.ones((2, 1 << 20), F), src_v=np.ones((2, 1 << 20), F), dst_k=np.ones((1, 1 << 20), F),
               dst_v=np.ones((1, 1 << 20), F)), {"impl": "pallas", "tile_bytes": 4}, ValueError, r"raise tile_bytes"),
     ],

@@ -107,7 +107,7 @@ def layer_from_prefill(method: AsyncTLS, k, v, lengths, q_last, channels, pool_s
 
 
 def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, host: HostLayer, channels,
-                 churn: float = 0.0):
+                 churn: float = 0.0, gather_programs: int | None = None):
     """One decode step of an offloaded sparse layer.
 
     ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
@@ -119,6 +119,13 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     block set renewed per step: the filter still runs (its cost is paid), but
     the next set is the last one with ``round(churn * (kb-1))`` blocks
     replaced, which emulates a hit rate measured on real text.
+
+    ``gather_programs``: the copy kernel's grid (``host_gather_into``'s
+    ``programs``). Nothing after the copy in this layer reads the pool, so in
+    a CUDA graph whose independent kernels run concurrently (XLA's
+    ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) the copy runs
+    beside the caller's output projection and MLP; a small grid (8) leaves
+    those kernels most SMs. None: one program per block and tile.
     """
     bs = method.block_size
     b, hkv, d = k_new.shape
@@ -159,8 +166,9 @@ def decode_layer(method: AsyncTLS, q, k_new, v_new, pos, layer: OffloadLayer, ho
     if nxt.shape[-1]:
         # src rows index the host tier [B*Hkv*NB, bs, D], dst rows the pool seen
         # as [B*Hkv*(P+2), bs, D]; the first copies[r] entries of row r are live
+        tuning = {} if gather_programs is None else {"programs": gather_programs}
         pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
-                                  src.reshape(-1), dst.reshape(-1), copies, impl=method.impl)
+                                  src.reshape(-1), dst.reshape(-1), copies, impl=method.impl, **tuning)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
 
     state = TwoLevelState(st.boxes, st.labels, nxt)

@@ -41,6 +41,7 @@ from sparse_jax.ops._dispatch import resolve_impl
 __all__ = ["host_gather", "host_gather_into", "TUNING_KEYS"]
 
 TUNING_KEYS = frozenset({"tile_bytes", "num_warps", "num_stages"})
+INTO_TUNING_KEYS = TUNING_KEYS | {"programs", "unroll"}
 
 
 def _check_arrays(**named):
@@ -65,10 +66,14 @@ def _check_args(src, block_ids, tuning):
     _check_tuning(tuning)
 
 
-def _check_tuning(tuning):
-    unknown = set(tuning) - TUNING_KEYS
+def _check_tuning(tuning, keys=TUNING_KEYS):
+    unknown = set(tuning) - keys
     if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
+        raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(keys)}")
+    for name in ("programs", "unroll"):
+        val = tuning.get(name)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be a positive int{' or None' if name == 'programs' else ''}, got {val!r}")
     tb = tuning.get("tile_bytes", _hg.DEFAULT_TILE_BYTES)
     if isinstance(tb, bool) or not isinstance(tb, int) or tb < 1:
         raise ValueError(f"tile_bytes must be a positive int, got {tb!r}")
@@ -156,7 +161,7 @@ def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning
             raise ValueError(
                 f"count must have shape [] or [G] with G dividing the {m} listed blocks (G equal segments), "
                 f"got shape {tuple(count.shape)}")
-    _check_tuning(tuning)
+    _check_tuning(tuning, INTO_TUNING_KEYS)
 
 
 @functools.partial(jax.jit, static_argnames=("choice", "interpret", "tuning"))
@@ -199,7 +204,11 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         equal segments (one per row of a block table, say), and the first
         ``count[g]`` entries of segment ``g`` are live.
       impl: "auto" | "pallas" | "reference".
-      **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``.
+      **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``; ``programs``
+        (None: one program per entry and tile; an int: that many programs
+        stride over the entries, so the copy holds few SMs and kernels that
+        run beside it in a concurrent CUDA graph keep the rest) and
+        ``unroll`` (entries in flight per strided program, default 2).
 
     Returns:
       ``(dst_k, dst_v)`` updated. The kernel writes through
