@@ -76,15 +76,16 @@ def variants():
 
     out = {"serial": serial, "copy_stream": copy_stream, "mlp_stream": mlp_stream,
            "mlp_only": mlp_only, "copy_only": copy_only}
-    for n in (8, 16, 32, 64):
-        def serial_n(x, wg, wu, wd, hk, hv, pk, pv, ids, slots, count, n=n):
-            pk, pv = _gather(hk, hv, pk, pv, ids, slots, count, programs=n)
+    for n, u in ((4, 2), (8, 2), (8, 4), (16, 2), (32, 2), (64, 2)):
+        def serial_n(x, wg, wu, wd, hk, hv, pk, pv, ids, slots, count, n=n, u=u):
+            pk, pv = _gather(hk, hv, pk, pv, ids, slots, count, programs=n, unroll=u)
             return _mlp(x, wg, wu, wd), pk, pv
 
-        def copy_only_n(x, wg, wu, wd, hk, hv, pk, pv, ids, slots, count, n=n):
-            pk, pv = _gather(hk, hv, pk, pv, ids, slots, count, programs=n)
+        def copy_only_n(x, wg, wu, wd, hk, hv, pk, pv, ids, slots, count, n=n, u=u):
+            pk, pv = _gather(hk, hv, pk, pv, ids, slots, count, programs=n, unroll=u)
             return x, pk, pv
-        out[f"serial_p{n}"], out[f"copy_only_p{n}"] = serial_n, copy_only_n
+        tag = f"p{n}" + ("" if u == 2 else f"u{u}")
+        out[f"serial_{tag}"], out[f"copy_only_{tag}"] = serial_n, copy_only_n
     return out
 
 
@@ -169,6 +170,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=11)
     p.add_argument("--copies-per-row", type=int, default=2, help="blocks copied per (row, KV head)")
+    p.add_argument("--n1", type=int, default=127, help="entries per (row, KV head) segment of the copy list")
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flags", default="default", help=f"comma list of {', '.join(FLAG_SETS)}")
@@ -180,21 +182,28 @@ def main(argv=None):
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
     b = a.batch
-    m = b * 8 * a.copies_per_row
+    # the offloaded layer's copy list: one segment of n1 entries per (row, KV head),
+    # the first `copies_per_row` live (the misses), the rest junk
+    rows_, n1 = b * 8, a.n1
+    m = rows_ * a.copies_per_row
     nb, ns = 16384, 8192
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     hk_np = rng.standard_normal((nb, BS, D), np.float32).astype(jnp.bfloat16)
     hk = jax.device_put(hk_np, pinned)
     hv = jax.device_put(rng.standard_normal((nb, BS, D), np.float32).astype(jnp.bfloat16), pinned)
-    ids = jnp.asarray(rng.choice(nb, m, replace=False).astype(np.int32))
-    slots = jnp.asarray(rng.choice(ns, m, replace=False).astype(np.int32))
-    count = jnp.asarray([m], jnp.int32)
+    ids_np = rng.integers(0, nb, (rows_, n1)).astype(np.int32)
+    slots_np = rng.integers(0, ns, (rows_, n1)).astype(np.int32)
+    live_ids = rng.choice(nb, m, replace=False).astype(np.int32).reshape(rows_, -1)
+    live_slots = rng.choice(ns, m, replace=False).astype(np.int32).reshape(rows_, -1)
+    ids_np[:, :a.copies_per_row], slots_np[:, :a.copies_per_row] = live_ids, live_slots
+    ids, slots = jnp.asarray(ids_np.reshape(-1)), jnp.asarray(slots_np.reshape(-1))
+    count = jnp.full((rows_,), a.copies_per_row, jnp.int32)
     x = jnp.asarray(rng.standard_normal((b, HID), np.float32), jnp.bfloat16)
     w = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, jnp.bfloat16)
          for s in ((HID, FF), (HID, FF), (FF, HID))]
     copy_bytes = 2 * m * BS * D * 2
     mlp_bytes = sum(int(t.size) * 2 for t in w)
-    print(f"B={b}: copy {m} blocks x2 = {copy_bytes / 2**20:.1f} MiB; MLP weights {mlp_bytes / 2**20:.0f} MiB")
+    print(f"B={b}: {rows_} segments of {n1}; copy {m} blocks x2 = {copy_bytes / 2**20:.1f} MiB; MLP weights {mlp_bytes / 2**20:.0f} MiB")
 
     rows = []
     ref = None
@@ -224,7 +233,7 @@ def main(argv=None):
             print("   " + " | ".join(sched))
             # correctness: the copied slots hold the host blocks
             y, pk2, pv2 = comp(*args)
-            ok = bool(np.array_equal(np.asarray(pk2[slots]), hk_np[np.asarray(ids)])) if vname != "mlp_only" else True
+            ok = bool(np.array_equal(np.asarray(pk2[live_slots.reshape(-1)]), hk_np[live_ids.reshape(-1)])) if vname != "mlp_only" else True
             if not vname.startswith("copy_only"):
                 ref = y if ref is None else ref
                 ok &= bool(jnp.allclose(y.astype(jnp.float32), ref.astype(jnp.float32), atol=1e-2, rtol=1e-2))

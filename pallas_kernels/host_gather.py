@@ -243,37 +243,48 @@ def _gather_into_kernel(
 
 def _gather_into_strided_kernel(
     ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
-    *, nb: int, ns: int, m: int, seg: int, plan: GatherPlan, programs: int, unroll: int,
+    *, nb: int, ns: int, g: int, seg: int, plan: GatherPlan, sub: int, groups: int, unroll: int,
 ):
-    # Program (p, t) copies tile t of entries p, p + programs, ...: a fixed,
-    # small grid, so that the copy holds few SMs while it waits on PCIe and
-    # kernels running beside it (another stream of a concurrent CUDA graph)
-    # keep the rest. `unroll` entries are loaded before any is stored, to keep
-    # 2 * unroll tiles of PCIe reads in flight per program.
+    # A fixed, small grid, so that the copy holds few SMs while it waits on
+    # PCIe and kernels running beside it (another stream of a concurrent CUDA
+    # graph) keep the rest. Programs visit only live entries: a static list
+    # sized for the worst case (M = rows x n1, most entries dead) would
+    # otherwise cost one dependent scalar load per entry and program.
+    # Program (p, t): segments q, q + groups, ... (q = p // sub); in each, the
+    # live entries r, r + sub, ... (r = p % sub), `unroll` of them loaded
+    # before any is stored (2 * unroll tiles of PCIe reads in flight).
     p, t = pl.program_id(0), pl.program_id(1)
+    q, r = p // sub, p % sub
     lead, col, mask = _tile_index(t, plan)
-    n_iter = -(-m // (programs * unroll))
     tile_shape = (plan.th if plan.outer else 1, plan.tw)
+    step = sub * unroll
 
-    def body(it, carry):
-        tiles = []
-        for u in range(unroll):
-            e = (it * unroll + u) * programs + p
-            ec = jnp.minimum(e, m - 1)
-            live = (e < m) & (ec % seg < count_ref[ec // seg])
-            # a dead entry's lanes are masked off; its (clamped) ids stay in bounds
-            b = jnp.clip(ids_ref[ec], 0, nb - 1)
-            s = jnp.where(live, jnp.clip(slots_ref[ec], 0, ns - 1), ns)  # ns: out of bounds (interpret)
-            lane = jnp.broadcast_to(live if mask is None else (mask & live), tile_shape)
-            k = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=lane)
-            v = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=lane)
-            tiles.append((s, lane, k, v))
-        for s, lane, k, v in tiles:
-            plgpu.store(dst_k_ref.at[(s, *lead, col)], k, mask=lane)
-            plgpu.store(dst_v_ref.at[(s, *lead, col)], v, mask=lane)
-        return carry
+    def segment(i, carry):
+        gi = jnp.minimum(q + i * groups, g - 1)
+        c = jnp.where(q + i * groups < g, jnp.clip(count_ref[gi], 0, seg), 0)
 
-    jax.lax.fori_loop(0, n_iter, body, 0)
+        def entries(k, carry):
+            tiles = []
+            for u in range(unroll):
+                j = r + (k * unroll + u) * sub
+                live = j < c
+                e = gi * seg + jnp.minimum(j, seg - 1)
+                # a dead entry's lanes are masked off; its ids stay in bounds
+                b = jnp.clip(ids_ref[e], 0, nb - 1)
+                s = jnp.where(live, jnp.clip(slots_ref[e], 0, ns - 1), ns)  # ns: out of bounds (interpret)
+                lane = jnp.broadcast_to(live if mask is None else (mask & live), tile_shape)
+                kt = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=lane)
+                vt = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=lane)
+                tiles.append((s, lane, kt, vt))
+            for s, lane, kt, vt in tiles:
+                plgpu.store(dst_k_ref.at[(s, *lead, col)], kt, mask=lane)
+                plgpu.store(dst_v_ref.at[(s, *lead, col)], vt, mask=lane)
+            return carry
+
+        n_k = jnp.maximum(c - r + step - 1, 0) // step
+        return jax.lax.fori_loop(0, n_k, entries, carry)
+
+    jax.lax.fori_loop(0, -(-g // groups), segment, 0)
 
 
 def host_gather_into_pallas(
@@ -302,9 +313,9 @@ def host_gather_into_pallas(
     that are not live return before any load or store. Ids are clamped to ``[0, NB)``, slots to
     ``[0, NS)``. Returns ``(dst_k, dst_v)``. Tuning as ``host_gather_pallas``,
     plus ``programs``: None (default) = one program per entry and tile, as
-    above; an int = a fixed grid ``(programs, tiles per block)`` whose
-    programs stride over the entries, ``unroll`` entries per iteration (few
-    SMs busy: for running beside other kernels).
+    above; an int = a fixed grid of about ``programs x tiles per block``
+    programs that stride over the segments and visit only their live entries,
+    ``unroll`` at a time (few SMs busy: for running beside other kernels).
     """
     squeeze = src_k.ndim == 1
     if squeeze:  # scalar blocks: give the kernel a last dim (tiny arrays only)
@@ -320,10 +331,13 @@ def host_gather_into_pallas(
     else:
         if programs < 1 or unroll < 1:
             raise ValueError(f"programs and unroll must be >= 1, got {programs}, {unroll}")
-        programs = min(programs, m)
-        kernel = functools.partial(_gather_into_strided_kernel, nb=nb, ns=ns, m=m, seg=seg, plan=plan,
-                                   programs=programs, unroll=unroll)
-        grid = (programs, plan.n_row_tiles * plan.n_col_tiles)
+        g = count.shape[0]
+        # programs per segment (several when there are fewer segments than programs)
+        sub = max(1, min(programs // g, seg))
+        groups = min(g, max(1, programs // sub))
+        kernel = functools.partial(_gather_into_strided_kernel, nb=nb, ns=ns, g=g, seg=seg, plan=plan,
+                                   sub=sub, groups=groups, unroll=unroll)
+        grid = (groups * sub, plan.n_row_tiles * plan.n_col_tiles)
     out_k, out_v = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(dst_k.shape, dst_k.dtype), jax.ShapeDtypeStruct(dst_v.shape, dst_v.dtype)),

@@ -135,22 +135,25 @@ def test_segment_counts(impl):
     check(out, (ek, ev), jnp.float32)
 
 
-@pytest.mark.parametrize("programs,unroll,tile_bytes", [(1, 1, 64), (3, 2, 64), (5, 3, 1024), (64, 2, 96)])
-def test_strided_programs_match_oracle(programs, unroll, tile_bytes):
-    """``programs``: a fixed grid striding over the entries, ``unroll`` in
-    flight; per-segment counts, wild ids and slots on dead entries, and
-    programs > M (clipped) or M not a multiple of programs * unroll."""
-    g, seg, ns = 3, 5, 16
+@pytest.mark.parametrize("programs,unroll,tile_bytes,extra_segments",
+                         [(1, 1, 64, 0), (3, 2, 64, 0), (5, 3, 1024, 0), (64, 2, 96, 0), (2, 2, 64, 4)])
+def test_strided_programs_match_oracle(programs, unroll, tile_bytes, extra_segments):
+    """``programs``: a fixed grid over the segments' live entries, ``unroll``
+    in flight; per-segment counts (0, partial, full, above the segment),
+    wild ids and slots on dead entries; fewer programs than segments, and
+    more (several programs per segment)."""
+    g, seg = 3 + extra_segments, 5
+    ns = g * seg + 1
     sk, sv = rand((10, 3, 20), jnp.float32), rand((10, 3, 20), jnp.float32)
     dk, dv = rand((ns, 3, 20), jnp.float32), rand((ns, 3, 20), jnp.float32)
-    counts = np.array([2, 0, 5], np.int32)
+    counts = np.array([2, 0, 5, 9, 1, 3, 0][:g], np.int32)
     ids = RNG.integers(-2, 12, size=g * seg).astype(np.int32)
     slots = RNG.permutation(ns)[: g * seg].astype(np.int32)
     # dead entries (all of segment 1, entries 2-4 of segment 0) name wild slots or live entries' slots
     slots[[3, 5, 7, 9]] = [slots[0], -40, 99, slots[10]]
     ek, ev = np.array(dk), np.array(dv)
     for i in range(g * seg):
-        if i % seg < counts[i // seg]:
+        if i % seg < counts[i // seg]:  # a count above the segment acts as the segment
             b, s = np.clip(ids[i], 0, 9), np.clip(slots[i], 0, ns - 1)
             ek[s], ev[s] = sk[b], sv[b]
     out = host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
