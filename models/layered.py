@@ -48,8 +48,9 @@ from sparse_jax.offload import step as off
 from sparse_jax.offload.tiers import HostLayer, OffloadLayer, pinned_host_sharding
 
 MODES = ("resident", "offload")
-# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py:
-# 8 programs left the MLP's GEMMs the most SMs of 8/16/32/64 and still moved ~36-44 GB/s)
+# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py,
+# H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
+# alone still move ~45 GB/s)
 DEFAULT_GATHER_PROGRAMS = 8
 
 

@@ -300,7 +300,7 @@ def host_gather_into_pallas(
     num_warps: int = 4,
     num_stages: int = 1,
     programs: int | None = None,
-    unroll: int = 2,
+    unroll: int = 4,
     interpret: bool = False,
 ):
     """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), live ``i``.

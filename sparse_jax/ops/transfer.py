@@ -208,7 +208,7 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         (None: one program per entry and tile; an int: that many programs
         stride over the entries, so the copy holds few SMs and kernels that
         run beside it in a concurrent CUDA graph keep the rest) and
-        ``unroll`` (entries in flight per strided program, default 2).
+        ``unroll`` (entries in flight per strided program, default 4).
 
     Returns:
       ``(dst_k, dst_v)`` updated. The kernel writes through
