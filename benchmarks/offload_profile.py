@@ -23,7 +23,8 @@ def main(argv=None):
     p.add_argument("--churn", type=float, default=0.012)
     p.add_argument("--pool-factor", type=int, default=2)
     p.add_argument("--modes", default="dense,resident,offload",
-                   help="comma list of dense, resident, offload")
+                   help="comma list of dense, resident, offload; a suffix _conc / _serial picks the CUDA-graph "
+                   "schedule (default: LayeredRunner's, concurrent for offload)")
     p.add_argument("--hlo", action="store_true", help="print the async/copy ops of an offloaded layer's compiled HLO")
     p.add_argument("--fusion", default="", help="with --hlo: also print the fused computations of fusions "
                    "whose name contains this")
@@ -42,8 +43,9 @@ def main(argv=None):
         mdl = model.with_method("dense") if mode == "dense" else model
         offload = mode.startswith("offload")
         pool = (m.kb - 1) * a.pool_factor if offload else None
+        conc = True if mode.endswith("_conc") else False if mode.endswith("_serial") else None
         runner = LayeredRunner(mdl, "offload" if offload else "resident", pool_slots=pool,
-                               churn=a.churn if offload else 0.0)
+                               churn=a.churn if offload else 0.0, concurrent=conc)
         max_len = a.context + 512
         st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
                                   np.full((a.batch,), a.context, np.int32), max_len)
@@ -81,7 +83,8 @@ def main(argv=None):
         rep = trace_overlap.overlap_report(ev, top=a.top)
         print(f"== {mode}: {a.layers} layers, B={a.batch}, ctx={a.context}: wall {1e3 * wall:.2f} ms/step; "
               f"GPU compute busy {rep['compute_busy_us'] / 2e3:.2f} ms/step, transfer {rep['transfer_busy_us'] / 2e3:.2f} "
-              f"({100 * rep['hidden_fraction']:.0f}% hidden), idle {rep['gpu_idle_us'] / 2e3:.2f}")
+              f"({100 * rep['hidden_fraction']:.0f}% hidden), busy {rep['gpu_busy_us'] / 2e3:.2f}, "
+              f"idle {rep['gpu_idle_us'] / 2e3:.2f}")
         for cls in ("compute", "transfer"):
             for row in rep["top_names"].get(cls, [])[:a.top]:
                 print(f"  {cls[:4]} {row['total_us'] / 2e3:8.3f} ms/step x{row['count'] // 2:4d}  {row['name'][:110]}")
