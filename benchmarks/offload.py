@@ -48,6 +48,7 @@ import numpy as np
 
 from benchmarks.timing import markdown_table, stamp, write_results
 
+ROUNDS = 3  # back-to-back timing rounds per configuration (the median is reported)
 GiB = 1 << 30
 
 
@@ -122,14 +123,14 @@ def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None):
+               host_limit="auto", concurrent=None, rounds=ROUNDS):
     """Fill a batch, decode ``warmup + steps`` tokens, return the measurements.
     ``concurrent``: LayeredRunner's schedule (None: its default for ``mode``)."""
     from models.layered import LayeredRunner
 
     runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn, host_limit=host_limit,
                            concurrent=concurrent)
-    max_len = cache_capacity(context, warmup + 2 * steps)  # state_from_kv checks the capacity first
+    max_len = cache_capacity(context, warmup + (1 + rounds) * steps)  # state_from_kv checks the capacity first
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
     state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 0),
@@ -149,17 +150,22 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
-    # back-to-back (dispatch overlapped with the device): the throughput number
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        logits = runner.decode_step(tok, state)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    jax.block_until_ready(tok)
-    tpot = (time.perf_counter() - t1) / steps
+    # back-to-back (dispatch overlapped with the device): the throughput number, the median
+    # of `rounds` rounds (single rounds of a few steps varied by up to 20% between runs)
+    rounds_s = []
+    for _ in range(rounds):
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            logits = runner.decode_step(tok, state)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        rounds_s.append((time.perf_counter() - t1) / steps)
+    tpot = statistics.median(rounds_s)
     fp = runner.footprint(batch, max_len)
     out = {"mode": mode, "concurrent": runner.concurrent, "context": context, "batch": batch, "churn": churn,
            "fill_s": fill_s,
            "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
+           "tpot_rounds_ms": [round(1e3 * r, 3) for r in rounds_s],
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
            "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
            "pool_slots": runner._pool(max_len) if mode == "offload" else None}
@@ -168,7 +174,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     if mode == "offload":
         runner.finish(state)
         ts = runner.transfer_stats(state)
-        n = warmup + 2 * steps
+        n = warmup + (1 + rounds) * steps
         miss = np.asarray(ts["misses_per_step"][-steps:], float)
         hits = np.asarray(ts["hits_per_step"][-steps:], float)
         out.update(hit_rate=float(hits.sum() / max(hits.sum() + miss.sum(), 1)),
@@ -447,7 +453,7 @@ def main(argv=None) -> int:
     payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
     modes = a.modes.split(",")
     for ctx in contexts:
-        max_len = cache_capacity(ctx, a.warmup + 2 * a.steps)
+        max_len = cache_capacity(ctx, a.warmup + (1 + ROUNDS) * a.steps)
         found = {}
         for mode in modes:
             mdl, rmode = (dense, "resident") if mode == "dense" else (model, "resident" if mode == "sparse" else "offload")
@@ -500,7 +506,7 @@ def main(argv=None) -> int:
         trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None
         d = next((r["tokens_per_s"] for r in payload["throughput"] if r["label"] == "dense" and r["context"] == ctx
                   and r.get("tokens_per_s")), None)
-        n1 = method.filter_blocks(cache_capacity(ctx, a.warmup + 2 * a.steps))
+        n1 = method.filter_blocks(cache_capacity(ctx, a.warmup + (1 + ROUNDS) * a.steps))
         for label, churn, pool in (("offload (smallest pool, churn 0.10)", 0.10, n1),
                                    ("offload (random weights' own locality)", 0.0, None)):
             raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,
