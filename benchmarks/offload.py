@@ -352,11 +352,32 @@ def plot(payload, path):
     plt.close(fig)
 
 
+def merge(paths, name: str, out_dir=None):
+    """One results file from several runs of this benchmark (each context in its own
+    device call, for the 10-minute limit): rows concatenated, the other sections
+    taken from the first run that has them, every run's stamp kept."""
+    import json
+
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    out = {"stamp": parts[0]["stamp"], "parts": [p["stamp"] for p in parts], "budget": parts[0]["budget"],
+           "kb": parts[0]["kb"], "throughput": [], "equal_batch": []}
+    for p in parts:
+        out["throughput"] += p.get("throughput", [])
+        out["equal_batch"] += p.get("equal_batch", [])
+        for k in ("trace", "device_put", "prefill", "smollm2", "limits_gib"):
+            if p.get(k) and k not in out:
+                out[k] = p[k]
+    path = write_results(name, out, render(out), out_dir)
+    plot(out, Path(path) / f"{name}.png")
+    return out
+
+
 def render(payload) -> str:
     st = payload["stamp"]
+    runs = payload.get("parts") or [st]
     lines = ["# Offloaded decoding (Qwen3-8B shape, random weights)", "",
              f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('git_commit') or 'unknown'}",
-             f"- date: {st.get('date')}", f"- command: `{st.get('command')}`",
+             f"- date: {st.get('date')}"] + [f"- command: `{r.get('command')}` ({r.get('date')})" for r in runs] + [
              f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
              f"set renewed per step (0 = the random weights' own behaviour)", ""]
     cols = ["label", "context", "batch", "planner_batch", "concurrent", "churn", "pool_slots", "tpot_ms", "tokens_per_s", "x_dense",
@@ -408,12 +429,18 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="offload_qwen3_8b")
+    p.add_argument("--merge", default="", help="comma list of this benchmark's JSON results: write them as one "
+                   "results file named --name (no device work)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    if a.merge:
+        out = merge(a.merge.split(","), a.name, Path(a.out) if a.out else None)
+        print(render(out))
+        return 0
     import models
     from sparse_jax.offload import capacity
 
