@@ -152,12 +152,15 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         times.append(time.perf_counter() - t1)
     # back-to-back (dispatch overlapped with the device): the throughput number, the median
     # of `rounds` rounds (single rounds of a few steps varied by up to 20% between runs)
-    rounds_s = []
+    # `host_ms`: the time to issue a round's steps (before waiting for them): close to
+    # the step time when dispatch, not the GPU, is the bottleneck
+    rounds_s, issue_s = [], []
     for _ in range(rounds):
         t1 = time.perf_counter()
         for _ in range(steps):
             logits = runner.decode_step(tok, state)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        issue_s.append((time.perf_counter() - t1) / steps)
         jax.block_until_ready(tok)
         rounds_s.append((time.perf_counter() - t1) / steps)
     tpot = statistics.median(rounds_s)
@@ -166,6 +169,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
            "fill_s": fill_s,
            "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
            "tpot_rounds_ms": [round(1e3 * r, 3) for r in rounds_s],
+           "host_issue_ms": round(1e3 * statistics.median(issue_s), 3),
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
            "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
            "pool_slots": runner._pool(max_len) if mode == "offload" else None}
