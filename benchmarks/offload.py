@@ -394,7 +394,7 @@ def render(payload) -> str:
     runs = payload.get("parts") or [st]
     lines = ["# Offloaded decoding (Qwen3-8B shape, random weights)", "",
              f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('git_commit') or 'unknown'}",
-             f"- date: {st.get('date')}"] + [f"- command: `{r.get('command')}` ({r.get('date')})" for r in runs] + [
+             f"- date: {st.get('date')}"] + [f"- command: `{r.get('command')}` ({r.get('date')}, commit {r.get('git_commit')})" for r in runs] + [
              f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
              f"set renewed per step (0 = the random weights' own behaviour)", ""]
     cols = ["label", "context", "batch", "planner_batch", "concurrent", "churn", "pool_slots", "tpot_ms", "tokens_per_s", "x_dense",

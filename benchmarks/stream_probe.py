@@ -177,7 +177,16 @@ def main(argv=None):
     p.add_argument("--variants", default="", help="comma list (default: all)")
     p.add_argument("--trace", action="store_true", help="profile serial and copy_stream, print the streams")
     p.add_argument("--out", default=None)
+    p.add_argument("--name", default="stream_probe")
+    p.add_argument("--from-json", default="", help="re-render a saved result (markdown and plot) into --out")
     a = p.parse_args(argv)
+    if a.from_json:
+        import json
+
+        payload = json.loads(Path(a.from_json).read_text())
+        write_results(a.name, payload, render(payload), out_dir=a.out)
+        plot(payload, Path(a.out or "benchmarks/results") / f"{a.name}.png")
+        return
 
     dev = jax.devices()[0]
     rng = np.random.default_rng(0)
@@ -246,6 +255,16 @@ def main(argv=None):
             rows.append({"variant": label, "ms": round(ms, 4), "ops_between_start_done": len(between), "ok": ok})
             print(f"   {ms * 1e3:.1f} us per call, correct={ok}, ops between start/done={len(between)}")
 
+    payload = {"stamp": stamp(), "batch": b, "copy_bytes": copy_bytes, "mlp_bytes": mlp_bytes, "rows": rows}
+    md = render(payload)
+    print(md)
+    if a.out:
+        write_results(a.name, payload, md, out_dir=a.out)
+        plot(payload, Path(a.out) / f"{a.name}.png")
+
+
+def _derive(payload):
+    rows = payload["rows"]
     by = {r["variant"]: r["ms"] for r in rows}
     mlp, cp = by.get("mlp_only/default"), by.get("copy_only/default")
     if mlp and cp:
@@ -253,15 +272,45 @@ def main(argv=None):
             if r["ms"] and not r["variant"].startswith(("mlp_only", "copy_only")):
                 r["hidden_fraction"] = round((mlp + cp - r["ms"]) / cp, 3)
                 r["vs_mlp_alone"] = round(r["ms"] / mlp, 3)
-        print(f"\nMLP alone {mlp * 1e3:.1f} us (floor {mlp_bytes / 3.35e12 * 1e6:.1f} us at 3.35 TB/s), "
-              f"copy alone {cp * 1e3:.1f} us ({copy_bytes / cp / 1e6:.1f} GB/s)")
-    cols = ["variant", "ms", "vs_mlp_alone", "hidden_fraction", "ok"]
-    md = markdown_table(rows, cols)
-    print(md)
-    if a.out:
-        st = stamp()
-        write_results("stream_probe", {"stamp": st, "batch": b, "copy_bytes": copy_bytes, "rows": rows},
-                      f"# stream probe\n\n{st}\n\n{md}", out_dir=a.out)
+    return mlp, cp
+
+
+def render(payload) -> str:
+    st = payload["stamp"]
+    mlp, cp = _derive(payload)
+    lines = ["# Stream probe: the host copy beside the MLP in one jitted call", "",
+             f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('git_commit')}"
+             + (f" ({st['note']})" if st.get("note") else ""),
+             f"- date: {st.get('date')}", f"- command: `{st.get('command')}`",
+             f"- B={payload['batch']}: copy {payload['copy_bytes'] / 2**20:.1f} MiB (K+V blocks listed per (row, KV "
+             f"head), 2 live of 127 per segment), MLP weights {payload.get('mlp_bytes', 0) / 2**20:.0f} MiB", ""]
+    if mlp and cp:
+        lines += [f"MLP alone {mlp * 1e3:.1f} us, copy alone {cp * 1e3:.1f} us "
+                  f"({payload['copy_bytes'] / cp / 1e6:.1f} GB/s). `hidden_fraction` = (MLP + copy - both) / copy; "
+                  "`pN[uK]` = the strided copy kernel with N programs, K entries in flight (default K=2 here); "
+                  "`/concurrent` = XLA's concurrent CUDA-graph schedule.", ""]
+    lines.append(markdown_table(payload["rows"], ["variant", "ms", "vs_mlp_alone", "hidden_fraction", "ok"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if r.get("ms")]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.2))
+    names = [r["variant"] for r in rows]
+    ax.barh(range(len(rows)), [1e3 * r["ms"] for r in rows],
+            color=["tab:green" if "concurrent" in n else "tab:gray" for n in names])
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("us per call (MLP + copy in one jit; green: concurrent CUDA graph)")
+    ax.set_title(f"{payload['stamp'].get('device')}, B={payload['batch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

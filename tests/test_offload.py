@@ -212,3 +212,31 @@ def test_runner_refuses_before_allocating():
         runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
     fp = runner.footprint(2, 4096)
     assert fp.host["kv_blocks"] == 2 * 2 * 2 * 4096 * 16 * 4 * 2  # 2 sparse layers, f32
+
+
+def test_runner_schedule_options():
+    """Offloaded layers default to the concurrent CUDA-graph schedule with the
+    strided copy (8 programs); resident ones to XLA's default; bad grids are
+    refused before any compilation."""
+    import models
+    from models import layered
+    from sparse_jax.methods import get_method
+
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
+                             tie_embeddings=True, eos_token_id=2, pad_token_id=2)
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,))
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+    off = layered.LayeredRunner(model, "offload")
+    assert off.concurrent and off.gather_programs == layered.DEFAULT_GATHER_PROGRAMS
+    res = layered.LayeredRunner(model, "resident")
+    assert not res.concurrent and res.gather_programs is None
+    serial = layered.LayeredRunner(model, "offload", concurrent=False)
+    assert serial.gather_programs is None  # one program per block when nothing runs beside the copy
+    assert layered.LayeredRunner(model, "offload", concurrent=False, gather_programs=3).gather_programs == 3
+    assert layered._compiler_options(True) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert layered._compiler_options(False) is None
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="gather_programs must be a positive int or None"):
+            layered.LayeredRunner(model, "offload", gather_programs=bad)

@@ -18,3 +18,30 @@ def test_offload_benchmark_tiny(tmp_path):
     assert d["equal_batch"] and d["prefill"] and d["device_put"]
     assert (tmp_path / "t.md").read_text().startswith("# Offloaded decoding")
     assert (tmp_path / "t.png").stat().st_size > 0
+    eq = d["equal_batch"][0]
+    assert {"sparse_concurrent_tpot_ms", "offload_serial_tpot_ms", "slowdown"} <= set(eq)
+
+    # --merge joins per-context runs into one file, keeping every run's command
+    rc = offload.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
+                       "--name", "m"])
+    assert rc == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert len(m["throughput"]) == 2 * len(d["throughput"]) and len(m["parts"]) == 2
+    assert (tmp_path / "m.md").read_text().count("- command: `") == 2
+
+
+def test_stream_probe_renders_saved_result(tmp_path):
+    from benchmarks import stream_probe
+
+    payload = {"stamp": {"device": "H100", "jax": "0.11.2", "git_commit": "abc", "date": "d", "command": "c"},
+               "batch": 11, "copy_bytes": 5 << 20, "mlp_bytes": 288 << 20,
+               "rows": [{"variant": "serial/default", "ms": 0.24, "ok": True},
+                        {"variant": "mlp_only/default", "ms": 0.12, "ok": True},
+                        {"variant": "copy_only/default", "ms": 0.13, "ok": True},
+                        {"variant": "serial_p8u4/concurrent", "ms": 0.16, "ok": True}]}
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps(payload))
+    stream_probe.main(["--from-json", str(src), "--out", str(tmp_path), "--name", "sp"])
+    md = (tmp_path / "sp.md").read_text()
+    assert "| serial_p8u4/concurrent | 0.16 | 1.333 | 0.692 | True |" in md  # (0.12 + 0.13 - 0.16) / 0.13
+    assert (tmp_path / "sp.png").stat().st_size > 0
