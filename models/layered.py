@@ -70,6 +70,7 @@ class LayeredState:
     max_len: int
     pending: list = dataclasses.field(default_factory=list)  # flushes not yet stored on the host
     counters: list = dataclasses.field(default_factory=list)  # per step: [(hits, misses) per offloaded layer]
+    host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier
 
 
 def _host_view(x: jax.Array) -> np.ndarray:
@@ -265,7 +266,8 @@ class LayeredRunner:
         return logits
 
     def _start_flush(self, state: LayeredState):
-        """Copy the blocks completed by this step to the host (asynchronously)."""
+        """Copy the blocks completed by this step to the host (asynchronously): one
+        jitted call and one device-to-host copy for all rows that completed one."""
         if self.mode != "offload":
             return
         bs = self.method.block_size
@@ -274,25 +276,36 @@ class LayeredRunner:
             return
         idx = self.offloaded_layers
         pool = state.layers[idx[0]].pool_slots
-        for r in rows:
-            block = int(state.lengths_host[r]) // bs - 1
-            ring = pool + block % 2
-            ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx), jnp.int32(r), jnp.int32(ring))
-            ks.copy_to_host_async()
-            vs.copy_to_host_async()
-            state.pending.append((int(r), block, idx, ks, vs))
+        blocks = state.lengths_host[rows] // bs - 1
+        # pad the row list to a power of two (repeating its first row): few compilations
+        n = 1 << int(rows.size - 1).bit_length()
+        pad = np.concatenate([rows, np.full(n - rows.size, rows[0])]).astype(np.int32)
+        ring = (pool + (state.lengths_host[pad] // bs - 1) % 2).astype(np.int32)
+        ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx), jnp.asarray(pad), jnp.asarray(ring))
+        ks.copy_to_host_async()
+        vs.copy_to_host_async()
+        state.pending.append((rows, blocks, idx, ks, vs))
+
+    def _views(self, state: LayeredState, i: int):
+        """The NumPy views of layer ``i``'s host tier, made once per state."""
+        if i not in state.host_views:
+            h = state.host[i]
+            state.host_views[i] = (_host_view(h.k), _host_view(h.v))
+        return state.host_views[i]
 
     def _store_pending(self, state: LayeredState):
         hkv = self.cfg.num_kv_heads
+        b = state.lengths_host.shape[0]
         while state.pending:
-            r, block, idx, ks, vs = state.pending.pop(0)
-            ks, vs = np.asarray(ks), np.asarray(vs)  # [n_layers, Hkv, bs, D]
+            rows, blocks, idx, ks, vs = state.pending.pop(0)
+            m = rows.size
+            ks, vs = np.asarray(ks)[:, :m], np.asarray(vs)[:, :m]  # [n_layers, m, Hkv, bs, D]
             for j, i in enumerate(idx):
-                h = state.host[i]
-                nb = h.k.shape[0] // (state.lengths_host.shape[0] * hkv)
-                rows = (r * hkv + np.arange(hkv)) * nb + block
-                _host_view(h.k)[rows] = ks[j]
-                _host_view(h.v)[rows] = vs[j]
+                kview, vview = self._views(state, i)
+                nb = kview.shape[0] // (b * hkv)
+                dst = ((rows[:, None] * hkv + np.arange(hkv)) * nb + blocks[:, None]).reshape(-1)
+                kview[dst] = ks[j].reshape((-1,) + ks.shape[3:])
+                vview[dst] = vs[j].reshape((-1,) + vs.shape[3:])
 
     def finish(self, state: LayeredState):
         """Store the outstanding flushes (call before reading the host tier)."""
@@ -414,12 +427,17 @@ def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_programs
 
 @functools.lru_cache(maxsize=8)
 def _extract_block_fn(bs: int):
+    """``(layers, rows int32[m], ring_slots int32[m]) -> (K, V) [n_layers, m, Hkv, bs, D]``:
+    each listed row's ring block, in every offloaded layer."""
     @jax.jit
-    def run(layers, row, ring_slot):
+    def run(layers, rows, ring_slots):
         def one(t):
-            k = jax.lax.dynamic_slice_in_dim(t.pool_k[row], ring_slot * bs, bs, axis=1)
-            v = jax.lax.dynamic_slice_in_dim(t.pool_v[row], ring_slot * bs, bs, axis=1)
-            return k, v
+            def row(r, slot):
+                k = jax.lax.dynamic_slice_in_dim(t.pool_k[r], slot * bs, bs, axis=1)
+                v = jax.lax.dynamic_slice_in_dim(t.pool_v[r], slot * bs, bs, axis=1)
+                return k, v
+
+            return jax.vmap(row)(rows, ring_slots)
 
         ks, vs = zip(*(one(t) for t in layers))
         return jnp.stack(ks), jnp.stack(vs)
