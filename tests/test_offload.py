@@ -195,18 +195,24 @@ def test_capacity_planning():
         capacity.check_fits(capacity.footprint(cfg, m, batch=5, max_len=s, mode="dense"), **lim)
 
 
-def test_runner_refuses_before_allocating():
+def _tiny_asynctls_model():
+    """A 3-layer random model running asynctls (layer 0 dense), f32, 4096 positions."""
     import models
-    from models.layered import LayeredRunner
     from sparse_jax.methods import get_method
-    from sparse_jax.offload import capacity
 
     cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
                              head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
                              tie_embeddings=True, eos_token_id=2, pad_token_id=2)
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
     m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,))
-    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+    return models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+
+
+def test_runner_refuses_before_allocating():
+    from models.layered import LayeredRunner
+    from sparse_jax.offload import capacity
+
+    model = _tiny_asynctls_model()
     runner = LayeredRunner(model, "offload")
     with pytest.raises(capacity.CapacityError, match="pinned host memory"):
         runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
@@ -218,16 +224,9 @@ def test_runner_schedule_options():
     """Offloaded layers default to the concurrent CUDA-graph schedule with the
     strided copy (8 programs); resident ones to XLA's default; bad grids are
     refused before any compilation."""
-    import models
     from models import layered
-    from sparse_jax.methods import get_method
 
-    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
-                             head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
-                             tie_embeddings=True, eos_token_id=2, pad_token_id=2)
-    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
-    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,))
-    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+    model = _tiny_asynctls_model()
     off = layered.LayeredRunner(model, "offload")
     assert off.concurrent and off.gather_programs == layered.DEFAULT_GATHER_PROGRAMS
     res = layered.LayeredRunner(model, "resident")
