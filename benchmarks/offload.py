@@ -131,7 +131,7 @@ def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
                host_limit="auto", concurrent=None, rounds=ROUNDS):
-    """Fill a batch, decode ``warmup + steps`` tokens, return the measurements.
+    """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``: LayeredRunner's schedule (None: its default for ``mode``)."""
     from models.layered import LayeredRunner
 
@@ -145,7 +145,6 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     jax.block_until_ready([layer for layer in state.layers])
     fill_s = time.perf_counter() - t0
     tok = jnp.zeros((batch,), jnp.int32)
-    logits = None
     gc.collect()
     gc.disable()  # the step is dispatch-bound: keep Python's collector out of the timed loops
     try:
@@ -158,22 +157,26 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         gc.collect()
 
 
-def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
-                  trace_dir):
+def _decode(runner, state, tok, n):
+    """``n`` greedy steps, issued back to back (not waited for): ``(logits, tok)``."""
     logits = None
-    for _ in range(warmup):
+    for _ in range(n):
         logits = runner.decode_step(tok, state)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    jax.block_until_ready(logits)
+    return logits, tok
+
+
+def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
+                  trace_dir):
+    logits, tok = _decode(runner, state, tok, warmup)
+    jax.block_until_ready(tok)
     # settle: right after a large pinned allocation, back-to-back rounds ran up to 40% slower
     # for about a second (the same configuration measured again in the same process did not),
     # so rounds of `steps` run until two in a row agree within 5% (at most SETTLE_ROUNDS)
     prev, settle = None, 0
     while settle < SETTLE_ROUNDS:
         t1 = time.perf_counter()
-        for _ in range(steps):
-            logits = runner.decode_step(tok, state)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, tok = _decode(runner, state, tok, steps)
         jax.block_until_ready(tok)
         cur, settle = time.perf_counter() - t1, settle + 1
         if prev is not None and abs(cur - prev) <= 0.05 * min(cur, prev):
@@ -182,22 +185,18 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
     times = []
     for _ in range(steps):
         t1 = time.perf_counter()
-        logits = runner.decode_step(tok, state)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, tok = _decode(runner, state, tok, 1)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
     # back-to-back (dispatch overlapped with the device): the throughput number, the median
-    # of `rounds` rounds (single rounds of 12 steps varied by up to 20% between runs)
-    # `host_issue_ms`: the time to issue a round's steps (before waiting for them): close to
-    # the step time when dispatch, not the GPU, is the bottleneck
-    # A round is ROUND_STEPS = 64 steps: one block per row, so each round pays the host
-    # save of the blocks completed in it once (offloaded mode), as steady decoding does.
+    # of `rounds` rounds (single rounds of 12 steps varied by up to 20% between runs). A round
+    # is ROUND_STEPS = 64 steps: one block per row, so each round pays the host save of the
+    # blocks completed in it once (offloaded mode), as steady decoding does.
+    # `host_issue_ms`: the time to issue a round's steps (before waiting for them)
     rounds_s, issue_s = [], []
     for _ in range(rounds):
         t1 = time.perf_counter()
-        for _ in range(ROUND_STEPS):
-            logits = runner.decode_step(tok, state)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, tok = _decode(runner, state, tok, ROUND_STEPS)
         issue_s.append((time.perf_counter() - t1) / ROUND_STEPS)
         jax.block_until_ready(tok)
         rounds_s.append((time.perf_counter() - t1) / ROUND_STEPS)
@@ -226,9 +225,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
         from benchmarks import trace_overlap
 
         jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
-        for _ in range(3):
-            logits = runner.decode_step(tok, state)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, tok = _decode(runner, state, tok, 3)
         jax.block_until_ready(tok)
         jax.profiler.stop_trace()
         events, _ = trace_overlap.load_events(trace_dir)

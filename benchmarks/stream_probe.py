@@ -143,12 +143,10 @@ def timed(fn, args, runs: int, iters: int):
     return statistics.median(ts)
 
 
-def _trace_report(comp, args, logdir: Path, pool_shape):
+def _trace_report(comp, args, logdir: Path):
     """Profile 5 calls; print each GPU stream's kernels of the last call and the overlap."""
     from benchmarks import trace_overlap as to
     args = list(args)
-    # fresh pool buffers: the timing loop donated the ones in ``args``
-    args[6], args[7] = (jnp.full(pool_shape, c, jnp.bfloat16) for c in (1.0, 2.0))
     for _ in range(2):
         y, args[6], args[7] = comp(*args)
     jax.block_until_ready((y, args[6]))
@@ -175,7 +173,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flags", default="default", help=f"comma list of {', '.join(FLAG_SETS)}")
     p.add_argument("--variants", default="", help="comma list (default: all)")
-    p.add_argument("--trace", action="store_true", help="profile serial and copy_stream, print the streams")
+    p.add_argument("--trace", action="store_true", help="with --out: profile the serial* variants, print the streams")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="stream_probe")
     p.add_argument("--from-json", default="", help="re-render a saved result (markdown and plot) into --out")
@@ -214,6 +212,9 @@ def main(argv=None):
     mlp_bytes = sum(int(t.size) * 2 for t in w)
     print(f"B={b}: {rows_} segments of {n1}; copy {m} blocks x2 = {copy_bytes / 2**20:.1f} MiB; MLP weights {mlp_bytes / 2**20:.0f} MiB")
 
+    def fresh_pools():  # the timed calls donate the pools: new ones for every use
+        return tuple(jnp.asarray(rng.standard_normal((ns, BS, D), np.float32), jnp.bfloat16) for _ in range(2))
+
     rows = []
     ref = None
     for fname in a.flags.split(","):
@@ -224,9 +225,7 @@ def main(argv=None):
             if a.variants and vname not in a.variants.split(","):
                 continue
             label = f"{vname}/{fname}"
-            pk = jnp.asarray(rng.standard_normal((ns, BS, D), np.float32), jnp.bfloat16)
-            pv = jnp.asarray(rng.standard_normal((ns, BS, D), np.float32), jnp.bfloat16)
-            args = (x, *w, hk, hv, pk, pv, ids, slots, count)
+            args = (x, *w, hk, hv, *fresh_pools(), ids, slots, count)
             try:
                 jf = jax.jit(f, donate_argnums=(6, 7), compiler_options=flags or None)
                 comp = jf.lower(*args).compile()
@@ -246,12 +245,9 @@ def main(argv=None):
             if not vname.startswith("copy_only"):
                 ref = y if ref is None else ref
                 ok &= bool(jnp.allclose(y.astype(jnp.float32), ref.astype(jnp.float32), atol=1e-2, rtol=1e-2))
-            pk = jnp.asarray(rng.standard_normal((ns, BS, D), np.float32), jnp.bfloat16)
-            pv = jnp.asarray(rng.standard_normal((ns, BS, D), np.float32), jnp.bfloat16)
-            ms = timed(comp, (x, *w, hk, hv, pk, pv, ids, slots, count), a.runs, a.iters)
+            ms = timed(comp, (x, *w, hk, hv, *fresh_pools(), ids, slots, count), a.runs, a.iters)
             if a.out and vname.startswith("serial") and a.trace:
-                _trace_report(comp, (x, *w, hk, hv, pk, pv, ids, slots, count), Path(a.out) / f"trace_{label}",
-                              (ns, BS, D))
+                _trace_report(comp, (x, *w, hk, hv, *fresh_pools(), ids, slots, count), Path(a.out) / f"trace_{label}")
             rows.append({"variant": label, "ms": round(ms, 4), "ops_between_start_done": len(between), "ok": ok})
             print(f"   {ms * 1e3:.1f} us per call, correct={ok}, ops between start/done={len(between)}")
 

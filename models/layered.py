@@ -277,11 +277,12 @@ class LayeredRunner:
         idx = self.offloaded_layers
         pool = state.layers[idx[0]].pool_slots
         blocks = state.lengths_host[rows] // bs - 1
-        # pad the row list to a power of two (repeating its first row): few compilations
-        n = 1 << int(rows.size - 1).bit_length()
-        pad = np.concatenate([rows, np.full(n - rows.size, rows[0])]).astype(np.int32)
-        ring = (pool + (state.lengths_host[pad] // bs - 1) % 2).astype(np.int32)
-        ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx), jnp.asarray(pad), jnp.asarray(ring))
+        ring = pool + blocks % 2  # the ring slot that holds each row's completed block
+        # pad the lists to a power of two (repeating their last entry): few compilations
+        pad = (1 << int(rows.size - 1).bit_length()) - rows.size
+        ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx),
+                                       jnp.asarray(np.pad(rows, (0, pad), mode="edge").astype(np.int32)),
+                                       jnp.asarray(np.pad(ring, (0, pad), mode="edge").astype(np.int32)))
         ks.copy_to_host_async()
         vs.copy_to_host_async()
         state.pending.append((rows, blocks, idx, ks, vs))
