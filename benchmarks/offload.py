@@ -130,13 +130,13 @@ def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, layers_per_call=1):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
-    ``concurrent``: LayeredRunner's schedule (None: its default for ``mode``)."""
+    ``concurrent``, ``layers_per_call``: LayeredRunner's (None: its default schedule for ``mode``)."""
     from models.layered import LayeredRunner
 
     runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn, host_limit=host_limit,
-                           concurrent=concurrent)
+                           concurrent=concurrent, layers_per_call=layers_per_call)
     max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
@@ -182,10 +182,13 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
         if prev is not None and abs(cur - prev) <= 0.05 * min(cur, prev):
             break
         prev = cur
-    times = []
+    # synced single steps; `dispatch`: the host time to issue one step into an idle queue (no
+    # back-pressure from the device): above the device time, the loop is bound by the host
+    times, dispatch = [], []
     for _ in range(steps):
         t1 = time.perf_counter()
         logits, tok = _decode(runner, state, tok, 1)
+        dispatch.append(time.perf_counter() - t1)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
     # back-to-back (dispatch overlapped with the device): the throughput number, the median
@@ -202,11 +205,12 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
         rounds_s.append((time.perf_counter() - t1) / ROUND_STEPS)
     tpot = statistics.median(rounds_s)
     fp = runner.footprint(batch, max_len)
-    out = {"mode": mode, "concurrent": runner.concurrent, "context": context, "batch": batch, "churn": churn,
-           "fill_s": fill_s,
+    out = {"mode": mode, "concurrent": runner.concurrent, "layers_per_call": runner.layers_per_call,
+           "context": context, "batch": batch, "churn": churn, "fill_s": fill_s,
            "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
            "tpot_rounds_ms": [round(1e3 * r, 3) for r in rounds_s], "settle_rounds": settle,
            "host_issue_ms": round(1e3 * statistics.median(issue_s), 3),
+           "host_dispatch_ms": round(1e3 * statistics.median(dispatch), 3),
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
            "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
            "pool_slots": runner._pool(max_len) if mode == "offload" else None}
@@ -250,6 +254,31 @@ def fit_batch(model, mode, context, *, start, steps, warmup, churn=0.0, log=prin
             gc.collect()
             b -= 1
     return {"mode": mode, "context": context, "batch": 0, "planner_batch": start, "error": "nothing fits"}
+
+
+def group_sweep(model, context, batch, per_call, *, steps, warmup, churn, host_limit, log=print):
+    """Resident and offloaded steps at one batch for each ``layers_per_call``: how
+    much of the step is the host's (``host_dispatch_ms``, one step issued into an
+    idle queue, against ``tpot_ms``)."""
+    rows = []
+    for g in per_call:
+        for mode in ("resident", "offload"):
+            try:
+                r = run_config(model, mode, context=context, batch=batch, steps=steps, warmup=warmup,
+                               churn=churn if mode == "offload" else 0.0, host_limit=host_limit,
+                               layers_per_call=g)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                log(f"[offload] group sweep {context}/B={batch} {mode} x{g} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            rows.append({k: r.get(k) for k in ("context", "batch", "mode", "concurrent", "layers_per_call", "tpot_ms",
+                                               "step_ms_median_synced", "host_dispatch_ms", "tpot_rounds_ms")})
+            log(f"[offload] group sweep {context}/B={batch} {mode} x{g}: tpot {r['tpot_ms']:.2f} ms, "
+                f"dispatch {r['host_dispatch_ms']:.2f} ms, synced {r['step_ms_median_synced']:.2f} ms")
+    for r in rows:  # offloaded over resident at the same grouping
+        res = next((x for x in rows if x["mode"] == "resident" and x["layers_per_call"] == r["layers_per_call"]
+                    and x["context"] == r["context"]), None)
+        r["vs_resident"] = r["tpot_ms"] / res["tpot_ms"] - 1 if res else None
+    return rows
 
 
 def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
@@ -401,6 +430,8 @@ def merge(paths, name: str, out_dir=None):
     for p in parts:
         out["throughput"] += p.get("throughput", [])
         out["equal_batch"] += p.get("equal_batch", [])
+        if p.get("groups"):
+            out.setdefault("groups", []).extend(p["groups"])
         for k in ("trace", "device_put", "prefill", "smollm2", "limits_gib"):
             if p.get(k) and k not in out:
                 out[k] = p[k]
@@ -430,6 +461,15 @@ def render(payload) -> str:
                   markdown_table(payload["equal_batch"], ["context", "batch", "churn", "sparse_tpot_ms",
                                                           "sparse_concurrent_tpot_ms", "offload_tpot_ms",
                                                           "offload_serial_tpot_ms", "slowdown"])]
+    if payload.get("groups"):
+        lines += ["", "## Layers per jitted call", "",
+                  "Resident and offloaded steps at the sparse configuration's batch with `layers_per_call` "
+                  "consecutive layers in one jitted call; `host_dispatch_ms` = host time to issue one step into an "
+                  "idle queue (above the step's device time, the loop waits on the host); `vs_resident` = "
+                  "offloaded over resident at the same grouping.", "",
+                  markdown_table(payload["groups"], ["context", "batch", "mode", "concurrent", "layers_per_call",
+                                                     "tpot_ms", "step_ms_median_synced", "host_dispatch_ms",
+                                                     "vs_resident"])]
     if payload.get("device_put"):
         lines += ["", "## Transfer path: inline host_gather vs device_put on a copy stream", "",
                   markdown_table([payload["device_put"]], list(payload["device_put"]))]
@@ -465,6 +505,9 @@ def parse_args(argv=None):
                    help="skip the longest context's extra rows (smallest pool, raw locality, trace, device_put)")
     p.add_argument("--no-eq-serial", dest="eq_serial", action="store_false",
                    help="skip the offloaded step under the serial schedule at equal batch")
+    p.add_argument("--layers-per-call", type=int, default=1, help="layers per jitted decode call (LayeredRunner)")
+    p.add_argument("--group-sweep", default="", help="comma list of layers-per-call values: at each context, "
+                   "resident and offloaded steps at the sparse configuration's batch for each")
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="offload_qwen3_8b")
@@ -527,7 +570,7 @@ def main(argv=None) -> int:
                                        host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if mode == "offload" else 0.0
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl)
+                          host_limit=hl, layers_per_call=a.layers_per_call)
             r["label"] = mode
             found[mode] = r
             payload["throughput"].append(r)
@@ -540,7 +583,8 @@ def main(argv=None) -> int:
             def eq_run(mode, concurrent, churn):
                 try:
                     return run_config(model, mode, context=ctx, batch=b, steps=a.steps, warmup=a.warmup,
-                                      churn=churn, host_limit=hl, concurrent=concurrent)["tpot_ms"]
+                                      churn=churn, host_limit=hl, concurrent=concurrent,
+                                      layers_per_call=a.layers_per_call)["tpot_ms"]
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] equal batch {ctx} {mode} concurrent={concurrent} failed: "
                         f"{type(e).__name__}: {str(e)[:200]}")
@@ -560,6 +604,13 @@ def main(argv=None) -> int:
                 f"(serial / concurrent), offloaded {offload_conc:.2f} / {offload_serial:.2f} ms "
                 f"(concurrent / serial): {100 * (offload_conc / best - 1):+.1f}%")
             save()
+        if a.group_sweep:
+            b = (found.get("sparse") or {}).get("batch") or capacity.max_batch(
+                cfg, method, max_len=max_len, mode="sparse", device_limit=dl, host_limit=hl, limit=64)
+            payload.setdefault("groups", []).extend(group_sweep(
+                model, ctx, b, [int(g) for g in a.group_sweep.split(",")], steps=a.steps, warmup=a.warmup,
+                churn=a.churn, host_limit=hl, log=log))
+            save()
         d = found.get("dense", {}).get("tokens_per_s")
         for r in payload["throughput"]:
             if r["context"] == ctx and d and r.get("tokens_per_s"):
@@ -576,7 +627,7 @@ def main(argv=None) -> int:
         for label, churn, pool in (("offload (smallest pool, churn 0.10)", 0.10, n1),
                                    ("offload (random weights' own locality)", 0.0, None)):
             raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,
-                             churn=churn, pool_slots=pool, host_limit=hl)
+                             churn=churn, pool_slots=pool, host_limit=hl, layers_per_call=a.layers_per_call)
             raw["label"] = label
             raw["x_dense"] = raw["tokens_per_s"] / d if d else None
             payload["throughput"].append(raw)
@@ -584,7 +635,7 @@ def main(argv=None) -> int:
             save()
         if trace_dir is not None:
             tr = run_config(model, "offload", context=ctx, batch=b, steps=2, warmup=a.warmup, churn=a.churn,
-                            trace_dir=trace_dir, host_limit=hl)
+                            trace_dir=trace_dir, host_limit=hl, layers_per_call=a.layers_per_call)
             payload["trace"] = tr["trace"]
             from benchmarks import trace_overlap
 

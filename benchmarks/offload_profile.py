@@ -59,9 +59,10 @@ def main(argv=None):
         jax.block_until_ready(tok)
         wall = (time.perf_counter() - t) / 5
         if a.hlo and offload:
-            i = runner.offloaded_layers[0]
-            txt = runner._decode_fns[i].lower(runner.layer_params[i], jnp.zeros((a.batch, cfg.hidden_size), model.dtype),
-                                              st.layers[i], st.host[i], st.lengths, runner.channels[i]).compile().as_text()
+            i = runner.offloaded_layers[0]  # one layer per call (LayeredRunner's default)
+            txt = runner._decode_fns[i].lower(
+                (runner.layer_params[i],), jnp.zeros((a.batch, cfg.hidden_size), model.dtype), (st.layers[i],),
+                (st.host[i],), st.lengths, (runner.channels[i],)).compile().as_text()
             keep = [ln.strip()[:220] for ln in txt.splitlines()
                     if any(w in ln for w in ("-start", "-done", " copy(", "custom-call", "ENTRY"))]
             print(f"-- {mode} layer {i} HLO ({len(txt.splitlines())} lines), async/copy/custom-call ops:")

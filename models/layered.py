@@ -18,9 +18,9 @@ its device tier built, and its blocks handed to ``jax.device_put(...,
 pinned_host)`` -- an asynchronous copy the next layer's compute overlaps --
 and then dropped, so device KV memory during prefill is about one layer.
 
-Decode: per step, the embedding, then per layer one jitted call (the
-offloaded ones read the host tier inside the call through
-``host_gather_into``), then the head. Completed blocks (the ring of the
+Decode: per step, the embedding, then one jitted call per layer, or per group
+of ``layers_per_call`` consecutive layers (the offloaded ones read the host
+tier inside the call through ``host_gather_into``), then the head. Completed blocks (the ring of the
 device tier) are copied back to the host tier by the CPU, one step later
 (SparseServe's CPU-assisted saving): a device->host copy of the block, then a
 store into the pinned buffer through its address. The engine tracks lengths
@@ -115,10 +115,15 @@ class LayeredRunner:
       gather_programs: grid of the offloaded layers' copy kernel (see
         :func:`sparse_jax.offload.step.decode_layer`); default 8 when
         ``concurrent``, else one program per block.
+      layers_per_call: consecutive layers run by one jitted decode call (the
+        last call takes the rest). Each call costs host time (argument
+        handling, the CUDA graph's update); when a layer's GPU work is shorter
+        than that, the step waits on the host, and fewer, larger calls help.
+        Calls with the same sequence of layer kinds share one compilation.
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
-                 concurrent: bool | None = None, gather_programs: int | None = None,
+                 concurrent: bool | None = None, gather_programs: int | None = None, layers_per_call: int = 1,
                  device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -139,6 +144,9 @@ class LayeredRunner:
             raise ValueError(f"gather_programs must be a positive int or None, got {gather_programs!r}")
         self.gather_programs = (DEFAULT_GATHER_PROGRAMS if self.concurrent else None) if gather_programs is None \
             else gather_programs
+        if isinstance(layers_per_call, bool) or not isinstance(layers_per_call, int) or layers_per_call < 1:
+            raise ValueError(f"layers_per_call must be a positive int, got {layers_per_call!r}")
+        self.layers_per_call = layers_per_call
         self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
@@ -163,9 +171,13 @@ class LayeredRunner:
         self._embed = _embed_fn()
         g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
         conc = self.concurrent and jax.default_backend() == "gpu"
+        n = self.num_layers
+        self.groups = [tuple(range(s, min(s + layers_per_call, n))) for s in range(0, n, layers_per_call)]
+        self._group_params = [tuple(self.layer_params[i] for i in grp) for grp in self.groups]
+        self._group_channels = [tuple(self.channels[i] for i in grp) for grp in self.groups]
         self._decode_fns = [
-            _offload_decode_fn(g, t, cfg, self.off_method, self.churn, self.gather_programs, conc) if self.offloaded[i]
-            else _resident_decode_fn(g, t, cfg, self.layer_methods[i], conc) for i in range(self.num_layers)]
+            _decode_group_fn(g, t, cfg, tuple((self.offloaded[i], self._layer_method(i)) for i in grp),
+                             self.churn, self.gather_programs, conc) for grp in self.groups]
 
     # -- helpers -----------------------------------------------------------------
     def _pool(self, max_len: int) -> int:
@@ -215,7 +227,18 @@ class LayeredRunner:
                 host.append(HostLayer(jax.device_put(hk, sh), jax.device_put(hv, sh)))  # async D2H copies
             else:
                 host.append(None)
+        self._compile_flush(layers, int(lengths.shape[0]))
         return LayeredState(layers, host, lengths, np.asarray(lengths).copy(), max_len)
+
+    def _compile_flush(self, layers, batch: int):
+        """Compile the block extraction for every padded row count of this batch
+        now, not in the middle of decoding (one small call each, results dropped)."""
+        if self.mode != "offload":
+            return
+        tiers = tuple(layers[i] for i in self.offloaded_layers)
+        fn = _extract_block_fn(self.method.block_size)
+        for m in (1 << k for k in range(int(batch - 1).bit_length() + 1)):
+            fn(tiers, jnp.zeros((m,), jnp.int32), jnp.full((m,), tiers[0].pool_slots, jnp.int32))
 
     def prefill(self, tokens, lengths, max_len: int | None = None):
         """Prefill right-padded ``tokens int32[B, T]``, layer by layer. Returns the
@@ -249,13 +272,12 @@ class LayeredRunner:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         pos = state.lengths
         x = self._embed(self.embed_table, jnp.asarray(tokens, jnp.int32))
-        step_counts = []
-        for i, fn in enumerate(self._decode_fns):
-            if self.offloaded[i]:
-                x, state.layers[i] = fn(self.layer_params[i], x, state.layers[i], state.host[i], pos, self.channels[i])
-                step_counts.append((state.layers[i].hits, state.layers[i].misses))
-            else:
-                x, state.layers[i] = fn(self.layer_params[i], x, state.layers[i], pos)
+        layers, host = state.layers, state.host
+        for grp, fn, params, channels in zip(self.groups, self._decode_fns, self._group_params, self._group_channels):
+            x, entries = fn(params, x, tuple(layers[i] for i in grp), tuple(host[i] for i in grp), pos, channels)
+            for i, e in zip(grp, entries):
+                layers[i] = e
+        step_counts = [(layers[i].hits, layers[i].misses) for i in self.offloaded_layers]
         logits = self._head(x, self.final_norm, self._head_weight())
         state.lengths = pos + 1
         state.lengths_host = state.lengths_host + 1
@@ -404,24 +426,28 @@ def _compiler_options(concurrent: bool):
     return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} if concurrent else None
 
 
-@functools.lru_cache(maxsize=64)
-def _resident_decode_fn(layer_graph, treedef, cfg, method, concurrent=False):
+@functools.lru_cache(maxsize=16)
+def _decode_group_fn(layer_graph, treedef, cfg, kinds, churn, gather_programs=None, concurrent=False):
+    """One decode step of consecutive layers, ``kinds``: per layer ``(offloaded, method)``.
+
+    ``(params, x [B,H], entries, hosts, pos int32[B], channels) -> (x, entries)``,
+    each of ``params, entries, hosts, channels`` a tuple with one item per layer
+    (``hosts``/``channels`` None for resident layers); ``entries`` donated."""
+
     @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=_compiler_options(concurrent))
-    def run(params, x, lc, pos):
+    def run(params, x, entries, hosts, pos, channels):
         cos, sin = tfm.rope_for(cfg, pos)
-        return tfm.decode_layer(_merge(layer_graph, treedef, params), method, x, lc, pos, cos, sin)
-
-    return run
-
-
-@functools.lru_cache(maxsize=8)
-def _offload_decode_fn(layer_graph, treedef, cfg, method, churn, gather_programs=None, concurrent=False):
-    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=_compiler_options(concurrent))
-    def run(params, x, layer_tier, host, pos, channels):
-        layer = _merge(layer_graph, treedef, params)
-        q, k, v = tfm.layer_qkv(layer, x, *tfm.rope_for(cfg, pos))
-        o, layer_tier = off.decode_layer(method, q, k, v, pos, layer_tier, host, channels, churn, gather_programs)
-        return tfm.layer_output(layer, x, o), layer_tier
+        out = []
+        for (offloaded, method), p, entry, host, chans in zip(kinds, params, entries, hosts, channels):
+            layer = _merge(layer_graph, treedef, p)
+            if offloaded:
+                q, k, v = tfm.layer_qkv(layer, x, cos, sin)
+                o, entry = off.decode_layer(method, q, k, v, pos, entry, host, chans, churn, gather_programs)
+                x = tfm.layer_output(layer, x, o)
+            else:
+                x, entry = tfm.decode_layer(layer, method, x, entry, pos, cos, sin)
+            out.append(entry)
+        return x, tuple(out)
 
     return run
 

@@ -8,7 +8,8 @@ from benchmarks import offload
 
 def test_offload_benchmark_tiny(tmp_path):
     rc = offload.main(["--tiny", "--contexts", "1024", "--budget", "128", "--kb", "8", "--steps", "2",
-                       "--warmup", "1", "--prefill-len", "256", "--out", str(tmp_path), "--name", "t"])
+                       "--warmup", "1", "--prefill-len", "256", "--group-sweep", "1,2", "--out", str(tmp_path),
+                       "--name", "t"])
     assert rc == 0
     d = json.loads((tmp_path / "t.json").read_text())
     labels = {r["label"] for r in d["throughput"]}
@@ -20,6 +21,11 @@ def test_offload_benchmark_tiny(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
     eq = d["equal_batch"][0]
     assert {"sparse_concurrent_tpot_ms", "offload_serial_tpot_ms", "slowdown"} <= set(eq)
+    groups = d["groups"]  # resident and offloaded, one and two layers per call
+    assert sorted((g["mode"], g["layers_per_call"]) for g in groups) == [("offload", 1), ("offload", 2),
+                                                                         ("resident", 1), ("resident", 2)]
+    assert all(g["host_dispatch_ms"] > 0 and g["vs_resident"] is not None for g in groups)
+    assert "## Layers per jitted call" in (tmp_path / "t.md").read_text()
 
     # --merge joins per-context runs into one file, keeping every run's command
     rc = offload.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
