@@ -29,6 +29,8 @@ def main(argv=None):
     p.add_argument("--fusion", default="", help="with --hlo: also print the fused computations of fusions "
                    "whose name contains this")
     p.add_argument("--top", type=int, default=25, help="kernel names listed per class")
+    p.add_argument("--host", action="store_true", help="also list the host events that took the most time")
+    p.add_argument("--layers-per-call", type=int, default=1)
     p.add_argument("--out", default="/tmp/offload_profile")
     a = p.parse_args(argv)
     import models
@@ -45,7 +47,7 @@ def main(argv=None):
         pool = (m.kb - 1) * a.pool_factor if offload else None
         conc = True if mode.endswith("_conc") else False if mode.endswith("_serial") else None
         runner = LayeredRunner(mdl, "offload" if offload else "resident", pool_slots=pool,
-                               churn=a.churn if offload else 0.0, concurrent=conc)
+                               churn=a.churn if offload else 0.0, concurrent=conc, layers_per_call=a.layers_per_call)
         max_len = a.context + 512
         st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
                                   np.full((a.batch,), a.context, np.int32), max_len)
@@ -59,8 +61,9 @@ def main(argv=None):
         jax.block_until_ready(tok)
         wall = (time.perf_counter() - t) / 5
         if a.hlo and offload:
-            i = runner.offloaded_layers[0]  # one layer per call (LayeredRunner's default)
-            txt = runner._decode_fns[i].lower(
+            i = runner.offloaded_layers[0]  # as built with one layer per call (LayeredRunner's default)
+            one = LayeredRunner(mdl, "offload", pool_slots=pool, churn=a.churn, concurrent=conc)
+            txt = one._decode_fns[i].lower(
                 (runner.layer_params[i],), jnp.zeros((a.batch, cfg.hidden_size), model.dtype), (st.layers[i],),
                 (st.host[i],), st.lengths, (runner.channels[i],)).compile().as_text()
             keep = [ln.strip()[:220] for ln in txt.splitlines()
@@ -75,7 +78,11 @@ def main(argv=None):
             if a.fusion:
                 print(_fusion_bodies(txt, a.fusion))
         d = Path(a.out) / mode
-        jax.profiler.start_trace(str(d), create_perfetto_trace=True)
+        opts = None
+        if a.host:  # the runtime's own host events in detail; Python's tracer off (it would dominate)
+            opts = jax.profiler.ProfileOptions()
+            opts.python_tracer_level, opts.host_tracer_level = 0, 3
+        jax.profiler.start_trace(str(d), create_perfetto_trace=True, profiler_options=opts)
         for _ in range(2):
             tok = jnp.argmax(runner.decode_step(tok, st), -1).astype(jnp.int32)
         jax.block_until_ready(tok)
@@ -89,6 +96,10 @@ def main(argv=None):
         for cls in ("compute", "transfer"):
             for row in rep["top_names"].get(cls, [])[:a.top]:
                 print(f"  {cls[:4]} {row['total_us'] / 2e3:8.3f} ms/step x{row['count'] // 2:4d}  {row['name'][:110]}")
+        if a.host:
+            for row in trace_overlap.host_time_by_name(ev, top=a.top):
+                print(f"  host {row['total_us'] / 2e3:8.3f} ms/step x{row['count'] // 2:4d}  [{row['thread'][:24]}] "
+                      f"{row['name'][:100]}")
         del st, runner
     return 0
 

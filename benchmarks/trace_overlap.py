@@ -443,6 +443,24 @@ def overlap_report(
 # Plot
 
 
+def host_time_by_name(events: Sequence[TraceEvent], top: int = 20,
+                      device_regex: str = DEFAULT_DEVICE_REGEX) -> list[dict]:
+    """Where the host's time goes: events outside the GPU processes, summed per
+    (thread, name), largest total first. Nested events each count their own
+    (inclusive) duration, so a parent and its children both appear."""
+    dev = re.compile(device_regex)
+    acc: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if dev.search(e.process):
+            continue
+        a = acc[(e.thread, e.name)]
+        a[0] += e.dur
+        a[1] += 1
+    rows = [{"thread": t, "name": n, "total_us": v[0], "count": int(v[1])} for (t, n), v in acc.items()]
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows[:top]
+
+
 def _clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 

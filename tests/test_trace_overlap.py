@@ -274,3 +274,14 @@ def test_real_cpu_trace_has_no_gpu_streams(tmp_path, capsys):
     assert to.plot_timeline(events, r, tmp_path / "cpu.png").read_bytes()[:4] == b"\x89PNG"
     assert to.main([str(tmp_path / "trace"), "--json", str(tmp_path / "cpu.json")]) == 0
     assert "NOTE: no GPU stream" in capsys.readouterr().out
+
+
+def test_host_time_by_name(gpu_logdir):
+    events, _ = to.load_events(gpu_logdir)
+    rows = to.host_time_by_name(events)
+    # only the host process's events, per (thread, name), largest first; GPU streams never count
+    assert rows[0] == {"thread": "python", "name": "PjitFunction(step)", "total_us": 1050.0, "count": 1}
+    assert {(r["thread"], r["name"]) for r in rows} == {
+        ("python", "PjitFunction(step)"), ("python", "cuMemcpyHtoDAsync"),
+        ("tf_Stream #99 executor", "MemcpyH2D"), ("tf_Stream #99 executor", "fusion_9")}
+    assert len(to.host_time_by_name(events, top=2)) == 2
