@@ -457,7 +457,9 @@ def render(payload) -> str:
         lines += ["", "## Equal batch: offloaded vs resident step", "",
                   "Each step under XLA's serial CUDA graph and under the concurrent one "
                   "(`xla_gpu_command_buffer_scheduling_mode=CONCURRENT`: the offloaded copy runs beside the "
-                  "MLP); `slowdown` = offloaded (concurrent, its default) over the faster resident step.", "",
+                  "MLP); resident and offloaded runs alternate, each cell is its configuration's fastest run "
+                  "(the loop is bound by the host, whose speed drifts; all runs in the JSON's `runs_ms`); "
+                  "`slowdown` = offloaded (concurrent, its default) over the faster resident step.", "",
                   markdown_table(payload["equal_batch"], ["context", "batch", "churn", "sparse_tpot_ms",
                                                           "sparse_concurrent_tpot_ms", "offload_tpot_ms",
                                                           "offload_serial_tpot_ms", "slowdown"])]
@@ -503,6 +505,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="profile offloaded steps at the longest context")
     p.add_argument("--no-extras", dest="extras", action="store_false",
                    help="skip the longest context's extra rows (smallest pool, raw locality, trace, device_put)")
+    p.add_argument("--eq-repeats", type=int, default=2, help="alternated resident/offloaded runs at equal batch")
     p.add_argument("--no-eq-serial", dest="eq_serial", action="store_false",
                    help="skip the offloaded step under the serial schedule at equal batch")
     p.add_argument("--layers-per-call", type=int, default=1, help="layers per jitted decode call (LayeredRunner)")
@@ -590,19 +593,30 @@ def main(argv=None) -> int:
                         f"{type(e).__name__}: {str(e)[:200]}")
                     return float("nan")
 
-            # each configuration under both schedules (serial CUDA graph and concurrent one):
-            # the slowdown is against the faster resident step
-            sparse_serial, offload_conc = found["sparse"]["tpot_ms"], eq_run("offload", True, a.churn)
-            sparse_conc = eq_run("resident", True, 0.0)
-            offload_serial = eq_run("offload", False, a.churn) if a.eq_serial else float("nan")
-            best = np.nanmin([sparse_serial, sparse_conc])
+            # each configuration under both schedules (serial CUDA graph and concurrent one), the
+            # resident and offloaded runs alternated `--eq-repeats` times: the loop is bound by the
+            # host, whose speed drifts within a process, so each side's fastest run is compared (a
+            # drift only adds time); the slowdown is against the faster resident schedule
+            runs = {"resident_serial": [found["sparse"]["tpot_ms"]], "offload_conc": [], "resident_conc": [],
+                    "offload_serial": []}
+            for rep in range(a.eq_repeats):
+                runs["offload_conc"].append(eq_run("offload", True, a.churn))
+                runs["resident_conc"].append(eq_run("resident", True, 0.0))
+                if a.eq_serial and rep == 0:
+                    runs["offload_serial"].append(eq_run("offload", False, a.churn))
+                if rep:
+                    runs["resident_serial"].append(eq_run("resident", False, 0.0))
+            best_of = {k: float(np.nanmin(v)) if v else float("nan") for k, v in runs.items()}
+            best = np.nanmin([best_of["resident_serial"], best_of["resident_conc"]])
             payload["equal_batch"].append({"context": ctx, "batch": b, "churn": a.churn,
-                                           "sparse_tpot_ms": sparse_serial, "sparse_concurrent_tpot_ms": sparse_conc,
-                                           "offload_tpot_ms": offload_conc, "offload_serial_tpot_ms": offload_serial,
-                                           "slowdown": offload_conc / best - 1})
-            log(f"[offload] equal batch {ctx}/B={b}: resident {sparse_serial:.2f} / {sparse_conc:.2f} ms "
-                f"(serial / concurrent), offloaded {offload_conc:.2f} / {offload_serial:.2f} ms "
-                f"(concurrent / serial): {100 * (offload_conc / best - 1):+.1f}%")
+                                           "sparse_tpot_ms": best_of["resident_serial"],
+                                           "sparse_concurrent_tpot_ms": best_of["resident_conc"],
+                                           "offload_tpot_ms": best_of["offload_conc"],
+                                           "offload_serial_tpot_ms": best_of["offload_serial"],
+                                           "slowdown": best_of["offload_conc"] / best - 1,
+                                           "runs_ms": {k: [round(x, 3) for x in v] for k, v in runs.items()}})
+            log(f"[offload] equal batch {ctx}/B={b}: runs {payload['equal_batch'][-1]['runs_ms']}: "
+                f"{100 * (best_of['offload_conc'] / best - 1):+.1f}%")
             save()
         if a.group_sweep:
             b = (found.get("sparse") or {}).get("batch") or capacity.max_batch(
