@@ -30,7 +30,7 @@ def main(argv=None):
                    "whose name contains this")
     p.add_argument("--top", type=int, default=25, help="kernel names listed per class")
     p.add_argument("--host", action="store_true", help="also list the host events that took the most time")
-    p.add_argument("--layers-per-call", type=int, default=1)
+    p.add_argument("--layers-per-call", type=int, default=4)
     p.add_argument("--out", default="/tmp/offload_profile")
     a = p.parse_args(argv)
     import models
@@ -62,7 +62,7 @@ def main(argv=None):
         wall = (time.perf_counter() - t) / 5
         if a.hlo and offload:
             i = runner.offloaded_layers[0]  # as built with one layer per call (LayeredRunner's default)
-            one = LayeredRunner(mdl, "offload", pool_slots=pool, churn=a.churn, concurrent=conc)
+            one = LayeredRunner(mdl, "offload", pool_slots=pool, churn=a.churn, concurrent=conc, layers_per_call=1)
             txt = one._decode_fns[i].lower(
                 (runner.layer_params[i],), jnp.zeros((a.batch, cfg.hidden_size), model.dtype), (st.layers[i],),
                 (st.host[i],), st.lengths, (runner.channels[i],)).compile().as_text()

@@ -56,6 +56,10 @@ MODES = ("resident", "offload")
 # H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
 # alone still move ~45 GB/s)
 DEFAULT_GATHER_PROGRAMS = 8
+# layers per jitted decode call: each call costs ~0.3 ms of host time (the CUDA graph's update and
+# launch), more than a layer's GPU work at 64K/B=5 on an H100; 4 per call cut the host's time to issue
+# a step by ~25% and was the fastest of 1/2/4/6 for both modes (benchmarks/results/offload_groups_64k.md)
+DEFAULT_LAYERS_PER_CALL = 4
 
 
 @dataclasses.dataclass
@@ -125,10 +129,12 @@ class LayeredRunner:
         handling, the CUDA graph's update); when a layer's GPU work is shorter
         than that, the step waits on the host, and fewer, larger calls help.
         Calls with the same sequence of layer kinds share one compilation.
+        Default 4 (measured, see ``DEFAULT_LAYERS_PER_CALL``).
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, churn: float = 0.0,
-                 concurrent: bool | None = None, gather_programs: int | None = None, layers_per_call: int = 1,
+                 concurrent: bool | None = None, gather_programs: int | None = None,
+                 layers_per_call: int = DEFAULT_LAYERS_PER_CALL,
                  device_limit="auto", host_limit="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

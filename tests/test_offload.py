@@ -195,7 +195,7 @@ def test_capacity_planning():
         capacity.check_fits(capacity.footprint(cfg, m, batch=5, max_len=s, mode="dense"), **lim)
 
 
-def _tiny_asynctls_model():
+def _tiny_asynctls_model(lag: bool = False):
     """A 3-layer random model running asynctls (layer 0 dense), f32, 4096 positions."""
     import models
     from sparse_jax.methods import get_method
@@ -204,7 +204,7 @@ def _tiny_asynctls_model():
                              head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
                              tie_embeddings=True, eos_token_id=2, pad_token_id=2)
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
-    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,))
+    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,), lag=lag)
     return models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
 
 
@@ -276,7 +276,7 @@ def test_slow_host_store_is_waited_for():
 
     from models.layered import LayeredRunner
 
-    model = _tiny_asynctls_model()
+    model = _tiny_asynctls_model(lag=True)  # offloading runs the one-step lag: the resident reference does too
     tokens = np.random.default_rng(5).integers(3, 97, (2, 60)).astype(np.int32)
     lengths = np.array([60, 45], np.int32)
     ref_ids, ref_lg, _ = LayeredRunner(model, "resident").generate_ids(tokens, lengths, 40, 256)
