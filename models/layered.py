@@ -20,19 +20,15 @@ and then dropped, so device KV memory during prefill is about one layer.
 
 Decode: per step, the embedding, then one jitted call per layer, or per group
 of ``layers_per_call`` consecutive layers (the offloaded ones read the host
-tier inside the call through ``host_gather_into``), then the head. Blocks
-completed in a step (still in the device tier's ring) go back to the host
-tier by SparseServe's CPU-assisted saving: one jitted extraction and one
-asynchronous device->host copy for all rows, then a worker thread stores them
-into the pinned buffers through their addresses. A block leaves the ring
-``block_size`` steps after it completed; the step loop waits for its store
-half-way there. Lengths are tracked on the host, so the loop itself never
-waits on the device.
+tier inside the call through ``host_gather_into``), then the head. Completed blocks (the ring of the
+device tier) are copied back to the host tier by the CPU, one step later
+(SparseServe's CPU-assisted saving): a device->host copy of the block, then a
+store into the pinned buffer through its address. The engine tracks lengths
+on the host, so nothing here waits on the device except those small copies.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -76,8 +72,7 @@ class LayeredState:
     lengths: jax.Array
     lengths_host: np.ndarray
     max_len: int
-    saving: list = dataclasses.field(default_factory=list)  # (step issued, future) of host stores in flight
-    steps: int = 0  # decode steps issued
+    pending: list = dataclasses.field(default_factory=list)  # flushes not yet stored on the host
     counters: list = dataclasses.field(default_factory=list)  # per step: [(hits, misses) per offloaded layer]
     host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier
 
@@ -159,7 +154,6 @@ class LayeredRunner:
             raise ValueError(f"layers_per_call must be a positive int, got {layers_per_call!r}")
         self.layers_per_call = layers_per_call
         self.device_limit, self.host_limit = device_limit, host_limit
-        self._saver = None  # the worker thread of the host stores (made at the first one)
         full = nnx.merge(model.graphdef, model.params)
         splits = [nnx.split(layer) for layer in full.layers]
         self.layer_graph = splits[0][0]
@@ -282,9 +276,6 @@ class LayeredRunner:
         (its device buffers are donated to the step)."""
         if int(state.lengths_host.max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
-        # a completed block leaves the ring (and may be gathered from the host tier) block_size
-        # steps after it completed: its host store must be done before then; half that is the slack
-        self._await_saves(state, state.steps - max(1, self.method.block_size // 2))
         pos = state.lengths
         x = self._embed(self.embed_table, jnp.asarray(tokens, jnp.int32))
         layers, host = state.layers, state.host
@@ -298,8 +289,8 @@ class LayeredRunner:
         state.lengths_host = state.lengths_host + 1
         if step_counts:
             state.counters.append(step_counts)
+        self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
         self._start_flush(state)
-        state.steps += 1
         return logits
 
     def _start_flush(self, state: LayeredState):
@@ -322,16 +313,7 @@ class LayeredRunner:
                                        jnp.asarray(np.pad(ring, (0, pad), mode="edge").astype(np.int32)))
         ks.copy_to_host_async()
         vs.copy_to_host_async()
-        # the wait for that copy and the stores run on a worker thread: the decode loop is bound by
-        # the host's dispatch, so host work here would leave the GPU idle
-        if self._saver is None:
-            self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-save")
-        state.saving.append((state.steps, self._saver.submit(self._store_blocks, state, rows, blocks, idx, ks, vs)))
-
-    def _await_saves(self, state: LayeredState, issued_by: int):
-        """Wait for the host stores started at or before step ``issued_by`` (their errors raise here)."""
-        while state.saving and state.saving[0][0] <= issued_by:
-            state.saving.pop(0)[1].result()
+        state.pending.append((rows, blocks, idx, ks, vs))
 
     def _views(self, state: LayeredState, i: int):
         """The NumPy views of layer ``i``'s host tier, made once per state."""
@@ -340,25 +322,23 @@ class LayeredRunner:
             state.host_views[i] = (_host_view(h.k), _host_view(h.v))
         return state.host_views[i]
 
-    def _store_blocks(self, state: LayeredState, rows, blocks, idx, ks, vs):
-        """Store the extracted blocks ``ks, vs [n_layers, m(padded), Hkv, bs, D]`` of
-        ``rows`` into the host tier (on the saver thread)."""
+    def _store_pending(self, state: LayeredState):
         hkv = self.cfg.num_kv_heads
         b = state.lengths_host.shape[0]
-        m = rows.size
-        # as unsigned ints of the same width: a plain copy NumPy runs without the GIL
-        as_bits = lambda a: a.view(np.dtype(f"u{a.dtype.itemsize}"))  # noqa: E731
-        ks, vs = as_bits(np.asarray(ks)[:, :m]), as_bits(np.asarray(vs)[:, :m])
-        for j, i in enumerate(idx):
-            kview, vview = self._views(state, i)
-            nb = kview.shape[0] // (b * hkv)
-            dst = ((rows[:, None] * hkv + np.arange(hkv)) * nb + blocks[:, None]).reshape(-1)
-            as_bits(kview)[dst] = ks[j].reshape((-1,) + ks.shape[3:])
-            as_bits(vview)[dst] = vs[j].reshape((-1,) + vs.shape[3:])
+        while state.pending:
+            rows, blocks, idx, ks, vs = state.pending.pop(0)
+            m = rows.size
+            ks, vs = np.asarray(ks)[:, :m], np.asarray(vs)[:, :m]  # [n_layers, m, Hkv, bs, D]
+            for j, i in enumerate(idx):
+                kview, vview = self._views(state, i)
+                nb = kview.shape[0] // (b * hkv)
+                dst = ((rows[:, None] * hkv + np.arange(hkv)) * nb + blocks[:, None]).reshape(-1)
+                kview[dst] = ks[j].reshape((-1,) + ks.shape[3:])
+                vview[dst] = vs[j].reshape((-1,) + vs.shape[3:])
 
     def finish(self, state: LayeredState):
-        """Wait for the outstanding host stores (call before reading the host tier)."""
-        self._await_saves(state, state.steps)
+        """Store the outstanding flushes (call before reading the host tier)."""
+        self._store_pending(state)
 
     def transfer_stats(self, state: LayeredState) -> dict:
         """Hits, misses and bytes moved per decode step (offloaded layers summed)."""

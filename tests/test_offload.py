@@ -162,7 +162,7 @@ def test_offloaded_decoding_equals_resident_on_smollm2():
         assert all(h.k.sharding.memory_kind == "pinned_host" for h in state.host if h is not None)
 
     runner = LayeredRunner(m, "offload")
-    runner._store_blocks = lambda *args: None  # drop the completed blocks
+    runner._store_pending = lambda state: state.pending.clear()  # drop the completed blocks
     ids, lg, _ = runner.generate_ids(tokens, lengths, steps, 256)
     assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
 
@@ -268,27 +268,3 @@ def test_layer_groups_equal_one_call_per_layer(mode):
     if mode == "offload":
         assert runs[1][2]["steps"] == 20 and sum(runs[1][2]["misses_per_step"]) > 0
 
-
-def test_slow_host_store_is_waited_for():
-    """The host stores run on a worker thread; a slow one holds the step at
-    which its block may be gathered from the host tier, so decoding is unchanged."""
-    import time
-
-    from models.layered import LayeredRunner
-
-    model = _tiny_asynctls_model(lag=True)  # offloading runs the one-step lag: the resident reference does too
-    tokens = np.random.default_rng(5).integers(3, 97, (2, 60)).astype(np.int32)
-    lengths = np.array([60, 45], np.int32)
-    ref_ids, ref_lg, _ = LayeredRunner(model, "resident").generate_ids(tokens, lengths, 40, 256)
-    runner = LayeredRunner(model, "offload", pool_slots=3)  # the smallest pool: blocks come back from the host
-    store = runner._store_blocks
-
-    def slow_store(*args):
-        time.sleep(0.3)
-        store(*args)
-
-    runner._store_blocks = slow_store
-    ids, lg, state = runner.generate_ids(tokens, lengths, 40, 256)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
-    np.testing.assert_allclose(np.asarray(lg), np.asarray(ref_lg), atol=1e-4, rtol=0)
-    assert not state.saving and sum(runner.transfer_stats(state)["misses_per_step"]) > 0
