@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import markdown_table, stamp, write_results
+from models.layered import DEFAULT_LAYERS_PER_CALL
 
 ROUNDS = 3  # back-to-back timing rounds per configuration (the median is reported)
 SETTLE_ROUNDS = 6  # at most this many untimed rounds before them, until two agree within 5%
@@ -130,7 +131,7 @@ def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, layers_per_call=4):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, layers_per_call=DEFAULT_LAYERS_PER_CALL):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``, ``layers_per_call``: LayeredRunner's (None: its default schedule for ``mode``)."""
     from models.layered import LayeredRunner
@@ -508,7 +509,8 @@ def parse_args(argv=None):
     p.add_argument("--eq-repeats", type=int, default=2, help="alternated resident/offloaded runs at equal batch")
     p.add_argument("--no-eq-serial", dest="eq_serial", action="store_false",
                    help="skip the offloaded step under the serial schedule at equal batch")
-    p.add_argument("--layers-per-call", type=int, default=4, help="layers per jitted decode call (LayeredRunner)")
+    p.add_argument("--layers-per-call", type=int, default=DEFAULT_LAYERS_PER_CALL,
+                   help="layers per jitted decode call (LayeredRunner)")
     p.add_argument("--group-sweep", default="", help="comma list of layers-per-call values: at each context, "
                    "resident and offloaded steps at the sparse configuration's batch for each")
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")

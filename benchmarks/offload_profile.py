@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.layered import DEFAULT_LAYERS_PER_CALL
+
 
 def main(argv=None):
     p = argparse.ArgumentParser()
@@ -30,7 +32,7 @@ def main(argv=None):
                    "whose name contains this")
     p.add_argument("--top", type=int, default=25, help="kernel names listed per class")
     p.add_argument("--host", action="store_true", help="also list the host events that took the most time")
-    p.add_argument("--layers-per-call", type=int, default=4)
+    p.add_argument("--layers-per-call", type=int, default=DEFAULT_LAYERS_PER_CALL)
     p.add_argument("--out", default="/tmp/offload_profile")
     a = p.parse_args(argv)
     import models

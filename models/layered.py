@@ -20,8 +20,9 @@ and then dropped, so device KV memory during prefill is about one layer.
 
 Decode: per step, the embedding, then one jitted call per layer, or per group
 of ``layers_per_call`` consecutive layers (the offloaded ones read the host
-tier inside the call through ``host_gather_into``), then the head. Completed blocks (the ring of the
-device tier) are copied back to the host tier by the CPU, one step later
+tier inside the call through ``host_gather_into``), then the head. Completed
+blocks (the ring of the device tier) are copied back to the host tier by the
+CPU, one step later
 (SparseServe's CPU-assisted saving): a device->host copy of the block, then a
 store into the pinned buffer through its address. The engine tracks lengths
 on the host, so nothing here waits on the device except those small copies.
@@ -45,7 +46,7 @@ from sparse_jax.methods.base import DenseAttention
 from sparse_jax.methods.double_sparsity import AsyncTLS
 from sparse_jax.offload import capacity
 from sparse_jax.offload import step as off
-from sparse_jax.offload.tiers import HostLayer, OffloadLayer, pinned_host_sharding
+from sparse_jax.offload.tiers import HostLayer, OffloadLayer, device_sharding, pinned_host_sharding
 
 MODES = ("resident", "offload")
 # the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py,
@@ -110,7 +111,7 @@ class LayeredRunner:
       churn: benchmarks on random weights only (0 = the real method): the
         fraction of the block set renewed per step, see
         :func:`sparse_jax.offload.step.decode_layer`.
-      concurrent: compile the per-layer decode steps with XLA's concurrent
+      concurrent: compile the decode calls with XLA's concurrent
         CUDA-graph schedule (``xla_gpu_command_buffer_scheduling_mode=
         CONCURRENT``: kernels with no data dependence may run at once), so an
         offloaded layer's host copy runs beside its output projection and MLP.
@@ -227,7 +228,9 @@ class LayeredRunner:
             entry, hk, hv = _finish_layer(self._layer_method(i), self.offloaded[i], pool)(
                 k, v, lengths, q_last, self.channels[i])
             del k, v
-            layers.append(entry)
+            # committed to the device, as the decode calls' outputs are (the host tier is): an
+            # uncommitted first state is another compilation of each decode call and extraction
+            layers.append(jax.device_put(entry, device_sharding()))
             if self.offloaded[i]:
                 sh = pinned_host_sharding()
                 host.append(HostLayer(jax.device_put(hk, sh), jax.device_put(hv, sh)))  # async D2H copies
@@ -243,7 +246,7 @@ class LayeredRunner:
             return
         tiers = tuple(layers[i] for i in self.offloaded_layers)
         fn = _extract_block_fn(self.method.block_size)
-        for m in (1 << k for k in range(int(batch - 1).bit_length() + 1)):
+        for m in (1 << k for k in range(_padded_rows(batch).bit_length())):
             fn(tiers, jnp.zeros((m,), jnp.int32), jnp.full((m,), tiers[0].pool_slots, jnp.int32))
 
     def prefill(self, tokens, lengths, max_len: int | None = None):
@@ -307,7 +310,7 @@ class LayeredRunner:
         blocks = state.lengths_host[rows] // bs - 1
         ring = pool + blocks % 2  # the ring slot that holds each row's completed block
         # pad the lists to a power of two (repeating their last entry): few compilations
-        pad = (1 << int(rows.size - 1).bit_length()) - rows.size
+        pad = _padded_rows(rows.size) - rows.size
         ks, vs = _extract_block_fn(bs)(tuple(state.layers[i] for i in idx),
                                        jnp.asarray(np.pad(rows, (0, pad), mode="edge").astype(np.int32)),
                                        jnp.asarray(np.pad(ring, (0, pad), mode="edge").astype(np.int32)))
@@ -456,6 +459,11 @@ def _decode_group_fn(layer_graph, treedef, cfg, kinds, churn, gather_programs=No
         return x, tuple(out)
 
     return run
+
+
+def _padded_rows(n: int) -> int:
+    """The row count a block extraction of ``n`` rows runs with: the next power of two."""
+    return 1 << int(n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=8)

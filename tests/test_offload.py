@@ -268,3 +268,25 @@ def test_layer_groups_equal_one_call_per_layer(mode):
     if mode == "offload":
         assert runs[1][2]["steps"] == 20 and sum(runs[1][2]["misses_per_step"]) > 0
 
+
+
+def test_decode_compiles_once_and_flush_is_precompiled():
+    """The state built by prefill has the placement of the decode calls' outputs:
+    each decode call compiles once, and the block extraction compiled when the
+    state was built is the one the block saves use (no compilation mid-decode)."""
+    from models import layered
+
+    model = _tiny_asynctls_model()
+    runner = layered.LayeredRunner(model, "offload", layers_per_call=2)
+    tokens = np.random.default_rng(4).integers(3, 97, (3, 60)).astype(np.int32)
+    _, state = runner.prefill(tokens, np.array([60, 47, 33], np.int32), 256)
+    extract = layered._extract_block_fn(runner.method.block_size)
+    built = extract._cache_size()
+    tok = jnp.zeros((3,), jnp.int32)
+    runner.decode_step(tok, state)
+    after_first = [fn._cache_size() for fn in runner._decode_fns]  # (the functions are shared between runners)
+    for _ in range(19):  # every row completes a 16-token block
+        runner.decode_step(tok, state)
+    runner.finish(state)
+    assert extract._cache_size() == built
+    assert [fn._cache_size() for fn in runner._decode_fns] == after_first
