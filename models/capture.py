@@ -1,5 +1,5 @@
 """Per-layer queries and keys of a dense forward pass, for offline calibration
-(``python -m sparse_jax.calibrate``) and attention analysis."""
+(``python -m models.calibrate``) and attention analysis."""
 
 from __future__ import annotations
 

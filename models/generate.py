@@ -334,10 +334,13 @@ def prepare_prompt(spec: RunSpec, config, tokenizer) -> Prepared:
                        f"({ctx} tokens); lower --max-new-tokens to at most {ctx - n}")
     cache_len = min(round_up(n + spec.max_new_tokens, BUCKET), ctx)
     bucket = min(round_up(n, BUCKET), cache_len)
+    # Bind the method to this model first (calibrated channels for double_sparsity / asynctls), as
+    # load_model does: checking the unbound method refused every calibrated method.
+    from models.api import bind_method
+
     try:
-        spec.method.check(num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                          head_dim=config.head_dim, max_len=cache_len)
-    except ValueError as e:
+        spec.method = bind_method(spec.method, config, cache_len)
+    except (ValueError, FileNotFoundError) as e:
         raise CLIError(f"attention method {spec.attention!r} cannot run this model: {e}") from None
     return Prepared(ids=ids, text=text, bucket=bucket, cache_len=cache_len, context=ctx)
 
@@ -527,7 +530,8 @@ def run(spec: RunSpec, out: TextIO | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = models.load_model(spec.model, dtype=jnp.dtype(spec.dtype), attention=spec.method)
     load_s = time.perf_counter() - t0
-    out.write(f"[{spec.model} | attention {spec.method!r} | {spec.dtype} | {jax.devices()[0].platform} | "
+    opts = ", ".join(f"{k}={v}" for k, v in spec.attention_opts.items())
+    out.write(f"[{spec.model} | attention {spec.attention}{f' ({opts})' if opts else ''} | {spec.dtype} | {jax.devices()[0].platform} | "
               f"prompt {len(prep.ids)} tokens{' (chat)' if spec.chat else ''}, padded to {prep.bucket} | "
               f"cache {prep.cache_len} | weights loaded in {load_s:.1f} s]\n")
     out.flush()

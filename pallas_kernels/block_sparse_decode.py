@@ -53,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._util import next_pow2
 from pallas_kernels.merge import MASK_VALUE
 from pallas_kernels.sparse_decode import (
     DEFAULT_BLOCK_K,
@@ -61,7 +62,6 @@ from pallas_kernels.sparse_decode import (
     MIN_GROUP_ROWS,
     MIN_TOKENS_PER_SPLIT,
     _is_pow2,
-    _next_pow2,
     choose_num_splits,
     default_scale,
     dot_precision,
@@ -198,7 +198,7 @@ def resolve_block_tuning(B: int, Hkv: int, NB: int, D: int, block_size: int, *,
     if blocks_per_iter < 1:
         raise ValueError(f"blocks_per_iter must be >= 1, got {blocks_per_iter}")
     if blocks_per_iter == 1:
-        tile = min(block_k, max(16, _next_pow2(block_size)))
+        tile = min(block_k, max(16, next_pow2(block_size)))
         sub_tiles = -(-block_size // tile)
     else:
         tile = blocks_per_iter * block_size
@@ -245,7 +245,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     _, Hkv, S, _ = k.shape
     NB = block_indices.shape[-1]
     G = Hq // Hkv
-    g_pad = max(MIN_GROUP_ROWS, _next_pow2(G))
+    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
     scale = default_scale(D) if scale is None else float(scale)
     tile, sub_tiles, bpi, ns, bps = resolve_block_tuning(
         B, Hkv, NB, D, block_size, block_k=block_k, blocks_per_iter=blocks_per_iter,

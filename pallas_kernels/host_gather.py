@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels._util import next_pow2
 
 __all__ = [
     "host_gather_reference",
@@ -68,9 +69,6 @@ __all__ = [
 DEFAULT_TILE_BYTES = 8192
 MAX_GRID_Y = 65535  # CUDA limit on the second grid dimension
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def host_gather_reference(src, block_ids):
@@ -106,9 +104,9 @@ def plan_host_gather(
         block_shape = (1,)
     *outer, w = block_shape
     h = math.prod(outer)
-    tile_elems = max(1, _next_pow2(max(1, tile_bytes // itemsize)))
-    tw = min(_next_pow2(w), tile_elems)
-    th = max(1, min(tile_elems // tw, _next_pow2(h)))
+    tile_elems = max(1, next_pow2(max(1, tile_bytes // itemsize)))
+    tw = min(next_pow2(w), tile_elems)
+    th = max(1, min(tile_elems // tw, next_pow2(h)))
     n_row_tiles = -(-h // th)
     n_col_tiles = -(-w // tw)
     if n_row_tiles * n_col_tiles > MAX_GRID_Y:

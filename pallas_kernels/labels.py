@@ -127,6 +127,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._util import next_pow2, prev_pow2
+
 __all__ = [
     "LabelCache",
     "SUPPORTED_BITS",
@@ -511,12 +513,6 @@ _STAT_FLOOR = -1e30
 MODES = ("two_pass", "logits", "per_tile")
 
 
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @functools.cache
@@ -557,7 +553,7 @@ def _combine_stats(m_in, l_in, group):
     """Per head: the global max (0 when empty) and ``1 / (G * sum)`` (0 when empty)
     from the per-program ``(max, sum-exp)`` refs ``[P, G]``."""
     npart = m_in.shape[0]
-    npad = _next_pow2(npart)  # in-kernel tensors: power-of-two sizes
+    npad = next_pow2(npart)  # in-kernel tensors: power-of-two sizes
     ok = jnp.arange(npad, dtype=jnp.int32) < npart
     maxes, weights = [], []
     for g in range(group):
@@ -878,7 +874,7 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
             return logits, m, l
         # Memory-bound normalization: one tile per program, 4 candidates a
         # thread (vector loads and stores), few registers, many programs.
-        nbc = min(4 * 32 * num_warps, _next_pow2(num_cand))
+        nbc = min(4 * 32 * num_warps, next_pow2(num_cand))
         ntn = pl.cdiv(num_cand, nbc)
         return pl.pallas_call(
             functools.partial(_normalize_body, num_cand=num_cand, block_c=nbc, group=g),

@@ -57,14 +57,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels._util import next_pow2
 
 __all__ = ["assign_slots_reference", "assign_slots_pallas"]
 
 INT32_MAX = np.int32(2**31 - 1)
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def assign_slots_reference(nxt, ring_start, clock, block_slot, slot_block, slot_used, *, ring_slots: int = 2):
@@ -168,7 +166,7 @@ def assign_slots_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_use
     if r * max(nb, p + ring_slots, n1) >= 2**31:
         raise ValueError(f"{r} rows x {max(nb, p + ring_slots)} entries overflow int32 offsets")
     kern = functools.partial(_assign_kernel, n_rows=r, n1=n1, nb=nb, p=p, ring_slots=ring_slots,
-                             n1p=_next_pow2(n1), pp=_next_pow2(p))
+                             n1p=next_pow2(n1), pp=next_pow2(p))
     i32 = jnp.int32
     out_shape = (
         jax.ShapeDtypeStruct((r * nb,), i32),

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.merge import MASK_VALUE, combine_splits
+from pallas_kernels._util import next_pow2
 
 # Tuning defaults (the lead sweeps these on the H100).
 DEFAULT_BLOCK_K = 64          # gathered tokens per inner-loop tile
@@ -69,9 +70,6 @@ MIN_GROUP_ROWS = 16           # tl.dot needs M >= 16
 
 TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages")
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _is_pow2(x: int) -> bool:
@@ -227,7 +225,7 @@ def resolve_sparse_tuning(B: int, Hkv: int, K: int, D: int, *, block_k=None,
     if block_k is None:
         block_k = DEFAULT_BLOCK_K if D <= 128 else 32
         # Short selections: don't pad a 40-slot row to 64.
-        block_k = min(block_k, max(16, _next_pow2(max(K, 1))))
+        block_k = min(block_k, max(16, next_pow2(max(K, 1))))
     block_k = int(block_k)
     if not _is_pow2(block_k) or block_k < 16:
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
@@ -262,7 +260,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     _, Hkv, S, _ = k.shape
     K = indices.shape[-1]
     G = Hq // Hkv
-    g_pad = max(MIN_GROUP_ROWS, _next_pow2(G))
+    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
     scale = default_scale(D) if scale is None else float(scale)
     block_k, ns, k_split = resolve_sparse_tuning(B, Hkv, K, D, block_k=block_k,
                                                  num_splits=num_splits)

@@ -59,6 +59,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels._util import next_pow2
 
 __all__ = [
     "topk_reference",
@@ -73,9 +74,6 @@ INT32_MIN = -(2**31)
 DEFAULT_MAX_SINGLE = 16384  # keys one program holds in registers (64 KiB)
 MAX_CHUNK = 32768
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _i32(v: int) -> np.int32:
@@ -172,12 +170,12 @@ def plan_topk(
     """
     if not (1 <= k <= n):
         return None
-    max_single = _next_pow2(max_single)
+    max_single = next_pow2(max_single)
     levels = []
     m = n
     while m > max_single:
-        c = chunk if chunk is not None else max(4096, _next_pow2(4 * k))
-        c = _next_pow2(c)
+        c = chunk if chunk is not None else max(4096, next_pow2(4 * k))
+        c = next_pow2(c)
         n_chunks = -(-m // c)
         m_next = n_chunks * k
         if c <= k or m_next >= m or c > MAX_CHUNK:
@@ -185,7 +183,7 @@ def plan_topk(
         w = num_warps or _default_warps(c)
         levels.append(TopkLevel(m, c, n_chunks, k, False, 1, w))
         m = m_next
-    c = _next_pow2(m)
+    c = next_pow2(m)
     if c > MAX_CHUNK:
         return None
     br = block_rows if not levels else 1
@@ -454,78 +452,3 @@ def topk_pallas(
         )(*srcs, *extra)
         srcs = tuple(outs)
     return srcs[0].reshape(r, k)
-
-
-# ----------------------------------------------------------------------------
-# Tuning sweep (run on the GPU: python -m pallas_kernels.topk [--quick])
-# ----------------------------------------------------------------------------
-
-
-def _sweep_main(argv=None):
-    """Time the kernel's knobs on the shapes that matter; print the best per shape.
-
-    Baselines: ``lax.top_k`` on f32 (``is_stable=False``) and the reference
-    (int32 keys). Every kernel result is checked against the reference set
-    first. Times are CUPTI device times where available (benchmarks.timing).
-    """
-    import argparse
-    import itertools
-
-    from benchmarks.timing import time_fn
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--shapes", default=None, help="R,N,k;R,N,k;... instead of the default list")
-    ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
-    args = ap.parse_args(argv)
-
-    shapes = [(64, 2048, 128), (64, 8192, 512), (64, 8192, 2048)]
-    if args.shapes:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
-    elif not args.quick:
-        shapes += [(64, 8192, 1024), (64, 16384, 2048), (64, 32768, 512), (64, 131072, 512), (64, 131072, 2048)]
-    knobs = dict(num_warps=[None, 4, 8, 16], radix_bits=[1, 2, 4], early_exit=[True, False])
-    if args.quick:
-        knobs = dict(num_warps=[None, 8], radix_bits=[1, 2], early_exit=[True])
-    print(f"device: {jax.devices()[0].device_kind}")
-    for r, n, k in shapes:
-        x = jax.random.normal(jax.random.key(n + k), (r, n), jnp.float32)
-        want = np.sort(np.asarray(topk_reference(x, k)), axis=1)
-        base = {}
-        for name, fn in {
-            "lax.top_k f32 is_stable=False": lambda s: lax.top_k(s, k, is_stable=False)[1],
-            "reference (int keys)": lambda s: topk_reference(s, k),
-        }.items():
-            base[name] = time_fn(jax.jit(fn), (x,), runs=args.runs).best_ms
-        print(f"\n== {r} x {n}, k={k}: " + ", ".join(f"{a} {b * 1e3:.1f} us" for a, b in base.items()))
-        extra = [dict()]
-        if n > DEFAULT_MAX_SINGLE:
-            extra = [dict(), dict(chunk=8192), dict(chunk=16384), dict(max_single=8192)]
-        elif n <= 4096:
-            extra = [dict(), dict(block_rows=2)]
-        results = []
-        for vals in itertools.product(*knobs.values()):
-            for ex in extra:
-                tuning = {**dict(zip(knobs, vals)), **ex}
-                if plan_topk(n, k, **{a: tuning[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in tuning}) is None:
-                    continue
-                fn = jax.jit(functools.partial(topk_pallas, k=k, interpret=args.interpret, **tuning))
-                try:
-                    got = np.sort(np.asarray(fn(x)), axis=1)
-                    if not np.array_equal(got, want):
-                        print(f"  {tuning}: WRONG RESULT")
-                        continue
-                    t = time_fn(fn, (x,), runs=args.runs).best_ms
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"  {tuning}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                results.append((t, tuning))
-                print(f"  {str(tuning):<70s} {t * 1e3:8.1f} us")
-        if results:
-            t, tuning = min(results, key=lambda p: p[0])
-            print(f"  BEST {tuning}: {t * 1e3:.1f} us ({min(base.values()) / t:.1f}x the best baseline)")
-
-
-if __name__ == "__main__":
-    _sweep_main()

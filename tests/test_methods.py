@@ -150,7 +150,7 @@ def test_bad_configs_fail_early():
 
 def test_missing_calibration_names_the_command(tmp_path):
     m = get_method("double_sparsity", calibration_root=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="python -m sparse_jax.calibrate --model nope"):
+    with pytest.raises(FileNotFoundError, match="python -m models.calibrate --model nope"):
         m.for_model("nope", num_layers=2, head_dim=64)
 
 

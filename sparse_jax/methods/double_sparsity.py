@@ -50,7 +50,7 @@ class DoubleSparsity(SparseMethod):
     ranking: str = "maxabs"
     dense_layers: tuple[int, ...] = (0, 1)
     calibration_root: str | None = None
-    channels_per_layer: tuple | None = None
+    channels_per_layer: tuple | None = dataclasses.field(default=None, repr=False)
     layer: int = -1
 
     def for_model(self, model_name, *, num_layers, head_dim):
