@@ -101,11 +101,18 @@ class Model:
         cfg = self.config
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a sparse_jax.cache.KVCache (from model.init_cache), got {type(cache).__name__}")
-        if len(cache.layers) != cfg.num_layers:
-            raise ValueError(f"cache has {len(cache.layers)} layers, the model has {cfg.num_layers}")
-        k = cache.layers[0].k
-        if k.ndim != 4 or k.shape[0] != batch or k.shape[1] != cfg.num_kv_heads or k.shape[3] != cfg.head_dim:
-            raise ValueError(f"cache k must have shape [B={batch}, Hkv={cfg.num_kv_heads}, S, D={cfg.head_dim}], "
+        if cache.num_layers != cfg.num_layers:
+            raise ValueError(f"cache has {cache.num_layers} layers, the model has {cfg.num_layers}")
+        from models.driver import make_plan
+
+        plan = make_plan(cfg, self.method)
+        if len(cache.segments) != len(plan.segments) or any(
+                sc.num_layers != seg.length for sc, seg in zip(cache.segments, plan.segments)):
+            raise ValueError("the cache was made for another attention method's layer segments: "
+                             "make it with this model's init_cache")
+        k = cache.segments[0].k
+        if k.ndim != 5 or k.shape[1] != batch or k.shape[2] != cfg.num_kv_heads or k.shape[4] != cfg.head_dim:
+            raise ValueError(f"cache k must have shape [L, B={batch}, Hkv={cfg.num_kv_heads}, S, D={cfg.head_dim}], "
                              f"got {tuple(k.shape)} (batch of the tokens: {batch})")
         if not any(k.dtype == d for d in _FLOATS):
             raise TypeError(f"cache dtype must be float32/bfloat16/float16, got {k.dtype}")

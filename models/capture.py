@@ -1,5 +1,6 @@
 """Per-layer queries and keys of a dense forward pass, for offline calibration
-(``python -m models.calibrate``) and attention analysis."""
+(``python -m models.calibrate``) and attention analysis. Runs through the layer
+driver (:mod:`models.driver`), like every other pass over the model."""
 
 from __future__ import annotations
 
@@ -9,21 +10,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import layer_output, layer_qkv, rope_for
-from sparse_jax.methods.base import dense_prefill_attention
+from models.driver import Driver
+from models.transformer import layer_graphdef
+from sparse_jax.methods.base import DenseAttention
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _capture(graphdef, cfg, params, tokens):
     model = nnx.merge(graphdef, params)
-    t = tokens.shape[1]
-    cos, sin = rope_for(cfg, jnp.arange(t))
-    x = model.embed_tokens(tokens)
+    drv = Driver(cfg, DenseAttention(), layer_graphdef(cfg, model.embed_tokens.weight[...].dtype))
+    _, per_segment = drv.forward(nnx.state(model.layers), model.embed_tokens(tokens), capture=True)
     out = []
-    for layer in model.layers:
-        q, k, v = layer_qkv(layer, x, cos, sin)
-        out.append((q, k))
-        x = layer_output(layer, x, dense_prefill_attention(q, k, v))
+    for q, k in per_segment:  # [L_seg, B, T, H*, D]
+        out += [(q[i], k[i]) for i in range(q.shape[0])]
     return out
 
 

@@ -56,6 +56,13 @@ class ModelConfig:
       rms_eps: RMSNorm epsilon. ``tie_embeddings``: the LM head reuses the
       token embedding.
       bos_token_id, eos_token_id, pad_token_id: special ids (may be None).
+      layer_types: the attention kind of each layer, ``"global"`` (the whole
+        context) or ``"local"`` (sliding window of ``sliding_window`` keys, the
+        current one included; its cache is a ring of that many tokens); None:
+        every layer global. Sparse methods run on global layers only, and their
+        dense-layer rule counts global layers (:mod:`sparse_jax.layers`).
+      sliding_window: the local layers' window.
+      rope_local_theta: RoPE base of the local layers (None: ``rope_theta``).
     """
 
     name: str
@@ -75,6 +82,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -88,6 +98,20 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+            bad = [t for t in self.layer_types if t not in ("global", "local")]
+            if bad:
+                raise ValueError(f"layer_types must be 'global' or 'local', got {bad[0]!r}")
+            if "local" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+                raise ValueError("local layers need sliding_window >= 1")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The attention kind of every layer (``"global"`` / ``"local"``)."""
+        return self.layer_types if self.layer_types is not None else ("global",) * self.num_layers
 
     @property
     def qk_norm(self) -> bool:
@@ -115,6 +139,8 @@ class ModelConfig:
         rs = d.get("rope_scaling")
         if isinstance(rs, dict):
             d["rope_scaling"] = RopeScaling(**rs)
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

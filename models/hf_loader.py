@@ -34,15 +34,25 @@ _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 # -----------------------------------------------------------------------------
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
+def hf_name(path: tuple, layer: int | None = None) -> tuple[str, bool]:
     """HF tensor name for an NNX param path, and whether the array is transposed
-    (NNX ``kernel [in, out]`` vs HF ``weight [out, in]``)."""
+    (NNX ``kernel [in, out]`` vs HF ``weight [out, in]``). The decoder layers are
+    stacked (``layers.self_attn.q_proj.kernel [L, in, out]``): give ``layer`` to
+    name one row (``model.layers.{layer}.self_attn.q_proj.weight``)."""
     parts = [str(p) for p in path]
     transpose = parts[-1] == "kernel"
     if transpose:
         parts[-1] = "weight"
+    if parts[0] == "layers":
+        if layer is None:
+            raise ValueError(f"param {'.'.join(parts)} is stacked over layers: give the layer index")
+        parts.insert(1, str(layer))
     prefix = [] if parts[0] == "lm_head" else ["model"]
     return ".".join(prefix + parts), transpose
+
+
+def _is_stacked(path: tuple) -> bool:
+    return str(path[0]) == "layers"
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -61,19 +71,29 @@ def hf_tensors_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dt
     np_dtype = _np_dtype(dtype)
     out = {}
     for path, spec in flat.items():
-        name, transpose = hf_name(path)
-        if name not in tensors:
-            raise ValueError(f"tensor {name!r} missing from the weights (model {cfg.name!r}, "
-                             f"{cfg.num_layers} layers)")
-        arr = np.asarray(tensors[name])
-        if transpose:
-            arr = arr.T
-        if tuple(arr.shape) != tuple(spec.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(np.asarray(tensors[name]).shape)}, "
-                             f"the config needs {tuple(spec.shape)[::-1] if transpose else tuple(spec.shape)}")
-        out[path] = jax.device_put(np.ascontiguousarray(arr.astype(np_dtype, copy=False)))
+        if _is_stacked(path):  # one HF tensor per layer, stacked on a leading axis
+            rows = [_hf_tensor(tensors, path, i, spec.shape[1:], cfg) for i in range(spec.shape[0])]
+            arr = np.stack([r.astype(np_dtype, copy=False) for r in rows])
+        else:
+            arr = _hf_tensor(tensors, path, None, spec.shape, cfg).astype(np_dtype, copy=False)
+        out[path] = jax.device_put(np.ascontiguousarray(arr))
     nnx.replace_by_pure_dict(abstract, traverse_util.unflatten_dict(out))
     return abstract
+
+
+def _hf_tensor(tensors: Mapping[str, np.ndarray], path: tuple, layer: int | None, shape: tuple,
+               cfg: ModelConfig) -> np.ndarray:
+    name, transpose = hf_name(path, layer)
+    if name not in tensors:
+        raise ValueError(f"tensor {name!r} missing from the weights (model {cfg.name!r}, "
+                         f"{cfg.num_layers} layers)")
+    arr = np.asarray(tensors[name])
+    if transpose:
+        arr = arr.T
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(np.asarray(tensors[name]).shape)}, "
+                         f"the config needs {tuple(shape)[::-1] if transpose else tuple(shape)}")
+    return arr
 
 
 def params_to_hf_tensors(params: nnx.State) -> dict[str, np.ndarray]:
@@ -81,9 +101,11 @@ def params_to_hf_tensors(params: nnx.State) -> dict[str, np.ndarray]:
     pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
     out = {}
     for path, arr in traverse_util.flatten_dict(pure).items():
-        name, transpose = hf_name(path)
         a = np.asarray(jax.device_get(arr))
-        out[name] = np.ascontiguousarray(a.T if transpose else a)
+        rows = [(i, a[i]) for i in range(a.shape[0])] if _is_stacked(path) else [(None, a)]
+        for i, r in rows:
+            name, transpose = hf_name(path, i)
+            out[name] = np.ascontiguousarray(r.T if transpose else r)
     return out
 
 

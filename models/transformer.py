@@ -6,18 +6,18 @@ embeddings; SmolLM2 is one) and Qwen3 (the same plus a per-head RMSNorm on q
 and k before RoPE, no attention bias).
 
 The module only holds parameters (named like the Hugging Face checkpoints:
-``embed_tokens``, ``layers[i].self_attn.q_proj``, ... so the loaders map names
-one to one). The computations are pure functions of ``(module, arrays)``; the
-public wrappers in :func:`build_functions` split the module once
-(``nnx.split``) and jit functions of ``(params, tokens, lengths, cache)`` with
-the cache donated and the attention method static (closed over).
+``embed_tokens``, ``layers.self_attn.q_proj``, ... so the loaders map names
+one to one). The decoder layers are stacked: every parameter of
+``layers`` has a leading ``[L]`` axis (built with ``nnx.vmap``), so the layer
+driver (:mod:`models.driver`) scans over them. The computations are pure
+functions of ``(module, arrays)``; :func:`build_functions` splits the module
+once (``nnx.split``) and jits functions of ``(params, tokens, lengths, cache)``
+with the cache donated and the attention method static (closed over).
 
 Attention goes only through the method interface of
-:mod:`sparse_jax.methods.base`: for layer ``i`` the model asks
-``method.layer_method(i, num_layers)`` and calls its ``prefill_attention`` /
-``prefill_state`` / ``prefill_query_state`` (prefill) or ``append_state`` / ``decode_attention``
-(decode; it returns ``(out, state)``). The KV cache (:class:`sparse_jax.cache.KVCache`) is head-major
-``[B, Hkv, S_max, D]`` and holds post-RoPE keys.
+:mod:`sparse_jax.methods.base`, called by the driver. The KV cache
+(:class:`sparse_jax.cache.KVCache`) is head-major, stacked per segment of
+identical layers, and holds post-RoPE keys.
 
 RoPE uses Hugging Face's half-split ("rotate_half") layout: the pair rotated
 together is ``(x[i], x[i + D/2])``. The GGUF loader undoes llama.cpp's
@@ -41,9 +41,10 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
-from sparse_jax.cache import KVCache, LayerCache, write_prefill, write_token
-from sparse_jax.methods.base import AttentionMethod
+from sparse_jax.cache import KVCache, LayerCache, write_token
+from sparse_jax.methods.base import AttentionMethod, LayerCtx
 from sparse_jax.ops._dispatch import on_gpu
+from sparse_jax.selection import dense_decode_attention
 
 # -----------------------------------------------------------------------------
 # Pieces (pure functions; tested against NumPy)
@@ -193,12 +194,31 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
 
+def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """``cfg.num_layers`` decoder layers as one module whose parameters carry a leading ``[L]`` axis."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+    def make(r):
+        return DecoderLayer(cfg, dtype=dtype, rngs=r)
+
+    return make(rngs)
+
+
+@functools.lru_cache(maxsize=32)
+def layer_graphdef(cfg: ModelConfig, dtype) -> nnx.GraphDef:
+    """The GraphDef of one (unstacked) decoder layer: ``nnx.merge`` it with a row of
+    ``params["layers"]``."""
+    return nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))[0]
+
+
 class Transformer(nnx.Module):
-    """Parameters of a Llama-family / Qwen3 decoder. ``lm_head`` is None when tied."""
+    """Parameters of a Llama-family / Qwen3 decoder. ``lm_head`` is None when tied;
+    ``layers`` is one :class:`DecoderLayer` with every parameter stacked ``[L, ...]``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_layers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
@@ -250,68 +270,57 @@ def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def decode_layer(layer: DecoderLayer, method: AttentionMethod, x: jax.Array, lc: LayerCache, pos: jax.Array,
-                 cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, LayerCache]:
-    """One decode step of one layer with a resident cache: ``x [B, H]``, the new
-    tokens at ``pos int32[B]`` -> ``(x, lc)``."""
+def decode_layer(layer: DecoderLayer, method: AttentionMethod | None, x: jax.Array, lc: LayerCache, pos: jax.Array,
+                 cos: jax.Array, sin: jax.Array, ctx: LayerCtx | None = None, carry=None):
+    """One decode step of one layer on its own (unstacked) resident cache: ``x [B, H]``,
+    the new tokens at ``pos int32[B]`` -> ``(x, lc, carry)``. ``method`` None: exact
+    attention. The engine of :mod:`models.layered` runs layers one by one with this;
+    the model's own functions run the stacked layers through :mod:`models.driver`."""
     q, k, v = layer_qkv(layer, x, cos, sin)  # [B, H*, D]
     lc = write_token(lc, k, v, pos)
-    state = method.append_state(lc.state, lc.k, lc.v, pos)
-    o, state = method.decode_attention(q, lc.k, lc.v, pos + 1, state)
-    return layer_output(layer, x, o), dataclasses.replace(lc, state=state)
+    if method is None:
+        o, state = dense_decode_attention(q, lc.k, lc.v, pos + 1), lc.state
+    else:
+        state = method.append_state(lc.state, lc.k, lc.v, pos, ctx)
+        o, state, carry = method.decode(q, lc.k, lc.v, pos + 1, state, carry, ctx)
+    return layer_output(layer, x, o), dataclasses.replace(lc, state=state), carry
 
 
-def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array) -> jax.Array:
+def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool):
+    from models.driver import Driver
+
+    return Driver(cfg, method, graphdef_layers, unroll)
+
+
+def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array, *,
+            unroll: bool = False) -> jax.Array:
     """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``."""
-    b, t = tokens.shape
-    cos, sin = rope_for(cfg, jnp.arange(t))  # [T, D/2]
-    lengths = jnp.full((b,), t, jnp.int32)
-    x = model.embed_tokens(tokens)
-    for i, layer in enumerate(model.layers):
-        m = method.layer_method(i, cfg.num_layers)
-        q, k, v = layer_qkv(layer, x, cos, sin)
-        x = layer_output(layer, x, m.prefill_attention(q, k, v, lengths))
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    x = drv.forward(nnx.state(model.layers), model.embed_tokens(tokens))
     return model.logits(x)
 
 
 def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
-            lengths: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+            lengths: jax.Array, cache: KVCache, *, unroll: bool = False) -> tuple[jax.Array, KVCache]:
     """Prefill right-padded ``tokens int32[B, T]`` (row ``b`` valid up to ``lengths[b]``)
     into an empty ``cache``; return the f32 logits ``[B, V]`` at each row's last valid
     position and the cache (``lengths`` set)."""
-    b, t = tokens.shape
-    cos, sin = rope_for(cfg, jnp.arange(t))
-    x = model.embed_tokens(tokens)
-    new_layers = []
-    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
-        m = method.layer_method(i, cfg.num_layers)
-        q, k, v = layer_qkv(layer, x, cos, sin)
-        o = m.prefill_attention(q, k, v, lengths)
-        lc = write_prefill(lc, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        new_layers.append(dataclasses.replace(lc, state=prefill_layer_state(m, lc, lengths, last_valid(q, lengths))))
-        x = layer_output(layer, x, o)
-    return model.logits(last_valid(x, lengths)), KVCache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32))
-
-
-def prefill_layer_state(method: AttentionMethod, lc: LayerCache, lengths: jax.Array, q_last: jax.Array):
-    """The method's state after a prefill wrote ``lc.k, lc.v``; ``q_last [B, Hq, D]``
-    is each row's last prompt query."""
-    state = method.prefill_state(lc.state, lc.k, lc.v, lengths)
-    return method.prefill_query_state(state, q_last, lengths)
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    x, cache = drv.prefill(nnx.state(model.layers), model.embed_tokens(tokens), lengths.astype(jnp.int32), cache)
+    return model.logits(last_valid(x, lengths)), cache
 
 
 def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+                cache: KVCache, *, unroll: bool = False) -> tuple[jax.Array, KVCache]:
     """One token per row ``tokens int32[B]`` at positions ``cache.lengths``: f32 logits
     ``[B, V]`` and the cache with the token appended (``lengths + 1``)."""
-    pos = cache.lengths
-    cos, sin = rope_for(cfg, pos)  # [B, D/2]
-    x = model.embed_tokens(tokens)  # [B, H]
-    new_layers = []
-    for i, (layer, lc) in enumerate(zip(model.layers, cache.layers)):
-        x, lc = decode_layer(layer, method.layer_method(i, cfg.num_layers), x, lc, pos, cos, sin)
-        new_layers.append(lc)
-    return model.logits(x), KVCache(layers=tuple(new_layers), lengths=pos + 1)
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    x, cache = drv.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache)
+    return model.logits(x), cache
+
+
+def _dtype_of(model: Transformer):
+    return model.embed_tokens.weight[...].dtype
 
 
 # -----------------------------------------------------------------------------
@@ -340,16 +349,10 @@ def _init_fn(cfg: ModelConfig, dtype):
 
 
 def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype) -> KVCache:
-    """Empty cache ``[B, Hkv, max_len, D]`` per layer plus each layer method's state."""
-    method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    layers = []
-    for i in range(cfg.num_layers):
-        m = method.layer_method(i, cfg.num_layers)
-        state = m.init_state(batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=max_len,
-                             head_dim=cfg.head_dim, dtype=dtype)
-        layers.append(LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), state=state))
-    return KVCache(layers=tuple(layers), lengths=jnp.zeros((batch,), jnp.int32))
+    """Empty cache (see :func:`models.driver.init_cache`)."""
+    from models.driver import init_cache as _init
+
+    return _init(cfg, method, batch, max_len, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,17 +370,19 @@ class ModelFunctions:
 
 
 @functools.lru_cache(maxsize=32)
-def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod) -> ModelFunctions:
+def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod,
+                    unroll: bool = False) -> ModelFunctions:
     """The jitted functions; cached, so models with the same structure, config and
-    method (e.g. loaded twice, or from a GGUF and from its HF export) share compilations."""
+    method (e.g. loaded twice, or from a GGUF and from its HF export) share compilations.
+    ``unroll``: the layer driver's segments unrolled instead of scanned."""
     def _forward(params, tokens):
-        return forward(nnx.merge(graphdef, params), cfg, method, tokens)
+        return forward(nnx.merge(graphdef, params), cfg, method, tokens, unroll=unroll)
 
     def _prefill(params, tokens, lengths, cache):
-        return prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, cache)
+        return prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, cache, unroll=unroll)
 
     def _decode(params, tokens, cache):
-        return decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache)
+        return decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll)
 
     return ModelFunctions(
         forward=jax.jit(_forward),

@@ -1,11 +1,16 @@
 """The KV cache: an explicit pytree passed into and returned from pure jitted
 functions (and donated), never hidden module state.
 
-Layout (head-major, DESIGN.md): per layer ``k, v: [B, Hkv, S_max, D]`` plus the
-attention method's per-layer state (block metadata, label cache, ...), and one
-``lengths: int32[B]`` for the whole batch so rows can hold different lengths.
-Head-major avoids the full-cache transpose that ``[B, S, Hkv, D]`` forces on
-every decode step and matches per-KV-head selection.
+Layout (head-major, DESIGN.md): the layer driver cuts the model's stack into
+segments of identical layers (:mod:`sparse_jax.layers`), and the cache holds
+one :class:`SegmentCache` per segment with the segment's layers stacked on a
+leading axis: ``k, v [L_seg, B, Hkv, S_seg, D]`` and the method's per-layer
+state with the same leading axis, plus one ``lengths int32[B]`` for the whole
+batch so rows can hold different lengths. ``S_seg`` is the segment's capacity:
+``max_len`` on global layers, a ring of ``window`` slots on sliding-window
+layers (token ``p`` in slot ``p % window``). Head-major avoids the full-cache
+transpose that ``[B, S, Hkv, D]`` forces on every decode step and matches
+per-KV-head selection.
 
 Positions ``>= lengths[b]`` hold garbage (padding of a ragged prefill, or
 nothing yet); every reader masks them.
@@ -23,7 +28,7 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
-    """One layer: ``k, v [B, Hkv, S_max, D]`` and the method's state for it."""
+    """One layer: ``k, v [B, Hkv, S, D]`` and the method's state for it."""
 
     k: jax.Array
     v: jax.Array
@@ -32,19 +37,50 @@ class LayerCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
-    """All layers plus the number of valid tokens per batch row ``int32[B]``."""
+class SegmentCache:
+    """The stacked layers of one segment: ``k, v [L_seg, B, Hkv, S_seg, D]`` and the
+    method's state (every leaf with the leading ``L_seg`` axis, or None)."""
 
-    layers: tuple[LayerCache, ...]
+    k: jax.Array
+    v: jax.Array
+    state: Any = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def layer(self, i: int) -> LayerCache:
+        """Layer ``i`` of the segment (a copy of its slices; for tests and analysis)."""
+        return LayerCache(self.k[i], self.v[i], jax.tree.map(lambda x: x[i], self.state))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """All segments plus the number of valid tokens per batch row ``int32[B]``.
+
+    ``max_len`` (static): the context capacity (global layers hold that many tokens).
+    """
+
+    segments: tuple[SegmentCache, ...]
     lengths: jax.Array
+    max_len: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
 
     @property
-    def max_len(self) -> int:
-        return self.layers[0].k.shape[2]
+    def num_layers(self) -> int:
+        return sum(s.num_layers for s in self.segments)
+
+    def layer(self, i: int) -> LayerCache:
+        """Model layer ``i`` (a copy of its slices; for tests and analysis)."""
+        for seg in self.segments:
+            if i < seg.num_layers:
+                return seg.layer(i)
+            i -= seg.num_layers
+        raise IndexError("layer index out of range")
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))

@@ -1,42 +1,59 @@
-"""The attention-method interface: how a model calls attention.
+"""The attention-method interface: how the layer driver calls attention.
 
-The model never calls attention directly. For every layer it asks the method
-for that layer's method (``method.layer_method(layer, num_layers)``, which is
-the dense method on the layers a paper keeps dense) and calls four pure
-functions on it; sparse methods add modules to the registry, never edits to
-the model.
+The model never calls attention directly: the layer driver
+(:mod:`models.driver`) calls a method's pure functions for every layer on
+which the method runs (``LayerSpec.sparse``: a global layer its dense-layer
+rule does not keep exact); other layers run exact attention. A method is one
+frozen dataclass (hyperparameters with the papers' defaults) in one module
+and a registry entry, never a model edit.
+
+Selection is data: ``select`` returns a :class:`sparse_jax.selection.Selection`
+(token ids, or block ids, and counts, plus an optional ``prefetch`` of the
+blocks the next step needs), and one generic attention
+(:func:`sparse_jax.selection.attend`) runs it. Whoever needs the selection in
+between (the offloaded cache, Kascade's reuse layers, composition) reads the
+``Selection``; a method that wants to fuse selection and attention overrides
+``decode`` behind the same interface.
 
 Shapes: ``B`` batch, ``T`` new tokens, ``S`` cache capacity, ``Hq`` query
 heads, ``Hkv`` KV heads (GQA: query head ``i`` reads KV head ``i // (Hq // Hkv)``),
 ``D`` head dim. Keys in the cache are post-RoPE.
 
+``layer`` (a :class:`LayerCtx`) tells a hook which layer it runs: ``layer.spec``
+(static :class:`sparse_jax.layers.LayerSpec`) and ``layer.data``, the layer's
+row of the per-layer constants the method declared in ``layer_data`` (traced:
+the driver stacks them and scans over them), with ``layer.data["index"]`` the
+layer's index in the model.
+
 =======================  ======================================================
 hook                     called
 =======================  ======================================================
+``layer_data``           once per layer when the functions are built: per-layer
+                         constants (NumPy arrays of the same shapes on every
+                         layer: Double Sparsity's channels) or None
+``init_carry``           once per step: the pytree that crosses layers (Kascade:
+                         the last anchor's selection), or None
 ``init_state``           once per layer by ``init_cache``: the method's per-layer
-                         state (a pytree, or ``None``) stored in ``LayerCache.state``
+                         state (a pytree, or ``None``)
 ``prefill_attention``    prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
                          tokens, cache empty before), causal -> ``[B,T,Hq,D]``
 ``prefill_state``        after the prefill wrote K/V: state from the whole
                          layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
 ``prefill_query_state``  after ``prefill_state``: the query of each row's last
                          prompt token ``q [B,Hq,D]`` (a method whose selection
-                         lags one step, AsyncTLS with ``lag=True``, picks the
-                         first decode step's blocks with it); ``lengths int32[B]``
+                         lags one step picks the first decode step's blocks)
 ``append_state``         decode, after the new token was written at ``positions
                          int32[B]``: the whole layer cache ``k, v [B,Hkv,S,D]``
-                         (methods slice the new token, or re-summarise a block
-                         that just filled)
-``decode_attention``     decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
-                         first ``lengths[b]`` tokens are valid (the new token
-                         included) -> ``(out [B,Hq,D], state)``; the state is
-                         returned because some methods learn from the query
-                         (AsyncTLS's one-step-lag block set, AsyncSpade's query
-                         history)
+``select``               decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
+                         first ``lengths`` tokens are valid (the new one
+                         included), the state and the carry -> ``(Selection,
+                         state, carry)``
+``decode``               ``select`` then ``attend`` -> ``(out [B,Hq,D], state,
+                         carry)``; override only to fuse the two
 =======================  ======================================================
 
 Everything runs inside the model's ``jax.jit``; a method's dataclass fields
-are static (hashable, frozen), its state is traced.
+are static (hashable, frozen), its state and carry are traced.
 
 Example: a method that attends to the last ``window`` tokens only::
 
@@ -45,11 +62,13 @@ Example: a method that attends to the last ``window`` tokens only::
     class LastWindow(AttentionMethod):
         window: int = 256
 
-        def decode_attention(self, q, k, v, lengths, state):
-            pos = jnp.arange(k.shape[2])
-            keep = pos[None, :] >= (lengths[:, None] - self.window)
-            out = masked_decode_attention(q, k, v, keep & (pos[None] < lengths[:, None]))
-            return out, state
+        def select(self, q, k, v, lengths, state, carry, layer):
+            b, hkv = k.shape[:2]
+            idx = lengths[:, None, None] - self.window + jnp.arange(self.window)
+            counts = jnp.minimum(lengths, self.window)
+            idx = jnp.where(lengths[:, None, None] > self.window, idx, jnp.arange(self.window))
+            return (Selection.tokens(jnp.broadcast_to(idx, (b, hkv, self.window)).astype(jnp.int32),
+                                     jnp.broadcast_to(counts[:, None], (b, hkv))), state, carry)
 
     model = models.load_model("smollm2-135m", attention="last_window")
 """
@@ -61,20 +80,47 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from sparse_jax.layers import LayerSpec
 from sparse_jax.ops._dispatch import on_gpu
+from sparse_jax.selection import Selection, attend, masked_decode_attention  # noqa: F401  (re-exported)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCtx:
+    """Which layer a hook runs: its static ``spec`` and its traced per-layer ``data``
+    (the method's ``layer_data`` row, plus ``"index"``: the layer's index, int32)."""
+
+    spec: LayerSpec
+    data: dict
+
+    @property
+    def index(self) -> jax.Array:
+        return self.data["index"]
+
+
+def single_layer(index: int = 0, spec: LayerSpec | None = None, data: dict | None = None) -> LayerCtx:
+    """A :class:`LayerCtx` for calling a method's hooks outside the driver (tests,
+    analysis): ``data`` defaults to the method-independent ``{"index": index}``."""
+    d = {"index": jnp.int32(index)}
+    d.update(data or {})
+    return LayerCtx(spec or LayerSpec(sparse=True), d)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMethod:
-    """Base class: dense prefill, no state. Subclasses override what they change.
+    """Base class: dense prefill, no state, no carry. Subclasses override what they change.
 
     Attributes:
-      dense_layers: layer indices that always use dense attention (negative
-        indices count from the end).
+      dense_layers: indices among the model's *global* layers that always use
+        exact attention (negative indices count from the end).
     """
 
     name: ClassVar[str] = "base"
+    #: whether ``select`` reads the whole key cache (an exact-score method): such a
+    #: method cannot run on an offloaded cache
+    reads_all_keys: ClassVar[bool] = False
     dense_layers: tuple[int, ...] = ()
 
     # -- binding to a model ---------------------------------------------------
@@ -83,10 +129,9 @@ class AttentionMethod:
         (calibrated channels) returns a copy holding it, or raises a clear error."""
         return self
 
-    # -- which method runs a layer -------------------------------------------
-    def layer_method(self, layer: int, num_layers: int) -> "AttentionMethod":
-        dense = {i % num_layers for i in self.dense_layers}
-        return DenseAttention() if layer in dense else self
+    def is_sparse_layer(self, index: int, num_layers: int) -> bool:
+        """Whether the method runs on the ``index``-th of ``num_layers`` global layers."""
+        return index not in {i % num_layers for i in self.dense_layers}
 
     @property
     def cache_multiple(self) -> int:
@@ -96,27 +141,41 @@ class AttentionMethod:
     def check(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
         """Raise ValueError, before any compilation, if this method cannot run the model."""
 
-    # -- state ----------------------------------------------------------------
-    def init_state(self, *, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype) -> Any:
+    # -- per-layer constants and the cross-layer carry --------------------------
+    def layer_data(self, index: int) -> dict[str, np.ndarray] | None:
+        """Constants of model layer ``index`` (the same shapes on every layer), or None."""
         return None
 
-    def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Any:
+    def init_carry(self, *, batch: int, num_kv_heads: int, max_len: int) -> Any:
+        return None
+
+    # -- state ----------------------------------------------------------------
+    def init_state(self, spec: LayerSpec, *, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                   dtype) -> Any:
+        return None
+
+    def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
         return state
 
-    def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array) -> Any:
+    def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
         return state
 
-    def append_state(self, state: Any, k: jax.Array, v: jax.Array, positions: jax.Array) -> Any:
+    def append_state(self, state: Any, k: jax.Array, v: jax.Array, positions: jax.Array, layer: LayerCtx) -> Any:
         return state
 
     # -- attention ------------------------------------------------------------
-    def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                          layer: LayerCtx) -> jax.Array:
         return dense_prefill_attention(q, k, v)
 
-    def decode_attention(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any
-    ) -> tuple[jax.Array, Any]:
+    def select(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any, carry: Any,
+               layer: LayerCtx) -> tuple[Selection, Any, Any]:
         raise NotImplementedError
+
+    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any, carry: Any,
+               layer: LayerCtx) -> tuple[jax.Array, Any, Any]:
+        sel, state, carry = self.select(q, k, v, lengths, state, carry, layer)
+        return attend(q, k, v, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +184,16 @@ class DenseAttention(AttentionMethod):
 
     name: ClassVar[str] = "dense"
 
-    def decode_attention(self, q, k, v, lengths, state):
-        valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
-        return masked_decode_attention(q, k, v, valid[:, None, :]), state
+    def is_sparse_layer(self, index, num_layers):
+        return False
+
+    def select(self, q, k, v, lengths, state, carry, layer):
+        return Selection.all_tokens(), state, carry
 
 
-def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention over the new tokens: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]``.
+def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
+    """Causal attention over the new tokens: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]``;
+    with ``window``, query ``t`` sees keys ``t - window + 1 .. t`` only (sliding window).
 
     Right-padded ragged rows need no extra mask: a valid query at position t
     only sees keys ``<= t``, all valid. GQA is passed to the backend as is (no
@@ -140,19 +202,22 @@ def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arr
     which materialises and re-reads the whole ``[T, T]`` score matrix).
     """
     if not on_gpu():
-        return blockwise_causal_attention(q, k, v)
+        return blockwise_causal_attention(q, k, v, window=window)
     impl = "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl, local_window_size=local)
 
 
-def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 256) -> jax.Array:
+def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 256,
+                               window: int | None = None) -> jax.Array:
     """Causal attention in blocks with an online softmax (flash-attention in jnp).
 
-    ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` -> ``[B,T,Hq,D]``. A scan over query
-    blocks; for each, a loop over the key blocks up to the diagonal only (half
-    the work of a full masked product), each ``[G*block, block]`` score tile
-    small enough to stay in cache. f32 scores and accumulators. Measured on
-    2 CPU cores (T=4000, Hq=9, Hkv=3, D=64, f32): 0.27 s against 1.5 s for
+    ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` -> ``[B,T,Hq,D]``; ``window``: sliding
+    window (keys ``t - window + 1 .. t``). A scan over query blocks; for each, a
+    loop over the key blocks it can see only (the diagonal and, with a window,
+    from the window's first block), each ``[G*block, block]`` score tile small
+    enough to stay in cache. f32 scores and accumulators. Measured on 2 CPU
+    cores (T=4000, Hq=9, Hkv=3, D=64, f32): 0.27 s against 1.5 s for
     ``jax.nn.dot_product_attention(implementation="xla")``.
     """
     b, t, hq, d = q.shape
@@ -178,39 +243,24 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
             kb = jax.lax.dynamic_slice_in_dim(kp, j * c, c, axis=2)
             vb = jax.lax.dynamic_slice_in_dim(vp, j * c, c, axis=2)
             s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb, preferred_element_type=jnp.float32)
-            s = jnp.where(qpos[:, None] >= (j * c + jnp.arange(c))[None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))  # finite: key 0 is visible to every query
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
+            kpos = j * c + jnp.arange(c)
+            seen = qpos[:, None] >= kpos[None, :]
+            if window is not None:
+                seen &= qpos[:, None] - kpos[None, :] < window
+            s = jnp.where(seen, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            # a tile this query sees nothing of (window): keep exp() finite
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
             return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
         init = (jnp.full((b, hkv, g, c), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, c), jnp.float32),
                 jnp.zeros((b, hkv, g, c, d), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, i + 1, body, init)
+        first = 0 if window is None else jnp.maximum(0, (i * c - window + 1) // c)
+        _, l, acc = jax.lax.fori_loop(first, i + 1, body, init)
         return None, (acc / l[..., None]).astype(q.dtype)
 
     _, out = jax.lax.scan(per_query_block, None, (jnp.arange(nb), qs))  # [nb, B, Hkv, G, c, D]
     return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, hq, d)[:, :t]
-
-
-def masked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.Array:
-    """Exact decode attention over the tokens where ``keep`` is true.
-
-    ``q [B,Hq,D]``, ``k, v [B,Hkv,S,D]``, ``keep`` bool broadcastable to
-    ``[B,Hkv,S]``. f32 softmax; a row with nothing kept returns zeros.
-    """
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g, d)
-    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    keep = jnp.broadcast_to(keep, (b, hkv, k.shape[2]))[:, :, None, :]
-    logits = jnp.where(keep, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(keep, jnp.exp(logits - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    return out.reshape(b, hq, d).astype(q.dtype)

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparse_jax.calibration import select_channels
 from sparse_jax.methods.quest import BlockBoxes
@@ -26,6 +27,7 @@ from sparse_jax.ops.scoring import (
     update_label_cache,
 )
 from sparse_jax.ops.selection import topk_indices
+from sparse_jax.selection import Selection
 
 
 @register("double_sparsity")
@@ -51,7 +53,6 @@ class DoubleSparsity(SparseMethod):
     dense_layers: tuple[int, ...] = (0, 1)
     calibration_root: str | None = None
     channels_per_layer: tuple | None = dataclasses.field(default=None, repr=False)
-    layer: int = -1
 
     def for_model(self, model_name, *, num_layers, head_dim):
         if self.channels_per_layer is not None:
@@ -76,36 +77,25 @@ class DoubleSparsity(SparseMethod):
     def num_channels(self, head_dim: int) -> int:
         return self.channels or head_dim // 4
 
-    def layer_method(self, layer, num_layers):
-        m = super().layer_method(layer, num_layers)
-        if m is not self:
-            return m
-        # layers with the same channels share one method value, so a per-layer
-        # jit compiles once for all of them
-        first = self.channels_per_layer.index(self.channels_per_layer[layer]) if self.channels_per_layer else layer
-        return dataclasses.replace(m, layer=first)
-
-    def layer_channels(self) -> jax.Array:
-        """``int32[Hkv, r]`` for this layer (a constant in the jitted code)."""
-        return jnp.asarray(self.channels_per_layer[self.layer], jnp.int32)
+    def layer_data(self, index):
+        return {"channels": np.asarray(self.channels_per_layer[index], np.int32)}
 
     # -- state ----------------------------------------------------------------
-    def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
         r = self.num_channels(head_dim)
         k = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
         return build_label_cache(k, jnp.zeros((num_kv_heads, r), jnp.int32), impl="reference")
 
-    def prefill_state(self, state, k, v, lengths):
-        return build_label_cache(k, self.layer_channels(), impl=self.impl)
+    def prefill_state(self, state, k, v, lengths, layer):
+        return build_label_cache(k, layer.data["channels"], impl=self.impl)
 
-    def append_state(self, state, k, v, positions):
-        return update_label_cache(state, newest_token(k, positions), self.layer_channels(), positions)
+    def append_state(self, state, k, v, positions, layer):
+        return update_label_cache(state, newest_token(k, positions), layer.data["channels"], positions)
 
-    def select(self, q, k, v, lengths, state):
-        channels = self.layer_channels()
-        scores = label_scores(q, state, channels, lengths=lengths, impl=self.impl)
+    def select(self, q, k, v, lengths, state, carry, layer):
+        scores = label_scores(q, state, layer.data["channels"], lengths=lengths, impl=self.impl)
         indices, counts = self.select_from_scores(scores, lengths)
-        return indices, counts, state
+        return Selection.tokens(indices, counts), state, carry
 
 
 @jax.tree_util.register_dataclass
@@ -161,16 +151,17 @@ class AsyncTLS(DoubleSparsity):
         """Blocks the filter picks besides the newest: ``min(kb, S / block) - 1``."""
         return min(self.kb, max_len // self.block_size) - 1
 
-    def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
         shape = (batch, num_kv_heads, max_len // self.block_size, head_dim)
-        labels = super().init_state(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim, dtype=dtype)
+        labels = super().init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
+                                    head_dim=head_dim, dtype=dtype)
         prev = None
         if self.lag:
             prev = jnp.zeros((batch, num_kv_heads, self.filter_blocks(max_len)), jnp.int32)
         return TwoLevelState(BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), labels, prev)
 
-    def prefill_state(self, state, k, v, lengths):
-        return self.state_from_keys(k, lengths, self.layer_channels(), state.prev_blocks)
+    def prefill_state(self, state, k, v, lengths, layer):
+        return self.state_from_keys(k, lengths, layer.data["channels"], state.prev_blocks)
 
     # The state updates and the token selection take the label channels as an
     # argument, so the offloaded cache (sparse_jax.offload), whose layers share
@@ -195,15 +186,15 @@ class AsyncTLS(DoubleSparsity):
         scores = label_scores(q, state.labels, channels, cand, cand_counts, impl=self.impl)
         return self.select_from_scores(scores, lengths, cand, cand_counts, capacity=capacity)
 
-    def prefill_query_state(self, state, q_last, lengths):
+    def prefill_query_state(self, state, q_last, lengths, layer):
         if not self.lag:
             return state
         # the first decode step has length lengths + 1: its newest block is lengths // bs
         prev = self.pick_blocks(q_last, state.boxes, lengths // self.block_size)
         return dataclasses.replace(state, prev_blocks=prev)
 
-    def append_state(self, state, k, v, positions):
-        return self.append_key(state, newest_token(k, positions), positions, self.layer_channels())
+    def append_state(self, state, k, v, positions, layer):
+        return self.append_key(state, newest_token(k, positions), positions, layer.data["channels"])
 
     def pick_blocks(self, q, boxes, newest):
         """The filter: ``int32[B, Hkv, n-1]`` best blocks by the Quest bound among
@@ -235,13 +226,17 @@ class AsyncTLS(DoubleSparsity):
         counts = jnp.where(short, lengths, n1 * bs + lengths - newest * bs)
         return tokens, jnp.broadcast_to(counts[:, None], (b, hkv)).astype(jnp.int32)
 
-    def select(self, q, k, v, lengths, state):
+    def select(self, q, k, v, lengths, state, carry, layer):
+        channels = layer.data["channels"]
         if self.lag:
             blocks = state.prev_blocks
         else:
             blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size)
-        indices, counts = self.select_tokens(q, state, blocks, lengths, self.layer_channels(), k.shape[2])
-        if self.lag:
-            # this query picks the next step's blocks (its newest block is lengths // bs)
-            state = dataclasses.replace(state, prev_blocks=self.pick_blocks(q, state.boxes, lengths // self.block_size))
-        return indices, counts, state
+        indices, counts = self.select_tokens(q, state, blocks, lengths, channels, k.shape[2])
+        if not self.lag:
+            return Selection.tokens(indices, counts), state, carry
+        # this query picks the next step's blocks (its newest block is lengths // bs): the
+        # selection's prefetch, which an offloaded cache copies while this step computes
+        nxt = self.pick_blocks(q, state.boxes, lengths // self.block_size)
+        sel = Selection.tokens(indices, counts, prefetch=nxt, block_size=self.block_size)
+        return sel, dataclasses.replace(state, prev_blocks=nxt), carry

@@ -4,9 +4,11 @@ for a token budget (it reads every key, so it saves no memory traffic)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import SparseMethod, group_probabilities
+from sparse_jax.selection import Selection
 
 
 @register("oracle_topk")
@@ -18,9 +20,10 @@ class OracleTopK(SparseMethod):
     matter), every layer sparse.
     """
 
+    reads_all_keys: ClassVar[bool] = True
     budget: int = 1024
 
-    def select(self, q, k, v, lengths, state):
+    def select(self, q, k, v, lengths, state, carry, layer):
         scores = group_probabilities(q, k, lengths)
         indices, counts = self.select_from_scores(scores, lengths)
-        return indices, counts, state
+        return Selection.tokens(indices, counts), state, carry

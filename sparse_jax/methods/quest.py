@@ -45,15 +45,15 @@ class Quest(BlockSparseMethod):
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = (0, 1)
 
-    def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
         shape = (batch, num_kv_heads, -(-max_len // self.block_size), head_dim)
         return BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    def prefill_state(self, state, k, v, lengths):
+    def prefill_state(self, state, k, v, lengths, layer):
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
         return BlockBoxes(upper, lower)
 
-    def append_state(self, state, k, v, positions):
+    def append_state(self, state, k, v, positions, layer):
         upper, lower = update_block_minmax(
             state.upper, state.lower, newest_token(k, positions), positions, block_size=self.block_size
         )
@@ -79,11 +79,11 @@ class ArkVale(Quest):
     sink_blocks: int = 1
     window_blocks: int = 2
 
-    def prefill_state(self, state, k, v, lengths):
+    def prefill_state(self, state, k, v, lengths, layer):
         upper, lower = block_cuboid(k, lengths, block_size=self.block_size, impl=self.impl)
         return BlockBoxes(upper, lower)
 
-    def append_state(self, state, k, v, positions):
+    def append_state(self, state, k, v, positions, layer):
         bs = self.block_size
         block = positions // bs
 

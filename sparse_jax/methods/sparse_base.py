@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax.methods.base import AttentionMethod
-from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
 from sparse_jax.ops.selection import topk_indices
+from sparse_jax.selection import Selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +57,9 @@ class SparseMethod(AttentionMethod):
         return self.budget - self.sink - self.window
 
     # -- to override ----------------------------------------------------------
-    def select(self, q, k, v, lengths, state) -> tuple[jax.Array, jax.Array, Any]:
-        """``(indices [B,Hkv,K], counts [B,Hkv], state)`` for this step."""
+    def select(self, q, k, v, lengths, state, carry, layer) -> tuple[Selection, Any, Any]:
+        """``(Selection.tokens(indices [B,Hkv,K], counts [B,Hkv]), state, carry)``."""
         raise NotImplementedError
-
-    def decode_attention(self, q, k, v, lengths, state):
-        indices, counts, state = self.select(q, k, v, lengths, state)
-        out = sparse_decode_attention(q, k, v, indices, counts, impl=self.impl)
-        return out, state
 
     # -- helpers --------------------------------------------------------------
     def select_from_scores(
@@ -166,22 +161,9 @@ class BlockSparseMethod(SparseMethod):
         blocks = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
         return fallback_to_dense(blocks, last + 1, n)
 
-    def select(self, q, k, v, lengths, state):
-        """Token-level view of the block selection (for the accuracy harness)."""
+    def select(self, q, k, v, lengths, state, carry, layer):
         blocks, block_counts = self.select_blocks(q, lengths, state)
-        b, hkv, n = blocks.shape
-        tokens = (blocks[..., None] * self.block_size + jnp.arange(self.block_size, dtype=jnp.int32)).reshape(b, hkv, -1)
-        # The newest (partial) block is listed last, so its padding tokens sit at the tail.
-        last = (lengths - 1) // self.block_size
-        counts = (block_counts - 1) * self.block_size + (lengths - last * self.block_size)[:, None]
-        return tokens, counts.astype(jnp.int32), state
-
-    def decode_attention(self, q, k, v, lengths, state):
-        blocks, block_counts = self.select_blocks(q, lengths, state)
-        out = block_sparse_decode_attention(
-            q, k, v, blocks, block_counts, lengths, block_size=self.block_size, impl=self.impl
-        )
-        return out, state
+        return Selection.blocks(blocks, block_counts, self.block_size), state, carry
 
 
 def fallback_to_dense(indices: jax.Array, lengths: jax.Array, budget: int) -> tuple[jax.Array, jax.Array]:

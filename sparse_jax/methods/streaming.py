@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import SparseMethod, fallback_to_dense
+from sparse_jax.selection import Selection
 
 
 @register("streaming")
@@ -26,7 +27,7 @@ class StreamingLLM(SparseMethod):
         if self.budget <= self.sink:
             raise ValueError(f"streaming: budget ({self.budget}) must exceed sink ({self.sink})")
 
-    def select(self, q, k, v, lengths, state):
+    def select(self, q, k, v, lengths, state, carry, layer):
         b, hkv = k.shape[0], k.shape[1]
         budget = min(self.budget, k.shape[2])
         win = budget - self.sink
@@ -34,4 +35,4 @@ class StreamingLLM(SparseMethod):
         idx = jnp.concatenate([jnp.broadcast_to(jnp.arange(self.sink, dtype=jnp.int32), (b, self.sink)), recent], -1)
         idx = jnp.broadcast_to(idx[:, None, :], (b, hkv, budget)).astype(jnp.int32)
         indices, counts = fallback_to_dense(idx, lengths, budget)
-        return indices, counts, state
+        return Selection.tokens(indices, counts), state, carry

@@ -1,0 +1,120 @@
+"""``Selection``: what a method chose to attend for one decode step, as data.
+
+A method's ``select`` returns a :class:`Selection`; one generic attention,
+:func:`attend`, runs it. Between the two anyone may read or rewrite it: the
+offloaded cache maps it to resident pool rows and prefetches its ``prefetch``
+blocks, Kascade's reuse layers take an anchor layer's selection from the
+carry, composition wrappers filter it.
+
+Granularities (``Selection.kind``, static):
+
+* ``"all"``: every valid token (``[0, lengths)``, or the whole ring of a local
+  layer): exact attention. ``indices`` and ``counts`` are None.
+* ``"tokens"``: ``indices int32[B, Hkv, K]`` token positions, the first
+  ``counts int32[B, Hkv]`` valid per KV head (entries past the count are ignored).
+* ``"blocks"``: ``indices int32[B, Hkv, n]`` block ids of ``block_size`` tokens,
+  the first ``counts`` valid; the tokens of a block at or past ``lengths`` are
+  masked.
+
+``prefetch int32[B, Hkv, m]`` (optional, any granularity): the block ids of
+``block_size`` tokens the *next* step will read (-1: none), known one step
+early: AsyncTLS's one-step lag, AsyncSpade's predicted query. An offloaded
+cache copies the missing ones from the host while this step computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+KINDS = ("all", "tokens", "blocks")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    indices: Any = None
+    counts: Any = None
+    prefetch: Any = None
+    kind: str = dataclasses.field(default="all", metadata=dict(static=True))
+    block_size: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Selection.kind must be one of {KINDS}, got {self.kind!r}")
+
+    # -- constructors ---------------------------------------------------------
+    @classmethod
+    def all_tokens(cls, prefetch=None, block_size: int = 1) -> "Selection":
+        return cls(None, None, prefetch, "all", block_size)
+
+    @classmethod
+    def tokens(cls, indices, counts, prefetch=None, block_size: int = 1) -> "Selection":
+        """``block_size`` only names the granularity of ``prefetch``."""
+        return cls(indices, counts, prefetch, "tokens", block_size)
+
+    @classmethod
+    def blocks(cls, block_ids, counts, block_size: int, prefetch=None) -> "Selection":
+        return cls(block_ids, counts, prefetch, "blocks", int(block_size))
+
+    # -- views ----------------------------------------------------------------
+    def token_view(self, lengths: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+        """The selection as token positions ``(indices [B,Hkv,K], counts [B,Hkv])``
+        (for ``"all"``: ``arange(capacity)`` and ``lengths``; for blocks: every token of
+        each block, the newest, partial block listed last as the block methods do)."""
+        if self.kind == "tokens":
+            return self.indices, self.counts
+        if self.kind == "all":
+            raise ValueError("an 'all' selection lists no tokens: it attends [0, lengths)")
+        bs = self.block_size
+        b, hkv, n = self.indices.shape
+        tokens = (self.indices[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(b, hkv, n * bs)
+        last = (lengths - 1) // bs
+        counts = (self.counts - 1) * bs + (lengths - last * bs)[:, None]
+        return tokens.astype(jnp.int32), counts.astype(jnp.int32)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sel: Selection, *,
+           impl: str = "auto") -> jax.Array:
+    """Decode attention of ``q [B,Hq,D]`` over the tokens ``sel`` names in ``k, v
+    [B,Hkv,S,D]`` whose first ``lengths int32[B]`` positions are valid (a local
+    layer's ring: the first ``min(lengths, S)`` slots) -> ``[B,Hq,D]``."""
+    from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
+
+    if sel.kind == "all":
+        return dense_decode_attention(q, k, v, jnp.minimum(lengths, k.shape[2]))
+    if sel.kind == "tokens":
+        return sparse_decode_attention(q, k, v, sel.indices, sel.counts, impl=impl)
+    return block_sparse_decode_attention(q, k, v, sel.indices, sel.counts, lengths, block_size=sel.block_size,
+                                         impl=impl)
+
+
+def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Exact decode attention over the first ``lengths[b]`` slots of ``k, v [B,Hkv,S,D]``."""
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
+    return masked_decode_attention(q, k, v, valid[:, None, :])
+
+
+def masked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.Array:
+    """Exact decode attention over the tokens where ``keep`` is true.
+
+    ``q [B,Hq,D]``, ``k, v [B,Hkv,S,D]``, ``keep`` bool broadcastable to
+    ``[B,Hkv,S]``. f32 softmax; a row with nothing kept returns zeros.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g, d)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    keep = jnp.broadcast_to(keep, (b, hkv, k.shape[2]))[:, :, None, :]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(keep, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(b, hq, d).astype(q.dtype)

@@ -1,0 +1,167 @@
+"""The layer driver (models/driver.py) against the hand-written loops it replaced,
+layer kinds as data, and the cross-layer carry.
+
+``tests/fixtures/driver_logits.npz`` holds SmolLM2's f32 logits under every
+method, recorded from the old per-layer loops (scripts/make_driver_fixture.py):
+a ragged batch, prefill then 6 decode steps, each method with a budget small
+enough that it really selects. The scanned driver must give the same numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import transformer as tfm
+from models.driver import make_plan, ring_prefill_rows
+from sparse_jax.layers import LayerSpec, layer_specs, segments
+from sparse_jax.methods import DenseAttention, get_method
+
+FIXTURE = Path(__file__).parent / "fixtures" / "driver_logits.npz"
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    return np.load(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def smollm(fixture):
+    try:
+        return models.load_model("smollm2-135m", dtype=jnp.float32, max_len=int(fixture["cache"]))
+    except models.WeightsNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def run_fixture_case(model, f, unroll: bool) -> np.ndarray:
+    fns = tfm.build_functions(model.graphdef, model.config, model.method, unroll)
+    cache = model.init_cache(2, int(f["cache"]))
+    lg, cache = fns.prefill(model.params, jnp.asarray(f["tokens"]), jnp.asarray(f["lengths"]), cache)
+    outs = [lg]
+    for s in range(f["fed"].shape[0]):
+        lg, cache = fns.decode_step(model.params, jnp.asarray(f["fed"][s]), cache)
+        outs.append(lg)
+    return np.stack([np.asarray(o) for o in outs])
+
+
+CASES = ["dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls", "asynctls_lag"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_scanned_driver_equals_the_old_loops(smollm, fixture, name):
+    opts = ast.literal_eval(str(fixture["options"]))[name]
+    model = smollm.with_method(name.removesuffix("_lag"), **opts)
+    full = run_fixture_case(model, fixture, unroll=False)
+    np.testing.assert_allclose(full[..., fixture["columns"]], fixture[f"{name}/logits"], rtol=0, atol=2e-4)
+    np.testing.assert_array_equal(full.argmax(-1), fixture[f"{name}/argmax"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense", "asynctls_lag"])
+def test_unrolled_driver_equals_the_old_loops(smollm, fixture, name):
+    opts = ast.literal_eval(str(fixture["options"]))[name]
+    model = smollm.with_method(name.removesuffix("_lag"), **opts)
+    full = run_fixture_case(model, fixture, unroll=True)
+    np.testing.assert_allclose(full[..., fixture["columns"]], fixture[f"{name}/logits"], rtol=0, atol=2e-4)
+
+
+def test_the_fixture_is_not_trivial(fixture):
+    """Every sparse case differs from dense after the prefill (it really selected)."""
+    dense = fixture["dense/logits"]
+    for name in CASES[1:]:
+        assert np.abs(fixture[f"{name}/logits"][1:] - dense[1:]).max() > 0.5, name
+
+
+# -- layer kinds as data ------------------------------------------------------------
+
+
+def test_segments_follow_the_dense_layer_rule_over_global_layers():
+    kinds = ["local"] * 5 + ["global"] + ["local"] * 5 + ["global"] + ["local"] * 5 + ["global"]
+    m = get_method("quest", dense_layers=(0,))
+    specs = layer_specs(kinds, window=8, rope_theta=1e6, local_rope_theta=1e4, is_sparse=m.is_sparse_layer)
+    assert [s.sparse for s in specs if s.kind == "global"] == [False, True, True]
+    assert all(s.rope_theta == 1e4 and s.window == 8 for s in specs if s.kind == "local")
+    segs = segments(specs)
+    assert [(g.start, g.length, g.spec.kind, g.spec.sparse) for g in segs] == [
+        (0, 5, "local", False), (5, 1, "global", False), (6, 5, "local", False), (11, 1, "global", True),
+        (12, 5, "local", False), (17, 1, "global", True)]
+    with pytest.raises(ValueError, match="global layers only"):
+        LayerSpec("local", 8, 1e4, sparse=True)
+
+
+def test_ring_prefill_rows():
+    rows = np.asarray(ring_prefill_rows(jnp.asarray([3, 8, 11]), 4, 12))
+    assert rows[0].tolist() == [0, 1, 2, 3]     # 3 tokens: slots 0-2 real, 3 masked
+    assert rows[1].tolist() == [4, 5, 6, 7]
+    assert rows[2].tolist() == [8, 9, 10, 7]    # positions 7..10 (slot p % 4)
+
+
+def hybrid_config(window=6):
+    kinds = ("local", "local", "global", "local", "local", "global")
+    return models.ModelConfig(name="tiny-hybrid", arch="qwen3", num_layers=6, hidden_size=64, num_heads=4,
+                              num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=211,
+                              max_position=256, rope_theta=1e6, rms_eps=1e-6, layer_types=kinds,
+                              sliding_window=window, rope_local_theta=1e4)
+
+
+def reference_forward(model, tokens):
+    """Plain per-layer loop with an explicit sliding-window mask (no ring, no driver)."""
+    from flax import nnx
+
+    from sparse_jax.methods.base import blockwise_causal_attention
+
+    m = nnx.merge(model.graphdef, model.params)
+    cfg = model.config
+    t = tokens.shape[1]
+    x = m.embed_tokens(tokens)
+    for i, kind in enumerate(cfg.kinds):
+        layer = nnx.merge(tfm.layer_graphdef(cfg, model.dtype), jax.tree.map(lambda a: a[i], nnx.state(m.layers)))
+        theta = cfg.rope_theta if kind == "global" else cfg.rope_local_theta
+        cos, sin = tfm.rope_cos_sin(jnp.arange(t), tfm.rope_inv_freq(cfg.head_dim, theta))
+        q, k, v = tfm.layer_qkv(layer, x, cos, sin)
+        o = blockwise_causal_attention(q, k, v, window=cfg.sliding_window if kind == "local" else None)
+        x = tfm.layer_output(layer, x, o)
+    return m.logits(x)
+
+
+def test_hybrid_local_global_model_prefill_decode_forward_agree():
+    """A tiny random hybrid config: local layers keep a ring of ``window`` tokens; prefill
+    then decode across the window boundary equals a full forward (and a plain loop with an
+    explicit window mask); the ring is ``window`` slots, not the context."""
+    cfg = hybrid_config(window=6)
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=32)
+    tokens = jax.random.randint(jax.random.key(0), (2, 20), 0, cfg.vocab_size, jnp.int32)
+    want = np.asarray(model.forward(tokens))
+    np.testing.assert_allclose(np.asarray(reference_forward(model, tokens)), want, atol=2e-5, rtol=2e-5)
+    lengths = np.asarray([4, 9], np.int32)  # one row shorter than the window, one past it
+    cache = model.init_cache(2, 32)
+    assert [sc.k.shape[3] for sc in cache.segments] == [6, 32, 6, 32]
+    logits, cache = model.prefill(np.asarray(tokens)[:, :9], lengths, cache)
+    np.testing.assert_allclose(np.asarray(logits), want[[0, 1], lengths - 1], atol=2e-5, rtol=2e-5)
+    pos = lengths.copy()
+    for _ in range(8):
+        nxt = np.asarray(tokens)[np.arange(2), pos]
+        logits, cache = model.decode_step(nxt, cache)
+        np.testing.assert_allclose(np.asarray(logits), want[np.arange(2), pos], atol=3e-5, rtol=3e-5)
+        pos += 1
+
+
+def test_sparse_method_runs_on_global_layers_only_of_a_hybrid_model():
+    cfg = hybrid_config(window=6)
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=64, attention="quest",
+                              attention_options=dict(budget=16, block_size=8, dense_layers=()))
+    plan = make_plan(cfg, model.method)
+    assert [s.sparse for s in plan.specs] == [False, False, True, False, False, True]
+    tokens = jax.random.randint(jax.random.key(1), (1, 40), 0, cfg.vocab_size, jnp.int32)
+    cache = model.init_cache(1, 64)
+    logits, cache = model.prefill(tokens, np.asarray([40], np.int32), cache)
+    logits, cache = model.decode_step(np.asarray([3], np.int32), cache)
+    assert np.isfinite(np.asarray(logits)).all()
+    assert cache.segments[1].state is not None and cache.segments[0].state is None
