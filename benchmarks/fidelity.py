@@ -128,17 +128,18 @@ class FidelityProbe(AttentionMethod):
     ``FidelityProbe(inner=get_method("quest", budget=512), num_q_heads=cfg.num_heads)``.
     Prefill is dense (the decode fidelity is what it measures).
 
+    It runs on the layers where ``inner`` runs (its dense-layer rule); the
+    other layers are exact, and :func:`probe_metrics` reports them as
+    ``rel_err`` 0 and ``mass`` 1.
+
     Attributes:
-      inner: the method measured (the whole-model method; the probe routes
-        per layer through ``inner.layer_method``).
+      inner: the method measured.
       num_q_heads: query heads of the model (``init_state`` is not told them).
-      layer: the layer index this copy runs (-1 before routing).
     """
 
     name: ClassVar[str] = "fidelity_probe"
     inner: AttentionMethod = DenseAttention()
     num_q_heads: int = 1
-    layer: int = -1
 
     def for_model(self, model_name, *, num_layers, head_dim):
         # the measured method may need per-model data (calibrated channels)
@@ -149,53 +150,59 @@ class FidelityProbe(AttentionMethod):
     def cache_multiple(self) -> int:
         return self.inner.cache_multiple
 
-    def layer_method(self, layer: int, num_layers: int) -> "FidelityProbe":
-        return dataclasses.replace(self, inner=self.inner.layer_method(layer, num_layers), layer=layer)
+    def is_sparse_layer(self, index, num_layers):
+        return self.inner.is_sparse_layer(index, num_layers)
+
+    def layer_data(self, index):
+        return self.inner.layer_data(index)
+
+    def init_carry(self, **kw):
+        return self.inner.init_carry(**kw)
 
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
         if num_q_heads != self.num_q_heads:
             raise ValueError(f"FidelityProbe: num_q_heads={self.num_q_heads} but the model has {num_q_heads}")
         self.inner.check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
 
-    def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
-        inner = self.inner.init_state(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+        inner = self.inner.init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
                                       head_dim=head_dim, dtype=dtype)
         return {"inner": inner,
                 "rel_err": jnp.zeros((batch, self.num_q_heads), jnp.float32),
                 "mass": jnp.ones((batch, self.num_q_heads), jnp.float32)}
 
-    def prefill_state(self, state, k, v, lengths):
-        return {**state, "inner": self.inner.prefill_state(state["inner"], k, v, lengths)}
+    def prefill_state(self, state, k, v, lengths, layer):
+        return {**state, "inner": self.inner.prefill_state(state["inner"], k, v, lengths, layer)}
 
-    def prefill_query_state(self, state, q_last, lengths):
-        return {**state, "inner": self.inner.prefill_query_state(state["inner"], q_last, lengths)}
+    def prefill_query_state(self, state, q_last, lengths, layer):
+        return {**state, "inner": self.inner.prefill_query_state(state["inner"], q_last, lengths, layer)}
 
-    def append_state(self, state, k, v, positions):
-        return {**state, "inner": self.inner.append_state(state["inner"], k, v, positions)}
+    def append_state(self, state, k, v, positions, layer):
+        return {**state, "inner": self.inner.append_state(state["inner"], k, v, positions, layer)}
 
-    def prefill_attention(self, q, k, v, lengths):
+    def prefill_attention(self, q, k, v, lengths, layer):
         return dense_prefill_attention(q, k, v)
 
-    def decode_attention(self, q, k, v, lengths, state):
+    def decode(self, q, k, v, lengths, state, carry, layer):
         inner_state = state["inner"]
         valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
         dense = masked_decode_attention(q, k, v, valid[:, None, :])
-        out, new_inner = self.inner.decode_attention(q, k, v, lengths, inner_state)
+        out, new_inner, new_carry = self.inner.decode(q, k, v, lengths, inner_state, carry, layer)
         rel = relative_error(out, dense)
-        mass = self._mass(q, k, v, lengths, inner_state)
-        return dense, {"inner": new_inner, "rel_err": rel, "mass": mass}
+        mass = self._mass(q, k, v, lengths, inner_state, carry, layer)
+        return dense, {"inner": new_inner, "rel_err": rel, "mass": mass}, new_carry
 
-    def _mass(self, q, k, v, lengths, inner_state):
+    def _mass(self, q, k, v, lengths, inner_state, carry, layer):
         b, hq = q.shape[0], q.shape[1]
         if isinstance(self.inner, DenseAttention):
             return jnp.ones((b, hq), jnp.float32)
-        select = getattr(self.inner, "select", None)
-        if select is None:
-            return jnp.full((b, hq), jnp.nan, jnp.float32)
         try:
-            indices, counts, _ = select(q, k, v, lengths, inner_state)
+            sel, _, _ = self.inner.select(q, k, v, lengths, inner_state, carry, layer)
         except NotImplementedError:
             return jnp.full((b, hq), jnp.nan, jnp.float32)
+        if sel.kind == "all":
+            return jnp.ones((b, hq), jnp.float32)
+        indices, counts = sel.token_view(lengths, k.shape[2])
         return selection_mass_ratio(q, k, lengths, indices, counts)
 
 
@@ -299,9 +306,18 @@ def method_kl(model, ref: Reference, steps: int | None = None) -> dict:
 
 @jax.jit
 def _gather_metrics(cache):
-    rel = jnp.stack([lc.state["rel_err"] for lc in cache.layers])  # [L, B, Hq]
-    mass = jnp.stack([lc.state["mass"] for lc in cache.layers])
-    return rel, mass
+    """``rel_err, mass [L, B, Hq]``; the layers the probe did not run on (exact) get 0 and 1."""
+    rel, mass = [], []
+    for sc in cache.segments:
+        if sc.state is None:
+            b = sc.k.shape[1]
+            hq = next(s.state["rel_err"].shape[-1] for s in cache.segments if s.state is not None)
+            rel.append(jnp.zeros((sc.num_layers, b, hq), jnp.float32))
+            mass.append(jnp.ones((sc.num_layers, b, hq), jnp.float32))
+        else:
+            rel.append(sc.state["rel_err"])
+            mass.append(sc.state["mass"])
+    return jnp.concatenate(rel), jnp.concatenate(mass)
 
 
 def probe_metrics(probe_model, ref: Reference, steps: int) -> dict:

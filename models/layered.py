@@ -42,7 +42,9 @@ from flax import nnx
 from models import transformer as tfm
 from models.api import round_up
 from sparse_jax.cache import LayerCache
-from sparse_jax.methods.base import DenseAttention
+from sparse_jax.layers import LayerSpec
+from models.driver import make_plan
+from sparse_jax.methods.base import DenseAttention, LayerCtx, dense_prefill_attention
 from sparse_jax.methods.double_sparsity import AsyncTLS
 from sparse_jax.offload import capacity
 from sparse_jax.offload import step as off
@@ -156,24 +158,30 @@ class LayeredRunner:
         self.layers_per_call = layers_per_call
         self.device_limit, self.host_limit = device_limit, host_limit
         full = nnx.merge(model.graphdef, model.params)
-        splits = [nnx.split(layer) for layer in full.layers]
-        self.layer_graph = splits[0][0]
-        # Per-call host overhead matters here (one dispatch per layer and step):
-        # parameters travel as flat tuples of arrays, and each layer's jitted
-        # function is looked up once, not per call.
-        self.layer_treedef = jax.tree.structure(splits[0][1])
-        self.layer_params = [tuple(jax.tree.leaves(s)) for _, s in splits]
+        # The model's layers are stacked ([L, ...] parameters); this engine runs them one
+        # call at a time, so it holds one slice per layer (a copy of the layer weights,
+        # until the offloaded cache runs inside the layer driver). Parameters travel as
+        # flat tuples of arrays and each group's jitted function is looked up once: the
+        # per-call host overhead matters here.
+        stacked = nnx.state(full.layers)
+        self.layer_graph = tfm.layer_graphdef(self.cfg, model.dtype)
+        self.layer_treedef = jax.tree.structure(stacked)
+        leaves = jax.tree.leaves(stacked)
         self.num_layers = self.cfg.num_layers
+        self.layer_params = [tuple(a[i] for a in leaves) for i in range(self.num_layers)]
+        del stacked, leaves
         self.embed_table = full.embed_tokens.weight[...]
         self.final_norm = full.norm.weight[...]
         self.lm_head = None if full.lm_head is None else full.lm_head.kernel[...]
-        self.layer_methods = [method.layer_method(i, self.num_layers) for i in range(self.num_layers)]
-        self.offloaded = [mode == "offload" and not isinstance(m, DenseAttention) for m in self.layer_methods]
+        self.specs = make_plan(self.cfg, method).specs
+        if any(sp.kind != "global" for sp in self.specs):
+            raise ValueError("LayeredRunner runs models whose layers are all global")
+        self.sparse = [sp.sparse for sp in self.specs]
+        self.offloaded = [mode == "offload" and sp for sp in self.sparse]
         self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
-        self.channels = [jnp.asarray(method.channels_per_layer[i], jnp.int32) if self.offloaded[i] else None
-                         for i in range(self.num_layers)]
-        # the "offload" layers run one shared method value (channels are an argument)
-        self.off_method = dataclasses.replace(method, layer=-1) if mode == "offload" else None
+        # each sparse layer's constants (the method's layer_data, its index): call arguments,
+        # so layers of a kind share one compilation
+        self.layer_data = [self._data(i) for i in range(self.num_layers)]
         self._head = _head_fn(self.cfg.rms_eps, self.lm_head is None)
         self._embed = _embed_fn()
         g, cfg, t = self.layer_graph, self.cfg, self.layer_treedef
@@ -181,7 +189,7 @@ class LayeredRunner:
         n = self.num_layers
         self.groups = [tuple(range(s, min(s + layers_per_call, n))) for s in range(0, n, layers_per_call)]
         self._group_params = [tuple(self.layer_params[i] for i in grp) for grp in self.groups]
-        self._group_channels = [tuple(self.channels[i] for i in grp) for grp in self.groups]
+        self._group_data = [tuple(self.layer_data[i] for i in grp) for grp in self.groups]
         self._decode_fns = [
             _decode_group_fn(g, t, cfg, tuple((self.offloaded[i], self._layer_method(i)) for i in grp),
                              self.churn, self.gather_programs, conc) for grp in self.groups]
@@ -193,7 +201,15 @@ class LayeredRunner:
         return p
 
     def _layer_method(self, i):
-        return self.off_method if self.offloaded[i] else self.layer_methods[i]
+        """The method on a sparse layer, None (exact attention) on the others."""
+        return self.method if self.sparse[i] else None
+
+    def _data(self, i):
+        if not self.sparse[i]:
+            return None
+        d = {"index": jnp.int32(i)}
+        d.update({k: jnp.asarray(v) for k, v in (self.method.layer_data(i) or {}).items()})
+        return d
 
     def footprint(self, batch: int, max_len: int) -> capacity.Footprint:
         """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`)."""
@@ -226,7 +242,7 @@ class LayeredRunner:
         for i in range(self.num_layers):
             k, v, q_last = kv_of_layer(i)
             entry, hk, hv = _finish_layer(self._layer_method(i), self.offloaded[i], pool)(
-                k, v, lengths, q_last, self.channels[i])
+                k, v, lengths, q_last, self.layer_data[i])
             del k, v
             # committed to the device, as the decode calls' outputs are (the host tier is): an
             # uncommitted first state is another compilation of each decode call and extraction
@@ -260,10 +276,11 @@ class LayeredRunner:
             raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
         x = self._embed(self.embed_table, tokens)
         cur = {"x": x}
-        fn = _prefill_layer_fn(self.layer_graph, self.layer_treedef, self.cfg, max_len)
+        fns = [_prefill_layer_fn(self.layer_graph, self.layer_treedef, self.cfg, max_len, self._layer_method(i))
+               for i in range(self.num_layers)]
 
         def kv_of_layer(i):
-            cur["x"], k, v, q_last = fn(self.layer_params[i], cur["x"], lengths)
+            cur["x"], k, v, q_last = fns[i](self.layer_params[i], cur["x"], lengths, self.layer_data[i])
             return k, v, q_last
 
         state = self.state_from_kv(kv_of_layer, lengths, max_len)
@@ -282,8 +299,8 @@ class LayeredRunner:
         pos = state.lengths
         x = self._embed(self.embed_table, jnp.asarray(tokens, jnp.int32))
         layers, host = state.layers, state.host
-        for grp, fn, params, channels in zip(self.groups, self._decode_fns, self._group_params, self._group_channels):
-            x, entries = fn(params, x, tuple(layers[i] for i in grp), tuple(host[i] for i in grp), pos, channels)
+        for grp, fn, params, datas in zip(self.groups, self._decode_fns, self._group_params, self._group_data):
+            x, entries = fn(params, x, tuple(layers[i] for i in grp), tuple(host[i] for i in grp), pos, datas)
             for i, e in zip(grp, entries):
                 layers[i] = e
         step_counts = [(layers[i].hits, layers[i].misses) for i in self.offloaded_layers]
@@ -392,18 +409,23 @@ def _merge(layer_graph, treedef, leaves):
     return nnx.merge(layer_graph, jax.tree.unflatten(treedef, leaves))
 
 
-@functools.lru_cache(maxsize=8)
-def _prefill_layer_fn(layer_graph, treedef, cfg, max_len: int):
-    """``(params, x [B,T,H], lengths) -> (x, k, v [B,Hkv,S,D], q_last [B,Hq,D])``: causal
-    attention over the prompt (dense, cuDNN on GPU) and the layer's K/V padded to ``max_len``."""
+@functools.lru_cache(maxsize=16)
+def _prefill_layer_fn(layer_graph, treedef, cfg, max_len: int, method):
+    """``(params, x [B,T,H], lengths, data) -> (x, k, v [B,Hkv,S,D], q_last [B,Hq,D])``:
+    causal attention over the prompt (the method's prefill hook on its layers, dense
+    elsewhere; cuDNN on GPU) and the layer's K/V padded to ``max_len``."""
 
     @jax.jit
-    def run(params, x, lengths):
+    def run(params, x, lengths, data):
         layer = _merge(layer_graph, treedef, params)
         b, t, _ = x.shape
         cos, sin = tfm.rope_for(cfg, jnp.arange(t))
         q, k, v = tfm.layer_qkv(layer, x, cos, sin)
-        x = tfm.layer_output(layer, x, DenseAttention().prefill_attention(q, k, v, lengths))
+        if method is None:
+            o = dense_prefill_attention(q, k, v)
+        else:
+            o = method.prefill_attention(q, k, v, lengths, LayerCtx(_SPEC, data))
+        x = tfm.layer_output(layer, x, o)
         pad = ((0, 0), (0, 0), (0, max_len - t), (0, 0))
         k = jnp.pad(k.transpose(0, 2, 1, 3), pad)
         v = jnp.pad(v.transpose(0, 2, 1, 3), pad)
@@ -412,19 +434,28 @@ def _prefill_layer_fn(layer_graph, treedef, cfg, max_len: int):
     return run
 
 
+# the one layer kind this engine runs: a global layer where the method runs
+_SPEC = LayerSpec("global", None, 0.0, True)
+
+
 @functools.lru_cache(maxsize=32)
 def _finish_layer(method, offloaded: bool, pool: int):
-    """``(k, v, lengths, q_last, channels) -> (entry, host_k, host_v)``; K/V donated."""
+    """``(k, v, lengths, q_last, data) -> (entry, host_k, host_v)``; K/V donated."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def resident(k, v, lengths, q_last, channels):
+    def resident(k, v, lengths, q_last, data):
+        if method is None:
+            return LayerCache(k, v, None), None, None
         b, hkv, s, d = k.shape
-        lc = LayerCache(k, v, method.init_state(batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype))
-        return dataclasses.replace(lc, state=tfm.prefill_layer_state(method, lc, lengths, q_last)), None, None
+        ctx = LayerCtx(_SPEC, data)
+        st = method.init_state(_SPEC, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
+        st = method.prefill_state(st, k, v, lengths, ctx)
+        st = method.prefill_query_state(st, q_last, lengths, ctx)
+        return LayerCache(k, v, st), None, None
 
     @jax.jit
-    def offloaded_(k, v, lengths, q_last, channels):
-        return off.layer_from_prefill(method, k, v, lengths, q_last, channels, pool)
+    def offloaded_(k, v, lengths, q_last, data):
+        return off.layer_from_prefill(method, k, v, lengths, q_last, data["channels"], pool)
 
     return offloaded_ if offloaded else resident
 
@@ -437,24 +468,29 @@ def _compiler_options(concurrent: bool):
 
 @functools.lru_cache(maxsize=16)
 def _decode_group_fn(layer_graph, treedef, cfg, kinds, churn, gather_programs=None, concurrent=False):
-    """One decode step of consecutive layers, ``kinds``: per layer ``(offloaded, method)``.
+    """One decode step of consecutive layers, ``kinds``: per layer ``(offloaded, method)``
+    (method None: exact attention).
 
-    ``(params, x [B,H], entries, hosts, pos int32[B], channels) -> (x, entries)``,
-    each of ``params, entries, hosts, channels`` a tuple with one item per layer
-    (``hosts``/``channels`` None for resident layers); ``entries`` donated."""
+    ``(params, x [B,H], entries, hosts, pos int32[B], datas) -> (x, entries)``,
+    each of ``params, entries, hosts, datas`` a tuple with one item per layer
+    (``hosts`` None for resident layers, ``datas`` None for exact ones: the method's
+    per-layer constants); ``entries`` donated."""
 
     @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=_compiler_options(concurrent))
-    def run(params, x, entries, hosts, pos, channels):
+    def run(params, x, entries, hosts, pos, datas):
         cos, sin = tfm.rope_for(cfg, pos)
         out = []
-        for (offloaded, method), p, entry, host, chans in zip(kinds, params, entries, hosts, channels):
+        carry = None
+        for (offloaded, method), p, entry, host, data in zip(kinds, params, entries, hosts, datas):
             layer = _merge(layer_graph, treedef, p)
             if offloaded:
                 q, k, v = tfm.layer_qkv(layer, x, cos, sin)
-                o, entry = off.decode_layer(method, q, k, v, pos, entry, host, chans, churn, gather_programs)
+                o, entry = off.decode_layer(method, q, k, v, pos, entry, host, data["channels"], churn,
+                                            gather_programs)
                 x = tfm.layer_output(layer, x, o)
             else:
-                x, entry = tfm.decode_layer(layer, method, x, entry, pos, cos, sin)
+                ctx = None if method is None else LayerCtx(_SPEC, data)
+                x, entry, carry = tfm.decode_layer(layer, method, x, entry, pos, cos, sin, ctx, carry)
             out.append(entry)
         return x, tuple(out)
 

@@ -8,7 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparse_jax.layers import LayerSpec
 from sparse_jax.methods import BlockSparseMethod, DenseAttention, get_method
+from sparse_jax.methods.base import single_layer
+from sparse_jax.selection import dense_decode_attention
+
+SPEC = LayerSpec(sparse=True)
 
 B, HQ, HKV, S, D = 2, 8, 2, 640, 64
 LAYERS = 4
@@ -26,7 +31,24 @@ SPARSE = {
 def make_method(name, **kw):
     m = get_method(name, **{**SPARSE[name], **kw})
     m.check(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_len=S)
-    return m.layer_method(LAYERS - 1, LAYERS)
+    return m
+
+
+def ctx(m):
+    """The last layer's context (its calibrated channels for the label methods)."""
+    data = m.layer_data(LAYERS - 1)
+    return single_layer(LAYERS - 1, SPEC, {k: jnp.asarray(v) for k, v in (data or {}).items()})
+
+
+def select_tokens(m, q, k, v, lengths, st):
+    """``(indices, counts, state)`` of the method's selection as token positions."""
+    sel, st, _ = m.select(q, k, v, lengths, st, None, ctx(m))
+    idx, cnt = sel.token_view(lengths, k.shape[2])
+    return idx, cnt, st
+
+
+def decode_fn(m):
+    return lambda q, k, v, lengths, st: m.decode(q, k, v, lengths, st, None, ctx(m))[:2]
 
 
 def peaked_inputs(seed, hot=12):
@@ -46,10 +68,10 @@ def peaked_inputs(seed, hot=12):
 
 
 def run(m, q, k, v, lengths):
-    st = m.init_state(batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
-    st = m.prefill_state(st, k, v, lengths)
-    idx, cnt, _ = m.select(q, k, v, lengths, st)
-    out, _ = jax.jit(m.decode_attention)(q, k, v, lengths, st)
+    st = m.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
+    st = m.prefill_state(st, k, v, lengths, ctx(m))
+    idx, cnt, _ = select_tokens(m, q, k, v, lengths, st)
+    out, _ = jax.jit(decode_fn(m))(q, k, v, lengths, st)
     return np.asarray(idx), np.asarray(cnt), out, st
 
 
@@ -72,7 +94,7 @@ def test_selection_invariants_and_fallback(name):
                 assert int(lengths[b]) - 1 in sel, "the newest token must be attended"
     # Row 1 fits in the budget: exact attention over its whole context.
     assert np.all(cnt[1] == 150)
-    dense, _ = DenseAttention().decode_attention(q, k, v, lengths, None)
+    dense, _ = (dense_decode_attention(q, k, v, lengths), None)
     np.testing.assert_allclose(out[1], dense[1], rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +110,7 @@ def test_query_aware_methods_find_the_hot_tokens(name):
         for h in range(HKV):
             found = np.isin(hot[b, h], idx[b, h, : cnt[b, h]]).mean()
             assert found >= 0.9, f"{name} found only {found:.0%} of the hot tokens"
-    dense, _ = DenseAttention().decode_attention(q, k, v, lengths, None)
+    dense, _ = (dense_decode_attention(q, k, v, lengths), None)
     rel = np.linalg.norm(out - dense) / np.linalg.norm(dense)
     assert rel < 0.1, rel
 
@@ -119,11 +141,11 @@ def test_append_state_equals_rebuild(name):
     m = make_method(name)
     _, k, v, _ = peaked_inputs(4)
     start = jnp.array([60, 95], jnp.int32)
-    st = m.init_state(batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
-    st = m.prefill_state(st, k, v, start)
+    st = m.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
+    st = m.prefill_state(st, k, v, start, ctx(m))
     for step in range(40):
-        st = m.append_state(st, k, v, start + step)
-    ref = m.prefill_state(m.init_state(batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype), k, v, start + 40)
+        st = m.append_state(st, k, v, start + step, ctx(m))
+    ref = m.prefill_state(m.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype), k, v, start + 40, ctx(m))
     # Compare only what covers valid tokens (blocks/tokens past the length are don't-care).
     for a, r in zip(jax.tree.leaves(st), jax.tree.leaves(ref)):
         a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
@@ -163,13 +185,13 @@ def test_asynctls_lag_searches_the_blocks_the_previous_query_chose():
     lengths = jnp.array([600, 333], jnp.int32)  # the first decode step's lengths
     lag = make_method("asynctls", budget=128, kb=4, block_size=32, lag=True)
     now = make_method("asynctls", budget=128, kb=4, block_size=32)
-    st = lag.init_state(batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
-    st = lag.prefill_state(st, k, v, lengths - 1)
-    st = lag.prefill_query_state(st, q2, lengths - 1)  # the "previous" query
+    st = lag.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
+    st = lag.prefill_state(st, k, v, lengths - 1, ctx(lag))
+    st = lag.prefill_query_state(st, q2, lengths - 1, ctx(lag))  # the "previous" query
     expected = now.pick_blocks(q2, st.boxes, (lengths - 1) // 32)
     np.testing.assert_array_equal(np.asarray(st.prev_blocks), np.asarray(expected))
-    st = lag.append_state(st, k, v, lengths - 1)
-    idx, cnt, st2 = lag.select(q, k, v, lengths, st)
+    st = lag.append_state(st, k, v, lengths - 1, ctx(lag))
+    idx, cnt, st2 = select_tokens(lag, q, k, v, lengths, st)
     cand, ccnt = now.expand_blocks(expected, lengths)
     for b in range(B):
         for h in range(HKV):
@@ -180,8 +202,8 @@ def test_asynctls_lag_searches_the_blocks_the_previous_query_chose():
                                   np.asarray(now.pick_blocks(q, st.boxes, lengths // 32)))
     # same query at both steps: lagged == unlagged (no block completed in between)
     st_same = dataclasses.replace(st, prev_blocks=now.pick_blocks(q, st.boxes, (lengths - 1) // 32))
-    i1, c1, _ = lag.select(q, k, v, lengths, st_same)
-    i0, c0, _ = now.select(q, k, v, lengths, dataclasses.replace(st, prev_blocks=None))
+    i1, c1, _ = select_tokens(lag, q, k, v, lengths, st_same)
+    i0, c0, _ = select_tokens(now, q, k, v, lengths, dataclasses.replace(st, prev_blocks=None))
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))
     for b in range(B):
         for h in range(HKV):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparse_jax.methods.base import single_layer
 from sparse_jax.methods import (
     AttentionMethod,
     DenseAttention,
@@ -42,8 +43,8 @@ def test_dense_decode_matches_oracle(hq, hkv, d):
     k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32)
     v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32)
     lengths = jnp.array([77, 1, 40], jnp.int32)
-    out, state = DenseAttention().decode_attention(q, k, v, lengths, None)
-    assert state is None
+    out, state, carry = DenseAttention().decode(q, k, v, lengths, None, None, single_layer())
+    assert state is None and carry is None
     keep = np.arange(s)[None, None, :] < np.asarray(lengths)[:, None, None]
     keep = np.broadcast_to(keep, (b, hkv, s))
     np.testing.assert_allclose(out, _oracle_decode(q, k, v, keep), rtol=1e-5, atol=1e-5)
@@ -72,14 +73,14 @@ def test_dense_prefill_is_causal_gqa():
         np.testing.assert_allclose(out[:, pos], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_layer_method_routes_dense_layers():
+def test_dense_layer_rule_counts_global_layers():
     @dataclasses.dataclass(frozen=True)
     class Sparse(AttentionMethod):
         dense_layers: tuple[int, ...] = (0, 1, -1)
 
     m = Sparse()
-    routed = [type(m.layer_method(i, 6)).__name__ for i in range(6)]
-    assert routed == ["DenseAttention", "DenseAttention", "Sparse", "Sparse", "Sparse", "DenseAttention"]
+    assert [m.is_sparse_layer(i, 6) for i in range(6)] == [False, False, True, True, True, False]
+    assert not any(DenseAttention().is_sparse_layer(i, 6) for i in range(6))
 
 
 def test_registry_errors_list_valid_names():

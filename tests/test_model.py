@@ -13,7 +13,8 @@ import pytest
 import models
 from models import transformer as tfm
 from models.config import ModelConfig, RopeScaling
-from sparse_jax.methods import DenseAttention, masked_decode_attention
+from sparse_jax.methods import AttentionMethod, DenseAttention, masked_decode_attention
+from sparse_jax.selection import Selection
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -172,11 +173,11 @@ def test_cache_layout_head_major_post_rope():
     from flax import nnx
 
     mod = nnx.merge(m.graphdef, m.params)
-    layer0 = mod.layers[0]
+    layer0 = nnx.merge(tfm.layer_graphdef(cfg, m.dtype), jax.tree.map(lambda a: a[0], nnx.state(mod.layers)))
     cos, sin = tfm.rope_cos_sin(jnp.arange(7), tfm.rope_inv_freq(cfg.head_dim, cfg.rope_theta))
     _, k, _ = layer0.self_attn.qkv(layer0.input_layernorm(mod.embed_tokens(jnp.asarray(toks))), cos, sin)
-    assert c.layers[0].k.shape == (1, cfg.num_kv_heads, 16, cfg.head_dim)
-    np.testing.assert_allclose(np.asarray(c.layers[0].k)[:, :, :7], np.asarray(k.transpose(0, 2, 1, 3)), **TOL)
+    assert c.layer(0).k.shape == (1, cfg.num_kv_heads, 16, cfg.head_dim)
+    np.testing.assert_allclose(np.asarray(c.layer(0).k)[:, :, :7], np.asarray(k.transpose(0, 2, 1, 3)), **TOL)
 
 
 def test_bf16_close_to_f32():
@@ -191,7 +192,7 @@ def test_bf16_close_to_f32():
     scale = np.abs(l32).max()
     assert np.abs(l16 - l32).max() < 0.05 * scale
     c = m16.init_cache(2, 16)
-    assert c.layers[0].k.dtype == jnp.bfloat16
+    assert c.layer(0).k.dtype == jnp.bfloat16
     lp, c = m16.prefill(toks, np.array([10, 10], np.int32), c)
     ld, c = m16.decode_step(toks[:, 0], c)
     assert lp.dtype == ld.dtype == jnp.float32
@@ -203,23 +204,22 @@ def test_bf16_close_to_f32():
 
 
 @dataclasses.dataclass(frozen=True)
-class CountingDense(DenseAttention):
-    """Dense attention whose state counts the tokens it saw, to check the hooks' data flow."""
+class CountingDense(AttentionMethod):
+    """Exact attention whose state counts the tokens it saw, to check the hooks' data flow."""
 
-    def init_state(self, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
         return {"seen": jnp.zeros((batch,), jnp.int32), "last_pos": jnp.full((batch,), -1, jnp.int32)}
 
-    def prefill_state(self, state, k, v, lengths):
+    def prefill_state(self, state, k, v, lengths, layer):
         assert k.ndim == 4  # whole layer cache [B, Hkv, S, D]
         return {"seen": lengths, "last_pos": lengths - 1}
 
-    def append_state(self, state, k, v, positions):
+    def append_state(self, state, k, v, positions, layer):
         return {"seen": state["seen"] + 1, "last_pos": positions}
 
-    def decode_attention(self, q, k, v, lengths, state):
-        out, state = super().decode_attention(q, k, v, lengths, state)
+    def select(self, q, k, v, lengths, state, carry, layer):
         assert state is not None
-        return out, state
+        return Selection.all_tokens(), state, carry
 
 
 def test_method_hooks_and_state_flow():
@@ -227,11 +227,11 @@ def test_method_hooks_and_state_flow():
     m = load(cfg, attention=CountingDense(dense_layers=(0,)))
     toks = rand_tokens(5, (2, 8), cfg.vocab_size)
     c = m.init_cache(2, 16)
-    assert c.layers[0].state is None and c.layers[1].state is not None  # layer 0 is kept dense
+    assert c.layer(0).state is None and c.layer(1).state is not None  # layer 0 is kept dense
     _, c = m.prefill(toks, np.array([8, 5], np.int32), c)
     _, c = m.decode_step(toks[:, 0], c)
     _, c = m.decode_step(toks[:, 1], c)
-    st = c.layers[1].state
+    st = c.layer(1).state
     assert np.asarray(st["seen"]).tolist() == [10, 7]
     assert np.asarray(st["last_pos"]).tolist() == [9, 6]
     # same logits as plain dense
@@ -244,13 +244,15 @@ def test_method_hooks_and_state_flow():
 
 
 @dataclasses.dataclass(frozen=True)
-class LastWindow(DenseAttention):
+class LastWindow(AttentionMethod):
     window: int = 3
 
-    def decode_attention(self, q, k, v, lengths, state):
-        pos = jnp.arange(k.shape[2])
-        keep = (pos[None, :] >= lengths[:, None] - self.window) & (pos[None, :] < lengths[:, None])
-        return masked_decode_attention(q, k, v, keep[:, None, :]), state
+    def select(self, q, k, v, lengths, state, carry, layer):
+        b, hkv = k.shape[:2]
+        idx = lengths[:, None, None] - self.window + jnp.arange(self.window, dtype=jnp.int32)
+        counts = jnp.broadcast_to(jnp.minimum(lengths, self.window)[:, None], (b, hkv))
+        idx = jnp.where(lengths[:, None, None] > self.window, idx, jnp.arange(self.window, dtype=jnp.int32))
+        return Selection.tokens(jnp.broadcast_to(idx, (b, hkv, self.window)), counts), state, carry
 
 
 def test_decode_goes_through_method():
@@ -308,7 +310,7 @@ def test_random_init_is_cheap(name):
 def test_random_weights_have_no_tokenizer():
     m = load(CONFIGS["qwen3-mha"])
     assert m.tokenizer is None
-    assert m.params["layers"][0]["self_attn"]["q_norm"]["weight"].shape == (16,)
+    assert m.params["layers"]["self_attn"]["q_norm"]["weight"].shape == (m.config.num_layers, 16)
     with pytest.raises(RuntimeError, match="no tokenizer"):
         m.generate("hi", max_new_tokens=2)
 

@@ -21,6 +21,8 @@ import os
 
 import jax
 
+from sparse_jax.layers import LayerSpec
+
 GiB = 1 << 30
 MODES = ("dense", "sparse", "offload")
 
@@ -92,7 +94,7 @@ def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2
     import jax.numpy as jnp
 
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[dtype_bytes]
-    shapes = jax.eval_shape(lambda: method.init_state(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
+    shapes = jax.eval_shape(lambda: method.init_state(LayerSpec(sparse=True), batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
                                                       head_dim=head_dim, dtype=dtype))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
