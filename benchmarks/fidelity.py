@@ -202,7 +202,7 @@ class FidelityProbe(AttentionMethod):
             return jnp.full((b, hq), jnp.nan, jnp.float32)
         if sel.kind == "all":
             return jnp.ones((b, hq), jnp.float32)
-        indices, counts = sel.token_view(lengths, k.shape[2])
+        indices, counts = sel.token_view(lengths)
         return selection_mass_ratio(q, k, lengths, indices, counts)
 
 

@@ -96,17 +96,16 @@ def inv_freq(cfg: ModelConfig, spec: LayerSpec) -> np.ndarray:
     return rope_inv_freq(cfg.head_dim, spec.rope_theta, scaling)
 
 
-def _layer_at(graphdef, stacked, g) -> Any:
-    """The layer module whose parameters are row ``g`` of the stacked ``params["layers"]``."""
-    if isinstance(g, (int, np.integer)):
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[int(g)], stacked))
-    return nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False), stacked))
-
-
 def _at(tree, i):
+    """Row ``i`` of every leaf (``i`` a static int or a traced index)."""
     if isinstance(i, (int, np.integer)):
         return jax.tree.map(lambda a: a[int(i)], tree)
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _layer_at(graphdef, stacked, g) -> Any:
+    """The layer module whose parameters are row ``g`` of the stacked ``params["layers"]``."""
+    return nnx.merge(graphdef, _at(stacked, g))
 
 
 def _set(tree, i, new):

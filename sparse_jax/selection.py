@@ -61,10 +61,10 @@ class Selection:
         return cls(block_ids, counts, prefetch, "blocks", int(block_size))
 
     # -- views ----------------------------------------------------------------
-    def token_view(self, lengths: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    def token_view(self, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The selection as token positions ``(indices [B,Hkv,K], counts [B,Hkv])``
-        (for ``"all"``: ``arange(capacity)`` and ``lengths``; for blocks: every token of
-        each block, the newest, partial block listed last as the block methods do)."""
+        (for blocks: every token of each block, the newest, partial block listed last as
+        the block methods do; an ``"all"`` selection lists no tokens)."""
         if self.kind == "tokens":
             return self.indices, self.counts
         if self.kind == "all":

@@ -43,7 +43,7 @@ def ctx(m):
 def select_tokens(m, q, k, v, lengths, st):
     """``(indices, counts, state)`` of the method's selection as token positions."""
     sel, st, _ = m.select(q, k, v, lengths, st, None, ctx(m))
-    idx, cnt = sel.token_view(lengths, k.shape[2])
+    idx, cnt = sel.token_view(lengths)
     return idx, cnt, st
 
 
