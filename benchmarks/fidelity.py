@@ -177,33 +177,34 @@ class FidelityProbe(AttentionMethod):
     def prefill_query_state(self, state, q_last, lengths, layer):
         return {**state, "inner": self.inner.prefill_query_state(state["inner"], q_last, lengths, layer)}
 
-    def append_state(self, state, k, v, positions, layer):
-        return {**state, "inner": self.inner.append_state(state["inner"], k, v, positions, layer)}
+    def append_state(self, state, kv, positions, layer):
+        return {**state, "inner": self.inner.append_state(state["inner"], kv, positions, layer)}
 
     def prefill_attention(self, q, k, v, lengths, layer):
         return dense_prefill_attention(q, k, v)
 
-    def decode(self, q, k, v, lengths, state, carry, layer):
+    def decode(self, q, kv, lengths, state, carry, layer):
         inner_state = state["inner"]
+        k, v = kv.k, kv.v  # the probe compares against exact attention: a resident layer
         valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
         dense = masked_decode_attention(q, k, v, valid[:, None, :])
-        out, new_inner, new_carry = self.inner.decode(q, k, v, lengths, inner_state, carry, layer)
+        out, new_inner, new_carry = self.inner.decode(q, kv, lengths, inner_state, carry, layer)
         rel = relative_error(out, dense)
-        mass = self._mass(q, k, v, lengths, inner_state, carry, layer)
+        mass = self._mass(q, kv, lengths, inner_state, carry, layer)
         return dense, {"inner": new_inner, "rel_err": rel, "mass": mass}, new_carry
 
-    def _mass(self, q, k, v, lengths, inner_state, carry, layer):
+    def _mass(self, q, kv, lengths, inner_state, carry, layer):
         b, hq = q.shape[0], q.shape[1]
         if isinstance(self.inner, DenseAttention):
             return jnp.ones((b, hq), jnp.float32)
         try:
-            sel, _, _ = self.inner.select(q, k, v, lengths, inner_state, carry, layer)
+            sel, _, _ = self.inner.select(q, kv, lengths, inner_state, carry, layer)
         except NotImplementedError:
             return jnp.full((b, hq), jnp.nan, jnp.float32)
         if sel.kind == "all":
             return jnp.ones((b, hq), jnp.float32)
         indices, counts = sel.token_view(lengths)
-        return selection_mass_ratio(q, k, lengths, indices, counts)
+        return selection_mass_ratio(q, kv.k, lengths, indices, counts)
 
 
 # -----------------------------------------------------------------------------
@@ -308,16 +309,16 @@ def method_kl(model, ref: Reference, steps: int | None = None) -> dict:
 def _gather_metrics(cache):
     """``rel_err, mass [L, B, Hq]``; the layers the probe did not run on (exact) get 0 and 1."""
     rel, mass = [], []
-    for sc in cache.segments:
-        if sc.state is None:
-            b = sc.k.shape[1]
-            hq = next(s.state["rel_err"].shape[-1] for s in cache.segments if s.state is not None)
-            rel.append(jnp.zeros((sc.num_layers, b, hq), jnp.float32))
-            mass.append(jnp.ones((sc.num_layers, b, hq), jnp.float32))
+    hq = next(lc.state["rel_err"].shape[-1] for lc in cache.layers if lc.state is not None)
+    for lc in cache.layers:
+        if lc.state is None:
+            b = lc.k.shape[0]
+            rel.append(jnp.zeros((b, hq), jnp.float32))
+            mass.append(jnp.ones((b, hq), jnp.float32))
         else:
-            rel.append(sc.state["rel_err"])
-            mass.append(sc.state["mass"])
-    return jnp.concatenate(rel), jnp.concatenate(mass)
+            rel.append(lc.state["rel_err"])
+            mass.append(lc.state["mass"])
+    return jnp.stack(rel), jnp.stack(mass)
 
 
 def probe_metrics(probe_model, ref: Reference, steps: int) -> dict:

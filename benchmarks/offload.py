@@ -4,7 +4,8 @@
 model with random bf16 weights (36 layers, 32/8 heads, D=128) at each context
 (default 32K, 64K, 96K):
 
-* three configurations, all run layer by layer by :class:`models.layered.LayeredRunner`:
+* three configurations, all run by :class:`models.tiered.TieredRunner` (one jitted
+  program per decode step):
   ``dense`` (all KV on the device, cuDNN-class exact decode), ``sparse``
   (AsyncTLS, everything resident) and ``offload`` (AsyncTLS, KV blocks in
   pinned host memory, device tier only);
@@ -47,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import markdown_table, stamp, write_results
-from models.layered import DEFAULT_LAYERS_PER_CALL
 
 ROUNDS = 3  # back-to-back timing rounds per configuration (the median is reported)
 SETTLE_ROUNDS = 6  # at most this many untimed rounds before them, until two agree within 5%
@@ -115,7 +115,7 @@ def random_model(cfg, method, max_len: int, seed: int = 0):
 
 
 def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
-    """``kv_of_layer(i)`` for LayeredRunner.state_from_kv: random K/V, ``context`` valid tokens."""
+    """``kv_of_layer(i)`` for TieredRunner.state_from_kv: random K/V, ``context`` valid tokens."""
     hkv, d = cfg.num_kv_heads, cfg.head_dim
 
     @jax.jit
@@ -130,20 +130,25 @@ def _synthetic_kv(cfg, batch, max_len, context, dtype, seed):
     return lambda i: make(jax.random.fold_in(jax.random.key(seed), i))
 
 
-def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, layers_per_call=DEFAULT_LAYERS_PER_CALL):
-    """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
-    ``concurrent``, ``layers_per_call``: LayeredRunner's (None: its default schedule for ``mode``)."""
-    from models.layered import LayeredRunner
+def with_churn(model, churn: float):
+    """``model`` whose AsyncTLS renews ``churn`` of its block set per step (benchmarks only)."""
+    return model.with_method(dataclasses.replace(model.method, churn=churn)) if churn else model
 
-    runner = LayeredRunner(model, mode, pool_slots=pool_slots, churn=churn, host_limit=host_limit,
-                           concurrent=concurrent, layers_per_call=layers_per_call)
+
+def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
+               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None):
+    """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
+    ``concurrent``: TieredRunner's (None: its default schedule for ``mode``)."""
+    from models.tiered import TieredRunner
+
+    runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
+                          concurrent=concurrent)
     max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
     state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 0),
                                  lengths, max_len)
-    jax.block_until_ready([layer for layer in state.layers])
+    jax.block_until_ready(state.cache)
     fill_s = time.perf_counter() - t0
     tok = jnp.zeros((batch,), jnp.int32)
     gc.collect()
@@ -151,7 +156,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     try:
         return _timed_decode(runner, state, tok, mode=mode, context=context, batch=batch, churn=churn,
                              steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
-                             trace_dir=trace_dir)
+                             trace_dir=trace_dir, bandwidth=bandwidth)
     finally:
         gc.enable()
         del state, runner
@@ -168,7 +173,7 @@ def _decode(runner, state, tok, n):
 
 
 def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
-                  trace_dir):
+                  trace_dir, bandwidth=None):
     logits, tok = _decode(runner, state, tok, warmup)
     jax.block_until_ready(tok)
     # settle: right after a large pinned allocation, back-to-back rounds ran up to 40% slower
@@ -206,7 +211,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
         rounds_s.append((time.perf_counter() - t1) / ROUND_STEPS)
     tpot = statistics.median(rounds_s)
     fp = runner.footprint(batch, max_len)
-    out = {"mode": mode, "concurrent": runner.concurrent, "layers_per_call": runner.layers_per_call,
+    out = {"mode": mode, "concurrent": runner.concurrent, "unroll": runner.unroll,
            "context": context, "batch": batch, "churn": churn, "fill_s": fill_s,
            "tpot_ms": 1e3 * tpot, "step_ms_median_synced": 1e3 * statistics.median(times),
            "tpot_rounds_ms": [round(1e3 * r, 3) for r in rounds_s], "settle_rounds": settle,
@@ -215,6 +220,13 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
            "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
            "pool_slots": runner._pool(max_len) if mode == "offload" else None}
+    nbytes = bytes_per_step(runner, batch, context)
+    out["gib_read_per_step"] = nbytes / GiB
+    if bandwidth:
+        out["floor_ms"] = 1e3 * nbytes / bandwidth
+        out["floor_tokens_per_s"] = batch / (nbytes / bandwidth)
+        out["of_floor"] = out["floor_ms"] / out["tpot_ms"]
+    out["host_issue_of_step"] = out["host_issue_ms"] / out["tpot_ms"]
     stats = jax.devices()[0].memory_stats() or {}
     out["device_in_use_gib"] = stats.get("bytes_in_use", 0) / GiB
     if mode == "offload":
@@ -257,29 +269,46 @@ def fit_batch(model, mode, context, *, start, steps, warmup, churn=0.0, log=prin
     return {"mode": mode, "context": context, "batch": 0, "planner_batch": start, "error": "nothing fits"}
 
 
-def group_sweep(model, context, batch, per_call, *, steps, warmup, churn, host_limit, log=print):
-    """Resident and offloaded steps at one batch for each ``layers_per_call``: how
-    much of the step is the host's (``host_dispatch_ms``, one step issued into an
-    idle queue, against ``tpot_ms``)."""
-    rows = []
-    for g in per_call:
-        for mode in ("resident", "offload"):
-            try:
-                r = run_config(model, mode, context=context, batch=batch, steps=steps, warmup=warmup,
-                               churn=churn if mode == "offload" else 0.0, host_limit=host_limit,
-                               layers_per_call=g)
-            except Exception as e:  # noqa: BLE001 - report, go on
-                log(f"[offload] group sweep {context}/B={batch} {mode} x{g} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            rows.append({k: r.get(k) for k in ("context", "batch", "mode", "concurrent", "layers_per_call", "tpot_ms",
-                                               "step_ms_median_synced", "host_dispatch_ms", "tpot_rounds_ms")})
-            log(f"[offload] group sweep {context}/B={batch} {mode} x{g}: tpot {r['tpot_ms']:.2f} ms, "
-                f"dispatch {r['host_dispatch_ms']:.2f} ms, synced {r['step_ms_median_synced']:.2f} ms")
-    for r in rows:  # offloaded over resident at the same grouping
-        res = next((x for x in rows if x["mode"] == "resident" and x["layers_per_call"] == r["layers_per_call"]
-                    and x["context"] == r["context"]), None)
-        r["vs_resident"] = r["tpot_ms"] / res["tpot_ms"] - 1 if res else None
-    return rows
+def bytes_per_step(runner, batch: int, context: int) -> float:
+    """HBM bytes one decode step must read at least: every weight once (the embedding
+    table only when tied, as the head), and per row the KV each layer attends: all of
+    it on exact layers; on the method's layers the budget's K/V, its block boxes and
+    (AsyncTLS) the INT4 labels of the candidate blocks. Offloaded steps move their
+    misses over PCIe on top (hidden, or not, behind this)."""
+    cfg, m = runner.cfg, runner.method
+    e = jnp.dtype(runner.model.dtype).itemsize
+    weights = cfg.num_params() * e
+    if not cfg.tie_embeddings:
+        weights -= cfg.vocab_size * cfg.hidden_size * e  # the embedding is gathered, not read whole
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    kv_token = 2 * hkv * d * e
+    total = weights
+    for spec in runner.plan.specs:
+        if not spec.sparse:
+            total += batch * context * kv_token
+            continue
+        budget = getattr(m, "budget", context)
+        total += batch * min(budget, context) * kv_token
+        bs = getattr(m, "block_size", 64)
+        total += batch * 2 * hkv * (context // bs) * d * e  # the boxes (Quest bound)
+        if hasattr(m, "kb"):
+            r = m.num_channels(d)
+            total += batch * hkv * min(m.kb * bs, context) * (r // 2 + 4)  # INT4 labels + scale/offset
+    return float(total)
+
+
+def measure_bandwidth(nbytes: int = 4 << 30) -> float:
+    """HBM bytes/s of a device copy (read + write) of ``nbytes``, median of 5."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t)
+    del x
+    return 2 * nbytes / statistics.median(ts)
 
 
 def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
@@ -287,10 +316,10 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
     of ``mib_per_step`` MiB from pinned host memory issued just before it, against
     the step alone and the copy alone. The CPU gather that would assemble the
     contiguous buffer is timed separately (NumPy fancy indexing of 32 KiB blocks)."""
-    from models.layered import LayeredRunner
+    from models.tiered import TieredRunner
     from sparse_jax.offload.tiers import device_sharding, pinned_host_sharding
 
-    runner = LayeredRunner(model, "resident")
+    runner = TieredRunner(model, "resident")
     max_len = cache_capacity(context, 3 * steps)
     state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 1),
                                  np.full((batch,), context, np.int32), max_len)
@@ -334,22 +363,22 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
 
 def prefill_compare(model, *, length, log=print):
     """Prefill time and peak device memory, KV resident vs offloaded (one row)."""
-    from models.layered import LayeredRunner
+    from models.tiered import TieredRunner
 
     out = []
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (1, length)), jnp.int32)
     lengths = jnp.asarray([length], jnp.int32)
     for mode in ("offload", "resident"):  # offload first: the peak counter only grows
-        runner = LayeredRunner(model, mode)
+        runner = TieredRunner(model, mode)
         max_len = cache_capacity(length, 56)
         logits, state = runner.prefill(tokens, lengths, max_len)  # compile
-        jax.block_until_ready((logits, state.layers))
+        jax.block_until_ready((logits, state.cache))
         del state
         gc.collect()
         before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
         t = time.perf_counter()
         logits, state = runner.prefill(tokens, lengths, max_len)
-        jax.block_until_ready((logits, state.layers, [h.k for h in state.host if h is not None]))
+        jax.block_until_ready((logits, state.cache, [h.k for h in state.host if h is not None]))
         dt = time.perf_counter() - t
         stats = jax.devices()[0].memory_stats() or {}
         out.append({"mode": mode, "length": length, "prefill_s": dt,
@@ -366,7 +395,7 @@ def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=
     and the check that offloaded bf16 decoding matches the resident method."""
     import models
     from benchmarks.fidelity import fidelity_text_ids
-    from models.layered import LayeredRunner
+    from models.tiered import TieredRunner
 
     cap = cache_capacity(length, steps)
     base = models.load_model("smollm2-135m", dtype=jnp.bfloat16, max_len=cap)
@@ -376,14 +405,14 @@ def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=
     rows = []
     smallest = kb - 1  # the filter's set exactly: evictions every step the set changes
     for pool in (smallest, 2 * (kb - 1)):  # the smallest pool, and the default
-        runner = LayeredRunner(m, "offload", pool_slots=pool)
+        runner = TieredRunner(m, "offload", pool_slots=pool)
         out_ids, logits, state = runner.generate_ids(ids, lengths, steps, cap)
         ts = runner.transfer_stats(state)
         rows.append({"pool_slots": pool, "hit_rate": ts["hit_rate"],
                      "misses_per_step": float(np.mean(ts["misses_per_step"])),
                      "kib_per_step": ts["mean_bytes_per_step"] / 1024, "steps": ts["steps"]})
         if pool == smallest:  # the same method with everything resident, run the same way (layer by layer)
-            rid, rlog, _ = LayeredRunner(m, "resident").generate_ids(ids, lengths, steps, cap)
+            rid, rlog, _ = TieredRunner(m, "resident").generate_ids(ids, lengths, steps, cap)
             rid, rlog = np.asarray(rid), np.asarray(rlog)
             same = rid == np.asarray(out_ids)
             rows[-1].update(token_agreement=float(same.mean()),
@@ -451,8 +480,13 @@ def render(payload) -> str:
              f"set renewed per step (0 = the random weights' own behaviour); tpot = median of "
              f"{ROUNDS} back-to-back rounds of {ROUND_STEPS} steps (one block per row: the host save of "
              f"completed blocks included), after untimed rounds until two agree within 5%", ""]
-    cols = ["label", "context", "batch", "planner_batch", "concurrent", "churn", "pool_slots", "tpot_ms", "tokens_per_s", "x_dense",
-            "hit_rate", "mib_per_step", "footprint_device_gib", "footprint_host_gib"]
+    if payload.get("bandwidth_gbps"):
+        lines += [f"- measured HBM bandwidth (device copy): {payload['bandwidth_gbps']:.0f} GB/s; `floor_ms` = "
+                  f"bytes a step must read (weights once, the KV each layer attends) / that bandwidth; "
+                  f"`of_floor` = floor / tpot; `host_issue_of_step` = host time to issue a step / tpot", ""]
+    cols = ["label", "context", "batch", "planner_batch", "churn", "pool_slots", "tpot_ms", "tokens_per_s", "x_dense",
+            "floor_ms", "of_floor", "host_issue_ms", "host_issue_of_step", "hit_rate", "mib_per_step",
+            "footprint_device_gib", "footprint_host_gib"]
     lines.append(markdown_table(payload["throughput"], cols))
     if payload.get("equal_batch"):
         lines += ["", "## Equal batch: offloaded vs resident step", "",
@@ -464,15 +498,6 @@ def render(payload) -> str:
                   markdown_table(payload["equal_batch"], ["context", "batch", "churn", "sparse_tpot_ms",
                                                           "sparse_concurrent_tpot_ms", "offload_tpot_ms",
                                                           "offload_serial_tpot_ms", "slowdown"])]
-    if payload.get("groups"):
-        lines += ["", "## Layers per jitted call", "",
-                  "Resident and offloaded steps at the sparse configuration's batch with `layers_per_call` "
-                  "consecutive layers in one jitted call; `host_dispatch_ms` = host time to issue one step into an "
-                  "idle queue (above the step's device time, the loop waits on the host); `vs_resident` = "
-                  "offloaded over resident at the same grouping.", "",
-                  markdown_table(payload["groups"], ["context", "batch", "mode", "concurrent", "layers_per_call",
-                                                     "tpot_ms", "step_ms_median_synced", "host_dispatch_ms",
-                                                     "vs_resident"])]
     if payload.get("device_put"):
         lines += ["", "## Transfer path: inline host_gather vs device_put on a copy stream", "",
                   markdown_table([payload["device_put"]], list(payload["device_put"]))]
@@ -509,10 +534,6 @@ def parse_args(argv=None):
     p.add_argument("--eq-repeats", type=int, default=2, help="alternated resident/offloaded runs at equal batch")
     p.add_argument("--no-eq-serial", dest="eq_serial", action="store_false",
                    help="skip the offloaded step under the serial schedule at equal batch")
-    p.add_argument("--layers-per-call", type=int, default=DEFAULT_LAYERS_PER_CALL,
-                   help="layers per jitted decode call (LayeredRunner)")
-    p.add_argument("--group-sweep", default="", help="comma list of layers-per-call values: at each context, "
-                   "resident and offloaded steps at the sparse configuration's batch for each")
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="offload_qwen3_8b")
@@ -566,6 +587,8 @@ def main(argv=None) -> int:
     dl, hl = capacity.device_budget(), capacity.host_budget(a.host_fraction)
     payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
     modes = a.modes.split(",")
+    bw = measure_bandwidth((1 << 24) if a.tiny else (4 << 30))
+    payload["bandwidth_gbps"] = bw / 1e9
     for ctx in contexts:
         max_len = cache_capacity(ctx, timed_steps(a.warmup, a.steps, ROUNDS))
         found = {}
@@ -575,7 +598,7 @@ def main(argv=None) -> int:
                                        host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if mode == "offload" else 0.0
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl, layers_per_call=a.layers_per_call)
+                          host_limit=hl, bandwidth=bw)
             r["label"] = mode
             found[mode] = r
             payload["throughput"].append(r)
@@ -588,8 +611,7 @@ def main(argv=None) -> int:
             def eq_run(mode, concurrent, churn):
                 try:
                     return run_config(model, mode, context=ctx, batch=b, steps=a.steps, warmup=a.warmup,
-                                      churn=churn, host_limit=hl, concurrent=concurrent,
-                                      layers_per_call=a.layers_per_call)["tpot_ms"]
+                                      churn=churn, host_limit=hl, concurrent=concurrent)["tpot_ms"]
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] equal batch {ctx} {mode} concurrent={concurrent} failed: "
                         f"{type(e).__name__}: {str(e)[:200]}")
@@ -620,13 +642,6 @@ def main(argv=None) -> int:
             log(f"[offload] equal batch {ctx}/B={b}: runs {payload['equal_batch'][-1]['runs_ms']}: "
                 f"{100 * (best_of['offload_conc'] / best - 1):+.1f}%")
             save()
-        if a.group_sweep:
-            b = (found.get("sparse") or {}).get("batch") or capacity.max_batch(
-                cfg, method, max_len=max_len, mode="sparse", device_limit=dl, host_limit=hl, limit=64)
-            payload.setdefault("groups", []).extend(group_sweep(
-                model, ctx, b, [int(g) for g in a.group_sweep.split(",")], steps=a.steps, warmup=a.warmup,
-                churn=a.churn, host_limit=hl, log=log))
-            save()
         d = found.get("dense", {}).get("tokens_per_s")
         for r in payload["throughput"]:
             if r["context"] == ctx and d and r.get("tokens_per_s"):
@@ -639,11 +654,11 @@ def main(argv=None) -> int:
         trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None
         d = next((r["tokens_per_s"] for r in payload["throughput"] if r["label"] == "dense" and r["context"] == ctx
                   and r.get("tokens_per_s")), None)
-        n1 = method.filter_blocks(cache_capacity(ctx, timed_steps(a.warmup, a.steps, ROUNDS)))
+        n1 = method.for_offload().offload_blocks_per_step(cache_capacity(ctx, timed_steps(a.warmup, a.steps, ROUNDS)))
         for label, churn, pool in (("offload (smallest pool, churn 0.10)", 0.10, n1),
                                    ("offload (random weights' own locality)", 0.0, None)):
             raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,
-                             churn=churn, pool_slots=pool, host_limit=hl, layers_per_call=a.layers_per_call)
+                             churn=churn, pool_slots=pool, host_limit=hl, bandwidth=bw)
             raw["label"] = label
             raw["x_dense"] = raw["tokens_per_s"] / d if d else None
             payload["throughput"].append(raw)
@@ -651,7 +666,7 @@ def main(argv=None) -> int:
             save()
         if trace_dir is not None:
             tr = run_config(model, "offload", context=ctx, batch=b, steps=2, warmup=a.warmup, churn=a.churn,
-                            trace_dir=trace_dir, host_limit=hl, layers_per_call=a.layers_per_call)
+                            trace_dir=trace_dir, host_limit=hl)
             payload["trace"] = tr["trace"]
             from benchmarks import trace_overlap
 

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layered import DEFAULT_LAYERS_PER_CALL
-
 
 def main(argv=None):
     p = argparse.ArgumentParser()
@@ -26,19 +24,18 @@ def main(argv=None):
     p.add_argument("--pool-factor", type=int, default=2)
     p.add_argument("--modes", default="dense,resident,offload",
                    help="comma list of dense, resident, offload; a suffix _conc / _serial picks the CUDA-graph "
-                   "schedule (default: LayeredRunner's, concurrent for offload)")
-    p.add_argument("--hlo", action="store_true", help="print the async/copy ops of an offloaded layer's compiled HLO")
+                   "schedule (default: TieredRunner's, concurrent for offload)")
+    p.add_argument("--hlo", action="store_true", help="print the async/copy ops of the offloaded step's compiled HLO")
     p.add_argument("--fusion", default="", help="with --hlo: also print the fused computations of fusions "
                    "whose name contains this")
     p.add_argument("--top", type=int, default=25, help="kernel names listed per class")
     p.add_argument("--host", action="store_true", help="also list the host events that took the most time")
-    p.add_argument("--layers-per-call", type=int, default=DEFAULT_LAYERS_PER_CALL)
     p.add_argument("--out", default="/tmp/offload_profile")
     a = p.parse_args(argv)
     import models
     from benchmarks import trace_overlap
-    from benchmarks.offload import _synthetic_kv, asynctls_for, qwen3_8b
-    from models.layered import LayeredRunner
+    from benchmarks.offload import _synthetic_kv, asynctls_for, qwen3_8b, with_churn
+    from models.tiered import TieredRunner
 
     cfg = dataclasses.replace(qwen3_8b(131072), num_layers=a.layers)
     m = asynctls_for(cfg, 2048, 128)
@@ -48,8 +45,8 @@ def main(argv=None):
         offload = mode.startswith("offload")
         pool = (m.kb - 1) * a.pool_factor if offload else None
         conc = True if mode.endswith("_conc") else False if mode.endswith("_serial") else None
-        runner = LayeredRunner(mdl, "offload" if offload else "resident", pool_slots=pool,
-                               churn=a.churn if offload else 0.0, concurrent=conc, layers_per_call=a.layers_per_call)
+        runner = TieredRunner(with_churn(mdl, a.churn if offload else 0.0), "offload" if offload else "resident",
+                              pool_slots=pool, concurrent=conc)
         max_len = a.context + 512
         st = runner.state_from_kv(_synthetic_kv(cfg, a.batch, max_len, a.context, model.dtype, 0),
                                   np.full((a.batch,), a.context, np.int32), max_len)
@@ -63,14 +60,10 @@ def main(argv=None):
         jax.block_until_ready(tok)
         wall = (time.perf_counter() - t) / 5
         if a.hlo and offload:
-            i = runner.offloaded_layers[0]  # as built with one layer per call (LayeredRunner's default)
-            one = LayeredRunner(mdl, "offload", pool_slots=pool, churn=a.churn, concurrent=conc, layers_per_call=1)
-            txt = one._decode_fns[i].lower(
-                (runner.layer_params[i],), jnp.zeros((a.batch, cfg.hidden_size), model.dtype), (st.layers[i],),
-                (st.host[i],), st.lengths, (runner.channels[i],)).compile().as_text()
+            txt = runner._decode.lower(runner.model.params, tok, st.cache, st.host).compile().as_text()
             keep = [ln.strip()[:220] for ln in txt.splitlines()
                     if any(w in ln for w in ("-start", "-done", " copy(", "custom-call", "ENTRY"))]
-            print(f"-- {mode} layer {i} HLO ({len(txt.splitlines())} lines), async/copy/custom-call ops:")
+            print(f"-- {mode} decode step HLO ({len(txt.splitlines())} lines), async/copy/custom-call ops:")
             print("\n".join(keep[:40]))
             entry = txt[txt.index("\nENTRY"):].split("\n}", 1)[0].splitlines()[1:]
             names = [ln.strip().removeprefix("ROOT ").split(" ", 1)[0].lstrip("%") for ln in entry]

@@ -32,7 +32,7 @@ from models import gguf_loader, hf_loader
 from models import transformer as tfm
 from models.config import REAL_WEIGHTS, ModelConfig, available_models, get_config
 from models.tokenizer import Tokenizer
-from sparse_jax.cache import KVCache
+from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods import AttentionMethod, get_method
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -106,14 +106,14 @@ class Model:
         from models.driver import make_plan
 
         plan = make_plan(cfg, self.method)
-        if len(cache.segments) != len(plan.segments) or any(
-                sc.num_layers != seg.length for sc, seg in zip(cache.segments, plan.segments)):
-            raise ValueError("the cache was made for another attention method's layer segments: "
+        if any(not isinstance(lc, LayerCache) or lc.k.shape[2] != spec.capacity(cache.max_len)
+               for lc, spec in zip(cache.layers, plan.specs)):
+            raise ValueError("the cache was made for another attention method's layers: "
                              "make it with this model's init_cache")
-        k = cache.segments[0].k
-        if k.ndim != 5 or k.shape[1] != batch or k.shape[2] != cfg.num_kv_heads or k.shape[4] != cfg.head_dim:
-            raise ValueError(f"cache k must have shape [L, B={batch}, Hkv={cfg.num_kv_heads}, S, D={cfg.head_dim}], "
-                             f"got {tuple(k.shape)} (batch of the tokens: {batch})")
+        k = cache.layers[0].k
+        if k.ndim != 4 or k.shape[0] != batch or k.shape[1] != cfg.num_kv_heads or k.shape[3] != cfg.head_dim:
+            raise ValueError(f"cache k must have shape [B={batch}, Hkv={cfg.num_kv_heads}, S, D={cfg.head_dim}] per "
+                             f"layer, got {tuple(k.shape)} (batch of the tokens: {batch})")
         if not any(k.dtype == d for d in _FLOATS):
             raise TypeError(f"cache dtype must be float32/bfloat16/float16, got {k.dtype}")
         if tuple(cache.lengths.shape) != (batch,):

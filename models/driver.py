@@ -3,25 +3,31 @@
 
 The stack is cut into segments of identical layers (:func:`sparse_jax.layers.segments`:
 same kind, window, RoPE base and whether the method runs there). Each segment
-is a ``jax.lax.scan`` over the layers' stacked parameters (``params["layers"]``
-holds every layer on a leading axis, indexed by the model layer index) and
-the segment's stacked cache (:class:`sparse_jax.cache.SegmentCache`), or the
-same body unrolled (``unroll=True``: a Python loop with static layer indices
-inside the one program). A carry crosses layers and segments:
+runs one body over its layers, either unrolled (a Python loop with static
+layer indices inside the one program: the default on the GPU) or as a
+``jax.lax.scan`` (the default elsewhere: it compiles several times faster).
+Parameters are stacked (``params["layers"]`` holds every layer on a leading
+axis); the cache keeps one buffer per layer (:mod:`sparse_jax.cache` says why:
+a scanned or sliced stacked cache costs a copy of each layer's KV per step on
+the GPU), which the scan stacks and splits around itself. A carry crosses
+layers and segments:
 
 * the hidden state ``x``;
 * the method's carry (``method.init_carry``: e.g. Kascade's last anchor
   selection), which a later layer reads; dense layers pass it through.
 
-Per-layer constants become scanned arrays: the method's ``layer_data`` rows
-(Double Sparsity's calibrated channels) and the layer index. A whole decode
-step, or a whole prefill, is then one jitted program with the cache donated
-(:func:`models.transformer.build_functions`).
+Per-layer constants are scanned (or indexed) arrays: the method's
+``layer_data`` rows (Double Sparsity's calibrated channels) and the layer
+index. A whole decode step, or a whole prefill, is one jitted program with the
+cache donated (:func:`models.transformer.build_functions`). Offloaded layers
+(:mod:`sparse_jax.offload.pool`) run inside the same decode program, always
+unrolled: each reads its own host tier.
 
 Data flow of one decode step::
 
-    tokens -> embed -> [segment scans: qkv -> write token -> method.select ->
-    Selection -> attend (kernel) -> output proj + MLP] -> norm + head -> logits
+    tokens -> embed -> [per layer: qkv -> write token -> method.select(q, kv view)
+    -> Selection -> kv.attend (kernel; offloaded: fetch / prefetch blocks)
+    -> output proj + MLP] -> norm + head -> logits
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from sparse_jax.cache import KVCache, SegmentCache
+from sparse_jax.cache import KVCache, LayerCache, write_rows
+from sparse_jax.kv import ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
 from sparse_jax.methods.base import AttentionMethod, LayerCtx, dense_prefill_attention
+from sparse_jax.offload.pool import decode_offloaded
+from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.selection import dense_decode_attention
 
 
@@ -108,10 +117,6 @@ def _layer_at(graphdef, stacked, g) -> Any:
     return nnx.merge(graphdef, _at(stacked, g))
 
 
-def _set(tree, i, new):
-    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), i, 0), tree, new)
-
-
 def _method_for(method: AttentionMethod, spec: LayerSpec) -> AttentionMethod | None:
     return method if spec.sparse else None
 
@@ -171,6 +176,31 @@ class Driver:
             captured.append(ys)
         return (x, captured) if capture else x
 
+    # -- running a segment over per-layer cache entries ------------------------------
+    def _run_segment(self, body: Callable, carry: Any, seg: Segment, entries: list, unroll: bool):
+        """``body(carry, data, entry) -> (carry, entry)`` over the segment's layers.
+
+        Unrolled: a Python loop with static layer indices, each layer reading and
+        writing its own cache buffers (no copy). Scanned: the entries are stacked,
+        scanned over and split again, a copy of the segment's cache each call; cheap
+        to compile (tests on CPU), slow on the GPU (``sparse_jax/cache.py``)."""
+        data = segment_data(self.method, seg)
+        if unroll:
+            out = []
+            for j in range(seg.length):
+                carry, e = body(carry, {k: v[j] for k, v in data.items()}, entries[j])
+                out.append(e)
+            return carry, out
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *entries)
+
+        def step(c, xs):
+            d, e = xs
+            return body(c, d, e)
+
+        carry, ys = jax.lax.scan(step, carry, ({k: jnp.asarray(v) for k, v in data.items()}, stacked),
+                                 length=seg.length)
+        return carry, [jax.tree.map(lambda a, j=j: a[j], ys) for j in range(seg.length)]
+
     # -- prefill ----------------------------------------------------------------------
     def prefill(self, stacked, x: jax.Array, lengths: jax.Array, cache: KVCache):
         """Prefill right-padded ``x [B, T, H]`` into the empty ``cache``: returns ``x``
@@ -178,15 +208,12 @@ class Driver:
         from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
 
         b, t, _ = x.shape
-        new_segments = []
-        for seg, sc in zip(self.plan.segments, cache.segments):
+        layers = list(cache.layers)
+        for seg in self.plan.segments:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
             cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(self.cfg, spec))
-            cap = sc.k.shape[3]
 
-            def body(carry, xs, spec=spec, m=m, cos=cos, sin=sin, cap=cap):
-                x, sc = carry
-                i, data = xs
+            def body(x, data, lc, spec=spec, m=m, cos=cos, sin=sin):
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
                 ctx = LayerCtx(spec, data)
@@ -194,68 +221,72 @@ class Driver:
                     o = dense_prefill_attention(q, k, v, spec.window)
                 else:
                     o = m.prefill_attention(q, k, v, lengths, ctx)
-                kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-                if spec.kind == "local":
-                    rows = ring_prefill_rows(lengths, cap, t)  # [B, cap]
-                    kc = jnp.take_along_axis(kh, rows[:, None, :, None], axis=2)
-                    vc = jnp.take_along_axis(vh, rows[:, None, :, None], axis=2)
-                else:
-                    pad = ((0, 0), (0, 0), (0, cap - t), (0, 0))
-                    kc, vc = jnp.pad(kh, pad), jnp.pad(vh, pad)
-                kc, vc = kc.astype(sc.k.dtype), vc.astype(sc.v.dtype)
+                kc, vc = prefill_kv(k, v, lengths, lc.k.shape[2], spec)
+                kc, vc = kc.astype(lc.k.dtype), vc.astype(lc.v.dtype)
                 st = None
                 if m is not None:
-                    st = m.prefill_state(_at(sc.state, i), kc, vc, lengths, ctx)
+                    st = m.prefill_state(lc.state, kc, vc, lengths, ctx)
                     st = m.prefill_query_state(st, last_valid(q, lengths), lengths, ctx)
-                sc = SegmentCache(_set(sc.k, i, kc), _set(sc.v, i, vc),
-                                  None if st is None else _set(sc.state, i, st))
-                return (layer_output(layer, x, o), sc), None
+                return layer_output(layer, x, o), LayerCache(kc, vc, st)
 
-            idx = jnp.arange(seg.length, dtype=jnp.int32) if not self.unroll else np.arange(seg.length)
-            (x, sc), _ = scan_layers(body, (x, sc), (idx, self._xs(seg)), seg.length, self.unroll)
-            new_segments.append(sc)
-        return x, KVCache(tuple(new_segments), lengths.astype(jnp.int32), cache.max_len)
+            entries = [layers[i] for i in seg.layers]
+            x, entries = self._run_segment(body, x, seg, entries, self.unroll)
+            for i, e in zip(seg.layers, entries):
+                layers[i] = e
+        return x, KVCache(tuple(layers), lengths.astype(jnp.int32), cache.max_len)
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, stacked, x: jax.Array, cache: KVCache):
+    def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
+               gather_programs: int | None = None):
         """One token per row ``x [B, H]`` at positions ``cache.lengths``: returns ``x``
-        and the cache with the token appended (``lengths + 1``)."""
+        and the cache with the token appended (``lengths + 1``).
+
+        ``host``: per layer, the :class:`sparse_jax.offload.tiers.HostLayer` of an
+        offloaded layer (whose cache entry is its device tier, an
+        :class:`~sparse_jax.offload.tiers.OffloadedLayer`) or None; offloaded
+        segments always run unrolled (each layer reads its own host buffers).
+        ``gather_programs``: the offloaded layers' copy grid."""
         from models.transformer import layer_output, layer_qkv, rope_cos_sin
 
         pos = cache.lengths
         b = pos.shape[0]
+        host = host or (None,) * cache.num_layers
         mcarry = self.method.init_carry(batch=b, num_kv_heads=self.cfg.num_kv_heads, max_len=cache.max_len)
-        new_segments = []
-        for seg, sc in zip(self.plan.segments, cache.segments):
+        layers = list(cache.layers)
+        for seg in self.plan.segments:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
             cos, sin = rope_cos_sin(pos, inv_freq(self.cfg, spec))
-            cap = sc.k.shape[3]
+            offloaded = [host[i] is not None for i in seg.layers]
+            if any(offloaded) and not all(offloaded):
+                raise ValueError(f"layers {seg.layers}: a segment is offloaded whole or not at all")
 
-            def body(carry, xs, spec=spec, m=m, cos=cos, sin=sin, cap=cap):
-                x, sc, mcarry = carry
-                i, data = xs
+            def body(carry, data, entry, spec=spec, m=m, cos=cos, sin=sin):
+                x, mcarry = carry
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)  # [B, H*, D]
+                ctx = LayerCtx(spec, data)
+                if isinstance(entry, OffloadedLayer):
+                    o, entry, mcarry = decode_offloaded(m, q, k, v, pos, entry, host[int(data["index"])], ctx,
+                                                        mcarry, gather_programs=gather_programs)
+                    return (layer_output(layer, x, o), mcarry), entry
+                cap = entry.k.shape[2]
                 slot = pos if spec.kind == "global" else pos % cap
-                # the new token straight into the stacked cache (one scatter, in place)
-                rows = jnp.arange(b)
-                kst = sc.k.at[i, rows, :, slot].set(k.astype(sc.k.dtype))
-                vst = sc.v.at[i, rows, :, slot].set(v.astype(sc.v.dtype))
-                kc, vc = _at(kst, i), _at(vst, i)
-                st = None
+                kc, vc = write_rows(entry.k, entry.v, k, v, slot)
+                st = entry.state
                 if m is None:
                     o = dense_decode_attention(q, kc, vc, jnp.minimum(pos + 1, cap))
                 else:
-                    ctx = LayerCtx(spec, data)
-                    st = m.append_state(_at(sc.state, i), kc, vc, pos, ctx)
-                    o, st, mcarry = m.decode(q, kc, vc, pos + 1, st, mcarry, ctx)
-                sc = SegmentCache(kst, vst, None if st is None else _set(sc.state, i, st))
-                return (layer_output(layer, x, o), sc, mcarry), None
+                    kv = ResidentKV(kc, vc)
+                    st = m.append_state(st, kv, pos, ctx)
+                    o, st, mcarry = m.decode(q, kv, pos + 1, st, mcarry, ctx)
+                return (layer_output(layer, x, o), mcarry), LayerCache(kc, vc, st)
 
-            idx = jnp.arange(seg.length, dtype=jnp.int32) if not self.unroll else np.arange(seg.length)
-            (x, sc, mcarry), _ = scan_layers(body, (x, sc, mcarry), (idx, self._xs(seg)), seg.length, self.unroll)
-            new_segments.append(sc)
-        return x, KVCache(tuple(new_segments), pos + 1, cache.max_len)
+            entries = [layers[i] for i in seg.layers]
+            (x, mcarry), entries = self._run_segment(body, (x, mcarry), seg, entries,
+                                                     self.unroll or any(offloaded))
+            for i, e in zip(seg.layers, entries):
+                layers[i] = e
+        return x, KVCache(tuple(layers), pos + 1, cache.max_len)
 
     # -- helpers ------------------------------------------------------------------------
     def _xs(self, seg: Segment) -> dict:
@@ -265,18 +296,31 @@ class Driver:
         return {k: jnp.asarray(v) for k, v in data.items()}
 
 
+def prefill_kv(k: jax.Array, v: jax.Array, lengths: jax.Array, cap: int, spec: LayerSpec):
+    """A layer's cache contents after a prefill of ``k, v [B, T, Hkv, D]``: ``[B, Hkv,
+    cap, D]`` (global layers: padded to ``cap``; local layers: the ring of the last
+    ``cap`` positions)."""
+    t = k.shape[1]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    if spec.kind == "local":
+        rows = ring_prefill_rows(lengths, cap, t)  # [B, cap]
+        return (jnp.take_along_axis(kh, rows[:, None, :, None], axis=2),
+                jnp.take_along_axis(vh, rows[:, None, :, None], axis=2))
+    pad = ((0, 0), (0, 0), (0, cap - t), (0, 0))
+    return jnp.pad(kh, pad), jnp.pad(vh, pad)
+
+
 def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype) -> KVCache:
-    """Empty cache: per segment ``k, v [L_seg, B, Hkv, S_seg, D]`` (``S_seg``: ``max_len``
-    on global layers, the window on local ones) and the method's stacked state."""
+    """Empty cache: per layer ``k, v [B, Hkv, S_layer, D]`` (``S_layer``: ``max_len`` on
+    global layers, the window on local ones) and the method's state on its layers."""
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
-    segs = []
-    for seg in make_plan(cfg, method).segments:
-        cap = seg.spec.capacity(max_len)
-        shape = (seg.length, batch, cfg.num_kv_heads, cap, cfg.head_dim)
+    layers = []
+    for spec in make_plan(cfg, method).specs:
+        cap = spec.capacity(max_len)
+        shape = (batch, cfg.num_kv_heads, cap, cfg.head_dim)
         state = None
-        if seg.spec.sparse:
-            one = method.init_state(seg.spec, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=cap,
-                                    head_dim=cfg.head_dim, dtype=dtype)
-            state = jax.tree.map(lambda a: jnp.repeat(jnp.asarray(a)[None], seg.length, axis=0), one)
-        segs.append(SegmentCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), state))
-    return KVCache(tuple(segs), jnp.zeros((batch,), jnp.int32), int(max_len))
+        if spec.sparse:
+            state = method.init_state(spec, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=cap,
+                                      head_dim=cfg.head_dim, dtype=dtype)
+        layers.append(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), state))
+    return KVCache(tuple(layers), jnp.zeros((batch,), jnp.int32), int(max_len))

@@ -41,10 +41,9 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
-from sparse_jax.cache import KVCache, LayerCache, write_token
-from sparse_jax.methods.base import AttentionMethod, LayerCtx
+from sparse_jax.cache import KVCache
+from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.ops._dispatch import on_gpu
-from sparse_jax.selection import dense_decode_attention
 
 # -----------------------------------------------------------------------------
 # Pieces (pure functions; tested against NumPy)
@@ -270,22 +269,6 @@ def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def decode_layer(layer: DecoderLayer, method: AttentionMethod | None, x: jax.Array, lc: LayerCache, pos: jax.Array,
-                 cos: jax.Array, sin: jax.Array, ctx: LayerCtx | None = None, carry=None):
-    """One decode step of one layer on its own (unstacked) resident cache: ``x [B, H]``,
-    the new tokens at ``pos int32[B]`` -> ``(x, lc, carry)``. ``method`` None: exact
-    attention. The engine of :mod:`models.layered` runs layers one by one with this;
-    the model's own functions run the stacked layers through :mod:`models.driver`."""
-    q, k, v = layer_qkv(layer, x, cos, sin)  # [B, H*, D]
-    lc = write_token(lc, k, v, pos)
-    if method is None:
-        o, state = dense_decode_attention(q, lc.k, lc.v, pos + 1), lc.state
-    else:
-        state = method.append_state(lc.state, lc.k, lc.v, pos, ctx)
-        o, state, carry = method.decode(q, lc.k, lc.v, pos + 1, state, carry, ctx)
-    return layer_output(layer, x, o), dataclasses.replace(lc, state=state), carry
-
-
 def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool):
     from models.driver import Driver
 
@@ -369,12 +352,22 @@ class ModelFunctions:
     decode_step: Callable[..., tuple[jax.Array, KVCache]]
 
 
+def default_unroll() -> bool:
+    """Whether the layer driver unrolls by default: on the GPU, where a scanned layer's
+    cache slice costs a copy per layer and step (``sparse_jax/cache.py``); elsewhere
+    the scan, which compiles several times faster."""
+    return jax.default_backend() == "gpu"
+
+
 @functools.lru_cache(maxsize=32)
 def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod,
-                    unroll: bool = False) -> ModelFunctions:
+                    unroll: bool | None = None) -> ModelFunctions:
     """The jitted functions; cached, so models with the same structure, config and
     method (e.g. loaded twice, or from a GGUF and from its HF export) share compilations.
-    ``unroll``: the layer driver's segments unrolled instead of scanned."""
+    ``unroll``: the layer driver's segments unrolled instead of scanned (default:
+    :func:`default_unroll`)."""
+    if unroll is None:
+        unroll = default_unroll()
     def _forward(params, tokens):
         return forward(nnx.merge(graphdef, params), cfg, method, tokens, unroll=unroll)
 

@@ -34,7 +34,11 @@ bandwidth needs (latency ~1-2 us x ~50 GB/s = ~100 KB outstanding).
 In-place variant (``host_gather_into_pallas``): ``dst_k[slots[i]] =
 src_k[block_ids[i]]`` and the same for V, for the live entries, in one launch
 over the same grid; ``dst_k, dst_v [NS, *block_shape]`` are aliased to the
-outputs. ``count int32[G]`` splits the list into ``G`` equal segments, of
+outputs. Its ``src`` may keep several leading axes, ``[*ids, *block_shape]``
+(``id_dims`` of them: an offloaded layer's ``[B, Hkv, NB, bs, D]``, whose KV-head
+axis stays its own so the tier can be sharded by heads): a block id is then
+the row-major flat index over those axes, unravelled in the kernel, so no
+reshape touches the host buffer. ``count int32[G]`` splits the list into ``G`` equal segments, of
 which the first ``count[g]`` entries are live (``G = 1``: one list, one
 count); programs of other entries return before touching memory.
 
@@ -194,14 +198,15 @@ def host_gather_pallas(
 # ---------------------------------------------------------------------------
 
 
-def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count):
+def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count, id_dims: int = 1):
     """Pure-jnp ``host_gather_into``: whole-``src`` ``device_put``, then a scatter.
 
-    ``src_k, src_v [NB, *bs]``, ``dst_k, dst_v [NS, *bs]``, ``block_ids,
-    slots int32[M]``, ``count int32[G]`` (``G`` divides ``M``: per-segment
-    live counts). Returns the new ``(dst_k, dst_v)``.
+    ``src_k, src_v [*ids, *bs]`` (``id_dims`` leading axes, flat block ids
+    over them), ``dst_k, dst_v [NS, *bs]``, ``block_ids, slots int32[M]``,
+    ``count int32[G]`` (``G`` divides ``M``: per-segment live counts).
+    Returns the new ``(dst_k, dst_v)``.
     """
-    nb, ns, m = src_k.shape[0], dst_k.shape[0], block_ids.shape[0]
+    nb, ns, m = math.prod(src_k.shape[:id_dims]), dst_k.shape[0], block_ids.shape[0]
     seg = m // count.shape[0]
     ids = jnp.clip(block_ids.astype(jnp.int32), 0, nb - 1)
     # entries past their segment's count go to slot NS, which mode="drop"
@@ -212,14 +217,25 @@ def host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, cou
     tgt = jnp.where(live, jnp.clip(slots.astype(jnp.int32), 0, ns - 1), ns)
     out = []
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        blocks = jnp.take(jax.device_put(src, jax.memory.Space.Device), ids, axis=0)
+        src = jax.device_put(src, jax.memory.Space.Device)
+        blocks = jnp.take(src.reshape((nb,) + src.shape[id_dims:]), ids, axis=0)
         out.append(dst.at[tgt].set(blocks, mode="drop"))
     return tuple(out)
 
 
+def _unravel(b, id_shape: tuple[int, ...]) -> tuple:
+    """Flat block id ``b`` -> its index over the leading ``id_shape`` axes (row-major)."""
+    idx = []
+    for d in reversed(id_shape[1:]):
+        idx.append(b % d)
+        b = b // d
+    idx.append(b)
+    return tuple(reversed(idx))
+
+
 def _gather_into_kernel(
     ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
-    *, nb: int, ns: int, seg: int, plan: GatherPlan,
+    *, nb: int, ns: int, seg: int, plan: GatherPlan, id_shape: tuple[int, ...],
 ):
     # _dst_*_in are the same buffers as dst_*_ref (input_output_aliases);
     # the kernel only writes the output refs, and only the listed slots
@@ -229,12 +245,12 @@ def _gather_into_kernel(
 
     @pl.when(i % seg < count_ref[i // seg])
     def _():
-        b = jnp.clip(ids_ref[i], 0, nb - 1)
+        b = _unravel(jnp.clip(ids_ref[i], 0, nb - 1), id_shape)
         s = jnp.clip(slots_ref[i], 0, ns - 1)
         lead, col, mask = _tile_index(t, plan)
         # both loads before either store: two PCIe reads in flight per program
-        k = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=mask)
-        v = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=mask)
+        k = plgpu.load(src_k_ref.at[(*b, *lead, col)], mask=mask)
+        v = plgpu.load(src_v_ref.at[(*b, *lead, col)], mask=mask)
         plgpu.store(dst_k_ref.at[(s, *lead, col)], k, mask=mask)
         plgpu.store(dst_v_ref.at[(s, *lead, col)], v, mask=mask)
 
@@ -242,6 +258,7 @@ def _gather_into_kernel(
 def _gather_into_strided_kernel(
     ids_ref, slots_ref, count_ref, src_k_ref, src_v_ref, _dst_k_in, _dst_v_in, dst_k_ref, dst_v_ref,
     *, nb: int, ns: int, g: int, seg: int, plan: GatherPlan, sub: int, groups: int, unroll: int,
+    id_shape: tuple[int, ...],
 ):
     # A fixed, small grid, so that the copy holds few SMs while it waits on
     # PCIe and kernels running beside it (another stream of a concurrent CUDA
@@ -268,11 +285,11 @@ def _gather_into_strided_kernel(
                 live = j < c
                 e = gi * seg + jnp.minimum(j, seg - 1)
                 # a dead entry's lanes are masked off; its ids stay in bounds
-                b = jnp.clip(ids_ref[e], 0, nb - 1)
+                b = _unravel(jnp.clip(ids_ref[e], 0, nb - 1), id_shape)
                 s = jnp.where(live, jnp.clip(slots_ref[e], 0, ns - 1), ns)  # ns: out of bounds (interpret)
                 lane = jnp.broadcast_to(live if mask is None else (mask & live), tile_shape)
-                kt = plgpu.load(src_k_ref.at[(b, *lead, col)], mask=lane)
-                vt = plgpu.load(src_v_ref.at[(b, *lead, col)], mask=lane)
+                kt = plgpu.load(src_k_ref.at[(*b, *lead, col)], mask=lane)
+                vt = plgpu.load(src_v_ref.at[(*b, *lead, col)], mask=lane)
                 tiles.append((s, lane, kt, vt))
             for s, lane, kt, vt in tiles:
                 plgpu.store(dst_k_ref.at[(s, *lead, col)], kt, mask=lane)
@@ -299,6 +316,7 @@ def host_gather_into_pallas(
     num_stages: int = 1,
     programs: int | None = None,
     unroll: int = 4,
+    id_dims: int = 1,
     interpret: bool = False,
 ):
     """Kernel path: ``dst_k[slots[i]] = src_k[block_ids[i]]`` (same for V), live ``i``.
@@ -315,16 +333,17 @@ def host_gather_into_pallas(
     programs that stride over the segments and visit only their live entries,
     ``unroll`` at a time (few SMs busy: for running beside other kernels).
     """
-    squeeze = src_k.ndim == 1
+    squeeze = src_k.ndim == id_dims
     if squeeze:  # scalar blocks: give the kernel a last dim (tiny arrays only)
-        src_k, src_v = src_k.reshape(-1, 1), src_v.reshape(-1, 1)
+        src_k, src_v = src_k[..., None], src_v[..., None]
         dst_k, dst_v = dst_k.reshape(-1, 1), dst_v.reshape(-1, 1)
-    nb, *block_shape = src_k.shape
+    id_shape = tuple(src_k.shape[:id_dims])
+    nb, block_shape = math.prod(id_shape), list(src_k.shape[id_dims:])
     ns, m = dst_k.shape[0], block_ids.shape[0]
     plan = plan_host_gather(tuple(block_shape), src_k.dtype.itemsize, tile_bytes=tile_bytes, num_warps=num_warps)
     seg = m // count.shape[0]
     if programs is None:
-        kernel = functools.partial(_gather_into_kernel, nb=nb, ns=ns, seg=seg, plan=plan)
+        kernel = functools.partial(_gather_into_kernel, nb=nb, ns=ns, seg=seg, plan=plan, id_shape=id_shape)
         grid = (m, plan.n_row_tiles * plan.n_col_tiles)
     else:
         if programs < 1 or unroll < 1:
@@ -334,7 +353,7 @@ def host_gather_into_pallas(
         sub = max(1, min(programs // g, seg))
         groups = min(g, max(1, programs // sub))
         kernel = functools.partial(_gather_into_strided_kernel, nb=nb, ns=ns, g=g, seg=seg, plan=plan,
-                                   sub=sub, groups=groups, unroll=unroll)
+                                   sub=sub, groups=groups, unroll=unroll, id_shape=id_shape)
         grid = (groups * sub, plan.n_row_tiles * plan.n_col_tiles)
     out_k, out_v = pl.pallas_call(
         kernel,

@@ -1,16 +1,23 @@
 """The KV cache: an explicit pytree passed into and returned from pure jitted
 functions (and donated), never hidden module state.
 
-Layout (head-major, DESIGN.md): the layer driver cuts the model's stack into
-segments of identical layers (:mod:`sparse_jax.layers`), and the cache holds
-one :class:`SegmentCache` per segment with the segment's layers stacked on a
-leading axis: ``k, v [L_seg, B, Hkv, S_seg, D]`` and the method's per-layer
-state with the same leading axis, plus one ``lengths int32[B]`` for the whole
-batch so rows can hold different lengths. ``S_seg`` is the segment's capacity:
-``max_len`` on global layers, a ring of ``window`` slots on sliding-window
-layers (token ``p`` in slot ``p % window``). Head-major avoids the full-cache
-transpose that ``[B, S, Hkv, D]`` forces on every decode step and matches
-per-KV-head selection.
+Layout (head-major, DESIGN.md): one entry per model layer, each its own
+buffers: a :class:`LayerCache` (``k, v [B, Hkv, S_layer, D]`` resident on the
+device, plus the method's per-layer state) or an offloaded layer's device tier
+(:class:`sparse_jax.offload.tiers.OffloadedLayer`), plus one ``lengths
+int32[B]`` for the whole batch so rows can hold different lengths.
+``S_layer`` is the layer's capacity: ``max_len`` on global layers, a ring of
+``window`` slots on sliding-window layers (token ``p`` in slot ``p % window``).
+Head-major avoids the full-cache transpose that ``[B, S, Hkv, D]`` forces on
+every decode step and matches per-KV-head selection.
+
+Why one buffer per layer and not the layers stacked on a leading axis: a layer
+reading its slice of a stacked cache makes XLA copy the slice before any
+kernel that is not fused with it (our Pallas kernels, the attention GEMMs),
+a whole layer's KV per layer per step. Measured on the H100 (Qwen3-8B shape, 8
+layers, 32K, B=4, one decode program): 8.5 / 6.2 ms per step stacked
+(scanned / unrolled) against 3.4 ms with per-layer buffers, the difference
+being those copies (``benchmarks/results/driver_probe_stacked.md``).
 
 Positions ``>= lengths[b]`` hold garbage (padding of a ragged prefill, or
 nothing yet); every reader masks them.
@@ -28,41 +35,22 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
-    """One layer: ``k, v [B, Hkv, S, D]`` and the method's state for it."""
+    """One resident layer: ``k, v [B, Hkv, S, D]`` and the method's state for it."""
 
     k: jax.Array
     v: jax.Array
     state: Any = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SegmentCache:
-    """The stacked layers of one segment: ``k, v [L_seg, B, Hkv, S_seg, D]`` and the
-    method's state (every leaf with the leading ``L_seg`` axis, or None)."""
-
-    k: jax.Array
-    v: jax.Array
-    state: Any = None
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    def layer(self, i: int) -> LayerCache:
-        """Layer ``i`` of the segment (a copy of its slices; for tests and analysis)."""
-        return LayerCache(self.k[i], self.v[i], jax.tree.map(lambda x: x[i], self.state))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """All segments plus the number of valid tokens per batch row ``int32[B]``.
+    """Every layer's entry plus the number of valid tokens per batch row ``int32[B]``.
 
     ``max_len`` (static): the context capacity (global layers hold that many tokens).
     """
 
-    segments: tuple[SegmentCache, ...]
+    layers: tuple
     lengths: jax.Array
     max_len: int = dataclasses.field(default=0, metadata=dict(static=True))
 
@@ -72,15 +60,11 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return sum(s.num_layers for s in self.segments)
+        return len(self.layers)
 
-    def layer(self, i: int) -> LayerCache:
-        """Model layer ``i`` (a copy of its slices; for tests and analysis)."""
-        for seg in self.segments:
-            if i < seg.num_layers:
-                return seg.layer(i)
-            i -= seg.num_layers
-        raise IndexError("layer index out of range")
+    def layer(self, i: int):
+        """Model layer ``i``'s entry."""
+        return self.layers[i]
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))

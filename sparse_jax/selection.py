@@ -20,6 +20,11 @@ Granularities (``Selection.kind``, static):
 ``block_size`` tokens the *next* step will read (-1: none), known one step
 early: AsyncTLS's one-step lag, AsyncSpade's predicted query. An offloaded
 cache copies the missing ones from the host while this step computes.
+
+``within_prefetch`` (static): every block this selection reads was in the
+*previous* step's ``prefetch`` (or is one of the two newest blocks). An
+offloaded cache then reads the pool directly; otherwise it first fetches the
+selection's missing blocks (a copy the attention waits for).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Selection:
     prefetch: Any = None
     kind: str = dataclasses.field(default="all", metadata=dict(static=True))
     block_size: int = dataclasses.field(default=1, metadata=dict(static=True))
+    within_prefetch: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,19 +58,22 @@ class Selection:
         return cls(None, None, prefetch, "all", block_size)
 
     @classmethod
-    def tokens(cls, indices, counts, prefetch=None, block_size: int = 1) -> "Selection":
-        """``block_size`` only names the granularity of ``prefetch``."""
-        return cls(indices, counts, prefetch, "tokens", block_size)
+    def tokens(cls, indices, counts, prefetch=None, block_size: int = 1,
+               within_prefetch: bool = False) -> "Selection":
+        """``block_size`` only names the granularity of ``prefetch`` (and of the blocks
+        an offloaded cache moves)."""
+        return cls(indices, counts, prefetch, "tokens", block_size, within_prefetch)
 
     @classmethod
-    def blocks(cls, block_ids, counts, block_size: int, prefetch=None) -> "Selection":
-        return cls(block_ids, counts, prefetch, "blocks", int(block_size))
+    def blocks(cls, block_ids, counts, block_size: int, prefetch=None,
+               within_prefetch: bool = False) -> "Selection":
+        return cls(block_ids, counts, prefetch, "blocks", int(block_size), within_prefetch)
 
     # -- views ----------------------------------------------------------------
     def token_view(self, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The selection as token positions ``(indices [B,Hkv,K], counts [B,Hkv])``
-        (for blocks: every token of each block, the newest, partial block listed last as
-        the block methods do; an ``"all"`` selection lists no tokens)."""
+        (for blocks: every token ``< lengths`` of the first ``counts`` blocks, in the
+        blocks' order, moved to the front; an ``"all"`` selection lists no tokens)."""
         if self.kind == "tokens":
             return self.indices, self.counts
         if self.kind == "all":
@@ -72,9 +81,13 @@ class Selection:
         bs = self.block_size
         b, hkv, n = self.indices.shape
         tokens = (self.indices[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(b, hkv, n * bs)
-        last = (lengths - 1) // bs
-        counts = (self.counts - 1) * bs + (lengths - last * bs)[:, None]
-        return tokens.astype(jnp.int32), counts.astype(jnp.int32)
+        counted = jnp.repeat(jnp.arange(n) < self.counts[..., None], bs, axis=-1)  # [B, Hkv, n*bs]
+        valid = counted & (tokens < lengths[:, None, None])
+        # any block may be the partial newest one (a reused or carried list need not end
+        # with it): a stable sort moves the valid tokens to the front, in order
+        order = jnp.argsort(~valid, axis=-1, stable=True)
+        tokens = jnp.take_along_axis(tokens, order, axis=-1)
+        return tokens.astype(jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sel: Selection, *,

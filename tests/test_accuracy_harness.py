@@ -11,6 +11,8 @@ from sparse_jax.methods.base import single_layer
 from sparse_jax.selection import Selection
 import jax.numpy as jnp
 import numpy as np
+
+from sparse_jax.kv import ResidentKV
 import pytest
 
 from benchmarks import accuracy as acc
@@ -110,19 +112,19 @@ class _PerHeadTopK(AttentionMethod):
 
     budget: int = 8
 
-    def select(self, q, k, v, lengths, state, carry, layer):
+    def select(self, q, kv, lengths, state, carry, layer):
         b, hq, d = q.shape
-        hkv, s = k.shape[1], k.shape[2]
-        p = fid.dense_probabilities(q, k, lengths).sum(axis=2)  # [B, Hkv, S]
+        hkv, s = kv.num_kv_heads, kv.capacity
+        p = fid.dense_probabilities(q, kv.k, lengths).sum(axis=2)  # [B, Hkv, S]
         kk = min(self.budget, s)
         _, idx = jax.lax.top_k(p, kk)
         counts = jnp.broadcast_to(jnp.minimum(lengths, kk)[:, None], (b, hkv)).astype(jnp.int32)
         return Selection.tokens(idx.astype(jnp.int32), counts), state, carry
 
-    def decode(self, q, k, v, lengths, state, carry, layer):
-        sel, state, carry = self.select(q, k, v, lengths, state, carry, layer)
-        mask = fid.selection_mask(sel.indices, sel.counts, lengths, k.shape[2])
-        return masked_decode_attention(q, k, v, mask), state, carry
+    def decode(self, q, kv, lengths, state, carry, layer):
+        sel, state, carry = self.select(q, kv, lengths, state, carry, layer)
+        mask = fid.selection_mask(sel.indices, sel.counts, lengths, kv.capacity)
+        return masked_decode_attention(q, kv.k, kv.v, mask), state, carry
 
 
 def _qkv(b, hq, hkv, s, d, seed=0):
@@ -138,7 +140,8 @@ def _probe_step(inner, q, k, v, lengths):
     probe = fid.FidelityProbe(inner=inner, num_q_heads=hq)
     spec = LayerSpec(sparse=True)
     state = probe.init_state(spec, batch=b, num_kv_heads=k.shape[1], max_len=k.shape[2], head_dim=d, dtype=q.dtype)
-    out, state, _ = jax.jit(lambda *a: probe.decode(*a, None, single_layer(0, spec)))(q, k, v, lengths, state)
+    out, state, _ = jax.jit(lambda q, k, v, lengths, state: probe.decode(
+        q, ResidentKV(k, v), lengths, state, None, single_layer(0, spec)))(q, k, v, lengths, state)
     valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
     np.testing.assert_array_equal(out, masked_decode_attention(q, k, v, valid[:, None, :]))  # returns dense
     return np.asarray(state["rel_err"]), np.asarray(state["mass"])

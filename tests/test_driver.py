@@ -142,7 +142,7 @@ def test_hybrid_local_global_model_prefill_decode_forward_agree():
     np.testing.assert_allclose(np.asarray(reference_forward(model, tokens)), want, atol=2e-5, rtol=2e-5)
     lengths = np.asarray([4, 9], np.int32)  # one row shorter than the window, one past it
     cache = model.init_cache(2, 32)
-    assert [sc.k.shape[3] for sc in cache.segments] == [6, 32, 6, 32]
+    assert [lc.k.shape[2] for lc in cache.layers] == [6, 6, 32, 6, 6, 32]
     logits, cache = model.prefill(np.asarray(tokens)[:, :9], lengths, cache)
     np.testing.assert_allclose(np.asarray(logits), want[[0, 1], lengths - 1], atol=2e-5, rtol=2e-5)
     pos = lengths.copy()
@@ -164,4 +164,23 @@ def test_sparse_method_runs_on_global_layers_only_of_a_hybrid_model():
     logits, cache = model.prefill(tokens, np.asarray([40], np.int32), cache)
     logits, cache = model.decode_step(np.asarray([3], np.int32), cache)
     assert np.isfinite(np.asarray(logits)).all()
-    assert cache.segments[1].state is not None and cache.segments[0].state is None
+    assert [lc.state is not None for lc in cache.layers] == [False, False, True, False, False, True]
+
+
+def test_hybrid_model_unrolled_equals_forward():
+    """The unrolled driver (the GPU default: each layer its own cache buffers, static
+    indices) on the hybrid local/global model: prefill then decode across the window
+    equals the full forward."""
+    cfg = hybrid_config(window=6)
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=32)
+    fns = tfm.build_functions(model.graphdef, cfg, model.method, True)
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size, jnp.int32)
+    want = np.asarray(model.forward(tokens))
+    lengths = np.asarray([3, 8], np.int32)
+    logits, cache = fns.prefill(model.params, tokens[:, :8], jnp.asarray(lengths), model.init_cache(2, 32))
+    np.testing.assert_allclose(np.asarray(logits), want[[0, 1], lengths - 1], atol=2e-5, rtol=2e-5)
+    pos = lengths.copy()
+    for _ in range(6):
+        logits, cache = fns.decode_step(model.params, jnp.asarray(np.asarray(tokens)[np.arange(2), pos]), cache)
+        np.testing.assert_allclose(np.asarray(logits), want[np.arange(2), pos], atol=3e-5, rtol=3e-5)
+        pos += 1

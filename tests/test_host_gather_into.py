@@ -162,6 +162,30 @@ def test_strided_programs_match_oracle(programs, unroll, tile_bytes, extra_segme
     check(out, (ek, ev), jnp.float32)
 
 
+@pytest.mark.parametrize("impl,tuning", [("pallas", {}), ("pallas", {"programs": 3}), ("reference", {})])
+def test_several_id_axes(impl, tuning):
+    """``id_dims=3``: src keeps its (row, head, block) axes, ``[B, Hkv, NB, bs, D]`` (an
+    offloaded layer's host tier); a block id is the flat index over them."""
+    b, h, nb, bs, d = 2, 3, 5, 4, 8
+    sk, sv = rand((b, h, nb, bs, d), jnp.float32), rand((b, h, nb, bs, d), jnp.float32)
+    dk, dv = rand((7, bs, d), jnp.float32), rand((7, bs, d), jnp.float32)
+    ids = np.array([29, 0, 17, 13, 6, 22], np.int32)  # flat ids over (2, 3, 5)
+    slots = np.array([6, 0, 3, 1, 5, 2], np.int32)
+    counts = np.array([2, 3], np.int32)  # two segments of 3: entries 0-1 and 3-5 live
+    ek, ev = oracle(sk.reshape(-1, bs, d), sv.reshape(-1, bs, d), dk, dv, ids[[0, 1, 3, 4, 5]],
+                    slots[[0, 1, 3, 4, 5]], 5)
+    out = host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
+                           jnp.asarray(slots), jnp.asarray(counts), impl=impl, id_dims=3, **tuning)
+    check(out, (ek, ev), jnp.float32)
+    assert np.array_equal(np.asarray(out[0])[6], sk[1, 2, 4])  # id 29 = (1, 2, 4)
+    with pytest.raises(ValueError, match="id_dims must be an int"):
+        host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
+                         jnp.asarray(slots), 3, impl=impl, id_dims=6)
+    with pytest.raises(ValueError, match="dst_k must have shape"):
+        host_gather_into(pinned(sk), pinned(sv), jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(ids),
+                         jnp.asarray(slots), 3, impl=impl, id_dims=2)
+
+
 def test_duplicate_slots_get_one_writer():
     sk, sv = rand((5, 2, 16), jnp.float32), rand((5, 2, 16), jnp.float32)
     dk, dv = rand((3, 2, 16), jnp.float32), rand((3, 2, 16), jnp.float32)

@@ -6,6 +6,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sparse_jax.kv import ResidentKV
 import pytest
 
 from sparse_jax.layers import LayerSpec
@@ -42,13 +44,13 @@ def ctx(m):
 
 def select_tokens(m, q, k, v, lengths, st):
     """``(indices, counts, state)`` of the method's selection as token positions."""
-    sel, st, _ = m.select(q, k, v, lengths, st, None, ctx(m))
+    sel, st, _ = m.select(q, ResidentKV(k, v), lengths, st, None, ctx(m))
     idx, cnt = sel.token_view(lengths)
     return idx, cnt, st
 
 
 def decode_fn(m):
-    return lambda q, k, v, lengths, st: m.decode(q, k, v, lengths, st, None, ctx(m))[:2]
+    return lambda q, k, v, lengths, st: m.decode(q, ResidentKV(k, v), lengths, st, None, ctx(m))[:2]
 
 
 def peaked_inputs(seed, hot=12):
@@ -144,7 +146,7 @@ def test_append_state_equals_rebuild(name):
     st = m.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype)
     st = m.prefill_state(st, k, v, start, ctx(m))
     for step in range(40):
-        st = m.append_state(st, k, v, start + step, ctx(m))
+        st = m.append_state(st, ResidentKV(k, v), start + step, ctx(m))
     ref = m.prefill_state(m.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype), k, v, start + 40, ctx(m))
     # Compare only what covers valid tokens (blocks/tokens past the length are don't-care).
     for a, r in zip(jax.tree.leaves(st), jax.tree.leaves(ref)):
@@ -190,7 +192,7 @@ def test_asynctls_lag_searches_the_blocks_the_previous_query_chose():
     st = lag.prefill_query_state(st, q2, lengths - 1, ctx(lag))  # the "previous" query
     expected = now.pick_blocks(q2, st.boxes, (lengths - 1) // 32)
     np.testing.assert_array_equal(np.asarray(st.prev_blocks), np.asarray(expected))
-    st = lag.append_state(st, k, v, lengths - 1, ctx(lag))
+    st = lag.append_state(st, ResidentKV(k, v), lengths - 1, ctx(lag))
     idx, cnt, st2 = select_tokens(lag, q, k, v, lengths, st)
     cand, ccnt = now.expand_blocks(expected, lengths)
     for b in range(B):

@@ -5,6 +5,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sparse_jax.kv import ResidentKV
 import pytest
 
 from sparse_jax.methods.base import single_layer
@@ -43,7 +45,7 @@ def test_dense_decode_matches_oracle(hq, hkv, d):
     k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32)
     v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32)
     lengths = jnp.array([77, 1, 40], jnp.int32)
-    out, state, carry = DenseAttention().decode(q, k, v, lengths, None, None, single_layer())
+    out, state, carry = DenseAttention().decode(q, ResidentKV(k, v), lengths, None, None, single_layer())
     assert state is None and carry is None
     keep = np.arange(s)[None, None, :] < np.asarray(lengths)[:, None, None]
     keep = np.broadcast_to(keep, (b, hkv, s))

@@ -214,10 +214,10 @@ class CountingDense(AttentionMethod):
         assert k.ndim == 4  # whole layer cache [B, Hkv, S, D]
         return {"seen": lengths, "last_pos": lengths - 1}
 
-    def append_state(self, state, k, v, positions, layer):
+    def append_state(self, state, kv, positions, layer):
         return {"seen": state["seen"] + 1, "last_pos": positions}
 
-    def select(self, q, k, v, lengths, state, carry, layer):
+    def select(self, q, kv, lengths, state, carry, layer):
         assert state is not None
         return Selection.all_tokens(), state, carry
 
@@ -247,8 +247,8 @@ def test_method_hooks_and_state_flow():
 class LastWindow(AttentionMethod):
     window: int = 3
 
-    def select(self, q, k, v, lengths, state, carry, layer):
-        b, hkv = k.shape[:2]
+    def select(self, q, kv, lengths, state, carry, layer):
+        b, hkv = q.shape[0], kv.num_kv_heads
         idx = lengths[:, None, None] - self.window + jnp.arange(self.window, dtype=jnp.int32)
         counts = jnp.broadcast_to(jnp.minimum(lengths, self.window)[:, None], (b, hkv))
         idx = jnp.where(lengths[:, None, None] > self.window, idx, jnp.arange(self.window, dtype=jnp.int32))

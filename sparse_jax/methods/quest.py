@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax.methods.registry import register
-from sparse_jax.methods.sparse_base import BlockSparseMethod, newest_token
+from sparse_jax.methods.sparse_base import BlockSparseMethod
 from sparse_jax.ops.scoring import block_cuboid, block_minmax, quest_block_scores, update_block_minmax
 
 
@@ -53,9 +53,9 @@ class Quest(BlockSparseMethod):
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
         return BlockBoxes(upper, lower)
 
-    def append_state(self, state, k, v, positions, layer):
+    def append_state(self, state, kv, positions, layer):
         upper, lower = update_block_minmax(
-            state.upper, state.lower, newest_token(k, positions), positions, block_size=self.block_size
+            state.upper, state.lower, kv.newest_keys(positions), positions, block_size=self.block_size
         )
         return BlockBoxes(upper, lower)
 
@@ -83,17 +83,16 @@ class ArkVale(Quest):
         upper, lower = block_cuboid(k, lengths, block_size=self.block_size, impl=self.impl)
         return BlockBoxes(upper, lower)
 
-    def append_state(self, state, k, v, positions, layer):
+    def append_state(self, state, kv, positions, layer):
         bs = self.block_size
         block = positions // bs
+        tokens = kv.block_keys(block, bs)  # [B, Hkv, bs, D]: re-summarise only the new token's block
 
-        def one(k_row, up_row, lo_row, blk, pos):
-            # Re-summarise only the block the new token landed in: [Hkv, bs, D].
-            tokens = jax.lax.dynamic_slice_in_dim(k_row, blk * bs, bs, axis=1)
-            up, lo = block_cuboid(tokens[None], (pos - blk * bs + 1)[None], block_size=bs, impl="reference")
+        def one(tok_row, up_row, lo_row, blk, pos):
+            up, lo = block_cuboid(tok_row[None], (pos - blk * bs + 1)[None], block_size=bs, impl="reference")
             up_row = jax.lax.dynamic_update_slice_in_dim(up_row, up[0].astype(up_row.dtype), blk, axis=1)
             lo_row = jax.lax.dynamic_update_slice_in_dim(lo_row, lo[0].astype(lo_row.dtype), blk, axis=1)
             return up_row, lo_row
 
-        upper, lower = jax.vmap(one)(k, state.upper, state.lower, block, positions)
+        upper, lower = jax.vmap(one)(tokens, state.upper, state.lower, block, positions)
         return BlockBoxes(upper, lower)

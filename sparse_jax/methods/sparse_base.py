@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sparse_jax.kv import newest_token  # noqa: F401  (re-exported)
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.ops.selection import topk_indices
 from sparse_jax.selection import Selection
@@ -57,7 +58,7 @@ class SparseMethod(AttentionMethod):
         return self.budget - self.sink - self.window
 
     # -- to override ----------------------------------------------------------
-    def select(self, q, k, v, lengths, state, carry, layer) -> tuple[Selection, Any, Any]:
+    def select(self, q, kv, lengths, state, carry, layer) -> tuple[Selection, Any, Any]:
         """``(Selection.tokens(indices [B,Hkv,K], counts [B,Hkv]), state, carry)``."""
         raise NotImplementedError
 
@@ -161,9 +162,16 @@ class BlockSparseMethod(SparseMethod):
         blocks = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
         return fallback_to_dense(blocks, last + 1, n)
 
-    def select(self, q, k, v, lengths, state, carry, layer):
+    def select(self, q, kv, lengths, state, carry, layer):
         blocks, block_counts = self.select_blocks(q, lengths, state)
         return Selection.blocks(blocks, block_counts, self.block_size), state, carry
+
+    @property
+    def offload_block_size(self) -> int:
+        return self.block_size
+
+    def offload_blocks_per_step(self, max_len: int) -> int:
+        return min(self.num_blocks, max_len // self.block_size)
 
 
 def fallback_to_dense(indices: jax.Array, lengths: jax.Array, budget: int) -> tuple[jax.Array, jax.Array]:
@@ -201,7 +209,3 @@ def group_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.A
     """
     return jnp.sum(decode_probabilities(q, k, lengths), axis=2)
 
-
-def newest_token(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """``x [B,Hkv,S,D]`` at ``positions int32[B]`` -> ``[B,Hkv,D]``."""
-    return jax.vmap(lambda row, p: jax.lax.dynamic_index_in_dim(row, p, axis=1, keepdims=False))(x, positions)

@@ -27,9 +27,9 @@ class StreamingLLM(SparseMethod):
         if self.budget <= self.sink:
             raise ValueError(f"streaming: budget ({self.budget}) must exceed sink ({self.sink})")
 
-    def select(self, q, k, v, lengths, state, carry, layer):
-        b, hkv = k.shape[0], k.shape[1]
-        budget = min(self.budget, k.shape[2])
+    def select(self, q, kv, lengths, state, carry, layer):
+        b, hkv = q.shape[0], kv.num_kv_heads
+        budget = min(self.budget, kv.capacity)
         win = budget - self.sink
         recent = lengths[:, None] - win + jnp.arange(win, dtype=jnp.int32)  # [B, win]
         idx = jnp.concatenate([jnp.broadcast_to(jnp.arange(self.sink, dtype=jnp.int32), (b, self.sink)), recent], -1)

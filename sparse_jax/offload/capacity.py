@@ -1,6 +1,6 @@
 """Capacity planning: device and host bytes of a batch, checked before allocating.
 
-:func:`footprint` adds up, array by array, what :mod:`models.layered` allocates
+:func:`footprint` adds up, array by array, what :mod:`models.tiered` allocates
 for ``batch`` rows of capacity ``max_len`` (``mode``: "dense" = every layer's
 KV on the device, no method state; "sparse" = the same plus the sparse
 method's state; "offload" = the tiers of :mod:`sparse_jax.offload.tiers`,
@@ -67,20 +67,19 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
     if mode == "dense":
         dev["kv"] = cfg.num_layers * kv_layer
         return Footprint(dev, host)
-    dense_layers = {i % cfg.num_layers for i in getattr(method, "dense_layers", ())}
-    n_sparse = cfg.num_layers - len(dense_layers)
-    bs = getattr(method, "block_size", 64)
+    if mode == "offload":
+        method = method.for_offload()
+    n_sparse = sum(method.is_sparse_layer(i, cfg.num_layers) for i in range(cfg.num_layers))
+    bs = method.offload_block_size or getattr(method, "block_size", 64)
     nb = s // bs
-    n1 = method.filter_blocks(s) if hasattr(method, "filter_blocks") else 0
+    n1 = method.offload_blocks_per_step(s) if mode == "offload" else 0
     state = state_bytes(method, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype_bytes=e)
-    if mode == "offload" and getattr(method, "lag", True) is False:
-        state += 4 * b * hkv * max(n1, 0)  # the offloaded layers keep the lagged block set
-    dev["kv_dense_layers"] = len(dense_layers) * kv_layer
+    dev["kv_dense_layers"] = (cfg.num_layers - n_sparse) * kv_layer
     dev["method_state"] = n_sparse * state
     if mode == "sparse":
         dev["kv_sparse_layers"] = n_sparse * kv_layer
         return Footprint(dev, host)
-    p = 2 * max(n1, 1) if pool_slots is None else int(pool_slots)  # step.default_pool_slots
+    p = 2 * n1 if pool_slots is None else int(pool_slots)  # pool.default_pool_slots
     dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
     dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
     dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)

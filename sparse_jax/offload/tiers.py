@@ -1,31 +1,37 @@
-"""The tiered KV cache of one sparse layer: what lives on the device, what on the host.
+"""The tiered KV cache of one offloaded layer: what lives on the device, what on the host.
 
-Host tier (``pinned_host`` memory, jax memory kinds): every KV block of the
-layer, ``host_k, host_v [B*Hkv*NB, bs, D]`` (block ``n`` of row ``b``, KV head
-``h`` at ``(b*Hkv + h)*NB + n``), so one block is one contiguous
-``bs*D*itemsize`` chunk that :func:`sparse_jax.ops.transfer.host_gather_into`
-copies with one program (SparseServe's head-major (H, N, D) block layout).
+Host tier (:class:`HostLayer`, ``pinned_host`` memory, jax memory kinds): every
+KV block of the layer, ``k, v [B, Hkv, NB, bs, D]``: the resident layout with
+the sequence cut into blocks, the KV-head axis kept its own (so the tier can
+be sharded by heads). One block is one contiguous ``bs*D*itemsize`` chunk that
+:func:`sparse_jax.ops.transfer.host_gather_into` copies with one program
+(``id_dims=3``: block ``n`` of row ``b``, KV head ``h`` has the flat id
+``(b*Hkv + h)*NB + n``; SparseServe's head-major block layout).
 
-Device tier (:class:`OffloadLayer`):
+Device tier (:class:`OffloadedLayer`, one entry of :class:`sparse_jax.cache.KVCache`):
 
 * ``pool_k, pool_v [B, Hkv, (P+2)*bs, D]``: ``P`` resident block slots per
   (row, KV head), then a two-block ring: slot ``P + n % 2`` holds block ``n``
   while it is the newest (partial) block and during the block after it. New
   tokens are written there; a completed block is copied to the host tier by
-  the engine within ``bs - 1`` steps, before the ring slot is reused.
+  the runner within ``bs - 1`` steps, before the ring slot is reused.
 * ``block_slot int32[B, Hkv, NB]`` (pool slot of each block, -1 when not
   resident), ``slot_block int32[B, Hkv, P]`` (block in each slot, -1 when
   empty), ``slot_used int32[B, Hkv, P]`` (row length at the slot's last use:
   the LRU clock).
-* ``state``: the method's small per-layer state (AsyncTLS: block boxes, INT4
-  label cache, the blocks chosen for the next step).
+* ``state``: the method's per-layer state (AsyncTLS: block boxes, INT4 label
+  cache, the blocks chosen for the next step; Quest: the boxes).
 * ``hits, misses int32[B*Hkv]``: this step's block counters per (row, KV
   head): needed blocks found in the pool, and blocks copied from the host.
 
-Eviction policy (documented contract): the blocks the last query chose for
-the next step are never evicted; a miss takes the least recently used other
-slot (empty slots first; ties by slot index). ``P >= kb - 1`` so the chosen
-set always fits; a larger pool keeps blocks that may come back.
+Eviction policy (documented contract): the blocks a step needs (its selection,
+or the next step's prefetch) are never evicted while it places them; a miss
+takes the least recently used other slot (empty slots first; ties by slot
+index). ``P`` must hold the most blocks one step needs.
+
+Placement: both tiers are built from a :class:`jax.sharding.Sharding` the
+caller gives (its memory kind replaced: ``device`` / ``pinned_host``), not
+from ``jax.devices()[0]``.
 """
 
 from __future__ import annotations
@@ -34,12 +40,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class OffloadLayer:
+class OffloadedLayer:
     pool_k: jax.Array
     pool_v: jax.Array
     block_slot: jax.Array
@@ -48,6 +53,7 @@ class OffloadLayer:
     state: Any
     hits: jax.Array
     misses: jax.Array
+    block_size: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def pool_slots(self) -> int:
@@ -57,17 +63,22 @@ class OffloadLayer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HostLayer:
-    """``k, v [B*Hkv*NB, bs, D]`` in ``pinned_host`` memory (read-only inside jit)."""
+    """``k, v [B, Hkv, NB, bs, D]`` in ``pinned_host`` memory (read-only inside jit)."""
 
     k: jax.Array
     v: jax.Array
 
 
-def pinned_host_sharding(device=None) -> jax.sharding.Sharding:
-    device = device or jax.devices()[0]
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+def with_memory_kind(sharding: jax.sharding.Sharding | None, kind: str) -> jax.sharding.Sharding:
+    """``sharding`` (default: one device, the first) placed in memory ``kind``."""
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sharding.with_memory_kind(kind)
 
 
-def device_sharding(device=None) -> jax.sharding.Sharding:
-    device = device or jax.devices()[0]
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+def pinned_host_sharding(sharding: jax.sharding.Sharding | None = None) -> jax.sharding.Sharding:
+    return with_memory_kind(sharding, "pinned_host")
+
+
+def device_sharding(sharding: jax.sharding.Sharding | None = None) -> jax.sharding.Sharding:
+    return with_memory_kind(sharding, "device")

@@ -112,6 +112,10 @@ def host_gather(src, block_ids, *, impl: str = "auto", **tuning):
       src: ``[NB, *block_shape]``, any memory kind (pinned_host is the point).
       block_ids: ``int[M]``; clamped to ``[0, NB)``.
       impl: "auto" | "pallas" | "reference".
+      id_dims: how many leading axes of ``src`` a block id indexes (row-major
+        flat index over them): ``src [*ids, *block_shape]``, e.g. an offloaded
+        layer's ``[B, Hkv, NB, bs, D]`` with ``id_dims=3`` (the head axis stays
+        its own: no reshape touches the host buffer).
       **tuning: ``tile_bytes``, ``num_warps``, ``num_stages``.
     """
     _check_args(src, block_ids, tuning)
@@ -127,16 +131,18 @@ def host_gather(src, block_ids, *, impl: str = "auto", **tuning):
 # ---------------------------------------------------------------------------
 
 
-def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning):
+def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning, id_dims=1):
     _check_arrays(src_k=src_k, src_v=src_v, dst_k=dst_k, dst_v=dst_v, block_ids=block_ids, slots=slots)
     _check_blocks("src_k", src_k)
+    if isinstance(id_dims, bool) or not isinstance(id_dims, int) or not 1 <= id_dims <= src_k.ndim:
+        raise ValueError(f"id_dims must be an int in [1, src_k.ndim = {src_k.ndim}], got {id_dims!r}")
     if tuple(src_v.shape) != tuple(src_k.shape) or src_v.dtype != src_k.dtype:
         raise ValueError(
             f"src_v must match src_k ([NB, *block_shape] = {tuple(src_k.shape)} {src_k.dtype}), "
             f"got {tuple(src_v.shape)} {src_v.dtype}"
         )
-    bs = tuple(src_k.shape[1:])
-    if dst_k.ndim != src_k.ndim or tuple(dst_k.shape[1:]) != bs:
+    bs = tuple(src_k.shape[id_dims:])
+    if dst_k.ndim != src_k.ndim - id_dims + 1 or tuple(dst_k.shape[1:]) != bs:
         raise ValueError(
             f"dst_k must have shape [NS, *block_shape] with src's block_shape {bs}, got shape {tuple(dst_k.shape)}"
         )
@@ -164,8 +170,8 @@ def _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning
     _check_tuning(tuning, INTO_TUNING_KEYS)
 
 
-@functools.partial(jax.jit, static_argnames=("choice", "interpret", "tuning"))
-def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, interpret, tuning):
+@functools.partial(jax.jit, static_argnames=("choice", "interpret", "tuning", "id_dims"))
+def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, interpret, tuning, id_dims=1):
     # no donation here: an eager call leaves the caller's dst valid (XLA
     # copies it once); inside a caller's jit this jit is inlined, and a dst
     # the caller donates is written in place through the kernel's aliasing
@@ -174,13 +180,14 @@ def _run_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, choice, in
     count = jnp.asarray(count).astype(jnp.int32)
     count = count.reshape(1) if count.ndim == 0 else count  # no op on an int32[G]
     if choice == "reference":
-        return _hg.host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count)
+        return _hg.host_gather_into_reference(src_k, src_v, dst_k, dst_v, block_ids, slots, count, id_dims)
     return _hg.host_gather_into_pallas(
-        src_k, src_v, dst_k, dst_v, block_ids, slots, count, interpret=interpret, **dict(tuning)
+        src_k, src_v, dst_k, dst_v, block_ids, slots, count, interpret=interpret, id_dims=id_dims, **dict(tuning)
     )
 
 
-def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto", **tuning):
+def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, impl: str = "auto",
+                     id_dims: int = 1, **tuning):
     """Copy listed host blocks into slots of device buffers, K and V in one launch.
 
     For every live entry ``i`` (``i < count``; see ``count`` for segments):
@@ -220,7 +227,7 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
     Inside your own ``jit``, pass ``src_k, src_v`` straight from the jit's
     parameters (no op on them first; see the module docstring).
     """
-    _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning)
+    _check_into_args(src_k, src_v, dst_k, dst_v, block_ids, slots, count, tuning, id_dims)
     choice, interpret = resolve_impl(impl, kernel_unsupported=_kernel_unsupported(src_k, tuning))
     m = block_ids.shape[0]
     if m == 0:
@@ -229,5 +236,5 @@ def host_gather_into(src_k, src_v, dst_k, dst_v, block_ids, slots, count, *, imp
         count = min(max(count, 0), m)
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
     return _run_into(
-        src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items
-    )
+        src_k, src_v, dst_k, dst_v, block_ids, slots, count, choice=choice, interpret=interpret, tuning=tuning_items,
+        id_dims=id_dims)

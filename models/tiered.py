@@ -1,0 +1,451 @@
+"""A batch's KV cache resident or offloaded to host memory, decoded one whole
+step per program.
+
+:class:`TieredRunner` runs a loaded :class:`models.api.Model` under its method:
+
+* ``mode="resident"``: every layer's KV on the device (dense or any sparse
+  method), the baseline, run the same way as the offloaded mode.
+* ``mode="offload"``: the layers the method runs on keep only the device tier
+  of :mod:`sparse_jax.offload.tiers` (a pool of blocks, a ring of the newest
+  two) and every KV block in ``pinned_host`` memory; the layers the method
+  keeps dense stay resident. Any method whose selection names blocks runs
+  offloaded (AsyncTLS, as ``method.for_offload()``: the one-step lag; Quest;
+  ArkVale); the layer driver calls the same ``select`` as resident decoding.
+
+Decode: one jitted program per step (embedding, every layer through
+:class:`models.driver.Driver` unrolled, the head), the cache donated; the
+offloaded layers read their host tiers inside it through ``host_gather_into``.
+The program is compiled with XLA's concurrent CUDA-graph schedule when
+offloading, so each layer's copy of the next step's blocks runs beside its
+output projection and MLP.
+
+Prefill (SparseServe's layer-segmented idea): layer ``i``'s K/V is computed,
+its device tier built, its blocks handed to ``jax.device_put(...,
+pinned_host)`` (an asynchronous copy the next layer's compute overlaps) and
+dropped, so device KV memory during prefill is about one layer.
+
+Saving: new tokens accumulate in the ring. When rows complete a block, one
+jitted call extracts those rows' ring blocks of every offloaded layer, copies
+them device-to-host asynchronously and, one step later, the CPU stores them
+into the pinned buffers (SparseServe's CPU-assisted saving). A block is first
+read from the host ``bs`` steps after it completes, when it leaves the ring.
+The runner tracks lengths on the host, so nothing waits on the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import transformer as tfm
+from models.api import round_up
+from models.driver import Driver, _layer_at, inv_freq, make_plan, prefill_kv
+from sparse_jax.cache import KVCache, LayerCache
+from sparse_jax.methods.base import DenseAttention, LayerCtx, dense_prefill_attention
+from sparse_jax.offload import capacity
+from sparse_jax.offload import pool as off
+from sparse_jax.offload.tiers import HostLayer, OffloadedLayer, device_sharding, pinned_host_sharding
+
+MODES = ("resident", "offload")
+# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py,
+# H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
+# alone still move ~45 GB/s)
+DEFAULT_GATHER_PROGRAMS = 8
+
+
+@dataclasses.dataclass
+class TieredState:
+    """Everything one batch carries between steps (host-side object, not a pytree).
+
+    ``cache``: the :class:`KVCache` whose entries are :class:`LayerCache`
+    (resident) or :class:`OffloadedLayer` (device tier); ``host[i]``: the
+    layer's :class:`HostLayer` (offloaded layers) or None; ``lengths_host``:
+    the NumPy mirror of ``cache.lengths``.
+    """
+
+    cache: KVCache
+    host: tuple
+    lengths_host: np.ndarray
+    max_len: int
+    pending: list = dataclasses.field(default_factory=list)  # saves not yet stored on the host
+    counters: list = dataclasses.field(default_factory=list)  # per step: [(hits, misses) per offloaded layer]
+    host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier
+
+
+def _host_view(x: jax.Array) -> np.ndarray:
+    """A writable NumPy view of a ``pinned_host`` jax Array's buffer (its own memory).
+
+    JAX arrays are immutable; the host tier is the one place we write behind
+    JAX's back (the CPU half of SparseServe's saving), always to blocks no
+    kernel reads until a later step."""
+    if x.sharding.memory_kind != "pinned_host":
+        raise ValueError(f"expected a pinned_host array, got memory kind {x.sharding.memory_kind!r}")
+    # the array may still be filling (device_put to pinned_host is asynchronous):
+    # a store racing that copy would be overwritten by it
+    x.block_until_ready()
+    dt = np.dtype(x.dtype)
+    n = x.size * dt.itemsize
+    buf = (ctypes.c_char * n).from_address(x.unsafe_buffer_pointer())
+    return np.frombuffer(buf, dtype=np.uint8).view(dt).reshape(x.shape)
+
+
+class TieredRunner:
+    """Resident or offloaded prefill/decode of ``model`` (see the module docstring).
+
+    Args:
+      model: a :class:`models.api.Model`; its method is used (offloaded:
+        ``method.for_offload()``).
+      mode: "resident" or "offload".
+      pool_slots: resident block slots per (row, KV head) of an offloaded layer
+        (default :func:`sparse_jax.offload.pool.default_pool_slots`: twice the
+        blocks one step reads; that smallest pool is allowed).
+      sharding: where the tiers live (a :class:`jax.sharding.Sharding`; its
+        memory kind is replaced by ``device`` / ``pinned_host``). Default: the
+        first device.
+      device_limit, host_limit: bytes the capacity check allows ("auto": measured
+        when checked, see :mod:`sparse_jax.offload.capacity`; None: unchecked).
+        Measure the host limit once, before the first pinned allocation.
+      concurrent: compile the decode program with XLA's concurrent CUDA-graph
+        schedule (``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``: kernels
+        with no data dependence may run at once), so an offloaded layer's host
+        copy runs beside its output projection and MLP. Default: on for
+        ``mode="offload"``. GPU only (ignored elsewhere).
+      gather_programs: grid of the offloaded layers' copy kernels; default 8 when
+        ``concurrent``, else one program per block.
+      unroll: the layer driver's segments unrolled (default: on the GPU, where the
+        scan's per-layer cache copies cost step time; offloaded layers always).
+    """
+
+    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, sharding=None,
+                 concurrent: bool | None = None, gather_programs: int | None = None, unroll: bool | None = None,
+                 device_limit="auto", host_limit="auto"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.model = model
+        self.cfg = model.config
+        self.mode = mode
+        method = model.method.for_offload() if mode == "offload" else model.method
+        self.method = method
+        if pool_slots is not None and (isinstance(pool_slots, bool) or not isinstance(pool_slots, int)
+                                       or pool_slots < 1):
+            raise ValueError(f"pool_slots must be a positive int or None, got {pool_slots!r}")
+        self.pool_slots = pool_slots
+        self.sharding = sharding
+        self.concurrent = (mode == "offload") if concurrent is None else bool(concurrent)
+        if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int)
+                                            or gather_programs < 1):
+            raise ValueError(f"gather_programs must be a positive int or None, got {gather_programs!r}")
+        self.gather_programs = (DEFAULT_GATHER_PROGRAMS if self.concurrent else None) if gather_programs is None \
+            else gather_programs
+        self.unroll = tfm.default_unroll() if unroll is None else bool(unroll)
+        self.device_limit, self.host_limit = device_limit, host_limit
+        self.plan = make_plan(self.cfg, method)
+        if mode == "offload":
+            if method.offload_block_size is None or method.reads_all_keys:
+                off.check_offload(method, 1 << 30, method.cache_multiple)  # raises the method's reason
+            if any(sp.kind != "global" for sp in self.plan.specs):
+                raise ValueError("offloading runs models whose layers are all global")
+        self.num_layers = self.cfg.num_layers
+        self.offloaded = [mode == "offload" and sp.sparse for sp in self.plan.specs]
+        self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
+        self.layer_graph = tfm.layer_graphdef(self.cfg, model.dtype)
+        self.driver = Driver(self.cfg, method, self.layer_graph, self.unroll)
+        conc = self.concurrent and jax.default_backend() == "gpu"
+        self._decode = _decode_fn(model.graphdef, self.driver, self.gather_programs, conc)
+        self._embed = _embed_fn(model.graphdef)
+        self._head = _head_fn(model.graphdef)
+
+    # -- helpers -----------------------------------------------------------------
+    def _pool(self, max_len: int) -> int:
+        if self.mode != "offload":
+            return 0
+        p = off.default_pool_slots(self.method, max_len) if self.pool_slots is None else int(self.pool_slots)
+        off.check_offload(self.method, p, max_len)
+        return p
+
+    def layer_data(self, i: int) -> dict:
+        """Layer ``i``'s constants as the driver passes them (``"index"`` and the
+        method's ``layer_data`` on its layers)."""
+        d = {"index": jnp.int32(i)}
+        if self.plan.specs[i].sparse:
+            d.update({k: jnp.asarray(v) for k, v in (self.method.layer_data(i) or {}).items()})
+        return d
+
+    def footprint(self, batch: int, max_len: int) -> capacity.Footprint:
+        """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`)."""
+        mode = self.mode if self.mode == "offload" else (
+            "dense" if isinstance(self.method, DenseAttention) else "sparse")
+        return capacity.footprint(self.cfg, self.method, batch=batch, max_len=max_len, mode=mode,
+                                  dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
+                                  pool_slots=self._pool(max_len) if self.mode == "offload" else None)
+
+    def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None):
+        """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
+        when the batch does not fit (limits: the runner's unless given here)."""
+        device_limit = self.device_limit if device_limit is None else device_limit
+        host_limit = self.host_limit if host_limit is None else host_limit
+        dl = capacity.device_budget() if device_limit == "auto" else device_limit
+        hl = capacity.host_budget() if host_limit == "auto" else host_limit
+        capacity.check_fits(self.footprint(batch, max_len), device_limit=dl, host_limit=hl,
+                            what=f"{self.mode} batch of {batch} x {max_len} tokens")
+
+    # -- building the state --------------------------------------------------------
+    def state_from_kv(self, kv_of_layer, lengths, max_len: int) -> TieredState:
+        """The state of a batch whose layer ``i`` K/V is ``kv_of_layer(i) -> (k, v,
+        q_last)`` (device ``[B,Hkv,S,D]`` x2, ``[B,Hq,D]``): used by :meth:`prefill`
+        and by benchmarks that fill the cache with synthetic K/V. Each layer's
+        device K/V is dropped before the next is made (about one layer at a time)."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        pool = self._pool(max_len)
+        self.check_capacity(int(lengths.shape[0]), max_len)
+        dev, pinned = device_sharding(self.sharding), pinned_host_sharding(self.sharding)
+        layers, host = [], []
+        for i in range(self.num_layers):
+            k, v, q_last = kv_of_layer(i)
+            spec = self.plan.specs[i]
+            m = self.method if spec.sparse else None
+            entry, hk, hv = _finish_layer(m, spec, self.offloaded[i], pool)(k, v, lengths, q_last,
+                                                                              self.layer_data(i))
+            del k, v
+            # committed to the device, as the decode program's outputs are (the host tier is):
+            # an uncommitted first state would compile the decode program a second time
+            layers.append(jax.device_put(entry, dev))
+            host.append(HostLayer(jax.device_put(hk, pinned), jax.device_put(hv, pinned))  # async D2H copies
+                        if self.offloaded[i] else None)
+        cache = KVCache(tuple(layers), jax.device_put(lengths, dev), max_len)
+        self._compile_save(cache, int(lengths.shape[0]))
+        return TieredState(cache, tuple(host), np.asarray(lengths).copy(), max_len)
+
+    def _compile_save(self, cache: KVCache, batch: int):
+        """Compile the block extraction for every padded row count of this batch
+        now, not in the middle of decoding (one small call each, results dropped)."""
+        if not self.offloaded_layers:
+            return
+        tiers = tuple(cache.layers[i] for i in self.offloaded_layers)
+        fn = _extract_block_fn()
+        for m in (1 << k for k in range(_padded_rows(batch).bit_length())):
+            fn(tiers, jnp.zeros((m,), jnp.int32), jnp.full((m,), tiers[0].pool_slots, jnp.int32))
+
+    def prefill(self, tokens, lengths, max_len: int | None = None):
+        """Prefill right-padded ``tokens int32[B, T]``, layer by layer. Returns the
+        f32 logits ``[B, V]`` at each row's last token and the :class:`TieredState`."""
+        max_len = round_up(int(max_len or self.model.max_len), self.method.cache_multiple)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        b, t = tokens.shape
+        if t >= max_len:
+            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
+        params = self.model.params
+        cur = {"x": self._embed(params, tokens)}
+
+        def kv_of_layer(i):
+            fn = _prefill_layer_fn(self.driver, self.plan.specs[i], max_len)
+            cur["x"], k, v, q_last = fn(params["layers"], cur["x"], lengths, self.layer_data(i))
+            return k, v, q_last
+
+        state = self.state_from_kv(kv_of_layer, lengths, max_len)
+        return self._head(params, tfm.last_valid(cur["x"], lengths)), state
+
+    # -- decode --------------------------------------------------------------------
+    def decode_step(self, tokens, state: TieredState):
+        """One token per row: f32 logits ``[B, V]``; ``state`` is updated in place
+        (its device buffers are donated to the step)."""
+        if int(state.lengths_host.max()) >= state.max_len:
+            raise ValueError(f"the cache is full ({state.max_len} tokens)")
+        logits, state.cache = self._decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache,
+                                           state.host)
+        state.lengths_host = state.lengths_host + 1
+        if self.offloaded_layers:
+            state.counters.append([(state.cache.layers[i].hits, state.cache.layers[i].misses)
+                                   for i in self.offloaded_layers])
+        self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
+        self._start_save(state)
+        return logits
+
+    def _start_save(self, state: TieredState):
+        """Copy the blocks completed by this step to the host (asynchronously): one
+        jitted call and one device-to-host copy for all rows that completed one."""
+        if not self.offloaded_layers:
+            return
+        idx = self.offloaded_layers
+        bs = state.cache.layers[idx[0]].block_size
+        rows = np.nonzero(state.lengths_host % bs == 0)[0]
+        if not rows.size:
+            return
+        pool = state.cache.layers[idx[0]].pool_slots
+        blocks = state.lengths_host[rows] // bs - 1
+        ring = pool + blocks % off.RING_SLOTS  # the ring slot that holds each row's completed block
+        # pad the lists to a power of two (repeating their last entry): few compilations
+        pad = _padded_rows(rows.size) - rows.size
+        ks, vs = _extract_block_fn()(tuple(state.cache.layers[i] for i in idx),
+                                     jnp.asarray(np.pad(rows, (0, pad), mode="edge").astype(np.int32)),
+                                     jnp.asarray(np.pad(ring, (0, pad), mode="edge").astype(np.int32)))
+        ks.copy_to_host_async()
+        vs.copy_to_host_async()
+        state.pending.append((rows, blocks, idx, ks, vs))
+
+    def _views(self, state: TieredState, i: int):
+        """The NumPy views of layer ``i``'s host tier, made once per state."""
+        if i not in state.host_views:
+            h = state.host[i]
+            state.host_views[i] = (_host_view(h.k), _host_view(h.v))
+        return state.host_views[i]
+
+    def _store_pending(self, state: TieredState):
+        hkv = self.cfg.num_kv_heads
+        while state.pending:
+            rows, blocks, idx, ks, vs = state.pending.pop(0)
+            m = rows.size
+            ks, vs = np.asarray(ks)[:, :m], np.asarray(vs)[:, :m]  # [n_layers, m, Hkv, bs, D]
+            heads = np.arange(hkv)[None, :]
+            for j, i in enumerate(idx):
+                kview, vview = self._views(state, i)  # [B, Hkv, NB, bs, D]
+                kview[rows[:, None], heads, blocks[:, None]] = ks[j]
+                vview[rows[:, None], heads, blocks[:, None]] = vs[j]
+
+    def finish(self, state: TieredState):
+        """Store the outstanding saves (call before reading the host tier)."""
+        self._store_pending(state)
+
+    def transfer_stats(self, state: TieredState) -> dict:
+        """Hits, misses and bytes moved per decode step (offloaded layers summed)."""
+        if not state.counters:
+            return {"steps": 0}
+        # per step and offloaded layer: (hits, misses), each int32[B*Hkv]
+        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64).sum(-1)  # [T, L, 2]
+        hits, misses = arr[..., 0].sum(1), arr[..., 1].sum(1)
+        d = self.cfg.head_dim
+        block_bytes = 2 * self.method.offload_block_size * d * jnp.dtype(self.model.dtype).itemsize
+        return {
+            "steps": int(arr.shape[0]),
+            "hits_per_step": hits.tolist(), "misses_per_step": misses.tolist(),
+            "hit_rate": float(hits.sum() / max(hits.sum() + misses.sum(), 1)),
+            "bytes_per_step": (misses * block_bytes).tolist(),
+            "mean_bytes_per_step": float(misses.mean() * block_bytes),
+        }
+
+    def generate_ids(self, tokens, lengths, steps: int, max_len: int | None = None):
+        """Greedy ``steps`` tokens per row: ``(ids int32[B, steps], logits f32[B, steps, V], state)``."""
+        logits, state = self.prefill(tokens, lengths, max_len)
+        out, all_logits = [], []
+        for _ in range(steps):
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            out.append(nxt)
+            all_logits.append(logits)
+            logits = self.decode_step(nxt, state)
+        self.finish(state)
+        return jnp.stack(out, 1), jnp.stack(all_logits, 1), state
+
+
+# -----------------------------------------------------------------------------
+# The jitted pieces (cached by their static arguments)
+# -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _embed_fn(graphdef):
+    return jax.jit(lambda params, tokens: nnx.merge(graphdef, params).embed_tokens(tokens))
+
+
+@functools.lru_cache(maxsize=8)
+def _head_fn(graphdef):
+    return jax.jit(lambda params, x: nnx.merge(graphdef, params).logits(x))
+
+
+def compiler_options(concurrent: bool):
+    # CONCURRENT: XLA's CUDA graph keeps only the data dependences between
+    # kernels (its default, LHS, serialises them as scheduled)
+    return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} if concurrent else None
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
+    """``(params, tokens int32[B], cache, host) -> (logits f32[B, V], cache)``: one
+    whole decode step, the cache donated, the host tiers read in place."""
+
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=compiler_options(concurrent))
+    def run(params, tokens, cache, host):
+        model = nnx.merge(graphdef, params)
+        x, cache = driver.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache, host,
+                                 gather_programs=gather_programs)
+        return model.logits(x), cache
+
+    return run
+
+
+@functools.lru_cache(maxsize=32)
+def _prefill_layer_fn(driver: Driver, spec, max_len: int):
+    """``(stacked params, x [B,T,H], lengths, data) -> (x, k, v [B,Hkv,S,D], q_last
+    [B,Hq,D])``: one layer of the prompt (the method's prefill hook on its layers,
+    dense elsewhere; cuDNN on GPU) and its K/V as the cache holds them."""
+    from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
+
+    method = driver.method if spec.sparse else None
+
+    @jax.jit
+    def run(stacked, x, lengths, data):
+        layer = _layer_at(driver.layer_graph, stacked, data["index"])
+        t = x.shape[1]
+        cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(driver.cfg, spec))
+        q, k, v = layer_qkv(layer, x, cos, sin)
+        if method is None:
+            o = dense_prefill_attention(q, k, v, spec.window)
+        else:
+            o = method.prefill_attention(q, k, v, lengths, LayerCtx(spec, data))
+        kc, vc = prefill_kv(k, v, lengths, spec.capacity(max_len), spec)
+        return layer_output(layer, x, o), kc, vc, last_valid(q, lengths)
+
+    return run
+
+
+@functools.lru_cache(maxsize=32)
+def _finish_layer(method, spec, offloaded: bool, pool: int):
+    """``(k, v, lengths, q_last, data) -> (entry, host_k, host_v)``; K/V donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def run(k, v, lengths, q_last, data):
+        if method is None:
+            return LayerCache(k, v, None), None, None
+        b, hkv, s, d = k.shape
+        ctx = LayerCtx(spec, data)
+        st = method.init_state(spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
+        st = method.prefill_state(st, k, v, lengths, ctx)
+        st = method.prefill_query_state(st, q_last, lengths, ctx)
+        if offloaded:
+            return off.tier_from_prefill(method, k, v, lengths, st, pool)
+        return LayerCache(k, v, st), None, None
+
+    return run
+
+
+def _padded_rows(n: int) -> int:
+    """The row count a block extraction of ``n`` rows runs with: the next power of two."""
+    return 1 << int(n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=2)
+def _extract_block_fn():
+    """``(tiers, rows int32[m], ring_slots int32[m]) -> (K, V) [n_layers, m, Hkv, bs, D]``:
+    each listed row's ring block, in every offloaded layer."""
+    @jax.jit
+    def run(tiers, rows, ring_slots):
+        def one(t: OffloadedLayer):
+            bs = t.block_size
+
+            def row(r, slot):
+                k = jax.lax.dynamic_slice_in_dim(t.pool_k[r], slot * bs, bs, axis=1)
+                v = jax.lax.dynamic_slice_in_dim(t.pool_v[r], slot * bs, bs, axis=1)
+                return k, v
+
+            return jax.vmap(row)(rows, ring_slots)
+
+        ks, vs = zip(*(one(t) for t in tiers))
+        return jnp.stack(ks), jnp.stack(vs)
+
+    return run

@@ -1,0 +1,270 @@
+"""Offload for any selection: an offloaded layer's KV as a *view* (a resident
+pool of blocks, a ring of the newest ones, the rest on the host) and its
+decode step.
+
+One decode step of an offloaded layer (inside the model's one jitted step):
+
+1. the new token goes to the ring slot of its block; the method's state
+   takes it (``append_state`` through the view: the newest key, or the keys of
+   the newest block, both in the ring);
+2. ``select`` returns a :class:`~sparse_jax.selection.Selection`;
+3. a selection the previous step's ``prefetch`` already brought in
+   (``within_prefetch``: AsyncTLS's one-step lag) is read straight from the
+   pool. Any other block selection first places its blocks: one
+   ``assign_pool_slots`` kernel finds the misses and gives them LRU slots,
+   one ``host_gather_into`` kernel copies them from the host tier, and the
+   attention waits for that copy (Quest, ArkVale: exact, but the copy is on
+   the step's critical path);
+4. attention over pool rows (``sparse_decode_attention``);
+5. the selection's ``prefetch`` (the next step's blocks) is placed the same
+   way after the attention read the pool (an optimisation barrier orders it):
+   nothing in this step waits for that copy, so a concurrent CUDA graph runs
+   it beside the layer's output projection and MLP.
+
+Nothing here names a method: the method's selection (block ids, a prefetch,
+``within_prefetch``) is the whole contract. Methods declare
+``offload_block_size`` (None: cannot run offloaded), ``offload_blocks_per_step``
+(the smallest pool) and ``first_prefetch`` (what to prime after prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sparse_jax.cache import write_rows
+from sparse_jax.kv import newest_token
+from sparse_jax.methods.base import AttentionMethod
+from sparse_jax.offload.tiers import HostLayer, OffloadedLayer
+from sparse_jax.ops.attention import sparse_decode_attention
+from sparse_jax.ops.slot_pool import assign_pool_slots
+from sparse_jax.ops.transfer import host_gather_into
+from sparse_jax.selection import Selection
+
+RING_SLOTS = 2  # the newest block and the one before it stay in the ring
+
+
+def check_offload(method: AttentionMethod, pool_slots: int, max_len: int) -> None:
+    """Raise ValueError, before any compilation, when ``method`` cannot run offloaded
+    with ``pool_slots`` block slots per (row, KV head) and ``max_len`` tokens."""
+    if method.reads_all_keys:
+        raise ValueError(f"{method.name} reads every key to select (reads_all_keys): it cannot run offloaded")
+    bs = method.offload_block_size
+    if bs is None:
+        raise ValueError(
+            f"{method.name} cannot run offloaded: its selection names no blocks of the host tier "
+            f"(offload_block_size is None; a token selection must lie in the previous step's prefetch)")
+    if max_len % bs:
+        raise ValueError(f"offloaded {method.name}: the cache length ({max_len}) must be a multiple of its "
+                         f"block size ({bs})")
+    need = method.offload_blocks_per_step(max_len)
+    if pool_slots < need:
+        raise ValueError(f"pool_slots={pool_slots} is smaller than the blocks one step of {method.name} reads "
+                         f"outside the ring ({need}): the blocks of a step must fit in the pool")
+    method.check_offload(max_len)
+
+
+def default_pool_slots(method: AttentionMethod, max_len: int) -> int:
+    """Twice the blocks one step reads: on SmolLM2 with real text (8K context,
+    AsyncTLS kb 32) the smallest pool hit 89.8% of the needed blocks and the
+    doubled one 98.8% (``benchmarks/results/offload_smollm2_locality.md``)."""
+    return 2 * method.offload_blocks_per_step(max_len)
+
+
+def ring_rows(pos: jax.Array, pool_slots: int, block_size: int) -> jax.Array:
+    """Pool row of token ``pos`` while its block is in the ring."""
+    return (pool_slots + (pos // block_size) % RING_SLOTS) * block_size + pos % block_size
+
+
+def _take_per_head(table, idx):
+    """``table[b, h, idx[b, h, ...]]`` (indices clipped) for ``table [B, Hkv, N]``,
+    as one flat 1-D gather (a plain gather kernel), not a batched one."""
+    b, h, n = table.shape
+    base = (jnp.arange(b * h, dtype=jnp.int32) * n).reshape((b, h) + (1,) * (idx.ndim - 2))
+    flat = (base + jnp.clip(idx, 0, n - 1)).reshape(-1)
+    return jnp.take(table.reshape(-1), flat, mode="clip", indices_are_sorted=False).reshape(idx.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PooledKV:
+    """The view of an offloaded layer (see :mod:`sparse_jax.kv`): ``pool_k, pool_v
+    [B, Hkv, (P+2)*bs, D]``, ``block_slot int32[B, Hkv, NB]``."""
+
+    pool_k: jax.Array
+    pool_v: jax.Array
+    block_slot: jax.Array
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def capacity(self) -> int:
+        return self.block_slot.shape[2] * self.block_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pool_k.shape[1]
+
+    @property
+    def pool_slots(self) -> int:
+        return self.pool_k.shape[2] // self.block_size - RING_SLOTS
+
+    @property
+    def k(self):
+        raise ValueError("an offloaded layer has no whole key cache on the device: a method that reads every "
+                         "key (reads_all_keys) cannot run offloaded")
+
+    v = k
+
+    def newest_keys(self, positions: jax.Array) -> jax.Array:
+        return newest_token(self.pool_k, ring_rows(positions, self.pool_slots, self.block_size))
+
+    def block_keys(self, blocks: jax.Array, block_size: int) -> jax.Array:
+        """Keys of each row's newest block (in the ring): ``[B, Hkv, bs, D]``."""
+        if block_size != self.block_size:
+            raise ValueError(f"block_keys: the offloaded tier has blocks of {self.block_size} tokens, "
+                             f"asked for {block_size}")
+        start = (self.pool_slots + blocks % RING_SLOTS) * block_size
+        return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, block_size, axis=1))(self.pool_k, start)
+
+    def pool_rows(self, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+        """Pool row of each token position ``int32[B, Hkv, K]``: the ring for the two
+        newest blocks, the block's pool slot otherwise."""
+        bs, p = self.block_size, self.pool_slots
+        blk, off = positions // bs, positions % bs
+        newest = ((lengths - 1) // bs)[:, None, None]
+        slot = _take_per_head(self.block_slot, blk)
+        return jnp.where(blk >= newest - 1, (p + blk % RING_SLOTS) * bs + off, jnp.maximum(slot, 0) * bs + off)
+
+    def attend(self, q: jax.Array, lengths: jax.Array, sel: Selection, *, impl: str = "auto") -> jax.Array:
+        if sel.kind == "all":
+            raise ValueError("an 'all' selection (exact attention) cannot read an offloaded layer")
+        indices, counts = sel.token_view(lengths)
+        rows = self.pool_rows(indices, lengths).astype(jnp.int32)
+        return sparse_decode_attention(q, self.pool_k, self.pool_v, rows, counts, impl=impl)
+
+
+def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: HostLayer, *, impl: str,
+                 gather_programs: int | None = None):
+    """Make the blocks ``need int32[B, Hkv, n]`` resident (those ``>= ring_start[b]``
+    are in the ring and skipped): LRU slots for the misses, their copies from the host.
+
+    Returns ``(tables, pool_k, pool_v, hits, misses)``; ``tables = (block_slot,
+    slot_block, slot_used)`` each ``[B, Hkv, ...]``; counters ``int32[B*Hkv]``."""
+    block_slot, slot_block, slot_used = entry_tables
+    b, hkv, nb = block_slot.shape
+    p = slot_block.shape[2]
+    r = b * hkv
+    bs, d = host.k.shape[3], host.k.shape[4]
+    rs = jnp.broadcast_to(ring_start[:, None], (b, hkv)).reshape(r)
+    ck = jnp.broadcast_to(clock[:, None], (b, hkv)).reshape(r)
+    bslot, sblock, sused, src, dst, copies, hits = assign_pool_slots(
+        need.reshape(r, -1), rs, ck, block_slot.reshape(r, nb), slot_block.reshape(r, p), slot_used.reshape(r, p),
+        ring_slots=RING_SLOTS, impl=impl)
+    if need.shape[-1]:
+        tuning = {} if gather_programs is None else {"programs": gather_programs}
+        # src: the flat id over the host tier's (B, Hkv, NB) axes; dst: the pool seen as [B*Hkv*(P+2), bs, D]
+        pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
+                                  src.reshape(-1), dst.reshape(-1), copies, impl=impl, id_dims=3, **tuning)
+        pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
+    tables = (bslot.reshape(b, hkv, nb), sblock.reshape(b, hkv, p), sused.reshape(b, hkv, p))
+    return tables, pool_k, pool_v, hits, copies
+
+
+def decode_offloaded(method: AttentionMethod, q, k_new, v_new, pos, entry: OffloadedLayer, host: HostLayer, layer,
+                     carry, *, gather_programs: int | None = None):
+    """One decode step of an offloaded layer (module docstring).
+
+    ``q [B,Hq,D]``, ``k_new, v_new [B,Hkv,D]`` (the new token, post-RoPE),
+    ``pos int32[B]`` its position, ``layer`` the :class:`LayerCtx`, ``carry``
+    the method's cross-layer carry. Returns ``(out [B,Hq,D], entry, carry)``.
+    ``gather_programs``: the copy kernels' grid (``host_gather_into``'s
+    ``programs``; None: one program per block and tile).
+    """
+    impl = getattr(method, "impl", "auto")
+    bs, p = entry.block_size, entry.pool_slots
+    lengths = pos + 1
+    nb = entry.block_slot.shape[2]
+    # as the resident cache stores them
+    k_new, v_new = k_new.astype(entry.pool_k.dtype), v_new.astype(entry.pool_v.dtype)
+    pool_k, pool_v = write_rows(entry.pool_k, entry.pool_v, k_new, v_new, ring_rows(pos, p, bs))
+    tables = (entry.block_slot, entry.slot_block, entry.slot_used)
+    kv = PooledKV(pool_k, pool_v, entry.block_slot, bs)
+    state = method.append_state(entry.state, kv, pos, layer)
+    sel, state, carry = method.select(q, kv, lengths, state, carry, layer)
+    zero = jnp.zeros_like(entry.hits)
+    hits, misses = zero, zero
+    newest = (lengths - 1) // bs
+    if not sel.within_prefetch:
+        if sel.kind != "blocks" or sel.block_size != bs:
+            raise ValueError(f"offloaded {method.name}: a selection of kind {sel.kind!r} (block size "
+                             f"{sel.block_size}) is neither blocks of the tier ({bs} tokens) nor within the "
+                             f"previous step's prefetch")
+        n = sel.indices.shape[-1]
+        # entries past the count name the newest block (in the ring: skipped)
+        need = jnp.where(jnp.arange(n) < sel.counts[..., None], sel.indices, newest[:, None, None])
+        tables, pool_k, pool_v, hits, misses = place_blocks(
+            jnp.clip(need, 0, nb - 1), newest - 1, lengths, tables, pool_k, pool_v, host, impl=impl,
+            gather_programs=gather_programs)
+        kv = PooledKV(pool_k, pool_v, tables[0], bs)
+    out = kv.attend(q, lengths, sel, impl=impl)
+    if sel.prefetch is not None:
+        if sel.block_size != bs:
+            raise ValueError(f"offloaded {method.name}: prefetch blocks of {sel.block_size} tokens, the tier's "
+                             f"are {bs}")
+        # the attention read the pool before any slot is overwritten
+        pool_k, pool_v, out = jax.lax.optimization_barrier((pool_k, pool_v, out))
+        tables, pool_k, pool_v, h2, m2 = place_blocks(
+            sel.prefetch, lengths // bs - 1, lengths, tables, pool_k, pool_v, host, impl=impl,
+            gather_programs=gather_programs)
+        hits, misses = hits + h2, misses + m2
+    return out, OffloadedLayer(pool_k, pool_v, *tables, state, hits, misses, bs), carry
+
+
+def tier_from_prefill(method: AttentionMethod, k, v, lengths, state, pool_slots: int):
+    """The device tier of one layer from its prefill K/V (device ``[B,Hkv,S,D]``)
+    and the method's state after prefill.
+
+    Returns ``(entry: OffloadedLayer, host_k, host_v)`` where ``host_* [B, Hkv,
+    NB, bs, D]`` (still on the device) is what the caller moves to the host tier.
+    The pool is primed with ``method.first_prefetch(state)`` (the blocks the
+    first decode step reads; nothing when None), the ring with the prompt's
+    last two blocks."""
+    b, hkv, s, d = k.shape
+    bs = method.offload_block_size
+    nb = s // bs
+    kb_, vb_ = k.reshape(b, hkv, nb, bs, d), v.reshape(b, hkv, nb, bs, d)
+    newest = lengths // bs  # the first decode step's newest block
+    prime = method.first_prefetch(state)
+    if prime is None:
+        prime = jnp.zeros((b, hkv, 0), jnp.int32)
+    m = prime.shape[-1]
+    if m > pool_slots:
+        raise ValueError(f"the first step's {m} blocks do not fit in a pool of {pool_slots} slots")
+
+    def take_blocks(x, blocks):  # x [B,Hkv,NB,bs,D], blocks [B,Hkv,m] -> [B,Hkv,m,bs,D]
+        idx = jnp.clip(blocks, 0, nb - 1)[..., None, None]
+        return jnp.take_along_axis(x, idx, axis=2)
+
+    need = (prime >= 0) & (prime < (newest - 1)[:, None, None])
+    slots = jnp.arange(m, dtype=jnp.int32)
+    slot_block = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :m].set(jnp.where(need, prime, -1))
+    slot_used = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :m].set(
+        jnp.where(need, lengths[:, None, None], -1))
+    block_slot = jax.vmap(jax.vmap(lambda blk, ok: jnp.full((nb,), -1, jnp.int32).at[jnp.where(ok, blk, nb)].set(
+        slots, mode="drop")))(prime, need)
+    ring_blocks = jnp.stack([newest - 1, newest], -1)  # [B, 2]
+    ring_order = jnp.argsort(ring_blocks % RING_SLOTS, axis=-1)  # ring slot j holds the block with n % 2 == j
+    ring = jnp.take_along_axis(ring_blocks, ring_order, axis=-1)
+    ring = jnp.broadcast_to(ring[:, None, :], (b, hkv, RING_SLOTS))
+
+    def pool(x):
+        primed = jnp.where(need[..., None, None], take_blocks(x, prime), 0).astype(x.dtype)
+        empty = jnp.zeros((b, hkv, pool_slots - m, bs, d), x.dtype)
+        rings = take_blocks(x, ring)
+        return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + RING_SLOTS) * bs, d)
+
+    zero = jnp.zeros((b * hkv,), jnp.int32)
+    entry = OffloadedLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero, bs)
+    return entry, kb_, vb_
