@@ -347,9 +347,13 @@ def test_decode_compiles_once_and_saving_is_precompiled():
     from models import tiered
 
     model = _tiny_asynctls_model()
-    runner = tiered.TieredRunner(model, "offload")
+    # the tiers are placed from the sharding given (its memory kind replaced)
+    runner = tiered.TieredRunner(model, "offload", sharding=jax.sharding.SingleDeviceSharding(jax.devices()[-1]))
     tokens = np.random.default_rng(4).integers(3, 97, (3, 60)).astype(np.int32)
     _, state = runner.prefill(tokens, np.array([60, 47, 33], np.int32), 256)
+    tier, host = state.cache.layers[1], state.host[1]
+    assert tier.pool_k.sharding.memory_kind == "device" and host.k.sharding.memory_kind == "pinned_host"
+    assert host.k.shape == (3, 2, 256 // 16, 16, 16)  # [B, Hkv, NB, bs, D]: the head axis kept
     extract = tiered._extract_block_fn()
     built = extract._cache_size()
     tok = jnp.zeros((3,), jnp.int32)
