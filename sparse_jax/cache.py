@@ -29,7 +29,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -70,20 +69,6 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
-def write_prefill(layer: LayerCache, k_new: jax.Array, v_new: jax.Array) -> LayerCache:
-    """Write ``k_new, v_new [B, Hkv, T, D]`` at positions ``[0, T)``."""
-    k = jax.lax.dynamic_update_slice(layer.k, k_new.astype(layer.k.dtype), (0, 0, 0, 0))
-    v = jax.lax.dynamic_update_slice(layer.v, v_new.astype(layer.v.dtype), (0, 0, 0, 0))
-    k, v = jax.lax.optimization_barrier((k, v))  # see write_token
-    return dataclasses.replace(layer, k=k, v=v)
-
-
-def write_token(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> LayerCache:
-    """Write one token per row: ``k_new, v_new [B, Hkv, D]`` at ``positions int32[B]``."""
-    k, v = write_rows(layer.k, layer.v, k_new, v_new, positions)
-    return dataclasses.replace(layer, k=k, v=v)
-
-
 def write_rows(k: jax.Array, v: jax.Array, k_new: jax.Array, v_new: jax.Array, rows: jax.Array):
     """``k, v [B, Hkv, R, D]`` with ``k_new, v_new [B, Hkv, D]`` written at row
     ``rows[b]`` of each batch row, in place (the arrays are donated by callers)."""
@@ -101,8 +86,3 @@ def write_rows(k: jax.Array, v: jax.Array, k_new: jax.Array, v_new: jax.Array, r
     # the GPU it fused the offloaded ring write into a select over the whole slot
     # pool (~40 us per layer).
     return jax.lax.optimization_barrier((k, v))
-
-
-def empty_layer(batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype, state=None) -> LayerCache:
-    shape = (batch, num_kv_heads, max_len, head_dim)
-    return LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), state=state)
