@@ -57,18 +57,14 @@ from pallas_kernels._util import next_pow2
 from pallas_kernels.merge import MASK_VALUE
 from pallas_kernels.sparse_decode import (
     DEFAULT_BLOCK_K,
-    DEFAULT_NUM_STAGES,
-    DEFAULT_NUM_WARPS,
-    MIN_GROUP_ROWS,
     MIN_TOKENS_PER_SPLIT,
     _is_pow2,
     choose_num_splits,
     default_scale,
     dot_precision,
-    finish_splits,
     gathered_attention_reference,
     online_softmax_step,
-    split_outputs,
+    split_decode_call,
     unsupported_reason,  # noqa: F401  (re-exported for the dispatcher)
 )
 
@@ -244,42 +240,16 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     NB = block_indices.shape[-1]
-    G = Hq // Hkv
-    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
     scale = default_scale(D) if scale is None else float(scale)
     tile, sub_tiles, bpi, ns, bps = resolve_block_tuning(
         B, Hkv, NB, D, block_size, block_k=block_k, blocks_per_iter=blocks_per_iter,
         num_splits=num_splits)
 
-    qg = q.reshape(B, Hkv, G, D)
-    if g_pad != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
-    bidx = block_indices.astype(jnp.int32)
-    pad = ns * bps - NB
-    if pad:
-        bidx = jnp.pad(bidx, ((0, 0), (0, 0), (0, pad)))  # masked by the count
-    bidx = bidx.reshape(B, Hkv, ns, bps)
-
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
         precision=dot_precision(q.dtype))
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(B, Hkv, ns),
-        in_specs=[
-            pl.BlockSpec((None, None), lambda b, h, s: (b, h)),                   # counts
-            pl.BlockSpec((None,), lambda b, h, s: (b,)),                          # lengths
-            pl.BlockSpec((None, None, g_pad, D), lambda b, h, s: (b, h, 0, 0)),   # q
-            pl.BlockSpec((None, None, None, bps), lambda b, h, s: (b, h, s, 0)),  # block ids
-            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),       # k
-            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),       # v
-        ],
-        **split_outputs(B, Hkv, ns, g_pad, D),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
-            num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
-        interpret=interpret,
-        name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}",
-    )(block_counts.astype(jnp.int32), lengths.astype(jnp.int32), qg, bidx, k, v)
-    return finish_splits(o, m, l, G, q.dtype, return_residuals)
+    return split_decode_call(
+        kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
+        name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals)

@@ -259,42 +259,63 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     K = indices.shape[-1]
-    G = Hq // Hkv
-    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
     scale = default_scale(D) if scale is None else float(scale)
     block_k, ns, k_split = resolve_sparse_tuning(B, Hkv, K, D, block_k=block_k,
                                                  num_splits=num_splits)
 
-    qg = q.reshape(B, Hkv, G, D)
-    if g_pad != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
-    idx = indices.astype(jnp.int32)
-    pad = ns * k_split - K
-    if pad:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad)))  # masked by the count
-    idx = idx.reshape(B, Hkv, ns, k_split)
-    cnt = counts.astype(jnp.int32)
-
     kernel = functools.partial(
         _sparse_decode_kernel, scale=scale, block_k=block_k, k_split=k_split,
         K=K, S=S, precision=dot_precision(q.dtype))
+    return split_decode_call(
+        kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
+        name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals)
+
+
+def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
+                      head_scalars=(), row_scalars=(), name: str, num_warps=None,
+                      num_stages=None, interpret=False, return_residuals=False):
+    """The scaffolding the decode kernels share: GQA grouping, the list split,
+    the ``pallas_call`` over grid ``(B, Hkv, ns)`` and the merge of the splits.
+
+    ``kernel(*head_scalars, *row_scalars, q, list, k, v, o, m, l)`` gets per
+    program: each of ``head_scalars`` (``[B, Hkv]`` arrays) and ``row_scalars``
+    (``[B]``) as a scalar ref; ``q`` as ``[G_pad, D]`` (the GQA group, zero rows
+    up to ``MIN_GROUP_ROWS`` or the next power of two, as ``tl.dot`` needs);
+    its split's ``per_split`` entries of ``split_list [B, Hkv, N]`` (padded with
+    zeros to ``ns * per_split``: kernels mask past their counts); the whole
+    ``k, v [S, D]`` of its KV head; and writes the split's partial ``o [G_pad,
+    D]``, ``m, l [G_pad]`` (f32), merged here (:func:`finish_splits`).
+    """
+    B, Hq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    G = Hq // Hkv
+    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
+    qg = q.reshape(B, Hkv, G, D)
+    if g_pad != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
+    lst = split_list.astype(jnp.int32)
+    pad = ns * per_split - lst.shape[-1]
+    if pad:
+        lst = jnp.pad(lst, ((0, 0), (0, 0), (0, pad)))  # masked by the count
+    lst = lst.reshape(B, Hkv, ns, per_split)
+    in_specs = ([pl.BlockSpec((None, None), lambda b, h, s: (b, h)) for _ in head_scalars]
+                + [pl.BlockSpec((None,), lambda b, h, s: (b,)) for _ in row_scalars]
+                + [pl.BlockSpec((None, None, g_pad, D), lambda b, h, s: (b, h, 0, 0)),        # q
+                   pl.BlockSpec((None, None, None, per_split), lambda b, h, s: (b, h, s, 0)),  # list
+                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),            # k
+                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0))])           # v
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, ns),
-        in_specs=[
-            pl.BlockSpec((None, None), lambda b, h, s: (b, h)),                     # counts
-            pl.BlockSpec((None, None, g_pad, D), lambda b, h, s: (b, h, 0, 0)),     # q
-            pl.BlockSpec((None, None, None, k_split), lambda b, h, s: (b, h, s, 0)),  # indices
-            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # k
-            pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),         # v
-        ],
+        in_specs=in_specs,
         **split_outputs(B, Hkv, ns, g_pad, D),
         compiler_params=plgpu.CompilerParams(
             num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
             num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
         interpret=interpret,
-        name=f"sparse_decode_bk{block_k}_ns{ns}",
-    )(cnt, qg, idx, k, v)
+        name=name,
+    )(*(x.astype(jnp.int32) for x in head_scalars), *(x.astype(jnp.int32) for x in row_scalars), qg, lst, k, v)
     return finish_splits(o, m, l, G, q.dtype, return_residuals)
 
 
