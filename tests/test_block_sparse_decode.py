@@ -226,3 +226,33 @@ def test_merge_attention_bad_inputs():
         merge_attention(o, res[0], o, res)
     with pytest.raises(ValueError):
         merge_attention(o, (res[0], jnp.ones((2, 1))), o, res)
+
+
+# --------------------------------------------------------------------------
+# The shared decode-kernel checks (tests/kernel_test_base.py)
+# --------------------------------------------------------------------------
+
+from kernel_test_base import DecodeKernelTestBase  # noqa: E402
+
+
+class TestBlockSparseDecodeKernel(DecodeKernelTestBase):
+    """Block lists of 16 tokens: ragged counts and lengths, the partial last block,
+    blocks past a row's length and garbage past the count."""
+
+    op = staticmethod(lambda q, k, v, **a: block_sparse_decode_attention(q, k, v, block_size=16, **a))
+
+    def draw(self, rng, B, Hkv, S):
+        nb = 5
+        counts = rng.integers(1, nb + 1, size=(B, Hkv))
+        counts[0, 0] = nb
+        lengths = rng.integers(S // 2, S + 1, size=(B,))
+        lengths[0] = S
+        _, _, _, bidx, lists = make_case(rng, B, 1, Hkv, S, 8, nb, 16, jnp.float32, counts, lengths)
+        return dict(block_indices=bidx, block_counts=jnp.asarray(counts, jnp.int32),
+                    lengths=jnp.asarray(lengths, jnp.int32)), lists
+
+    def empty_args(self, B, Hkv, S):
+        counts = np.full((B, Hkv), 2, np.int32)
+        counts[0, 0] = 0
+        return dict(block_indices=jnp.zeros((B, Hkv, 3), jnp.int32), block_counts=jnp.asarray(counts),
+                    lengths=jnp.full((B,), S, jnp.int32))

@@ -239,3 +239,28 @@ def test_bad_inputs(change, kwargs, exc):
     with pytest.raises(exc):
         sparse_decode_attention(args["q"], args["k"], args["v"], args["indices"],
                                 args["counts"], **kwargs)
+
+
+# --------------------------------------------------------------------------
+# The shared decode-kernel checks (tests/kernel_test_base.py)
+# --------------------------------------------------------------------------
+
+from kernel_test_base import DecodeKernelTestBase  # noqa: E402
+
+
+class TestSparseDecodeKernel(DecodeKernelTestBase):
+    """Token lists: ragged counts (one full row), K never a multiple of a tile."""
+
+    op = staticmethod(sparse_decode_attention)
+
+    def draw(self, rng, B, Hkv, S):
+        K = S // 3 + 5
+        counts = rng.integers(1, K + 1, size=(B, Hkv))
+        counts[0, 0] = K
+        idx, lists = make_indices(rng, B, Hkv, S, K, counts)
+        return dict(indices=idx, counts=jnp.asarray(counts, jnp.int32)), lists
+
+    def empty_args(self, B, Hkv, S):
+        counts = np.full((B, Hkv), 5, np.int32)
+        counts[0, 0] = 0
+        return dict(indices=jnp.zeros((B, Hkv, 8), jnp.int32), counts=jnp.asarray(counts))
