@@ -33,7 +33,7 @@ from benchmarks.timing import (
     time_fn,
     write_results,
 )
-from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
+from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import block_minmax, build_label_cache, label_scores, quest_block_scores
 from sparse_jax.ops.selection import topk_indices
 
@@ -168,6 +168,11 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
                         (q, k_bshd, v_bshd), runs=runs)
         add("dense XLA", t_xla, kv_bytes, dense_ms=dense_ms)
     del k_bshd, v_bshd
+    # exact decode on our head-major cache: the masked einsum the model runs today, and the
+    # block kernel over every block (sparse_jax.dense_decode_attention, impl="pallas")
+    for name, impl in (("dense head-major XLA", "reference"), ("dense head-major Pallas", "pallas")):
+        fn = jax.jit(functools.partial(dense_decode_attention, impl=impl))
+        add(name, time_fn(fn, (q, k, v, lengths), name=name, runs=runs), kv_bytes, dense_ms=dense_ms)
 
     k_max, k_min = jax.jit(functools.partial(block_minmax, block_size=BLOCK))(k, lengths)
     nb = k_max.shape[2]

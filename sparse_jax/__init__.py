@@ -14,7 +14,12 @@ Attention methods (the registry): :func:`get_method`, :func:`available_methods`.
 
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods import AttentionMethod, available_methods, get_method, register
-from sparse_jax.ops.attention import block_sparse_decode_attention, merge_attention, sparse_decode_attention
+from sparse_jax.ops.attention import (
+    block_sparse_decode_attention,
+    dense_decode_attention,
+    merge_attention,
+    sparse_decode_attention,
+)
 from sparse_jax.ops.scoring import (
     block_cuboid,
     block_label_scores,
@@ -42,6 +47,7 @@ __all__ = [
     "block_minmax",
     "block_sparse_decode_attention",
     "build_label_cache",
+    "dense_decode_attention",
     "get_method",
     "host_gather",
     "host_gather_into",

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.block_sparse_decode import resolve_block_tuning
 from pallas_kernels.merge import MASK_VALUE
 from sparse_jax.ops.attention import (
+    dense_decode_attention,
     block_sparse_decode_attention,
     merge_attention,
     sparse_decode_attention,
@@ -256,3 +257,29 @@ class TestBlockSparseDecodeKernel(DecodeKernelTestBase):
         counts[0, 0] = 0
         return dict(block_indices=jnp.zeros((B, Hkv, 3), jnp.int32), block_counts=jnp.asarray(counts),
                     lengths=jnp.full((B,), S, jnp.int32))
+
+
+class TestDenseDecodeKernel(DecodeKernelTestBase):
+    """Exact attention over [0, lengths): the block kernel over every block up to the
+    row's length (``impl="pallas"``) and the masked einsum (``"reference"``)."""
+
+    op = staticmethod(lambda q, k, v, **a: dense_decode_attention(q, k, v, block_size=32, **a))
+
+    def draw(self, rng, B, Hkv, S):
+        lengths = rng.integers(1, S + 1, size=(B,))
+        lengths[0] = S
+        lists = [[np.arange(int(lengths[b])) for _ in range(Hkv)] for b in range(B)]
+        return dict(lengths=jnp.asarray(lengths, jnp.int32)), lists
+
+    def empty_args(self, B, Hkv, S):
+        return dict(lengths=jnp.asarray([0] + [S] * (B - 1), jnp.int32))
+
+
+def test_dense_decode_bad_input():
+    q, k, v = (jnp.zeros(s, jnp.float32) for s in ((2, 4, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        dense_decode_attention(q, k, v, jnp.array([3, 4]), block_size=0)
+    with pytest.raises(ValueError, match="lengths"):
+        dense_decode_attention(q, k, v, jnp.array([3, 4, 5]))
+    with pytest.raises(ValueError, match="scale is only supported by impl='pallas'"):
+        dense_decode_attention(q, k, v, jnp.array([3, 4]), scale=0.5, impl="reference")

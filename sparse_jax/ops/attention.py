@@ -11,6 +11,9 @@ Ops:
   token positions (``indices[b, h, :counts[b, h]]``).
 * ``block_sparse_decode_attention``: each GQA group attends to a per-(b, h)
   list of fixed-size token blocks, masked by the sequence length.
+* ``dense_decode_attention``: exact attention over ``[0, lengths[b])``; its
+  kernel path is the block kernel over every block up to each row's length
+  (a split-K flash decode whose work scales with the lengths, not with S).
 * ``merge_attention``: exact log-sum-exp merge of two partial results over
   disjoint token sets (e.g. a dense local window + a sparse selection).
 
@@ -34,6 +37,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax.numpy as jnp
+
 from pallas_kernels import block_sparse_decode as _bsd
 from pallas_kernels import sparse_decode as _sd
 from pallas_kernels.merge import MASK_VALUE, merge_normalized
@@ -52,6 +57,7 @@ __all__ = [
     "BLOCK_SPARSE_TUNING_KEYS",
     "sparse_decode_attention",
     "block_sparse_decode_attention",
+    "dense_decode_attention",
     "merge_attention",
 ]
 
@@ -213,6 +219,44 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
     return _bsd.block_sparse_decode_attention_pallas(
         q, k, v, block_indices, block_counts, lengths, block_size=block_size,
         scale=scale, return_residuals=return_residuals, interpret=interpret, **tuning)
+
+
+def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None, impl="auto", **tuning):
+    """Exact decode attention over the first ``lengths[b]`` positions of ``k, v``.
+
+    ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``, ``lengths int[B]`` (clipped to
+    ``[0, S]``; 0 gives zeros). ``impl``: "pallas" runs the block kernel over
+    blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (programs and
+    loads past a row's length are skipped), "reference" the masked einsum
+    (``sparse_jax.selection.dense_decode_attention``), "auto" the reference:
+    which of XLA's einsum, cuDNN and this kernel is fastest on the H100 is not
+    measured yet (issue 12, item 5), so nothing switches to it silently.
+    Tuning as :func:`block_sparse_decode_attention`.
+    """
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_rank("k", k, 4, "[B, Hkv, S, D]")
+    B, _, _ = q.shape
+    S = k.shape[2]
+    check_int_array("lengths", lengths, (B,), "[B]")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if impl == "auto":
+        impl = "reference"
+    if impl == "reference":
+        _check_scale(scale)
+        _check_tuning(tuning, BLOCK_SPARSE_TUNING_KEYS, "dense_decode_attention")
+        if scale is not None:
+            raise ValueError("dense_decode_attention: scale is only supported by impl='pallas' (the reference "
+                             "uses 1/sqrt(D))")
+        from sparse_jax.selection import dense_decode_attention as _xla_dense
+
+        return _xla_dense(q, k, v, jnp.clip(lengths, 0, S))
+    nb = -(-S // block_size)
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, S)
+    blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, k.shape[1], nb))
+    counts = jnp.broadcast_to((-(-lengths // block_size))[:, None], (B, k.shape[1]))
+    return block_sparse_decode_attention(q, k, v, blocks, counts, lengths, block_size=block_size, scale=scale,
+                                         impl=impl, **tuning)
 
 
 def merge_attention(o1, res1, o2, res2, *, return_residuals=False):
