@@ -162,14 +162,10 @@ class Driver:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
             cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(self.cfg, spec))
 
-            def body(x, xs, spec=spec, m=m, cos=cos, sin=sin):
-                data = xs
+            def body(x, data, spec=spec, m=m, cos=cos, sin=sin):
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
-                if m is None:
-                    o = dense_prefill_attention(q, k, v, spec.window)
-                else:
-                    o = m.prefill_attention(q, k, v, lengths, LayerCtx(spec, data))
+                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data))
                 return layer_output(layer, x, o), ((q, k) if capture else None)
 
             x, ys = scan_layers(body, x, self._xs(seg), seg.length, self.unroll)
@@ -205,35 +201,35 @@ class Driver:
     def prefill(self, stacked, x: jax.Array, lengths: jax.Array, cache: KVCache):
         """Prefill right-padded ``x [B, T, H]`` into the empty ``cache``: returns ``x``
         (every position) and the cache."""
-        from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
-
-        b, t, _ = x.shape
         layers = list(cache.layers)
         for seg in self.plan.segments:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
-            cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(self.cfg, spec))
 
-            def body(x, data, lc, spec=spec, m=m, cos=cos, sin=sin):
-                layer = _layer_at(self.layer_graph, stacked, data["index"])
-                q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
-                ctx = LayerCtx(spec, data)
-                if m is None:
-                    o = dense_prefill_attention(q, k, v, spec.window)
-                else:
-                    o = m.prefill_attention(q, k, v, lengths, ctx)
-                kc, vc = prefill_kv(k, v, lengths, lc.k.shape[2], spec)
+            def body(x, data, lc, spec=spec, m=m):
+                x, kc, vc, q_last = self.prompt_layer(stacked, x, lengths, data, spec, lc.k.shape[2])
                 kc, vc = kc.astype(lc.k.dtype), vc.astype(lc.v.dtype)
-                st = None
-                if m is not None:
-                    st = m.prefill_state(lc.state, kc, vc, lengths, ctx)
-                    st = m.prefill_query_state(st, last_valid(q, lengths), lengths, ctx)
-                return layer_output(layer, x, o), LayerCache(kc, vc, st)
+                st = None if m is None else prompt_state(m, lc.state, kc, vc, q_last, lengths, LayerCtx(spec, data))
+                return x, LayerCache(kc, vc, st)
 
             entries = [layers[i] for i in seg.layers]
             x, entries = self._run_segment(body, x, seg, entries, self.unroll)
             for i, e in zip(seg.layers, entries):
                 layers[i] = e
         return x, KVCache(tuple(layers), lengths.astype(jnp.int32), cache.max_len)
+
+    def prompt_layer(self, stacked, x: jax.Array, lengths: jax.Array, data: dict, spec: LayerSpec, cap: int):
+        """One layer over the prompt ``x [B, T, H]`` (the method's prefill hook where it
+        runs, exact attention elsewhere): ``(x, k, v [B, Hkv, cap, D] as the layer's cache
+        holds them, q of each row's last prompt token [B, Hq, D])``. Shared by
+        :meth:`prefill` and the layer-by-layer prefill of :mod:`models.tiered`."""
+        from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
+
+        layer = _layer_at(self.layer_graph, stacked, data["index"])
+        cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
+        q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
+        o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data))
+        kc, vc = prefill_kv(k, v, lengths, cap, spec)
+        return layer_output(layer, x, o), kc, vc, last_valid(q, lengths)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
@@ -294,6 +290,21 @@ class Driver:
         if self.unroll:
             return data  # NumPy: static layer indices, the parameters are sliced statically
         return {k: jnp.asarray(v) for k, v in data.items()}
+
+
+def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, lengths, ctx: LayerCtx):
+    """Causal attention over the prompt: the method's prefill hook, or exact
+    attention (with the layer's sliding window) where ``method`` is None."""
+    if method is None:
+        return dense_prefill_attention(q, k, v, spec.window)
+    return method.prefill_attention(q, k, v, lengths, ctx)
+
+
+def prompt_state(method: AttentionMethod, state, k, v, q_last, lengths, ctx: LayerCtx):
+    """The method's layer state after a prefill: ``prefill_state`` from the layer's
+    cache ``k, v [B, Hkv, S, D]``, then ``prefill_query_state`` with the last prompt query."""
+    state = method.prefill_state(state, k, v, lengths, ctx)
+    return method.prefill_query_state(state, q_last, lengths, ctx)
 
 
 def prefill_kv(k: jax.Array, v: jax.Array, lengths: jax.Array, cap: int, spec: LayerSpec):

@@ -45,9 +45,9 @@ from flax import nnx
 
 from models import transformer as tfm
 from models.api import round_up
-from models.driver import Driver, _layer_at, inv_freq, make_plan, prefill_kv
+from models.driver import Driver, make_plan, prompt_state
 from sparse_jax.cache import KVCache, LayerCache
-from sparse_jax.methods.base import DenseAttention, LayerCtx, dense_prefill_attention
+from sparse_jax.methods.base import DenseAttention, LayerCtx
 from sparse_jax.offload import capacity
 from sparse_jax.offload import pool as off
 from sparse_jax.offload.tiers import HostLayer, OffloadedLayer, device_sharding, pinned_host_sharding
@@ -147,8 +147,7 @@ class TieredRunner:
         self.device_limit, self.host_limit = device_limit, host_limit
         self.plan = make_plan(self.cfg, method)
         if mode == "offload":
-            if method.offload_block_size is None or method.reads_all_keys:
-                off.check_offload(method, 1 << 30, method.cache_multiple)  # raises the method's reason
+            off.check_offloadable(method)
             if any(sp.kind != "global" for sp in self.plan.specs):
                 raise ValueError("offloading runs models whose layers are all global")
         self.num_layers = self.cfg.num_layers
@@ -384,24 +383,8 @@ def _prefill_layer_fn(driver: Driver, spec, max_len: int):
     """``(stacked params, x [B,T,H], lengths, data) -> (x, k, v [B,Hkv,S,D], q_last
     [B,Hq,D])``: one layer of the prompt (the method's prefill hook on its layers,
     dense elsewhere; cuDNN on GPU) and its K/V as the cache holds them."""
-    from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
-
-    method = driver.method if spec.sparse else None
-
-    @jax.jit
-    def run(stacked, x, lengths, data):
-        layer = _layer_at(driver.layer_graph, stacked, data["index"])
-        t = x.shape[1]
-        cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(driver.cfg, spec))
-        q, k, v = layer_qkv(layer, x, cos, sin)
-        if method is None:
-            o = dense_prefill_attention(q, k, v, spec.window)
-        else:
-            o = method.prefill_attention(q, k, v, lengths, LayerCtx(spec, data))
-        kc, vc = prefill_kv(k, v, lengths, spec.capacity(max_len), spec)
-        return layer_output(layer, x, o), kc, vc, last_valid(q, lengths)
-
-    return run
+    return jax.jit(lambda stacked, x, lengths, data: driver.prompt_layer(stacked, x, lengths, data, spec,
+                                                                         spec.capacity(max_len)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -415,8 +398,7 @@ def _finish_layer(method, spec, offloaded: bool, pool: int):
         b, hkv, s, d = k.shape
         ctx = LayerCtx(spec, data)
         st = method.init_state(spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
-        st = method.prefill_state(st, k, v, lengths, ctx)
-        st = method.prefill_query_state(st, q_last, lengths, ctx)
+        st = prompt_state(method, st, k, v, q_last, lengths, ctx)
         if offloaded:
             return off.tier_from_prefill(method, k, v, lengths, st, pool)
         return LayerCache(k, v, st), None, None

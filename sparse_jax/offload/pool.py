@@ -46,16 +46,21 @@ from sparse_jax.selection import Selection
 RING_SLOTS = 2  # the newest block and the one before it stay in the ring
 
 
-def check_offload(method: AttentionMethod, pool_slots: int, max_len: int) -> None:
-    """Raise ValueError, before any compilation, when ``method`` cannot run offloaded
-    with ``pool_slots`` block slots per (row, KV head) and ``max_len`` tokens."""
+def check_offloadable(method: AttentionMethod) -> None:
+    """Raise ValueError when ``method`` cannot run offloaded at all (whatever the sizes)."""
     if method.reads_all_keys:
         raise ValueError(f"{method.name} reads every key to select (reads_all_keys): it cannot run offloaded")
-    bs = method.offload_block_size
-    if bs is None:
+    if method.offload_block_size is None:
         raise ValueError(
             f"{method.name} cannot run offloaded: its selection names no blocks of the host tier "
             f"(offload_block_size is None; a token selection must lie in the previous step's prefetch)")
+
+
+def check_offload(method: AttentionMethod, pool_slots: int, max_len: int) -> None:
+    """Raise ValueError, before any compilation, when ``method`` cannot run offloaded
+    with ``pool_slots`` block slots per (row, KV head) and ``max_len`` tokens."""
+    check_offloadable(method)
+    bs = method.offload_block_size
     if max_len % bs:
         raise ValueError(f"offloaded {method.name}: the cache length ({max_len}) must be a multiple of its "
                          f"block size ({bs})")
