@@ -95,13 +95,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sel: Se
     """Decode attention of ``q [B,Hq,D]`` over the tokens ``sel`` names in ``k, v
     [B,Hkv,S,D]`` whose first ``lengths int32[B]`` positions are valid (a local
     layer's ring: the first ``min(lengths, S)`` slots) -> ``[B,Hq,D]``."""
-    from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
+    from sparse_jax.ops import attention as ops
 
-    if sel.kind == "all":
-        return dense_decode_attention(q, k, v, jnp.minimum(lengths, k.shape[2]))
+    if sel.kind == "all":  # the Pallas kernel on a GPU (cuDNN speed), the masked einsum elsewhere
+        return ops.dense_decode_attention(q, k, v, jnp.minimum(lengths, k.shape[2]), impl=impl)
     if sel.kind == "tokens":
-        return sparse_decode_attention(q, k, v, sel.indices, sel.counts, impl=impl)
-    return block_sparse_decode_attention(q, k, v, sel.indices, sel.counts, lengths, block_size=sel.block_size,
+        return ops.sparse_decode_attention(q, k, v, sel.indices, sel.counts, impl=impl)
+    return ops.block_sparse_decode_attention(q, k, v, sel.indices, sel.counts, lengths, block_size=sel.block_size,
                                          impl=impl)
 
 

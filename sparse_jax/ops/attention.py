@@ -49,7 +49,7 @@ from sparse_jax.ops._checks import (
     check_rank,
     check_shape,
 )
-from sparse_jax.ops._dispatch import resolve_impl
+from sparse_jax.ops._dispatch import on_gpu, resolve_impl
 
 __all__ = [
     "MASK_VALUE",
@@ -228,9 +228,12 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
     ``[0, S]``; 0 gives zeros). ``impl``: "pallas" runs the block kernel over
     blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (programs and
     loads past a row's length are skipped), "reference" the masked einsum
-    (``sparse_jax.selection.dense_decode_attention``), "auto" the reference:
-    which of XLA's einsum, cuDNN and this kernel is fastest on the H100 is not
-    measured yet (issue 12, item 5), so nothing switches to it silently.
+    (``sparse_jax.selection.dense_decode_attention``), "auto" the kernel on a
+    GPU (for a head_dim it supports) and the reference elsewhere. Measured on
+    the H100 (``benchmarks/results/kernels_dense_check.md``, 128K, 32/8 heads,
+    D=128): B=8 1.400 ms against cuDNN's 1.389 ms on its own [B, S, H, D]
+    layout and the einsum's 1.597 ms; B=1 0.193 / 0.179 / 0.212 ms. cuDNN
+    itself would need the token-major layout, a transposed copy of the cache.
     Tuning as :func:`block_sparse_decode_attention`.
     """
     check_rank("q", q, 3, "[B, Hq, D]")
@@ -241,7 +244,7 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if impl == "auto":
-        impl = "reference"
+        impl = "pallas" if on_gpu() and _bsd.unsupported_reason(q.shape[-1]) is None else "reference"
     if impl == "reference":
         _check_scale(scale)
         _check_tuning(tuning, BLOCK_SPARSE_TUNING_KEYS, "dense_decode_attention")
