@@ -232,11 +232,12 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
     if mode == "offload":
         runner.finish(state)
         ts = runner.transfer_stats(state)
+        n = warmup + (1 + settle) * steps + rounds * ROUND_STEPS
         miss = np.asarray(ts["misses_per_step"][-rounds * ROUND_STEPS:], float)
         hits = np.asarray(ts["hits_per_step"][-rounds * ROUND_STEPS:], float)
         out.update(hit_rate=float(hits.sum() / max(hits.sum() + miss.sum(), 1)),
                    mib_per_step=float(np.mean(ts["bytes_per_step"][-rounds * ROUND_STEPS:]) / (1 << 20)),
-                   misses_per_step=float(miss.mean()), steps_counted=ts["steps_total"])
+                   misses_per_step=float(miss.mean()), steps_counted=n)
     if trace_dir is not None:
         from benchmarks import trace_overlap
 

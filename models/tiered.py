@@ -74,8 +74,7 @@ class TieredState:
     lengths_host: np.ndarray
     max_len: int
     pending: list = dataclasses.field(default_factory=list)  # saves not yet stored on the host
-    # per decode step: row 0's position, the step's row in the layers' counter rings
-    counter_pos: list = dataclasses.field(default_factory=list)
+    counters: list = dataclasses.field(default_factory=list)  # per step: [(hits, misses) per offloaded layer]
     host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier
 
 
@@ -260,9 +259,10 @@ class TieredRunner:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         logits, state.cache = self._decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache,
                                            state.host)
-        if self.offloaded_layers:
-            state.counter_pos.append(int(state.lengths_host[0]))
         state.lengths_host = state.lengths_host + 1
+        if self.offloaded_layers:
+            state.counters.append([(state.cache.layers[i].hits, state.cache.layers[i].misses)
+                                   for i in self.offloaded_layers])
         self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
         self._start_save(state)
         return logits
@@ -313,21 +313,16 @@ class TieredRunner:
         self._store_pending(state)
 
     def transfer_stats(self, state: TieredState) -> dict:
-        """Hits, misses and bytes moved per decode step (offloaded layers summed), over
-        the last ``COUNTER_STEPS`` steps (``steps``; ``steps_total``: all of them)."""
-        if not state.counter_pos:
+        """Hits, misses and bytes moved per decode step (offloaded layers summed)."""
+        if not state.counters:
             return {"steps": 0}
-        # the layers' counter rings (int32[COUNTER_STEPS, B*Hkv] each) hold the last steps only
-        ring = state.cache.layers[self.offloaded_layers[0]].hits.shape[0]
-        rows = np.asarray(state.counter_pos[-ring:]) % ring
-        got = jax.device_get([(state.cache.layers[i].hits, state.cache.layers[i].misses)
-                              for i in self.offloaded_layers])
-        arr = np.asarray(got, np.int64).sum(-1)[:, :, rows]  # [L, 2, T]
-        hits, misses = arr[:, 0].sum(0), arr[:, 1].sum(0)
+        # per step and offloaded layer: (hits, misses), each int32[B*Hkv]
+        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64).sum(-1)  # [T, L, 2]
+        hits, misses = arr[..., 0].sum(1), arr[..., 1].sum(1)
         d = self.cfg.head_dim
         block_bytes = 2 * self.method.offload_block_size * d * jnp.dtype(self.model.dtype).itemsize
         return {
-            "steps": int(rows.size), "steps_total": len(state.counter_pos),
+            "steps": int(arr.shape[0]),
             "hits_per_step": hits.tolist(), "misses_per_step": misses.tolist(),
             "hit_rate": float(hits.sum() / max(hits.sum() + misses.sum(), 1)),
             "bytes_per_step": (misses * block_bytes).tolist(),

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from sparse_jax.cache import write_rows
 from sparse_jax.kv import newest_token
 from sparse_jax.methods.base import AttentionMethod
-from sparse_jax.offload.tiers import COUNTER_STEPS, HostLayer, OffloadedLayer
+from sparse_jax.offload.tiers import HostLayer, OffloadedLayer
 from sparse_jax.ops.attention import sparse_decode_attention
 from sparse_jax.ops.slot_pool import assign_pool_slots
 from sparse_jax.ops.transfer import host_gather_into
@@ -198,7 +198,7 @@ def decode_offloaded(method: AttentionMethod, q, k_new, v_new, pos, entry: Offlo
     kv = PooledKV(pool_k, pool_v, entry.block_slot, bs)
     state = method.append_state(entry.state, kv, pos, layer)
     sel, state, carry = method.select(q, kv, lengths, state, carry, layer)
-    zero = jnp.zeros_like(entry.hits[0])
+    zero = jnp.zeros_like(entry.hits)
     hits, misses = zero, zero
     newest = (lengths - 1) // bs
     if not sel.within_prefetch:
@@ -224,9 +224,6 @@ def decode_offloaded(method: AttentionMethod, q, k_new, v_new, pos, entry: Offlo
             sel.prefetch, lengths // bs - 1, lengths, tables, pool_k, pool_v, host, impl=impl,
             gather_programs=gather_programs)
         hits, misses = hits + h2, misses + m2
-    # the counter ring, updated in place (see OffloadedLayer); rows advance together
-    slot = pos[0] % entry.hits.shape[0]
-    hits, misses = entry.hits.at[slot].set(hits), entry.misses.at[slot].set(misses)
     return out, OffloadedLayer(pool_k, pool_v, *tables, state, hits, misses, bs), carry
 
 
@@ -273,6 +270,6 @@ def tier_from_prefill(method: AttentionMethod, k, v, lengths, state, pool_slots:
         rings = take_blocks(x, ring)
         return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + RING_SLOTS) * bs, d)
 
-    zero = jnp.zeros((COUNTER_STEPS, b * hkv), jnp.int32)
+    zero = jnp.zeros((b * hkv,), jnp.int32)
     entry = OffloadedLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero, bs)
     return entry, kb_, vb_

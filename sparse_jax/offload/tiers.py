@@ -21,14 +21,8 @@ Device tier (:class:`OffloadedLayer`, one entry of :class:`sparse_jax.cache.KVCa
   the LRU clock).
 * ``state``: the method's per-layer state (AsyncTLS: block boxes, INT4 label
   cache, the blocks chosen for the next step; Quest: the boxes).
-* ``hits, misses int32[COUNTER_STEPS, B*Hkv]``: block counters per (row, KV
-  head) of the last ``COUNTER_STEPS`` steps, a ring: the step that decodes
-  position ``p`` of row 0 writes row ``p % COUNTER_STEPS`` (needed blocks found
-  in the pool, and blocks copied from the host). A ring the step updates in
-  place, not a fresh array per step: an output of the program that does not
-  depend on its input (its donated input pruned) gets a new address every
-  step, and XLA then updates the step's CUDA graph on the host, measured at
-  3.5 ms per step of 36 layers (``benchmarks/host_probe.py``).
+* ``hits, misses int32[B*Hkv]``: this step's block counters per (row, KV
+  head): needed blocks found in the pool, and blocks copied from the host.
 
 Eviction policy (documented contract): the blocks a step needs (its selection,
 or the next step's prefetch) are never evicted while it places them; a miss
@@ -46,9 +40,6 @@ import dataclasses
 from typing import Any
 
 import jax
-
-#: steps of block counters an offloaded layer keeps (``OffloadedLayer.hits``)
-COUNTER_STEPS = 1024
 
 
 @jax.tree_util.register_dataclass
