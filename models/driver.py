@@ -48,7 +48,7 @@ from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
 from sparse_jax.methods.base import AttentionMethod, LayerCtx, dense_prefill_attention
 from sparse_jax.offload.pool import decode_offloaded
 from sparse_jax.offload.tiers import OffloadedLayer
-from sparse_jax.selection import dense_decode_attention
+from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ def test_offload_benchmark_tiny(tmp_path):
     # every row against its floor: bytes it must read / the measured bandwidth, and the host's share
     assert d["bandwidth_gbps"] > 0
     for r in d["throughput"]:
-        assert r["floor_ms"] > 0 and 0 < r["of_floor"] and 0 < r["host_issue_of_step"], r
+        assert r["floor_ms"] > 0 and 0 < r["of_floor"] and 0 < r["host_issue_of_step"] and 0 < r["host_dispatch_of_step"], r
 
     # --merge joins per-context runs into one file, keeping every run's command
     rc = offload.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
