@@ -88,7 +88,7 @@ def group_probs_per_query(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndar
     logits -= logits.max(-1, keepdims=True)
     p = np.exp(logits)
     p /= p.sum(-1, keepdims=True)
-    return p.sum(axis=2)
+    return p.sum(axis=1)
 
 
 def topk_masks(p: np.ndarray, k: int) -> np.ndarray:
