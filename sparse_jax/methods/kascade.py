@@ -317,8 +317,9 @@ class Kascade(AttentionMethod):
                 return self._anchor(q, kv, lengths, state, layer)
             return self._reuse(q, kv, lengths, state, carry, layer)
         if not self.composed and self.dense_first_anchor:
-            raise ValueError("kascade.select with a traced layer role cannot return the dense anchor's "
-                             "'all' selection: call decode (the driver does)")
+            # NotImplementedError: what the fidelity probe expects of a method with no selection
+            raise NotImplementedError("kascade.select with a traced layer role cannot return the dense anchor's "
+                                      "'all' selection: call decode (the driver does), or unroll the layers")
         # traced role (a scanned segment): both branches, one result (same structure)
         a = self._anchor(q, kv, lengths, state, layer)
         r = self._reuse(q, kv, lengths, state, carry, layer)
