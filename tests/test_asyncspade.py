@@ -25,6 +25,33 @@ def test_ridge_closed_form_matches_lstsq():
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+def _np_predict(hist, count, window, ridge):
+    """The predictor written out window by window (Eq. 2-5 as resolved), float64."""
+    q_t = hist[-1]
+    eps = ridge * max(q_t @ q_t, 1e-12)
+    cands = [q_t]
+    for k in range(2, window + 1):
+        if count <= k:
+            continue
+        x = hist[-1 - k:-1]
+        w = np.linalg.solve(x @ x.T + eps * np.eye(k), x @ q_t)
+        w = np.exp(w - w.max()) / np.exp(w - w.max()).sum()
+        cands.append(w @ hist[-k:])
+    return np.mean(cands, axis=0)
+
+
+@pytest.mark.parametrize("window", [2, 5, 16])
+def test_predictor_matches_the_window_by_window_formula(window):
+    rng = np.random.default_rng(window)
+    hist = rng.normal(size=(3, 2, window + 1, 8))
+    hist[..., -1, :] += hist[..., -2, :]  # some temporal correlation
+    count = np.array([window + 1, 3, 1])
+    got = np.asarray(predict_next_query(jnp.asarray(hist, jnp.float32), jnp.asarray(count), window, 1e-2))
+    for b in range(3):
+        for h in range(2):
+            np.testing.assert_allclose(got[b, h], _np_predict(hist[b, h], count[b], window, 1e-2), rtol=2e-4, atol=2e-5)
+
+
 def test_window_one_is_the_lag_and_windows_use_the_known_history():
     rng = np.random.default_rng(1)
     hist = jnp.asarray(rng.normal(size=(2, 3, 6, 8)), jnp.float32)

@@ -78,20 +78,35 @@ def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: fl
 
     Candidates ``k = 1..W``: regress ``Q_t`` on ``Q_{t-k..t-1}``, softmax the
     weights, apply them to ``Q_{t-k+1..t}``; candidates needing more than the
-    ``count - 1`` past queries are left out of the average."""
+    ``count - 1`` past queries are left out of the average.
+
+    All windows at once: window ``k``'s Gram matrix is the trailing ``k x k``
+    block of the last ``W`` past queries' Gram matrix, so one ``[W, W]`` Gram
+    and one batched solve of ``W - 1`` padded systems (padding rows: identity,
+    right-hand side 0, weight masked out of the softmax) serve every window."""
     h = hist.astype(jnp.float32)
     q_t = h[:, :, -1]
-    scale = jnp.mean(jnp.sum(h[:, :, -1:] ** 2, -1), -1)  # [B, Hq]: |q_t|^2
-    eps = ridge * jnp.maximum(scale, 1e-12)
     total = q_t  # k = 1: one weight, softmax 1: the lag
-    used = jnp.ones(count.shape, jnp.float32)
-    for k in range(2, window + 1):
-        x = h[:, :, -1 - k:-1]  # Q_{t-k..t-1}
-        w = jax.nn.softmax(ridge_weights(x, q_t, eps), axis=-1)
-        cand = jnp.einsum("bhk,bhkd->bhd", w, h[:, :, -k:])  # shifted window Q_{t-k+1..t}
-        ok = (count > k)[:, None, None]  # needs k past queries besides q_t
-        total = total + jnp.where(ok, cand, 0.0)
-        used = used + (count > k)
+    if window == 1:
+        return total
+    past = h[:, :, -1 - window:-1]  # Q_{t-W..t-1}: [B, Hq, W, D]
+    eps = ridge * jnp.maximum(jnp.sum(q_t * q_t, -1), 1e-12)  # [B, Hq]
+    gram = jnp.einsum("bhid,bhjd->bhij", past, past)  # [B, Hq, W, W]
+    rhs = jnp.einsum("bhid,bhd->bhi", past, q_t)  # [B, Hq, W]
+    ks = jnp.arange(2, window + 1)  # window sizes: [W-1]
+    idx = jnp.arange(window)
+    real = idx[None, :] >= window - ks[:, None]  # [W-1, W]: row i is in window k (the last k rows)
+    both = real[:, :, None] & real[:, None, :]
+    eye = jnp.eye(window, dtype=jnp.float32)
+    g = jnp.where(both, gram[:, :, None], 0.0) + eye * jnp.where(real, eps[:, :, None, None], 1.0)[..., None]
+    b = jnp.where(real, rhs[:, :, None], 0.0)
+    w = jnp.linalg.solve(g, b[..., None])[..., 0]  # [B, Hq, W-1, W]
+    w = jax.nn.softmax(jnp.where(real, w, -jnp.inf), axis=-1)
+    # applied to the window shifted by one: row i of Q_{t-W..t-1} -> Q_{t-W+1..t}
+    cand = jnp.einsum("bhki,bhid->bhkd", w, h[:, :, -window:])  # [B, Hq, W-1, D]
+    ok = (count[:, None] > ks[None, :])[:, None, :, None]  # [B, 1, W-1, 1]: k past queries known
+    total = total + jnp.sum(jnp.where(ok, cand, 0.0), axis=2)
+    used = 1.0 + jnp.sum(count[:, None] > ks[None, :], axis=-1).astype(jnp.float32)
     return total / used[:, None, None]
 
 
