@@ -120,7 +120,8 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
         "head_map": hm.tolist(),
         "layers": layers,
         "importance": [round(float(x), 6) for x in imp],
-        "layer_score": np.round(score, 5).tolist(),
+        "layer_score": np.round(score, 5).tolist(),  # [len(layers)]^2: positions in ``layers``
+        "heads": full_heads.astype(int).tolist(),  # [L, L, Hkv]: best anchor head of (anchor a, layer b, head)
         "mean_head_similarity": np.round(sim.mean(axis=2).max(axis=-1), 5).tolist(),
     }
 

@@ -186,3 +186,17 @@ def head_map_for(anchors: list[int], heads: np.ndarray, num_layers: int, num_kv_
         if prev and prev[-1] != b:
             hm[b] = heads[prev[-1], b]
     return hm
+
+
+def anchors_from_calibration(cal: dict, num_anchors: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """Anchors and head map ``int32[L, Hkv]`` for ``num_anchors`` anchors from a stored
+    calibration (its layer scores and best heads: the DP rerun, no model needed)."""
+    if "layer_score" not in cal or "heads" not in cal:
+        raise ValueError("this Kascade calibration stores no layer scores and heads: rerun "
+                         "python -m models.kascade_calibrate to choose another number of anchors")
+    layers = list(cal["layers"])
+    pos = choose_anchors(np.asarray(cal["layer_score"], np.float64), num_anchors)
+    anchors = [layers[i] for i in pos]
+    heads = np.asarray(cal["heads"], np.int64)
+    nl, _, hkv = heads.shape
+    return tuple(anchors), head_map_for(anchors, heads, nl, hkv, layers)

@@ -189,3 +189,25 @@ def test_kascade_over_asynctls_offloaded_equals_resident():
     _, a = _resident_run(model, tokens, lengths, 8, 256)
     _, p = _resident_run(plain, tokens, lengths, 8, 256)
     assert np.abs(a - p).max() > 1e-4
+
+
+def test_num_anchors_reruns_the_dp_on_a_stored_calibration(tmp_path):
+    from sparse_jax.kascade_calibration import save_kascade_calibration
+
+    rng = np.random.default_rng(4)
+    nl, hkv = 6, 2
+    score = np.triu(rng.uniform(0.5, 1.0, (nl, nl)))
+    heads = rng.integers(0, hkv, (nl, nl, hkv))
+    save_kascade_calibration("fake", {"anchors": [0, 3], "head_map": np.tile(np.arange(hkv), (nl, 1)).tolist(),
+                                      "layers": list(range(nl)), "layer_score": score.tolist(),
+                                      "heads": heads.tolist()}, root=tmp_path)
+    m = Kascade(calibration_root=str(tmp_path)).for_model("fake", num_layers=nl, head_dim=16)
+    assert m.anchors == (0, 3) and m.head_map == ((0, 1),) * nl
+    m3 = Kascade(calibration_root=str(tmp_path), num_anchors=3).for_model("fake", num_layers=nl, head_dim=16)
+    assert m3.anchors == tuple(choose_anchors(score, 3))
+    for b in range(nl):
+        a = max(x for x in m3.anchors if x <= b)
+        assert list(m3.head_map[b]) == (list(range(hkv)) if a == b else heads[a, b].tolist())
+    # no calibration: the fallback
+    assert Kascade(calibration_root=str(tmp_path)).for_model("none", num_layers=36, head_dim=16).anchors == \
+        fallback_anchors(36)

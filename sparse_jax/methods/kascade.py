@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.kascade_calibration import fallback_anchors, load_kascade_calibration
+from sparse_jax.kascade_calibration import anchors_from_calibration, fallback_anchors, load_kascade_calibration
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.methods.registry import get_method, register
 from sparse_jax.ops.selection import topk_indices
@@ -88,6 +88,8 @@ class Kascade(AttentionMethod):
       budget: tokens per KV head; 0 = the paper's 10% rule (``budget_fraction``,
         at least ``min_budget``, at most the context).
       anchors: model layer indices of the anchor layers (None: the calibration).
+      num_anchors: with a calibration and no ``anchors``: rerun its DP for this many
+        anchors (None: the calibration's own, 5 as in the paper).
       head_map: ``[L][Hkv]`` anchor head each KV head of each layer reads (None:
         the calibration's, else the identity).
       dense_first_anchor: the first anchor attends densely (the paper's layer 0).
@@ -101,6 +103,7 @@ class Kascade(AttentionMethod):
     budget_fraction: float = 0.1
     min_budget: int = 128
     anchors: tuple[int, ...] | None = None
+    num_anchors: int | None = None
     head_map: tuple | None = dataclasses.field(default=None, repr=False)
     dense_first_anchor: bool = True
     anchor_selector: str = "exact"
@@ -132,12 +135,17 @@ class Kascade(AttentionMethod):
 
     # -- binding -------------------------------------------------------------------
     def for_model(self, model_name, *, num_layers, head_dim):
+        if self.num_anchors is not None and self.num_anchors < 1:
+            raise ValueError(f"kascade: num_anchors must be >= 1, got {self.num_anchors}")
         anchors, head_map = self.anchors, self.head_map
         cal = load_kascade_calibration(model_name, self.calibration_root)
-        if anchors is None:
-            anchors = tuple(cal["anchors"]) if cal else fallback_anchors(num_layers)
-        if head_map is None and cal is not None and cal.get("head_map") is not None:
-            head_map = tuple(tuple(int(h) for h in row) for row in cal["head_map"])
+        cal_map = None if cal is None else cal.get("head_map")
+        if anchors is None and cal is not None and self.num_anchors is not None:
+            anchors, cal_map = anchors_from_calibration(cal, self.num_anchors)
+        elif anchors is None:
+            anchors = tuple(cal["anchors"]) if cal else fallback_anchors(num_layers, self.num_anchors or 5)
+        if head_map is None and cal_map is not None:
+            head_map = tuple(tuple(int(h) for h in row) for row in np.asarray(cal_map))
         anchors = tuple(sorted(int(a) for a in anchors))
         # the first sparse layer must be an anchor: nothing before it to reuse
         dense = {i % num_layers for i in self.dense_layers}
