@@ -129,9 +129,8 @@ def e2e_rows(a) -> list[dict]:
     cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
     rows = []
     for name in a.methods.split(","):
-        method = method_for(name, cfg)
+        method = method_for(name, cfg).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
         model = random_model(cfg, method, cap)
-        method = model.method
         fns = tfm.build_functions(model.graphdef, cfg, method, True)
         step = lambda t, c, f=fns: f.decode_step(model.params, t, c)  # noqa: E731
         tokens = jnp.zeros((a.batch,), jnp.int32)

@@ -54,6 +54,8 @@ def test_every_layer_an_anchor_with_k_covering_the_context_is_dense(unroll, monk
     np.testing.assert_allclose(got, dense, atol=2e-5, rtol=0)
     # the paper's 10% rule selects (k = 128 < context): not dense, still finite
     sparse = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 4, 512)
+    np.testing.assert_array_equal(_run(_tiny_model(Kascade(anchors=(0, 2), budget=512, paper_budget=True)),
+                                       tokens, lengths, 4, 512), sparse)
     assert np.all(np.isfinite(sparse)) and np.abs(sparse - dense).max() > 1e-4
 
 

@@ -87,6 +87,7 @@ class Kascade(AttentionMethod):
     Attributes:
       budget: tokens per KV head; 0 = the paper's 10% rule (``budget_fraction``,
         at least ``min_budget``, at most the context).
+      paper_budget: the 10% rule even when ``budget`` is set.
       anchors: model layer indices of the anchor layers (None: the calibration).
       num_anchors: with a calibration and no ``anchors``: rerun its DP for this many
         anchors (None: the calibration's own, 5 as in the paper).
@@ -100,6 +101,9 @@ class Kascade(AttentionMethod):
     """
 
     budget: int = 0
+    #: use the paper's rule whatever ``budget`` says (the accuracy harness sets a budget on
+    #: every method that has one: ``--set kascade.paper_budget=True`` runs the 10% rule)
+    paper_budget: bool = False
     budget_fraction: float = 0.1
     min_budget: int = 128
     anchors: tuple[int, ...] | None = None
@@ -171,8 +175,6 @@ class Kascade(AttentionMethod):
                 raise ValueError(f"kascade: head_map must be [L, Hkv={num_kv_heads}], got shape {hm.shape}")
             if hm.min() < 0 or hm.max() >= num_kv_heads:
                 raise ValueError(f"kascade: head_map entries must lie in [0, {num_kv_heads})")
-        if self.composed and self.budget == 0 and self.anchor_selector != "exact":
-            pass  # the selector's own budget applies
         sel = self._selector()
         if sel is not None:
             sel.check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
@@ -201,12 +203,17 @@ class Kascade(AttentionMethod):
         return d
 
     # -- sizes ---------------------------------------------------------------------
+    @property
+    def fixed_budget(self) -> int:
+        """k when fixed, 0 for the paper's per-row rule."""
+        return 0 if self.paper_budget else self.budget
+
     def carry_tokens(self, max_len: int) -> int:
         """Static width K of the carried selection."""
         if self.composed:
             return min(self._selector().budget, max_len)
-        if self.budget:
-            return min(self.budget, max_len)
+        if self.fixed_budget:
+            return min(self.fixed_budget, max_len)
         return min(max(self.min_budget, int(np.floor(max_len * self.budget_fraction))), max_len)
 
     def init_carry(self, *, batch, num_kv_heads, max_len):
@@ -254,10 +261,10 @@ class Kascade(AttentionMethod):
         varies per row (the 10% rule)."""
         kk = self.carry_tokens(kv.capacity)
         scores = anchor_group_probabilities(q, kv.k, lengths, impl=self.impl)
-        b, hkv, s = scores.shape
+        b, hkv, _ = scores.shape
         top = topk_indices(scores, kk, jnp.broadcast_to(lengths[:, None], (b, hkv)), impl=self.impl)
-        if self.budget:
-            counts = jnp.minimum(self.budget, lengths)
+        if self.fixed_budget:
+            counts = jnp.minimum(self.fixed_budget, lengths)
         else:
             # the kernel's order is unspecified: best first, so a row's k <= K leads
             sc = jnp.take_along_axis(scores, top, axis=-1)
@@ -310,8 +317,9 @@ class Kascade(AttentionMethod):
             idx = jnp.where(first[..., None], o_idx, idx)
             cnt = jnp.where(first, jnp.minimum(o_cnt, kk), cnt)
             state = dict(state, inner=inner, first=jnp.zeros_like(state["first"]))
-        out = Selection.tokens(idx.astype(jnp.int32), cnt.astype(jnp.int32), prefetch=pre,
-                               block_size=sel.offload_block_size or 1 if lagged else 1, within_prefetch=lagged)
+        bs = (sel.offload_block_size or 1) if lagged else 1
+        out = Selection.tokens(idx.astype(jnp.int32), cnt.astype(jnp.int32), prefetch=pre, block_size=bs,
+                               within_prefetch=lagged)
         return out, state, carry
 
     def select(self, q, kv, lengths, state, carry, layer):
