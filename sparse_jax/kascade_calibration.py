@@ -53,7 +53,8 @@ def load_kascade_calibration(model_name: str, root: str | None = None) -> dict |
 def save_kascade_calibration(model_name: str, data: dict, root=None) -> Path:
     path = calibration_path(model_name, root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    # one line per key: the matrices stay compact, the keys readable in a diff
+    path.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}\n")
     load_kascade_calibration.cache_clear()
     return path
 
