@@ -190,7 +190,8 @@ def parse_attention_opts(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or not key.isidentifier():
+        # a dotted key (anchor.kb=32) is an option of a composed method (sparse_jax.methods.registry)
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
             raise CLIError(f"--attention-opt expects KEY=VALUE (e.g. budget=512), got {item!r}")
         if key in opts:
             raise CLIError(f"--attention-opt {key} given twice")

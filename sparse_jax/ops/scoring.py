@@ -394,3 +394,33 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         q, labels, channels, block_ids, block_counts, lengths, block_size=int(block_size),
         scale=scale, bits=bits, interpret=interpret,
         **_kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q))
+
+
+# ----------------------------------------------------------------------------
+# Kascade's anchor step
+# ----------------------------------------------------------------------------
+
+
+def group_softmax_scores(q, k, lengths, *, scale=None, impl="auto", **tuning):
+    """Exact decode softmax probabilities summed over each GQA group: ``float32[B, Hkv, S]``.
+
+    ``q [B, Hq, D]``, ``k [B, Hkv, S, D]``, ``lengths int32[B]``; 0 at and past
+    ``lengths[b]`` (Kascade's post-softmax pooling; ``pallas_kernels.group_softmax``).
+    Tuning (kernel only): ``block_s``, ``num_splits``, ``num_warps``, ``num_stages``.
+    """
+    from pallas_kernels import group_softmax as _gs
+
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_float("q", q)
+    _check_cache(k, lengths)
+    b, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must have shape [B={b}, Hkv, S, D={d}], got {tuple(k.shape)}")
+    check_gqa(hq, k.shape[1])
+    bad = set(tuning) - {"block_s", "num_splits", "num_warps", "num_stages"}
+    if bad:
+        raise ValueError(f"unknown tuning keys for group_softmax_scores: {sorted(bad)}")
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_gs.unsupported_reason(k.shape[2], d))
+    if choice == "reference":
+        return _gs.group_softmax_reference(q, k, lengths, scale=scale)
+    return _gs.group_softmax_pallas(q, k, lengths, scale=scale, interpret=interpret, **tuning)

@@ -1,0 +1,196 @@
+"""Kascade and AsyncSpade speed on the GPU (Qwen3-8B shape, random weights).
+
+Two parts (run on the H100):
+
+    python -m benchmarks.kascade_bench attention --shapes 1x32768,1x65536,1x131072,8x32768,8x65536,8x131072
+    python -m benchmarks.kascade_bench e2e --context 32768 --batch 4 --layers 36 \\
+        --methods dense,kascade,quest,asyncspade,asyncspade_w1 --profile
+
+``attention``: per decode-attention layer type, against cuDNN dense decode
+(``[B, S, H, D]`` layout, its preferred one) at the same (B, S): Kascade's
+dense first anchor (exact attention + the anchor step), an anchor (the anchor
+step + attention over its top-k), a reuse layer (``sparse_decode_attention``
+over ``k = 10% S`` mapped indices), and the anchor step alone with the Pallas
+kernel (``group_softmax_scores``) against the XLA reference. The stack
+estimate is Qwen3-8B's: 36 layers, anchors [0, 2, 7, 14, 23] (1 dense anchor,
+4 anchors, 31 reuse layers), so ``speedup = 36 dense / (dense-anchor + 4
+anchor + 31 reuse)``; the paper reports 4.1x over FlashAttention-3 at 128K
+(Llama-3.1-8B shape, 5 of 32 anchors).
+
+``e2e``: ms per decode step (tokens/s) of whole models through the layer
+driver (unrolled, one program per step, cache donated) with ``--context``
+tokens per row, for methods given as ``name`` or the aliases
+``kascade`` (anchors [0,2,7,14,23], identity head map), ``asyncspade``
+(over quest), ``asyncspade_w1`` (window 1: the lag, no prediction) and
+``quest``. ``--profile`` traces 4 steps and reports GPU busy time and the top
+kernels (AsyncSpade: the next step's Quest scoring and top-k run beside the
+attention, look for them in the trace: ``--trace-dir`` keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, time_fn, write_results
+
+HQ, HKV, D = 32, 8, 128
+DT = jnp.bfloat16
+QWEN3_ANCHORS = (0, 2, 7, 14, 23)
+
+
+def _inputs(b, s, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(kq, (b, HQ, D), DT), jax.random.normal(kk, (b, HKV, s, D), DT),
+            jax.random.normal(kv, (b, HKV, s, D), DT))
+
+
+def attention_rows(b: int, s: int, runs: int) -> list[dict]:
+    from benchmarks.kernels import dense_cudnn
+    from sparse_jax.methods.kascade import Kascade
+    from sparse_jax.methods.base import single_layer
+    from sparse_jax.kv import ResidentKV
+    from sparse_jax.ops.attention import dense_decode_attention, sparse_decode_attention
+    from sparse_jax.ops.scoring import group_softmax_scores
+
+    q, k, v = _inputs(b, s)
+    lengths = jnp.full((b,), s, jnp.int32)
+    kb, vb = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    m = Kascade(anchors=QWEN3_ANCHORS)
+    kk = m.carry_tokens(s)
+
+    def anchor(q, k, v, lengths):
+        sel, _, c = m.select(q, ResidentKV(k, v), lengths, None, None, single_layer(2, data={"role": np.int32(1)}))
+        return sparse_decode_attention(q, k, v, sel.indices, sel.counts), c["indices"]
+
+    def dense_anchor(q, k, v, lengths):
+        idx, _ = m.exact_topk(q, ResidentKV(k, v), lengths)
+        return dense_decode_attention(q, k, v, lengths), idx
+
+    idx = jax.random.randint(jax.random.PRNGKey(1), (b, HKV, kk), 0, s, jnp.int32)
+    counts = jnp.full((b, HKV), kk, jnp.int32)
+    fns = {
+        "cudnn_dense": (jax.jit(dense_cudnn), (q, kb, vb)),
+        "kascade_dense_anchor": (jax.jit(dense_anchor), (q, k, v, lengths)),
+        "kascade_anchor": (jax.jit(anchor), (q, k, v, lengths)),
+        "kascade_reuse": (jax.jit(lambda q, k, v, i, c: sparse_decode_attention(q, k, v, i, c)), (q, k, v, idx, counts)),
+        "anchor_step_pallas": (jax.jit(lambda q, k, l: group_softmax_scores(q, k, l, impl="pallas")), (q, k, lengths)),
+        "anchor_step_xla": (jax.jit(lambda q, k, l: group_softmax_scores(q, k, l, impl="reference")), (q, k, lengths)),
+    }
+    # numerics first: the kernel against the reference
+    a = np.asarray(fns["anchor_step_pallas"][0](q, k, lengths))
+    r = np.asarray(fns["anchor_step_xla"][0](q, k, lengths))
+    err = float(np.abs(a - r).max())
+    times = {n: time_fn(f, args, name=n, runs=runs).best_ms for n, (f, args) in fns.items()}
+    dense = times["cudnn_dense"]
+    stack = times["kascade_dense_anchor"] + 4 * times["kascade_anchor"] + 31 * times["kascade_reuse"]
+    rows = []
+    for n, t in times.items():
+        rows.append({"B": b, "S": s, "op": n, "ms": round(t, 4), "x_dense": round(t / dense, 3)})
+    rows.append({"B": b, "S": s, "op": "qwen3_stack_36_layers", "ms": round(stack, 4),
+                 "x_dense": round(stack / (36 * dense), 3), "speedup": round(36 * dense / stack, 2),
+                 "anchor_kernel_max_err": err, "k": kk})
+    return rows
+
+
+def method_for(name: str, cfg):
+    from benchmarks.offload import asynctls_for
+    from sparse_jax.methods import get_method
+
+    if name == "kascade":
+        return get_method("kascade", anchors=QWEN3_ANCHORS if cfg.num_layers == 36 else None)
+    if name == "kascade_asynctls":
+        tls = asynctls_for(cfg, budget=2048, kb=128)
+        return get_method("kascade", anchors=QWEN3_ANCHORS, anchor_selector="asynctls", budget=2048,
+                          dense_layers=(0,), anchor_options=(("channels_per_layer", tls.channels_per_layer),))
+    if name == "asyncspade":
+        return get_method("asyncspade", selector="quest", budget=2048)
+    if name == "asyncspade_w1":
+        return get_method("asyncspade", selector="quest", budget=2048, window=1)
+    if name == "quest":
+        return get_method("quest", budget=2048)
+    if name == "asynctls":
+        return asynctls_for(cfg, budget=2048, kb=128)
+    return get_method(name)
+
+
+def e2e_rows(a) -> list[dict]:
+    from benchmarks.driver_probe import kernel_profile, time_steps
+    from benchmarks.offload import qwen3_8b, random_model
+    from models import transformer as tfm
+    from models.driver import init_cache
+
+    cap = a.context + 256
+    cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
+    rows = []
+    for name in a.methods.split(","):
+        method = method_for(name, cfg).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
+        model = random_model(cfg, method, cap)
+        fns = tfm.build_functions(model.graphdef, cfg, method, True)
+        step = lambda t, c, f=fns: f.decode_step(model.params, t, c)  # noqa: E731
+        tokens = jnp.zeros((a.batch,), jnp.int32)
+        cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
+        if name.startswith("asyncspade"):  # the query history exists after a prefill: a short one fills it
+            prompt = jnp.zeros((a.batch, 256), jnp.int32)
+            _, cache = fns.prefill(model.params, prompt, jnp.full((a.batch,), 256, jnp.int32), cache)
+        cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
+        t0 = time.perf_counter()
+        ms, cache = time_steps(step, cache, tokens, a.steps, a.rounds)
+        row = {"method": name, "batch": a.batch, "context": a.context, "layers": a.layers, "step_ms": round(ms, 3),
+               "tokens_per_s": round(a.batch * 1e3 / ms, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+        if a.profile:
+            prof, cache = kernel_profile(step, cache, tokens, 4, f"{a.trace_dir}/{name}")
+            row.update(prof)
+        rows.append(row)
+        print(row, flush=True)
+        del cache
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="part", required=True)
+    pa = sub.add_parser("attention")
+    pa.add_argument("--shapes", default="1x32768,1x65536,1x131072,8x32768,8x65536,8x131072")
+    pa.add_argument("--runs", type=int, default=30)
+    pe = sub.add_parser("e2e")
+    pe.add_argument("--context", type=int, default=32768)
+    pe.add_argument("--batch", type=int, default=4)
+    pe.add_argument("--layers", type=int, default=36)
+    pe.add_argument("--steps", type=int, default=16)
+    pe.add_argument("--rounds", type=int, default=3)
+    pe.add_argument("--methods", default="dense,kascade,quest,asyncspade,asyncspade_w1")
+    pe.add_argument("--profile", action="store_true")
+    pe.add_argument("--trace-dir", default="/tmp/kascade_bench_trace")
+    for sp in (pa, pe):
+        sp.add_argument("--out", default=None)
+        sp.add_argument("--name", default=None)
+    a = p.parse_args(argv)
+    if a.part == "attention":
+        rows = []
+        for shape in a.shapes.split(","):
+            b, s = (int(x) for x in shape.lower().split("x"))
+            rows += attention_rows(b, s, a.runs)
+            print(rows[-1], flush=True)
+        cols = ["B", "S", "op", "ms", "x_dense", "speedup", "k", "anchor_kernel_max_err"]
+        title = "Kascade decode attention against cuDNN dense (Qwen3-8B heads: 32/8, D=128, bf16)"
+    else:
+        rows = e2e_rows(a)
+        cols = ["method", "batch", "context", "layers", "step_ms", "tokens_per_s"] + (
+            ["gpu_busy_ms", "gpu_span_ms"] if a.profile else [])
+        title = "Decode step through the layer driver (Qwen3-8B shape, random bf16 weights, unrolled)"
+    md = f"# {title}\n\n{stamp()}\n\n" + markdown_table(rows, cols)
+    if a.part == "e2e" and a.profile:
+        md += "\n\nTop kernels (ms per step):\n\n" + "\n".join(f"- {r['method']}: {r['top_kernels_ms']}" for r in rows)
+    print(md)
+    if a.out:
+        write_results(a.name or f"kascade_{a.part}", {"rows": rows, **stamp()}, md, out_dir=a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""``asyncspade`` (AsyncSpade): the next step's selection from a *predicted* query,
+computed one step ahead, so selection leaves the attention's critical path.
+
+At decode step ``t`` of a layer:
+
+1. attend the selection chosen during step ``t - 1`` (from the predicted
+   ``q̂_t``; after prefill, from the last prompt query), plus the new token;
+2. push ``q_t`` into the layer's query history and predict ``q̂_{t+1}``
+   (:func:`predict_next_query`);
+3. run the wrapped ``selector`` (``quest``, ``double_sparsity``,
+   ``asynctls``, ...) on ``q̂_{t+1}`` and keep its selection for step
+   ``t + 1``; its blocks are the ``Selection``'s ``prefetch``.
+
+Step 3 does not depend on step 1 (nor on anything after it in the layer), so
+XLA may run it beside the attention and the MLP; offloaded, the prefetch
+copies the next step's blocks during this step (AsyncTLS's lag with a better
+query). The state is a plain pytree (history, the selector's state, the next
+selection): moving the selection to another device (the paper's "cache
+rank") moves that pytree, not the code.
+
+**The predictor, resolved** (the paper's Eq. 2-5 and App. C disagree; none has
+public code):
+
+* *closed form*: for each window size ``k = 1..W``, ridge regression of
+  ``Q_t`` on ``Q_{t-k..t-1}``: ``w = (X Xᵀ + ε I)⁻¹ X q_t`` (``X [k, D]``; the
+  unconstrained solution, as App. C's Alg. 1 computes; Eq. 2's
+  softmax-in-the-objective has no closed form), then Eq. 3's softmax over
+  ``w`` (Alg. 1's minus sign in ``softmax(-G⁻¹b)`` is not followed: it
+  contradicts Eq. 2), applied to the **shifted** window ``Q_{t-k+1..t}`` (Eq.
+  4; Alg. 1's unshifted window contradicts it); the ``W`` candidates are
+  averaged (Eq. 5, "assembled regression"). With ``W = 1`` the single weight
+  is 1 and ``q̂_{t+1} = q_t``: AsyncTLS's one-step lag, exactly.
+* *window*: ``window=16`` (the only W in the paper).
+* *regulariser*: ``ridge=1e-2`` times the mean squared norm of the history's
+  queries (``ε`` scale-free, so one value serves every layer and model).
+* *pre/post-RoPE*: post-RoPE queries (selection scores against the cache's
+  post-RoPE keys and metadata).
+* *group reduction*: one prediction per query head (Alg. 1 works per
+  batch x query head); the selector reduces over the GQA group as it always
+  does (Quest sums its bound over the group, DS averages label softmaxes).
+* *start step*: from the first decode step; until ``W + 1`` queries are known
+  the candidates use the window sizes the history supports (after prefill
+  only the last prompt query: the first prediction is the lag).
+
+**Budget.** ``budget`` is the selector's budget; a token selector chooses
+``budget - 1`` tokens at step ``t`` and the new token of step ``t + 1`` is
+added (it did not exist yet), so ``budget`` tokens are attended. A block
+selector (Quest) runs with the next step's length, whose newest block it
+always attends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sparse_jax.methods.base import AttentionMethod
+from sparse_jax.methods.registry import get_method, register
+from sparse_jax.methods.sparse_base import BlockSparseMethod
+from sparse_jax.selection import Selection
+
+
+def ridge_weights(x: jax.Array, y: jax.Array, eps: jax.Array) -> jax.Array:
+    """Closed-form ridge regression ``argmin_w |wᵀx - y|² + eps |w|²``:
+    ``w = (x xᵀ + eps I)⁻¹ x y``. ``x [..., k, D]``, ``y [..., D]``, ``eps [...]`` -> ``[..., k]`` f32."""
+    x = x.astype(jnp.float32)
+    g = jnp.einsum("...id,...jd->...ij", x, x) + eps[..., None, None] * jnp.eye(x.shape[-2], dtype=jnp.float32)
+    b = jnp.einsum("...id,...d->...i", x, y.astype(jnp.float32))
+    return jnp.linalg.solve(g, b[..., None])[..., 0]
+
+
+def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: float) -> jax.Array:
+    """``q̂_{t+1}`` from the history ``hist [B, Hq, W+1, D]`` (oldest first, the newest
+    ``q_t`` last; the first ``W+1-count`` entries are not real) -> ``[B, Hq, D]`` f32.
+
+    Candidates ``k = 1..W``: regress ``Q_t`` on ``Q_{t-k..t-1}``, softmax the
+    weights, apply them to ``Q_{t-k+1..t}``; candidates needing more than the
+    ``count - 1`` past queries are left out of the average.
+
+    All windows at once: window ``k``'s Gram matrix is the trailing ``k x k``
+    block of the last ``W`` past queries' Gram matrix, so one ``[W, W]`` Gram
+    and one batched solve of ``W - 1`` padded systems (padding rows: identity,
+    right-hand side 0, weight masked out of the softmax) serve every window."""
+    h = hist.astype(jnp.float32)
+    q_t = h[:, :, -1]
+    total = q_t  # k = 1: one weight, softmax 1: the lag
+    if window == 1:
+        return total
+    past = h[:, :, -1 - window:-1]  # Q_{t-W..t-1}: [B, Hq, W, D]
+    eps = ridge * jnp.maximum(jnp.sum(q_t * q_t, -1), 1e-12)  # [B, Hq]
+    gram = jnp.einsum("bhid,bhjd->bhij", past, past)  # [B, Hq, W, W]
+    rhs = jnp.einsum("bhid,bhd->bhi", past, q_t)  # [B, Hq, W]
+    ks = jnp.arange(2, window + 1)  # window sizes: [W-1]
+    idx = jnp.arange(window)
+    real = idx[None, :] >= window - ks[:, None]  # [W-1, W]: row i is in window k (the last k rows)
+    both = real[:, :, None] & real[:, None, :]
+    eye = jnp.eye(window, dtype=jnp.float32)
+    g = jnp.where(both, gram[:, :, None], 0.0) + eye * jnp.where(real, eps[:, :, None, None], 1.0)[..., None]
+    b = jnp.where(real, rhs[:, :, None], 0.0)
+    w = jnp.linalg.solve(g, b[..., None])[..., 0]  # [B, Hq, W-1, W]
+    w = jax.nn.softmax(jnp.where(real, w, -jnp.inf), axis=-1)
+    # applied to the window shifted by one: row i of Q_{t-W..t-1} -> Q_{t-W+1..t}
+    cand = jnp.einsum("bhki,bhid->bhkd", w, h[:, :, -window:])  # [B, Hq, W-1, D]
+    ok = (count[:, None] > ks[None, :])[:, None, :, None]  # [B, 1, W-1, 1]: k past queries known
+    total = total + jnp.sum(jnp.where(ok, cand, 0.0), axis=2)
+    used = 1.0 + jnp.sum(count[:, None] > ks[None, :], axis=-1).astype(jnp.float32)
+    return total / used[:, None, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capacity:
+    """The one thing a selector's ``select`` reads of the view at prefill time."""
+
+    capacity: int
+
+
+@register("asyncspade")
+@dataclasses.dataclass(frozen=True)
+class AsyncSpade(AttentionMethod):
+    """One-step-ahead selection from a ridge-predicted query (module docstring).
+
+    Attributes:
+      selector: the registered method that selects from the predicted query.
+      selector_options: ``((field, value), ...)`` for it (or dotted keys
+        ``selector.block_size=16`` through ``get_method``).
+      budget: the selector's budget (tokens per KV head, the new token included).
+      window: W, past queries the predictor regresses on (1: AsyncTLS's lag).
+      ridge: ``ε`` relative to the newest query's squared norm.
+      dense_layers: global layers kept exact (the selector's convention: 0, 1).
+      impl: kernel implementation.
+      prefetch_block_size: blocks of the offloaded tier under a token selector.
+    """
+
+    selector: str = "quest"
+    selector_options: tuple = ()
+    budget: int = 1024
+    window: int = 16
+    ridge: float = 1e-2
+    dense_layers: tuple[int, ...] = (0, 1)
+    impl: str = "auto"
+    #: block size of the offloaded tier (and of the prefetch) under a token selector
+    prefetch_block_size: int = 16
+    #: the selector bound to the model (``for_model``)
+    bound: Any = dataclasses.field(default=None, repr=False)
+
+    # -- the wrapped selector -------------------------------------------------------
+    def inner(self) -> AttentionMethod:
+        if self.bound is not None:
+            return self.bound
+        opts = dict(self.selector_options)
+        blocks = issubclass(type(get_method(self.selector, **opts)), BlockSparseMethod)
+        opts.setdefault("budget", self.budget if blocks else self.budget - 1)
+        opts.setdefault("dense_layers", self.dense_layers)
+        return get_method(self.selector, **opts)
+
+    @property
+    def blocks(self) -> bool:
+        return isinstance(self.inner(), BlockSparseMethod)
+
+    def for_model(self, model_name, *, num_layers, head_dim):
+        return dataclasses.replace(self, bound=self.inner().for_model(model_name, num_layers=num_layers,
+                                                                       head_dim=head_dim))
+
+    def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
+        if self.window < 1:
+            raise ValueError(f"asyncspade: window must be >= 1, got {self.window}")
+        if self.ridge <= 0:
+            raise ValueError(f"asyncspade: ridge must be > 0, got {self.ridge}")
+        if self.budget < 2:
+            raise ValueError(f"asyncspade: budget must be >= 2, got {self.budget}")
+        inner = self.inner()
+        if getattr(inner, "lag", False):
+            raise ValueError("asyncspade: the selector must not lag itself (asyncspade selects one step ahead)")
+        if inner.reads_all_keys:
+            raise ValueError(f"asyncspade: selector {inner.name!r} reads every key; pick quest, double_sparsity "
+                             f"or asynctls")
+        inner.check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
+
+    @property
+    def cache_multiple(self) -> int:
+        return self.inner().cache_multiple
+
+    def layer_data(self, index):
+        return self.inner().layer_data(index)
+
+    # -- state ------------------------------------------------------------------------
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+        inner = self.inner()
+        st = inner.init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim,
+                              dtype=dtype)
+        k = self._next_width(max_len)
+        # the query history's head count is only known from a query: prefill_query_state sizes it
+        return {"inner": st, "hist": None, "count": jnp.zeros((batch,), jnp.int32),
+                # zero bytes whose static shape tells prefill_query_state the layer's capacity
+                # (a token selector's select reads kv.capacity; prefill has no view)
+                "capacity": jnp.zeros((0, max_len), jnp.int8),
+                "next": jnp.zeros((batch, num_kv_heads, k), jnp.int32),
+                "next_counts": jnp.zeros((batch, num_kv_heads), jnp.int32)}
+
+    def _next_width(self, max_len):
+        inner = self.inner()
+        if self.blocks:
+            return min(inner.num_blocks, max_len // inner.block_size)
+        return min(inner.budget, max_len)
+
+    def prefill_state(self, state, k, v, lengths, layer):
+        return dict(state, inner=self.inner().prefill_state(state["inner"], k, v, lengths, layer))
+
+    def prefill_query_state(self, state, q_last, lengths, layer):
+        b, hq, d = q_last.shape
+        hist = jnp.zeros((b, hq, self.window + 1, d), jnp.float32).at[:, :, -1].set(q_last.astype(jnp.float32))
+        inner = self.inner().prefill_query_state(state["inner"], q_last, lengths, layer)
+        # the first decode step (length lengths + 1) attends what the last prompt query picks
+        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(state["capacity"].shape[1]))
+        return dict(state, inner=inner, hist=hist, count=jnp.ones((b,), jnp.int32), next=nxt, next_counts=cnt)
+
+    def append_state(self, state, kv, positions, layer):
+        return dict(state, inner=self.inner().append_state(state["inner"], kv, positions, layer))
+
+    # -- selection ----------------------------------------------------------------------
+    def _choose(self, q_hat, lengths, inner_state, layer, kv=None):
+        """The selector's choice for the step after the one of length ``lengths``:
+        ``(ids [B,Hkv,K], counts [B,Hkv])``: block ids for a block selector (run with
+        that step's length), token positions ``< lengths`` for a token selector."""
+        inner = self.inner()
+        q_hat = q_hat.astype(jnp.float32)
+        if self.blocks:
+            return inner.select_blocks(q_hat, lengths + 1, inner_state)
+        sel, _, _ = inner.select(q_hat, kv, lengths, inner_state, None, layer)
+        return sel.token_view(lengths)
+
+    def select(self, q, kv, lengths, state, carry, layer):
+        inner = self.inner()
+        # 1. this step's selection: chosen during the previous step
+        cur, cur_counts = state["next"], state["next_counts"]
+        # 2. the query history and the prediction for the next step
+        hist = jnp.concatenate([state["hist"][:, :, 1:], q.astype(jnp.float32)[:, :, None]], axis=2)
+        count = jnp.minimum(state["count"] + 1, self.window + 1)
+        q_hat = predict_next_query(hist, count, self.window, self.ridge)
+        # 3. the next step's selection (independent of this step's attention)
+        nxt, nxt_counts = self._choose(q_hat, lengths, state["inner"], layer, kv)
+        state = dict(state, hist=hist, count=count, next=nxt, next_counts=nxt_counts)
+        if self.blocks:
+            sel = Selection.blocks(cur, cur_counts, inner.block_size,
+                                   prefetch=self._prefetch_blocks(nxt, nxt_counts, lengths, True), within_prefetch=True)
+            return sel, state, carry
+        # tokens: add this step's new token (it did not exist when they were chosen)
+        b, hkv, kk = cur.shape
+        newest = jnp.broadcast_to((lengths - 1)[:, None, None], (b, hkv, 1))
+        idx = jnp.concatenate([cur, newest], -1)
+        slot = jnp.arange(kk + 1)
+        idx = jnp.where(slot == cur_counts[..., None], newest, jnp.where(slot < cur_counts[..., None], idx, 0))
+        sel = Selection.tokens(idx.astype(jnp.int32), cur_counts + 1, block_size=self.prefetch_block_size,
+                               within_prefetch=True,
+                               prefetch=self._prefetch_blocks(nxt, nxt_counts, lengths, False))
+        return sel, state, carry
+
+    # -- offloading: the next selection's blocks are the prefetch ---------------------------
+    def _prefetch_blocks(self, nxt, counts, lengths, blocks: bool):
+        """The blocks of the next step's selection, each once; the rest name the next
+        step's newest block (in the ring: skipped)."""
+        bs = self.inner().block_size if blocks else self.prefetch_block_size
+        newest_next = (lengths // bs)[:, None, None]
+        ids = nxt if blocks else nxt // bs
+        ids = jnp.where(jnp.arange(ids.shape[-1]) < counts[..., None], ids, newest_next)
+        if not blocks:  # dedupe: sorted, repeats -> the newest block
+            ids = jnp.sort(ids, axis=-1)
+            dup = jnp.concatenate([jnp.zeros_like(ids[..., :1], bool), ids[..., 1:] == ids[..., :-1]], -1)
+            ids = jnp.where(dup, newest_next, ids)
+        return ids.astype(jnp.int32)
+
+    @property
+    def offload_block_size(self):
+        return self.inner().block_size if self.blocks else self.prefetch_block_size
+
+    def offload_blocks_per_step(self, max_len):
+        return self._next_width(max_len)
+
+    def first_prefetch(self, state):
+        # after prefill: the blocks of the first step's selection (lengths unknown here:
+        # entries past the count are clipped into the ring's newest blocks by the tier)
+        bs = self.offload_block_size
+        ids = state["next"] if self.blocks else state["next"] // bs
+        cnt = state["next_counts"]
+        ok = jnp.arange(ids.shape[-1]) < cnt[..., None]
+        if not self.blocks:
+            ids = jnp.where(ok, ids, -1)
+            ids = jnp.sort(ids, axis=-1)
+            dup = jnp.concatenate([jnp.zeros_like(ids[..., :1], bool), ids[..., 1:] == ids[..., :-1]], -1)
+            return jnp.where(dup, -1, ids).astype(jnp.int32)
+        return jnp.where(ok, ids, -1).astype(jnp.int32)

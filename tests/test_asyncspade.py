@@ -1,0 +1,149 @@
+"""AsyncSpade (sparse_jax.methods.asyncspade): the closed-form ridge solution
+against numpy.linalg.lstsq; W = 1 is the one-step lag exactly; a perfect
+predictor selects what the non-lagged selector selects; exact when the budget
+covers the context; offloaded == resident over a block and a token selector."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax.kv import ResidentKV
+from sparse_jax.methods import get_method
+from sparse_jax.methods.asyncspade import AsyncSpade, predict_next_query, ridge_weights
+from sparse_jax.methods.base import single_layer
+
+
+def test_ridge_closed_form_matches_lstsq():
+    rng = np.random.default_rng(0)
+    for k, d, eps in [(1, 8, 0.3), (5, 16, 1e-3), (15, 64, 2.0)]:
+        x = rng.normal(size=(k, d))
+        y = rng.normal(size=(d,))
+        got = np.asarray(ridge_weights(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32), jnp.float32(eps)))
+        # ridge = least squares on [xᵀ; sqrt(eps) I] w = [y; 0]
+        a = np.concatenate([x.T, np.sqrt(eps) * np.eye(k)])
+        want = np.linalg.lstsq(a, np.concatenate([y, np.zeros(k)]), rcond=None)[0]
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def _np_predict(hist, count, window, ridge):
+    """The predictor written out window by window (Eq. 2-5 as resolved), float64."""
+    q_t = hist[-1]
+    eps = ridge * max(q_t @ q_t, 1e-12)
+    cands = [q_t]
+    for k in range(2, window + 1):
+        if count <= k:
+            continue
+        x = hist[-1 - k:-1]
+        w = np.linalg.solve(x @ x.T + eps * np.eye(k), x @ q_t)
+        w = np.exp(w - w.max()) / np.exp(w - w.max()).sum()
+        cands.append(w @ hist[-k:])
+    return np.mean(cands, axis=0)
+
+
+@pytest.mark.parametrize("window", [2, 5, 16])
+def test_predictor_matches_the_window_by_window_formula(window):
+    rng = np.random.default_rng(window)
+    hist = rng.normal(size=(3, 2, window + 1, 8))
+    hist[..., -1, :] += hist[..., -2, :]  # some temporal correlation
+    count = np.array([window + 1, 3, 1])
+    got = np.asarray(predict_next_query(jnp.asarray(hist, jnp.float32), jnp.asarray(count), window, 1e-2))
+    for b in range(3):
+        for h in range(2):
+            np.testing.assert_allclose(got[b, h], _np_predict(hist[b, h], count[b], window, 1e-2), rtol=2e-4, atol=2e-5)
+
+
+def test_window_one_is_the_lag_and_windows_use_the_known_history():
+    rng = np.random.default_rng(1)
+    hist = jnp.asarray(rng.normal(size=(2, 3, 6, 8)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(predict_next_query(hist[:, :, -2:], jnp.asarray([2, 2]), 1, 1e-2)),
+                                  np.asarray(hist[:, :, -1]))
+    # with one known query, any window predicts it (the first decode step)
+    np.testing.assert_allclose(np.asarray(predict_next_query(hist, jnp.asarray([1, 1]), 5, 1e-2)),
+                               np.asarray(hist[:, :, -1]), rtol=1e-6)
+    # a query sequence that repeats with period 2 is predicted from a window of 2+
+    a, b = rng.normal(size=8), rng.normal(size=8)
+    seq = jnp.asarray(np.stack([a, b, a, b, a, b])[None, None], jnp.float32)
+    pred = np.asarray(predict_next_query(seq, jnp.asarray([6]), 2, 1e-6))[0, 0]
+    assert np.dot(pred, a) / np.linalg.norm(pred) / np.linalg.norm(a) > np.dot(b, a) / np.linalg.norm(b) / np.linalg.norm(a)
+
+
+def _decode_steps(method, steps, seed=0, b=2, hq=4, hkv=2, s=256, d=16):
+    """Drive a method's hooks by hand over ``steps`` decode steps of random data:
+    per step (q, selection, state before, state after)."""
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32)
+    lengths = jnp.asarray([150, 131], jnp.int32)
+    ctx = single_layer(2)
+    st = method.init_state(ctx.spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=jnp.float32)
+    st = method.prefill_state(st, k, v, lengths, ctx)
+    qs = [jnp.asarray(rng.normal(size=(b, hq, d)), jnp.float32) for _ in range(steps + 1)]
+    st = method.prefill_query_state(st, qs[0], lengths, ctx)
+    out = []
+    for t in range(1, steps + 1):
+        kv = ResidentKV(k, v)
+        st1 = method.append_state(st, kv, lengths, ctx)
+        sel, st2, _ = method.select(qs[t], kv, lengths + 1, st1, None, ctx)
+        out.append((qs[t], lengths + 1, sel, st1, st2))
+        st, lengths = st2, lengths + 1
+    return out, qs
+
+
+def test_window_one_selects_with_the_previous_query():
+    m = AsyncSpade(selector="quest", budget=64, window=1)
+    quest = m.inner()
+    steps, qs = _decode_steps(m, 5)
+    for t, (q, lengths, sel, st_before, _) in enumerate(steps, start=1):
+        want, want_counts = quest.select_blocks(qs[t - 1], lengths, st_before["inner"])
+        np.testing.assert_array_equal(np.asarray(sel.indices), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(sel.counts), np.asarray(want_counts))
+
+
+def test_perfect_predictor_selects_like_the_non_lagged_selector():
+    m = AsyncSpade(selector="quest", budget=64, window=4)
+    quest = m.inner()
+    steps, qs = _decode_steps(m, 4)
+    for t in range(len(steps) - 1):
+        _, lengths, _, _, st_after = steps[t]
+        q_next, len_next, _, st_next_before, _ = steps[t + 1]
+        # the true next query fed to the one-step-ahead choice ...
+        ahead, ahead_counts = m._choose(q_next, lengths, st_after["inner"], single_layer(2))
+        # ... equals the selector run at the next step with that query
+        now, now_counts = quest.select_blocks(q_next, len_next, st_next_before["inner"])
+        np.testing.assert_array_equal(np.sort(np.asarray(ahead), -1), np.sort(np.asarray(now), -1))
+        np.testing.assert_array_equal(np.asarray(ahead_counts), np.asarray(now_counts))
+
+
+def _tiny(method, layers=3):
+    from tests.test_offload import _tiny_model
+
+    return _tiny_model(method, num_layers=layers)
+
+
+@pytest.mark.parametrize("selector", ["quest", "double_sparsity"])
+def test_asyncspade_offloaded_equals_resident(selector):
+    """Quest blocks or DS tokens chosen one step ahead from the predicted query: the
+    selection lies in the previous step's prefetch, so the offloaded run matches."""
+    from tests.test_offload import _check_offloaded_equals_resident, _ragged_tokens
+
+    opts = dict(selector=selector, budget=32, window=4, dense_layers=(0,))
+    if selector == "quest":
+        opts["selector_options"] = (("block_size", 8),)
+    else:
+        chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+        opts.update(selector_options=(("channels_per_layer", chans),), prefetch_block_size=8)
+    model = _tiny(get_method("asyncspade", **opts))
+    tokens, lengths = _ragged_tokens(8)
+    pools = (4,) if selector == "quest" else (31,)
+    _check_offloaded_equals_resident(model, tokens, lengths, 32, 256, pools, atol=1e-5)
+
+
+def test_asyncspade_bad_options():
+    with pytest.raises(ValueError, match="must not lag"):
+        get_method("asyncspade", selector="asynctls", **{"selector.lag": True}).check(
+            num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+    with pytest.raises(ValueError, match="reads every key"):
+        get_method("asyncspade", selector="oracle_topk").check(num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                                max_len=256)
+    with pytest.raises(ValueError, match="window must be"):
+        AsyncSpade(window=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
