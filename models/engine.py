@@ -1,0 +1,623 @@
+"""A serving engine: requests prefilled, inserted into decode slots, decoded together.
+
+JetStream's structure (prefill / insert / generate over a fixed number of
+slots) on this project's pure functions, with SparseServe's scheduler limits
+(``docs/serving.md``):
+
+* **Slots.** One decode cache of ``slots`` rows (``model.init_cache(slots,
+  max_len)``). Every leaf of it, the method's per-layer state included, has the
+  batch as its leading axis: :func:`check_slot_axis` proves it on the cache's
+  shapes before anything compiles, because :func:`insert_slot` writes a
+  request's row into every leaf at index ``slot``.
+* **Prefill** runs one request at a time, ``tokens int32[1, T_bucket]`` into a
+  fresh one-row cache of the same ``max_len`` (``model.fns.prefill``, one
+  program per prompt bucket), and samples the first token from its logits.
+* **Insert** writes that one-row cache into the free slot (one jitted program,
+  the decode cache donated).
+* **Generate**: one jitted program per step over all slots (the cache
+  donated): the model's decode step, then per-row sampling (greedy, or
+  temperature / top-p from each request's own seed). Rows whose slot is free
+  are masked: their ``lengths`` do not advance, so a free row never runs past
+  its capacity; whatever it writes is overwritten by the next insert.
+* **Ends.** A slot is freed on an end-of-sequence token, ``max_tokens``, a
+  stop string, or cancellation (:meth:`Engine.cancel`, e.g. a client that
+  disconnected).
+
+Threading: :meth:`Engine.start` runs :meth:`Engine.iterate` in a thread of
+its own; :meth:`Engine.submit` and :meth:`Engine.cancel` may be called from any
+thread. Each request reports through its ``on_event`` callback, called on the
+engine's thread (the server forwards to its asyncio loop).
+
+The scheduler (:class:`Scheduler`) is FCFS under R_max requests, T_max tokens
+per iteration and M_avl device bytes, with SparseServe's first-fit admission
+on a working-set estimate (Alg. 1); see its docstring for what the estimate
+is today and what is missing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import transformer as tfm
+from sparse_jax.cache import KVCache
+
+# -----------------------------------------------------------------------------
+# Requests and events
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it ends.
+
+    ``temperature`` 0 is greedy; otherwise temperature / nucleus (``top_p``)
+    sampling from ``seed`` (the same seed gives the same tokens whatever else
+    is in the batch). ``stop``: strings that end the output (not included).
+    ``ignore_eos``: run to ``max_tokens`` (load benchmarks on random weights)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        if int(self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= int(self.seed) < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)}")
+
+
+@dataclasses.dataclass
+class Event:
+    """What the engine reports to a request: ``kind`` "token" (``text`` the new
+    text, ``token_ids`` the new ids; text may lag ids while an incomplete UTF-8
+    sequence or a possible stop string is held back) or "done" (with
+    ``finish_reason``: "stop", "length" or "cancelled"; ``text`` any text left)."""
+
+    kind: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+
+
+class Request:
+    """One generation: the prompt's ids, its sampling parameters, and what the
+    engine recorded about it (times are ``time.perf_counter()`` seconds)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 on_event: Callable[[Event], Any] | None = None):
+        self.id = next(Request._ids)
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self.params = params
+        self.on_event = on_event
+        self.output_ids: list[int] = []
+        self.text = ""            # the output text sent so far
+        self.finish_reason: str | None = None
+        self.cancelled = False    # set from any thread; the engine acts on it next iteration
+        self.slot: int | None = None
+        self.t_arrival = time.perf_counter()
+        self.t_scheduled: float | None = None   # prefill started
+        self.t_first: float | None = None       # first token produced
+        self.token_times: list[float] = []      # one per output token
+        self.done = threading.Event()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Cache positions the request can occupy: its prompt and every token it may generate."""
+        return self.prompt_len + int(self.params.max_tokens)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, prompt={self.prompt_len} tokens, out={len(self.output_ids)}, "
+                f"slot={self.slot}, finish={self.finish_reason})")
+
+
+# -----------------------------------------------------------------------------
+# The scheduler
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    """Running totals (read by ``/health`` and the tests: empty means nothing leaked)."""
+
+    admitted: int = 0
+    deferred_for_tokens: int = 0   # an iteration left a waiting request out for T_max
+    deferred_for_memory: int = 0   # ... for M_avl (Alg. 1's "reset")
+    working_set_bytes: int = 0     # the running requests' estimated working sets, summed
+
+
+class Scheduler:
+    """FCFS admission under three limits (SparseServe §3.3, Alg. 1):
+
+    * ``max_requests`` (R_max): requests in the batch (at most the slots);
+    * ``max_tokens_per_iter`` (T_max): tokens one iteration runs, the running
+      requests' decode tokens plus the prompts prefilled in it. A prompt longer
+      than what is left runs alone in an iteration without other prefills (it
+      would otherwise never fit: there is no chunked prefill yet);
+    * ``kv_bytes`` (M_avl): device bytes for the KV of the batch.
+
+    ``base`` order is FCFS and stops at the first request that does not fit
+    R_max / T_max (vLLM's ``get_batch``); over those candidates, Alg. 1
+    admits first-fit while the working sets fit M_avl, leaving the others
+    waiting.
+
+    The working set (``working_set(request)``, a hook): today every engine is
+    resident, so a request's working set is the KV it reserves, ``(prompt +
+    max_tokens) x kv_bytes_per_token`` (what a paged allocator would hold). The
+    SparseServe estimate needs the offloaded engine: for a decode request the
+    union of blocks it selected over the last w = 12 steps, counted on the
+    device, read back asynchronously; for a prompt under layer-segmented
+    prefill, one layer of its KV. Not built (``docs/serving.md``).
+    """
+
+    def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
+                 kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None):
+        if max_requests < 1:
+            raise ValueError(f"max_requests (R_max) must be >= 1, got {max_requests}")
+        if max_tokens_per_iter < 1:
+            raise ValueError(f"max_tokens_per_iter (T_max) must be >= 1, got {max_tokens_per_iter}")
+        if kv_bytes < 1:
+            raise ValueError(f"kv_bytes (M_avl) must be >= 1, got {kv_bytes}")
+        self.max_requests = int(max_requests)
+        self.max_tokens_per_iter = int(max_tokens_per_iter)
+        self.kv_bytes = int(kv_bytes)
+        self.kv_bytes_per_token = float(kv_bytes_per_token)
+        self.working_set = working_set or self.reserved_bytes
+        self.counters = SchedulerCounters()
+
+    def reserved_bytes(self, r: Request) -> int:
+        return int(math.ceil(r.reserved_tokens * self.kv_bytes_per_token))
+
+    def check_admissible(self, r: Request) -> None:
+        """ValueError when ``r`` could never be admitted, even into an empty engine."""
+        ws = self.working_set(r)
+        if ws > self.kv_bytes:
+            raise ValueError(f"the request needs {ws} bytes of KV ({r.reserved_tokens} tokens), more than the "
+                             f"engine's KV budget M_avl of {self.kv_bytes} bytes")
+
+    def admit(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> list[Request]:
+        """The waiting requests to prefill this iteration (FCFS candidates, then first-fit on M_avl)."""
+        room = min(free_slots, self.max_requests - len(running))
+        tokens = len(running)  # each running request decodes one token this iteration
+        candidates: list[Request] = []
+        for r in waiting:
+            if len(candidates) >= room:
+                break
+            if tokens + r.prompt_len > self.max_tokens_per_iter and candidates:
+                self.counters.deferred_for_tokens += 1
+                break
+            candidates.append(r)
+            tokens += r.prompt_len
+        used = sum(self.working_set(r) for r in running)
+        batch = []
+        for r in candidates:
+            m = self.working_set(r)
+            if used + m <= self.kv_bytes:
+                batch.append(r)
+                used += m
+            else:
+                self.counters.deferred_for_memory += 1
+        self.counters.admitted += len(batch)
+        self.counters.working_set_bytes = used
+        return batch
+
+
+# -----------------------------------------------------------------------------
+# Pure pieces (jitted by the engine)
+# -----------------------------------------------------------------------------
+
+
+def check_slot_axis(model, max_len: int) -> None:
+    """Raise ValueError unless every leaf of the model's cache has the batch as its
+    leading axis (checked on shapes: a cache of 1 row against one of 2 rows, nothing
+    allocated). The engine inserts a request by writing index ``slot`` of every
+    leaf, so a leaf without the batch axis would be silently shared by all slots."""
+    one = jax.eval_shape(lambda: model.init_cache(1, max_len))
+    two = jax.eval_shape(lambda: model.init_cache(2, max_len))
+    bad = []
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(two)):
+        if not (a.ndim >= 1 and a.shape[0] == 1 and b.shape[0] == 2 and a.shape[1:] == b.shape[1:]):
+            bad.append(f"{jax.tree_util.keystr(path)}: {a.shape} at batch 1, {b.shape} at batch 2")
+    if bad:
+        raise ValueError("the engine needs every cache leaf (the method's state included) to have the batch as "
+                         "its leading axis; these do not: " + "; ".join(bad))
+
+
+def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+    """``cache`` (``B`` rows, donated) with row ``slot`` of every leaf replaced by the
+    one-row ``row`` (a prefilled request), lengths included."""
+    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), slot, 0),
+                        cache, row)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """One token per row from f32 ``logits [B, V]``: argmax where ``temperature[b] == 0``,
+    else a draw from ``softmax(logits / temperature)`` restricted to the smallest set of
+    top tokens whose mass reaches ``top_p[b]``. Row ``b`` draws with the key
+    ``fold_in(key(seeds[b]), counters[b])`` (``counters``: the output token's index),
+    so a request's tokens do not depend on its slot or its neighbours. -> ``int32[B]``."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
+        z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+        order = jnp.argsort(-z, axis=-1)
+        zs = jnp.take_along_axis(z, order, axis=-1)
+        p = jax.nn.softmax(zs, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token: the top one is always kept
+        zs = jnp.where(before < top_p[:, None], zs, -jnp.inf)
+        pick = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, zs)
+        tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    # the sort over the vocabulary only when some row samples
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef, cfg, method, unroll: bool):
+    """The engine's jitted programs for one model structure and method."""
+
+    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
+        logits, new = tfm.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll)
+        # free slots do not advance: they never run past their capacity
+        new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
+        return sample_rows(logits, seeds, counters, temperature, top_p), new
+
+    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
+
+
+def prefill_bucket(n: int, max_len: int) -> int:
+    """The padded prompt length a prompt of ``n`` tokens is prefilled at: a multiple of
+    64 up to 1024 tokens (as ``Model.generate``), then powers of two, capped at
+    ``max_len``: few compilations for long prompts."""
+    b = -(-n // 64) * 64 if n <= 1024 else 1 << (n - 1).bit_length()
+    return min(b, max_len)
+
+
+# -----------------------------------------------------------------------------
+# The engine
+# -----------------------------------------------------------------------------
+
+
+class _Slot:
+    """Host-side bookkeeping of one occupied slot."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.held_text = ""  # decoded but not yet sent (incomplete UTF-8, a possible stop string)
+
+
+class Engine:
+    """Continuous batching over ``slots`` decode rows (module docstring).
+
+    Args:
+      model: a :class:`models.api.Model` (resident KV; any registered method).
+      slots: decode rows, the most requests decoding at once.
+      max_len: cache capacity per slot (prompt + output); default the model's ``max_len``.
+      max_requests: R_max (default ``slots``).
+      max_tokens_per_iter: T_max (default ``max_len + slots``: one full prompt per iteration).
+      kv_bytes: M_avl in bytes (default the decode cache's bytes: every slot full).
+      stop_ids: token ids that end a request (default the model's end-of-sequence ids).
+    """
+
+    def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
+                 max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
+                 stop_ids: Sequence[int] | None = None, unroll: bool | None = None):
+        if int(slots) < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        from models.api import round_up
+
+        self.model = model
+        self.slots = int(slots)
+        limit = min(model.max_len, model.config.max_position)
+        max_len = limit if max_len is None else int(max_len)
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"max_len must be in [1, {limit}] (the model's context), got {max_len}")
+        self.max_len = round_up(max_len, model.method.cache_multiple)
+        # the context a request may use: the capacity rounded up for block methods is not the model's
+        self.context = min(max_len, limit)
+        check_slot_axis(model, self.max_len)
+        self.tokenizer = model.tokenizer
+        self.stop_ids = frozenset(int(i) for i in (model._stop_ids() if stop_ids is None else stop_ids))
+        if unroll is None:
+            unroll = tfm.default_unroll()
+        self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, bool(unroll))
+        self.cache = model.init_cache(self.slots, self.max_len)
+        cache_bytes = self.cache.nbytes()
+        self.kv_bytes_per_token = cache_bytes / (self.slots * self.max_len)
+        self.scheduler = Scheduler(
+            max_requests=self.slots if max_requests is None else min(int(max_requests), self.slots),
+            max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
+            kv_bytes=cache_bytes if kv_bytes is None else int(kv_bytes),
+            kv_bytes_per_token=self.kv_bytes_per_token)
+
+        # host-side per-slot arrays, sent with each step (a few ints per row)
+        self._tokens = np.zeros(self.slots, np.int32)
+        self._active = np.zeros(self.slots, bool)
+        self._seeds = np.zeros(self.slots, np.uint32)
+        self._counters = np.zeros(self.slots, np.int32)
+        self._temperature = np.zeros(self.slots, np.float32)
+        self._top_p = np.ones(self.slots, np.float32)
+        self._slots: list[_Slot | None] = [None] * self.slots
+
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the counters read by stats()
+        self.steps = 0
+        self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
+        self.finished = collections.Counter()
+        self.error: BaseException | None = None
+
+    # -- the client side (any thread) ------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     on_event: Callable[[Event], Any] | None = None) -> Request:
+        """A checked request (ValueError, before any device work, if it cannot run)."""
+        params.check()
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got values in [{min(ids)}, {max(ids)}]")
+        n = len(ids)
+        if n >= self.context:
+            raise ValueError(f"the prompt is {n} tokens; this server's context is {self.context} tokens "
+                             f"(prompt + max_tokens), which leaves no room to generate")
+        if n + params.max_tokens > self.context:
+            raise ValueError(f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"tokens exceeds this server's context of {self.context} tokens; "
+                             f"lower max_tokens to at most {self.context - n}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        r = Request(ids, params, on_event)
+        self.scheduler.check_admissible(r)
+        return r
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request made by :meth:`make_request`; returns it."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+        request.t_arrival = time.perf_counter()
+        self._inbox.put(request)
+        self._wake.set()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ask the engine to drop ``request`` (frees its slot at the next iteration)."""
+        request.cancelled = True
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """Counters: slots in use, requests waiting, reserved KV bytes, totals."""
+        with self._lock:
+            active = int(self._active.sum())
+            return {"slots": self.slots, "active_slots": active, "free_slots": self.slots - active,
+                    "waiting": len(self._waiting) + self._inbox.qsize(),
+                    "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
+                                             if s is not None),
+                    "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
+                    "admitted": self.scheduler.counters.admitted,
+                    "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
+                    "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
+                    "finished": dict(self.finished), "running": self._thread is not None and self._thread.is_alive()}
+
+    def idle(self) -> bool:
+        s = self.stats()
+        return s["active_slots"] == 0 and s["waiting"] == 0
+
+    # -- the engine thread -------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="sparse-jax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.iterate():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001  (reported to every request, then re-raised in the thread)
+            self.error = e
+            for r in self._all_requests():
+                self._finish(r, "error")
+            raise
+
+    def _all_requests(self) -> list[Request]:
+        out = [s.request for s in self._slots if s is not None] + list(self._waiting)
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def iterate(self) -> bool:
+        """One scheduling iteration: take new requests, drop cancelled ones, prefill
+        and insert what the scheduler admits, run one decode step over the slots.
+        Returns whether it did any work."""
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        worked = False
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            self._finish(r, "cancelled")
+            worked = True
+        for s in self._slots:
+            if s is not None and s.request.cancelled:
+                self._finish(s.request, "cancelled")
+                worked = True
+        running = [s.request for s in self._slots if s is not None]
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        for r in self.scheduler.admit(list(self._waiting), running, len(free)):
+            self._waiting.remove(r)
+            self._prefill_insert(r, free.pop(0))
+            worked = True
+        if self._active.any():
+            self._decode()
+            worked = True
+        return worked
+
+    def _prefill_insert(self, r: Request, slot: int) -> None:
+        r.t_scheduled = time.perf_counter()
+        m = self.model
+        n = r.prompt_len
+        t = prefill_bucket(n, self.max_len)
+        tokens = np.full((1, t), m._pad_id(), np.int32)
+        tokens[0, :n] = r.prompt_ids
+        row = m.init_cache(1, self.max_len)
+        logits, row = m.fns.prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), row)
+        p = r.params
+        first = self._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
+                             jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
+        self.cache = self._insert(self.cache, row, jnp.int32(slot))
+        with self._lock:
+            self._slots[slot] = _Slot(r)
+            r.slot = slot
+            self._active[slot] = True
+            self._seeds[slot] = p.seed
+            self._counters[slot] = 0
+            self._temperature[slot] = p.temperature
+            self._top_p[slot] = p.top_p
+        self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        self._counters += self._active  # index of the token this step samples
+        toks, self.cache = self._step(self.model.params, jnp.asarray(self._tokens), self.cache,
+                                      jnp.asarray(self._active), jnp.asarray(self._seeds), jnp.asarray(self._counters),
+                                      jnp.asarray(self._temperature), jnp.asarray(self._top_p))
+        toks = np.asarray(toks)  # waits for the step: the host decides the ends before the next one
+        now = time.perf_counter()
+        self.steps += 1
+        self.step_times.append(now - t0)
+        for slot in np.flatnonzero(self._active):
+            self._emit(int(slot), int(toks[slot]), now)
+
+    def _emit(self, slot: int, tok: int, now: float) -> None:
+        """Record token ``tok`` of the request in ``slot``: end it or report new text."""
+        s = self._slots[slot]
+        r = s.request
+        p = r.params
+        if r.t_first is None:
+            r.t_first = now
+        r.token_times.append(now)
+        if tok in self.stop_ids and not p.ignore_eos:
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(tok)
+        self._tokens[slot] = tok
+        if self.tokenizer is None:
+            self._send(r, Event("token", "", (tok,)))
+        else:
+            full = self.tokenizer.decode(r.output_ids)
+            hit = min((i for i in (full.find(x, max(0, len(r.text) - len(x))) for x in p.stop) if i >= 0),
+                      default=-1)
+            if hit >= 0:  # a stop string: the text ends before it
+                s.held_text = full[len(r.text):hit]
+                self._finish(r, "stop", (tok,))
+                return
+            ready = full
+            if ready.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                ready = ready.rstrip("\ufffd")
+            ready = ready[:len(ready) - _held_for_stop(ready, p.stop)]
+            if not ready.startswith(r.text):  # decoding changed earlier text (rare): send from where it differs
+                ready = r.text + ready[len(_common_prefix(ready, r.text)):]
+            delta = ready[len(r.text):]
+            s.held_text = full[len(ready):] if full.startswith(ready) else ""
+            r.text = ready
+            self._send(r, Event("token", delta, (tok,)))
+        if len(r.output_ids) >= p.max_tokens:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, last_ids: tuple[int, ...] = ()) -> None:
+        """End ``r`` (free its slot), flush held text, report "done"."""
+        rest = ""
+        if r.slot is not None:
+            s = self._slots[r.slot]
+            if reason in ("length", "stop") and s is not None:
+                rest = s.held_text
+            with self._lock:
+                self._slots[r.slot] = None
+                self._active[r.slot] = False
+            r.slot = None
+        r.text += rest
+        r.finish_reason = reason
+        with self._lock:
+            self.finished[reason] += 1
+        self._send(r, Event("done", rest, last_ids, reason))
+        r.done.set()
+
+    def _send(self, r: Request, ev: Event) -> None:
+        if r.on_event is not None:
+            r.on_event(ev)
+
+    # -- convenience (tests, benchmarks) -----------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 600.0) -> Request:
+        """Submit and wait (the engine thread must be running)."""
+        r = self.submit(self.make_request(prompt_ids, params))
+        if not r.done.wait(timeout):
+            raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
+        return r
+
+
+def _held_for_stop(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that could begin a stop string (held back)."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
