@@ -377,6 +377,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the counters read by stats()
         self.steps = 0
         self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
+        self.step_end_times: list[float] = []  # when each ended (perf_counter)
         self.finished = collections.Counter()
         self.error: BaseException | None = None
 
@@ -533,6 +534,7 @@ class Engine:
         now = time.perf_counter()
         self.steps += 1
         self.step_times.append(now - t0)
+        self.step_end_times.append(now)
         for slot in np.flatnonzero(self._active):
             self._emit(int(slot), int(toks[slot]), now)
 
