@@ -184,3 +184,45 @@ def test_abandoned_stream_frees_its_slot(server, references):
     assert s["active_slots"] == 0 and s["working_set_bytes"] == 0
     # and the server still answers correctly
     assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
+
+
+def test_soak_mixed_clients(server, references):
+    """Many concurrent clients on loopback, bounded in count: valid requests (streamed and
+    not), streams abandoned mid-way, malformed and over-length requests mixed in. Afterwards
+    every valid request got its correct output, no slot leaked, the server still answers."""
+    before = server.engine.stats()["finished"]
+
+    def valid(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            text = "".join(c.choices[0].text for c in _complete(server.client, p, stream=True))
+        else:
+            text = _complete(server.client, p).choices[0].text
+        return text == references[p]
+
+    def abandoned(i):
+        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 100, "temperature": 0.5,
+                "seed": i, "stream": True, "ignore_eos": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 2:
+                    break
+        return True
+
+    def malformed(i):
+        body = [b"{", b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 10000}',
+                b'{"model": "smollm2-135m", "prompt": []}', b"[1, 2]"][i % 4]
+        r = httpx.post(f"{server.base}/v1/completions", content=body, timeout=30)
+        return 400 <= r.status_code < 500
+
+    kinds = [valid, abandoned, malformed]
+    jobs = [(kinds[i % 3], i) for i in range(18)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: job[0](job[1]), jobs))
+    assert all(results), [(j[0].__name__, j[1]) for j, ok in zip(jobs, results) if not ok]
+    s = _wait_idle(server.engine)
+    assert s["active_slots"] == 0 and s["waiting"] == 0 and s["working_set_bytes"] == 0
+    done = {k: v - before.get(k, 0) for k, v in s["finished"].items()}
+    assert done.get("cancelled", 0) + done.get("length", 0) + done.get("stop", 0) == 12
+    assert httpx.get(f"{server.base}/health").json()["status"] == "ok"
+    assert _complete(server.client, PROMPTS[3]).choices[0].text == references[PROMPTS[3]]
