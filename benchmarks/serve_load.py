@@ -23,9 +23,11 @@ Bounded: at most ``--requests`` per rate, and a rate stops after
 ``--time-limit`` seconds (unfinished requests are cancelled and reported).
 Every prefill bucket and the step compile in a warm-up before the sweep.
 
-Not measured yet (the engine lacks them, ``docs/serving.md``): the offloaded
-engine, KV blocks loaded per iteration, working-set admission,
-layer-segmented prefill.
+``NAME:offload`` in ``--methods`` runs the method offloaded (KV blocks in
+pinned host memory, per-slot pools); its rows report the KV blocks loaded
+from the host per iteration. Not measured yet (the engine lacks them,
+``docs/serving.md``): working-set admission, a pool shared across slots,
+layer-segmented prefill interleaved with decode.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
     rng = np.random.default_rng(seed + 1)
     reqs = []
     steps0 = engine.steps
+    blocks0 = engine.blocks_loaded
     start = time.perf_counter()
     stop_submitting = threading.Event()
 
@@ -127,7 +130,8 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
             "p99_ttft_s": _pct(ttft, 99), "mean_tbt_ms": 1e3 * float(np.mean(tbt)) if tbt else float("nan"),
             "p99_tbt_ms": 1e3 * _pct(tbt, 99), "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
-            "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0}
+            "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
+            "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0}
 
 
 def warm_up(engine, mix, vocab: int) -> float:
@@ -172,6 +176,8 @@ def build_model(args, method_name: str):
         cfg = qwen3_8b(max(args.max_len, 40960))
     if method_name == "asynctls":
         method = asynctls_for(cfg, args.budget, args.kb)
+        if args.tiny:  # 64-token blocks do not fit the tiny prompts
+            method = dataclasses.replace(method, block_size=16)
     elif method_name == "double_sparsity":
         chans = tuple(tuple(range(h % 4, cfg.head_dim, 4))[:cfg.head_dim // 4] for h in range(cfg.num_kv_heads))
         method = get_method("double_sparsity", budget=args.budget, channels_per_layer=(chans,) * cfg.num_layers)
@@ -190,26 +196,27 @@ def run(args) -> dict:
     mix = parse_mix(args.prompt_mix)
     rates = [float(r) for r in args.rates.split(",")]
     runs = []
-    for name in args.methods.split(","):
-        model = build_model(args, name)
-        engine = Engine(model, slots=args.slots, max_len=args.max_len,
-                        max_tokens_per_iter=args.max_tokens_per_iter).start()
+    for label in args.methods.split(","):
+        method_name, _, where = label.partition(":")
+        model = build_model(args, method_name)
+        engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                        offload=where == "offload", pool_slots=args.pool_slots).start()
         try:
             t0 = time.perf_counter()
             iteration_ms = warm_up(engine, mix, model.config.vocab_size)
             warm_s = time.perf_counter() - t0
-            print(f"[{name}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
+            print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
                   f"{iteration_ms:.2f} ms", flush=True)
             rows = []
             for i, rate in enumerate(rates):
                 wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
                 row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i)
-                row["method"] = name
+                row["method"] = label
                 rows.append(row)
-                print(f"[{name}] rate {rate}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}",
-                      flush=True)
-            runs.append({"method": name, "slots": engine.slots, "max_len": engine.max_len,
-                         "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
+                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+                print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
+            runs.append({"method": label, "offloaded": where == "offload", "slots": engine.slots,
+                         "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                          "goodput_rps": goodput(rows, iteration_ms)})
         finally:
             engine.stop()
@@ -235,7 +242,7 @@ def render(payload: dict) -> str:
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
-            "mean_queue_s", "throughput_tok_s", "mean_batch"]
+            "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter"]
     md += [markdown_table(rows, cols), ""]
     return "\n".join(md)
 
@@ -273,7 +280,9 @@ def merge(paths: list[str]) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default="dense,asynctls", help="comma-separated: dense, asynctls, quest, ...")
+    p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
+                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded")
+    p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=12, help="requests per rate")
     p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")

@@ -304,6 +304,132 @@ def prefill_bucket(n: int, max_len: int) -> int:
 
 
 # -----------------------------------------------------------------------------
+# Where the slots' KV lives
+# -----------------------------------------------------------------------------
+
+
+class ResidentSlots:
+    """Every slot's KV on the device: ``model.init_cache(slots, max_len)``, decoded by the
+    engine's own step program (the model's decode step + sampling, cache donated)."""
+
+    offloaded = False
+
+    def __init__(self, model, slots: int, max_len: int, unroll: bool):
+        check_slot_axis(model, max_len)
+        self.model, self.slots, self.max_len = model, slots, max_len
+        self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
+        self.cache = model.init_cache(slots, max_len)
+        self.device_bytes = self.cache.nbytes()
+
+    def prefill(self, ids: Sequence[int]):
+        """``(logits f32[1, V], one-row cache)`` of a prompt."""
+        m, n = self.model, len(ids)
+        tokens = np.full((1, prefill_bucket(n, self.max_len)), m._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        return m.fns.prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                             m.init_cache(1, self.max_len))
+
+    def insert(self, row, slot: int) -> None:
+        self.cache = self._insert(self.cache, row, jnp.int32(slot))
+
+    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+        toks, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
+                                      jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
+                                      jnp.asarray(top_p))
+        return toks
+
+    def blocks_loaded(self, active) -> int:
+        return 0
+
+
+def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+    """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
+    tiers: every leaf but the per-step block counters (``hits, misses [B*Hkv]``, rewritten
+    by every step) takes row ``slot`` from ``row``."""
+    from sparse_jax.offload.tiers import OffloadedLayer
+
+    layers = []
+    for big, one in zip(cache.layers, row.layers):
+        if isinstance(big, OffloadedLayer):
+            strip = lambda e: dataclasses.replace(e, hits=None, misses=None)  # noqa: E731
+            new = insert_slot(strip(big), strip(one), slot)
+            layers.append(dataclasses.replace(new, hits=big.hits, misses=big.misses))
+        else:
+            layers.append(insert_slot(big, one, slot))
+    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
+    return KVCache(tuple(layers), lengths, cache.max_len)
+
+
+class OffloadedSlots:
+    """Every slot's KV blocks in pinned host memory (:class:`models.tiered.TieredRunner`,
+    ``mode="offload"``, per-row pools): the device keeps each slot's pool, ring and
+    method state. A request is prefilled layer by layer into a one-row tiered state;
+    insertion writes its device tier into the slot (one jitted program) and copies its
+    host blocks into the slot's rows of the host tier on the CPU."""
+
+    offloaded = True
+
+    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None):
+        from models.tiered import TieredRunner
+        from sparse_jax.offload.tiers import OffloadedLayer
+
+        self.model, self.slots, self.max_len = model, slots, max_len
+        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots)
+        cfg, dt = model.config, model.dtype
+
+        def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
+            shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+            return jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((slots, cfg.num_heads, cfg.head_dim), dt)
+
+        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len)
+        bad = []
+        for i, e in enumerate(self.state.cache.layers):
+            e = dataclasses.replace(e, hits=None, misses=None) if isinstance(e, OffloadedLayer) else e
+            bad += [f"layer {i}: {a.shape}" for a in jax.tree.leaves(e) if a.ndim < 1 or a.shape[0] != slots]
+        bad += [f"host tier {i}: {h.k.shape}" for i, h in enumerate(self.state.host)
+                if h is not None and h.k.shape[0] != slots]
+        if bad:
+            raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
+        self._insert = jax.jit(insert_tiered_slot, donate_argnums=(0,))
+        self._sample = jax.jit(sample_rows)
+        self.device_bytes = self.state.cache.nbytes()
+
+    def prefill(self, ids: Sequence[int]):
+        n = len(ids)
+        t = prefill_bucket(n, self.max_len)
+        t = t if t < self.max_len else n  # the tiered prefill needs room for one decode token
+        tokens = np.full((1, t), self.model._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        return self.runner.prefill(tokens, np.asarray([n], np.int32), self.max_len)
+
+    def insert(self, row, slot: int) -> None:
+        st = self.state
+        self.runner.finish(st)  # saves still pending for the slot's last occupant land first
+        st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
+        for i in self.runner.offloaded_layers:
+            kview, vview = self.runner._views(st, i)
+            kview[slot] = np.asarray(row.host[i].k)[0]
+            vview[slot] = np.asarray(row.host[i].v)[0]
+        st.lengths_host[slot] = row.lengths_host[0]
+
+    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+        logits = self.runner.decode_step(tokens, self.state, active=active)
+        return self._sample(logits, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
+                            jnp.asarray(top_p))
+
+    def blocks_loaded(self, active) -> int:
+        """Blocks the last step copied from the host for the ``active`` rows (all layers,
+        KV heads); drains the runner's per-step counters so they do not grow."""
+        st = self.state
+        if not st.counters:
+            return 0
+        last = st.counters[-1]
+        st.counters.clear()
+        hkv = self.model.config.num_kv_heads
+        return int(sum(np.asarray(m).reshape(self.slots, hkv)[np.asarray(active, bool)].sum() for _, m in last))
+
+
+# -----------------------------------------------------------------------------
 # The engine
 # -----------------------------------------------------------------------------
 
@@ -327,11 +453,15 @@ class Engine:
       max_tokens_per_iter: T_max (default ``max_len + slots``: one full prompt per iteration).
       kv_bytes: M_avl in bytes (default the decode cache's bytes: every slot full).
       stop_ids: token ids that end a request (default the model's end-of-sequence ids).
+      offload: KV blocks in pinned host memory (:class:`OffloadedSlots`; a method whose
+        selection names blocks), else every slot resident (:class:`ResidentSlots`).
+      pool_slots: offloaded: resident block slots per (row, KV head) (default: the runner's).
     """
 
     def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
-                 stop_ids: Sequence[int] | None = None, unroll: bool | None = None):
+                 stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
+                 pool_slots: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         from models.api import round_up
@@ -343,16 +473,18 @@ class Engine:
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in [1, {limit}] (the model's context), got {max_len}")
         self.max_len = round_up(max_len, model.method.cache_multiple)
-        # the context a request may use: the capacity rounded up for block methods is not the model's
-        self.context = min(max_len, limit)
-        check_slot_axis(model, self.max_len)
+        # the context a request may use: the capacity rounded up for block methods is not the model's;
+        # offloaded, the tiered prefill keeps one position free
+        self.context = min(max_len, limit, self.max_len - 1 if offload else self.max_len)
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(int(i) for i in (model._stop_ids() if stop_ids is None else stop_ids))
         if unroll is None:
             unroll = tfm.default_unroll()
-        self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, bool(unroll))
-        self.cache = model.init_cache(self.slots, self.max_len)
-        cache_bytes = self.cache.nbytes()
+        self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots) if offload
+                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
+        cache_bytes = self.kv.device_bytes
+        # resident: bytes per cached token; offloaded the device holds a fixed tier per slot, so this
+        # spreads it over the slot's positions (the working-set estimate is not built: Scheduler)
         self.kv_bytes_per_token = cache_bytes / (self.slots * self.max_len)
         self.scheduler = Scheduler(
             max_requests=self.slots if max_requests is None else min(int(max_requests), self.slots),
@@ -376,6 +508,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the counters read by stats()
         self.steps = 0
+        self.blocks_loaded = 0  # offloaded: KV blocks copied from the host, all steps
         self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
         self.step_end_times: list[float] = []  # when each ended (perf_counter)
         self.finished = collections.Counter()
@@ -426,7 +559,7 @@ class Engine:
             active = int(self._active.sum())
             return {"slots": self.slots, "active_slots": active, "free_slots": self.slots - active,
                     "waiting": len(self._waiting) + self._inbox.qsize(),
-                    "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
+                    "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
                     "admitted": self.scheduler.counters.admitted,
@@ -503,17 +636,11 @@ class Engine:
 
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
-        m = self.model
-        n = r.prompt_len
-        t = prefill_bucket(n, self.max_len)
-        tokens = np.full((1, t), m._pad_id(), np.int32)
-        tokens[0, :n] = r.prompt_ids
-        row = m.init_cache(1, self.max_len)
-        logits, row = m.fns.prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), row)
+        logits, row = self.kv.prefill(r.prompt_ids)
         p = r.params
-        first = self._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
-                             jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
-        self.cache = self._insert(self.cache, row, jnp.int32(slot))
+        first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
+                                jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
+        self.kv.insert(row, slot)
         with self._lock:
             self._slots[slot] = _Slot(r)
             r.slot = slot
@@ -527,12 +654,11 @@ class Engine:
     def _decode(self) -> None:
         t0 = time.perf_counter()
         self._counters += self._active  # index of the token this step samples
-        toks, self.cache = self._step(self.model.params, jnp.asarray(self._tokens), self.cache,
-                                      jnp.asarray(self._active), jnp.asarray(self._seeds), jnp.asarray(self._counters),
-                                      jnp.asarray(self._temperature), jnp.asarray(self._top_p))
+        toks = self.kv.step(self._tokens, self._active, self._seeds, self._counters, self._temperature, self._top_p)
         toks = np.asarray(toks)  # waits for the step: the host decides the ends before the next one
         now = time.perf_counter()
         self.steps += 1
+        self.blocks_loaded += self.kv.blocks_loaded(self._active)
         self.step_times.append(now - t0)
         self.step_end_times.append(now)
         for slot in np.flatnonzero(self._active):

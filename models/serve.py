@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, repeatable (e.g. budget=1024)")
     p.add_argument("--offload", action="store_true",
-                   help="KV offloaded to host memory (not supported by the engine yet: refused)")
+                   help="KV blocks in pinned host memory, per-slot device pools (methods whose selection names "
+                        "blocks: quest, arkvale, asynctls)")
+    p.add_argument("--pool-slots", type=int, default=None,
+                   help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -321,9 +324,6 @@ def make_engine(args) -> tuple[Engine, str]:
     from models.generate import parse_attention_opts
     from sparse_jax.methods import available_methods, get_method
 
-    if args.offload:
-        raise ValueError("--offload: the serving engine runs resident KV only so far (offloaded decode is "
-                         "models.tiered.TieredRunner, not yet behind the engine; see docs/serving.md)")
     if args.model not in models.available_models():
         raise ValueError(f"unknown model {args.model!r}; available: {', '.join(models.available_models())}")
     if args.attention not in available_methods():
@@ -337,7 +337,7 @@ def make_engine(args) -> tuple[Engine, str]:
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has random weights and no tokenizer: it cannot serve text")
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                    kv_bytes=args.kv_bytes)
+                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots)
     return engine, args.served_model_name or args.model
 
 
@@ -351,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     engine.start()
-    print(f"serving {name!r} ({engine.model.method!r}, {engine.slots} slots of {engine.max_len} tokens) on "
+    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}, {engine.slots} slots "
+          f"of {engine.max_len} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
