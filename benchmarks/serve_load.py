@@ -106,9 +106,13 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
     t = threading.Thread(target=submitter, daemon=True)
     t.start()
     deadline = start + time_limit
+    ws_samples = []  # the running requests' working sets (the scheduler's estimate), sampled
     while time.perf_counter() < deadline:
         if not t.is_alive() and len(reqs) == len(wl.arrivals) and all(r.done.is_set() for r in reqs):
             break
+        st = engine.stats()
+        if st["active_slots"]:
+            ws_samples.append(st["working_set_bytes"])
         time.sleep(0.01)
     stop_submitting.set()
     t.join()
@@ -131,7 +135,8 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
             "p99_tbt_ms": 1e3 * _pct(tbt, 99), "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
             "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
-            "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0}
+            "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0,
+            "mean_working_set_mib": float(np.mean(ws_samples)) / 2**20 if ws_samples else 0.0}
 
 
 def warm_up(engine, mix, vocab: int) -> float:
@@ -242,7 +247,8 @@ def render(payload: dict) -> str:
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
-            "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter"]
+            "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
+            "mean_working_set_mib"]
     md += [markdown_table(rows, cols), ""]
     return "\n".join(md)
 

@@ -168,13 +168,15 @@ class Scheduler:
     admits first-fit while the working sets fit M_avl, leaving the others
     waiting.
 
-    The working set (``working_set(request)``, a hook): today every engine is
-    resident, so a request's working set is the KV it reserves, ``(prompt +
-    max_tokens) x kv_bytes_per_token`` (what a paged allocator would hold). The
-    SparseServe estimate needs the offloaded engine: for a decode request the
-    union of blocks it selected over the last w = 12 steps, counted on the
-    device, read back asynchronously; for a prompt under layer-segmented
-    prefill, one layer of its KV. Not built (``docs/serving.md``).
+    The working set (``working_set(request)``, a hook). Resident: the KV a
+    request reserves, ``(prompt + max_tokens) x kv_bytes_per_token`` (what a
+    paged allocator would hold). Offloaded (:meth:`OffloadedSlots.working_set`):
+    SparseServe's estimate for a decoding request, the blocks it used over the
+    last w = 12 steps, counted on the device and read back one step late; for
+    a prompt, the blocks its first step reads. The pools are per slot, so on
+    its own this admission changes nothing yet: it matters once the pool is
+    shared across slots (``docs/serving.md``). Layer-segmented prefill (a
+    prompt's working set = one layer of its KV) is not built.
     """
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
@@ -341,6 +343,8 @@ class ResidentSlots:
     def blocks_loaded(self, active) -> int:
         return 0
 
+    working_set = None  # the scheduler's reservation estimate
+
 
 def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
     """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
@@ -358,6 +362,26 @@ def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache
             layers.append(insert_slot(big, one, slot))
     lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
     return KVCache(tuple(layers), lengths, cache.max_len)
+
+
+WORKING_SET_WINDOW = 12  # SparseServe's w: decode steps whose selected blocks form a request's working set
+
+
+def offloaded_working_set(cache: KVCache, window: int = WORKING_SET_WINDOW) -> jax.Array:
+    """``int32[B]``: per row, the KV blocks (over the offloaded layers and KV heads) it
+    used in the last ``window`` decode steps: the pool slots whose LRU clock (the row's
+    length when the slot was last needed) lies within the window, plus the two ring
+    blocks per layer and head. SparseServe's decode working set (§3.3, the union of
+    the blocks selected over the last w steps), read from the pool's own record: a
+    block evicted within the window is not counted."""
+    from sparse_jax.offload.tiers import OffloadedLayer
+
+    total = jnp.zeros(cache.lengths.shape, jnp.int32)
+    for e in cache.layers:
+        if isinstance(e, OffloadedLayer):
+            recent = (e.slot_block >= 0) & (e.slot_used > cache.lengths[:, None, None] - window)
+            total = total + recent.sum((1, 2)).astype(jnp.int32) + 2 * e.slot_block.shape[1]
+    return total
 
 
 class OffloadedSlots:
@@ -392,7 +416,17 @@ class OffloadedSlots:
             raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
         self._insert = jax.jit(insert_tiered_slot, donate_argnums=(0,))
         self._sample = jax.jit(sample_rows)
+        self._working_set = jax.jit(offloaded_working_set)
         self.device_bytes = self.state.cache.nbytes()
+        method = self.runner.method
+        self.block_size = method.offload_block_size
+        self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
+        self.layer_heads = len(self.runner.offloaded_layers) * cfg.num_kv_heads
+        self.blocks_per_step = method.offload_blocks_per_step(max_len)
+        self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
+        self._ws_pending = None  # (int32[slots] on the device, the step it measured)
+        self._steps = 0
+        self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
 
     def prefill(self, ids: Sequence[int]):
         n = len(ids)
@@ -411,11 +445,31 @@ class OffloadedSlots:
             kview[slot] = np.asarray(row.host[i].k)[0]
             vview[slot] = np.asarray(row.host[i].v)[0]
         st.lengths_host[slot] = row.lengths_host[0]
+        self.ws_blocks[slot] = 0  # measured again after its first step
+        self._inserted_at[slot] = self._steps
 
     def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
         logits = self.runner.decode_step(tokens, self.state, active=active)
+        self._steps += 1
+        if self._ws_pending is not None:  # last step's working sets, copied meanwhile: one step stale
+            ws, step = self._ws_pending
+            ws = np.asarray(ws).astype(np.int64)
+            fresh = self._inserted_at < step  # a slot filled since then holds another request now
+            self.ws_blocks[fresh] = ws[fresh]
+        ws = self._working_set(self.state.cache)
+        ws.copy_to_host_async()
+        self._ws_pending = (ws, self._steps)
         return self._sample(logits, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
                             jnp.asarray(top_p))
+
+    def working_set(self, r: Request) -> int:
+        """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
+        once it decodes; for a prompt, the blocks its first step reads (its selection,
+        at most the prompt's blocks, plus the ring) in every offloaded layer and head."""
+        if r.slot is not None and r.output_ids and self.ws_blocks[r.slot] > 0:
+            return int(self.ws_blocks[r.slot]) * self.block_bytes
+        first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + 2
+        return first * self.layer_heads * self.block_bytes
 
     def blocks_loaded(self, active) -> int:
         """Blocks the last step copied from the host for the ``active`` rows (all layers,
@@ -490,7 +544,8 @@ class Engine:
             max_requests=self.slots if max_requests is None else min(int(max_requests), self.slots),
             max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
             kv_bytes=cache_bytes if kv_bytes is None else int(kv_bytes),
-            kv_bytes_per_token=self.kv_bytes_per_token)
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            working_set=self.kv.working_set)
 
         # host-side per-slot arrays, sent with each step (a few ints per row)
         self._tokens = np.zeros(self.slots, np.int32)

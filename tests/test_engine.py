@@ -155,11 +155,23 @@ def test_offloaded_engine_matches_single_request_generation(smollm2):
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps)[0]
             for i in ids]
     engine = Engine(model, slots=2, max_len=256, offload=True).start()
+    seen = []  # working-set bytes of the running requests, as each token arrives
+
+    def watch(ev):
+        seen.append(engine.stats()["working_set_bytes"])
+
     try:
-        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in ids]
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps), watch)) for i in ids]
         for r in reqs:
             assert r.done.wait(300), r
         assert [r.output_ids for r in reqs] == refs
+        # measured on the device: at least the two ring blocks per offloaded layer and KV head, and
+        # at most the whole pool plus the ring, per running request
+        kv = engine.kv
+        ring = 2 * kv.layer_heads * kv.block_bytes
+        pool = (kv.runner._pool(engine.max_len) + 2) * kv.layer_heads * kv.block_bytes
+        assert max(seen) >= ring and max(seen) <= 2 * pool, (seen, ring, pool)
+        assert (kv.ws_blocks[kv.ws_blocks > 0] * kv.block_bytes >= ring).all()
         s = engine.stats()
         assert s["blocks_loaded"] > 0 and engine.idle() and s["working_set_bytes"] == 0
         assert all(h.k.sharding.memory_kind == "pinned_host" for h in engine.kv.state.host if h is not None)
