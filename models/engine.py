@@ -440,10 +440,11 @@ class OffloadedSlots:
         st = self.state
         self.runner.finish(st)  # saves still pending for the slot's last occupant land first
         st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
-        for i in self.runner.offloaded_layers:
+        for i in self.runner.offloaded_layers:  # one CPU copy per layer, view to view
             kview, vview = self.runner._views(st, i)
-            kview[slot] = np.asarray(row.host[i].k)[0]
-            vview[slot] = np.asarray(row.host[i].v)[0]
+            row_k, row_v = self.runner._views(row, i)
+            kview[slot] = row_k[0]
+            vview[slot] = row_v[0]
         st.lengths_host[slot] = row.lengths_host[0]
         self.ws_blocks[slot] = 0  # measured again after its first step
         self._inserted_at[slot] = self._steps
