@@ -19,6 +19,8 @@ slots) on this project's pure functions, with SparseServe's scheduler limits
   temperature / top-p from each request's own seed). Rows whose slot is free
   are masked: their ``lengths`` do not advance, so a free row never runs past
   its capacity; whatever it writes is overwritten by the next insert.
+* **One step ahead**: step t+1 is issued before step t's tokens are read, so
+  the device runs while the host reports tokens (:meth:`Engine._decode`).
 * **Ends.** A slot is freed on an end-of-sequence token, ``max_tokens``, a
   stop string, or cancellation (:meth:`Engine.cancel`, e.g. a client that
   disconnected).
@@ -304,6 +306,13 @@ def _programs(graphdef, cfg, method, unroll: bool):
     return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
 
 
+@jax.jit
+def _merge_tokens(fresh: jax.Array, host: jax.Array, device: jax.Array) -> jax.Array:
+    """``int32[B]``: the host's token where ``fresh`` (a request inserted since the last
+    step), else the token the last step sampled, still on the device."""
+    return jnp.where(fresh, host, device)
+
+
 def prefill_bucket(n: int, max_len: int) -> int:
     """The padded prompt length a prompt of ``n`` tokens is prefilled at: a multiple of
     64 up to 1024 tokens (as ``Model.generate``), then powers of two, capped at
@@ -464,6 +473,8 @@ class OffloadedSlots:
 
     def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
         logits = self.runner.decode_step(tokens, self.state, active=active)
+        if self.state.counters:  # the counters are leaves of the cache the next step donates: keep copies
+            self.state.counters[-1] = [(None, jnp.copy(m)) for _, m in self.state.counters[-1]]
         self._steps += 1
         if self._ws_pending is not None:  # last step's working sets, copied meanwhile: one step stale
             ws, step = self._ws_pending
@@ -486,15 +497,16 @@ class OffloadedSlots:
         return first * self.layer_heads * self.block_bytes
 
     def blocks_loaded(self, active) -> int:
-        """Blocks the last step copied from the host for the ``active`` rows (all layers,
-        KV heads); drains the runner's per-step counters so they do not grow."""
+        """Blocks the step being collected copied from the host for its ``active`` rows
+        (all layers, KV heads); drains the runner's per-step counters so they do not grow."""
         st = self.state
-        if not st.counters:
+        if len(st.counters) < 2:
             return 0
-        last = st.counters[-1]
-        st.counters.clear()
+        # the newest entry is the step just issued (still running): counted at the next collection
+        done, st.counters[:] = st.counters[:-1], st.counters[-1:]
         hkv = self.model.config.num_kv_heads
-        return int(sum(np.asarray(m).reshape(self.slots, hkv)[np.asarray(active, bool)].sum() for _, m in last))
+        rows = np.asarray(active, bool)
+        return int(sum(np.asarray(m).reshape(self.slots, hkv)[rows].sum() for step in done for _, m in step))
 
 
 # -----------------------------------------------------------------------------
@@ -569,6 +581,8 @@ class Engine:
         self._temperature = np.zeros(self.slots, np.float32)
         self._top_p = np.ones(self.slots, np.float32)
         self._slots: list[_Slot | None] = [None] * self.slots
+        self._fresh = np.zeros(self.slots, bool)  # inserted since the last step: its token is on the host
+        self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read
 
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -714,6 +728,7 @@ class Engine:
             self._slots[slot] = _Slot(r)
             r.slot = slot
             self._active[slot] = True
+            self._fresh[slot] = True
             self._seeds[slot] = p.seed
             self._counters[slot] = 0
             self._temperature[slot] = p.temperature
@@ -721,17 +736,46 @@ class Engine:
         self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
 
     def _decode(self) -> None:
+        """Issue one step, then collect the step before it: the device runs step t+1
+        while the host reads step t's tokens, reports them and decides the ends
+        (JetStream's ``copy_to_host_async`` overlap). A row fed from the device takes
+        the token its last step sampled; a row inserted since takes its first token
+        from the host. A request that ends at step t has one more step issued for it,
+        whose token is dropped (its slot's capacity allows it: prompt + max_tokens <=
+        max_len)."""
         t0 = time.perf_counter()
+        prev = self._inflight
         self._counters += self._active  # index of the token this step samples
-        toks = self.kv.step(self._tokens, self._active, self._seeds, self._counters, self._temperature, self._top_p)
-        toks = np.asarray(toks)  # waits for the step: the host decides the ends before the next one
+        # copies: on the CPU a device array may alias the NumPy buffer it came from, and these
+        # host arrays change while the step is still queued
+        host = [np.array(a) for a in (self._tokens, self._active, self._seeds, self._counters,
+                                      self._temperature, self._top_p, self._fresh)]
+        tokens = jnp.asarray(host[0])
+        if prev is not None:
+            tokens = _merge_tokens(jnp.asarray(host[6]), tokens, prev[0])
+        toks = self.kv.step(tokens, *host[1:6])
+        if hasattr(toks, "copy_to_host_async"):
+            toks.copy_to_host_async()
+        self._fresh[:] = False
+        snapshot = [s.request if s is not None and self._active[i] else None for i, s in enumerate(self._slots)]
+        self._inflight = (toks, snapshot, t0)
+        if prev is not None:
+            self._collect(prev)
+
+    def _collect(self, inflight) -> None:
+        toks, snapshot, t0 = inflight
+        toks = np.asarray(toks)  # waits for that step only; the next one is already queued
         now = time.perf_counter()
+        last = self.step_end_times[-1] if self.step_end_times else t0
         self.steps += 1
-        self.blocks_loaded += self.kv.blocks_loaded(self._active)
-        self.step_times.append(now - t0)
+        self.blocks_loaded += self.kv.blocks_loaded([r is not None for r in snapshot])
+        # a step's time in the pipeline: from the previous collection (or its issue) to its own
+        self.step_times.append(now - max(t0, last))
         self.step_end_times.append(now)
-        for slot in np.flatnonzero(self._active):
-            self._emit(int(slot), int(toks[slot]), now)
+        for slot, r in enumerate(snapshot):
+            s = self._slots[slot]
+            if r is not None and r.finish_reason is None and s is not None and s.request is r:
+                self._emit(slot, int(toks[slot]), now)
 
     def _emit(self, slot: int, tok: int, now: float) -> None:
         """Record token ``tok`` of the request in ``slot``: end it or report new text."""

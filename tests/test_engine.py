@@ -175,6 +175,6 @@ def test_offloaded_engine_matches_single_request_generation(smollm2):
         s = engine.stats()
         assert s["blocks_loaded"] > 0 and engine.idle() and s["working_set_bytes"] == 0
         assert all(h.k.sharding.memory_kind == "pinned_host" for h in engine.kv.state.host if h is not None)
-        assert not engine.kv.state.counters  # drained every step
+        assert len(engine.kv.state.counters) <= 1  # drained at every collection (the newest: in flight)
     finally:
         engine.stop()
