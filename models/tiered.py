@@ -252,29 +252,37 @@ class TieredRunner:
         return self._head(params, tfm.last_valid(cur["x"], lengths)), state
 
     # -- decode --------------------------------------------------------------------
-    def decode_step(self, tokens, state: TieredState):
+    def decode_step(self, tokens, state: TieredState, active=None):
         """One token per row: f32 logits ``[B, V]``; ``state`` is updated in place
-        (its device buffers are donated to the step)."""
-        if int(state.lengths_host.max()) >= state.max_len:
+        (its device buffers are donated to the step). ``active`` (``bool[B]``, optional;
+        the serving engine's free slots): rows outside it keep their length and save
+        no block (what the step wrote for them is garbage, overwritten on insertion)."""
+        live = np.ones(state.lengths_host.shape, bool) if active is None else np.asarray(active, bool)
+        if live.any() and int(state.lengths_host[live].max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         logits, state.cache = self._decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache,
                                            state.host)
-        state.lengths_host = state.lengths_host + 1
+        state.lengths_host = state.lengths_host + live
+        if active is not None:
+            # placed like the program's own output: an uncommitted array would compile the step again
+            lengths = jax.device_put(state.lengths_host.astype(np.int32), state.cache.lengths.sharding)
+            state.cache = dataclasses.replace(state.cache, lengths=lengths)
         if self.offloaded_layers:
             state.counters.append([(state.cache.layers[i].hits, state.cache.layers[i].misses)
                                    for i in self.offloaded_layers])
         self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
-        self._start_save(state)
+        self._start_save(state, live)
         return logits
 
-    def _start_save(self, state: TieredState):
+    def _start_save(self, state: TieredState, live=None):
         """Copy the blocks completed by this step to the host (asynchronously): one
-        jitted call and one device-to-host copy for all rows that completed one."""
+        jitted call and one device-to-host copy for all (``live``) rows that completed one."""
         if not self.offloaded_layers:
             return
         idx = self.offloaded_layers
         bs = state.cache.layers[idx[0]].block_size
-        rows = np.nonzero(state.lengths_host % bs == 0)[0]
+        done = state.lengths_host % bs == 0
+        rows = np.nonzero(done if live is None else done & live)[0]
         if not rows.size:
             return
         pool = state.cache.layers[idx[0]].pool_slots

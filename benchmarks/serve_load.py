@@ -1,0 +1,340 @@
+"""Serving under load: Poisson arrivals at a sweep of rates through the engine.
+
+``python -m benchmarks.serve_load`` drives :class:`models.engine.Engine` (no
+HTTP: the engine is what is measured) on a Qwen3-8B-shaped model with random
+bf16 weights (content does not change decode time; requests run to their
+output length, ``ignore_eos``). For each attention method (``--methods``;
+``dense`` is the dense engine baseline, all KV resident; a sparse method runs
+resident) and each arrival rate (``--rates``, requests/s):
+
+* ``--requests`` requests arrive as a Poisson process (seeded). Prompt lengths
+  come from ``--prompt-mix`` (``LENGTH:WEIGHT,...``; each draw is uniform in
+  ``(LENGTH/2, LENGTH]``, so a mix entry is one prefill bucket), outputs are
+  uniform in ``[--output-min, --output-max]`` tokens;
+* reported: mean and P99 TTFT (arrival to first token), mean and P99 TBT
+  (gaps between a request's tokens), mean queueing delay (arrival to prefill
+  start), output-token throughput, mean decode batch, completed requests;
+* goodput: the largest rate with P99 TBT <= 25x one decode iteration and mean
+  queueing <= 2 s (SparseServe / Sarathi-Serve), every request completed. One
+  decode iteration is measured per method before the sweep: the median step
+  with every slot decoding a prompt of the smallest mix length.
+
+Bounded: at most ``--requests`` per rate, and a rate stops after
+``--time-limit`` seconds (unfinished requests are cancelled and reported).
+Every prefill bucket and the step compile in a warm-up before the sweep.
+
+``NAME:offload`` in ``--methods`` runs the method offloaded (KV blocks in
+pinned host memory, per-slot pools); its rows report the KV blocks loaded
+from the host per iteration. Not measured yet (the engine lacks them,
+``docs/serving.md``): working-set admission, a pool shared across slots,
+layer-segmented prefill interleaved with decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, write_results
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    rate: float
+    arrivals: tuple[float, ...]       # seconds after the start
+    prompt_lens: tuple[int, ...]
+    output_lens: tuple[int, ...]
+
+
+def parse_mix(text: str) -> list[tuple[int, float]]:
+    """``"8192:0.5,16384:0.5"`` -> [(8192, 0.5), (16384, 0.5)] (weights normalised)."""
+    out = []
+    for part in text.split(","):
+        length, _, weight = part.partition(":")
+        try:
+            out.append((int(length), float(weight or 1)))
+        except ValueError:
+            raise ValueError(f"--prompt-mix entries are LENGTH:WEIGHT, got {part!r}") from None
+    if not out or any(n < 2 or w <= 0 for n, w in out):
+        raise ValueError(f"--prompt-mix needs lengths >= 2 and weights > 0, got {text!r}")
+    total = sum(w for _, w in out)
+    return [(n, w / total) for n, w in out]
+
+
+def make_workload(rate: float, n: int, mix, out_min: int, out_max: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, n)
+    arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at once
+    lens = np.asarray([m for m, _ in mix])
+    picks = lens[rng.choice(len(mix), n, p=[w for _, w in mix])]
+    prompts = np.asarray([rng.integers(p // 2 + 1, p + 1) for p in picks])
+    outs = rng.integers(out_min, out_max + 1, n)
+    return Workload(rate, tuple(float(a) for a in arrivals), tuple(int(p) for p in prompts), tuple(int(o) for o in outs))
+
+
+def _pct(x, q):
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> dict:
+    """Submit ``wl`` in real time to the running engine; metrics of this rate."""
+    from models.engine import SamplingParams
+
+    rng = np.random.default_rng(seed + 1)
+    reqs = []
+    steps0 = engine.steps
+    blocks0 = engine.blocks_loaded
+    start = time.perf_counter()
+    stop_submitting = threading.Event()
+
+    def submitter():
+        for a, p, o in zip(wl.arrivals, wl.prompt_lens, wl.output_lens):
+            delay = start + a - time.perf_counter()
+            if delay > 0 and stop_submitting.wait(delay):
+                return
+            ids = rng.integers(0, vocab, p).tolist()
+            reqs.append(engine.submit(engine.make_request(ids, SamplingParams(max_tokens=o, ignore_eos=True))))
+
+    t = threading.Thread(target=submitter, daemon=True)
+    t.start()
+    deadline = start + time_limit
+    ws_samples = []  # the running requests' working sets (the scheduler's estimate), sampled
+    while time.perf_counter() < deadline:
+        if not t.is_alive() and len(reqs) == len(wl.arrivals) and all(r.done.is_set() for r in reqs):
+            break
+        st = engine.stats()
+        if st["active_slots"]:
+            ws_samples.append(st["working_set_bytes"])
+        time.sleep(0.01)
+    stop_submitting.set()
+    t.join()
+    for r in reqs:
+        if not r.done.is_set():
+            engine.cancel(r)
+    for r in reqs:
+        r.done.wait(60)
+    end = max((r.token_times[-1] for r in reqs if r.token_times), default=time.perf_counter())
+    done = [r for r in reqs if r.finish_reason == "length"]
+    ttft = [r.t_first - r.t_arrival for r in done]
+    queue = [r.t_scheduled - r.t_arrival for r in done]
+    tbt = [g for r in done for g in np.diff(r.token_times)]
+    out_tokens = sum(len(r.output_ids) for r in reqs)
+    steps = engine.steps - steps0
+    decode_tokens = sum(max(0, len(r.output_ids) - 1) for r in reqs)  # the first token comes from the prefill
+    return {"rate": wl.rate, "submitted": len(reqs), "requests": len(wl.arrivals), "completed": len(done),
+            "wall_s": end - start, "mean_ttft_s": float(np.mean(ttft)) if ttft else float("nan"),
+            "p99_ttft_s": _pct(ttft, 99), "mean_tbt_ms": 1e3 * float(np.mean(tbt)) if tbt else float("nan"),
+            "p99_tbt_ms": 1e3 * _pct(tbt, 99), "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
+            "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
+            "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
+            "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0,
+            "mean_working_set_mib": float(np.mean(ws_samples)) / 2**20 if ws_samples else 0.0}
+
+
+def warm_up(engine, mix, vocab: int) -> float:
+    """Compile every prefill bucket of the mix and the step; returns one decode iteration
+    (ms): the median step with every slot decoding a prompt of the smallest mix length."""
+    from models.engine import SamplingParams
+
+    rng = np.random.default_rng(0)
+    for n, _ in mix:
+        engine.generate(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+    n = min(m for m, _ in mix)
+    reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=24, ignore_eos=True))
+            for _ in range(engine.slots)]
+    k = len(engine.step_times)
+    for r in reqs:
+        engine.submit(r)
+    for r in reqs:
+        r.done.wait(600)
+    times, ends = engine.step_times[k:], engine.step_end_times[k:]
+    # the steps after the last insertion: every slot decoding
+    last_insert = max(r.t_first for r in reqs)
+    full = [dt for dt, t in zip(times, ends) if t > last_insert]
+    return 1e3 * float(np.median(full or times))
+
+
+def goodput(rows: list[dict], iteration_ms: float) -> float | None:
+    ok = [r["rate"] for r in rows if r["completed"] == r["requests"] and r["p99_tbt_ms"] <= 25 * iteration_ms
+          and r["mean_queue_s"] <= 2.0]
+    return max(ok) if ok else None
+
+
+def build_model(args, method_name: str):
+    import models
+    from benchmarks.offload import asynctls_for, qwen3_8b, random_model
+    from sparse_jax.methods import get_method
+
+    if args.tiny:
+        cfg = models.ModelConfig(name="tiny", arch="qwen3", num_layers=3, hidden_size=64, num_heads=4,
+                                 num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=256,
+                                 max_position=args.max_len, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False)
+    else:
+        cfg = qwen3_8b(max(args.max_len, 40960))
+    if method_name == "asynctls":
+        method = asynctls_for(cfg, args.budget, args.kb)
+        if args.tiny:  # 64-token blocks do not fit the tiny prompts
+            method = dataclasses.replace(method, block_size=16)
+    elif method_name == "double_sparsity":
+        chans = tuple(tuple(range(h % 4, cfg.head_dim, 4))[:cfg.head_dim // 4] for h in range(cfg.num_kv_heads))
+        method = get_method("double_sparsity", budget=args.budget, channels_per_layer=(chans,) * cfg.num_layers)
+    elif method_name == "dense":
+        method = get_method("dense")
+    else:
+        method = get_method(method_name, budget=args.budget)
+    return random_model(cfg, method, args.max_len, seed=0)
+
+
+def run(args) -> dict:
+    import jax
+
+    from models.engine import Engine
+
+    mix = parse_mix(args.prompt_mix)
+    rates = [float(r) for r in args.rates.split(",")]
+    runs = []
+    for label in args.methods.split(","):
+        method_name, _, where = label.partition(":")
+        model = build_model(args, method_name)
+        engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                        offload=where == "offload", pool_slots=args.pool_slots).start()
+        try:
+            t0 = time.perf_counter()
+            iteration_ms = warm_up(engine, mix, model.config.vocab_size)
+            warm_s = time.perf_counter() - t0
+            print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
+                  f"{iteration_ms:.2f} ms", flush=True)
+            rows = []
+            for i, rate in enumerate(rates):
+                wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
+                row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i)
+                row["method"] = label
+                rows.append(row)
+                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+                print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
+            runs.append({"method": label, "offloaded": where == "offload", "slots": engine.slots,
+                         "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
+                         "goodput_rps": goodput(rows, iteration_ms)})
+        finally:
+            engine.stop()
+            del engine, model
+            gc.collect()
+            jax.clear_caches()
+    return {"stamp": stamp(), "model": "tiny" if args.tiny else "qwen3-8b (random bf16 weights)",
+            "prompt_mix": mix, "output_range": [args.output_min, args.output_max], "requests_per_rate": args.requests,
+            "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb, "runs": runs}
+
+
+def render(payload: dict) -> str:
+    s = payload["stamp"]
+    md = [f"# Serving under load ({payload['model']})", "",
+          f"- device: {s['device']} ({s['backend']}), jax {s['jax']}, {s['date']}, commit {s['git_commit']}",
+          f"- command: `{s['command']}`",
+          f"- prompt mix {payload['prompt_mix']}, outputs {payload['output_range']} tokens, "
+          f"{payload['requests_per_rate']} requests per rate, at most {payload['time_limit_s']} s per rate", ""]
+    summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
+                "iteration_ms": r["iteration_ms"], "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
+                "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none"}
+               for r in payload["runs"]]
+    md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
+    rows = [row for r in payload["runs"] for row in r["rows"]]
+    cols = ["method", "rate", "completed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
+            "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
+            "mean_working_set_mib"]
+    md += [markdown_table(rows, cols), ""]
+    return "\n".join(md)
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("mean_ttft_s", "mean TTFT (s)"), ("p99_tbt_ms", "P99 TBT (ms)"), ("throughput_tok_s", "tokens/s")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for run_ in payload["runs"]:
+        rates = [r["rate"] for r in run_["rows"]]
+        for ax, (k, title) in zip(axes, keys):
+            ax.plot(rates, [r[k] for r in run_["rows"]], marker="o", label=run_["method"])
+            ax.set_title(title)
+            ax.set_xlabel("request rate (req/s)")
+        axes[1].axhline(25 * run_["iteration_ms"], ls=":", lw=0.8, color=axes[1].lines[-1].get_color())
+    axes[0].legend()
+    fig.suptitle(f"{payload['model']}, {payload['stamp'].get('device', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge(paths: list[str]) -> dict:
+    """One payload from several runs (e.g. one method per device command)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(parts[0])
+    out["runs"] = [r for p in parts for r in p["runs"]]
+    out["parts"] = [p["stamp"] for p in parts]
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
+                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded")
+    p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
+    p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
+    p.add_argument("--requests", type=int, default=12, help="requests per rate")
+    p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")
+    p.add_argument("--output-min", type=int, default=128)
+    p.add_argument("--output-max", type=int, default=512)
+    p.add_argument("--slots", type=int, default=4, help="decode slots (R_max)")
+    p.add_argument("--max-len", type=int, default=None, help="cache per slot (default: max prompt + max output)")
+    p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max")
+    p.add_argument("--budget", type=int, default=2048, help="sparse methods' token budget")
+    p.add_argument("--kb", type=int, default=128, help="asynctls: blocks of the filter")
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per rate at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--name", default="serve_load")
+    p.add_argument("--merge", default=None, help="comma-separated result JSONs to join (no run)")
+    a = p.parse_args(argv)
+    if a.merge is None:
+        mix = parse_mix(a.prompt_mix)
+        if not 1 <= a.output_min <= a.output_max:
+            p.error("need 1 <= --output-min <= --output-max")
+        if a.max_len is None:
+            from models.api import round_up
+
+            a.max_len = round_up(max(m for m, _ in mix) + a.output_max, 64)
+        if max(m for m, _ in mix) + a.output_max > a.max_len:
+            p.error(f"--max-len {a.max_len} is below the longest prompt + output")
+        if a.requests < 1 or a.time_limit <= 0 or a.slots < 1:
+            p.error("--requests, --time-limit and --slots must be positive")
+        try:
+            rates = [float(r) for r in a.rates.split(",")]
+        except ValueError:
+            p.error(f"--rates must be comma-separated numbers, got {a.rates!r}")
+        if any(r <= 0 for r in rates):
+            p.error("--rates must be > 0")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = merge(args.merge.split(",")) if args.merge else run(args)
+    out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
+    plot(payload, out / f"{args.name}.png")
+    print(render(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,864 @@
+"""A serving engine: requests prefilled, inserted into decode slots, decoded together.
+
+JetStream's structure (prefill / insert / generate over a fixed number of
+slots) on this project's pure functions, with SparseServe's scheduler limits
+(``docs/serving.md``):
+
+* **Slots.** One decode cache of ``slots`` rows (``model.init_cache(slots,
+  max_len)``). Every leaf of it, the method's per-layer state included, has the
+  batch as its leading axis: :func:`check_slot_axis` proves it on the cache's
+  shapes before anything compiles, because :func:`insert_slot` writes a
+  request's row into every leaf at index ``slot``.
+* **Prefill** runs one request at a time, ``tokens int32[1, T_bucket]`` into a
+  fresh one-row cache of the same ``max_len`` (``model.fns.prefill``, one
+  program per prompt bucket), and samples the first token from its logits.
+* **Insert** writes that one-row cache into the free slot (one jitted program,
+  the decode cache donated).
+* **Generate**: one jitted program per step over all slots (the cache
+  donated): the model's decode step, then per-row sampling (greedy, or
+  temperature / top-p from each request's own seed). Rows whose slot is free
+  are masked: their ``lengths`` do not advance, so a free row never runs past
+  its capacity; whatever it writes is overwritten by the next insert.
+* **One step ahead**: step t+1 is issued before step t's tokens are read, so
+  the device runs while the host reports tokens (:meth:`Engine._decode`).
+* **Ends.** A slot is freed on an end-of-sequence token, ``max_tokens``, a
+  stop string, or cancellation (:meth:`Engine.cancel`, e.g. a client that
+  disconnected).
+
+Threading: :meth:`Engine.start` runs :meth:`Engine.iterate` in a thread of
+its own; :meth:`Engine.submit` and :meth:`Engine.cancel` may be called from any
+thread. Each request reports through its ``on_event`` callback, called on the
+engine's thread (the server forwards to its asyncio loop).
+
+Where the KV lives: :class:`ResidentSlots` (every slot on the device, the
+engine's own step program) or, with ``offload=True``, :class:`OffloadedSlots`
+(every KV block in pinned host memory, a device pool per slot:
+:class:`models.tiered.TieredRunner` with an active-row mask).
+
+The scheduler (:class:`Scheduler`) is FCFS under R_max requests, T_max tokens
+per iteration and M_avl device bytes, with SparseServe's first-fit admission
+on a working-set estimate (Alg. 1): the reservation when resident, the blocks
+used over the last 12 steps (measured on the device) when offloaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import transformer as tfm
+from sparse_jax.cache import KVCache
+
+# -----------------------------------------------------------------------------
+# Requests and events
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it ends.
+
+    ``temperature`` 0 is greedy; otherwise temperature / nucleus (``top_p``)
+    sampling from ``seed`` (the same seed gives the same tokens whatever else
+    is in the batch). ``stop``: strings that end the output (not included).
+    ``ignore_eos``: run to ``max_tokens`` (load benchmarks on random weights)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        if int(self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= int(self.seed) < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)}")
+
+
+@dataclasses.dataclass
+class Event:
+    """What the engine reports to a request: ``kind`` "token" (``text`` the new
+    text, ``token_ids`` the new ids; text may lag ids while an incomplete UTF-8
+    sequence or a possible stop string is held back) or "done" (with
+    ``finish_reason``: "stop", "length" or "cancelled"; ``text`` any text left)."""
+
+    kind: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+
+
+class Request:
+    """One generation: the prompt's ids, its sampling parameters, and what the
+    engine recorded about it (times are ``time.perf_counter()`` seconds)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 on_event: Callable[[Event], Any] | None = None):
+        self.id = next(Request._ids)
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self.params = params
+        self.on_event = on_event
+        self.output_ids: list[int] = []
+        self.text = ""            # the output text sent so far
+        self.finish_reason: str | None = None
+        self.cancelled = False    # set from any thread; the engine acts on it next iteration
+        self.slot: int | None = None
+        self.t_arrival = time.perf_counter()
+        self.t_scheduled: float | None = None   # prefill started
+        self.t_first: float | None = None       # first token produced
+        self.token_times: list[float] = []      # one per output token
+        self.done = threading.Event()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Cache positions the request can occupy: its prompt and every token it may generate."""
+        return self.prompt_len + int(self.params.max_tokens)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, prompt={self.prompt_len} tokens, out={len(self.output_ids)}, "
+                f"slot={self.slot}, finish={self.finish_reason})")
+
+
+# -----------------------------------------------------------------------------
+# The scheduler
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    """Running totals (read by ``/health`` and the tests: empty means nothing leaked)."""
+
+    admitted: int = 0
+    deferred_for_tokens: int = 0   # an iteration left a waiting request out for T_max
+    deferred_for_memory: int = 0   # ... for M_avl (Alg. 1's "reset")
+    working_set_bytes: int = 0     # the running requests' estimated working sets, summed
+
+
+class Scheduler:
+    """FCFS admission under three limits (SparseServe §3.3, Alg. 1):
+
+    * ``max_requests`` (R_max): requests in the batch (at most the slots);
+    * ``max_tokens_per_iter`` (T_max): tokens one iteration runs, the running
+      requests' decode tokens plus the prompts prefilled in it. A prompt longer
+      than what is left runs alone in an iteration without other prefills (it
+      would otherwise never fit: there is no chunked prefill yet);
+    * ``kv_bytes`` (M_avl): device bytes for the KV of the batch.
+
+    ``base`` order is FCFS and stops at the first request that does not fit
+    R_max / T_max (vLLM's ``get_batch``); over those candidates, Alg. 1
+    admits first-fit while the working sets fit M_avl, leaving the others
+    waiting.
+
+    The working set (``working_set(request)``, a hook). Resident: the KV a
+    request reserves, ``(prompt + max_tokens) x kv_bytes_per_token`` (what a
+    paged allocator would hold). Offloaded (:meth:`OffloadedSlots.working_set`):
+    SparseServe's estimate for a decoding request, the blocks it used over the
+    last w = 12 steps, counted on the device and read back one step late; for
+    a prompt, the blocks its first step reads. The pools are per slot, so on
+    its own this admission changes nothing yet: it matters once the pool is
+    shared across slots (``docs/serving.md``). Layer-segmented prefill (a
+    prompt's working set = one layer of its KV) is not built.
+    """
+
+    def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
+                 kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None):
+        if max_requests < 1:
+            raise ValueError(f"max_requests (R_max) must be >= 1, got {max_requests}")
+        if max_tokens_per_iter < 1:
+            raise ValueError(f"max_tokens_per_iter (T_max) must be >= 1, got {max_tokens_per_iter}")
+        if kv_bytes < 1:
+            raise ValueError(f"kv_bytes (M_avl) must be >= 1, got {kv_bytes}")
+        self.max_requests = int(max_requests)
+        self.max_tokens_per_iter = int(max_tokens_per_iter)
+        self.kv_bytes = int(kv_bytes)
+        self.kv_bytes_per_token = float(kv_bytes_per_token)
+        self.working_set = working_set or self.reserved_bytes
+        self.counters = SchedulerCounters()
+
+    def reserved_bytes(self, r: Request) -> int:
+        return int(math.ceil(r.reserved_tokens * self.kv_bytes_per_token))
+
+    def check_admissible(self, r: Request) -> None:
+        """ValueError when ``r`` could never be admitted, even into an empty engine."""
+        ws = self.working_set(r)
+        if ws > self.kv_bytes:
+            raise ValueError(f"the request needs {ws} bytes of KV ({r.reserved_tokens} tokens), more than the "
+                             f"engine's KV budget M_avl of {self.kv_bytes} bytes")
+
+    def admit(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> list[Request]:
+        """The waiting requests to prefill this iteration (FCFS candidates, then first-fit on M_avl)."""
+        room = min(free_slots, self.max_requests - len(running))
+        tokens = len(running)  # each running request decodes one token this iteration
+        candidates: list[Request] = []
+        for r in waiting:
+            if len(candidates) >= room:
+                break
+            if tokens + r.prompt_len > self.max_tokens_per_iter and candidates:
+                self.counters.deferred_for_tokens += 1
+                break
+            candidates.append(r)
+            tokens += r.prompt_len
+        used = sum(self.working_set(r) for r in running)
+        batch = []
+        for r in candidates:
+            m = self.working_set(r)
+            if used + m <= self.kv_bytes:
+                batch.append(r)
+                used += m
+            else:
+                self.counters.deferred_for_memory += 1
+        self.counters.admitted += len(batch)
+        self.counters.working_set_bytes = used
+        return batch
+
+
+# -----------------------------------------------------------------------------
+# Pure pieces (jitted by the engine)
+# -----------------------------------------------------------------------------
+
+
+def check_slot_axis(model, max_len: int) -> None:
+    """Raise ValueError unless every leaf of the model's cache has the batch as its
+    leading axis (checked on shapes: a cache of 1 row against one of 2 rows, nothing
+    allocated). The engine inserts a request by writing index ``slot`` of every
+    leaf, so a leaf without the batch axis would be silently shared by all slots."""
+    one = jax.eval_shape(lambda: model.init_cache(1, max_len))
+    two = jax.eval_shape(lambda: model.init_cache(2, max_len))
+    bad = []
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(two)):
+        if not (a.ndim >= 1 and a.shape[0] == 1 and b.shape[0] == 2 and a.shape[1:] == b.shape[1:]):
+            bad.append(f"{jax.tree_util.keystr(path)}: {a.shape} at batch 1, {b.shape} at batch 2")
+    if bad:
+        raise ValueError("the engine needs every cache leaf (the method's state included) to have the batch as "
+                         "its leading axis; these do not: " + "; ".join(bad))
+
+
+def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+    """``cache`` (``B`` rows, donated) with row ``slot`` of every leaf replaced by the
+    one-row ``row`` (a prefilled request), lengths included."""
+    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), slot, 0),
+                        cache, row)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """One token per row from f32 ``logits [B, V]``: argmax where ``temperature[b] == 0``,
+    else a draw from ``softmax(logits / temperature)`` restricted to the smallest set of
+    top tokens whose mass reaches ``top_p[b]``. Row ``b`` draws with the key
+    ``fold_in(key(seeds[b]), counters[b])`` (``counters``: the output token's index),
+    so a request's tokens do not depend on its slot or its neighbours. -> ``int32[B]``."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
+        z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+        order = jnp.argsort(-z, axis=-1)
+        zs = jnp.take_along_axis(z, order, axis=-1)
+        p = jax.nn.softmax(zs, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token: the top one is always kept
+        zs = jnp.where(before < top_p[:, None], zs, -jnp.inf)
+        pick = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, zs)
+        tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    # the sort over the vocabulary only when some row samples
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef, cfg, method, unroll: bool):
+    """The engine's jitted programs for one model structure and method."""
+
+    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
+        logits, new = tfm.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll)
+        # free slots do not advance: they never run past their capacity
+        new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
+        return sample_rows(logits, seeds, counters, temperature, top_p), new
+
+    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
+
+
+@jax.jit
+def _merge_tokens(fresh: jax.Array, host: jax.Array, device: jax.Array) -> jax.Array:
+    """``int32[B]``: the host's token where ``fresh`` (a request inserted since the last
+    step), else the token the last step sampled, still on the device."""
+    return jnp.where(fresh, host, device)
+
+
+def prefill_bucket(n: int, max_len: int) -> int:
+    """The padded prompt length a prompt of ``n`` tokens is prefilled at: a multiple of
+    64 up to 1024 tokens (as ``Model.generate``), then powers of two, capped at
+    ``max_len``: few compilations for long prompts."""
+    b = -(-n // 64) * 64 if n <= 1024 else 1 << (n - 1).bit_length()
+    return min(b, max_len)
+
+
+# -----------------------------------------------------------------------------
+# Where the slots' KV lives
+# -----------------------------------------------------------------------------
+
+
+class ResidentSlots:
+    """Every slot's KV on the device: ``model.init_cache(slots, max_len)``, decoded by the
+    engine's own step program (the model's decode step + sampling, cache donated)."""
+
+    offloaded = False
+
+    def __init__(self, model, slots: int, max_len: int, unroll: bool):
+        check_slot_axis(model, max_len)
+        self.model, self.slots, self.max_len = model, slots, max_len
+        self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
+        self.cache = model.init_cache(slots, max_len)
+        self.device_bytes = self.cache.nbytes()
+
+    def prefill(self, ids: Sequence[int]):
+        """``(logits f32[1, V], one-row cache)`` of a prompt."""
+        m, n = self.model, len(ids)
+        tokens = np.full((1, prefill_bucket(n, self.max_len)), m._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        return m.fns.prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                             m.init_cache(1, self.max_len))
+
+    def insert(self, row, slot: int) -> None:
+        self.cache = self._insert(self.cache, row, jnp.int32(slot))
+
+    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+        toks, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
+                                      jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
+                                      jnp.asarray(top_p))
+        return toks
+
+    def blocks_loaded(self, active) -> int:
+        return 0
+
+    working_set = None  # the scheduler's reservation estimate
+
+
+def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+    """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
+    tiers: every leaf but the per-step block counters (``hits, misses [B*Hkv]``, rewritten
+    by every step) takes row ``slot`` from ``row``."""
+    from sparse_jax.offload.tiers import OffloadedLayer
+
+    layers = []
+    for big, one in zip(cache.layers, row.layers):
+        if isinstance(big, OffloadedLayer):
+            strip = lambda e: dataclasses.replace(e, hits=None, misses=None)  # noqa: E731
+            new = insert_slot(strip(big), strip(one), slot)
+            layers.append(dataclasses.replace(new, hits=big.hits, misses=big.misses))
+        else:
+            layers.append(insert_slot(big, one, slot))
+    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
+    return KVCache(tuple(layers), lengths, cache.max_len)
+
+
+WORKING_SET_WINDOW = 12  # SparseServe's w: decode steps whose selected blocks form a request's working set
+
+
+def offloaded_working_set(cache: KVCache, window: int = WORKING_SET_WINDOW) -> jax.Array:
+    """``int32[B]``: per row, the KV blocks (over the offloaded layers and KV heads) it
+    used in the last ``window`` decode steps: the pool slots whose LRU clock (the row's
+    length when the slot was last needed) lies within the window, plus the two ring
+    blocks per layer and head. SparseServe's decode working set (§3.3, the union of
+    the blocks selected over the last w steps), read from the pool's own record: a
+    block evicted within the window is not counted."""
+    from sparse_jax.offload.tiers import OffloadedLayer
+
+    total = jnp.zeros(cache.lengths.shape, jnp.int32)
+    for e in cache.layers:
+        if isinstance(e, OffloadedLayer):
+            recent = (e.slot_block >= 0) & (e.slot_used > cache.lengths[:, None, None] - window)
+            total = total + recent.sum((1, 2)).astype(jnp.int32) + 2 * e.slot_block.shape[1]
+    return total
+
+
+class OffloadedSlots:
+    """Every slot's KV blocks in pinned host memory (:class:`models.tiered.TieredRunner`,
+    ``mode="offload"``, per-row pools): the device keeps each slot's pool, ring and
+    method state. A request is prefilled layer by layer into a one-row tiered state;
+    insertion writes its device tier into the slot (one jitted program) and copies its
+    host blocks into the slot's rows of the host tier on the CPU."""
+
+    offloaded = True
+
+    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None):
+        from models.tiered import TieredRunner
+        from sparse_jax.offload.tiers import OffloadedLayer
+
+        self.model, self.slots, self.max_len = model, slots, max_len
+        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots)
+        cfg, dt = model.config, model.dtype
+
+        def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
+            shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+            return jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((slots, cfg.num_heads, cfg.head_dim), dt)
+
+        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len)
+        bad = []
+        for i, e in enumerate(self.state.cache.layers):
+            e = dataclasses.replace(e, hits=None, misses=None) if isinstance(e, OffloadedLayer) else e
+            bad += [f"layer {i}: {a.shape}" for a in jax.tree.leaves(e) if a.ndim < 1 or a.shape[0] != slots]
+        bad += [f"host tier {i}: {h.k.shape}" for i, h in enumerate(self.state.host)
+                if h is not None and h.k.shape[0] != slots]
+        if bad:
+            raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
+        self._insert = jax.jit(insert_tiered_slot, donate_argnums=(0,))
+        self._sample = jax.jit(sample_rows)
+        self._working_set = jax.jit(offloaded_working_set)
+        self._copiers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+                                                              thread_name_prefix="sparse-jax-insert")
+        self.device_bytes = self.state.cache.nbytes()
+        method = self.runner.method
+        self.block_size = method.offload_block_size
+        self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
+        self.layer_heads = len(self.runner.offloaded_layers) * cfg.num_kv_heads
+        self.blocks_per_step = method.offload_blocks_per_step(max_len)
+        self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
+        self._ws_pending = None  # (int32[slots] on the device, the step it measured)
+        self._steps = 0
+        self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
+
+    def prefill(self, ids: Sequence[int]):
+        n = len(ids)
+        t = prefill_bucket(n, self.max_len)
+        t = t if t < self.max_len else n  # the tiered prefill needs room for one decode token
+        tokens = np.full((1, t), self.model._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        return self.runner.prefill(tokens, np.asarray([n], np.int32), self.max_len)
+
+    def insert(self, row, slot: int) -> None:
+        st = self.state
+        self.runner.finish(st)  # saves still pending for the slot's last occupant land first
+        st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
+        def copy(i):  # one CPU copy per layer and K/V, view to view (NumPy releases the GIL)
+            kview, vview = self.runner._views(st, i)
+            row_k, row_v = self.runner._views(row, i)
+            kview[slot] = row_k[0]
+            vview[slot] = row_v[0]
+
+        # several threads, as SparseServe's CPU-assisted saving: one thread copies ~5-10 GB/s, and a
+        # 16K-token row of Qwen3-8B is 2.4 GB, copied while the engine waits
+        list(self._copiers.map(copy, self.runner.offloaded_layers))
+        st.lengths_host[slot] = row.lengths_host[0]
+        self.ws_blocks[slot] = 0  # measured again after its first step
+        self._inserted_at[slot] = self._steps
+
+    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+        logits = self.runner.decode_step(tokens, self.state, active=active)
+        if self.state.counters:  # the counters are leaves of the cache the next step donates: keep copies
+            self.state.counters[-1] = [(None, jnp.copy(m)) for _, m in self.state.counters[-1]]
+        self._steps += 1
+        if self._ws_pending is not None:  # last step's working sets, copied meanwhile: one step stale
+            ws, step = self._ws_pending
+            ws = np.asarray(ws).astype(np.int64)
+            fresh = self._inserted_at < step  # a slot filled since then holds another request now
+            self.ws_blocks[fresh] = ws[fresh]
+        ws = self._working_set(self.state.cache)
+        ws.copy_to_host_async()
+        self._ws_pending = (ws, self._steps)
+        return self._sample(logits, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
+                            jnp.asarray(top_p))
+
+    def working_set(self, r: Request) -> int:
+        """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
+        once it decodes; for a prompt, the blocks its first step reads (its selection,
+        at most the prompt's blocks, plus the ring) in every offloaded layer and head."""
+        if r.slot is not None and r.output_ids and self.ws_blocks[r.slot] > 0:
+            return int(self.ws_blocks[r.slot]) * self.block_bytes
+        first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + 2
+        return first * self.layer_heads * self.block_bytes
+
+    def blocks_loaded(self, active) -> int:
+        """Blocks the step being collected copied from the host for its ``active`` rows
+        (all layers, KV heads); drains the runner's per-step counters so they do not grow."""
+        st = self.state
+        if len(st.counters) < 2:
+            return 0
+        # the newest entry is the step just issued (still running): counted at the next collection
+        done, st.counters[:] = st.counters[:-1], st.counters[-1:]
+        hkv = self.model.config.num_kv_heads
+        rows = np.asarray(active, bool)
+        return int(sum(np.asarray(m).reshape(self.slots, hkv)[rows].sum() for step in done for _, m in step))
+
+
+# -----------------------------------------------------------------------------
+# The engine
+# -----------------------------------------------------------------------------
+
+
+class _Slot:
+    """Host-side bookkeeping of one occupied slot."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.held_text = ""  # decoded but not yet sent (incomplete UTF-8, a possible stop string)
+
+
+class Engine:
+    """Continuous batching over ``slots`` decode rows (module docstring).
+
+    Args:
+      model: a :class:`models.api.Model` (resident KV; any registered method).
+      slots: decode rows, the most requests decoding at once.
+      max_len: cache capacity per slot (prompt + output); default the model's ``max_len``.
+      max_requests: R_max (default ``slots``).
+      max_tokens_per_iter: T_max (default ``max_len + slots``: one full prompt per iteration).
+      kv_bytes: M_avl in bytes (default the decode cache's bytes: every slot full).
+      stop_ids: token ids that end a request (default the model's end-of-sequence ids).
+      offload: KV blocks in pinned host memory (:class:`OffloadedSlots`; a method whose
+        selection names blocks), else every slot resident (:class:`ResidentSlots`).
+      pool_slots: offloaded: resident block slots per (row, KV head) (default: the runner's).
+    """
+
+    def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
+                 max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
+                 stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
+                 pool_slots: int | None = None):
+        if int(slots) < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        from models.api import round_up
+
+        self.model = model
+        self.slots = int(slots)
+        limit = min(model.max_len, model.config.max_position)
+        max_len = limit if max_len is None else int(max_len)
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"max_len must be in [1, {limit}] (the model's context), got {max_len}")
+        self.max_len = round_up(max_len, model.method.cache_multiple)
+        # the context a request may use: the capacity rounded up for block methods is not the model's;
+        # offloaded, the tiered prefill keeps one position free
+        self.context = min(max_len, limit, self.max_len - 1 if offload else self.max_len)
+        self.tokenizer = model.tokenizer
+        self.stop_ids = frozenset(int(i) for i in (model._stop_ids() if stop_ids is None else stop_ids))
+        if unroll is None:
+            unroll = tfm.default_unroll()
+        self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots) if offload
+                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
+        cache_bytes = self.kv.device_bytes
+        # resident: bytes per cached token; offloaded the device holds a fixed tier per slot, so this
+        # spreads it over the slot's positions (the working-set estimate is not built: Scheduler)
+        self.kv_bytes_per_token = cache_bytes / (self.slots * self.max_len)
+        self.scheduler = Scheduler(
+            max_requests=self.slots if max_requests is None else min(int(max_requests), self.slots),
+            max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
+            kv_bytes=cache_bytes if kv_bytes is None else int(kv_bytes),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            working_set=self.kv.working_set)
+
+        # host-side per-slot arrays, sent with each step (a few ints per row)
+        self._tokens = np.zeros(self.slots, np.int32)
+        self._active = np.zeros(self.slots, bool)
+        self._seeds = np.zeros(self.slots, np.uint32)
+        self._counters = np.zeros(self.slots, np.int32)
+        self._temperature = np.zeros(self.slots, np.float32)
+        self._top_p = np.ones(self.slots, np.float32)
+        self._slots: list[_Slot | None] = [None] * self.slots
+        self._fresh = np.zeros(self.slots, bool)  # inserted since the last step: its token is on the host
+        self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read
+
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the counters read by stats()
+        self.steps = 0
+        self.blocks_loaded = 0  # offloaded: KV blocks copied from the host, all steps
+        self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
+        self.step_end_times: list[float] = []  # when each ended (perf_counter)
+        self.finished = collections.Counter()
+        self.error: BaseException | None = None
+
+    # -- the client side (any thread) ------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     on_event: Callable[[Event], Any] | None = None) -> Request:
+        """A checked request (ValueError, before any device work, if it cannot run)."""
+        params.check()
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got values in [{min(ids)}, {max(ids)}]")
+        n = len(ids)
+        if n >= self.context:
+            raise ValueError(f"the prompt is {n} tokens; this server's context is {self.context} tokens "
+                             f"(prompt + max_tokens), which leaves no room to generate")
+        if n + params.max_tokens > self.context:
+            raise ValueError(f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"tokens exceeds this server's context of {self.context} tokens; "
+                             f"lower max_tokens to at most {self.context - n}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        r = Request(ids, params, on_event)
+        self.scheduler.check_admissible(r)
+        return r
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request made by :meth:`make_request`; returns it."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+        request.t_arrival = time.perf_counter()
+        self._inbox.put(request)
+        self._wake.set()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ask the engine to drop ``request`` (frees its slot at the next iteration)."""
+        request.cancelled = True
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """Counters: slots in use, requests waiting, reserved KV bytes, totals."""
+        with self._lock:
+            active = int(self._active.sum())
+            return {"slots": self.slots, "active_slots": active, "free_slots": self.slots - active,
+                    "waiting": len(self._waiting) + self._inbox.qsize(),
+                    "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
+                                             if s is not None),
+                    "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
+                    "admitted": self.scheduler.counters.admitted,
+                    "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
+                    "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
+                    "finished": dict(self.finished), "running": self._thread is not None and self._thread.is_alive()}
+
+    def idle(self) -> bool:
+        s = self.stats()
+        return s["active_slots"] == 0 and s["waiting"] == 0
+
+    # -- the engine thread -------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="sparse-jax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.iterate():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001  (reported to every request, then re-raised in the thread)
+            self.error = e
+            for r in self._all_requests():
+                self._finish(r, "error")
+            raise
+
+    def _all_requests(self) -> list[Request]:
+        out = [s.request for s in self._slots if s is not None] + list(self._waiting)
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def iterate(self) -> bool:
+        """One scheduling iteration: take new requests, drop cancelled ones, prefill
+        and insert what the scheduler admits, run one decode step over the slots.
+        Returns whether it did any work."""
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        worked = False
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            self._finish(r, "cancelled")
+            worked = True
+        for s in self._slots:
+            if s is not None and s.request.cancelled:
+                self._finish(s.request, "cancelled")
+                worked = True
+        running = [s.request for s in self._slots if s is not None]
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        for r in self.scheduler.admit(list(self._waiting), running, len(free)):
+            self._waiting.remove(r)
+            self._prefill_insert(r, free.pop(0))
+            worked = True
+        if self._active.any():
+            self._decode()
+            worked = True
+        return worked
+
+    def _prefill_insert(self, r: Request, slot: int) -> None:
+        r.t_scheduled = time.perf_counter()
+        logits, row = self.kv.prefill(r.prompt_ids)
+        p = r.params
+        first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
+                                jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
+        self.kv.insert(row, slot)
+        with self._lock:
+            self._slots[slot] = _Slot(r)
+            r.slot = slot
+            self._active[slot] = True
+            self._fresh[slot] = True
+            self._seeds[slot] = p.seed
+            self._counters[slot] = 0
+            self._temperature[slot] = p.temperature
+            self._top_p[slot] = p.top_p
+        self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
+
+    def _decode(self) -> None:
+        """Issue one step, then collect the step before it: the device runs step t+1
+        while the host reads step t's tokens, reports them and decides the ends
+        (JetStream's ``copy_to_host_async`` overlap). A row fed from the device takes
+        the token its last step sampled; a row inserted since takes its first token
+        from the host. A request that ends at step t has one more step issued for it,
+        whose token is dropped (its slot's capacity allows it: prompt + max_tokens <=
+        max_len)."""
+        t0 = time.perf_counter()
+        prev = self._inflight
+        self._counters += self._active  # index of the token this step samples
+        # copies: on the CPU a device array may alias the NumPy buffer it came from, and these
+        # host arrays change while the step is still queued
+        host = [np.array(a) for a in (self._tokens, self._active, self._seeds, self._counters,
+                                      self._temperature, self._top_p, self._fresh)]
+        tokens = jnp.asarray(host[0])
+        if prev is not None:
+            tokens = _merge_tokens(jnp.asarray(host[6]), tokens, prev[0])
+        toks = self.kv.step(tokens, *host[1:6])
+        if hasattr(toks, "copy_to_host_async"):
+            toks.copy_to_host_async()
+        self._fresh[:] = False
+        snapshot = [s.request if s is not None and self._active[i] else None for i, s in enumerate(self._slots)]
+        self._inflight = (toks, snapshot, t0)
+        if prev is not None:
+            self._collect(prev)
+
+    def _collect(self, inflight) -> None:
+        toks, snapshot, t0 = inflight
+        toks = np.asarray(toks)  # waits for that step only; the next one is already queued
+        now = time.perf_counter()
+        last = self.step_end_times[-1] if self.step_end_times else t0
+        self.steps += 1
+        self.blocks_loaded += self.kv.blocks_loaded([r is not None for r in snapshot])
+        # a step's time in the pipeline: from the previous collection (or its issue) to its own
+        self.step_times.append(now - max(t0, last))
+        self.step_end_times.append(now)
+        for slot, r in enumerate(snapshot):
+            s = self._slots[slot]
+            if r is not None and r.finish_reason is None and s is not None and s.request is r:
+                self._emit(slot, int(toks[slot]), now)
+
+    def _emit(self, slot: int, tok: int, now: float) -> None:
+        """Record token ``tok`` of the request in ``slot``: end it or report new text."""
+        s = self._slots[slot]
+        r = s.request
+        p = r.params
+        if r.t_first is None:
+            r.t_first = now
+        r.token_times.append(now)
+        if tok in self.stop_ids and not p.ignore_eos:
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(tok)
+        self._tokens[slot] = tok
+        if self.tokenizer is None:
+            self._send(r, Event("token", "", (tok,)))
+        else:
+            full = self.tokenizer.decode(r.output_ids)
+            hit = min((i for i in (full.find(x, max(0, len(r.text) - len(x))) for x in p.stop) if i >= 0),
+                      default=-1)
+            if hit >= 0:  # a stop string: the text ends before it
+                s.held_text = full[len(r.text):hit]
+                self._finish(r, "stop", (tok,))
+                return
+            ready = full
+            if ready.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                ready = ready.rstrip("\ufffd")
+            ready = ready[:len(ready) - _held_for_stop(ready, p.stop)]
+            if not ready.startswith(r.text):  # decoding changed earlier text (rare): send from where it differs
+                ready = r.text + ready[len(_common_prefix(ready, r.text)):]
+            delta = ready[len(r.text):]
+            s.held_text = full[len(ready):] if full.startswith(ready) else ""
+            r.text = ready
+            self._send(r, Event("token", delta, (tok,)))
+        if len(r.output_ids) >= p.max_tokens:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, last_ids: tuple[int, ...] = ()) -> None:
+        """End ``r`` (free its slot), flush held text, report "done"."""
+        rest = ""
+        if r.slot is not None:
+            s = self._slots[r.slot]
+            if reason in ("length", "stop") and s is not None:
+                rest = s.held_text
+            with self._lock:
+                self._slots[r.slot] = None
+                self._active[r.slot] = False
+            r.slot = None
+        r.text += rest
+        r.finish_reason = reason
+        with self._lock:
+            self.finished[reason] += 1
+        self._send(r, Event("done", rest, last_ids, reason))
+        r.done.set()
+
+    def _send(self, r: Request, ev: Event) -> None:
+        if r.on_event is not None:
+            r.on_event(ev)
+
+    # -- convenience (tests, benchmarks) -----------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 600.0) -> Request:
+        """Submit and wait (the engine thread must be running)."""
+        r = self.submit(self.make_request(prompt_ids, params))
+        if not r.done.wait(timeout):
+            raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
+        return r
+
+
+def _held_for_stop(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that could begin a stop string (held back)."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]

@@ -1,0 +1,37 @@
+"""The load benchmark runs end to end on a tiny random model (CPU smoke test: it
+must not rot between GPU sessions), and its merge joins runs."""
+
+import json
+
+from benchmarks import serve_load
+
+
+def test_serve_load_tiny(tmp_path):
+    rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload", "--budget", "32", "--rates", "20,200",
+                          "--requests", "5", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
+                          "--output-max", "6", "--slots", "2", "--time-limit", "30", "--out", str(tmp_path),
+                          "--name", "t"])
+    assert rc == 0
+    d = json.loads((tmp_path / "t.json").read_text())
+    assert [r["method"] for r in d["runs"]] == ["dense", "quest:offload"]
+    assert d["runs"][1]["offloaded"] and sum(r["blocks_loaded_per_iter"] for r in d["runs"][1]["rows"]) > 0
+    for run in d["runs"]:
+        assert run["iteration_ms"] > 0 and run["goodput_rps"] in (None, 20.0, 200.0)
+        for row in run["rows"]:
+            assert row["completed"] == row["requests"] == 5
+            assert row["p99_tbt_ms"] >= row["mean_tbt_ms"] > 0 and row["throughput_tok_s"] > 0
+            assert 3 * 5 <= row["output_tokens"] <= 6 * 5
+    assert (tmp_path / "t.md").read_text().startswith("# Serving under load")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
+                          "--name", "m"])
+    assert rc == 0 and len(json.loads((tmp_path / "m.json").read_text())["runs"]) == 4
+
+
+def test_workload_is_poisson_and_bounded():
+    mix = serve_load.parse_mix("100:1,1000:3")
+    wl = serve_load.make_workload(2.0, 400, mix, 128, 512, seed=1)
+    assert wl.arrivals[0] == 0 and all(b >= a for a, b in zip(wl.arrivals, wl.arrivals[1:]))
+    assert abs(len(wl.arrivals) / wl.arrivals[-1] - 2.0) < 0.4  # rate
+    assert all(50 < p <= 100 or 500 < p <= 1000 for p in wl.prompt_lens)
+    assert all(128 <= o <= 512 for o in wl.output_lens)
