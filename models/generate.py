@@ -299,7 +299,7 @@ def load_config_and_tokenizer(name: str):
         raise CLIError(f"model {name!r} has random weights and no tokenizer, so it cannot generate text; "
                        f"models with real weights: {', '.join(sorted(REAL_WEIGHTS))}")
     try:
-        g = gguf_loader.read_gguf(gguf_loader.smollm2_gguf_path(), name=name, tensors=False)
+        g = gguf_loader.read_gguf(gguf_loader.weights_path(name), name=name, tensors=False)
     except gguf_loader.WeightsNotFoundError as e:
         raise CLIError(str(e)) from None
     if g.tokenizer is None:
@@ -337,10 +337,12 @@ def prepare_prompt(spec: RunSpec, config, tokenizer) -> Prepared:
     bucket = min(round_up(n, BUCKET), cache_len)
     # Bind the method to this model first (calibrated channels for double_sparsity / asynctls), as
     # load_model does: checking the unbound method refused every calibrated method.
-    from models.api import bind_method
+    # The model's dense-layer rule too (Gemma 3: every global layer sparse unless
+    # --attention-opt dense_layers=... says otherwise).
+    from models.api import bind_method, method_for_model
 
     try:
-        spec.method = bind_method(spec.method, config, cache_len)
+        spec.method = bind_method(method_for_model(spec.attention, spec.attention_opts, config), config, cache_len)
     except (ValueError, FileNotFoundError) as e:
         raise CLIError(f"attention method {spec.attention!r} cannot run this model: {e}") from None
     return Prepared(ids=ids, text=text, bucket=bucket, cache_len=cache_len, context=ctx)

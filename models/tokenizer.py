@@ -1,6 +1,6 @@
-"""Tokenizer: a ``tokenizers`` byte-level BPE built from a GGUF's vocabulary, or
-read from / written to an HF-style directory (``tokenizer.json`` +
-``tokenizer_config.json``).
+"""Tokenizer: a ``tokenizers`` BPE built from a GGUF's vocabulary (GPT-2 byte-level
+BPE, or SentencePiece-style BPE with byte fallback for Gemma), or read from /
+written to an HF-style directory (``tokenizer.json`` + ``tokenizer_config.json``).
 
 Chat templates: the template string comes with the weights (GGUF
 ``tokenizer.chat_template``, or ``chat_template`` in ``tokenizer_config.json``).
@@ -20,10 +20,11 @@ import re
 from typing import Iterable, Sequence
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models as tk_models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models as tk_models, normalizers, pre_tokenizers
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4
+_SPM_SPACE = "\u2581"  # SentencePiece's "▁", which stands for a space inside tokens
 
 # llama.cpp pre-tokenizer names that split digits one by one before the GPT-2 regex
 # (StarCoder-style; SmolLM's own tokenizer.json is Digits(individual) + ByteLevel).
@@ -128,6 +129,43 @@ class Tokenizer:
         return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                    chat_template=chat_template, add_bos=add_bos)
 
+    @classmethod
+    def from_gguf_spm(cls, tokens: Sequence[str], token_types: Sequence[int], *, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, unk_token_id=None, chat_template=None,
+                      add_bos=True) -> "Tokenizer":
+        """A SentencePiece-style BPE with byte fallback from GGUF arrays (``tokenizer.ggml.model
+        == "llama"`` without stored merges: Gemma 3), built as transformers builds it.
+
+        * Spaces are ``▁`` inside the model (normalizer ``" " -> "▁"``, no prefix space);
+          the user-defined runs of spaces, stored with real spaces, are respelled.
+        * No merges are stored: every split of a token into two vocabulary tokens is a
+          merge, ranked by the token's id (file order), then the longer left piece first.
+          The scores do not give the order (byte and user tokens score 0 or -1000).
+        * Unknown characters fall back to the ``<0xNN>`` byte tokens.
+        * Control tokens are special added tokens; the other user-defined tokens (runs of
+          newlines and tabs, HTML tags, ``[multimodal]``) are plain added tokens, matched
+          before the BPE.
+        """
+        tokens = [t if not (t and t.strip(" ") == "") else _SPM_SPACE * len(t) for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        unk = tokens[unk_token_id] if unk_token_id is not None else "<unk>"
+        tok = tokenizers.Tokenizer(tk_models.BPE(vocab=vocab, merges=spm_merges(tokens, vocab), byte_fallback=True,
+                                                 fuse_unk=True, unk_token=unk))
+        tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        # a split on " " after the normalizer never fires; kept so the pipeline is the one
+        # transformers builds for this vocabulary (Metaspace-free, no prefix space)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(token_types) if t == _CONTROL]
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(token_types) if t == _USER_DEFINED and not tokens[i].startswith(_SPM_SPACE)]
+        tok.add_special_tokens(special)
+        tok.add_tokens(user)
+        return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                   chat_template=chat_template, add_bos=add_bos)
+
     def save_hf(self, path: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``."""
         os.makedirs(path, exist_ok=True)
@@ -165,6 +203,21 @@ class Tokenizer:
         return cls(tok, bos_token_id=tid("bos_token"), eos_token_id=tid("eos_token"),
                    pad_token_id=tid("pad_token"), chat_template=cfg.get("chat_template"),
                    add_bos=bool(cfg.get("add_bos_token", False)))
+
+
+def spm_merges(tokens: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary without stored merges: for each token in id
+    order, each split into two vocabulary tokens, the longer left piece first.
+
+    The id order is the merge priority (lower id: merged earlier), the ranking
+    transformers gives a SentencePiece BPE vocabulary (scores ``-id``)."""
+    merges = []
+    for t in tokens:
+        for cut in range(len(t) - 1, 0, -1):
+            left, right = t[:cut], t[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
 
 
 # -----------------------------------------------------------------------------

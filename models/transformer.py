@@ -2,8 +2,11 @@
 
 Architectures: the Llama family (RMSNorm, RoPE with an optional Llama-3
 frequency scaling, SwiGLU MLP, grouped-query attention, optionally tied
-embeddings; SmolLM2 is one) and Qwen3 (the same plus a per-head RMSNorm on q
-and k before RoPE, no attention bias).
+embeddings; SmolLM2 is one), Qwen3 (the same plus a per-head RMSNorm on q
+and k before RoPE, no attention bias) and Gemma 3 (q/k norms, norms before
+and after attention and the MLP, tanh-GELU GeGLU, embeddings scaled by
+``sqrt(hidden)``, RMSNorm multiplying in f32 by the weight as stored, local
+and global layers: :mod:`models.config` lists what the config switches).
 
 The module only holds parameters (named like the Hugging Face checkpoints:
 ``embed_tokens``, ``layers.self_attn.q_proj``, ... so the loaders map names
@@ -50,10 +53,15 @@ from sparse_jax.ops._dispatch import on_gpu
 # -----------------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis; statistics in f32."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, weight_f32: bool = False) -> jax.Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis; statistics in f32.
+
+    ``weight_f32``: multiply by the weight in f32 and cast after (Gemma's order);
+    otherwise cast, then multiply in ``x.dtype`` (Llama's). Equal in f32."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight_f32:
+        return (y * weight.astype(jnp.float32)).astype(x.dtype)
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
@@ -129,20 +137,27 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
+    def __init__(self, dim: int, eps: float, *, dtype, weight_f32: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.weight_f32 = weight_f32
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.weight_f32)
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    """Token embedding; ``scale`` (Gemma: ``sqrt(hidden)``) multiplies the rows, cast
+    to the weight dtype first as Gemma does (25.25 in bf16, 25.298 in f32)."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs, scale: float | None = None):
         self.weight = nnx.Param(_normal(rngs, (vocab, dim), dtype, 0.02))
+        self.scale = scale
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], tokens, axis=0)
+        w = self.weight[...]
+        x = jnp.take(w, tokens, axis=0)
+        return x if self.scale is None else x * jnp.asarray(self.scale, w.dtype)
 
 
 class Attention(nnx.Module):
@@ -154,10 +169,13 @@ class Attention(nnx.Module):
         self.v_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, weight_f32=cfg.sandwich_norms)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, weight_f32=cfg.sandwich_norms)
         else:
             self.q_norm = self.k_norm = None
+        # every attention path scales scores by head_dim ** -0.5; a model with another
+        # scale (query_pre_attn_scalar) gets the ratio folded into q
+        self.q_factor = cfg.query_scale_factor
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         """``x [..., H]`` -> post-RoPE ``q [..., Hq, D]``, ``k, v [..., Hkv, D]``."""
@@ -167,7 +185,10 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = apply_rope(q, cos, sin)
+        if self.q_factor != 1.0:
+            q = q * jnp.asarray(self.q_factor, q.dtype)
+        return q, apply_rope(k, cos, sin), v
 
     def out(self, o: jax.Array) -> jax.Array:
         """``o [..., Hq, D]`` -> ``[..., H]``."""
@@ -180,17 +201,32 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(h, i, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, dtype=dtype, rngs=rngs)
+        # Gemma: GeGLU with the tanh approximation (HF "gelu_pytorch_tanh"); else SwiGLU
+        self.gelu_tanh = cfg.arch == "gemma3"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = self.gate_proj(x)
+        act = jax.nn.gelu(g, approximate=True) if self.gelu_tanh else jax.nn.silu(g)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
+    """One layer's parameters. Llama / Qwen3: ``input_layernorm`` before attention,
+    ``post_attention_layernorm`` before the MLP (HF's names). Gemma 3 (sandwich
+    norms, HF's names too): ``post_attention_layernorm`` on the attention output,
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP."""
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        f32 = cfg.sandwich_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype, weight_f32=f32)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype, weight_f32=f32)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype, weight_f32=True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype, weight_f32=True)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
 
 def stacked_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -216,22 +252,25 @@ class Transformer(nnx.Module):
     ``layers`` is one :class:`DecoderLayer` with every parameter stacked ``[L, ...]``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs, scale=cfg.embed_scale)
         self.layers = stacked_layers(cfg, dtype, rngs)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype=dtype, weight_f32=cfg.sandwich_norms)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm + LM head: ``x [..., H]`` -> f32 ``[..., V]``."""
         tied = self.lm_head is None
         w = self.embed_tokens.weight[...] if tied else self.lm_head.kernel[...]
-        return head_logits(x, self.norm.weight[...], w, eps=self.norm.eps, tied=tied)
+        return head_logits(x, self.norm.weight[...], w, eps=self.norm.eps, tied=tied,
+                           norm_weight_f32=self.norm.weight_f32)
 
 
-def head_logits(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, eps: float, tied: bool) -> jax.Array:
+def head_logits(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, eps: float, tied: bool,
+                norm_weight_f32: bool = False) -> jax.Array:
     """Final RMSNorm and LM head: ``x [..., H]`` -> f32 ``[..., V]``; ``w`` is the
-    embedding ``[V, H]`` when ``tied``, else ``lm_head [H, V]``."""
-    x = rms_norm(x, norm_weight, eps)
+    embedding ``[V, H]`` when ``tied``, else ``lm_head [H, V]`` (the tied head is the
+    unscaled embedding, also on Gemma)."""
+    x = rms_norm(x, norm_weight, eps, norm_weight_f32)
     # tied: contract with the embedding's hidden axis directly; a `.T` here makes
     # XLA:CPU materialise the transposed [H, V] matrix every call (4x slower)
     dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
@@ -258,7 +297,11 @@ def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array)
 
 
 def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array) -> jax.Array:
-    """The attention output ``o [..., Hq, D]`` added to ``x``, then the MLP block."""
+    """The attention output ``o [..., Hq, D]`` added to ``x``, then the MLP block
+    (Gemma 3: each branch normed before it is added)."""
+    if layer.pre_feedforward_layernorm is not None:
+        x = x + layer.post_attention_layernorm(layer.self_attn.out(o))
+        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
     x = x + layer.self_attn.out(o)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
