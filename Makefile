@@ -44,7 +44,7 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+	bash scripts/run_tests.sh $(PY) 4
 
 demo: $(STAMP)
 	@$(PY) -c "import jax; print('jax', jax.__version__, 'on', jax.devices()[0].device_kind)"

@@ -343,12 +343,29 @@ def method_for_model(attention: "str | AttentionMethod", options: dict | None, c
     return get_method(attention, **options)
 
 
+def _first_sparse_layer_anchors(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
+    """A method that reuses an earlier layer's selection (Kascade's ``anchors``) must
+    anchor the first layer it runs on, which on a hybrid model is a global layer the
+    method itself cannot see (``for_model`` knows no layer kinds): without it that
+    layer would attend an empty carry and output zeros."""
+    anchors = getattr(method, "anchors", None)
+    if anchors is None or not cfg.layer_types:
+        return method
+    from models.driver import make_plan
+
+    first = next((i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse), None)
+    if first is None or first in anchors:
+        return method
+    return dataclasses.replace(method, anchors=tuple(sorted({first, *anchors})))
+
+
 def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
     """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method.
 
     Raises ValueError (the method cannot run this model) or FileNotFoundError (no
     calibration for it), before anything compiles."""
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
+    method = _first_sparse_layer_anchors(method, cfg)
     max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
     return method

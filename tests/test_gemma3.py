@@ -268,3 +268,21 @@ def test_methods_default_to_every_global_layer_sparse(model):
         first_dense = model.with_method(name, dense_layers=(0,))
         sparse = [i for i, s in enumerate(make_plan(model.config, first_dense.method).specs) if s.sparse]
         assert sparse == [11, 17], name
+
+
+def test_kascade_anchors_the_first_global_layer(model, long_ids):
+    """Kascade's fallback anchors are model layers, and Gemma's layer 0 is local (the
+    method never runs there): the first global layer (5) must become an anchor, or
+    it would attend an empty carry. With a budget past the context Kascade is
+    exact: its decode logits equal dense decoding."""
+    kas = model.with_method("kascade", budget=MAX_LEN)
+    assert 5 in kas.method.anchors, kas.method.anchors
+    n = 300
+    ids = long_ids[:n + 2]
+    out = []
+    for m in (model, kas):
+        cache = m.init_cache(1, MAX_LEN)
+        _, cache = m.prefill(_padded(ids[:n])[None], np.array([n], np.int32), cache)
+        logits, _ = m.decode_step(ids[n:n + 1], cache)
+        out.append(np.asarray(logits)[0])
+    np.testing.assert_allclose(out[1], out[0], rtol=0, atol=ATOL_SELF)
