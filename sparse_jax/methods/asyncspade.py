@@ -196,7 +196,8 @@ class AsyncSpade(AttentionMethod):
         return {"inner": st, "hist": None, "count": jnp.zeros((batch,), jnp.int32),
                 # zero bytes whose static shape tells prefill_query_state the layer's capacity
                 # (a token selector's select reads kv.capacity; prefill has no view)
-                "capacity": jnp.zeros((0, max_len), jnp.int8),
+                # ([B, 0, S]: batch-leading like every state leaf, for the serving engine)
+                "capacity": jnp.zeros((batch, 0, max_len), jnp.int8),
                 "next": jnp.zeros((batch, num_kv_heads, k), jnp.int32),
                 "next_counts": jnp.zeros((batch, num_kv_heads), jnp.int32)}
 
@@ -214,7 +215,7 @@ class AsyncSpade(AttentionMethod):
         hist = jnp.zeros((b, hq, self.window + 1, d), jnp.float32).at[:, :, -1].set(q_last.astype(jnp.float32))
         inner = self.inner().prefill_query_state(state["inner"], q_last, lengths, layer)
         # the first decode step (length lengths + 1) attends what the last prompt query picks
-        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(state["capacity"].shape[1]))
+        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(state["capacity"].shape[2]))
         return dict(state, inner=inner, hist=hist, count=jnp.ones((b,), jnp.int32), next=nxt, next_counts=cnt)
 
     def append_state(self, state, kv, positions, layer):
