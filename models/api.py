@@ -334,13 +334,17 @@ def method_for_model(attention: "str | AttentionMethod", options: dict | None, c
     sparse); a method named by string gets it unless ``options`` give ``dense_layers``
     (``{"dense_layers": (0,)}``: the first global layer dense). An
     ``AttentionMethod`` instance is used as it is."""
-    options = dict(options or {})
-    if (isinstance(attention, str) and "dense_layers" not in options and cfg.global_dense_layers is not None):
-        base = get_method(attention, **options)
-        if isinstance(base, AttentionMethod) and "dense_layers" in {f.name for f in dataclasses.fields(base)}:
-            return dataclasses.replace(base, dense_layers=tuple(cfg.global_dense_layers))
-        return base
-    return get_method(attention, **options)
+    method = get_method(attention, **(options or {}))
+    return _with_dense_layer_rule(method, options, cfg) if isinstance(attention, str) else method
+
+
+def _with_dense_layer_rule(method: AttentionMethod, options: dict | None, cfg: ModelConfig) -> AttentionMethod:
+    """``method`` (built from a name with ``options``) under ``cfg.global_dense_layers``."""
+    if (cfg.global_dense_layers is None or "dense_layers" in (options or {})
+            or not isinstance(method, AttentionMethod)
+            or "dense_layers" not in {f.name for f in dataclasses.fields(method)}):
+        return method
+    return dataclasses.replace(method, dense_layers=tuple(cfg.global_dense_layers))
 
 
 def _first_sparse_layer_anchors(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
@@ -469,7 +473,7 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
         raise ValueError(f"max_len={max_len} exceeds the maximum context of {cfg.name!r} ({cfg.max_position} "
                          "tokens); pass config=dataclasses.replace(config, max_position=...) to override")
     if isinstance(attention, str):  # the model's dense-layer rule (method_for_model)
-        method = method_for_model(attention, attention_options, cfg)
+        method = _with_dense_layer_rule(method, attention_options, cfg)
     method = bind_method(method, cfg, max_len)
     return Model(cfg, graphdef, params, tokenizer, method, dtype, max_len)
 
