@@ -7,12 +7,14 @@ Plus self-consistency across the 512-key sliding window: prefill of N tokens
 then decode of M equals prefill of N+M, and a ragged batch equals each row alone.
 
 Tolerances: both sides run float32 on the same de-quantized weights, so the
-logits differ only by float32 rounding and summation order (matmuls of 640-2048
-terms, 18 layers, an 18-layer residual of norm ~1e2). 2e-3 absolute on logits of
-magnitude ~10-40 is the issue's bound for the ~100-token prompt; the ~700-token
-prompt gets 5e-3 (more positions in each softmax sum, same order of error). Our
-own prefill/decode paths compare at 1e-3: the same weights and the same
-per-token math, only the attention kernels' summation order differs.
+logits (range about -35..35) differ only by float32 rounding and summation
+order. Measured on CPU: stored logits within 4e-5 on both prompts; the
+log-sum-exp within 2e-5 on the 87-token prompt and, on the 919-token prompt,
+median 1e-5 with one position (750) at 3.2e-3. 2e-3 is the issue's bound for
+the short prompt; the long prompt gets 5e-3 for that outlier. (A window of 511
+or 513 keys instead of 512 moves the long prompt's log-sum-exp by 0.1-1.5, so
+these bounds do pin the window.) Our own prefill/decode paths compare at 1e-3:
+the same weights and per-token math, only the attention summation order differs.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def test_short_prompt_greedy_matches_hf(model, ref):
 
 
 def test_long_prompt_logits_match_hf(model, ref):
-    """~700 tokens: every local layer's window cuts (keys (t-512, t])."""
+    """919 tokens: every local layer's window cuts (keys (t-512, t])."""
     ids, cols, rows = ref["long_ids"], ref["vocab_cols"], ref["long_rows"]
     assert len(ids) > 600
     argmax, lse, at = _summary(model, ids, rows, cols)
@@ -268,3 +270,24 @@ def test_methods_default_to_every_global_layer_sparse(model):
         first_dense = model.with_method(name, dense_layers=(0,))
         sparse = [i for i, s in enumerate(make_plan(model.config, first_dense.method).specs) if s.sparse]
         assert sparse == [11, 17], name
+
+
+# -----------------------------------------------------------------------------
+# The accuracy harness on Gemma (tiny length; the real run is on the GPU)
+# -----------------------------------------------------------------------------
+
+
+def test_accuracy_harness_runs_gemma(model):
+    """Base-model prompts (the GGUF has no chat template), passkey at 768 tokens
+    (past the 512-key window), dense and Quest on the three global layers."""
+    from benchmarks import accuracy as acc
+
+    out = acc.run(model, methods=["dense", "quest"], budgets=[128], lengths=[768], tasks=["passkey"],
+                  samples=2, batch_size=2, progress=False, log=lambda s: None)
+    assert out["settings"]["chat"] is False
+    rows = {r["method"]: r for r in out["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert "dense_layers=()" in rows["quest"]["config"]
+    preds = [p for p in out["predictions"] if p["method"] == "dense"]
+    assert all("<start_of_turn>" not in p["prediction"] for p in preds)
+    assert rows["dense"]["scores"]["passkey"] == 1.0, preds  # the model finds a pass key at 768 tokens
