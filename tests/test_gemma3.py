@@ -54,7 +54,12 @@ def _weights_or_skip() -> str:
 @pytest.fixture(scope="module")
 def model():
     _weights_or_skip()
-    return models.load_model("gemma3-270m", dtype=jnp.float32, max_len=MAX_LEN)
+    yield models.load_model("gemma3-270m", dtype=jnp.float32, max_len=MAX_LEN)
+    # the f32 GGUF tensors (1.3 GB, cached by read_gguf) and this module's compilations
+    # are not needed by later test modules
+    gguf_loader.clear_cache()
+    _summary_fn.cache_clear()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
