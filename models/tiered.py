@@ -148,8 +148,10 @@ class TieredRunner:
         self.plan = make_plan(self.cfg, method)
         if mode == "offload":
             off.check_offloadable(method)
-            if any(sp.kind != "global" for sp in self.plan.specs):
-                raise ValueError("offloading runs models whose layers are all global")
+            # only the method's layers are offloaded, and a method runs on global layers
+            # only: local layers (sliding-window rings, Gemma 3) stay resident
+            if any(sp.sparse and sp.kind != "global" for sp in self.plan.specs):
+                raise ValueError("only global layers can be offloaded")
         self.num_layers = self.cfg.num_layers
         self.offloaded = [mode == "offload" and sp.sparse for sp in self.plan.specs]
         self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]

@@ -5,7 +5,7 @@ thing that differs, how its selection is drawn.
 
 Every subclass gets, for the Pallas kernel (interpret mode on CPU) and its jnp
 reference alike, over float32 / bfloat16 / float16 and awkward shapes (S not a
-multiple of any tile, G = 1 / 3 / 4 / 8, D = 64 / 128, ragged rows, empty
+multiple of any tile, G = 1 / 3 / 4 / 8, D = 64 / 128 / 256, ragged rows, empty
 selections):
 
 * ``test_matches_oracle``: the output equals a float64 NumPy oracle over the
@@ -36,6 +36,7 @@ SHAPES = [
     pytest.param(3, 12, 4, 300, 128, id="gqa3-s300-d128"),
     pytest.param(1, 16, 2, 333, 64, id="gqa8-s333-d64"),
     pytest.param(2, 8, 2, 130, 128, id="gqa4-s130-d128"),
+    pytest.param(2, 4, 1, 200, 256, id="mqa4-s200-d256"),  # Gemma 3 270M: 4 q heads, 1 KV head, D=256
 ]
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16"),
           pytest.param(jnp.float16, id="f16")]

@@ -90,6 +90,7 @@ CACHE_CASES = [
     (jnp.float32, 64, 16, 77, [77, 32, 45]),
     (jnp.bfloat16, 128, 32, 100, [64, 100, 0]),
     (jnp.float32, 128, 8, 41, [41, 8, 17]),
+    (jnp.bfloat16, 256, 16, 70, [70, 33, 1]),  # Gemma 3: D=256
 ]
 
 
@@ -165,6 +166,7 @@ QUEST_CASES = [
     (9, 3, 64, jnp.bfloat16),
     (8, 2, 128, jnp.bfloat16),
     (16, 2, 128, jnp.float32),
+    (4, 1, 256, jnp.bfloat16),  # Gemma 3 270M: MQA, D=256
 ]
 
 

@@ -7,12 +7,14 @@ Plus self-consistency across the 512-key sliding window: prefill of N tokens
 then decode of M equals prefill of N+M, and a ragged batch equals each row alone.
 
 Tolerances: both sides run float32 on the same de-quantized weights, so the
-logits differ only by float32 rounding and summation order (matmuls of 640-2048
-terms, 18 layers, an 18-layer residual of norm ~1e2). 2e-3 absolute on logits of
-magnitude ~10-40 is the issue's bound for the ~100-token prompt; the ~700-token
-prompt gets 5e-3 (more positions in each softmax sum, same order of error). Our
-own prefill/decode paths compare at 1e-3: the same weights and the same
-per-token math, only the attention kernels' summation order differs.
+logits (range about -35..35) differ only by float32 rounding and summation
+order. Measured on CPU: stored logits within 4e-5 on both prompts; the
+log-sum-exp within 2e-5 on the 87-token prompt and, on the 919-token prompt,
+median 1e-5 with one position (750) at 3.2e-3. 2e-3 is the issue's bound for
+the short prompt; the long prompt gets 5e-3 for that outlier. (A window of 511
+or 513 keys instead of 512 moves the long prompt's log-sum-exp by 0.1-1.5, so
+these bounds do pin the window.) Our own prefill/decode paths compare at 1e-3:
+the same weights and per-token math, only the attention summation order differs.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ def _weights_or_skip() -> str:
 @pytest.fixture(scope="module")
 def model():
     _weights_or_skip()
-    return models.load_model("gemma3-270m", dtype=jnp.float32, max_len=MAX_LEN)
+    yield models.load_model("gemma3-270m", dtype=jnp.float32, max_len=MAX_LEN)
+    # the f32 GGUF tensors (1.3 GB, cached by read_gguf) and this module's compilations
+    # are not needed by later test modules
+    gguf_loader.clear_cache()
+    _summary_fn.cache_clear()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +176,7 @@ def test_short_prompt_greedy_matches_hf(model, ref):
 
 
 def test_long_prompt_logits_match_hf(model, ref):
-    """~700 tokens: every local layer's window cuts (keys (t-512, t])."""
+    """919 tokens: every local layer's window cuts (keys (t-512, t])."""
     ids, cols, rows = ref["long_ids"], ref["vocab_cols"], ref["long_rows"]
     assert len(ids) > 600
     argmax, lse, at = _summary(model, ids, rows, cols)
@@ -286,3 +293,57 @@ def test_kascade_anchors_the_first_global_layer(model, long_ids):
         logits, _ = m.decode_step(ids[n:n + 1], cache)
         out.append(np.asarray(logits)[0])
     np.testing.assert_allclose(out[1], out[0], rtol=0, atol=ATOL_SELF)
+
+
+# -----------------------------------------------------------------------------
+# The accuracy harness on Gemma (tiny length; the real run is on the GPU)
+# -----------------------------------------------------------------------------
+
+
+def test_accuracy_harness_runs_gemma(model):
+    """Base-model prompts (the GGUF has no chat template), passkey at 768 tokens
+    (past the 512-key window); the harness gives methods the model's dense-layer rule.
+    (Dense only: each sparse method's run compiles its own programs, ~10 s on CPU;
+    the methods themselves run on Gemma in test_sparse_methods_decode_on_gemma.)"""
+    from benchmarks import accuracy as acc
+    from models.api import with_dense_layer_rule
+    from sparse_jax.methods import get_method
+
+    quest = get_method("quest")
+    assert quest.dense_layers == (0, 1)
+    assert with_dense_layer_rule(quest, None, model.config).dense_layers == ()
+    assert with_dense_layer_rule(quest, {"dense_layers": (0, 1)}, model.config).dense_layers == (0, 1)
+    out = acc.run(model, methods=["dense"], budgets=[128], lengths=[768], tasks=["passkey"],
+                  samples=2, batch_size=2, progress=False, log=lambda s: None)
+    assert out["settings"]["chat"] is False
+    rows = {r["method"]: r for r in out["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    preds = [p for p in out["predictions"] if p["method"] == "dense"]
+    assert all("<start_of_turn>" not in p["prediction"] for p in preds)
+    assert rows["dense"]["scores"]["passkey"] == 1.0, preds  # the model finds a pass key at 768 tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["quest", "double_sparsity", "asynctls"])
+def test_sparse_methods_decode_on_gemma(model, long_ids, name):
+    """The block-scoring, label-cache and two-level paths run on Gemma (D=256, one KV
+    head, three global layers) through a prefill of 919 tokens and two decode steps,
+    and with a budget covering the whole context equal dense (the selection then holds
+    every token). ~9 s each on CPU, compilation mostly; oracle_topk, streaming and
+    arkvale share these paths (all seven were checked the same way by hand)."""
+    n = len(long_ids)
+    tokens = _padded(long_ids)[None]
+
+    def run(m):
+        cache = m.init_cache(1, MAX_LEN)
+        logits, cache = m.prefill(tokens, np.array([n], np.int32), cache)
+        out = [np.asarray(logits)[0]]
+        for t in (long_ids[5], long_ids[6]):
+            logits, cache = m.decode_step(np.array([t], np.int32), cache)
+            out.append(np.asarray(logits)[0])
+        return np.stack(out)
+
+    dense = run(model)
+    got = run(model.with_method(name, budget=MAX_LEN))
+    assert np.isfinite(got).all(), name
+    np.testing.assert_allclose(got, dense, rtol=0, atol=ATOL_SELF, err_msg=name)

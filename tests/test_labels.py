@@ -63,6 +63,7 @@ BUILD_CASES = [
     (jnp.bfloat16, 128, 32, 4),
     (jnp.float32, 128, 16, 8),
     (jnp.bfloat16, 64, 32, 2),
+    (jnp.bfloat16, 256, 32, 4),  # Gemma 3: D=256
 ]
 
 
@@ -160,6 +161,7 @@ SCORE_CASES = [
     (9, 3, 64, 16, jnp.bfloat16),
     (8, 2, 128, 32, jnp.bfloat16),
     (16, 2, 128, 16, jnp.float32),
+    (8, 2, 256, 32, jnp.bfloat16),  # D=256 (Gemma 3; one KV head would leave this test no past-length row)
 ]
 
 
