@@ -144,10 +144,35 @@ class Driver:
     method: AttentionMethod
     layer_graph: Any  # nnx.GraphDef of one DecoderLayer
     unroll: bool = False
+    #: tensor parallelism over KV heads (:mod:`models.sharding`): the driver runs inside
+    #: ``shard_map`` on this device's heads (``cfg`` is the per-device config), sums the
+    #: attention output and MLP projections over ``tp_axis`` and slices per-KV-head
+    #: layer data (Double Sparsity's channels) to its heads. None: one device.
+    tp_axis: str | None = None
+    tp_size: int = 1
 
     @property
     def plan(self) -> Plan:
         return make_plan(self.cfg, self.method)
+
+    def _reduce(self, y: jax.Array) -> jax.Array:
+        """The row-parallel projections' partial sums added over the devices (identity on one)."""
+        return y if self.tp_axis is None else jax.lax.psum(y, self.tp_axis)
+
+    def segment_data(self, seg: Segment) -> dict:
+        """:func:`segment_data`, with each per-KV-head array (axis 1 of the stacked rows,
+        ``num_kv_heads * tp_size`` long) cut to this device's heads under tensor parallelism."""
+        data = segment_data(self.method, seg)
+        if self.tp_axis is None or self.tp_size == 1:
+            return data
+        n = self.cfg.num_kv_heads
+        first = jax.lax.axis_index(self.tp_axis) * n
+        out = {}
+        for key, v in data.items():
+            if key != "index" and v.ndim >= 2 and v.shape[1] == n * self.tp_size:
+                v = jax.lax.dynamic_slice_in_dim(jnp.asarray(v), first, n, axis=1)
+            out[key] = v
+        return out
 
     # -- forward / capture ------------------------------------------------------
     def forward(self, stacked, x: jax.Array, *, capture: bool = False):
@@ -166,7 +191,7 @@ class Driver:
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
                 o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data))
-                return layer_output(layer, x, o), ((q, k) if capture else None)
+                return layer_output(layer, x, o, self._reduce), ((q, k) if capture else None)
 
             x, ys = scan_layers(body, x, self._xs(seg), seg.length, self.unroll)
             captured.append(ys)
@@ -180,7 +205,7 @@ class Driver:
         writing its own cache buffers (no copy). Scanned: the entries are stacked,
         scanned over and split again, a copy of the segment's cache each call; cheap
         to compile (tests on CPU), slow on the GPU (``sparse_jax/cache.py``)."""
-        data = segment_data(self.method, seg)
+        data = self.segment_data(seg)
         if unroll:
             out = []
             for j in range(seg.length):
@@ -229,7 +254,7 @@ class Driver:
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
         o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data))
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
-        return layer_output(layer, x, o), kc, vc, last_valid(q, lengths)
+        return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
@@ -264,7 +289,7 @@ class Driver:
                 if isinstance(entry, OffloadedLayer):
                     o, entry, mcarry = decode_offloaded(m, q, k, v, pos, entry, host[int(data["index"])], ctx,
                                                         mcarry, gather_programs=gather_programs)
-                    return (layer_output(layer, x, o), mcarry), entry
+                    return (layer_output(layer, x, o, self._reduce), mcarry), entry
                 cap = entry.k.shape[2]
                 slot = pos if spec.kind == "global" else pos % cap
                 kc, vc = write_rows(entry.k, entry.v, k, v, slot)
@@ -275,7 +300,7 @@ class Driver:
                     kv = ResidentKV(kc, vc)
                     st = m.append_state(st, kv, pos, ctx)
                     o, st, mcarry = m.decode(q, kv, pos + 1, st, mcarry, ctx)
-                return (layer_output(layer, x, o), mcarry), LayerCache(kc, vc, st)
+                return (layer_output(layer, x, o, self._reduce), mcarry), LayerCache(kc, vc, st)
 
             entries = [layers[i] for i in seg.layers]
             (x, mcarry), entries = self._run_segment(body, (x, mcarry), seg, entries,
@@ -286,7 +311,7 @@ class Driver:
 
     # -- helpers ------------------------------------------------------------------------
     def _xs(self, seg: Segment) -> dict:
-        data = segment_data(self.method, seg)
+        data = self.segment_data(seg)
         if self.unroll:
             return data  # NumPy: static layer indices, the parameters are sliced statically
         return {k: jnp.asarray(v) for k, v in data.items()}

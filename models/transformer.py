@@ -296,14 +296,20 @@ def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array)
     return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
 
 
-def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array) -> jax.Array:
+def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array,
+                 reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """The attention output ``o [..., Hq, D]`` added to ``x``, then the MLP block
-    (Gemma 3: each branch normed before it is added)."""
+    (Gemma 3: each branch normed before it is added).
+
+    ``reduce``: applied to the output projection's and the MLP's results before they
+    are added (tensor parallelism: a ``psum`` of the row-parallel partial sums; it
+    comes before Gemma's post-norms, which need the whole sum)."""
+    reduce = reduce or (lambda y: y)
     if layer.pre_feedforward_layernorm is not None:
-        x = x + layer.post_attention_layernorm(layer.self_attn.out(o))
-        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
-    x = x + layer.self_attn.out(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.post_attention_layernorm(reduce(layer.self_attn.out(o)))
+        return x + layer.post_feedforward_layernorm(reduce(layer.mlp(layer.pre_feedforward_layernorm(x))))
+    x = x + reduce(layer.self_attn.out(o))
+    return x + reduce(layer.mlp(layer.post_attention_layernorm(x)))
 
 
 def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -312,35 +318,43 @@ def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool):
+def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool,
+            tp: tuple[str, int] | None = None):
     from models.driver import Driver
 
-    return Driver(cfg, method, graphdef_layers, unroll)
+    if tp is None:
+        return Driver(cfg, method, graphdef_layers, unroll)
+    return Driver(cfg, method, graphdef_layers, unroll, tp_axis=tp[0], tp_size=tp[1])
 
 
 def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array, *,
-            unroll: bool = False) -> jax.Array:
-    """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``."""
-    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+            unroll: bool = False, tp: tuple[str, int] | None = None) -> jax.Array:
+    """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``.
+
+    ``tp``: ``(mesh axis, size)`` when running inside ``shard_map`` on one device's KV
+    heads (:mod:`models.sharding`; ``cfg`` is then the per-device config)."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
     x = drv.forward(nnx.state(model.layers), model.embed_tokens(tokens))
     return model.logits(x)
 
 
 def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
-            lengths: jax.Array, cache: KVCache, *, unroll: bool = False) -> tuple[jax.Array, KVCache]:
+            lengths: jax.Array, cache: KVCache, *, unroll: bool = False,
+            tp: tuple[str, int] | None = None) -> tuple[jax.Array, KVCache]:
     """Prefill right-padded ``tokens int32[B, T]`` (row ``b`` valid up to ``lengths[b]``)
     into an empty ``cache``; return the f32 logits ``[B, V]`` at each row's last valid
     position and the cache (``lengths`` set)."""
-    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
     x, cache = drv.prefill(nnx.state(model.layers), model.embed_tokens(tokens), lengths.astype(jnp.int32), cache)
     return model.logits(last_valid(x, lengths)), cache
 
 
 def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
-                cache: KVCache, *, unroll: bool = False) -> tuple[jax.Array, KVCache]:
+                cache: KVCache, *, unroll: bool = False,
+                tp: tuple[str, int] | None = None) -> tuple[jax.Array, KVCache]:
     """One token per row ``tokens int32[B]`` at positions ``cache.lengths``: f32 logits
     ``[B, V]`` and the cache with the token appended (``lengths + 1``)."""
-    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
     x, cache = drv.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache)
     return model.logits(x), cache
 

@@ -128,6 +128,9 @@ class AttentionMethod:
     #: whether ``select`` reads the whole key cache (``kv.k``: an exact-score method):
     #: such a method cannot run on an offloaded cache
     reads_all_keys: ClassVar[bool] = False
+    #: whether a layer reads another KV head's data (Kascade's head map): such a method
+    #: cannot split over KV heads across devices (``models.sharding``)
+    crosses_kv_heads: ClassVar[bool] = False
     dense_layers: tuple[int, ...] = ()
 
     # -- binding to a model ---------------------------------------------------

@@ -100,6 +100,8 @@ class Kascade(AttentionMethod):
       impl: kernel implementation ("auto", "pallas", "reference").
     """
 
+    crosses_kv_heads: ClassVar[bool] = True  # reuse head h reads the anchor head head_map[h]
+
     budget: int = 0
     #: use the paper's rule whatever ``budget`` says (the accuracy harness sets a budget on
     #: every method that has one: ``--set kascade.paper_budget=True`` runs the 10% rule)

@@ -1,0 +1,285 @@
+"""Decode throughput on several GPUs against one (:mod:`models.sharding`).
+
+``python -m benchmarks.multi_gpu`` (on a machine with two or more GPUs) times a
+Qwen3-8B-shaped model with random bf16 weights (36 layers, 32/8 heads, D=128)
+at each context (default 128K, 64K) and method (default dense, AsyncTLS and
+Quest, all resident):
+
+* one GPU at ``--batch`` rows per GPU (the unsharded program the rest of the
+  project runs, ``models.transformer.build_functions``);
+* ``n`` GPUs with tensor parallelism over KV heads (``model=n``) at ``n``
+  times the batch: the same KV bytes per GPU, so the throughput ratio is what
+  a second GPU buys;
+* optionally (``--dp``) ``n`` data-parallel replicas at the same batch.
+
+Each row: median time per decode step over back-to-back rounds (tokens kept on
+the device between steps, one sync per round), tokens/s, the ratio to one GPU,
+and the HBM floor of a step (weights + KV + the method's state read once, per
+GPU, at the measured cuDNN rate). The KV content is synthetic (random keys and
+values drawn per row, so row ``r`` holds the same data in every
+configuration); the first step's logits of the rows shared with the one-GPU run
+are compared (max |difference| and argmax agreement), a numerics cross-check
+of the sharded program on real shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, write_results
+
+HBM_BYTES_PER_S = 3.09e12  # cuDNN dense decode's measured read rate on the H100 (issue 18)
+
+
+def build_method(name: str, cfg, budget: int):
+    from benchmarks.offload import asynctls_for
+    from sparse_jax.methods import get_method
+
+    if name == "asynctls":
+        return asynctls_for(cfg, budget, kb=128)
+    if name == "quest":
+        return get_method("quest", budget=budget)
+    return get_method(name)
+
+
+def fill_function(cfg, method, mesh, *, batch: int, max_len: int, context: int, dtype):
+    """``fill(cache, key) -> cache``: random K/V in every layer (row ``r`` of layer ``i``
+    drawn from ``fold_in(fold_in(key, i), r)``: the same whatever the batch or the
+    mesh), ``context`` valid tokens per row, then the method's state of each sparse
+    layer built from its K/V on each device (``shard_map``)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from models import sharding as sh
+    from models.driver import Driver, prompt_state
+    from models.transformer import layer_graphdef
+    from sparse_jax.cache import KVCache, LayerCache
+    from sparse_jax.methods.base import LayerCtx
+
+    par = sh.Parallelism.of(mesh)
+    local = sh.local_config(cfg, par.model)
+    specs = sh.cache_specs(cfg, method, batch, max_len, jnp.dtype(dtype), par)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    drv = Driver(local, method, layer_graphdef(local, jnp.dtype(dtype)), True, tp_axis=sh.MODEL, tp_size=par.model)
+
+    def kv(cache, key):
+        def rows(k, shape):
+            return jax.vmap(lambda r: jax.random.normal(jax.random.fold_in(k, r), shape, dtype))(jnp.arange(batch))
+
+        layers = []
+        for i, lc in enumerate(cache.layers):
+            shape = lc.k.shape[1:]
+            k = rows(jax.random.fold_in(key, 2 * i), shape)
+            v = rows(jax.random.fold_in(key, 2 * i + 1), shape)
+            layers.append(LayerCache(k, v, lc.state))
+        return KVCache(tuple(layers), jnp.full((batch,), context, jnp.int32), cache.max_len)
+
+    def states(cache):
+        layers = list(cache.layers)
+        b = cache.lengths.shape[0]
+        for seg in drv.plan.segments:
+            if not seg.spec.sparse:
+                continue
+            data = drv.segment_data(seg)
+            for j, i in enumerate(seg.layers):
+                lc = layers[i]
+                q_last = jnp.zeros((b, local.num_heads, local.head_dim), dtype)
+                ctx = LayerCtx(seg.spec, {key: val[j] for key, val in data.items()})
+                layers[i] = LayerCache(lc.k, lc.v, prompt_state(method, lc.state, lc.k, lc.v, q_last,
+                                                                cache.lengths, ctx))
+        return KVCache(tuple(layers), cache.lengths, cache.max_len)
+
+    kv_fn = jax.jit(kv, out_shardings=shardings, donate_argnums=(0,))
+    state_fn = jax.jit(jax.shard_map(states, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False),
+                       donate_argnums=(0,))
+    return lambda cache, key: state_fn(kv_fn(cache, key))
+
+
+def state_bytes(cache) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def run_config(model, method, *, devices: int, data: int, batch: int, context: int, steps: int, rounds: int,
+               plain: bool, log=print):
+    """One configuration: time per decode step (median over rounds) and the first step's logits."""
+    from models import sharding as sh
+    from models.api import round_up
+    from models.transformer import build_functions, init_cache
+
+    cfg = model.config
+    max_len = round_up(context + steps * (rounds + 2) + 64, 64)
+    t0 = time.perf_counter()
+    if plain:
+        mesh = sh.Parallelism(1, 1).mesh()
+        fns = build_functions(model.graphdef, cfg, method, unroll=True)
+        params = model.params
+        cache = init_cache(cfg, method, batch, max_len, jnp.bfloat16)
+    else:
+        par = sh.Parallelism(data, devices // data)
+        mesh = par.mesh()
+        fns = sh.build_sharded_functions(cfg, method, mesh, batch=batch, max_len=max_len, dtype=jnp.bfloat16,
+                                         unroll=True)
+        params = sh.shard_params(model.params, mesh)
+        cache = sh.init_cache(cfg, method, batch, max_len, jnp.bfloat16, mesh)
+    fill = fill_function(cfg, method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)
+    cache = fill(cache, jax.random.key(7))
+    nbytes = state_bytes(cache)
+    tok = jnp.zeros((batch,), jnp.int32)
+    logits, cache = fns.decode_step(params, tok, cache)
+    first = np.asarray(logits, np.float32)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        logits, cache = fns.decode_step(params, tok, cache)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    jax.block_until_ready(tok)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = fns.decode_step(params, tok, cache)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        times.append((time.perf_counter() - t) / steps * 1e3)
+    ms = statistics.median(times)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    emb = cfg.vocab_size * cfg.hidden_size * 2 * (1 if cfg.tie_embeddings else 2)
+    tp = devices // data
+    # per GPU: its share of the layer weights (+ the replicated embedding/head read once:
+    # the head), its share of the cache
+    per_gpu = (weights - emb) / tp + emb / 2 + nbytes / devices
+    floor = per_gpu / HBM_BYTES_PER_S * 1e3
+    row = dict(context=context, method=method.name, gpus=devices, layout=("1 GPU" if plain else
+               f"data={data} x model={tp}"), batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
+               floor_ms=floor, of_floor=floor / ms, cache_gib=nbytes / 2**30, compile_s=compile_s,
+               rounds_ms=[round(x, 3) for x in times])
+    log(f"  {row['layout']:<18} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
+        f"floor {floor:.2f} ms  (compile+fill {compile_s:.0f} s)", flush=True)
+    del cache, params, fns
+    gc.collect()
+    return row, first
+
+
+def plot(payload, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    keys = sorted({(r["context"], r["method"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys)), 4))
+    w = 0.8 / max(1, len(layouts))
+    for j, lay in enumerate(layouts):
+        vals = [next((r["tokens_per_s"] for r in rows if (r["context"], r["method"]) == k and r["layout"] == lay), 0)
+                for k in keys]
+        ax.bar(np.arange(len(keys)) + (j - (len(layouts) - 1) / 2) * w, vals, w, label=lay)
+    ax.set_xticks(np.arange(len(keys)), [f"{m}\n{c // 1024}K" for c, m in keys])
+    ax.set_ylabel("decode tokens/s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Qwen3-8B shape, random weights; {payload['stamp'].get('device', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(payload) -> str:
+    s = payload["stamp"]
+    lines = ["# Decode on several GPUs (Qwen3-8B shape, random weights)", "",
+             f"{s['device']} x {payload['gpus']}, jax {s['jax']}, {s['date']}, commit {s.get('git_commit', '')}", "",
+             f"`{s['command']}`", "",
+             "Tensor parallelism over KV heads (`models.sharding`) at n x the one-GPU batch (same KV bytes per "
+             "GPU). ms/step: median of rounds of back-to-back steps. floor: per GPU, its share of the weights "
+             "+ the cache read once at 3.09 TB/s. logits: the first step's rows shared with the one-GPU run "
+             "(max |difference|, argmax agreement).", ""]
+    cols = ["context", "method", "layout", "batch", "ms_per_step", "tokens_per_s", "vs_1gpu", "floor_ms", "of_floor",
+            "max_dlogit", "argmax_agree", "cache_gib"]
+    lines.append(markdown_table(payload["rows"], cols, {"ms_per_step": ".2f", "tokens_per_s": ".1f", "vs_1gpu": ".2f",
+                                                        "floor_ms": ".2f", "of_floor": ".2f", "cache_gib": ".1f",
+                                                        "max_dlogit": ".3g", "argmax_agree": ".2f"}))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="131072,65536")
+    p.add_argument("--methods", default="dense,asynctls,quest")
+    p.add_argument("--batch", default="2,4", help="one-GPU batch per context (comma list, or one value)")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--dp", action="store_true", help="also data-parallel replicas (weights on every GPU)")
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=0, help="stop starting configurations after this many s")
+    p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="multi_gpu")
+    a = p.parse_args(argv)
+    start = time.perf_counter()
+    from benchmarks.offload import qwen3_8b, random_model
+
+    if len(jax.devices()) < a.gpus:
+        print(f"error: --gpus {a.gpus} but {len(jax.devices())} devices are visible", file=sys.stderr)
+        return 2
+    contexts = [int(c) for c in a.contexts.split(",")]
+    batches = [int(b) for b in a.batch.split(",")]
+    batches = batches * len(contexts) if len(batches) == 1 else batches
+    if len(batches) != len(contexts):
+        print("error: --batch gives one value or one per context", file=sys.stderr)
+        return 2
+    if a.tiny:
+        import dataclasses
+
+        from models.config import get_config
+        cfg = dataclasses.replace(get_config("qwen3-8b"), num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4,
+                                  head_dim=32, intermediate_size=96, vocab_size=128, max_position=max(contexts) * 2)
+    else:
+        cfg = qwen3_8b(max(contexts) * 2)
+    payload = {"stamp": stamp(), "gpus": a.gpus, "rows": []}
+    out = Path(a.out) if a.out else None
+    model = None
+    for context, b in zip(contexts, batches):
+        for name in a.methods.split(","):
+            method = build_method(name, cfg, a.budget)
+            if model is None:
+                model = random_model(cfg, method, max(contexts) * 2)
+            print(f"{name} at {context // 1024}K", flush=True)
+            layouts = [(1, 1, b, True), (a.gpus, 1, b * a.gpus, False)]
+            if a.dp:
+                layouts.append((a.gpus, a.gpus, b * a.gpus, False))
+            base = None
+            for devices, data, batch, plain in layouts:
+                if a.time_limit and time.perf_counter() - start > a.time_limit:
+                    print(f"time limit: skipping {name} {context} {devices} GPUs", flush=True)
+                    continue
+                row, first = run_config(model, method, devices=devices, data=data, batch=batch, context=context,
+                                        steps=a.steps, rounds=a.rounds, plain=plain)
+                if base is None:
+                    base = (row, first)
+                else:
+                    n = base[1].shape[0]
+                    row["vs_1gpu"] = row["tokens_per_s"] / base[0]["tokens_per_s"]
+                    row["max_dlogit"] = float(np.max(np.abs(first[:n] - base[1])))
+                    row["argmax_agree"] = float(np.mean(first[:n].argmax(-1) == base[1].argmax(-1)))
+                payload["rows"].append(row)
+                write_results(a.name, payload, render(payload), out)
+    path = write_results(a.name, payload, render(payload), out)
+    try:
+        plot(payload, path / f"{a.name}.png")
+    except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are written
+        print(f"plot failed: {e}", file=sys.stderr)
+    print(render(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Several devices through JAX's own sharding: tensor parallelism over KV heads
+and data-parallel replicas over batch rows.
+
+A :class:`Parallelism` names a 2-D device mesh ``("data", "model")``:
+
+* ``model``: tensor parallelism over KV heads (Megatron-style). Attention, the
+  method's selection and its state are independent per KV head, so each device
+  holds ``Hkv / model`` KV heads with their query heads: the q/k/v and MLP
+  gate/up projections are split by columns, the output and MLP down
+  projections by rows, and the two row-parallel results are summed with one
+  ``psum`` each per layer (:meth:`models.driver.Driver._reduce`). The KV cache
+  ``[B, Hkv, S, D]`` and every per-head piece of the method's state are split
+  on the head axis; the embedding, the norms and the LM head are replicated.
+* ``data``: replicas over batch rows: tokens, the cache and the state split
+  on the batch axis, the weights replicated.
+
+The whole step (a prefill, one decode step) is **one** ``shard_map`` over the
+unchanged driver, run on each device's shard with the per-device config
+(:func:`local_config`): the Pallas kernels see their device's heads and need no
+change, and one device is the same code with a 1x1 mesh. Which axis of each
+cache / state leaf is split is not written down per method: it is read off
+the method's own ``init_state`` by comparing the shapes it builds for the whole
+model and for one device (:func:`cache_specs`).
+
+A model whose KV heads do not divide over ``model`` devices (SmolLM2: 3 KV
+heads) is padded first (:func:`pad_kv_heads`): zero query/key/value columns
+and zero output rows make the extra heads contribute exactly nothing.
+
+Multi-host: the same functions run under ``jax.distributed.initialize()`` with
+the mesh built over ``jax.devices()`` of every host; ``docs/sharding.md`` says
+what crosses the network per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from models.transformer import ModelFunctions, abstract_model, decode_step, default_unroll, forward, prefill
+from sparse_jax.cache import KVCache
+from sparse_jax.methods.base import AttentionMethod
+
+DATA, MODEL = "data", "model"
+
+# Parameters split over the model axis, by the tail of their path (stacked [L, in, out]):
+# column-parallel (axis 2: output features, head-major) and row-parallel (axis 1).
+_COLUMN = ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel", "gate_proj.kernel", "up_proj.kernel")
+_ROW = ("o_proj.kernel", "down_proj.kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """``data`` replicas x ``model``-way tensor parallelism over KV heads."""
+
+    data: int = 1
+    model: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+    def mesh(self, devices=None) -> Mesh:
+        """The ``("data", "model")`` mesh over the first ``size`` devices (default: ``jax.devices()``)."""
+        devices = list(jax.devices() if devices is None else devices)
+        if self.data < 1 or self.model < 1:
+            raise ValueError(f"parallelism sizes must be >= 1, got data={self.data} model={self.model}")
+        if len(devices) < self.size:
+            raise ValueError(f"data={self.data} x model={self.model} needs {self.size} devices; "
+                             f"{len(devices)} visible ({devices[0].platform}). On CPU, set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={self.size} before jax starts")
+        return Mesh(np.asarray(devices[: self.size]).reshape(self.data, self.model), (DATA, MODEL))
+
+    @staticmethod
+    def of(mesh: Mesh) -> "Parallelism":
+        return Parallelism(mesh.shape[DATA], mesh.shape[MODEL])
+
+
+def check_model(cfg: ModelConfig, model: int) -> None:
+    """Clear errors for a config that cannot split ``model`` ways over KV heads."""
+    if cfg.num_kv_heads % model:
+        raise ValueError(f"{cfg.name}: {cfg.num_kv_heads} KV heads do not split over {model} devices; "
+                         f"pad them first (models.sharding.pad_kv_heads(cfg, params, {model}))")
+    if cfg.intermediate_size % model:
+        raise ValueError(f"{cfg.name}: the MLP width {cfg.intermediate_size} does not split over {model} devices")
+
+
+def local_config(cfg: ModelConfig, model: int) -> ModelConfig:
+    """The config one device runs under ``model``-way tensor parallelism: its share
+    of the query heads, KV heads and MLP width (the hidden size and vocabulary whole)."""
+    check_model(cfg, model)
+    if model == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // model, num_kv_heads=cfg.num_kv_heads // model,
+                               intermediate_size=cfg.intermediate_size // model)
+
+
+def pad_kv_heads(cfg: ModelConfig, params, multiple: int, method: AttentionMethod | None = None):
+    """``(cfg, params[, method])`` with the KV heads padded up to a multiple of
+    ``multiple``, each new KV head with its group of query heads. The new heads'
+    q/k/v columns and output-projection rows are zero: their keys and values are
+    zero, so their attention output is zero and nothing reaches the residual
+    stream; the logits are those of the original model. A method with per-head
+    calibration (Double Sparsity's channels) gets the new heads' rows copied
+    from head 0 (any valid row: the head's output is zero whatever it selects)."""
+    hkv = cfg.num_kv_heads
+    new = -(-hkv // multiple) * multiple
+    if new == hkv:
+        return (cfg, params) if method is None else (cfg, params, method)
+    group, d = cfg.num_heads // hkv, cfg.head_dim
+    extra_kv, extra_q = (new - hkv) * d, (new - hkv) * group * d
+
+    def pad(path, a):
+        name = _name(path)
+        if name.endswith("q_proj.kernel"):
+            return jnp.pad(a, ((0, 0), (0, 0), (0, extra_q)))
+        if name.endswith(("k_proj.kernel", "v_proj.kernel")):
+            return jnp.pad(a, ((0, 0), (0, 0), (0, extra_kv)))
+        if name.endswith("o_proj.kernel"):
+            return jnp.pad(a, ((0, 0), (0, extra_q), (0, 0)))
+        return a
+
+    cfg = dataclasses.replace(cfg, num_heads=new * group, num_kv_heads=new)
+    params = jax.tree_util.tree_map_with_path(pad, params)
+    if method is None:
+        return cfg, params
+    cpl = getattr(method, "channels_per_layer", None)
+    if cpl is not None:
+        cpl = tuple(tuple(layer) + (layer[0],) * (new - hkv) for layer in cpl)
+        method = dataclasses.replace(method, channels_per_layer=cpl)
+    return cfg, params, method
+
+
+def _name(path) -> str:
+    """``['layers']['self_attn']['q_proj']['kernel'].value`` -> ``layers.self_attn.q_proj.kernel``."""
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if key != "value":
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def param_specs(params) -> Any:
+    """A ``PartitionSpec`` per parameter leaf (stacked layers ``[L, in, out]``)."""
+
+    def spec(path, a):
+        name = _name(path)
+        if name.endswith(_COLUMN):
+            return P(None, None, MODEL)
+        if name.endswith(_ROW):
+            return P(None, MODEL, None)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params, mesh: Mesh):
+    """``params`` placed on ``mesh`` by :func:`param_specs` (replicated over ``data``)."""
+    specs = param_specs(params)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+
+
+def _split_axes(whole, part) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(whole.shape, part.shape)) if a != b]
+
+
+@functools.lru_cache(maxsize=32)
+def cache_specs(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, par: Parallelism):
+    """``PartitionSpec`` of every leaf of the cache (``KVCache``, method state
+    included): an axis is split over ``model`` where the method builds it ``model``
+    times smaller for one device's KV heads, over ``data`` where it shrinks with the
+    batch. Refuses a leaf that shrinks in a way that is not an even split."""
+    from models.driver import init_cache
+
+    if batch % par.data:
+        raise ValueError(f"batch {batch} does not split over data={par.data} replicas")
+    dt = jnp.dtype(dtype)
+    whole = jax.eval_shape(lambda: init_cache(cfg, method, batch, max_len, dt))
+    by_heads = jax.eval_shape(lambda: init_cache(local_config(cfg, par.model), method, batch, max_len, dt))
+    by_rows = jax.eval_shape(lambda: init_cache(cfg, method, batch // par.data, max_len, dt))
+
+    def spec(path, w, h, r):
+        axes = [None] * len(w.shape)
+        for i in _split_axes(w, h):
+            if w.shape[i] != h.shape[i] * par.model:
+                raise ValueError(f"cache leaf {jax.tree_util.keystr(path)}: {w.shape} -> {h.shape} per device "
+                                 f"is not a {par.model}-way split")
+            axes[i] = MODEL
+        for i in _split_axes(w, r):
+            if w.shape[i] != r.shape[i] * par.data or axes[i] is not None:
+                raise ValueError(f"cache leaf {jax.tree_util.keystr(path)}: {w.shape} -> {r.shape} per replica "
+                                 f"is not a {par.data}-way split of one axis")
+            axes[i] = DATA
+        return P(*axes)
+
+    return jax.tree_util.tree_map_with_path(spec, whole, by_heads, by_rows)
+
+
+def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, mesh: Mesh) -> KVCache:
+    """An empty cache laid out on ``mesh`` (each device allocates only its shard)."""
+    from models.driver import init_cache as _init
+
+    specs = cache_specs(cfg, method, batch, max_len, jnp.dtype(dtype), Parallelism.of(mesh))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(lambda: _init(cfg, method, batch, max_len, jnp.dtype(dtype)), out_shardings=shardings)()
+
+
+def check_method(method: AttentionMethod, model: int) -> None:
+    """Methods whose layers read other KV heads' data cannot split over heads."""
+    if model > 1 and getattr(method, "crosses_kv_heads", False):
+        raise ValueError(f"{method.name}: its layers read other KV heads' selections (a head map), which "
+                         f"tensor parallelism over KV heads splits across devices; run it with model=1 "
+                         f"(data replicas work)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedFunctions(ModelFunctions):
+    """:class:`models.transformer.ModelFunctions` over a mesh: the same signatures,
+    taking params from :func:`shard_params` and a cache from :func:`init_cache`."""
+
+    mesh: Mesh | None = None
+    config: ModelConfig | None = None  # the whole model's config
+    local: ModelConfig | None = None  # one device's
+
+
+def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mesh, *, batch: int, max_len: int,
+                            dtype=jnp.bfloat16, unroll: bool | None = None) -> ShardedFunctions:
+    """Jitted ``forward / prefill / decode_step`` as one ``shard_map`` each over ``mesh``
+    (see the module docstring); the cache layout is that of ``batch`` rows of ``max_len``."""
+    par = Parallelism.of(mesh)
+    check_method(method, par.model)
+    local = local_config(cfg, par.model)
+    if batch % par.data:
+        raise ValueError(f"batch {batch} does not split over data={par.data} replicas")
+    if unroll is None:
+        unroll = default_unroll()
+    dtype = jnp.dtype(dtype)
+    graphdef_local = abstract_model(local, dtype)[0]
+    pspecs = param_specs(abstract_model(cfg, dtype)[1])
+    cspecs = cache_specs(cfg, method, batch, max_len, dtype, par)
+    tp = (MODEL, par.model)
+    rows, rows2 = P(DATA), P(DATA, None)
+
+    def smap(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _forward(params, tokens):
+        return forward(nnx.merge(graphdef_local, params), local, method, tokens, unroll=unroll, tp=tp)
+
+    def _prefill(params, tokens, lengths, cache):
+        return prefill(nnx.merge(graphdef_local, params), local, method, tokens, lengths, cache, unroll=unroll, tp=tp)
+
+    def _decode(params, tokens, cache):
+        return decode_step(nnx.merge(graphdef_local, params), local, method, tokens, cache, unroll=unroll, tp=tp)
+
+    return ShardedFunctions(
+        forward=jax.jit(smap(_forward, (pspecs, rows2), P(DATA, None, None))),
+        prefill=jax.jit(smap(_prefill, (pspecs, rows2, rows, cspecs), (rows2, cspecs)), donate_argnums=(3,)),
+        decode_step=jax.jit(smap(_decode, (pspecs, rows, cspecs), (rows2, cspecs)), donate_argnums=(2,)),
+        mesh=mesh, config=cfg, local=local,
+    )
