@@ -37,7 +37,34 @@ import numpy as np
 
 from benchmarks.timing import markdown_table, stamp, write_results
 
-HBM_BYTES_PER_S = 3.09e12  # cuDNN dense decode's measured read rate on the H100 (issue 18)
+# HBM read rate per GPU for the floors: the H100's is cuDNN dense decode's measured rate
+# (issue 18); the H200's is its nominal peak (4.8 TB/s; not measured here), so H200
+# floors are optimistic and a step can land closer to them than on the H100
+HBM_BYTES_PER_S = {"H100": 3.09e12, "H200": 4.8e12}
+
+
+def hbm_rate(device_kind: str) -> tuple[float, str]:
+    for key, rate in HBM_BYTES_PER_S.items():
+        if key in device_kind:
+            return rate, ("measured cuDNN rate" if key == "H100" else "nominal peak")
+    return HBM_BYTES_PER_S["H100"], "H100 rate (unknown device)"
+
+
+def floor_bytes(cfg, method, *, batch: int, context: int, gpus: int, data: int) -> float:
+    """Bytes one GPU must read per decode step, at least: its share of the layer
+    weights, the LM head, and its rows' and heads' K/V that the method attends: every
+    token on dense layers, ``budget`` tokens per KV head on sparse ones (a lower bound
+    for the sparse methods: their block boxes and labels are not counted)."""
+    tp = gpus // data
+    emb = cfg.vocab_size * cfg.hidden_size * 2
+    layer_weights = cfg.num_params() * 2 - emb * (1 if cfg.tie_embeddings else 2)
+    per_token_head = 2 * cfg.head_dim * 2  # K and V, bf16
+    kv = 0
+    for i in range(cfg.num_layers):
+        sparse = method.name != "dense" and method.is_sparse_layer(i, cfg.num_layers)
+        tokens = min(getattr(method, "budget", context), context) if sparse else context
+        kv += tokens * per_token_head * cfg.num_kv_heads * batch
+    return layer_weights / tp + emb + kv / gpus  # the head matrix is read once per step
 
 
 def build_method(name: str, cfg, budget: int):
@@ -125,7 +152,7 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
     else:
         par = sh.Parallelism(data, devices // data)
         mesh = par.mesh()
-        fns = sh.build_sharded_functions(cfg, method, mesh, batch=batch, max_len=max_len, dtype=jnp.bfloat16,
+        fns = sh.build_sharded_functions(cfg, method, mesh, max_len=max_len, dtype=jnp.bfloat16,
                                          unroll=True)
         params = sh.shard_params(model.params, mesh)
         cache = sh.init_cache(cfg, method, batch, max_len, jnp.bfloat16, mesh)
@@ -150,22 +177,27 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
         jax.block_until_ready(tok)
         times.append((time.perf_counter() - t) / steps * 1e3)
     ms = statistics.median(times)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
-    emb = cfg.vocab_size * cfg.hidden_size * 2 * (1 if cfg.tie_embeddings else 2)
     tp = devices // data
-    # per GPU: its share of the layer weights (+ the replicated embedding/head read once:
-    # the head), its share of the cache
-    per_gpu = (weights - emb) / tp + emb / 2 + nbytes / devices
-    floor = per_gpu / HBM_BYTES_PER_S * 1e3
     row = dict(context=context, method=method.name, gpus=devices, layout=("1 GPU" if plain else
                f"data={data} x model={tp}"), batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
-               floor_ms=floor, of_floor=floor / ms, cache_gib=nbytes / 2**30, compile_s=compile_s,
-               rounds_ms=[round(x, 3) for x in times])
+               cache_gib=nbytes / 2**30, compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
+    with_floor(row, cfg, method, jax.devices()[0].device_kind)
+    floor = row["floor_ms"]
     log(f"  {row['layout']:<18} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
         f"floor {floor:.2f} ms  (compile+fill {compile_s:.0f} s)", flush=True)
     del cache, params, fns
     gc.collect()
     return row, first
+
+
+def with_floor(row: dict, cfg, method, device_kind: str) -> dict:
+    """Adds ``floor_ms`` (:func:`floor_bytes` at the device's HBM rate) and ``of_floor``."""
+    rate, _ = hbm_rate(device_kind)
+    data = 1 if row["layout"] == "1 GPU" else int(row["layout"].split()[0].split("=")[1])
+    nbytes = floor_bytes(cfg, method, batch=row["batch"], context=row["context"], gpus=row["gpus"], data=data)
+    row["floor_ms"] = nbytes / rate * 1e3
+    row["of_floor"] = row["floor_ms"] / row["ms_per_step"]
+    return row
 
 
 def plot(payload, path):
@@ -198,9 +230,11 @@ def render(payload) -> str:
              f"{s['device']} x {payload['gpus']}, jax {s['jax']}, {s['date']}, commit {s.get('git_commit', '')}", "",
              f"`{s['command']}`", "",
              "Tensor parallelism over KV heads (`models.sharding`) at n x the one-GPU batch (same KV bytes per "
-             "GPU). ms/step: median of rounds of back-to-back steps. floor: per GPU, its share of the weights "
-             "+ the cache read once at 3.09 TB/s. logits: the first step's rows shared with the one-GPU run "
-             "(max |difference|, argmax agreement).", ""]
+             "GPU). ms/step: median of rounds of back-to-back steps. floor_ms: per GPU, its share of the layer "
+             "weights, the LM head, and the K/V the method attends (all tokens on dense layers, the budget's "
+             f"on sparse ones; block metadata not counted) at {hbm_rate(s['device'])[0] / 1e12:.2f} TB/s "
+             f"({hbm_rate(s['device'])[1]}); of_floor = floor / measured. logits: the first step's rows shared "
+             "with the one-GPU run (max |difference|, argmax agreement; bf16, see docs/sharding.md).", ""]
     cols = ["context", "method", "layout", "batch", "ms_per_step", "tokens_per_s", "vs_1gpu", "floor_ms", "of_floor",
             "max_dlogit", "argmax_agree", "cache_gib"]
     lines.append(markdown_table(payload["rows"], cols, {"ms_per_step": ".2f", "tokens_per_s": ".1f", "vs_1gpu": ".2f",
@@ -223,7 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="multi_gpu")
+    p.add_argument("--rerender", default=None, help="recompute the floors of a results JSON and rewrite it")
     a = p.parse_args(argv)
+    if a.rerender:
+        return rerender(Path(a.rerender), a.name, Path(a.out) if a.out else None)
     start = time.perf_counter()
     from benchmarks.offload import qwen3_8b, random_model
 
@@ -277,6 +314,27 @@ def main(argv=None) -> int:
         plot(payload, path / f"{a.name}.png")
     except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are written
         print(f"plot failed: {e}", file=sys.stderr)
+    print(render(payload))
+    return 0
+
+
+def rerender(path: Path, name: str, out: Path | None) -> int:
+    """Floors recomputed (the model and methods rebuilt from the stamped command) and the
+    results written again under ``name``, with the plot."""
+    import json
+    import shlex
+
+    from benchmarks.offload import qwen3_8b
+
+    payload = json.loads(path.read_text())
+    argv = shlex.split(payload["stamp"]["command"])
+    budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else 2048
+    contexts = max(r["context"] for r in payload["rows"])
+    cfg = qwen3_8b(contexts * 2)
+    for row in payload["rows"]:
+        with_floor(row, cfg, build_method(row["method"], cfg, budget), payload["stamp"]["device"])
+    dest = write_results(name, payload, render(payload), out)
+    plot(payload, dest / f"{name}.png")
     print(render(payload))
     return 0
 

@@ -123,6 +123,11 @@ class Model:
     # -- the model -----------------------------------------------------------------
     def init_cache(self, batch: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
         """Empty KV cache for ``batch`` rows of up to ``max_len`` tokens (default: the model's max_len)."""
+        max_len = self.cache_length(batch, max_len)
+        return tfm.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
+
+    def cache_length(self, batch: int, max_len: int | None) -> int:
+        """The capacity :meth:`init_cache` allocates (checked; rounded up to the method's block)."""
         max_len = self.max_len if max_len is None else int(max_len)
         if int(batch) < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -130,8 +135,15 @@ class Model:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self._check_context(max_len, "a cache")
         # Block methods summarise whole blocks: the capacity is rounded up to a block multiple.
-        max_len = round_up(max_len, self.method.cache_multiple)
-        return tfm.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
+        return round_up(max_len, self.method.cache_multiple)
+
+    def shard(self, *, data: int = 1, model: int = 1, devices=None) -> "Model":
+        """This model over ``data x model`` devices (:class:`models.sharding.ShardedModel`):
+        ``model``-way tensor parallelism over KV heads, ``data`` replicas over batch rows.
+        The same API; the cache comes from the returned model's ``init_cache``."""
+        from models.sharding import Parallelism, ShardedModel
+
+        return ShardedModel(self, Parallelism(data, model), devices)
 
     def forward(self, tokens) -> jax.Array:
         """Logits f32 ``[B, T, V]`` of whole sequences ``tokens int32[B, T]`` (no cache)."""

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a jax.profiler trace of the measured prefill + decode (compilation "
                         "excluded) to DIR; view it with TensorBoard or Perfetto")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices by KV heads (models.sharding; on CPU set "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N); default 1")
     p.add_argument("--demo", action="store_true",
                    help="built-in long-context test: find a passphrase hidden in ~3,300 tokens "
                         "(chat template, greedy, 24 tokens); exit status 1 if the answer is wrong")
@@ -216,6 +219,7 @@ class RunSpec:
     dtype: str
     profile: str | None
     demo: Any = None  # models.demo_prompt.DemoPrompt with --demo
+    tensor_parallel: int = 1
 
 
 def resolve_args(args: argparse.Namespace) -> RunSpec:
@@ -228,6 +232,8 @@ def resolve_args(args: argparse.Namespace) -> RunSpec:
         raise CLIError(f"give only one of PROMPT, --prompt, --prompt-file, --demo (got {' and '.join(sources)})")
     if not sources:
         raise CLIError("no prompt: give PROMPT, --prompt TEXT, --prompt-file PATH or --demo")
+    if args.tensor_parallel < 1:
+        raise CLIError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
 
     demo = None
     chat = bool(args.chat)
@@ -286,7 +292,8 @@ def resolve_args(args: argparse.Namespace) -> RunSpec:
     return RunSpec(model=args.model, prompt=prompt, chat=chat, temperature=float(args.temperature),
                    top_p=float(args.top_p), seed=int(args.seed), max_new_tokens=int(max_new),
                    attention=args.attention, attention_opts=opts, method=method,
-                   dtype=args.dtype or default_dtype(), profile=args.profile, demo=demo)
+                   dtype=args.dtype or default_dtype(), profile=args.profile, demo=demo,
+                   tensor_parallel=int(args.tensor_parallel))
 
 
 @functools.lru_cache(maxsize=4)
@@ -532,9 +539,16 @@ def run(spec: RunSpec, out: TextIO | None = None) -> dict[str, Any]:
     prep = prepare_prompt(spec, config, tokenizer)
     t0 = time.perf_counter()
     model = models.load_model(spec.model, dtype=jnp.dtype(spec.dtype), attention=spec.method)
+    devices = ""
+    if spec.tensor_parallel > 1:
+        try:
+            model = model.shard(model=spec.tensor_parallel)
+        except ValueError as e:
+            raise CLIError(f"--tensor-parallel {spec.tensor_parallel}: {e}") from e
+        devices = f" x {spec.tensor_parallel} (tensor parallel)"
     load_s = time.perf_counter() - t0
     opts = ", ".join(f"{k}={v}" for k, v in spec.attention_opts.items())
-    out.write(f"[{spec.model} | attention {spec.attention}{f' ({opts})' if opts else ''} | {spec.dtype} | {jax.devices()[0].platform} | "
+    out.write(f"[{spec.model} | attention {spec.attention}{f' ({opts})' if opts else ''} | {spec.dtype} | {jax.devices()[0].platform}{devices} | "
               f"prompt {len(prep.ids)} tokens{' (chat)' if spec.chat else ''}, padded to {prep.bucket} | "
               f"cache {prep.cache_len} | weights loaded in {load_s:.1f} s]\n")
     out.flush()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.api import Model, bind_method, method_for_model, round_up
 from models.config import ModelConfig
 from models.transformer import ModelFunctions, abstract_model, decode_step, default_unroll, forward, prefill
 from sparse_jax.cache import KVCache
@@ -131,11 +132,17 @@ def pad_kv_heads(cfg: ModelConfig, params, multiple: int, method: AttentionMetho
     params = jax.tree_util.tree_map_with_path(pad, params)
     if method is None:
         return cfg, params
+    return cfg, params, pad_method_heads(method, new)
+
+
+def pad_method_heads(method: AttentionMethod, num_kv_heads: int) -> AttentionMethod:
+    """``method`` with its per-KV-head calibration (Double Sparsity's channels) extended
+    to ``num_kv_heads`` heads, the new heads copying head 0 (see :func:`pad_kv_heads`)."""
     cpl = getattr(method, "channels_per_layer", None)
-    if cpl is not None:
-        cpl = tuple(tuple(layer) + (layer[0],) * (new - hkv) for layer in cpl)
-        method = dataclasses.replace(method, channels_per_layer=cpl)
-    return cfg, params, method
+    if cpl is None or len(cpl[0]) >= num_kv_heads:
+        return method
+    cpl = tuple(tuple(layer) + (layer[0],) * (num_kv_heads - len(layer)) for layer in cpl)
+    return dataclasses.replace(method, channels_per_layer=cpl)
 
 
 def _name(path) -> str:
@@ -231,21 +238,40 @@ class ShardedFunctions(ModelFunctions):
     local: ModelConfig | None = None  # one device's
 
 
-def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mesh, *, batch: int, max_len: int,
+class _ByCacheLength:
+    """A jitted function per cache length: the cache's ``max_len`` is static pytree
+    metadata, so ``shard_map``'s specs (a tree of the cache's structure) are built per
+    length. Callable, with ``lower`` (ahead-of-time compilation) like a jitted function."""
+
+    def __init__(self, make: Callable[[int], Callable], cache_arg: int):
+        self._make = functools.lru_cache(maxsize=None)(make)
+        self._arg = cache_arg
+
+    def _fn(self, args):
+        return self._make(int(args[self._arg].max_len))
+
+    def __call__(self, *args):
+        return self._fn(args)(*args)
+
+    def lower(self, *args):
+        return self._fn(args).lower(*args)
+
+
+def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mesh, *, max_len: int,
                             dtype=jnp.bfloat16, unroll: bool | None = None) -> ShardedFunctions:
     """Jitted ``forward / prefill / decode_step`` as one ``shard_map`` each over ``mesh``
-    (see the module docstring); the cache layout is that of ``batch`` rows of ``max_len``."""
+    (see the module docstring). They take any batch that splits over the ``data`` axis
+    and caches of any length (``prefill`` / ``decode_step``: one compilation per cache
+    length, as for any jitted function of the cache; ``max_len`` is checked now)."""
     par = Parallelism.of(mesh)
     check_method(method, par.model)
     local = local_config(cfg, par.model)
-    if batch % par.data:
-        raise ValueError(f"batch {batch} does not split over data={par.data} replicas")
     if unroll is None:
         unroll = default_unroll()
     dtype = jnp.dtype(dtype)
     graphdef_local = abstract_model(local, dtype)[0]
     pspecs = param_specs(abstract_model(cfg, dtype)[1])
-    cspecs = cache_specs(cfg, method, batch, max_len, dtype, par)
+    cache_specs(cfg, method, par.data, max_len, dtype, par)  # errors now, not at the first call
     tp = (MODEL, par.model)
     rows, rows2 = P(DATA), P(DATA, None)
 
@@ -261,9 +287,62 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
     def _decode(params, tokens, cache):
         return decode_step(nnx.merge(graphdef_local, params), local, method, tokens, cache, unroll=unroll, tp=tp)
 
+    def make_prefill(length):
+        cs = cache_specs(cfg, method, par.data, length, dtype, par)
+        return jax.jit(smap(_prefill, (pspecs, rows2, rows, cs), (rows2, cs)), donate_argnums=(3,))
+
+    def make_decode(length):
+        cs = cache_specs(cfg, method, par.data, length, dtype, par)
+        return jax.jit(smap(_decode, (pspecs, rows, cs), (rows2, cs)), donate_argnums=(2,))
+
     return ShardedFunctions(
         forward=jax.jit(smap(_forward, (pspecs, rows2), P(DATA, None, None))),
-        prefill=jax.jit(smap(_prefill, (pspecs, rows2, rows, cspecs), (rows2, cspecs)), donate_argnums=(3,)),
-        decode_step=jax.jit(smap(_decode, (pspecs, rows, cspecs), (rows2, cspecs)), donate_argnums=(2,)),
+        prefill=_ByCacheLength(make_prefill, 3),
+        decode_step=_ByCacheLength(make_decode, 2),
         mesh=mesh, config=cfg, local=local,
     )
+
+class ShardedModel(Model):
+    """A :class:`models.api.Model` spread over a mesh (``model.shard(data=, model=)``):
+    the same ``init_cache / prefill / decode_step / generate / generate_ids`` API, with
+    the parameters sharded (KV heads padded first when they do not split: then
+    ``config`` is the padded one, ``unpadded_config`` the original), the cache laid
+    out on the mesh and the jitted functions one ``shard_map`` each. The unsharded
+    model it came from is not kept: ``del`` it to free its device copy."""
+
+    def __init__(self, base: Model, par: Parallelism, devices=None):
+        check_method(base.method, par.model)
+        mesh = par.mesh(devices)
+        cfg, params, method = pad_kv_heads(base.config, base.params, par.model, base.method)
+        graphdef = base.graphdef if cfg == base.config else abstract_model(cfg, base.dtype)[0]
+        # Model.__init__ makes the unsharded jits (lazy: nothing compiles); replaced below
+        super().__init__(cfg, graphdef, shard_params(params, mesh), base.tokenizer, method, base.dtype, base.max_len)
+        self.mesh, self.parallelism, self.unpadded_config = mesh, par, base.config
+        self.fns = self._functions(method)
+
+    def _functions(self, method: AttentionMethod) -> ShardedFunctions:
+        return build_sharded_functions(self.config, method, self.mesh,
+                                       max_len=round_up(self.max_len, method.cache_multiple), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", data={self.parallelism.data}, model={self.parallelism.model})"
+
+    def init_cache(self, batch: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
+        """An empty cache laid out on the mesh (``batch`` a multiple of ``data``)."""
+        if int(batch) % self.parallelism.data:
+            raise ValueError(f"batch {batch} does not split over data={self.parallelism.data} replicas: "
+                             f"use a multiple of {self.parallelism.data}")
+        max_len = self.cache_length(batch, max_len)
+        return init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype,
+                          self.mesh)
+
+    def with_method(self, attention, **options) -> "ShardedModel":
+        """The same sharded params with another method (bound to the unpadded model)."""
+        method = bind_method(method_for_model(attention, options, self.unpadded_config), self.unpadded_config,
+                             self.max_len)
+        check_method(method, self.parallelism.model)
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.method = pad_method_heads(method, self.config.num_kv_heads)
+        clone.fns = clone._functions(clone.method)
+        return clone

@@ -1,0 +1,150 @@
+"""Sharded decode against one device, run in its own process with several CPU devices.
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.sharded_check``
+(``tests/test_sharding.py`` runs it; the device count must be set before jax
+starts, so it cannot run inside the pytest process). For each case it runs a
+ragged prefill and ``STEPS`` greedy decode steps on one device (the unsharded
+``build_functions``) and under each mesh (``models.sharding``), and prints one
+JSON line per case: the max |logit difference| over every step, whether the
+greedy tokens agree, and the cache's sharding.
+
+Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest and
+asynctls, every method selecting: budgets below the prompts), meshes 1x2,
+2x2 and 1x4; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
+to 4 (dense, quest and asynctls on model=2, its calibrated channels padded
+too; asynctls on data=2 replicas); with
+``--bf16``, SmolLM2 in bf16 against an f32 reference, one device and model=2,
+to show the sharded error is rounding of the same size as one device's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STEPS = 4
+
+
+def _run(fns, params, cache, tokens, lengths):
+    logits, cache = fns.prefill(params, tokens, lengths, cache)
+    out, toks = [np.asarray(logits, np.float32)], []
+    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    for _ in range(STEPS):
+        toks.append(np.asarray(nxt))
+        logits, cache = fns.decode_step(params, nxt, cache)
+        out.append(np.asarray(logits, np.float32))
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    return out, np.stack(toks), cache
+
+
+def one_device(cfg, graphdef, params, method, tokens, lengths, max_len, dtype):
+    from models.transformer import build_functions, init_cache
+
+    fns = build_functions(graphdef, cfg, method, unroll=False)
+    return _run(fns, params, init_cache(cfg, method, tokens.shape[0], max_len, dtype), tokens, lengths)
+
+
+def sharded(cfg, params, method, tokens, lengths, max_len, dtype, par):
+    from models import sharding as sh
+
+    mesh = par.mesh()
+    fns = sh.build_sharded_functions(cfg, method, mesh, max_len=max_len, dtype=dtype,
+                                     unroll=False)
+    return _run(fns, sh.shard_params(params, mesh), sh.init_cache(cfg, method, tokens.shape[0], max_len, dtype, mesh),
+                tokens, lengths)
+
+
+def report(case, ref, got, cache):
+    err = max(float(np.max(np.abs(a - b))) for a, b in zip(ref[0], got[0]))
+    scale = max(float(np.max(np.abs(a))) for a in ref[0])
+    line = dict(case=case, max_dlogit=err, logit_scale=scale, tokens_agree=bool(np.array_equal(ref[1], got[1])),
+                k_spec=str(getattr(cache.layers[-1].k.sharding, "spec", "one device")), devices=len(cache.layers[-1].k.sharding.device_set))
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def tiny_cases(meshes):
+    from models.config import ModelConfig
+    from models.sharding import Parallelism
+    from models.transformer import init_params
+    from sparse_jax.methods.registry import get_method
+
+    cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
+                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                      rms_eps=1e-6)
+    channels = (tuple(tuple(range(h % 4, 16, 4)) for h in range(8)),) * 3  # per head: different channels
+    methods = {"dense": get_method("dense"), "quest": get_method("quest", budget=64, dense_layers=(0,)),
+               "asynctls": get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
+                                      dense_layers=(0,))}
+    graphdef, params = init_params(cfg, jnp.float32, seed=1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 150)), jnp.int32)
+    lengths = jnp.asarray([150, 120, 97, 141], jnp.int32)
+    for name, m in methods.items():
+        ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
+        for data, model in meshes:
+            got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(data, model))
+            report(f"tiny-kv8/{name}/data={data},model={model}", ref, got, got[2])
+
+
+def smollm2_cases(bf16: bool):
+    import models
+    from models import sharding as sh
+    from models.demo_prompt import build_demo_prompt
+    from models.sharding import Parallelism
+
+    text = build_demo_prompt(n_paragraphs=3).messages[0]["content"]
+    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=512)
+    ids = base.tokenizer.encode(text)[:200]
+    tokens = jnp.asarray(np.stack([ids, ids[::-1]]), jnp.int32)
+    lengths = jnp.asarray([200, 170], jnp.int32)
+    cases = [("dense", {}, Parallelism(1, 2)), ("quest", dict(budget=64), Parallelism(1, 2)),
+             ("asynctls", dict(budget=64), Parallelism(1, 2)), ("asynctls", dict(budget=64), Parallelism(2, 1))]
+    for name, opts, par in cases:
+        model = base.with_method(name, **opts)
+        ref = one_device(model.config, model.graphdef, model.params, model.method, tokens, lengths, 256, jnp.float32)
+        cfg, params, method = sh.pad_kv_heads(model.config, model.params, par.model, model.method)
+        got = sharded(cfg, params, method, tokens, lengths, 256, jnp.float32, par)
+        report(f"smollm2/{name}/data={par.data},model={par.model}", ref, got, got[2])
+    # the Python API: Model.shard, with_method on the sharded model, generate
+    prompt = "The capital of France is"
+    sharded_model = base.shard(model=2)
+    for name in ("dense", "quest"):
+        want = base.with_method(name, budget=32) if name == "quest" else base
+        got_model = sharded_model.with_method(name, budget=32) if name == "quest" else sharded_model
+        a, b = want.generate(prompt, max_new_tokens=10), got_model.generate(prompt, max_new_tokens=10)
+        print(json.dumps(dict(case=f"smollm2/api-generate/{name}/data=1,model=2", max_dlogit=0.0, logit_scale=1.0,
+                              tokens_agree=a == b, k_spec="P(None, 'model')", devices=2,
+                              text=b, kv_heads=got_model.config.num_kv_heads)), flush=True)
+    if bf16:
+        model = base.with_method("dense")
+        ref = one_device(model.config, model.graphdef, model.params, model.method, tokens, lengths, 256, jnp.float32)
+        p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
+        one = one_device(model.config, model.graphdef, p16, model.method, tokens, lengths, 256, jnp.bfloat16)
+        report("smollm2-bf16/dense/one device vs f32", ref, one, one[2])
+        cfg, params = sh.pad_kv_heads(model.config, p16, 2)
+        got = sharded(cfg, params, model.method, tokens, lengths, 256, jnp.bfloat16, Parallelism(1, 2))
+        report("smollm2-bf16/dense/model=2 vs f32", ref, got, got[2])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=["tiny", "smollm2"], default=None)
+    p.add_argument("--bf16", action="store_true")
+    a = p.parse_args(argv)
+    n = len(jax.devices())
+    meshes = [m for m in [(1, 2), (2, 2), (1, 4)] if m[0] * m[1] <= n]
+    if a.only in (None, "tiny"):
+        tiny_cases(meshes)
+    if a.only in (None, "smollm2"):
+        smollm2_cases(a.bf16)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

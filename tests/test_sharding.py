@@ -1,0 +1,157 @@
+"""Several devices (models.sharding): sharded prefill + decode give one device's logits.
+
+The device-count cases run ``tests/sharded_check.py`` in a subprocess with
+``--xla_force_host_platform_device_count`` (it must be set before jax starts);
+the rest runs here on one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import sharding as sh
+from models.config import ModelConfig
+from models.transformer import abstract_model, build_functions, init_cache, init_params
+from sparse_jax.methods.registry import get_method
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _check(devices: int, *args: str) -> list[dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, "-m", "tests.sharded_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_four_devices_match_one_device():
+    rows = {r["case"]: r for r in _check(4, "--bf16")}
+    f32 = [r for c, r in rows.items() if "bf16" not in c]
+    # tiny: 3 methods x 3 meshes; SmolLM2: dense, quest, asynctls on model=2 and asynctls on
+    # data=2, and Model.shard(...).generate for dense and quest
+    assert len(f32) == 15, sorted(rows)
+    assert rows["smollm2/api-generate/dense/data=1,model=2"]["kv_heads"] == 4  # 3 padded to 4
+    for r in f32:
+        assert r["tokens_agree"], r
+        assert r["max_dlogit"] < 5e-4, r  # f32: summation order only (measured <= 7e-5)
+        layout = r["case"].split("/")[-1]
+        want = {"data=1,model=2": ("P(None, 'model')", 2), "data=2,model=2": ("P('data', 'model')", 4),
+                "data=1,model=4": ("P(None, 'model')", 4), "data=2,model=1": ("P('data',)", 2)}[layout]
+        assert (r["k_spec"], r["devices"]) == want, r
+    # bf16: splitting the reductions over two devices changes the rounding, not its size
+    one = rows["smollm2-bf16/dense/one device vs f32"]["max_dlogit"]
+    two = rows["smollm2-bf16/dense/model=2 vs f32"]["max_dlogit"]
+    assert 0 < two < 2 * one + 0.05, (one, two)
+
+
+@pytest.mark.slow
+def test_two_devices_match_one_device():
+    rows = _check(2, "--only", "tiny")
+    assert len(rows) == 3 and all(r["case"].endswith("data=1,model=2") for r in rows)
+    for r in rows:
+        assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
+
+
+def _tiny(kv=3, heads=9):
+    return ModelConfig(name="tiny-pad", arch="llama", num_layers=2, hidden_size=32, num_heads=heads, num_kv_heads=kv,
+                       head_dim=8, intermediate_size=48, vocab_size=53, max_position=128, rope_theta=1e4,
+                       rms_eps=1e-6)
+
+
+def test_padded_heads_give_the_same_logits():
+    cfg = _tiny()
+    graphdef, params = init_params(cfg, jnp.float32, seed=3)
+    pcfg, pparams = sh.pad_kv_heads(cfg, params, 2)
+    assert (pcfg.num_kv_heads, pcfg.num_heads) == (4, 12)
+    pgraph = abstract_model(pcfg, jnp.float32)[0]
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 53, (2, 20)), jnp.int32)
+    lengths = jnp.asarray([20, 13], jnp.int32)
+    outs = []
+    for c, g, p in ((cfg, graphdef, params), (pcfg, pgraph, pparams)):
+        fns = build_functions(g, c, get_method("dense"), unroll=False)
+        logits, cache = fns.prefill(p, tokens, lengths, init_cache(c, get_method("dense"), 2, 32, jnp.float32))
+        step, _ = fns.decode_step(p, jnp.argmax(logits, -1).astype(jnp.int32), cache)
+        outs.append((logits, step))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-5)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+def test_padding_copies_calibrated_channels():
+    cfg = _tiny()
+    _, params = init_params(cfg, jnp.float32)
+    chans = (((0, 1), (2, 3), (4, 5)),) * 2
+    m = get_method("asynctls", budget=16, block_size=8, kb=2, channels_per_layer=chans)
+    _, _, pm = sh.pad_kv_heads(cfg, params, 4, m)
+    assert pm.channels_per_layer[0] == ((0, 1), (2, 3), (4, 5), (0, 1))
+
+
+def test_local_config_and_param_specs():
+    from models.config import get_config
+
+    cfg = get_config("qwen3-8b")
+    local = sh.local_config(cfg, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (16, 4, 6144)
+    specs = {sh._name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        sh.param_specs(abstract_model(cfg)[1]), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
+    assert specs["layers.self_attn.q_proj.kernel"] == jax.sharding.PartitionSpec(None, None, "model")
+    assert specs["layers.self_attn.o_proj.kernel"] == jax.sharding.PartitionSpec(None, "model", None)
+    assert specs["layers.mlp.down_proj.kernel"] == jax.sharding.PartitionSpec(None, "model", None)
+    assert specs["embed_tokens.weight"] == jax.sharding.PartitionSpec()
+
+
+def test_cache_specs_read_off_the_method_state():
+    cfg = ModelConfig(name="t8", arch="qwen3", num_layers=2, hidden_size=32, num_heads=8, num_kv_heads=4, head_dim=16,
+                      intermediate_size=48, vocab_size=53, max_position=256, rope_theta=1e4)
+    chans = (tuple(tuple(range(h, 16, 4)) for h in range(4)),) * 2
+    m = get_method("asynctls", budget=32, block_size=16, kb=4, channels_per_layer=chans, dense_layers=())
+    specs = sh.cache_specs(cfg, m, 4, 128, jnp.dtype(jnp.float32), sh.Parallelism(2, 2))
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    P = jax.sharding.PartitionSpec
+    assert specs.layers[0].k == P("data", "model", None, None)
+    assert specs.lengths == P("data")
+    assert specs.layers[0].state.labels.scale == P("data", "model", None)  # [B, Hkv, S]
+    assert specs.layers[0].state.boxes.upper == P("data", "model", None, None)  # [B, Hkv, NB, D]
+    assert all(s.count("model") <= 1 and s.count("data") <= 1 for s in leaves)
+
+
+def test_clear_errors():
+    cfg = _tiny()
+    with pytest.raises(ValueError, match="pad them first"):
+        sh.local_config(cfg, 2)
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
+        sh.Parallelism(8, 8).mesh()
+    with pytest.raises(ValueError, match="head map"):
+        sh.check_method(get_method("kascade", budget=16), 2)
+    sh.check_method(get_method("kascade", budget=16), 1)  # data replicas are fine
+    with pytest.raises(ValueError, match="does not split over data=2"):
+        sh.cache_specs(_tiny(4, 8), get_method("dense"), 3, 32, jnp.dtype(jnp.float32), sh.Parallelism(2, 1))
+
+
+@pytest.mark.slow
+def test_generate_cli_tensor_parallel():
+    """``python -m models.generate --tensor-parallel 2`` prints the one-device text."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    texts = []
+    for extra in ([], ["--tensor-parallel", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt",
+                               "The capital of France is", "--max-new-tokens", "12", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        head, rest = proc.stdout.split("]\n", 1)
+        texts.append(rest.split("-" * 72)[0])
+        assert ("x 2 (tensor parallel)" in head) == bool(extra), head
+    assert texts[0] == texts[1] and texts[0].strip(), texts
+    proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "hi",
+                           "--tensor-parallel", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "needs 4 devices; 2 visible" in proc.stderr, proc.stderr[-2000:]
