@@ -163,10 +163,11 @@ class Driver:
         """:func:`segment_data`, with each per-KV-head array (axis 1 of the stacked rows,
         ``num_kv_heads * tp_size`` long) cut to this device's heads under tensor parallelism."""
         data = segment_data(self.method, seg)
-        if self.tp_axis is None or self.tp_size == 1:
+        if self.tp_size == 1:
             return data
         n = self.cfg.num_kv_heads
-        first = jax.lax.axis_index(self.tp_axis) * n
+        # no axis (abstract evaluation of one device's shapes): the first device's heads
+        first = 0 if self.tp_axis is None else jax.lax.axis_index(self.tp_axis) * n
         out = {}
         for key, v in data.items():
             if key != "index" and v.ndim >= 2 and v.shape[1] == n * self.tp_size:

@@ -179,20 +179,39 @@ def _split_axes(whole, part) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(whole.shape, part.shape)) if a != b]
 
 
-@functools.lru_cache(maxsize=32)
-def cache_specs(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, par: Parallelism):
-    """``PartitionSpec`` of every leaf of the cache (``KVCache``, method state
-    included): an axis is split over ``model`` where the method builds it ``model``
-    times smaller for one device's KV heads, over ``data`` where it shrinks with the
-    batch. Refuses a leaf that shrinks in a way that is not an even split."""
+def _cache_shape(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, prefilled: bool,
+                 model: int = 1):
+    """The cache's abstract shape, empty or after a prefill (a method may add state
+    leaves only a prefill can size: AsyncSpade's query history ``[B, Hq, W+1, D]``);
+    ``model > 1``: one device's (``cfg`` its config; layer data cut to its heads)."""
     from models.driver import init_cache
+    from models.transformer import prefill
 
+    empty = init_cache(cfg, method, batch, max_len, dtype)
+    if not prefilled:
+        return jax.eval_shape(lambda: empty)
+    graphdef, params = abstract_model(cfg, dtype)
+    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tp = (None, model) if model > 1 else None
+    return jax.eval_shape(lambda p, t, n, c: prefill(nnx.merge(graphdef, p), cfg, method, t, n, c, tp=tp)[1],
+                          params, tokens, lengths, jax.eval_shape(lambda: empty))
+
+
+@functools.lru_cache(maxsize=32)
+def cache_specs(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, par: Parallelism,
+                prefilled: bool = False):
+    """``PartitionSpec`` of every leaf of the cache (``KVCache``, method state
+    included), empty or (``prefilled``) as a prefill returns it: an axis is split over
+    ``model`` where the method builds it ``model`` times smaller for one device's KV
+    heads, over ``data`` where it shrinks with the batch. Refuses a leaf that shrinks
+    in a way that is not an even split."""
     if batch % par.data:
         raise ValueError(f"batch {batch} does not split over data={par.data} replicas")
     dt = jnp.dtype(dtype)
-    whole = jax.eval_shape(lambda: init_cache(cfg, method, batch, max_len, dt))
-    by_heads = jax.eval_shape(lambda: init_cache(local_config(cfg, par.model), method, batch, max_len, dt))
-    by_rows = jax.eval_shape(lambda: init_cache(cfg, method, batch // par.data, max_len, dt))
+    whole = _cache_shape(cfg, method, batch, max_len, dt, prefilled)
+    by_heads = _cache_shape(local_config(cfg, par.model), method, batch, max_len, dt, prefilled, par.model)
+    by_rows = _cache_shape(cfg, method, batch // par.data, max_len, dt, prefilled)
 
     def spec(path, w, h, r):
         axes = [None] * len(w.shape)
@@ -220,8 +239,12 @@ def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: i
     return jax.jit(lambda: _init(cfg, method, batch, max_len, jnp.dtype(dtype)), out_shardings=shardings)()
 
 
-def check_method(method: AttentionMethod, model: int) -> None:
-    """Methods whose layers read other KV heads' data cannot split over heads."""
+def check_method(method: AttentionMethod, model: int, devices: int | None = None) -> None:
+    """Methods whose layers read other KV heads' data cannot split over heads; a
+    method marked not ``shardable`` runs on one device only."""
+    if (devices or model) > 1 and not getattr(method, "shardable", True):
+        raise ValueError(f"{method.name}: not supported on several devices yet (see its `shardable` note); "
+                         f"run it on one device")
     if model > 1 and getattr(method, "crosses_kv_heads", False):
         raise ValueError(f"{method.name}: its layers read other KV heads' selections (a head map), which "
                          f"tensor parallelism over KV heads splits across devices; run it with model=1 "
@@ -264,7 +287,7 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
     and caches of any length (``prefill`` / ``decode_step``: one compilation per cache
     length, as for any jitted function of the cache; ``max_len`` is checked now)."""
     par = Parallelism.of(mesh)
-    check_method(method, par.model)
+    check_method(method, par.model, par.size)
     local = local_config(cfg, par.model)
     if unroll is None:
         unroll = default_unroll()
@@ -288,11 +311,12 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
         return decode_step(nnx.merge(graphdef_local, params), local, method, tokens, cache, unroll=unroll, tp=tp)
 
     def make_prefill(length):
-        cs = cache_specs(cfg, method, par.data, length, dtype, par)
-        return jax.jit(smap(_prefill, (pspecs, rows2, rows, cs), (rows2, cs)), donate_argnums=(3,))
+        empty = cache_specs(cfg, method, par.data, length, dtype, par)
+        full = cache_specs(cfg, method, par.data, length, dtype, par, prefilled=True)
+        return jax.jit(smap(_prefill, (pspecs, rows2, rows, empty), (rows2, full)), donate_argnums=(3,))
 
     def make_decode(length):
-        cs = cache_specs(cfg, method, par.data, length, dtype, par)
+        cs = cache_specs(cfg, method, par.data, length, dtype, par, prefilled=True)
         return jax.jit(smap(_decode, (pspecs, rows, cs), (rows2, cs)), donate_argnums=(2,))
 
     return ShardedFunctions(
@@ -311,7 +335,7 @@ class ShardedModel(Model):
     model it came from is not kept: ``del`` it to free its device copy."""
 
     def __init__(self, base: Model, par: Parallelism, devices=None):
-        check_method(base.method, par.model)
+        check_method(base.method, par.model, par.size)
         mesh = par.mesh(devices)
         cfg, params, method = pad_kv_heads(base.config, base.params, par.model, base.method)
         graphdef = base.graphdef if cfg == base.config else abstract_model(cfg, base.dtype)[0]
@@ -340,7 +364,7 @@ class ShardedModel(Model):
         """The same sharded params with another method (bound to the unpadded model)."""
         method = bind_method(method_for_model(attention, options, self.unpadded_config), self.unpadded_config,
                              self.max_len)
-        check_method(method, self.parallelism.model)
+        check_method(method, self.parallelism.model, self.parallelism.size)
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
         clone.method = pad_method_heads(method, self.config.num_kv_heads)

@@ -10,7 +10,7 @@ greedy tokens agree, and the cache's sharding.
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest and
 asynctls, every method selecting: budgets below the prompts), meshes 1x2,
-2x2 and 1x4; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
+2x2 and 1x4, and kascade on data=2; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
 to 4 (dense, quest and asynctls on model=2, its calibrated channels padded
 too; asynctls on data=2 replicas); with
 ``--bf16``, SmolLM2 in bf16 against an f32 reference, one device and model=2,
@@ -90,6 +90,11 @@ def tiny_cases(meshes):
         for data, model in meshes:
             got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(data, model))
             report(f"tiny-kv8/{name}/data={data},model={model}", ref, got, got[2])
+    # Kascade reads other heads' selections (its head map): data replicas only
+    m = get_method("kascade", budget=64, anchors=(0, 1))
+    ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
+    got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(2, 1))
+    report("tiny-kv8/kascade/data=2,model=1", ref, got, got[2])
 
 
 def smollm2_cases(bf16: bool):

@@ -131,6 +131,9 @@ class AttentionMethod:
     #: whether a layer reads another KV head's data (Kascade's head map): such a method
     #: cannot split over KV heads across devices (``models.sharding``)
     crosses_kv_heads: ClassVar[bool] = False
+    #: whether the method may run on several devices (``models.sharding``); False where
+    #: that is known not to work yet (the reason in the subclass)
+    shardable: ClassVar[bool] = True
     dense_layers: tuple[int, ...] = ()
 
     # -- binding to a model ---------------------------------------------------
