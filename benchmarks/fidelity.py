@@ -164,9 +164,9 @@ class FidelityProbe(AttentionMethod):
             raise ValueError(f"FidelityProbe: num_q_heads={self.num_q_heads} but the model has {num_q_heads}")
         self.inner.check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
 
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         inner = self.inner.init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
-                                      head_dim=head_dim, dtype=dtype)
+                                      head_dim=head_dim, dtype=dtype, num_q_heads=num_q_heads)
         return {"inner": inner,
                 "rel_err": jnp.zeros((batch, self.num_q_heads), jnp.float32),
                 "mass": jnp.ones((batch, self.num_q_heads), jnp.float32)}

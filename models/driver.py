@@ -358,6 +358,6 @@ def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: i
         state = None
         if spec.sparse:
             state = method.init_state(spec, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=cap,
-                                      head_dim=cfg.head_dim, dtype=dtype)
+                                      head_dim=cfg.head_dim, dtype=dtype, num_q_heads=cfg.num_heads)
         layers.append(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), state))
     return KVCache(tuple(layers), jnp.zeros((batch,), jnp.int32), int(max_len))

@@ -407,7 +407,8 @@ def _finish_layer(method, spec, offloaded: bool, pool: int):
             return LayerCache(k, v, None), None, None
         b, hkv, s, d = k.shape
         ctx = LayerCtx(spec, data)
-        st = method.init_state(spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype)
+        st = method.init_state(spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=k.dtype,
+                               num_q_heads=q_last.shape[1])
         st = prompt_state(method, st, k, v, q_last, lengths, ctx)
         if offloaded:
             return off.tier_from_prefill(method, k, v, lengths, st, pool)

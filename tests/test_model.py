@@ -207,7 +207,7 @@ def test_bf16_close_to_f32():
 class CountingDense(AttentionMethod):
     """Exact attention whose state counts the tokens it saw, to check the hooks' data flow."""
 
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         return {"seen": jnp.zeros((batch,), jnp.int32), "last_pos": jnp.full((batch,), -1, jnp.int32)}
 
     def prefill_state(self, state, k, v, lengths, layer):

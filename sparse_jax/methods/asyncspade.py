@@ -191,13 +191,18 @@ class AsyncSpade(AttentionMethod):
         return self.inner().layer_data(index)
 
     # -- state ------------------------------------------------------------------------
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         inner = self.inner()
         st = inner.init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim,
-                              dtype=dtype)
+                              dtype=dtype, num_q_heads=num_q_heads)
         k = self._next_width(max_len)
-        # the query history's head count is only known from a query: prefill_query_state sizes it
-        return {"inner": st, "hist": None, "count": jnp.zeros((batch,), jnp.int32),
+        # the query history [B, Hq, W+1, D]: allocated here when the caller gives the query
+        # heads (the model's cache does), so every leaf exists before a prefill (the
+        # serving engine's slots, sharded layouts); else prefill_query_state sizes it
+        hist = None
+        if num_q_heads is not None:
+            hist = jnp.zeros((batch, num_q_heads, self.window + 1, head_dim), jnp.float32)
+        return {"inner": st, "hist": hist, "count": jnp.zeros((batch,), jnp.int32),
                 # zero bytes whose static shape tells prefill_query_state the layer's capacity
                 # (a token selector's select reads kv.capacity; prefill has no view)
                 # ([B, 0, S]: batch-leading like every state leaf, for the serving engine)

@@ -164,7 +164,10 @@ class AttentionMethod:
 
     # -- state ----------------------------------------------------------------
     def init_state(self, spec: LayerSpec, *, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-                   dtype) -> Any:
+                   dtype, num_q_heads: int | None = None) -> Any:
+        """The layer's empty state; every leaf has the batch as its leading axis.
+        ``num_q_heads``: the model's query heads (None where a caller does not know them:
+        a method that needs them sizes those leaves in ``prefill_query_state``)."""
         return None
 
     def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:

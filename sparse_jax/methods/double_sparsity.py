@@ -81,7 +81,7 @@ class DoubleSparsity(SparseMethod):
         return {"channels": np.asarray(self.channels_per_layer[index], np.int32)}
 
     # -- state ----------------------------------------------------------------
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         r = self.num_channels(head_dim)
         k = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
         return build_label_cache(k, jnp.zeros((num_kv_heads, r), jnp.int32), impl="reference")
@@ -156,10 +156,10 @@ class AsyncTLS(DoubleSparsity):
         """Blocks the filter picks besides the newest: ``min(kb, S / block) - 1``."""
         return min(self.kb, max_len // self.block_size) - 1
 
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         shape = (batch, num_kv_heads, max_len // self.block_size, head_dim)
         labels = super().init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
-                                    head_dim=head_dim, dtype=dtype)
+                                    head_dim=head_dim, dtype=dtype, num_q_heads=num_q_heads)
         prev = None
         if self.lag:
             prev = jnp.zeros((batch, num_kv_heads, self.filter_blocks(max_len)), jnp.int32)

@@ -229,12 +229,12 @@ class Kascade(AttentionMethod):
 
     # -- state: the selector's, on every sparse layer (a scanned segment stacks
     #    identical states); plus whether the first decode step is still to come
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         sel = self._selector()
         if sel is None:
             return None
         inner = sel.init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim,
-                               dtype=dtype)
+                               dtype=dtype, num_q_heads=num_q_heads)
         return {"inner": inner, "first": jnp.zeros((batch,), jnp.bool_)}
 
     def prefill_state(self, state, k, v, lengths, layer):

@@ -45,7 +45,7 @@ class Quest(BlockSparseMethod):
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = (0, 1)
 
-    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype):
+    def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         shape = (batch, num_kv_heads, -(-max_len // self.block_size), head_dim)
         return BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 

@@ -73,7 +73,8 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
     bs = method.offload_block_size or getattr(method, "block_size", 64)
     nb = s // bs
     n1 = method.offload_blocks_per_step(s) if mode == "offload" else 0
-    state = state_bytes(method, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype_bytes=e)
+    state = state_bytes(method, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype_bytes=e,
+                        num_q_heads=cfg.num_heads)
     dev["kv_dense_layers"] = (cfg.num_layers - n_sparse) * kv_layer
     dev["method_state"] = n_sparse * state
     if mode == "sparse":
@@ -88,13 +89,13 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
     return Footprint(dev, host)
 
 
-def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2) -> int:
+def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2, num_q_heads=None) -> int:
     """Bytes of ``method.init_state(...)`` for one layer (traced, nothing allocated)."""
     import jax.numpy as jnp
 
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[dtype_bytes]
     shapes = jax.eval_shape(lambda: method.init_state(LayerSpec(sparse=True), batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
-                                                      head_dim=head_dim, dtype=dtype))
+                                                      head_dim=head_dim, dtype=dtype, num_q_heads=num_q_heads))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
