@@ -62,7 +62,8 @@ class Plan:
 @functools.lru_cache(maxsize=64)
 def make_plan(cfg: ModelConfig, method: AttentionMethod) -> Plan:
     specs = layer_specs(cfg.kinds, window=cfg.sliding_window, rope_theta=cfg.rope_theta,
-                        local_rope_theta=cfg.rope_local_theta, is_sparse=method.is_sparse_layer)
+                        local_rope_theta=cfg.rope_local_theta, is_sparse=method.is_sparse_layer,
+                        is_sparse_prefill=method.is_sparse_prefill_layer)
     return Plan(specs, segments(specs))
 
 
@@ -191,7 +192,7 @@ class Driver:
             def body(x, data, spec=spec, m=m, cos=cos, sin=sin):
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
-                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data))
+                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method)
                 return layer_output(layer, x, o, self._reduce), ((q, k) if capture else None)
 
             x, ys = scan_layers(body, x, self._xs(seg), seg.length, self.unroll)
@@ -253,7 +254,8 @@ class Driver:
         layer = _layer_at(self.layer_graph, stacked, data["index"])
         cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
-        o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data))
+        o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
+                             self.method)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
         return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths)
 
@@ -318,9 +320,13 @@ class Driver:
         return {k: jnp.asarray(v) for k, v in data.items()}
 
 
-def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, lengths, ctx: LayerCtx):
-    """Causal attention over the prompt: the method's prefill hook, or exact
+def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, lengths, ctx: LayerCtx,
+                     model_method: AttentionMethod | None = None):
+    """Causal attention over the prompt: Token Sparse Attention where the layer's spec
+    says so (``model_method``'s ``prefill``), else the method's prefill hook, or exact
     attention (with the layer's sliding window) where ``method`` is None."""
+    if spec.sparse_prefill:
+        return (model_method or method).sparse_prefill().attention(q, k, v, lengths)
     if method is None:
         return dense_prefill_attention(q, k, v, spec.window)
     return method.prefill_attention(q, k, v, lengths, ctx)

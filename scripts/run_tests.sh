@@ -9,6 +9,6 @@ mapfile -t files < <(ls tests/test_*.py)
 n=${#files[@]}; per=$(( (n + parts - 1) / parts )); rc=0
 for ((i = 0; i < n; i += per)); do
   echo "== tests part $(( i / per + 1 )) of $parts: ${files[i]} .. ${files[$(( i + per < n ? i + per - 1 : n - 1 ))]}"
-  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE "${files[@]:i:per}" || rc=1
+  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE --durations=8 "${files[@]:i:per}" || rc=1
 done
 exit $rc

@@ -36,12 +36,15 @@ class LayerSpec:
       rope_theta: RoPE base of this layer's kind.
       sparse: whether the attention method runs here; False on local layers and on
         the global layers the method's dense-layer rule keeps exact.
+      sparse_prefill: whether the method's sparse prefill (Token Sparse Attention,
+        :mod:`sparse_jax.prefill`) runs here; global layers only.
     """
 
     kind: str = "global"
     window: int | None = None
     rope_theta: float = 10000.0
     sparse: bool = False
+    sparse_prefill: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,6 +55,9 @@ class LayerSpec:
             raise ValueError("a global layer has no window")
         if self.kind == "local" and self.sparse:
             raise ValueError("sparse methods run on global layers only")
+        if self.kind == "local" and self.sparse_prefill:
+            raise ValueError("sparse prefill runs on global layers only (a window over compressed positions "
+                             "would be wrong)")
 
     def capacity(self, max_len: int) -> int:
         """Cache slots of this layer for a context of ``max_len`` tokens."""
@@ -59,11 +65,12 @@ class LayerSpec:
 
 
 def layer_specs(kinds: Sequence[str], *, window: int | None, rope_theta: float,
-                local_rope_theta: float | None, is_sparse) -> tuple[LayerSpec, ...]:
+                local_rope_theta: float | None, is_sparse, is_sparse_prefill=None) -> tuple[LayerSpec, ...]:
     """One :class:`LayerSpec` per layer.
 
     ``kinds``: the kind of each layer. ``is_sparse(i, n) -> bool`` is the method's
-    rule for the ``i``-th of ``n`` global layers.
+    rule for the ``i``-th of ``n`` global layers; ``is_sparse_prefill(i, n) ->
+    bool`` its sparse-prefill rule for model layer ``i`` of ``n`` (global layers only).
     """
     kinds = tuple(kinds)
     bad = [k for k in kinds if k not in KINDS]
@@ -71,9 +78,10 @@ def layer_specs(kinds: Sequence[str], *, window: int | None, rope_theta: float,
         raise ValueError(f"layer kinds must be among {KINDS}, got {bad[0]!r}")
     n_global = sum(k == "global" for k in kinds)
     specs, g = [], 0
-    for k in kinds:
+    for i, k in enumerate(kinds):
         if k == "global":
-            specs.append(LayerSpec("global", None, float(rope_theta), bool(is_sparse(g, n_global))))
+            sp = bool(is_sparse_prefill(i, len(kinds))) if is_sparse_prefill is not None else False
+            specs.append(LayerSpec("global", None, float(rope_theta), bool(is_sparse(g, n_global)), sp))
             g += 1
         else:
             theta = rope_theta if local_rope_theta is None else local_rope_theta

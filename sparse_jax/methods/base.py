@@ -135,12 +135,29 @@ class AttentionMethod:
     #: that is known not to work yet (the reason in the subclass)
     shardable: ClassVar[bool] = True
     dense_layers: tuple[int, ...] = ()
+    #: the prefill on the layers it names (every method, dense included): "dense", or
+    #: "token_sparse" (Token Sparse Attention, :mod:`sparse_jax.prefill`) with its options
+    #: as ``prefill_options`` pairs (``--attention-opt prefill.tau=0.01``)
+    prefill: str = "dense"
+    prefill_options: tuple = ()
 
     # -- binding to a model ---------------------------------------------------
     def for_model(self, model_name: str, *, num_layers: int, head_dim: int) -> "AttentionMethod":
         """Called once by ``load_model``: a method that needs per-model data
         (calibrated channels) returns a copy holding it, or raises a clear error."""
         return self
+
+    def sparse_prefill(self):
+        """The :class:`sparse_jax.prefill.TokenSparsePrefill` of ``prefill`` (None: dense);
+        a bad name or option raises ValueError (before anything compiles)."""
+        from sparse_jax.prefill import make_prefill
+
+        return make_prefill(self.prefill, self.prefill_options)
+
+    def is_sparse_prefill_layer(self, index: int, num_layers: int) -> bool:
+        """Whether the sparse prefill runs on model layer ``index`` (global layers only)."""
+        tsa = self.sparse_prefill()
+        return tsa is not None and index in tsa.layers_for(num_layers)
 
     def is_sparse_layer(self, index: int, num_layers: int) -> bool:
         """Whether the method runs on the ``index``-th of ``num_layers`` global layers."""

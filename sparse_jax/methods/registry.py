@@ -44,10 +44,14 @@ def get_method(name: "str | AttentionMethod", **overrides) -> AttentionMethod:
         raise ValueError(f"unknown attention method {name!r}; available: {', '.join(available_methods())}")
     cls = _REGISTRY[name]
     overrides = _collect_dotted(name, overrides)
+    if isinstance(overrides.get("prefill_options"), dict):  # hashable: methods key compilations
+        overrides["prefill_options"] = tuple(overrides["prefill_options"].items())
     try:
-        return cls(**overrides)
+        method = cls(**overrides)
     except TypeError as e:
         raise ValueError(f"bad options for attention method {name!r}: {e}") from None
+    method.sparse_prefill()  # a bad prefill name or option: ValueError now, before any compilation
+    return method
 
 
 register("dense")(DenseAttention)

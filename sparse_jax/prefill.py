@@ -1,0 +1,210 @@
+"""Sparse prefill: Token Sparse Attention (TSA, 2025), the pure-jnp reference.
+
+TSA drops, per layer and per query head, the prompt tokens that the last
+``window`` queries barely attend, and runs causal attention over the kept tokens
+only (as queries and as keys); a dropped position's attention output is zero, so
+its hidden state keeps only the residual. The KV cache is written from the full
+K/V *before* this (:meth:`models.driver.Driver.prompt_layer`), so any decode
+method follows unchanged.
+
+Steps (``../shared/notes/wave2_methods.md`` §2, as the public code resolves the
+paper), for a row of ``L`` valid tokens with the last ``W`` as the observation
+window and the ``P = L - W`` before them as the prefix:
+
+1. **Score**: softmax over all keys of each window query (causal inside the
+   window, scale ``1/sqrt(D)`` as every attention here), mean over the W
+   queries; per query head (K/V shared by a GQA group, scored per query head).
+   Only prefix keys are candidates.
+2. **Smooth**: average pool of width ``pool`` (7) with zero padding, counting the
+   padding (PyTorch's ``avg_pool1d`` default): the prefix's edges are damped.
+3. **Count** (one number per row, shared by the heads): the head mean,
+   normalised over the prefix, sorted ascending; ``drop = #(cumsum < tau) + 1``
+   (the code's +1 drops one token more than the paper's Alg. 1; we follow the
+   code) and ``keep = max(min_tokens, P - drop)``, at most ``P``.
+4. **Select** per head: its own top-``keep`` prefix tokens, plus the whole window.
+5. **Attend** causally in the compressed sequence (original positions keep the
+   order), then **scatter** back: zero output at dropped positions.
+
+TSA applies to a row only when ``L > min_tokens + W`` and ``tau > 0``; shorter
+rows get exact causal attention. This module computes the result with masks over
+the full sequence (the reference: exact semantics, no speed-up); the fast path
+gathers each head's kept tokens and runs cuDNN on the shorter sequences.
+
+Which layers: the paper's drift profile picks them per model (layers whose
+relative update ``|h_out - h_in| / |h_in|`` is at or below the median); until a
+profile ships for a model, :meth:`TokenSparsePrefill.layers_for` falls back to
+the paper's default, the second half of the layers. Only global layers: a
+sliding window over compressed positions would be wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+PREFILLS = ("dense", "token_sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSparsePrefill:
+    """Token Sparse Attention's options (the paper's defaults).
+
+    Attributes:
+      tau: coverage: the prefix tokens whose cumulative normalised score stays
+        below ``tau`` are dropped (0.005 for Llama, 0.008 for Mistral in the paper).
+      min_tokens: at least this many prefix tokens are kept per head.
+      window: the observation window: the last ``window`` queries score the
+        prefix, and are always kept.
+      pool: width of the average pool smoothing the scores (odd).
+      layers: model layer indices where TSA runs; None: the second half of the
+        layers (the paper's default without a drift profile).
+      block: query-block size of the reference attention (memory, not results).
+    """
+
+    tau: float = 0.005
+    min_tokens: int = 1024
+    window: int = 128
+    pool: int = 7
+    layers: tuple[int, ...] | None = None
+    block: int = 512
+
+    def __post_init__(self):
+        if not (self.tau >= 0):
+            raise ValueError(f"token_sparse: tau must be >= 0, got {self.tau}")
+        for name in ("min_tokens", "window", "pool", "block"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"token_sparse: {name} must be a positive int, got {v!r}")
+        if self.pool % 2 == 0:
+            raise ValueError(f"token_sparse: pool must be odd (centred), got {self.pool}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+
+    def layers_for(self, num_layers: int) -> frozenset[int]:
+        """The model layers TSA runs on (before the global-only rule)."""
+        if self.layers is None:
+            return frozenset(range(num_layers // 2, num_layers))
+        bad = [i for i in self.layers if not -num_layers <= i < num_layers]
+        if bad:
+            raise ValueError(f"token_sparse: layers {bad} outside a model of {num_layers} layers")
+        return frozenset(i % num_layers for i in self.layers)
+
+    def attention(self, q, k, v, lengths):
+        return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
+                                      window=self.window, pool=self.pool, block=self.block)
+
+
+def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
+    """The prefill named ``name`` with ``options`` (pairs or a dict); None for dense."""
+    if name not in PREFILLS:
+        raise ValueError(f"unknown prefill {name!r}; choose from {', '.join(PREFILLS)}")
+    opts = dict(options)
+    if name == "dense":
+        if opts:
+            raise ValueError(f"the dense prefill takes no options, got {sorted(opts)}")
+        return None
+    try:
+        return TokenSparsePrefill(**opts)
+    except TypeError as e:
+        fields = [f.name for f in dataclasses.fields(TokenSparsePrefill)]
+        raise ValueError(f"bad token_sparse option ({e}); options: {', '.join(fields)}") from None
+
+
+def _group(k, hq):
+    """``k [B, T, Hkv, D]`` -> ``[B, Hq, T, D]`` (each query head's K/V)."""
+    return jnp.repeat(k.transpose(0, 2, 1, 3), hq // k.shape[2], axis=1)
+
+
+def window_scores(q, k, lengths, window: int):
+    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
+    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``)."""
+    b, t, hq, d = q.shape
+    lengths = lengths.astype(jnp.int32)
+    pos = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)  # [B, W]
+    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1).astype(jnp.float32)  # [B, W, Hq, D]
+    kh = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D]
+    s = jnp.einsum("bwhd,bhtd->bhwt", qw, kh) * (d ** -0.5)
+    j = jnp.arange(t)[None, None, None, :]
+    ok = (j <= pos[:, None, :, None]) & (j < lengths[:, None, None, None])
+    p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
+    mean = p.mean(axis=2)  # [B, Hq, T]
+    prefix = jnp.arange(t)[None, None, :] < (lengths - window)[:, None, None]
+    return jnp.where(prefix, mean, 0.0)
+
+
+def smooth(scores, pool: int):
+    """Step 2: average pool of width ``pool`` over the last axis, zero padding counted."""
+    half = pool // 2
+    padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)])
+    return jax.lax.reduce_window(padded, 0.0, jax.lax.add, (1,) * (scores.ndim - 1) + (pool,),
+                                 (1,) * scores.ndim, "VALID") / pool
+
+
+def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int):
+    """Step 3: prefix tokens kept per row ``int32[B]`` (the whole prefix where TSA does
+    not apply: ``L <= min_tokens + window`` or ``tau == 0``)."""
+    b, hq, t = scores.shape
+    prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
+    in_prefix = jnp.arange(t)[None, :] < prefix_len[:, None]
+    m = jnp.where(in_prefix, scores.mean(axis=1), 0.0)
+    m = m / jnp.maximum(m.sum(-1, keepdims=True), 1e-30)
+    ordered = jnp.sort(jnp.where(in_prefix, m, jnp.inf), axis=-1)  # prefix first, ascending
+    csum = jnp.cumsum(jnp.where(jnp.isfinite(ordered), ordered, 0.0), axis=-1)
+    below = (csum < tau) & jnp.isfinite(ordered)
+    drop = below.sum(-1) + 1
+    keep = jnp.clip(jnp.maximum(min_tokens, prefix_len - drop), 0, prefix_len)
+    applies = (lengths > min_tokens + window) & (tau > 0)
+    return jnp.where(applies, keep, prefix_len).astype(jnp.int32)
+
+
+def kept_tokens(scores, keep, lengths, window: int):
+    """Step 4: ``bool[B, Hq, T]``: each head's top-``keep`` prefix tokens by its own
+    score, and the window ``[L - W, L)``."""
+    b, hq, t = scores.shape
+    prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
+    j = jnp.arange(t)[None, None, :]
+    in_prefix = j < prefix_len[:, None, None]
+    order = jnp.argsort(-jnp.where(in_prefix, scores, -jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)  # rank of each token within its head
+    top = in_prefix & (rank < keep[:, None, None])
+    in_window = (j >= prefix_len[:, None, None]) & (j < lengths[:, None, None])
+    return top | in_window
+
+
+def masked_causal_attention(q, k, v, kept, block: int = 512):
+    """Step 5, with masks: query ``i`` of head ``h`` attends the kept keys ``j <= i``;
+    rows not kept output zero. ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]``, ``kept
+    [B,Hq,T]`` -> ``[B,T,Hq,D]`` (f32 softmax; blocks of queries bound the memory)."""
+    b, t, hq, d = q.shape
+    kh, vh = _group(k, hq), _group(v, hq)  # [B, Hq, T, D]
+    c = min(block, t)
+    tp = -(-t // c) * c
+    qp = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, Hq, Tp, D]
+    keptp = jnp.pad(kept, ((0, 0), (0, 0), (0, tp - t)))
+
+    def one(i):
+        qi = jax.lax.dynamic_slice_in_dim(qp, i * c, c, axis=2).astype(jnp.float32)
+        rows = i * c + jnp.arange(c)
+        s = jnp.einsum("bhqd,bhtd->bhqt", qi, kh.astype(jnp.float32)) * (d ** -0.5)
+        ok = kept[:, :, None, :] & (jnp.arange(t)[None, None, None, :] <= rows[None, None, :, None])
+        p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
+        p = jnp.where(ok.any(-1, keepdims=True), p, 0.0)
+        o = jnp.einsum("bhqt,bhtd->bhqd", p, vh.astype(jnp.float32))
+        row_kept = jax.lax.dynamic_slice_in_dim(keptp, i * c, c, axis=2)
+        return jnp.where(row_kept[..., None], o, 0.0)
+
+    out = jax.lax.map(one, jnp.arange(tp // c))  # [nb, B, Hq, c, D]
+    out = out.transpose(1, 2, 0, 3, 4).reshape(b, hq, tp, d)[:, :, :t]
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512):
+    """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
+    [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above)."""
+    lengths = lengths.astype(jnp.int32)
+    scores = smooth(window_scores(q, k, lengths, window), pool)
+    keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window)
+    kept = kept_tokens(scores, keep, lengths, window)
+    return masked_causal_attention(q, k, v, kept, block)

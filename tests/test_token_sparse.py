@@ -1,0 +1,201 @@
+"""Token Sparse Attention prefill (sparse_jax.prefill) against NumPy brute force, and in the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.driver import make_plan
+from sparse_jax import prefill as tsa
+from sparse_jax.methods.base import blockwise_causal_attention
+from sparse_jax.methods.registry import get_method
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _data(seed, b=2, t=150, hq=4, hkv=2, d=16):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, hq, d)).astype(np.float32)
+    k = rng.normal(size=(b, t, hkv, d)).astype(np.float32)
+    v = rng.normal(size=(b, t, hkv, d)).astype(np.float32)
+    # a few strong keys so the scores are far from uniform
+    k[:, ::17] *= 3.0
+    return q, k, v
+
+
+def np_window_scores(q, k, lengths, w):
+    b, t, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = np.zeros((b, hq, t))
+    for r in range(b):
+        n = int(lengths[r])
+        for h in range(hq):
+            kk = k[r, :n, h // g].astype(np.float64)
+            acc = np.zeros(n)
+            for p in range(n - w, n):
+                s = kk[: p + 1] @ q[r, p, h].astype(np.float64) / np.sqrt(d)
+                e = np.exp(s - s.max())
+                acc[: p + 1] += e / e.sum()
+            out[r, h, : n - w] = acc[: n - w] / w
+    return out
+
+
+def np_pool(x, pool):
+    half = pool // 2
+    xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)])
+    return np.stack([xp[..., i:i + pool].sum(-1) for i in range(x.shape[-1])], -1) / pool
+
+
+def np_keep(scores, lengths, tau, min_tokens, w):
+    out = []
+    for r in range(scores.shape[0]):
+        n = int(lengths[r])
+        p = max(n - w, 0)
+        if not (n > min_tokens + w and tau > 0):
+            out.append(p)
+            continue
+        m = scores[r, :, :p].mean(0)
+        m = m / m.sum()
+        drop = int((np.cumsum(np.sort(m)) < tau).sum()) + 1
+        out.append(min(max(min_tokens, p - drop), p))
+    return np.asarray(out)
+
+
+def np_compressed_attention(q, k, v, lengths, scores, keep, w):
+    """Gather each head's kept tokens, causal attention in the compressed sequence, scatter."""
+    b, t, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = np.zeros((b, t, hq, d))
+    for r in range(b):
+        n = int(lengths[r])
+        p = n - w
+        for h in range(hq):
+            top = np.argsort(-scores[r, h, :p], kind="stable")[: keep[r]]
+            idx = np.sort(np.concatenate([top, np.arange(p, n)]))
+            qc, kc, vc = (q[r, idx, h].astype(np.float64), k[r, idx, h // g].astype(np.float64),
+                          v[r, idx, h // g].astype(np.float64))
+            s = qc @ kc.T / np.sqrt(d)
+            s[np.triu_indices(len(idx), 1)] = -np.inf
+            e = np.exp(s - s.max(-1, keepdims=True))
+            out[r, idx, h] = (e / e.sum(-1, keepdims=True)) @ vc
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_step_against_numpy(seed):
+    q, k, v = _data(seed)
+    lengths = np.asarray([150, 131])
+    w, pool, tau, mt = 16, 7, 0.2, 20
+    s = np.asarray(tsa.window_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), w))
+    want = np_window_scores(q, k, lengths, w)
+    np.testing.assert_allclose(s, want, rtol=1e-4, atol=1e-6)
+    sm = np.asarray(tsa.smooth(jnp.asarray(s), pool))
+    np.testing.assert_allclose(sm, np_pool(want, pool), rtol=1e-4, atol=1e-6)
+    keep = np.asarray(tsa.keep_counts(jnp.asarray(sm), jnp.asarray(lengths), tau=tau, min_tokens=mt, window=w))
+    np.testing.assert_array_equal(keep, np_keep(sm, lengths, tau, mt, w))
+    assert (keep < lengths - w).all() and (keep >= mt).all()  # it drops, within the floor
+    out = np.asarray(tsa.token_sparse_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                                tau=tau, min_tokens=mt, window=w, pool=pool, block=64))
+    want = np_compressed_attention(q, k, v, lengths, sm, keep, w)
+    for r, n in enumerate(lengths):
+        np.testing.assert_allclose(out[r, :n], want[r, :n], rtol=1e-4, atol=2e-5)
+    dropped = (np.abs(out[0, :150]).sum(-1) == 0).mean()
+    assert 0.05 < dropped < 0.9, dropped  # zero rows where dropped
+
+
+def test_exact_where_it_does_not_apply():
+    q, k, v = (jnp.asarray(a) for a in _data(3))
+    ref = blockwise_causal_attention(q, k, v)
+    lengths = jnp.asarray([150, 100])
+    for opts in (dict(min_tokens=200, window=16), dict(tau=0.0, min_tokens=8, window=16),
+                 dict(min_tokens=134, window=16)):  # L = min_tokens + window: not applied
+        out = tsa.token_sparse_attention(q, k, v, lengths, **opts)
+        np.testing.assert_allclose(out[0], ref[0], atol=2e-5)
+        np.testing.assert_allclose(out[1, :100], ref[1, :100], atol=2e-5)
+
+
+def test_options_and_errors():
+    assert tsa.make_prefill("dense") is None
+    p = tsa.make_prefill("token_sparse", (("tau", 0.01), ("layers", [1, -1])))
+    assert p.tau == 0.01 and p.layers_for(4) == {1, 3}
+    assert tsa.TokenSparsePrefill().layers_for(30) == set(range(15, 30))
+    with pytest.raises(ValueError, match="unknown prefill"):
+        tsa.make_prefill("sparse")
+    with pytest.raises(ValueError, match="bad token_sparse option"):
+        tsa.make_prefill("token_sparse", {"taus": 1})
+    with pytest.raises(ValueError, match="pool must be odd"):
+        tsa.TokenSparsePrefill(pool=4)
+    with pytest.raises(ValueError, match="outside a model"):
+        tsa.TokenSparsePrefill(layers=(9,)).layers_for(4)
+
+
+def _tiny():
+    import models
+
+    cfg = models.ModelConfig(name="tiny-tsa", arch="llama", num_layers=4, hidden_size=48, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=80, vocab_size=97, max_position=512, rope_theta=1e4,
+                             rms_eps=1e-6)
+    return models.load_model(config=cfg, dtype=jnp.float32, max_len=256)
+
+
+def test_in_the_model_cache_written_before_compression():
+    base = _tiny()
+    opts = dict(prefill="token_sparse", prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.3)))
+    model = base.with_method("quest", budget=64, **opts)
+    specs = [s.sparse_prefill for s in make_plan(model.config, model.method).specs]
+    assert specs == [False, False, True, True]  # the second half
+    ref = base.with_method("quest", budget=64)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 150)), jnp.int32)
+    lengths = jnp.asarray([150, 120], jnp.int32)
+    la, ca = model.prefill(tokens, lengths, model.init_cache(2, 256))
+    lb, cb = ref.prefill(tokens, lengths, ref.init_cache(2, 256))
+    # layers 0-2 see the same input: their caches are equal (layer 2 is TSA's first: written before it)
+    for i in range(3):
+        np.testing.assert_allclose(ca.layers[i].k, cb.layers[i].k, atol=1e-6)
+    assert float(jnp.abs(ca.layers[3].k - cb.layers[3].k).max()) > 1e-3  # layer 2's output changed
+    assert float(jnp.abs(la - lb).max()) > 1e-3
+    step, _ = model.decode_step(jnp.argmax(la, -1).astype(jnp.int32), ca)  # any decode method follows
+    assert bool(jnp.isfinite(step).all())
+    # not applied (prompt too short for min_tokens + window): the dense prefill's logits
+    same = base.with_method("quest", budget=64, prefill="token_sparse", prefill_options=(("min_tokens", 400),))
+    lc, _ = same.prefill(tokens, lengths, same.init_cache(2, 256))
+    np.testing.assert_allclose(lc, lb, atol=1e-5)
+
+
+def test_hybrid_models_use_global_layers_only():
+    from models.driver import make_plan
+    from tests.test_driver import hybrid_config
+
+    cfg = hybrid_config()
+    m = get_method("dense", prefill="token_sparse", prefill_options=(("layers", tuple(range(6))),))
+    plan = make_plan(cfg, m)
+    assert [s.sparse_prefill for s in plan.specs] == [k == "global" for k in cfg.kinds]
+    with pytest.raises(ValueError, match="global layers only"):
+        from sparse_jax.layers import LayerSpec
+        LayerSpec("local", 4, 1e4, False, True)
+
+
+@pytest.mark.slow
+def test_generate_cli_with_token_sparse_prefill():
+    """``--attention-opt prefill=token_sparse`` through the CLI on SmolLM2 (a prompt too
+    short for min_tokens: the dense text; a bad option: exit 2 with the option list)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    base = [sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "The capital of France is",
+            "--max-new-tokens", "8"]
+    outs = []
+    for extra in ([], ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"]):
+        proc = subprocess.run(base + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.split("]\n", 1)[1].split("-" * 72)[0])
+    assert outs[0] == outs[1]
+    proc = subprocess.run(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "bad token_sparse option" in proc.stderr, proc.stderr[-2000:]
