@@ -375,6 +375,21 @@ def _first_sparse_layer_anchors(method: AttentionMethod, cfg: ModelConfig) -> At
     return dataclasses.replace(method, anchors=tuple(sorted({first, *anchors})))
 
 
+def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
+    """Token Sparse Attention without ``prefill.layers``: the model's shipped drift
+    profile names the layers (``python -m models.prefill_profile``), when it has one."""
+    from sparse_jax.prefill import load_prefill_profile
+
+    tsa = method.sparse_prefill()
+    if tsa is None or tsa.layers is not None:
+        return method
+    profile = load_prefill_profile(cfg.name)
+    if profile is None:
+        return method
+    opts = tuple(method.prefill_options) + (("layers", tuple(profile["layers"])),)
+    return dataclasses.replace(method, prefill_options=opts)
+
+
 def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> AttentionMethod:
     """Bind the method to the model (calibrated data it needs) and check it fits; returns the bound method.
 
@@ -382,6 +397,7 @@ def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> Atte
     calibration for it), before anything compiles."""
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
     method = _first_sparse_layer_anchors(method, cfg)
+    method = _prefill_layers_from_profile(method, cfg)
     max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
     return method

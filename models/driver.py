@@ -177,9 +177,11 @@ class Driver:
         return out
 
     # -- forward / capture ------------------------------------------------------
-    def forward(self, stacked, x: jax.Array, *, capture: bool = False):
+    def forward(self, stacked, x: jax.Array, *, capture: bool = False, drift: bool = False):
         """Whole sequences, no cache: ``x [B, T, H]`` -> ``x`` (and with ``capture``, per
-        segment the stacked post-RoPE ``(q [L,B,T,Hq,D], k [L,B,T,Hkv,D])``)."""
+        segment the stacked post-RoPE ``(q [L,B,T,Hq,D], k [L,B,T,Hkv,D])``; with
+        ``drift``, per segment each layer's mean relative update ``|h_out - h_in| /
+        |h_in|`` over every token, ``f32[L_seg]``: Token Sparse Attention's layer profile)."""
         from models.transformer import layer_output, layer_qkv, rope_cos_sin
 
         b, t, _ = x.shape
@@ -193,11 +195,16 @@ class Driver:
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
                 o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method)
-                return layer_output(layer, x, o, self._reduce), ((q, k) if capture else None)
+                out = layer_output(layer, x, o, self._reduce)
+                if drift:
+                    xf, of = x.astype(jnp.float32), out.astype(jnp.float32)
+                    rel = jnp.linalg.norm(of - xf, axis=-1) / jnp.maximum(jnp.linalg.norm(xf, axis=-1), 1e-30)
+                    return out, rel.mean()
+                return out, ((q, k) if capture else None)
 
             x, ys = scan_layers(body, x, self._xs(seg), seg.length, self.unroll)
             captured.append(ys)
-        return (x, captured) if capture else x
+        return (x, captured) if capture or drift else x
 
     # -- running a segment over per-layer cache entries ------------------------------
     def _run_segment(self, body: Callable, carry: Any, seg: Segment, entries: list, unroll: bool):

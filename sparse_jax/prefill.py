@@ -40,11 +40,46 @@ sliding window over compressed positions would be wrong.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax.calibration import CALIBRATION_ROOT
 
 PREFILLS = ("dense", "token_sparse")
+PROFILE_FILE = "token_sparse.json"
+
+
+def profile_path(model_name: str, root=None) -> Path:
+    return Path(root or CALIBRATION_ROOT) / model_name / PROFILE_FILE
+
+
+def layers_from_drift(drift, eligible, quantile: float = 0.5) -> tuple[int, ...]:
+    """The paper's rule: among the ``eligible`` layers (global ones), those whose drift
+    is at or below the ``quantile`` of their drifts run TSA."""
+    drift = np.asarray(drift, np.float64)
+    idx = [i for i, ok in enumerate(eligible) if ok]
+    if not idx:
+        return ()
+    cut = np.quantile(drift[idx], quantile)
+    return tuple(i for i in idx if drift[i] <= cut)
+
+
+def save_prefill_profile(model_name: str, drift, layers, meta: dict, root=None) -> Path:
+    path = profile_path(model_name, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta, drift=[float(d) for d in drift], layers=[int(i) for i in layers]),
+                               indent=1) + "\n")
+    return path
+
+
+def load_prefill_profile(model_name: str, root=None) -> dict | None:
+    """The shipped drift profile of a model (``python -m models.prefill_profile``), or None."""
+    path = profile_path(model_name, root)
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +93,10 @@ class TokenSparsePrefill:
       window: the observation window: the last ``window`` queries score the
         prefix, and are always kept.
       pool: width of the average pool smoothing the scores (odd).
-      layers: model layer indices where TSA runs; None: the second half of the
-        layers (the paper's default without a drift profile).
+      layers: model layer indices where TSA runs; None: the model's shipped drift
+        profile when ``load_model`` binds the method (``sparse_jax/calibration_data/
+        <model>/token_sparse.json``), else the second half of the layers (the
+        paper's default without a profile).
       block: query-block size of the reference attention (memory, not results).
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -199,3 +200,53 @@ def test_generate_cli_with_token_sparse_prefill():
     proc = subprocess.run(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "bad token_sparse option" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_drift_profile_and_binding(tmp_path, monkeypatch):
+    """The driver's drift capture equals a hand computation; the profile's layers
+    reach a method bound by load_model when it names none."""
+    from flax import nnx
+
+    from models import prefill_profile
+    from models.transformer import layer_graphdef
+
+    model = _tiny()
+    tokens = np.random.default_rng(2).integers(0, 97, (1, 40)).astype(np.int32)
+    drift = prefill_profile.layer_drift(model, tokens)
+    # by hand: run the layers one at a time through the public pieces
+    from models.driver import Driver
+    from sparse_jax.methods.base import DenseAttention
+
+    m = nnx.merge(model.graphdef, model.params)
+    x = m.embed_tokens(jnp.asarray(tokens))
+    want = []
+    for i in range(model.config.num_layers):
+        drv = Driver(model.config, DenseAttention(), layer_graphdef(model.config, model.dtype))
+        one = jax.tree.map(lambda a: a[i:i + 1], nnx.state(m.layers))
+        cfg1 = dataclasses.replace(model.config, num_layers=1)
+        y = Driver(cfg1, DenseAttention(), drv.layer_graph).forward(one, x)
+        want.append(float(jnp.mean(jnp.linalg.norm(y - x, axis=-1) / jnp.linalg.norm(x, axis=-1))))
+        x = y
+    np.testing.assert_allclose(drift, want, rtol=1e-4)
+    assert tsa.layers_from_drift([0.3, 0.1, 0.5, 0.2], [True] * 4) == (1, 3)
+    assert tsa.layers_from_drift([0.3, 0.1, 0.5, 0.2], [True, False, True, True]) == (0, 3)
+    monkeypatch.setattr(tsa, "CALIBRATION_ROOT", tmp_path)
+    tsa.save_prefill_profile("tiny-tsa", drift, (0, 2), {"model": "tiny-tsa"})
+    bound = model.with_method("dense", prefill="token_sparse")
+    assert bound.method.sparse_prefill().layers == (0, 2)
+    assert [s.sparse_prefill for s in make_plan(bound.config, bound.method).specs] == [True, False, True, False]
+    explicit = model.with_method("dense", prefill="token_sparse", prefill_options=(("layers", (1,)),))
+    assert explicit.method.sparse_prefill().layers == (1,)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_profiles_name_global_layers(name):
+    """The shipped profiles follow the rule: global layers at or below the median drift."""
+    from models.config import get_config
+
+    cfg = get_config(name)
+    prof = tsa.load_prefill_profile(name)
+    assert prof is not None and len(prof["drift"]) == cfg.num_layers
+    eligible = [k == "global" for k in cfg.kinds]
+    assert tuple(prof["layers"]) == tsa.layers_from_drift(prof["drift"], eligible, prof["quantile"])
+    assert prof["layers"] and all(eligible[i] for i in prof["layers"])
