@@ -194,7 +194,7 @@ class Driver:
             def body(x, data, spec=spec, m=m, cos=cos, sin=sin):
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
-                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method)
+                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method, self.tp_axis)
                 out = layer_output(layer, x, o, self._reduce)
                 if drift:
                     xf, of = x.astype(jnp.float32), out.astype(jnp.float32)
@@ -262,7 +262,7 @@ class Driver:
         cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
         o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
-                             self.method)
+                             self.method, self.tp_axis)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
         return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths)
 
@@ -328,12 +328,13 @@ class Driver:
 
 
 def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, lengths, ctx: LayerCtx,
-                     model_method: AttentionMethod | None = None):
+                     model_method: AttentionMethod | None = None, head_axis: str | None = None):
     """Causal attention over the prompt: Token Sparse Attention where the layer's spec
-    says so (``model_method``'s ``prefill``), else the method's prefill hook, or exact
-    attention (with the layer's sliding window) where ``method`` is None."""
+    says so (``model_method``'s ``prefill``; ``head_axis``: the mesh axis splitting the
+    heads, for its count shared by every head), else the method's prefill hook, or
+    exact attention (with the layer's sliding window) where ``method`` is None."""
     if spec.sparse_prefill:
-        return (model_method or method).sparse_prefill().attention(q, k, v, lengths)
+        return (model_method or method).sparse_prefill().attention(q, k, v, lengths, head_axis=head_axis)
     if method is None:
         return dense_prefill_attention(q, k, v, spec.window)
     return method.prefill_attention(q, k, v, lengths, ctx)

@@ -128,9 +128,9 @@ class TokenSparsePrefill:
             raise ValueError(f"token_sparse: layers {bad} outside a model of {num_layers} layers")
         return frozenset(i % num_layers for i in self.layers)
 
-    def attention(self, q, k, v, lengths):
+    def attention(self, q, k, v, lengths, head_axis: str | None = None):
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
-                                      window=self.window, pool=self.pool, block=self.block)
+                                      window=self.window, pool=self.pool, block=self.block, head_axis=head_axis)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -179,13 +179,18 @@ def smooth(scores, pool: int):
                                  (1,) * scores.ndim, "VALID") / pool
 
 
-def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int):
+def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, head_axis: str | None = None):
     """Step 3: prefix tokens kept per row ``int32[B]`` (the whole prefix where TSA does
-    not apply: ``L <= min_tokens + window`` or ``tau == 0``)."""
+    not apply: ``L <= min_tokens + window`` or ``tau == 0``). ``head_axis``: the mesh
+    axis the query heads are split over (tensor parallelism): the head mean is taken
+    over every device's heads, so each device keeps the same count."""
     b, hq, t = scores.shape
     prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
     in_prefix = jnp.arange(t)[None, :] < prefix_len[:, None]
-    m = jnp.where(in_prefix, scores.mean(axis=1), 0.0)
+    head_sum, heads = scores.sum(axis=1), hq
+    if head_axis is not None:
+        head_sum, heads = jax.lax.psum(head_sum, head_axis), hq * jax.lax.psum(1, head_axis)
+    m = jnp.where(in_prefix, head_sum / heads, 0.0)
     m = m / jnp.maximum(m.sum(-1, keepdims=True), 1e-30)
     ordered = jnp.sort(jnp.where(in_prefix, m, jnp.inf), axis=-1)  # prefix first, ascending
     csum = jnp.cumsum(jnp.where(jnp.isfinite(ordered), ordered, 0.0), axis=-1)
@@ -237,11 +242,13 @@ def masked_causal_attention(q, k, v, kept, block: int = 512):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
-def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512):
+def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
+                           head_axis=None):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
-    [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above)."""
+    [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
+    ``head_axis``: see :func:`keep_counts`."""
     lengths = lengths.astype(jnp.int32)
     scores = smooth(window_scores(q, k, lengths, window), pool)
-    keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window)
+    keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
     kept = kept_tokens(scores, keep, lengths, window)
     return masked_causal_attention(q, k, v, kept, block)

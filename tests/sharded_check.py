@@ -8,8 +8,8 @@ ragged prefill and ``STEPS`` greedy decode steps on one device (the unsharded
 JSON line per case: the max |logit difference| over every step, whether the
 greedy tokens agree, and the cache's sharding.
 
-Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest and
-asynctls, every method selecting: budgets below the prompts), meshes 1x2,
+Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
+asynctls and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
 2x2 and 1x4, and kascade on data=2; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
 to 4 (dense, quest and asynctls on model=2, its calibrated channels padded
 too; asynctls on data=2 replicas); with
@@ -80,7 +80,10 @@ def tiny_cases(meshes):
     channels = (tuple(tuple(range(h % 4, 16, 4)) for h in range(8)),) * 3  # per head: different channels
     methods = {"dense": get_method("dense"), "quest": get_method("quest", budget=64, dense_layers=(0,)),
                "asynctls": get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
-                                      dense_layers=(0,))}
+                                      dense_layers=(0,)),
+               # Token Sparse Attention prefill: its per-row count is shared by every head (a psum)
+               "quest+token_sparse": get_method("quest", budget=64, dense_layers=(0,), prefill="token_sparse",
+                                                prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.2)))}
     graphdef, params = init_params(cfg, jnp.float32, seed=1)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 150)), jnp.int32)
