@@ -130,10 +130,6 @@ def fill_function(cfg, method, mesh, *, batch: int, max_len: int, context: int, 
     return lambda cache, key: state_fn(kv_fn(cache, key))
 
 
-def state_bytes(cache) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-
-
 def run_config(model, method, *, devices: int, data: int, batch: int, context: int, steps: int, rounds: int,
                plain: bool, log=print):
     """One configuration: time per decode step (median over rounds) and the first step's logits."""
@@ -158,7 +154,7 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
         cache = sh.init_cache(cfg, method, batch, max_len, jnp.bfloat16, mesh)
     fill = fill_function(cfg, method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)
     cache = fill(cache, jax.random.key(7))
-    nbytes = state_bytes(cache)
+    nbytes = cache.nbytes()
     tok = jnp.zeros((batch,), jnp.int32)
     logits, cache = fns.decode_step(params, tok, cache)
     first = np.asarray(logits, np.float32)

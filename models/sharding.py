@@ -187,15 +187,16 @@ def _cache_shape(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len:
     from models.driver import init_cache
     from models.transformer import prefill
 
-    empty = init_cache(cfg, method, batch, max_len, dtype)
+    # abstract: nothing is allocated (a whole-model cache need not fit one device)
+    empty = jax.eval_shape(lambda: init_cache(cfg, method, batch, max_len, dtype))
     if not prefilled:
-        return jax.eval_shape(lambda: empty)
+        return empty
     graphdef, params = abstract_model(cfg, dtype)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tp = (None, model) if model > 1 else None
     return jax.eval_shape(lambda p, t, n, c: prefill(nnx.merge(graphdef, p), cfg, method, t, n, c, tp=tp)[1],
-                          params, tokens, lengths, jax.eval_shape(lambda: empty))
+                          params, tokens, lengths, empty)
 
 
 @functools.lru_cache(maxsize=32)

@@ -159,3 +159,14 @@ def test_generate_cli_tensor_parallel():
     proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "hi",
                            "--tensor-parallel", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "needs 4 devices; 2 visible" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_cache_specs_allocate_nothing():
+    """The layout is read off abstract shapes: a 150 GB cache (Qwen3-8B, 128K, 8 rows)
+    is laid out without allocating it."""
+    from models.config import get_config
+
+    cfg = get_config("qwen3-8b")
+    specs = sh.cache_specs(cfg, get_method("quest", budget=2048), 8, 131072, jnp.dtype(jnp.bfloat16),
+                           sh.Parallelism(2, 2))
+    assert specs.layers[5].k == jax.sharding.PartitionSpec("data", "model", None, None)
