@@ -364,7 +364,7 @@ class ResidentSlots:
 
 def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
     """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
-    tiers: every leaf but the per-step block counters (``hits, misses [B*Hkv]``, rewritten
+    tiers: every leaf but the per-step block counters (``hits, misses [B, Hkv]``, rewritten
     by every step) takes row ``slot`` from ``row``."""
     from sparse_jax.offload.tiers import OffloadedLayer
 
@@ -459,10 +459,17 @@ class OffloadedSlots:
         self.runner.finish(st)  # saves still pending for the slot's last occupant land first
         st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
         def copy(i):  # one CPU copy per layer and K/V, view to view (NumPy releases the GIL)
-            kview, vview = self.runner._views(st, i)
-            row_k, row_v = self.runner._views(row, i)
-            kview[slot] = row_k[0]
-            vview[slot] = row_v[0]
+            # views per shard (one on one device): (row range, head range, k, v)
+            for rows, heads, kview, vview in self.runner._views(st, i):
+                if slot not in rows:
+                    continue
+                for _, row_heads, row_k, row_v in self.runner._views(row, i):
+                    lo, hi = max(heads.start, row_heads.start), min(heads.stop, row_heads.stop)
+                    if lo < hi:
+                        dst = (slot - rows.start, slice(lo - heads.start, hi - heads.start))
+                        src = (0, slice(lo - row_heads.start, hi - row_heads.start))
+                        kview[dst] = row_k[src]
+                        vview[dst] = row_v[src]
 
         # several threads, as SparseServe's CPU-assisted saving: one thread copies ~5-10 GB/s, and a
         # 16K-token row of Qwen3-8B is 2.4 GB, copied while the engine waits

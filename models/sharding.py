@@ -214,16 +214,25 @@ def cache_specs(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: 
     by_heads = _cache_shape(local_config(cfg, par.model), method, batch, max_len, dt, prefilled, par.model)
     by_rows = _cache_shape(cfg, method, batch // par.data, max_len, dt, prefilled)
 
+    return specs_from_shapes(whole, by_heads, by_rows, par, what="cache leaf")
+
+
+def specs_from_shapes(whole, by_heads, by_rows, par: Parallelism, what: str = "leaf"):
+    """A ``PartitionSpec`` per leaf of three abstract trees of one structure: the
+    whole model's, one device's KV heads' (``model``-way) and one replica's rows
+    (``data``-way). An axis that shrinks ``model`` times is split over ``model``, one
+    that shrinks ``data`` times over ``data``; any other change is refused."""
+
     def spec(path, w, h, r):
         axes = [None] * len(w.shape)
         for i in _split_axes(w, h):
             if w.shape[i] != h.shape[i] * par.model:
-                raise ValueError(f"cache leaf {jax.tree_util.keystr(path)}: {w.shape} -> {h.shape} per device "
+                raise ValueError(f"{what} {jax.tree_util.keystr(path)}: {w.shape} -> {h.shape} per device "
                                  f"is not a {par.model}-way split")
             axes[i] = MODEL
         for i in _split_axes(w, r):
             if w.shape[i] != r.shape[i] * par.data or axes[i] is not None:
-                raise ValueError(f"cache leaf {jax.tree_util.keystr(path)}: {w.shape} -> {r.shape} per replica "
+                raise ValueError(f"{what} {jax.tree_util.keystr(path)}: {w.shape} -> {r.shape} per replica "
                                  f"is not a {par.data}-way split of one axis")
             axes[i] = DATA
         return P(*axes)

@@ -155,10 +155,27 @@ class TieredRunner:
         self.num_layers = self.cfg.num_layers
         self.offloaded = [mode == "offload" and sp.sparse for sp in self.plan.specs]
         self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
-        self.layer_graph = tfm.layer_graphdef(self.cfg, model.dtype)
-        self.driver = Driver(self.cfg, method, self.layer_graph, self.unroll)
-        conc = self.concurrent and jax.default_backend() == "gpu"
-        self._decode = _decode_fn(model.graphdef, self.driver, self.gather_programs, conc)
+        # a sharded model (models.sharding.ShardedModel): every piece runs as one shard_map on
+        # its mesh, each device on its KV heads and rows; the host tiers split the same way
+        self.mesh = getattr(model, "mesh", None)
+        self.local_cfg, tp = self.cfg, {}
+        if self.mesh is not None:
+            from models import sharding as shd
+
+            if sharding is not None:
+                raise ValueError("a sharded model's tiers follow its mesh: do not pass sharding=")
+            self.par = shd.Parallelism.of(self.mesh)
+            shd.check_method(method, self.par.model, self.par.size)
+            self.local_cfg = shd.local_config(self.cfg, self.par.model)
+            tp = dict(tp_axis=shd.MODEL, tp_size=self.par.model)
+            self._param_specs = shd.param_specs(model.params)
+            self._local_graphdef = tfm.abstract_model(self.local_cfg, model.dtype)[0]
+            self._layouts = {}  # (batch, max_len) -> _MeshLayout
+        self.layer_graph = tfm.layer_graphdef(self.local_cfg, model.dtype)
+        self.driver = Driver(self.local_cfg, method, self.layer_graph, self.unroll, **tp)
+        self._conc = self.concurrent and jax.default_backend() == "gpu"
+        self._decode = None if self.mesh is not None else _decode_fn(model.graphdef, self.driver,
+                                                                      self.gather_programs, self._conc)
         self._embed = _embed_fn(model.graphdef)
         self._head = _head_fn(model.graphdef)
 
@@ -178,13 +195,29 @@ class TieredRunner:
             d.update({k: jnp.asarray(v) for k, v in (self.method.layer_data(i) or {}).items()})
         return d
 
+    def _layout(self, batch: int, max_len: int) -> "_MeshLayout":
+        """The mesh layout of a batch (sharded model only), built once per shape."""
+        key = (int(batch), int(max_len))
+        if key not in self._layouts:
+            self._layouts[key] = _MeshLayout(self, *key)
+        return self._layouts[key]
+
     def footprint(self, batch: int, max_len: int) -> capacity.Footprint:
-        """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`)."""
+        """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`); on a
+        mesh, the device bytes are one device's (its KV heads' share of the weights and
+        caches, its replica's rows) and the host bytes the whole host tier."""
         mode = self.mode if self.mode == "offload" else (
             "dense" if isinstance(self.method, DenseAttention) else "sparse")
-        return capacity.footprint(self.cfg, self.method, batch=batch, max_len=max_len, mode=mode,
-                                  dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
-                                  pool_slots=self._pool(max_len) if self.mode == "offload" else None)
+
+        def fp(cfg, b):
+            return capacity.footprint(cfg, self.method, batch=b, max_len=max_len, mode=mode,
+                                      dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
+                                      pool_slots=self._pool(max_len) if self.mode == "offload" else None)
+
+        whole = fp(self.cfg, batch)
+        if self.mesh is None:
+            return whole
+        return capacity.Footprint(device=fp(self.local_cfg, -(-batch // self.par.data)).device, host=whole.host)
 
     def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None):
         """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
@@ -203,20 +236,27 @@ class TieredRunner:
         and by benchmarks that fill the cache with synthetic K/V. Each layer's
         device K/V is dropped before the next is made (about one layer at a time)."""
         lengths = jnp.asarray(lengths, jnp.int32)
+        batch = int(lengths.shape[0])
         pool = self._pool(max_len)
-        self.check_capacity(int(lengths.shape[0]), max_len)
-        dev, pinned = device_sharding(self.sharding), pinned_host_sharding(self.sharding)
+        self.check_capacity(batch, max_len)
+        layout = self._layout(batch, max_len) if self.mesh is not None else None
+        if layout is None:
+            dev, pinned = device_sharding(self.sharding), pinned_host_sharding(self.sharding)
+        else:
+            dev, pinned = layout.rows, layout.host_tier
+            lengths = jax.device_put(lengths, dev)
         layers, host = [], []
         for i in range(self.num_layers):
             k, v, q_last = kv_of_layer(i)
             spec = self.plan.specs[i]
             m = self.method if spec.sparse else None
-            entry, hk, hv = _finish_layer(m, spec, self.offloaded[i], pool)(k, v, lengths, q_last,
-                                                                              self.layer_data(i))
+            finish = _finish_layer(m, spec, self.offloaded[i], pool) if layout is None else layout.finish[i]
+            entry, hk, hv = finish(k, v, lengths, q_last, self.layer_data(i))
             del k, v
             # committed to the device, as the decode program's outputs are (the host tier is):
             # an uncommitted first state would compile the decode program a second time
-            layers.append(jax.device_put(entry, dev))
+            # (a shard_map's outputs are committed to the mesh already)
+            layers.append(jax.device_put(entry, dev) if layout is None else entry)
             host.append(HostLayer(jax.device_put(hk, pinned), jax.device_put(hv, pinned))  # async D2H copies
                         if self.offloaded[i] else None)
         cache = KVCache(tuple(layers), jax.device_put(lengths, dev), max_len)
@@ -246,7 +286,10 @@ class TieredRunner:
         cur = {"x": self._embed(params, tokens)}
 
         def kv_of_layer(i):
-            fn = _prefill_layer_fn(self.driver, self.plan.specs[i], max_len)
+            if self.mesh is None:
+                fn = _prefill_layer_fn(self.driver, self.plan.specs[i], max_len)
+            else:
+                fn = self._layout(b, max_len).prompt[i]
             cur["x"], k, v, q_last = fn(params["layers"], cur["x"], lengths, self.layer_data(i))
             return k, v, q_last
 
@@ -262,8 +305,8 @@ class TieredRunner:
         live = np.ones(state.lengths_host.shape, bool) if active is None else np.asarray(active, bool)
         if live.any() and int(state.lengths_host[live].max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
-        logits, state.cache = self._decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache,
-                                           state.host)
+        decode = self._decode if self.mesh is None else self._layout(*state.lengths_host.shape, state.max_len).decode
+        logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host)
         state.lengths_host = state.lengths_host + live
         if active is not None:
             # placed like the program's own output: an uncommitted array would compile the step again
@@ -300,23 +343,35 @@ class TieredRunner:
         state.pending.append((rows, blocks, idx, ks, vs))
 
     def _views(self, state: TieredState, i: int):
-        """The NumPy views of layer ``i``'s host tier, made once per state."""
+        """NumPy views of layer ``i``'s host tier, made once per state: per shard (one
+        on one device; on a mesh, each device's rows x KV heads), ``(row range, head
+        range, k view, v view)``."""
         if i not in state.host_views:
             h = state.host[i]
-            state.host_views[i] = (_host_view(h.k), _host_view(h.v))
+            b, hkv = h.k.shape[:2]
+            views = []
+            for sk, sv in zip(h.k.addressable_shards, h.v.addressable_shards):
+                rows, heads = (sk.index + (slice(None),) * 2)[:2]
+                views.append((range(*rows.indices(b)), range(*heads.indices(hkv)),
+                              _host_view(sk.data), _host_view(sv.data)))
+            state.host_views[i] = views
         return state.host_views[i]
 
     def _store_pending(self, state: TieredState):
-        hkv = self.cfg.num_kv_heads
         while state.pending:
             rows, blocks, idx, ks, vs = state.pending.pop(0)
             m = rows.size
             ks, vs = np.asarray(ks)[:, :m], np.asarray(vs)[:, :m]  # [n_layers, m, Hkv, bs, D]
-            heads = np.arange(hkv)[None, :]
             for j, i in enumerate(idx):
-                kview, vview = self._views(state, i)  # [B, Hkv, NB, bs, D]
-                kview[rows[:, None], heads, blocks[:, None]] = ks[j]
-                vview[rows[:, None], heads, blocks[:, None]] = vs[j]
+                for row_range, head_range, kview, vview in self._views(state, i):  # [B', Hkv', NB, bs, D]
+                    mine = (rows >= row_range.start) & (rows < row_range.stop)
+                    if not mine.any():
+                        continue
+                    r = (rows[mine] - row_range.start)[:, None]
+                    h = np.arange(len(head_range))[None, :]
+                    hs = slice(head_range.start, head_range.stop)
+                    kview[r, h, blocks[mine][:, None]] = ks[j][mine][:, hs]
+                    vview[r, h, blocks[mine][:, None]] = vs[j][mine][:, hs]
 
     def finish(self, state: TieredState):
         """Store the outstanding saves (call before reading the host tier)."""
@@ -326,8 +381,9 @@ class TieredRunner:
         """Hits, misses and bytes moved per decode step (offloaded layers summed)."""
         if not state.counters:
             return {"steps": 0}
-        # per step and offloaded layer: (hits, misses), each int32[B*Hkv]
-        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64).sum(-1)  # [T, L, 2]
+        # per step and offloaded layer: (hits, misses), each int32[B, Hkv]
+        arr = np.asarray(jax.device_get([[list(c) for c in s] for s in state.counters]), np.int64)
+        arr = arr.reshape(arr.shape[:3] + (-1,)).sum(-1)  # [T, L, 2]
         hits, misses = arr[..., 0].sum(1), arr[..., 1].sum(1)
         d = self.cfg.head_dim
         block_bytes = 2 * self.method.offload_block_size * d * jnp.dtype(self.model.dtype).itemsize
@@ -400,8 +456,12 @@ def _prefill_layer_fn(driver: Driver, spec, max_len: int):
 @functools.lru_cache(maxsize=32)
 def _finish_layer(method, spec, offloaded: bool, pool: int):
     """``(k, v, lengths, q_last, data) -> (entry, host_k, host_v)``; K/V donated."""
+    return jax.jit(_finish_layer_body(method, spec, offloaded, pool), donate_argnums=(0, 1))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+
+def _finish_layer_body(method, spec, offloaded: bool, pool: int):
+    """:func:`_finish_layer`, not jitted (a mesh layout wraps it in its ``shard_map``)."""
+
     def run(k, v, lengths, q_last, data):
         if method is None:
             return LayerCache(k, v, None), None, None
@@ -442,3 +502,74 @@ def _extract_block_fn():
         return jnp.stack(ks), jnp.stack(vs)
 
     return run
+
+
+class _MeshLayout:
+    """A sharded model's runner pieces for one ``(batch, max_len)``: per layer the
+    prompt program and the finishing program (device tier, host tier), and the
+    decode step, each one ``shard_map`` over the mesh running the per-device code
+    (the driver on its KV heads and rows). Which axis of each cache, tier and
+    method-state leaf is split is read off abstract shapes, for the whole model,
+    one device's heads and one replica's rows
+    (:func:`models.sharding.specs_from_shapes`), as for the resident cache: the
+    host tier ``[B, Hkv, NB, bs, D]`` splits like the device tier, so each device
+    gathers its own heads' blocks from its own part of pinned host memory."""
+
+    def __init__(self, runner: TieredRunner, batch: int, max_len: int):
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from models import sharding as shd
+
+        par, mesh, cfg, local = runner.par, runner.mesh, runner.cfg, runner.local_cfg
+        if batch % par.data:
+            raise ValueError(f"batch {batch} does not split over data={par.data} replicas")
+        dtype = jnp.dtype(runner.model.dtype)
+        pool = runner._pool(max_len)
+        rows, heads, per_head = P(shd.DATA), P(shd.DATA, shd.MODEL), P(shd.MODEL)
+        self.rows = NamedSharding(mesh, rows)
+        self.host_tier = NamedSharding(mesh, heads).with_memory_kind("pinned_host")
+
+        def smap(fn, ins, outs):
+            return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
+
+        self.prompt, self.finish, entry_specs, host_specs = [], [], [], []
+        for i, spec in enumerate(runner.plan.specs):
+            data = runner.layer_data(i)
+            # per-KV-head layer constants (Double Sparsity's channels: [Hkv, r]) split with the heads
+            dspecs = {k: per_head if k != "index" and v.ndim >= 1 and v.shape[0] == cfg.num_kv_heads else P()
+                      for k, v in data.items()}
+            body = _finish_layer_body(runner.method if spec.sparse else None, spec, runner.offloaded[i], pool)
+            cap = spec.capacity(max_len)
+
+            def shapes(c, b, body=body, data=data, dspecs=dspecs, cap=cap):
+                kv = jax.ShapeDtypeStruct((b, c.num_kv_heads, cap, c.head_dim), dtype)
+                q = jax.ShapeDtypeStruct((b, c.num_heads, c.head_dim), dtype)
+                dd = {k: jax.ShapeDtypeStruct((c.num_kv_heads,) + v.shape[1:] if dspecs[k] == per_head else v.shape,
+                                              v.dtype) for k, v in data.items()}
+                return jax.eval_shape(body, kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32), q, dd)
+
+            out = shd.specs_from_shapes(shapes(cfg, batch), shapes(local, batch), shapes(cfg, batch // par.data),
+                                        par, what=f"layer {i}")
+            entry_specs.append(out[0])
+            host_specs.append(HostLayer(heads, heads) if runner.offloaded[i] else None)
+            self.finish.append(jax.jit(smap(body, (heads, heads, rows, heads, dspecs), out), donate_argnums=(0, 1)))
+            prompt = functools.partial(_prompt_layer, runner.driver, spec, cap)
+            self.prompt.append(jax.jit(smap(prompt, (runner._param_specs["layers"], rows, rows, dspecs),
+                                            (rows, heads, heads, heads))))
+
+        cache_specs = KVCache(tuple(entry_specs), rows, max_len)
+        graphdef, driver, programs = runner._local_graphdef, runner.driver, runner.gather_programs
+
+        def step(params, tokens, cache, host):
+            model = nnx.merge(graphdef, params)
+            x, cache = driver.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache, host,
+                                     gather_programs=programs)
+            return model.logits(x), cache
+
+        self.decode = jax.jit(smap(step, (runner._param_specs, rows, cache_specs, tuple(host_specs)),
+                                   (P(shd.DATA, None), cache_specs)),
+                              donate_argnums=(2,), compiler_options=compiler_options(runner._conc))
+
+
+def _prompt_layer(driver: Driver, spec, cap: int, stacked, x, lengths, data):
+    return driver.prompt_layer(stacked, x, lengths, data, spec, cap)

@@ -8,6 +8,11 @@ ragged prefill and ``STEPS`` greedy decode steps on one device (the unsharded
 JSON line per case: the max |logit difference| over every step, whether the
 greedy tokens agree, and the cache's sharding.
 
+``--only offload [--smollm2]``: offloaded decoding on a mesh (host tier and pool
+split by KV head and row) against one device, resident: Quest and AsyncTLS (lag,
+per-head channels) on 1x2 and 2x2, a control that drops the block saves, and
+SmolLM2 padded to 4 KV heads on model=2.
+
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
 asynctls and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
 2x2 and 1x4, and kascade on data=2; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
@@ -111,6 +116,86 @@ def tiny_cases(meshes):
     report("tiny-kv8/kascade/data=2,model=1", ref, got, got[2])
 
 
+OFFLOAD_STEPS = 12
+
+
+def _tiered(model, mode, tokens, lengths, pool=None, runner=None):
+    from models.tiered import TieredRunner
+
+    runner = runner or TieredRunner(model, mode, pool_slots=pool)
+    ids, logits, state = runner.generate_ids(tokens, lengths, OFFLOAD_STEPS, 256)
+    return runner, np.asarray(ids), np.asarray(logits, np.float32), state
+
+
+def _drop_saves(runner):
+    """Negative control: completed blocks never reach the host tier (same compiled programs)."""
+    runner._store_pending = lambda state: state.pending.clear()
+    return runner
+
+
+def report_offload(case, ref, got, runner, state):
+    ids, logits = got
+    stats = runner.transfer_stats(state) if runner.mode == "offload" else {}
+    host = next((h for h in state.host if h is not None), None)
+    line = dict(case=case, max_dlogit=float(np.abs(logits - ref[1]).max()), logit_scale=float(np.abs(ref[1]).max()),
+                tokens_agree=bool(np.array_equal(ids, ref[0])),
+                k_spec=str(getattr(host.k.sharding, "spec", "one device")) if host is not None else "resident",
+                host_memory=host.k.sharding.memory_kind if host is not None else None,
+                devices=len(state.cache.lengths.sharding.device_set),
+                later_misses=int(sum(stats.get("misses_per_step", [0])[1:])), hit_rate=stats.get("hit_rate"))
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def offload_cases(meshes):
+    """Offloaded decoding on a mesh (host tier and pool split by KV head and row)
+    against one device: Quest (fetches its misses) and AsyncTLS with the lag (prefetches
+    the next step's blocks; per-head calibrated channels), the smallest pools."""
+    import models
+    from models.config import ModelConfig
+    from models.sharding import Parallelism
+    from sparse_jax.methods.registry import get_method
+
+    cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
+                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                      rms_eps=1e-6, eos_token_id=2, pad_token_id=2)
+    channels = (tuple(tuple(range(h % 4, 16, 4)) for h in range(8)),) * 3
+    # blocks of 4: a block a row completes leaves the ring, and is read back from the host
+    # tier, within the 12 steps (the control shows it)
+    methods = {"quest": (get_method("quest", budget=32, block_size=4, dense_layers=(0,)), 8),
+               "asynctls": (get_method("asynctls", budget=32, block_size=4, kb=8, lag=True,
+                                       channels_per_layer=channels, dense_layers=(0,)), 7)}
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 97, (4, 90)).astype(np.int32)
+    lengths = np.array([90, 61, 77, 85], np.int32)
+    for name, (m, pool) in methods.items():
+        base = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention=m)
+        _, *ref, _ = _tiered(base, "resident", tokens, lengths)
+        for data, model in meshes:
+            runner, *got, state = _tiered(base.shard(data=data, model=model), "offload", tokens, lengths, pool)
+            report_offload(f"offload/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
+        runner, *got, state = _tiered(None, "offload", tokens, lengths, runner=_drop_saves(runner))
+        report_offload(f"offload-control/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
+
+
+def smollm2_offload_case():
+    """SmolLM2 (3 KV heads padded to 4) offloaded AsyncTLS on model=2 against one device, resident."""
+    import models
+    from tests.test_methods_in_model import PROMPT
+
+    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
+    m = base.with_method("asynctls", budget=32, block_size=8, kb=8, lag=True)
+    tok = base.tokenizer
+    ids1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))[:150]
+    ids2 = ids1[: len(ids1) - 23]
+    tokens = np.zeros((2, len(ids1)), np.int32)
+    tokens[0], tokens[1, : len(ids2)] = ids1, ids2
+    lengths = np.array([len(ids1), len(ids2)], np.int32)
+    _, *ref, _ = _tiered(m, "resident", tokens, lengths)
+    runner, *got, state = _tiered(m.shard(model=2), "offload", tokens, lengths, 7)
+    report_offload("offload/smollm2/asynctls/data=1,model=2", ref, got, runner, state)
+
+
 def smollm2_cases(bf16: bool):
     import models
     from models import sharding as sh
@@ -153,8 +238,9 @@ def smollm2_cases(bf16: bool):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=["tiny", "smollm2"], default=None)
+    p.add_argument("--only", choices=["tiny", "smollm2", "offload"], default=None)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--smollm2", action="store_true", help="with --only offload: also SmolLM2 (real weights)")
     a = p.parse_args(argv)
     n = len(jax.devices())
     meshes = [m for m in [(1, 2), (2, 2), (1, 4)] if m[0] * m[1] <= n]
@@ -162,6 +248,10 @@ def main(argv=None) -> int:
         tiny_cases(meshes)
     if a.only in (None, "smollm2"):
         smollm2_cases(a.bf16)
+    if a.only == "offload":  # its own run (tests/test_sharding.py): 4 devices
+        offload_cases([m for m in meshes if m != (1, 4)])
+        if a.smollm2:
+            smollm2_offload_case()
     return 0
 
 

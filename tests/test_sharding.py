@@ -65,6 +65,23 @@ def test_two_devices_match_one_device():
         assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
 
 
+@pytest.mark.slow
+def test_offloaded_decoding_on_a_mesh_matches_one_device():
+    """Host tier and pool split by KV head and row (``TieredRunner`` on a sharded model):
+    the same tokens and logits as one device, resident, with blocks read back from the
+    sharded pinned host tier; dropping the block saves breaks it (the test can fail)."""
+    rows = {r["case"]: r for r in _check(4, "--only", "offload", "--smollm2")}
+    assert len(rows) == 7, sorted(rows)
+    for case, r in rows.items():
+        assert r["host_memory"] == "pinned_host" and r["k_spec"] == "P('data', 'model')", r
+        assert r["later_misses"] > 0, r  # blocks came back from the host after the first step
+        if case.startswith("offload-control/"):
+            assert not r["tokens_agree"] and r["max_dlogit"] > 0.1, r
+        else:
+            assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
+    assert rows["offload/tiny-kv8/asynctls/data=2,model=2"]["devices"] == 4
+
+
 def _tiny(kv=3, heads=9):
     return ModelConfig(name="tiny-pad", arch="llama", num_layers=2, hidden_size=32, num_heads=heads, num_kv_heads=kv,
                        head_dim=8, intermediate_size=48, vocab_size=53, max_position=128, rope_theta=1e4,

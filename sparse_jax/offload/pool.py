@@ -156,7 +156,7 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
     are in the ring and skipped): LRU slots for the misses, their copies from the host.
 
     Returns ``(tables, pool_k, pool_v, hits, misses)``; ``tables = (block_slot,
-    slot_block, slot_used)`` each ``[B, Hkv, ...]``; counters ``int32[B*Hkv]``."""
+    slot_block, slot_used)`` each ``[B, Hkv, ...]``; counters ``int32[B, Hkv]``."""
     block_slot, slot_block, slot_used = entry_tables
     b, hkv, nb = block_slot.shape
     p = slot_block.shape[2]
@@ -174,7 +174,7 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
                                   src.reshape(-1), dst.reshape(-1), copies, impl=impl, id_dims=3, **tuning)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
     tables = (bslot.reshape(b, hkv, nb), sblock.reshape(b, hkv, p), sused.reshape(b, hkv, p))
-    return tables, pool_k, pool_v, hits, copies
+    return tables, pool_k, pool_v, hits.reshape(b, hkv), copies.reshape(b, hkv)
 
 
 def decode_offloaded(method: AttentionMethod, q, k_new, v_new, pos, entry: OffloadedLayer, host: HostLayer, layer,
@@ -254,9 +254,12 @@ def tier_from_prefill(method: AttentionMethod, k, v, lengths, state, pool_slots:
 
     need = (prime >= 0) & (prime < (newest - 1)[:, None, None])
     slots = jnp.arange(m, dtype=jnp.int32)
-    slot_block = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :m].set(jnp.where(need, prime, -1))
-    slot_used = jnp.full((b, hkv, pool_slots), -1, jnp.int32).at[..., :m].set(
-        jnp.where(need, lengths[:, None, None], -1))
+    # the first m slots primed, the rest empty (-1). Built by concatenation, not by
+    # `.at[..., :m].set`: that update covering the whole axis (m == pool_slots) segfaults
+    # XLA:CPU's compiler inside a multi-device shard_map (jax 0.11.2)
+    empty = jnp.full((b, hkv, pool_slots - m), -1, jnp.int32)
+    slot_block = jnp.concatenate([jnp.where(need, prime, -1), empty], axis=-1)
+    slot_used = jnp.concatenate([jnp.where(need, lengths[:, None, None], -1), empty], axis=-1)
     block_slot = jax.vmap(jax.vmap(lambda blk, ok: jnp.full((nb,), -1, jnp.int32).at[jnp.where(ok, blk, nb)].set(
         slots, mode="drop")))(prime, need)
     ring_blocks = jnp.stack([newest - 1, newest], -1)  # [B, 2]
@@ -270,6 +273,6 @@ def tier_from_prefill(method: AttentionMethod, k, v, lengths, state, pool_slots:
         rings = take_blocks(x, ring)
         return jnp.concatenate([primed, empty, rings], axis=2).reshape(b, hkv, (pool_slots + RING_SLOTS) * bs, d)
 
-    zero = jnp.zeros((b * hkv,), jnp.int32)
+    zero = jnp.zeros((b, hkv), jnp.int32)
     entry = OffloadedLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero, bs)
     return entry, kb_, vb_

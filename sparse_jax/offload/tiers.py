@@ -21,8 +21,9 @@ Device tier (:class:`OffloadedLayer`, one entry of :class:`sparse_jax.cache.KVCa
   the LRU clock).
 * ``state``: the method's per-layer state (AsyncTLS: block boxes, INT4 label
   cache, the blocks chosen for the next step; Quest: the boxes).
-* ``hits, misses int32[B*Hkv]``: this step's block counters per (row, KV
-  head): needed blocks found in the pool, and blocks copied from the host.
+* ``hits, misses int32[B, Hkv]``: this step's block counters per (row, KV
+  head): needed blocks found in the pool, and blocks copied from the host
+  (batch and head axes kept apart, so they split over a mesh like the rest).
 
 Eviction policy (documented contract): the blocks a step needs (its selection,
 or the next step's prefetch) are never evicted while it places them; a miss
