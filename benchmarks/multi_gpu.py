@@ -186,6 +186,64 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
     return row, first
 
 
+def run_offload_config(model, method, *, devices: int, batch: int, context: int, steps: int, rounds: int,
+                       plain: bool, log=print):
+    """One offloaded configuration (:class:`models.tiered.TieredRunner`, ``mode="offload"``):
+    the KV in pinned host memory, split by KV head over ``devices`` GPUs (``model=devices``;
+    one GPU when ``plain``), each GPU gathering its heads' blocks. Same row as
+    :func:`run_config`, plus the block hit rate."""
+    from models.api import round_up
+    from models.tiered import TieredRunner
+
+    cfg = model.config
+    m = model.with_method(method)
+    bs = m.method.for_offload().offload_block_size
+    max_len = round_up(context + steps * (rounds + 2) + 64, max(64, bs))
+    t0 = time.perf_counter()
+    runner = TieredRunner(m if plain else m.shard(model=devices), "offload")
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+
+    @jax.jit
+    def layer_kv(key):  # row r of layer i from fold_in(fold_in(key, i), r): the same in every layout
+        def row(r):
+            kr = jax.random.fold_in(key, r)
+            return (jax.random.normal(jax.random.fold_in(kr, 0), (hkv, max_len, d), jnp.bfloat16),
+                    jax.random.normal(jax.random.fold_in(kr, 1), (hkv, max_len, d), jnp.bfloat16),
+                    jax.random.normal(jax.random.fold_in(kr, 2), (cfg.num_heads, d), jnp.bfloat16))
+        return jax.vmap(row)(jnp.arange(batch))
+
+    state = runner.state_from_kv(lambda i: layer_kv(jax.random.fold_in(jax.random.key(7), i)),
+                                 np.full((batch,), context, np.int32), max_len)
+    tok = jnp.zeros((batch,), jnp.int32)
+    logits = runner.decode_step(tok, state)
+    first = np.asarray(logits, np.float32)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        tok = jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32)
+    jax.block_until_ready(tok)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+        times.append((time.perf_counter() - t) / steps * 1e3)
+    runner.finish(state)
+    stats = runner.transfer_stats(state)
+    ms = statistics.median(times)
+    row = dict(context=context, method=method.name, mode="offload", gpus=devices,
+               layout="1 GPU" if plain else f"data=1 x model={devices}", batch=batch, ms_per_step=ms,
+               tokens_per_s=batch / ms * 1e3, cache_gib=sum(h.k.nbytes * 2 for h in state.host if h is not None) / 2**30,
+               compile_s=compile_s, rounds_ms=[round(x, 3) for x in times], hit_rate=stats.get("hit_rate"))
+    with_floor(row, cfg, method, jax.devices()[0].device_kind)
+    log(f"  offload {row['layout']:<18} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
+        f"floor {row['floor_ms']:.2f} ms  hit rate {row['hit_rate']:.3f}  (compile+fill {compile_s:.0f} s)", flush=True)
+    del state, runner, m
+    gc.collect()
+    return row, first
+
+
 def with_floor(row: dict, cfg, method, device_kind: str) -> dict:
     """Adds ``floor_ms`` (:func:`floor_bytes` at the device's HBM rate) and ``of_floor``."""
     rate, _ = hbm_rate(device_kind)
@@ -203,12 +261,15 @@ def plot(payload, path):
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    keys = sorted({(r["context"], r["method"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    def name(r):
+        return r["method"] + (" offload" if r.get("mode") == "offload" else "")
+
+    keys = sorted({(r["context"], name(r)) for r in rows}, key=lambda k: (-k[0], k[1]))
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys)), 4))
     w = 0.8 / max(1, len(layouts))
     for j, lay in enumerate(layouts):
-        vals = [next((r["tokens_per_s"] for r in rows if (r["context"], r["method"]) == k and r["layout"] == lay), 0)
+        vals = [next((r["tokens_per_s"] for r in rows if (r["context"], name(r)) == k and r["layout"] == lay), 0)
                 for k in keys]
         ax.bar(np.arange(len(keys)) + (j - (len(layouts) - 1) / 2) * w, vals, w, label=lay)
     ax.set_xticks(np.arange(len(keys)), [f"{m}\n{c // 1024}K" for c, m in keys])
@@ -231,11 +292,12 @@ def render(payload) -> str:
              f"on sparse ones; block metadata not counted) at {hbm_rate(s['device'])[0] / 1e12:.2f} TB/s "
              f"({hbm_rate(s['device'])[1]}); of_floor = floor / measured. logits: the first step's rows shared "
              "with the one-GPU run (max |difference|, argmax agreement; bf16, see docs/sharding.md).", ""]
-    cols = ["context", "method", "layout", "batch", "ms_per_step", "tokens_per_s", "vs_1gpu", "floor_ms", "of_floor",
-            "max_dlogit", "argmax_agree", "cache_gib"]
+    cols = ["context", "method", "mode", "layout", "batch", "ms_per_step", "tokens_per_s", "vs_1gpu", "floor_ms", "of_floor",
+            "max_dlogit", "argmax_agree", "cache_gib", "hit_rate"]
     lines.append(markdown_table(payload["rows"], cols, {"ms_per_step": ".2f", "tokens_per_s": ".1f", "vs_1gpu": ".2f",
                                                         "floor_ms": ".2f", "of_floor": ".2f", "cache_gib": ".1f",
-                                                        "max_dlogit": ".3g", "argmax_agree": ".2f"}))
+                                                        "max_dlogit": ".3g", "argmax_agree": ".2f",
+                                                        "hit_rate": ".3f"}))
     return "\n".join(lines) + "\n"
 
 
@@ -246,6 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="2,4", help="one-GPU batch per context (comma list, or one value)")
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--dp", action="store_true", help="also data-parallel replicas (weights on every GPU)")
+    p.add_argument("--modes", default="resident",
+                   help="resident and/or offload (KV in pinned host memory, split by KV head; sparse methods only)")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
@@ -273,29 +337,40 @@ def main(argv=None) -> int:
         import dataclasses
 
         from models.config import get_config
-        cfg = dataclasses.replace(get_config("qwen3-8b"), num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4,
+        cfg = dataclasses.replace(get_config("qwen3-8b"), num_layers=4, hidden_size=64, num_heads=8, num_kv_heads=4,
                                   head_dim=32, intermediate_size=96, vocab_size=128, max_position=max(contexts) * 2)
     else:
         cfg = qwen3_8b(max(contexts) * 2)
     payload = {"stamp": stamp(), "gpus": a.gpus, "rows": []}
     out = Path(a.out) if a.out else None
     model = None
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or set(modes) - {"resident", "offload"}:
+        print(f"error: --modes takes resident and/or offload, got {a.modes!r}", file=sys.stderr)
+        return 2
     for context, b in zip(contexts, batches):
-        for name in a.methods.split(","):
+        for name, mode in [(n, m) for m in modes for n in a.methods.split(",")]:
             method = build_method(name, cfg, a.budget)
+            if mode == "offload" and name == "dense":
+                continue  # nothing to offload: dense reads every block every step
             if model is None:
                 model = random_model(cfg, method, max(contexts) * 2)
-            print(f"{name} at {context // 1024}K", flush=True)
+            print(f"{name} at {context // 1024}K, {mode}", flush=True)
             layouts = [(1, 1, b, True), (a.gpus, 1, b * a.gpus, False)]
-            if a.dp:
+            if a.dp and mode == "resident":
                 layouts.append((a.gpus, a.gpus, b * a.gpus, False))
             base = None
             for devices, data, batch, plain in layouts:
                 if a.time_limit and time.perf_counter() - start > a.time_limit:
                     print(f"time limit: skipping {name} {context} {devices} GPUs", flush=True)
                     continue
-                row, first = run_config(model, method, devices=devices, data=data, batch=batch, context=context,
-                                        steps=a.steps, rounds=a.rounds, plain=plain)
+                if mode == "offload":
+                    row, first = run_offload_config(model, method, devices=devices, batch=batch, context=context,
+                                                    steps=a.steps, rounds=a.rounds, plain=plain)
+                else:
+                    row, first = run_config(model, method, devices=devices, data=data, batch=batch,
+                                            context=context, steps=a.steps, rounds=a.rounds, plain=plain)
+                    row["mode"] = "resident"
                 if base is None:
                     base = (row, first)
                 else:

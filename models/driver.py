@@ -343,6 +343,7 @@ def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, l
 def prompt_state(method: AttentionMethod, state, k, v, q_last, lengths, ctx: LayerCtx):
     """The method's layer state after a prefill: ``prefill_state`` from the layer's
     cache ``k, v [B, Hkv, S, D]``, then ``prefill_query_state`` with the last prompt query."""
+    ctx = dataclasses.replace(ctx, capacity=k.shape[2])
     state = method.prefill_state(state, k, v, lengths, ctx)
     return method.prefill_query_state(state, q_last, lengths, ctx)
 

@@ -533,11 +533,17 @@ class _MeshLayout:
             return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
         self.prompt, self.finish, entry_specs, host_specs = [], [], [], []
+        built = {}  # layers of one kind share their programs (one compilation, not one per layer)
         for i, spec in enumerate(runner.plan.specs):
             data = runner.layer_data(i)
             # per-KV-head layer constants (Double Sparsity's channels: [Hkv, r]) split with the heads
             dspecs = {k: per_head if k != "index" and v.ndim >= 1 and v.shape[0] == cfg.num_kv_heads else P()
                       for k, v in data.items()}
+            key = (spec, runner.offloaded[i], tuple((k, dspecs[k], v.shape, str(v.dtype)) for k, v in data.items()))
+            if key in built:
+                for lst, item in zip((entry_specs, host_specs, self.finish, self.prompt), built[key]):
+                    lst.append(item)
+                continue
             body = _finish_layer_body(runner.method if spec.sparse else None, spec, runner.offloaded[i], pool)
             cap = spec.capacity(max_len)
 
@@ -556,6 +562,7 @@ class _MeshLayout:
             prompt = functools.partial(_prompt_layer, runner.driver, spec, cap)
             self.prompt.append(jax.jit(smap(prompt, (runner._param_specs["layers"], rows, rows, dspecs),
                                             (rows, heads, heads, heads))))
+            built[key] = (entry_specs[-1], host_specs[-1], self.finish[-1], self.prompt[-1])
 
         cache_specs = KVCache(tuple(entry_specs), rows, max_len)
         graphdef, driver, programs = runner._local_graphdef, runner.driver, runner.gather_programs

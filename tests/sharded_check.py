@@ -14,7 +14,7 @@ per-head channels) on 1x2 and 2x2, a control that drops the block saves, and
 SmolLM2 padded to 4 KV heads on model=2.
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
-asynctls and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
+asynctls, asyncspade and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
 2x2 and 1x4, and kascade on data=2; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
 to 4 (dense, quest and asynctls on model=2, its calibrated channels padded
 too; asynctls on data=2 replicas); with
@@ -86,6 +86,7 @@ def tiny_cases(meshes):
     methods = {"dense": get_method("dense"), "quest": get_method("quest", budget=64, dense_layers=(0,)),
                "asynctls": get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
                                       dense_layers=(0,)),
+               "asyncspade": get_method("asyncspade", budget=64, window=4, dense_layers=(0,)),
                # Token Sparse Attention prefill: its per-row count is shared by every head (a psum)
                "quest+token_sparse": get_method("quest", budget=64, dense_layers=(0,), prefill="token_sparse",
                                                 prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.2)))}

@@ -74,7 +74,7 @@ def _decode_steps(method, steps, seed=0, b=2, hq=4, hkv=2, s=256, d=16):
     k = jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32)
     lengths = jnp.asarray([150, 131], jnp.int32)
-    ctx = single_layer(2)
+    ctx = single_layer(2, capacity=s)
     st = method.init_state(ctx.spec, batch=b, num_kv_heads=hkv, max_len=s, head_dim=d, dtype=jnp.float32)
     st = method.prefill_state(st, k, v, lengths, ctx)
     qs = [jnp.asarray(rng.normal(size=(b, hq, d)), jnp.float32) for _ in range(steps + 1)]

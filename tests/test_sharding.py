@@ -38,9 +38,9 @@ def _check(devices: int, *args: str) -> list[dict]:
 def test_four_devices_match_one_device():
     rows = {r["case"]: r for r in _check(4, "--bf16")}
     f32 = [r for c, r in rows.items() if "bf16" not in c]
-    # tiny: 4 methods (quest+TSA prefill the 4th) x 3 meshes, forward, kascade on data=2; SmolLM2: dense, quest, asynctls on model=2 and asynctls on
-    # data=2, and Model.shard(...).generate for dense and quest
-    assert len(f32) == 20, sorted(rows)  # + forward on 1x4
+    # tiny: 5 methods (asyncspade, quest+TSA prefill) x 3 meshes, forward, kascade on data=2; SmolLM2: dense, quest,
+    # asynctls on model=2 and asynctls on data=2, and Model.shard(...).generate for dense and quest
+    assert len(f32) == 23, sorted(rows)  # + forward on 1x4
     assert rows["smollm2/api-generate/dense/data=1,model=2"]["kv_heads"] == 4  # 3 padded to 4
     for r in f32:
         assert r["tokens_agree"], r
@@ -60,7 +60,7 @@ def test_four_devices_match_one_device():
 @pytest.mark.slow
 def test_two_devices_match_one_device():
     rows = _check(2, "--only", "tiny")
-    assert len(rows) == 6 and sum(r["case"].endswith("data=1,model=2") for r in rows) == 5  # + forward
+    assert len(rows) == 7 and sum(r["case"].endswith("data=1,model=2") for r in rows) == 6  # + forward
     for r in rows:
         assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
 
@@ -153,8 +153,13 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="head map"):
         sh.check_method(get_method("kascade", budget=16), 2)
     sh.check_method(get_method("kascade", budget=16), 1)  # data replicas are fine
+    sh.check_method(get_method("asyncspade", budget=16), 2, devices=4)  # shards since the zero-size leaf went
+
+    class OneDeviceOnly(type(get_method("quest"))):
+        shardable = False
+
     with pytest.raises(ValueError, match="not supported on several devices"):
-        sh.check_method(get_method("asyncspade", budget=16), 1, devices=2)
+        sh.check_method(OneDeviceOnly(), 1, devices=2)
     with pytest.raises(ValueError, match="does not split over data=2"):
         sh.cache_specs(_tiny(4, 8), get_method("dense"), 3, 32, jnp.dtype(jnp.float32), sh.Parallelism(2, 1))
 

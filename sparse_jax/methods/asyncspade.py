@@ -52,7 +52,7 @@ always attends.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -134,9 +134,6 @@ class AsyncSpade(AttentionMethod):
       prefetch_block_size: blocks of the offloaded tier under a token selector.
     """
 
-    # Its sharded prefill crashes XLA:CPU's multi-device compiler (segfault, jax 0.11.2,
-    # data=2 as well as model=2); not yet run sharded on a GPU
-    shardable: ClassVar[bool] = False
 
     selector: str = "quest"
     selector_options: tuple = ()
@@ -203,10 +200,6 @@ class AsyncSpade(AttentionMethod):
         if num_q_heads is not None:
             hist = jnp.zeros((batch, num_q_heads, self.window + 1, head_dim), jnp.float32)
         return {"inner": st, "hist": hist, "count": jnp.zeros((batch,), jnp.int32),
-                # zero bytes whose static shape tells prefill_query_state the layer's capacity
-                # (a token selector's select reads kv.capacity; prefill has no view)
-                # ([B, 0, S]: batch-leading like every state leaf, for the serving engine)
-                "capacity": jnp.zeros((batch, 0, max_len), jnp.int8),
                 "next": jnp.zeros((batch, num_kv_heads, k), jnp.int32),
                 "next_counts": jnp.zeros((batch, num_kv_heads), jnp.int32)}
 
@@ -221,10 +214,15 @@ class AsyncSpade(AttentionMethod):
 
     def prefill_query_state(self, state, q_last, lengths, layer):
         b, hq, d = q_last.shape
-        hist = jnp.zeros((b, hq, self.window + 1, d), jnp.float32).at[:, :, -1].set(q_last.astype(jnp.float32))
+        # by concatenation: `.at[:, :, -1].set` here segfaulted XLA:CPU inside a multi-device shard_map
+        hist = jnp.concatenate([jnp.zeros((b, hq, self.window, d), jnp.float32),
+                                q_last.astype(jnp.float32)[:, :, None]], axis=2)
         inner = self.inner().prefill_query_state(state["inner"], q_last, lengths, layer)
         # the first decode step (length lengths + 1) attends what the last prompt query picks
-        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(state["capacity"].shape[2]))
+        if layer.capacity is None:
+            raise ValueError("asyncspade.prefill_query_state needs the layer's cache capacity (LayerCtx.capacity; "
+                             "models.driver.prompt_state sets it)")
+        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(layer.capacity))
         return dict(state, inner=inner, hist=hist, count=jnp.ones((b,), jnp.int32), next=nxt, next_counts=cnt)
 
     def append_state(self, state, kv, positions, layer):

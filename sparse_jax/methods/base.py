@@ -97,22 +97,26 @@ from sparse_jax.selection import Selection, attend, masked_decode_attention  # n
 @dataclasses.dataclass(frozen=True)
 class LayerCtx:
     """Which layer a hook runs: its static ``spec`` and its traced per-layer ``data``
-    (the method's ``layer_data`` row, plus ``"index"``: the layer's index, int32)."""
+    (the method's ``layer_data`` row, plus ``"index"``: the layer's index, int32);
+    in the prefill hooks, ``capacity``: the tokens the layer's cache holds (static;
+    :func:`models.driver.prompt_state` sets it, None elsewhere)."""
 
     spec: LayerSpec
     data: dict
+    capacity: int | None = None
 
     @property
     def index(self) -> jax.Array:
         return self.data["index"]
 
 
-def single_layer(index: int = 0, spec: LayerSpec | None = None, data: dict | None = None) -> LayerCtx:
+def single_layer(index: int = 0, spec: LayerSpec | None = None, data: dict | None = None,
+                 capacity: int | None = None) -> LayerCtx:
     """A :class:`LayerCtx` for calling a method's hooks outside the driver (tests,
     analysis): ``data`` defaults to the method-independent ``{"index": index}``."""
     d = {"index": jnp.int32(index)}
     d.update(data or {})
-    return LayerCtx(spec or LayerSpec(sparse=True), d)
+    return LayerCtx(spec or LayerSpec(sparse=True), d, capacity)
 
 
 @dataclasses.dataclass(frozen=True)
