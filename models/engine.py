@@ -306,6 +306,29 @@ def _programs(graphdef, cfg, method, unroll: bool):
     return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
 
 
+@functools.lru_cache(maxsize=16)
+def _sharded_programs(decode):
+    """:func:`_programs` for a model on a mesh (:class:`models.sharding.ShardedModel`): its
+    own sharded decode step (one ``shard_map``) inside the engine's step; the insertion and
+    the sampling are plain jits over the mesh-laid arrays."""
+
+    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
+        logits, new = decode(params, tokens, cache)
+        new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
+        return sample_rows(logits, seeds, counters, temperature, top_p), new
+
+    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
+
+
+def check_engine_mesh(model) -> None:
+    """An engine runs one replica: a sharded model must have ``data == 1`` (its slots
+    and each request's one-row prefill live on every device of the replica)."""
+    par = getattr(model, "parallelism", None)
+    if par is not None and par.data != 1:
+        raise ValueError(f"an engine serves one replica: the model is sharded with data={par.data}; shard it "
+                         f"with data=1 (tensor parallelism) and run one engine per device group")
+
+
 @jax.jit
 def _merge_tokens(fresh: jax.Array, host: jax.Array, device: jax.Array) -> jax.Array:
     """``int32[B]``: the host's token where ``fresh`` (a request inserted since the last
@@ -333,9 +356,13 @@ class ResidentSlots:
     offloaded = False
 
     def __init__(self, model, slots: int, max_len: int, unroll: bool):
+        check_engine_mesh(model)
         check_slot_axis(model, max_len)
         self.model, self.slots, self.max_len = model, slots, max_len
-        self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
+        if getattr(model, "mesh", None) is not None:
+            self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
+        else:
+            self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
         self.cache = model.init_cache(slots, max_len)
         self.device_bytes = self.cache.nbytes()
 
@@ -413,6 +440,7 @@ class OffloadedSlots:
         from models.tiered import TieredRunner
         from sparse_jax.offload.tiers import OffloadedLayer
 
+        check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
         self.runner = TieredRunner(model, "offload", pool_slots=pool_slots)
         cfg, dt = model.config, model.dtype

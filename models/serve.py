@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks: quest, arkvale, asynctls)")
     p.add_argument("--pool-slots", type=int, default=None,
                    help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices by KV heads (models.sharding), one engine over them; "
+                        "default 1")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -328,14 +331,19 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError(f"unknown model {args.model!r}; available: {', '.join(models.available_models())}")
     if args.attention not in available_methods():
         raise ValueError(f"unknown attention method {args.attention!r}; available: {', '.join(available_methods())}")
-    for name in ("slots", "max_len"):
+    for name in ("slots", "max_len", "tensor_parallel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.tensor_parallel > len(jax.devices()):
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel}: {len(jax.devices())} devices visible "
+                         f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     method = get_method(args.attention, **parse_attention_opts(args.attention_opt))
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model = models.load_model(args.model, dtype=jnp.dtype(dtype), attention=method, max_len=args.max_len)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has random weights and no tokenizer: it cannot serve text")
+    if args.tensor_parallel > 1:
+        model = model.shard(model=args.tensor_parallel)  # the unsharded copy is dropped with `model`
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                     kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots)
     return engine, args.served_model_name or args.model

@@ -11,7 +11,8 @@ greedy tokens agree, and the cache's sharding.
 ``--only offload [--smollm2]``: offloaded decoding on a mesh (host tier and pool
 split by KV head and row) against one device, resident: Quest and AsyncTLS (lag,
 per-head channels) on 1x2 and 2x2, a control that drops the block saves, and
-SmolLM2 padded to 4 KV heads on model=2.
+SmolLM2 padded to 4 KV heads on model=2; and the serving engine on model=2,
+resident and offloaded, against single-request generation on one device.
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
 asynctls, asyncspade and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
@@ -197,6 +198,32 @@ def smollm2_offload_case():
     report_offload("offload/smollm2/asynctls/data=1,model=2", ref, got, runner, state)
 
 
+def engine_case():
+    """The serving engine over a mesh (SmolLM2, model=2), resident and offloaded: three
+    requests through two slots give each request's single-request tokens on one device."""
+    import models
+    from models.engine import Engine, SamplingParams
+
+    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
+    tok = base.tokenizer
+    prompts = ["List three fruits.", "What is the capital of France?", "Count to five."]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    model = base.with_method("quest", budget=64)
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18)[0]
+            for i in ids]
+    sharded_model = model.shard(model=2)
+    for offload in (False, True):
+        engine = Engine(sharded_model, slots=2, max_len=256, offload=offload).start()
+        try:
+            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
+            done = all(r.done.wait(300) for r in reqs)
+            print(json.dumps(dict(case=f"engine/smollm2/quest/{'offload' if offload else 'resident'}/data=1,model=2",
+                                  completed=done, tokens_agree=done and [r.output_ids for r in reqs] == refs,
+                                  blocks_loaded=engine.stats().get("blocks_loaded"), devices=2)), flush=True)
+        finally:
+            engine.stop()
+
+
 def smollm2_cases(bf16: bool):
     import models
     from models import sharding as sh
@@ -253,6 +280,7 @@ def main(argv=None) -> int:
         offload_cases([m for m in meshes if m != (1, 4)])
         if a.smollm2:
             smollm2_offload_case()
+            engine_case()
     return 0
 
 

@@ -259,3 +259,20 @@ def test_probe_binds_the_measured_method_to_the_model():
     bound = probe.for_model("smollm2-135m", num_layers=30, head_dim=64)
     assert bound.inner.channels_per_layer is not None and probe.inner.channels_per_layer is None
     assert bound.cache_multiple == 32
+
+
+def test_hf_crosscheck_checks_its_arguments_and_needs_torch(capsys):
+    """``benchmarks.hf_crosscheck``: bad arguments exit 2 with a message; without torch
+    (the project venv) it says what it needs instead of failing on an import."""
+    import importlib.util
+
+    from benchmarks import hf_crosscheck
+
+    for argv, fragment in ((["--tasks", "nope"], "unknown task"), (["--lengths", "12,x"], "comma-separated"),
+                           (["--lengths", "100"], "at least 256"), (["--samples", "0"], ">= 1")):
+        with pytest.raises(SystemExit) as e:
+            hf_crosscheck.parse_args(argv)
+        assert e.value.code == 2 and fragment in capsys.readouterr().err
+    if importlib.util.find_spec("torch") is None:
+        assert hf_crosscheck.main(["--lengths", "1024"]) == 2
+        assert "needs torch and transformers" in capsys.readouterr().err

@@ -226,3 +226,14 @@ def test_soak_mixed_clients(server, references):
     assert done.get("cancelled", 0) + done.get("length", 0) + done.get("stop", 0) == 12
     assert httpx.get(f"{server.base}/health").json()["status"] == "ok"
     assert _complete(server.client, PROMPTS[3]).choices[0].text == references[PROMPTS[3]]
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--tensor-parallel", "64"], "64: 1 devices visible"),
+                                             (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1")])
+def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
+    """``--tensor-parallel`` asks for devices that are not there: a clear error, no weights loaded."""
+    from models.serve import build_parser, make_engine
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
+    with pytest.raises(ValueError, match=fragment):
+        make_engine(build_parser().parse_args(flags))

@@ -71,7 +71,11 @@ def test_offloaded_decoding_on_a_mesh_matches_one_device():
     the same tokens and logits as one device, resident, with blocks read back from the
     sharded pinned host tier; dropping the block saves breaks it (the test can fail)."""
     rows = {r["case"]: r for r in _check(4, "--only", "offload", "--smollm2")}
-    assert len(rows) == 7, sorted(rows)
+    engine = {c: rows.pop(c) for c in list(rows) if c.startswith("engine/")}
+    assert len(rows) == 7 and len(engine) == 2, sorted(rows)
+    for r in engine.values():  # the serving engine over the mesh, resident and offloaded
+        assert r["completed"] and r["tokens_agree"], r
+    assert engine["engine/smollm2/quest/offload/data=1,model=2"]["blocks_loaded"] > 0
     for case, r in rows.items():
         assert r["host_memory"] == "pinned_host" and r["k_spec"] == "P('data', 'model')", r
         assert r["later_misses"] > 0, r  # blocks came back from the host after the first step
