@@ -187,22 +187,25 @@ class Driver:
         b, t, _ = x.shape
         lengths = jnp.full((b,), t, jnp.int32)
         captured = []
+        pcarry = self.method.init_prefill_carry(batch=b, num_kv_heads=self.cfg.num_kv_heads, length=t)
         for seg in self.plan.segments:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
             cos, sin = rope_cos_sin(jnp.arange(t), inv_freq(self.cfg, spec))
 
-            def body(x, data, spec=spec, m=m, cos=cos, sin=sin):
+            def body(carry, data, spec=spec, m=m, cos=cos, sin=sin):
+                x, pcarry = carry
                 layer = _layer_at(self.layer_graph, stacked, data["index"])
                 q, k, v = layer_qkv(layer, x, cos, sin)
-                o = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method, self.tp_axis)
+                o, pcarry = prompt_attention(m, spec, q, k, v, lengths, LayerCtx(spec, data), self.method,
+                                             self.tp_axis, pcarry)
                 out = layer_output(layer, x, o, self._reduce)
                 if drift:
                     xf, of = x.astype(jnp.float32), out.astype(jnp.float32)
                     rel = jnp.linalg.norm(of - xf, axis=-1) / jnp.maximum(jnp.linalg.norm(xf, axis=-1), 1e-30)
-                    return out, rel.mean()
-                return out, ((q, k) if capture else None)
+                    return (out, pcarry), rel.mean()
+                return (out, pcarry), ((q, k) if capture else None)
 
-            x, ys = scan_layers(body, x, self._xs(seg), seg.length, self.unroll)
+            (x, pcarry), ys = scan_layers(body, (x, pcarry), self._xs(seg), seg.length, self.unroll)
             captured.append(ys)
         return (x, captured) if capture or drift else x
 
@@ -236,35 +239,39 @@ class Driver:
         """Prefill right-padded ``x [B, T, H]`` into the empty ``cache``: returns ``x``
         (every position) and the cache."""
         layers = list(cache.layers)
+        pcarry = self.method.init_prefill_carry(batch=x.shape[0], num_kv_heads=self.cfg.num_kv_heads,
+                                                length=x.shape[1])
         for seg in self.plan.segments:
             spec, m = seg.spec, _method_for(self.method, seg.spec)
 
-            def body(x, data, lc, spec=spec, m=m):
-                x, kc, vc, q_last = self.prompt_layer(stacked, x, lengths, data, spec, lc.k.shape[2])
+            def body(carry, data, lc, spec=spec, m=m):
+                x, pcarry = carry
+                x, kc, vc, q_last, pcarry = self.prompt_layer(stacked, x, lengths, data, spec, lc.k.shape[2], pcarry)
                 kc, vc = kc.astype(lc.k.dtype), vc.astype(lc.v.dtype)
                 st = None if m is None else prompt_state(m, lc.state, kc, vc, q_last, lengths, LayerCtx(spec, data))
-                return x, LayerCache(kc, vc, st)
+                return (x, pcarry), LayerCache(kc, vc, st)
 
             entries = [layers[i] for i in seg.layers]
-            x, entries = self._run_segment(body, x, seg, entries, self.unroll)
+            (x, pcarry), entries = self._run_segment(body, (x, pcarry), seg, entries, self.unroll)
             for i, e in zip(seg.layers, entries):
                 layers[i] = e
         return x, KVCache(tuple(layers), lengths.astype(jnp.int32), cache.max_len)
 
-    def prompt_layer(self, stacked, x: jax.Array, lengths: jax.Array, data: dict, spec: LayerSpec, cap: int):
+    def prompt_layer(self, stacked, x: jax.Array, lengths: jax.Array, data: dict, spec: LayerSpec, cap: int,
+                     carry=None):
         """One layer over the prompt ``x [B, T, H]`` (the method's prefill hook where it
         runs, exact attention elsewhere): ``(x, k, v [B, Hkv, cap, D] as the layer's cache
-        holds them, q of each row's last prompt token [B, Hq, D])``. Shared by
-        :meth:`prefill` and the layer-by-layer prefill of :mod:`models.tiered`."""
+        holds them, q of each row's last prompt token [B, Hq, D], the prefill carry)``.
+        Shared by :meth:`prefill` and the layer-by-layer prefill of :mod:`models.tiered`."""
         from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
 
         layer = _layer_at(self.layer_graph, stacked, data["index"])
         cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
-        o = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
-                             self.method, self.tp_axis)
+        o, carry = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
+                                    self.method, self.tp_axis, carry)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
-        return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths)
+        return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths), carry
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
@@ -328,16 +335,18 @@ class Driver:
 
 
 def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, lengths, ctx: LayerCtx,
-                     model_method: AttentionMethod | None = None, head_axis: str | None = None):
-    """Causal attention over the prompt: Token Sparse Attention where the layer's spec
-    says so (``model_method``'s ``prefill``; ``head_axis``: the mesh axis splitting the
-    heads, for its count shared by every head), else the method's prefill hook, or
-    exact attention (with the layer's sliding window) where ``method`` is None."""
+                     model_method: AttentionMethod | None = None, head_axis: str | None = None, carry=None):
+    """Causal attention over the prompt, ``(out, carry)``: Token Sparse Attention where
+    the layer's spec says so (``model_method``'s ``prefill``; ``head_axis``: the mesh
+    axis splitting the heads, for its count shared by every head), else the method's
+    prefill hook (with the prefill ``carry`` that crosses layers), or exact attention
+    (with the layer's sliding window) where ``method`` is None; the carry passes
+    unchanged through layers the method does not run on."""
     if spec.sparse_prefill:
-        return (model_method or method).sparse_prefill().attention(q, k, v, lengths, head_axis=head_axis)
+        return (model_method or method).sparse_prefill().attention(q, k, v, lengths, head_axis=head_axis), carry
     if method is None:
-        return dense_prefill_attention(q, k, v, spec.window)
-    return method.prefill_attention(q, k, v, lengths, ctx)
+        return dense_prefill_attention(q, k, v, spec.window), carry
+    return method.prefill_attention_carry(q, k, v, lengths, ctx, carry)
 
 
 def prompt_state(method: AttentionMethod, state, k, v, q_last, lengths, ctx: LayerCtx):

@@ -283,14 +283,20 @@ class TieredRunner:
         if t >= max_len:
             raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
         params = self.model.params
-        cur = {"x": self._embed(params, tokens)}
+        cur = {"x": self._embed(params, tokens),
+               "carry": self.method.init_prefill_carry(batch=b, num_kv_heads=self.local_cfg.num_kv_heads, length=t)}
+        if cur["carry"] is not None and self.mesh is not None:
+            raise ValueError(f"{self.method.name}: a prefill carry across layers (Kascade's tiled prefill) is not "
+                             f"supported by the layer-by-layer prefill on a mesh yet")
 
         def kv_of_layer(i):
             if self.mesh is None:
                 fn = _prefill_layer_fn(self.driver, self.plan.specs[i], max_len)
+                cur["x"], k, v, q_last, cur["carry"] = fn(params["layers"], cur["x"], lengths, self.layer_data(i),
+                                                          cur["carry"])
             else:
                 fn = self._layout(b, max_len).prompt[i]
-            cur["x"], k, v, q_last = fn(params["layers"], cur["x"], lengths, self.layer_data(i))
+                cur["x"], k, v, q_last = fn(params["layers"], cur["x"], lengths, self.layer_data(i))
             return k, v, q_last
 
         state = self.state_from_kv(kv_of_layer, lengths, max_len)
@@ -446,11 +452,12 @@ def _decode_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
 
 @functools.lru_cache(maxsize=32)
 def _prefill_layer_fn(driver: Driver, spec, max_len: int):
-    """``(stacked params, x [B,T,H], lengths, data) -> (x, k, v [B,Hkv,S,D], q_last
-    [B,Hq,D])``: one layer of the prompt (the method's prefill hook on its layers,
-    dense elsewhere; cuDNN on GPU) and its K/V as the cache holds them."""
-    return jax.jit(lambda stacked, x, lengths, data: driver.prompt_layer(stacked, x, lengths, data, spec,
-                                                                         spec.capacity(max_len)))
+    """``(stacked params, x [B,T,H], lengths, data, carry) -> (x, k, v [B,Hkv,S,D], q_last
+    [B,Hq,D], carry)``: one layer of the prompt (the method's prefill hook on its layers,
+    dense elsewhere; cuDNN on GPU), its K/V as the cache holds them, and the prefill
+    carry the next layer reads."""
+    return jax.jit(lambda stacked, x, lengths, data, carry: driver.prompt_layer(stacked, x, lengths, data, spec,
+                                                                                spec.capacity(max_len), carry))
 
 
 @functools.lru_cache(maxsize=32)
@@ -579,4 +586,4 @@ class _MeshLayout:
 
 
 def _prompt_layer(driver: Driver, spec, cap: int, stacked, x, lengths, data):
-    return driver.prompt_layer(stacked, x, lengths, data, spec, cap)
+    return driver.prompt_layer(stacked, x, lengths, data, spec, cap)[:4]

@@ -112,10 +112,11 @@ def tiny_cases(meshes):
                           logit_scale=float(np.max(np.abs(want))), tokens_agree=bool((want.argmax(-1) == got.argmax(-1)).all()),
                           k_spec="no cache", devices=len(fs.mesh.devices.flat))), flush=True)
     # Kascade reads other heads' selections (its head map): data replicas only
-    m = get_method("kascade", budget=64, anchors=(0, 1))
-    ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
-    got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(2, 1))
-    report("tiny-kv8/kascade/data=2,model=1", ref, got, got[2])
+    for name, opts in (("kascade", {}), ("kascade+tiled_prefill", dict(tiled_prefill=True, prefill_tile=16))):
+        m = get_method("kascade", budget=64, anchors=(0, 1), **opts)
+        ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
+        got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(2, 1))
+        report(f"tiny-kv8/{name}/data=2,model=1", ref, got, got[2])
 
 
 OFFLOAD_STEPS = 12

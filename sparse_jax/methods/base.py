@@ -37,6 +37,11 @@ hook                     called
                          state (a pytree, or ``None``)
 ``prefill_attention``    prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
                          tokens, cache empty before), causal -> ``[B,T,Hq,D]``
+``init_prefill_carry``   once per prefill: the pytree that crosses layers during
+                         the prompt (Kascade's tiled prefill: the last anchor's
+                         per-tile selection), or None
+``prefill_attention_carry``  ``prefill_attention`` with that carry -> ``(out,
+                         carry)`` (default: ``prefill_attention``, carry unchanged)
 ``prefill_state``        after the prefill wrote K/V: state from the whole
                          layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
 ``prefill_query_state``  after ``prefill_state``: the query of each row's last
@@ -204,6 +209,14 @@ class AttentionMethod:
     def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                           layer: LayerCtx) -> jax.Array:
         return dense_prefill_attention(q, k, v)
+
+    def init_prefill_carry(self, *, batch: int, num_kv_heads: int, length: int) -> Any:
+        """The carry that crosses layers during a prefill of ``length`` (padded) tokens."""
+        return None
+
+    def prefill_attention_carry(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                                layer: LayerCtx, carry: Any) -> tuple[jax.Array, Any]:
+        return self.prefill_attention(q, k, v, lengths, layer), carry
 
     def select(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
                layer: LayerCtx) -> tuple[Selection, Any, Any]:

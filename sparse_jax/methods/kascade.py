@@ -98,6 +98,9 @@ class Kascade(AttentionMethod):
       anchor_options: ``((field, value), ...)`` for the anchor selector.
       calibration_root: where calibrations live (default: the package's).
       impl: kernel implementation ("auto", "pallas", "reference").
+      tiled_prefill: Kascade's tile-sparse prefill (module :mod:`sparse_jax.kascade_prefill`;
+        the 10% rule less one tile per tile, or ``budget`` keys per tile when fixed).
+      prefill_tile: queries per prefill tile (32, as the code; the paper says 128).
     """
 
     crosses_kv_heads: ClassVar[bool] = True  # reuse head h reads the anchor head head_map[h]
@@ -117,6 +120,11 @@ class Kascade(AttentionMethod):
     calibration_root: str | None = None
     impl: str = "auto"
     dense_layers: tuple[int, ...] = ()
+    #: the paper's tile-sparse prefill (:mod:`sparse_jax.kascade_prefill`): anchors take a
+    #: top-k per tile of ``prefill_tile`` queries, reuse layers attend it plus their
+    #: diagonal tile. Off by default: dense prefill, Kascade in decode only
+    tiled_prefill: bool = False
+    prefill_tile: int = 32
     #: the anchor selector bound to the model (``for_model``), filled in
     selector: Any = dataclasses.field(default=None, repr=False)
 
@@ -166,6 +174,8 @@ class Kascade(AttentionMethod):
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
         if self.budget < 0 or self.min_budget < 1 or not 0 < self.budget_fraction <= 1:
             raise ValueError("kascade: budget must be >= 0, min_budget >= 1 and 0 < budget_fraction <= 1")
+        if self.prefill_tile < 1:
+            raise ValueError(f"kascade: prefill_tile must be >= 1, got {self.prefill_tile}")
         if self.anchors is None:
             raise ValueError("kascade needs its anchors: load the model with models.load_model(..., "
                              "attention='kascade') (reads the calibration) or pass anchors=(...)")
@@ -226,6 +236,41 @@ class Kascade(AttentionMethod):
         if sel is not None and getattr(sel, "lag", False):
             carry["prefetch"] = jnp.zeros((batch, num_kv_heads, sel.offload_blocks_per_step(max_len)), jnp.int32)
         return carry
+
+    # -- the tiled prefill --------------------------------------------------------------
+    def _prefill_args(self) -> dict:
+        return dict(tile=self.prefill_tile, budget=self.fixed_budget, fraction=self.budget_fraction,
+                    min_keys=self.min_budget)
+
+    def init_prefill_carry(self, *, batch, num_kv_heads, length):
+        if not self.tiled_prefill:
+            return None
+        from sparse_jax import kascade_prefill as kp
+
+        return kp.empty_carry(batch, num_kv_heads, length, **self._prefill_args())
+
+    def prefill_attention_carry(self, q, k, v, lengths, layer, carry):
+        if not self.tiled_prefill:
+            return super().prefill_attention_carry(q, k, v, lengths, layer, carry)
+        from sparse_jax import kascade_prefill as kp
+
+        args, tile = self._prefill_args(), self.prefill_tile
+
+        def dense(_):
+            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection(q, k, lengths, **args)
+
+        def anchor(_):
+            sel = kp.anchor_selection(q, k, lengths, **args)
+            return kp.tiled_attention(q, k, v, sel["indices"], sel["counts"], tile), sel
+
+        def reuse(_):
+            idx = kp.reused(carry, layer.data.get("head_map"))
+            return kp.tiled_attention(q, k, v, idx, carry["counts"], tile), carry
+
+        role = layer.data["role"]
+        if _is_static(role):
+            return (dense, anchor, reuse)[int(role)](None)
+        return jax.lax.switch(role, (dense, anchor, reuse), None)
 
     # -- state: the selector's, on every sparse layer (a scanned segment stacks
     #    identical states); plus whether the first decode step is still to come

