@@ -122,6 +122,9 @@ def test_options_and_errors():
     assert m.tiled_prefill and m.prefill_tile == 16
     with pytest.raises(ValueError, match="prefill_tile"):
         Kascade(anchors=(0,), prefill_tile=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
+    with pytest.raises(ValueError, match="both sparsify the prompt"):
+        Kascade(anchors=(0,), tiled_prefill=True, prefill="token_sparse").check(
+            num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
     assert Kascade(anchors=(0,)).init_prefill_carry(batch=1, num_kv_heads=2, length=64) is None
     carry = Kascade(anchors=(0,), tiled_prefill=True).init_prefill_carry(batch=3, num_kv_heads=2, length=100)
     # width: min(max(128, 10), 100) - 32 = 68 keys; 4 tiles of 32 over 100 tokens

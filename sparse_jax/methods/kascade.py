@@ -176,6 +176,11 @@ class Kascade(AttentionMethod):
             raise ValueError("kascade: budget must be >= 0, min_budget >= 1 and 0 < budget_fraction <= 1")
         if self.prefill_tile < 1:
             raise ValueError(f"kascade: prefill_tile must be >= 1, got {self.prefill_tile}")
+        if self.tiled_prefill and self.prefill != "dense":
+            # a Token Sparse layer runs its own prompt attention: an anchor there would leave
+            # no selection for the reuse layers after it
+            raise ValueError(f"kascade: tiled_prefill and prefill={self.prefill!r} both sparsify the prompt; "
+                             f"choose one (their composition is not built)")
         if self.anchors is None:
             raise ValueError("kascade needs its anchors: load the model with models.load_model(..., "
                              "attention='kascade') (reads the calibration) or pass anchors=(...)")
