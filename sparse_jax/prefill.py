@@ -26,9 +26,10 @@ window and the ``P = L - W`` before them as the prefix:
    order), then **scatter** back: zero output at dropped positions.
 
 TSA applies to a row only when ``L > min_tokens + W`` and ``tau > 0``; shorter
-rows get exact causal attention. This module computes the result with masks over
-the full sequence (the reference: exact semantics, no speed-up); the fast path
-gathers each head's kept tokens and runs cuDNN on the shorter sequences.
+rows get exact causal attention. Step 5 runs compressed by default (each head's
+kept tokens gathered, causal attention over the shorter sequence: cuDNN with the
+row's kept count as its length on the GPU, scattered back); ``impl="masked"`` is the
+reference with masks over the full sequence (exact semantics, no speed-up).
 
 Which layers: the paper's drift profile picks them per model (layers whose
 relative update ``|h_out - h_in| / |h_in|`` is at or below the median); until a
@@ -97,7 +98,9 @@ class TokenSparsePrefill:
         profile when ``load_model`` binds the method (``sparse_jax/calibration_data/
         <model>/token_sparse.json``), else the second half of the layers (the
         paper's default without a profile).
-      block: query-block size of the reference attention (memory, not results).
+      block: query-block size of the masked reference attention (memory, not results).
+      impl: "compressed" (default: each head's kept tokens gathered, causal attention
+        over the shorter sequence, scattered back) or "masked" (the reference).
     """
 
     tau: float = 0.005
@@ -106,6 +109,7 @@ class TokenSparsePrefill:
     pool: int = 7
     layers: tuple[int, ...] | None = None
     block: int = 512
+    impl: str = "compressed"
 
     def __post_init__(self):
         if not (self.tau >= 0):
@@ -114,6 +118,8 @@ class TokenSparsePrefill:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"token_sparse: {name} must be a positive int, got {v!r}")
+        if self.impl not in ("compressed", "masked"):
+            raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {self.impl!r}")
         if self.pool % 2 == 0:
             raise ValueError(f"token_sparse: pool must be odd (centred), got {self.pool}")
         if self.layers is not None:
@@ -130,7 +136,8 @@ class TokenSparsePrefill:
 
     def attention(self, q, k, v, lengths, head_axis: str | None = None):
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
-                                      window=self.window, pool=self.pool, block=self.block, head_axis=head_axis)
+                                      window=self.window, pool=self.pool, block=self.block, head_axis=head_axis,
+                                      impl=self.impl)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -242,13 +249,62 @@ def masked_causal_attention(q, k, v, kept, block: int = 512):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def compress(x, order):
+    """Each head's kept tokens first, in their original order: ``x [B,T,H,D]`` (``H``
+    the query heads, or a KV head per query head) gathered by ``order [B,Hq,T]`` ->
+    ``[B,T,Hq,D]``."""
+    hq = order.shape[1]
+    if x.shape[2] != hq:
+        x = jnp.repeat(x, hq // x.shape[2], axis=2)
+    return jnp.take_along_axis(x, order.transpose(0, 2, 1)[..., None], axis=1)
+
+
+def decompress(o, order, counts):
+    """The inverse of :func:`compress` for the first ``counts[b]`` compressed positions:
+    ``o [B,T,Hq,D]`` scattered back to the original positions, zero elsewhere."""
+    b, t, hq, d = o.shape
+    pos = jnp.where(jnp.arange(t)[None, None, :] < counts[:, None, None], order, t)  # [B, Hq, T]; t: dropped
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(hq)[None, :, None]
+    out = jnp.zeros((b, t + 1, hq, d), o.dtype)  # one spare row takes the dropped writes
+    return out.at[rows, pos, heads].set(o.transpose(0, 2, 1, 3))[:, :t]
+
+
+def compressed_causal_attention(q, k, v, kept):
+    """Step 5, compressed: each query head's kept tokens gathered into a shorter
+    sequence (original order, so causal stays causal), causal attention over it (cuDNN
+    on the GPU, with the row's kept count as its sequence length so the work scales
+    with the kept tokens; the blockwise flash attention on CPU), scattered back. The
+    same result as :func:`masked_causal_attention`: a compressed query attends exactly
+    the kept keys before it. ``kept [B,Hq,T]`` must keep the same number of tokens in
+    every head of a row (TSA's count is per row)."""
+    from sparse_jax.methods.base import dense_prefill_attention
+    from sparse_jax.ops._dispatch import on_gpu
+
+    b, t, hq, d = q.shape
+    counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
+    order = jnp.argsort(~kept, axis=-1, stable=True).astype(jnp.int32)  # kept first, ascending
+    qc, kc, vc = compress(q, order), compress(k, order), compress(v, order)
+    if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
+        oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,
+                                          key_value_seq_lengths=counts, implementation="cudnn")
+    else:
+        oc = dense_prefill_attention(qc, kc, vc)
+    return decompress(oc.astype(q.dtype), order, counts)
+
+
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
-                           head_axis=None):
+                           head_axis=None, impl: str = "compressed"):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
-    ``head_axis``: see :func:`keep_counts`."""
+    ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
+    scatter) or "masked" (the reference: masks over the whole prompt)."""
+    if impl not in ("compressed", "masked"):
+        raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
     scores = smooth(window_scores(q, k, lengths, window), pool)
     keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
     kept = kept_tokens(scores, keep, lengths, window)
-    return masked_causal_attention(q, k, v, kept, block)
+    if impl == "masked":
+        return masked_causal_attention(q, k, v, kept, block)
+    return compressed_causal_attention(q, k, v, kept)

@@ -89,8 +89,8 @@ def np_compressed_attention(q, k, v, lengths, scores, keep, w):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_each_step_against_numpy(seed):
+@pytest.mark.parametrize("seed, impl", [(0, "compressed"), (1, "compressed"), (0, "masked")])
+def test_each_step_against_numpy(seed, impl):
     q, k, v = _data(seed)
     lengths = np.asarray([150, 131])
     w, pool, tau, mt = 16, 7, 0.2, 20
@@ -103,12 +103,35 @@ def test_each_step_against_numpy(seed):
     np.testing.assert_array_equal(keep, np_keep(sm, lengths, tau, mt, w))
     assert (keep < lengths - w).all() and (keep >= mt).all()  # it drops, within the floor
     out = np.asarray(tsa.token_sparse_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                                                tau=tau, min_tokens=mt, window=w, pool=pool, block=64))
+                                                tau=tau, min_tokens=mt, window=w, pool=pool, block=64, impl=impl))
     want = np_compressed_attention(q, k, v, lengths, sm, keep, w)
     for r, n in enumerate(lengths):
         np.testing.assert_allclose(out[r, :n], want[r, :n], rtol=1e-4, atol=2e-5)
     dropped = (np.abs(out[0, :150]).sum(-1) == 0).mean()
     assert 0.05 < dropped < 0.9, dropped  # zero rows where dropped
+
+
+def test_compress_decompress_round_trip():
+    """Each head's kept tokens gathered in order and scattered back: exact, zeros at
+    the dropped positions; compressed attention equals the masked reference."""
+    q, k, v = _data(4)
+    rng = np.random.default_rng(5)
+    b, t, hq, _ = q.shape
+    kept = np.zeros((b, hq, t), bool)
+    for r, n in enumerate([97, 140]):
+        for h in range(hq):
+            kept[r, h, rng.choice(t, n, replace=False)] = True  # the same count in every head of a row
+    order = jnp.argsort(~jnp.asarray(kept), axis=-1, stable=True).astype(jnp.int32)
+    counts = jnp.asarray(kept[:, 0].sum(-1), jnp.int32)
+    c = tsa.compress(jnp.asarray(q), order)
+    for r in range(b):
+        for h in range(hq):
+            np.testing.assert_array_equal(np.asarray(c)[r, : int(counts[r]), h], q[r, np.nonzero(kept[r, h])[0], h])
+    back = np.asarray(tsa.decompress(c, order, counts))
+    np.testing.assert_array_equal(back, np.where(kept.transpose(0, 2, 1)[..., None], q, 0.0))
+    got = tsa.compressed_causal_attention(*(jnp.asarray(a) for a in (q, k, v)), jnp.asarray(kept))
+    want = tsa.masked_causal_attention(*(jnp.asarray(a) for a in (q, k, v)), jnp.asarray(kept), 64)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
 def test_exact_where_it_does_not_apply():
