@@ -1,0 +1,28 @@
+"""benchmarks.prefill_bench on CPU (a smoke run: rows, files, the numerics cross-check)."""
+
+import json
+
+import pytest
+
+from benchmarks import prefill_bench
+
+
+def test_prefill_bench_tiny(tmp_path):
+    rc = prefill_bench.main(["--contexts", "256", "--fractions", "1.0,0.25", "--heads", "4,2", "--head-dim", "16",
+                             "--window", "16", "--dtype", "float32", "--runs", "1", "--out", str(tmp_path),
+                             "--name", "pb"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "pb.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["dense (cuDNN causal)", "tsa scoring (steps 1-4)",
+                                         "tsa attend, 1 of the prefix", "tsa attend, 0.25 of the prefix"]
+    kept = [r["kept"] for r in rows[2:]]
+    assert kept[0] == 1.0 and 0.25 < kept[1] < 0.35  # a quarter of the prefix + the 16-token window
+    assert all(r["max_abs_err"] < 1e-5 for r in rows[2:])  # compressed == masked reference
+    assert "| dense (cuDNN causal) |" in (tmp_path / "pb.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--contexts", "8"], ["--fractions", "0"], ["--heads", "5,2"], ["--contexts", "x"]])
+def test_prefill_bench_bad_arguments(argv):
+    with pytest.raises(SystemExit) as e:
+        prefill_bench.main(argv)
+    assert e.value.code == 2
