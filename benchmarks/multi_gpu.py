@@ -130,6 +130,23 @@ def fill_function(cfg, method, mesh, *, batch: int, max_len: int, context: int, 
     return lambda cache, key: state_fn(kv_fn(cache, key))
 
 
+def timed_rounds(step, tok, *, steps: int, rounds: int, warmup: int = 2) -> list[float]:
+    """ms per decode step of each of ``rounds`` rounds of ``steps`` back-to-back steps
+    (``step(tok) -> tok``, the greedy token kept on the device; one sync per round),
+    after ``warmup`` steps."""
+    for _ in range(warmup):
+        tok = step(tok)
+    jax.block_until_ready(tok)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = step(tok)
+        jax.block_until_ready(tok)
+        times.append((time.perf_counter() - t) / steps * 1e3)
+    return times
+
+
 def run_config(model, method, *, devices: int, data: int, batch: int, context: int, steps: int, rounds: int,
                plain: bool, log=print):
     """One configuration: time per decode step (median over rounds) and the first step's logits."""
@@ -160,18 +177,14 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
     first = np.asarray(logits, np.float32)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        logits, cache = fns.decode_step(params, tok, cache)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    jax.block_until_ready(tok)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            logits, cache = fns.decode_step(params, tok, cache)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        jax.block_until_ready(tok)
-        times.append((time.perf_counter() - t) / steps * 1e3)
+    held = {"cache": cache}  # the step donates the cache: each step's output replaces it
+    del cache
+
+    def step(tok):
+        logits, held["cache"] = fns.decode_step(params, tok, held["cache"])
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+
+    times = timed_rounds(step, tok, steps=steps, rounds=rounds)
     ms = statistics.median(times)
     tp = devices // data
     row = dict(context=context, method=method.name, gpus=devices, layout=("1 GPU" if plain else
@@ -181,7 +194,7 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
     floor = row["floor_ms"]
     log(f"  {row['layout']:<18} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
         f"floor {floor:.2f} ms  (compile+fill {compile_s:.0f} s)", flush=True)
-    del cache, params, fns
+    del held, params, fns
     gc.collect()
     return row, first
 
@@ -219,16 +232,8 @@ def run_offload_config(model, method, *, devices: int, batch: int, context: int,
     first = np.asarray(logits, np.float32)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        tok = jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32)
-    jax.block_until_ready(tok)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            tok = jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32)
-        jax.block_until_ready(tok)
-        times.append((time.perf_counter() - t) / steps * 1e3)
+    times = timed_rounds(lambda tok: jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32), tok,
+                         steps=steps, rounds=rounds)
     runner.finish(state)
     stats = runner.transfer_stats(state)
     ms = statistics.median(times)

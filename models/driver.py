@@ -79,6 +79,13 @@ def segment_data(method: AttentionMethod, seg: Segment) -> dict[str, np.ndarray]
     return out
 
 
+def per_kv_head(key: str, value, num_kv_heads: int, axis: int) -> bool:
+    """Whether a layer-data entry is per KV head (its ``axis``, 0 for one layer's row, 1
+    for a segment's stacked rows, has one entry per KV head; Double Sparsity's channels):
+    tensor parallelism cuts such entries to each device's heads."""
+    return key != "index" and value.ndim > axis and value.shape[axis] == num_kv_heads
+
+
 def scan_layers(body: Callable, carry: Any, xs: Any, length: int, unroll: bool):
     """``lax.scan(body, carry, xs)``, or the same loop unrolled in Python (static
     indices; ``ys`` stacked) when ``unroll``."""
@@ -171,7 +178,7 @@ class Driver:
         first = 0 if self.tp_axis is None else jax.lax.axis_index(self.tp_axis) * n
         out = {}
         for key, v in data.items():
-            if key != "index" and v.ndim >= 2 and v.shape[1] == n * self.tp_size:
+            if per_kv_head(key, v, n * self.tp_size, axis=1):
                 v = jax.lax.dynamic_slice_in_dim(jnp.asarray(v), first, n, axis=1)
             out[key] = v
         return out

@@ -293,12 +293,13 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-@functools.lru_cache(maxsize=16)
-def _programs(graphdef, cfg, method, unroll: bool):
-    """The engine's jitted programs for one model structure and method."""
+def _engine_programs(decode):
+    """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
+    cache)``: the step (decode, free slots held back, sampling; cache donated), the
+    slot insertion and the sampling alone."""
 
     def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
-        logits, new = tfm.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll)
+        logits, new = decode(params, tokens, cache)
         # free slots do not advance: they never run past their capacity
         new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
         return sample_rows(logits, seeds, counters, temperature, top_p), new
@@ -307,17 +308,18 @@ def _programs(graphdef, cfg, method, unroll: bool):
 
 
 @functools.lru_cache(maxsize=16)
+def _programs(graphdef, cfg, method, unroll: bool):
+    """The engine's jitted programs for one model structure and method."""
+    return _engine_programs(lambda params, tokens, cache: tfm.decode_step(
+        nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll))
+
+
+@functools.lru_cache(maxsize=16)
 def _sharded_programs(decode):
-    """:func:`_programs` for a model on a mesh (:class:`models.sharding.ShardedModel`): its
-    own sharded decode step (one ``shard_map``) inside the engine's step; the insertion and
-    the sampling are plain jits over the mesh-laid arrays."""
-
-    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
-        logits, new = decode(params, tokens, cache)
-        new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
-        return sample_rows(logits, seeds, counters, temperature, top_p), new
-
-    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
+    """:func:`_programs` for a model on a mesh (:class:`models.sharding.ShardedModel`):
+    its own sharded decode step (one ``shard_map``); the insertion and the sampling are
+    plain jits over the mesh-laid arrays."""
+    return _engine_programs(decode)
 
 
 def check_engine_mesh(model) -> None:

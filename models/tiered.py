@@ -45,7 +45,7 @@ from flax import nnx
 
 from models import transformer as tfm
 from models.api import round_up
-from models.driver import Driver, make_plan, prompt_state
+from models.driver import Driver, make_plan, per_kv_head, prompt_state
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods.base import DenseAttention, LayerCtx
 from sparse_jax.offload import capacity
@@ -440,7 +440,13 @@ def _decode_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
     """``(params, tokens int32[B], cache, host) -> (logits f32[B, V], cache)``: one
     whole decode step, the cache donated, the host tiers read in place."""
 
-    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=compiler_options(concurrent))
+    return jax.jit(_decode_body(graphdef, driver, gather_programs), donate_argnums=(2,),
+                   compiler_options=compiler_options(concurrent))
+
+
+def _decode_body(graphdef, driver: Driver, gather_programs):
+    """:func:`_decode_fn`'s step, not jitted (a mesh layout wraps it in its ``shard_map``)."""
+
     def run(params, tokens, cache, host):
         model = nnx.merge(graphdef, params)
         x, cache = driver.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache, host,
@@ -544,8 +550,7 @@ class _MeshLayout:
         for i, spec in enumerate(runner.plan.specs):
             data = runner.layer_data(i)
             # per-KV-head layer constants (Double Sparsity's channels: [Hkv, r]) split with the heads
-            dspecs = {k: per_head if k != "index" and v.ndim >= 1 and v.shape[0] == cfg.num_kv_heads else P()
-                      for k, v in data.items()}
+            dspecs = {k: per_head if per_kv_head(k, v, cfg.num_kv_heads, axis=0) else P() for k, v in data.items()}
             key = (spec, runner.offloaded[i], tuple((k, dspecs[k], v.shape, str(v.dtype)) for k, v in data.items()))
             if key in built:
                 for lst, item in zip((entry_specs, host_specs, self.finish, self.prompt), built[key]):
@@ -572,14 +577,7 @@ class _MeshLayout:
             built[key] = (entry_specs[-1], host_specs[-1], self.finish[-1], self.prompt[-1])
 
         cache_specs = KVCache(tuple(entry_specs), rows, max_len)
-        graphdef, driver, programs = runner._local_graphdef, runner.driver, runner.gather_programs
-
-        def step(params, tokens, cache, host):
-            model = nnx.merge(graphdef, params)
-            x, cache = driver.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache, host,
-                                     gather_programs=programs)
-            return model.logits(x), cache
-
+        step = _decode_body(runner._local_graphdef, runner.driver, runner.gather_programs)
         self.decode = jax.jit(smap(step, (runner._param_specs, rows, cache_specs, tuple(host_specs)),
                                    (P(shd.DATA, None), cache_specs)),
                               donate_argnums=(2,), compiler_options=compiler_options(runner._conc))

@@ -14,7 +14,8 @@ code supports 32). On an **anchor** layer every tile gets its own top-k keys:
 
 Each query then attends its tile's top-k keys plus the keys of its own tile up to
 itself (the diagonal tile, causal). An anchor renormalises its exact probabilities
-over that set (the same as a softmax over it); the **dense anchor** (the first, the
+over that set (the same as a softmax over it, from probabilities it computes once);
+the **dense anchor** (the first, the
 paper's layer 0) attends everything and only computes the top-k. A **reuse** layer's
 KV head ``h`` attends the top-k of the anchor head ``head_map[h]`` plus its diagonal
 tile. The anchors' selection crosses layers as the prefill carry
@@ -30,6 +31,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sparse_jax.prefill import _group  # k [B, T, Hkv, D] -> [B, Hq, T, D]
 
 NEG = -1e30
 
@@ -60,15 +63,10 @@ def tile_counts(lengths: jax.Array, t: int, tile: int, *, budget: int, fraction:
     return jnp.minimum(jnp.minimum(row_k, rolling), start).astype(jnp.int32)
 
 
-def _grouped(k, hq):
-    """``k [B, T, Hkv, D]`` -> ``[B, Hq, T, D]``."""
-    return jnp.repeat(k.transpose(0, 2, 1, 3), hq // k.shape[2], axis=1)
-
-
 def causal_probabilities(q, k, lengths):
     """Exact causal softmax ``f32[B, Hq, T, T]`` (keys ``j <= i`` and ``j < L``)."""
     b, t, hq, d = q.shape
-    s = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), _grouped(k, hq).astype(jnp.float32)) * (d ** -0.5)
+    s = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), _group(k, hq).astype(jnp.float32)) * (d ** -0.5)
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
     return jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)
@@ -109,20 +107,39 @@ def masked_attention(q, k, v, mask):
     """``[B, T, Hq, D]``: each query's softmax over the keys ``mask [B, Hkv, T, T]`` allows."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
-    s = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), _grouped(k, hq).astype(jnp.float32)) * (d ** -0.5)
+    s = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), _group(k, hq).astype(jnp.float32)) * (d ** -0.5)
     m = jnp.repeat(mask, hq // hkv, axis=1)
     p = jax.nn.softmax(jnp.where(m, s, NEG), axis=-1)
-    o = jnp.einsum("bhts,bhsd->bthd", p, _grouped(v, hq).astype(jnp.float32))
+    o = jnp.einsum("bhts,bhsd->bthd", p, _group(v, hq).astype(jnp.float32))
     return o.astype(q.dtype)
 
 
-def anchor_selection(q, k, lengths, *, tile: int, budget: int, fraction: float, min_keys: int):
-    """An anchor's per-tile top-k: ``{"indices": int32[B, Hkv, nt, K], "counts": int32[B, nt]}``."""
-    t = q.shape[1]
+def _select(p, lengths, num_kv_heads: int, *, tile: int, budget: int, fraction: float, min_keys: int) -> dict:
+    t = p.shape[-1]
     width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
-    scores = tile_scores(causal_probabilities(q, k, lengths), lengths, tile, k.shape[2])
+    scores = tile_scores(p, lengths, tile, num_kv_heads)
     return {"indices": tile_topk(scores, width),  # width <= t (tile_width)
             "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
+
+
+def anchor_selection(q, k, lengths, **args):
+    """An anchor's per-tile top-k: ``{"indices": int32[B, Hkv, nt, K], "counts": int32[B, nt]}``
+    (``args``: ``tile, budget, fraction, min_keys``)."""
+    return _select(causal_probabilities(q, k, lengths), lengths, k.shape[2], **args)
+
+
+def anchor_attention(q, k, v, lengths, **args):
+    """An anchor layer: ``(out [B, T, Hq, D], its selection)``. The exact probabilities are
+    computed once: they give the selection, and renormalised over it (each tile's top-k
+    plus the diagonal tile) the output."""
+    hq, hkv = q.shape[2], k.shape[2]
+    p = causal_probabilities(q, k, lengths)
+    sel = _select(p, lengths, hkv, **args)
+    mask = jnp.repeat(selection_mask(sel["indices"], sel["counts"], q.shape[1], args["tile"]), hq // hkv, axis=1)
+    kept = jnp.where(mask, p, 0.0)
+    kept = kept / jnp.maximum(kept.sum(-1, keepdims=True), 1e-30)  # the query itself is always kept
+    o = jnp.einsum("bhts,bhsd->bthd", kept, _group(v, hq).astype(jnp.float32))
+    return o.astype(q.dtype), sel
 
 
 def reused(carry, head_map):

@@ -150,3 +150,15 @@ def test_tiled_prefill_runs_from_the_cli(capsys):
     assert rc == 0
     text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
     assert text == tok.decode(f["greedy_ids"][:3].tolist())
+
+
+def test_anchor_renormalises_its_probabilities_over_its_selection():
+    """An anchor's output (its exact probabilities, computed once, renormalised over each
+    tile's top-k and the diagonal tile) equals a softmax over the same keys."""
+    q, k, v, lengths = (jnp.asarray(a) for a in _data(6))
+    args = dict(tile=16, budget=0, fraction=0.1, min_keys=40)  # 40 - 16 = 24 keys per tile
+    out, sel = kp.anchor_attention(q, k, v, lengths, **args)
+    want = kp.tiled_attention(q, k, v, sel["indices"], sel["counts"], 16)
+    for r, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(out)[r, :n], np.asarray(want)[r, :n], atol=2e-5, rtol=0)
+    assert int(sel["counts"].max()) > 0  # it selects

@@ -265,8 +265,7 @@ class Kascade(AttentionMethod):
             return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection(q, k, lengths, **args)
 
         def anchor(_):
-            sel = kp.anchor_selection(q, k, lengths, **args)
-            return kp.tiled_attention(q, k, v, sel["indices"], sel["counts"], tile), sel
+            return kp.anchor_attention(q, k, v, lengths, **args)
 
         def reuse(_):
             idx = kp.reused(carry, layer.data.get("head_map"))
