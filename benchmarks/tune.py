@@ -26,7 +26,6 @@ from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decod
 from sparse_jax.ops.scoring import build_label_cache, label_scores, quest_block_scores
 from sparse_jax.ops.selection import topk_indices
 
-HQ, HKV, D = 32, 8, 128
 DEADLINE = float("inf")
 
 
@@ -89,68 +88,127 @@ def topk_candidates(n: int, k: int) -> list[dict]:
     return out
 
 
+# (B, S, Hq, Hkv, D): the decode shape classes the table covers. Qwen3-8B heads at
+# batch 1 / 8 / 32 (the issue's grid), Gemma 3 270M's global layers (MQA, D=256)
+# and SmolLM2's (9/3 heads, D=64).
+SHAPES = [(1, 131072, 32, 8, 128), (8, 131072, 32, 8, 128), (32, 32768, 32, 8, 128),
+          (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64)]
+BUDGETS = (1024, 2048)
+
+
+def split_candidates(rows: int, work_tiles: int) -> list:
+    """``num_splits`` to try: the default (None) and enough for ~1, 2, 4 and 8 waves
+    of programs on 132 SMs, never more than the tiles."""
+    out = [None]
+    for programs in (132, 264, 528, 1056):
+        ns = min(work_tiles, max(1, -(-programs // rows)))
+        if ns not in out:
+            out.append(ns)
+    return out
+
+
+def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **kw):
+    """Sweep ``first``, then ``second`` (dicts merged into the best of the first)."""
+    best = sweep(name, fn, args, ref, first, nbytes, runs, rows, shape, **kw)
+    if best is None or not second:
+        return best
+    more = [{**best[0], **extra} for extra in second]
+    best2 = sweep(name, fn, args, ref, more, nbytes, runs, rows, shape, **kw)
+    return best if best2 is None or best[1] <= best2[1] else best2
+
+
 def main(argv=None):
+    from pallas_kernels.tuning import TABLE_PATH, shape_class
+
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--only", default="", help="comma list: sparse,block,quest,labels,topk")
+    p.add_argument("--shapes", default="", help="indices into SHAPES (default all), e.g. 0,1")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
+    p.add_argument("--table", type=Path, default=None,
+                   help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
+                        "an existing file, so a sweep split over several calls builds one table")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks.tune needs a GPU")
     global DEADLINE
     DEADLINE = time.time() + args.budget_s
     only = set(filter(None, args.only.split(",")))
-    rows, best = [], {}
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    rows, best, classes = [], {}, {}
     key = jax.random.key(0)
-    for b, s in ((8, 131072), (1, 32768)):
-        kq, kk, kv = jax.random.split(jax.random.fold_in(key, b), 3)
-        q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
-        k = jax.random.normal(kk, (b, HKV, s, D), jnp.bfloat16)
-        v = jax.random.normal(kv, (b, HKV, s, D), jnp.bfloat16)
+    for b, s, hq, hkv, d in shapes:
+        kq, kk, kv = jax.random.split(jax.random.fold_in(key, b * 1000 + d), 3)
+        q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
+        k = jax.random.normal(kk, (b, hkv, s, d), jnp.bfloat16)
+        v = jax.random.normal(kv, (b, hkv, s, d), jnp.bfloat16)
         lengths = jnp.full((b,), s, jnp.int32)
-        K = 2048
-        shape = f"B={b} S={s} K={K}"
-        idx = jax.random.randint(jax.random.key(1), (b, HKV, K), 0, s, jnp.int32)
-        counts = jnp.full((b, HKV), K, jnp.int32)
-        nbytes = 2 * b * HKV * K * D * 2
-        if not only or "sparse" in only:
-            ref = sparse_decode_attention(q, k, v, idx, counts, impl="reference")
-            cfgs = [dict(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st)
-                    for bk, ns, nw, st in itertools.product((32, 64, 128), (None, 8, 16), (4,), (2,))] + [dict(block_k=64, num_warps=8), dict(block_k=64, num_stages=3)]
-            best[("sparse", shape)] = sweep("sparse_decode_attention",
-                                            lambda *a, **c: sparse_decode_attention(*a, impl="pallas", **c),
-                                            (q, k, v, idx, counts), ref, cfgs, nbytes, args.runs, rows, shape)
-        if not only or "block" in only:
-            bidx = jax.random.randint(jax.random.key(2), (b, HKV, K // 64), 0, s // 64, jnp.int32)
-            bc = jnp.full((b, HKV), K // 64, jnp.int32)
-            ref = block_sparse_decode_attention(q, k, v, bidx, bc, lengths, block_size=64, impl="reference")
-            cfgs = [dict(block_k=bk, num_splits=ns, num_warps=nw, num_stages=st)
-                    for bk, ns, nw, st in itertools.product((64, 128), (None, 8, 16), (4,), (2,))] + [dict(block_k=64, num_warps=8)]
-            best[("block", shape)] = sweep("block_sparse_decode_attention",
-                                           lambda *a, **c: block_sparse_decode_attention(*a, block_size=64, impl="pallas", **c),
-                                           (q, k, v, bidx, bc, lengths), ref, cfgs, nbytes, args.runs, rows, shape)
+        g = hq // hkv
+        for K in BUDGETS:
+            shape = f"B={b} S={s} H={hq}/{hkv} D={d} K={K}"
+            idx = jax.random.randint(jax.random.key(K), (b, hkv, K), 0, s, jnp.int32)
+            counts = jnp.full((b, hkv), K, jnp.int32)
+            nbytes = 2 * b * hkv * K * d * 2
+            if not only or "sparse" in only:
+                ref = sparse_decode_attention(q, k, v, idx, counts, impl="reference")
+                first = [dict(block_k=bk, num_splits=ns) for bk in (32, 64, 128)
+                         for ns in split_candidates(b * hkv, -(-K // bk))]
+                second = [dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=4),
+                          dict(num_warps=8, num_stages=2), dict(num_warps=8, num_stages=3), dict(num_warps=2, num_stages=2)]
+                r = two_stage("sparse_decode_attention", lambda *a, **c: sparse_decode_attention(*a, impl="pallas", **c),
+                              (q, k, v, idx, counts), ref, first, second, nbytes, args.runs, rows, shape)
+                if r:
+                    best[("sparse", shape)] = r
+                    classes[shape_class("sparse_decode", rows=b * hkv, k=K, d=d, g=g)] = (r, shape)
+            if not only or "block" in only:
+                bidx = jax.random.randint(jax.random.key(2), (b, hkv, K // 64), 0, s // 64, jnp.int32)
+                bc = jnp.full((b, hkv), K // 64, jnp.int32)
+                ref = block_sparse_decode_attention(q, k, v, bidx, bc, lengths, block_size=64, impl="reference")
+                first = [dict(block_k=bk, num_splits=ns) for bk in (64, 128)
+                         for ns in split_candidates(b * hkv, -(-K // bk))]
+                second = [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2), dict(num_warps=8, num_stages=3)]
+                r = two_stage("block_sparse_decode_attention",
+                              lambda *a, **c: block_sparse_decode_attention(*a, block_size=64, impl="pallas", **c),
+                              (q, k, v, bidx, bc, lengths), ref, first, second, nbytes, args.runs, rows, shape)
+                if r:
+                    best[("block", shape)] = r
+                    classes[shape_class("block_sparse_decode", rows=b * hkv, k=K, d=d, g=g, block=64)] = (r, shape)
+        shape = f"B={b} S={s} H={hq}/{hkv} D={d}"
         if not only or "quest" in only:
             nb = s // 64
-            kmax = jax.random.normal(jax.random.key(3), (b, HKV, nb, D), jnp.bfloat16)
+            kmax = jax.random.normal(jax.random.key(3), (b, hkv, nb, d), jnp.bfloat16)
             kmin = kmax - 1
             ref = quest_block_scores(q, kmax, kmin, impl="reference")
-            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=st) for bn, nw, st in itertools.product((64, 128, 256), (4,), (2,))]
-            best[("quest", shape)] = sweep("quest_block_scores", lambda *a, **c: quest_block_scores(*a, impl="pallas", **c),
-                                           (q, kmax, kmin), ref, cfgs, 2 * kmax.size * 2, args.runs, rows, shape, tol=1e-3)
-        if not only or "labels" in only:
-            channels = jnp.tile((jnp.arange(32, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
+            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=st)
+                    for bn, nw, st in itertools.product((32, 64, 128, 256), (4, 8), (2, 3))]
+            r = sweep("quest_block_scores", lambda *a, **c: quest_block_scores(*a, impl="pallas", **c),
+                      (q, kmax, kmin), ref, cfgs, 2 * kmax.size * 2, args.runs, rows, shape, tol=1e-3)
+            if r:
+                best[("quest", shape)] = r
+                classes[shape_class("quest_block_scores", rows=b * hkv, nb=nb, d=d, g=g)] = (r, shape)
+        if (not only or "labels" in only) and d // 4 * 4 // 8 in (4, 8, 16, 32):
+            r_ch = d // 4
+            channels = jnp.tile((jnp.arange(r_ch, dtype=jnp.int32) * 3 % d)[None], (hkv, 1))
             labels = build_label_cache(k, channels)
-            cand = jax.random.randint(jax.random.key(4), (b, HKV, 8192), 0, s, jnp.int32)
-            cc = jnp.full((b, HKV), 8192, jnp.int32)
+            nsel = min(128, s // 64)
+            blocks = jax.random.randint(jax.random.key(4), (b, hkv, nsel), 0, s // 64, jnp.int32)
+            cand = (blocks[..., None] * 64 + jnp.arange(64, dtype=jnp.int32)).reshape(b, hkv, -1)
+            cc = jnp.full((b, hkv), cand.shape[-1], jnp.int32)
             ref = label_scores(q, labels, channels, cand, cc, impl="reference")
-            # The looped kernel keeps block_c = 32 * num_warps; sweep the mode and register plan.
-            cfgs = [dict(mode=m, hoist_q=hq, num_warps=nw)
-                    for m, hq, nw in itertools.product(("logits", "two_pass"), (True, False), (4, 8))]
-            best[("labels", shape)] = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
-                                            (q, labels, channels, cand, cc), ref, cfgs, b * HKV * 8192 * (16 + 8 + 4), args.runs, rows, shape, tol=1e-3)
+            w = r_ch // 2
+            cfgs = [dict(mode=m, hoist_q=hq_, num_warps=nw)
+                    for m, hq_, nw in itertools.product(("logits", "two_pass"), (True, False), (2, 4, 8))]
+            r = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
+                      (q, labels, channels, cand, cc), ref, cfgs, b * hkv * cand.shape[-1] * (w + 8 + 4),
+                      args.runs, rows, shape, tol=1e-3)
+            if r:
+                best[("labels", shape)] = r
+                classes[shape_class("label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g)] = (r, shape)
+        del q, k, v
     if not only or "topk" in only:
-        for rows_, n, kk in ((64, 2048, 128), (64, 8192, 512), (64, 8192, 2048), (8, 8192, 2048), (64, 131072, 2048)):
+        for rows_, n, kk in ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048), (64, 8192, 1024),
+                             (64, 8192, 2048), (256, 8192, 2048), (64, 131072, 2048)):
             shape = f"{rows_}x{n} k={kk}"
             sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
             ref = jax.lax.top_k(sc, kk)[1]
@@ -165,8 +223,24 @@ def main(argv=None):
     md = (f"# Kernel tuning sweep\n\n{info['device']}, jax {info['jax']}, {info['date']}\n\nCommand: `{info['command']}`\n\n"
           + markdown_table([r for r in rows if r["ms"] == r["ms"]], ["kernel", "shape", "config", "ms", "GB/s", "x_floor", "err"],
                            {"ms": ".4f", "GB/s": ".0f", "x_floor": ".2f", "err": ".1e"}))
-    write_results("tune", payload, md, args.out)
+    write_results("tune" + (f"_{args.only.replace(',', '_')}" if args.only else ""), payload, md, args.out)
     print("\n".join(f"BEST {k}: {v}" for k, v in payload["best"].items()))
+    if args.table is not None:
+        write_table(args.table, classes, info)
+
+
+def write_table(path: Path, classes: dict, info: dict) -> None:
+    """Merge the measured best per shape class into the tuned table (``pallas_kernels.tuning``)."""
+    path = Path(path)
+    table = json.loads(path.read_text()) if path.exists() else {"configs": {}}
+    for cls, ((cfg, ms), shape) in sorted(classes.items()):
+        table["configs"][cls] = {"config": {k: v for k, v in cfg.items() if v is not None}, "ms": ms,
+                                 "measured_at": shape, "device": info["device"], "date": info["date"]}
+    table["about"] = ("Best kernel tuning per shape class, written by benchmarks/tune.py --table "
+                      "(see pallas_kernels/tuning.py). Each entry names the shape it was measured at.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(classes)} classes to {path}")
 
 
 if __name__ == "__main__":

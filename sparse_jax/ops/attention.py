@@ -50,6 +50,7 @@ from sparse_jax.ops._checks import (
     check_shape,
 )
 from sparse_jax.ops._dispatch import on_gpu, resolve_impl
+from pallas_kernels.tuning import with_tuned
 
 __all__ = [
     "MASK_VALUE",
@@ -160,6 +161,8 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
     if choice == "reference":
         return _sd.sparse_decode_attention_reference(
             q, k, v, indices, counts, scale=scale, return_residuals=return_residuals)
+    if not interpret:  # the measured best for this shape class, unless the caller tuned
+        tuning = with_tuned(tuning, "sparse_decode", rows=B * Hkv, k=indices.shape[-1], d=D, g=Hq // Hkv)
     # Resolve the static tiling now so that bad knobs fail before tracing.
     _sd.resolve_sparse_tuning(B, Hkv, indices.shape[-1], D,
                               block_k=tuning.get("block_k"),
@@ -212,6 +215,9 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
         return _bsd.block_sparse_decode_attention_reference(
             q, k, v, block_indices, block_counts, lengths, block_size=block_size,
             scale=scale, return_residuals=return_residuals)
+    if not interpret:
+        tuning = with_tuned(tuning, "block_sparse_decode", rows=B * Hkv, k=block_indices.shape[-1] * block_size,
+                            d=D, g=Hq // Hkv, block=block_size)
     _bsd.resolve_block_tuning(B, Hkv, block_indices.shape[-1], D, block_size,
                               block_k=tuning.get("block_k"),
                               blocks_per_iter=tuning.get("blocks_per_iter"),

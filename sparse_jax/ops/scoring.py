@@ -40,6 +40,7 @@ import jax
 from pallas_kernels import block_scores as _bs
 from pallas_kernels import labels as _lb
 from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, dequantize_labels
+from pallas_kernels.tuning import with_tuned
 from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_int_array, check_rank, check_shape
 from sparse_jax.ops._dispatch import resolve_impl
 
@@ -190,11 +191,12 @@ def block_cuboid(k, lengths, *, block_size, impl="auto", blocks_per_program=None
     return _block_summary(k, lengths, block_size, "cuboid", impl, blocks_per_program, num_warps, num_stages)
 
 
-def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=64, num_warps=4, num_stages=2):
+def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=None, num_warps=None, num_stages=None):
     """Quest upper bound per block, summed over the GQA group: ``float32[B, Hkv, NB]``.
 
     ``score = sum_g max(q_g, 0) . k_max + min(q_g, 0) . k_min``. Tuning (kernel
-    only): ``block_n`` (blocks per program, power of two), ``num_warps``,
+    only; None = the tuned table's entry for this shape class on the GPU, else
+    64 / 4 / 2): ``block_n`` (blocks per program, power of two), ``num_warps``,
     ``num_stages``.
     """
     check_rank("q", q, 3, "[B, Hq, D]")
@@ -207,14 +209,18 @@ def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=64, num_warps=4,
     if q.shape[0] != b or q.shape[2] != d:
         raise ValueError(f"q must have shape [B={b}, Hq, D={d}], got {tuple(q.shape)}")
     check_gqa(q.shape[1], hkv)
-    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n <= 0:
-        raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+    for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     choice, interpret = resolve_impl(
-        impl, kernel_unsupported=_pow2_reason(head_dim=d, block_n=block_n))
+        impl, kernel_unsupported=_pow2_reason(head_dim=d, **({} if block_n is None else {"block_n": block_n})))
     if choice == "reference":
         return _bs.quest_block_scores_reference(q, k_max, k_min)
-    return _bs.quest_block_scores_kernel(q, k_max, k_min, block_n=block_n, num_warps=num_warps,
-                                         num_stages=num_stages, interpret=interpret)
+    tuning = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if not interpret:
+        tuning = with_tuned(tuning, "quest_block_scores", rows=b * hkv, nb=k_max.shape[2], d=d, g=q.shape[1] // hkv)
+    tuning = {"block_n": 64, "num_warps": 4, "num_stages": 2, **{k: v for k, v in tuning.items() if v is not None}}
+    return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, **tuning)
 
 
 # ----------------------------------------------------------------------------
@@ -348,10 +354,13 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
     if choice == "reference":
         return _lb.label_scores_reference(q, labels, channels, candidates, counts, lengths=lengths,
                                           scale=scale, bits=bits)
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    if not interpret:
+        c = labels.packed.shape[2] if candidates is None else candidates.shape[2]
+        tuning = with_tuned(tuning, "label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv)
     return _lb.label_scores_kernel(
         q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
-        interpret=interpret,
-        **_kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q))
+        interpret=interpret, **tuning)
 
 
 def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
@@ -390,10 +399,13 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         return _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts,
                                                 lengths, block_size=int(block_size), scale=scale,
                                                 bits=bits)
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    if not interpret:
+        tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=block_ids.shape[2] * int(block_size),
+                            w=w, g=q.shape[1] // hkv, block=int(block_size))
     return _lb.block_label_scores_kernel(
         q, labels, channels, block_ids, block_counts, lengths, block_size=int(block_size),
-        scale=scale, bits=bits, interpret=interpret,
-        **_kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q))
+        scale=scale, bits=bits, interpret=interpret, **tuning)
 
 
 # ----------------------------------------------------------------------------

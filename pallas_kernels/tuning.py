@@ -1,0 +1,74 @@
+"""Tuned kernel configurations per shape class, measured on the GPU.
+
+``benchmarks/tune.py`` sweeps each kernel's knobs over the shape classes that
+matter (decode batch 1 / 8 / 32, budgets 1024 / 2048, 32K-128K contexts), checks
+every configuration against the reference before timing it, and writes the best
+one per class into ``tuned_configs.json`` next to this file. The public ops
+(``sparse_jax.ops``) read it when the caller passes no tuning of their own, so
+``impl="auto"`` runs the measured best; a class that was never measured gets the
+kernel's built-in defaults.
+
+A shape class rounds the dimensions that only move the optimum a little (the
+number of ``(batch, KV head)`` rows, the selected length) up to a power of two,
+and keeps exact the ones a kernel is compiled for (head_dim, the GQA group).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from pallas_kernels._util import next_pow2
+
+TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
+
+#: the dimensions each kernel's class is made of, in key order
+CLASS_DIMS = {
+    "sparse_decode": ("rows", "k", "d", "g"),
+    "block_sparse_decode": ("rows", "k", "d", "g", "block"),
+    "label_scores": ("rows", "c", "w", "g"),
+    "block_label_scores": ("rows", "c", "w", "g", "block"),
+    "quest_block_scores": ("rows", "nb", "d", "g"),
+}
+#: dimensions rounded up to a power of two (the rest are exact)
+_ROUNDED = {"rows", "k", "c", "nb"}
+
+
+def shape_class(kernel: str, **dims: int) -> str:
+    """``"sparse_decode|rows=64|k=2048|d=128|g=4"``: the table key of one call.
+
+    ``rows`` is ``B * Hkv``; ``k`` selected tokens; ``c`` candidates; ``nb``
+    blocks; ``d`` head_dim; ``g`` query heads per KV head; ``w`` packed label
+    bytes per token; ``block`` tokens per block."""
+    names = CLASS_DIMS[kernel]
+    if set(dims) != set(names):
+        raise ValueError(f"{kernel}: a shape class needs exactly {names}, got {sorted(dims)}")
+    parts = [kernel]
+    for n in names:
+        v = int(dims[n])
+        parts.append(f"{n}={max(1, next_pow2(v)) if n in _ROUNDED else v}")
+    return "|".join(parts)
+
+
+@functools.cache
+def _table() -> dict:
+    if not TABLE_PATH.exists():
+        return {}
+    return json.loads(TABLE_PATH.read_text()).get("configs", {})
+
+
+def tuned(kernel: str, **dims: int) -> dict:
+    """The measured best tuning of ``kernel`` for this shape's class (``{}`` when
+    the class was never measured: the kernel's defaults apply)."""
+    entry = _table().get(shape_class(kernel, **dims))
+    return dict(entry["config"]) if entry else {}
+
+
+def with_tuned(user: dict, kernel: str, **dims: int) -> dict:
+    """``user``'s tuning when it names any knob (the caller knows best), else the
+    table's for this class. Knobs the caller sets to None count as unset."""
+    given = {k: v for k, v in user.items() if v is not None}
+    if given:
+        return given
+    return tuned(kernel, **dims)
