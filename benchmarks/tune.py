@@ -154,8 +154,9 @@ def main(argv=None):
                 ref = sparse_decode_attention(q, k, v, idx, counts, impl="reference")
                 first = [dict(block_k=bk, num_splits=ns) for bk in (32, 64, 128)
                          for ns in split_candidates(b * hkv, -(-K // bk))]
-                second = [dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=4),
-                          dict(num_warps=8, num_stages=2), dict(num_warps=8, num_stages=3), dict(num_warps=2, num_stages=2)]
+                second = [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2), dict(num_warps=2, num_stages=2),
+                          dict(prefetch=1), dict(prefetch=1, num_warps=8), dict(prefetch=1, block_k=64),
+                          dict(prefetch=1, block_k=64, num_warps=8), dict(prefetch=1, block_k=32)]
                 r = two_stage("sparse_decode_attention", lambda *a, **c: sparse_decode_attention(*a, impl="pallas", **c),
                               (q, k, v, idx, counts), ref, first, second, nbytes, args.runs, rows, shape)
                 if r:

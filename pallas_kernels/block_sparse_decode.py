@@ -63,6 +63,9 @@ from pallas_kernels.sparse_decode import (
     default_scale,
     dot_precision,
     gathered_attention_reference,
+    group_rows,
+    load_group_q,
+    store_group,
     online_softmax_step,
     split_decode_call,
     unsupported_reason,  # noqa: F401  (re-exported for the dispatcher)
@@ -108,18 +111,19 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
                          o_ref, m_ref, l_ref, *,
                          scale: float, block_size: int, tile: int, sub_tiles: int,
                          blocks_per_iter: int, blocks_per_split: int, NB: int, S: int,
-                         precision):
-    # Block refs: counts_ref [], len_ref [] ; q_ref [G_pad, D] ; bidx_ref
-    # [blocks_per_split] (this split's slots) ; k_ref, v_ref [S, D] ;
-    # o_ref [G_pad, D] f32 ; m_ref, l_ref [G_pad] f32.
-    g_pad, d = q_ref.shape
+                         g_pad: int, precision):
+    # Block refs: counts_ref [], len_ref [] ; q_ref [G, D] ; bidx_ref [NB] (the
+    # whole block list; this split owns [split * blocks_per_split, ...)) ;
+    # k_ref, v_ref [S, D] ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
+    d = q_ref.shape[-1]
     split = pl.program_id(2)
     count = jnp.clip(counts_ref[()], 0, NB)
     limit = jnp.minimum(len_ref[()], S)          # tokens at or past this are masked
     n_blocks_total = -(-S // block_size)          # static
-    n_valid = jnp.clip(count - split * blocks_per_split, 0, blocks_per_split)
+    base = split * blocks_per_split
+    n_valid = jnp.clip(count - base, 0, blocks_per_split)
 
-    q = q_ref[...]
+    q = load_group_q(q_ref, g_pad)
     lanes = jnp.arange(tile, dtype=jnp.int32)
 
     if blocks_per_iter == 1:
@@ -132,7 +136,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
                 slot, sub = i, 0
             else:
                 slot, sub = lax.div(i, sub_tiles), lax.rem(i, sub_tiles)
-            bid = bidx_ref[slot]
+            bid = bidx_ref[base + slot]
             in_range = (bid >= 0) & (bid < n_blocks_total)
             # Clamp so the slice start is always a real row (no negative or
             # far out-of-bounds pointers even for garbage ids).
@@ -156,7 +160,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
         def body(i, carry):
             slot = i * blocks_per_iter + lane_slot                # [tile]
             slot_ok = slot < n_valid
-            bid = bidx_ref[jnp.where(slot_ok, slot, 0)]           # [tile] gather of ids
+            bid = bidx_ref[base + jnp.where(slot_ok, slot, 0)]    # [tile] gather of ids
             in_range = (bid >= 0) & (bid < n_blocks_total)
             pos = jnp.clip(bid, 0, n_blocks_total - 1) * block_size + lane_off
             valid = slot_ok & in_range & (pos < limit)
@@ -172,9 +176,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
         jnp.zeros((g_pad,), jnp.float32),
     )
     o, m, l = lax.fori_loop(0, n_iter, body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    store_group(o_ref, m_ref, l_ref, o, m, l)
 
 
 def resolve_block_tuning(B: int, Hkv: int, NB: int, D: int, block_size: int, *,
@@ -248,7 +250,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
-        precision=dot_precision(q.dtype))
+        g_pad=group_rows(Hq // Hkv), precision=dot_precision(q.dtype))
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
         name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,

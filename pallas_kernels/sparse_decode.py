@@ -68,7 +68,7 @@ MIN_TOKENS_PER_SPLIT = 256    # below this a split's fixed cost dominates
 TARGET_PROGRAMS = 264         # ~2 waves of programs on 132 SMs (H100 SXM)
 MIN_GROUP_ROWS = 16           # tl.dot needs M >= 16
 
-TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages")
+TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages", "prefetch")
 
 
 
@@ -179,44 +179,75 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def load_group_q(q_ref, g_pad: int):
+    """The program's GQA group ``q_ref [G, D]`` as a ``[g_pad, D]`` tile with zero rows
+    past G (``tl.dot`` needs M >= 16): a masked load, so no padded copy of q is made."""
+    rows = jnp.arange(g_pad, dtype=jnp.int32)
+    return plgpu.load(q_ref.at[pl.ds(0, g_pad)], mask=(rows < q_ref.shape[0])[:, None], other=0.0)
+
+
+def store_group(o_ref, m_ref, l_ref, o, m, l):
+    """Store the first G rows of the ``[g_pad, ...]`` results into ``o_ref [G, D]``,
+    ``m_ref, l_ref [G]`` (masked stores: the outputs hold only real heads)."""
+    g_pad = o.shape[0]
+    ok = jnp.arange(g_pad, dtype=jnp.int32) < o_ref.shape[0]
+    plgpu.store(o_ref.at[pl.ds(0, g_pad)], o, mask=ok[:, None])
+    plgpu.store(m_ref.at[pl.ds(0, g_pad)], m, mask=ok)
+    plgpu.store(l_ref.at[pl.ds(0, g_pad)], l, mask=ok)
+
+
 def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
                           o_ref, m_ref, l_ref, *,
                           scale: float, block_k: int, k_split: int, K: int, S: int,
-                          precision):
-    # Block refs: counts_ref [] ; q_ref [G_pad, D] ; idx_ref [k_split] (this
-    # split's slots) ; k_ref, v_ref [S, D] (this (b, h)'s whole cache row) ;
-    # o_ref [G_pad, D] f32 ; m_ref, l_ref [G_pad] f32.
-    g_pad, d = q_ref.shape
+                          g_pad: int, prefetch: int, precision):
+    # Block refs: counts_ref [] ; q_ref [G, D] ; idx_ref [K] (the whole index row:
+    # this split reads [split * k_split, ...) with masked loads, so the list needs no
+    # padded copy) ; k_ref, v_ref [S, D] (this (b, h)'s whole cache row) ;
+    # o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
+    d = q_ref.shape[-1]
     split = pl.program_id(2)
     count = jnp.clip(counts_ref[()], 0, K)
+    base = split * k_split
     # Valid slots of this split: [split * k_split, count) ∩ the split's range.
-    n_valid = jnp.clip(count - split * k_split, 0, k_split)
+    n_valid = jnp.clip(count - base, 0, k_split)
     # Only tiles with >= 1 valid slot are visited (early exit for short rows).
     n_tiles = lax.div(n_valid + (block_k - 1), block_k)
 
-    q = q_ref[...]
+    q = load_group_q(q_ref, g_pad)
     lanes = jnp.arange(block_k, dtype=jnp.int32)
 
-    def body(t, carry):
+    def fetch(t):
         start = t * block_k
-        idx = idx_ref[pl.ds(start, block_k)]
         valid = start + lanes < n_valid
+        idx = plgpu.load(idx_ref.at[pl.ds(base + start, block_k)], mask=valid, other=0)
         # Slots past the count may hold anything: point them at row 0 so the
         # gather stays in bounds; their logits are masked below.
         idx = jnp.where(valid, jnp.clip(idx, 0, S - 1), 0)
-        k = k_ref[idx]  # [block_k, D] row gather
-        v = v_ref[idx]
-        return online_softmax_step(q, k, v, valid, carry, scale=scale, precision=precision)
+        return valid, k_ref[idx], v_ref[idx]  # [block_k, D] row gathers
 
     init = (
         jnp.zeros((g_pad, d), jnp.float32),
         jnp.full((g_pad,), MASK_VALUE, jnp.float32),
         jnp.zeros((g_pad,), jnp.float32),
     )
-    o, m, l = lax.fori_loop(0, n_tiles, body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    if not prefetch:
+        def body(t, carry):
+            valid, k, v = fetch(t)
+            return online_softmax_step(q, k, v, valid, carry, scale=scale, precision=precision)
+
+        o, m, l = lax.fori_loop(0, n_tiles, body, init)
+    else:
+        # Register double buffering: tile t+1's indices and rows are loaded before tile
+        # t is computed, so the gather latency overlaps the math (the loop is too short
+        # for Triton's pipeliner to hide it: a split holds a few tiles). The fetch past
+        # the last tile reads row 0 only (all lanes masked).
+        def body(t, carry):
+            acc, (valid, k, v) = carry
+            nxt = fetch(t + 1)
+            return online_softmax_step(q, k, v, valid, acc, scale=scale, precision=precision), nxt
+
+        (o, m, l), _ = lax.fori_loop(0, n_tiles, body, (init, fetch(0)))
+    store_group(o_ref, m_ref, l_ref, o, m, l)
 
 
 def resolve_sparse_tuning(B: int, Hkv: int, K: int, D: int, *, block_k=None,
@@ -244,72 +275,81 @@ def resolve_sparse_tuning(B: int, Hkv: int, K: int, D: int, *, block_k=None,
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "return_residuals", "block_k", "num_splits",
-                     "num_warps", "num_stages", "interpret"),
+                     "num_warps", "num_stages", "prefetch", "interpret"),
 )
 def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
                                    return_residuals=False, block_k=None,
                                    num_splits=None, num_warps=None,
-                                   num_stages=None, interpret=False):
+                                   num_stages=None, prefetch=None, interpret=False):
     """Pallas-Triton token-gather decode attention (see module docstring).
 
     Tuning: ``block_k`` (tokens per tile, power of two >= 16; default 64 for
     D <= 128 else 32, capped by K), ``num_splits`` (default from
-    ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2).
+    ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``prefetch``
+    (0 or 1, default 0: 1 loads tile t+1 while tile t computes).
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     K = indices.shape[-1]
+    prefetch = 0 if prefetch is None else int(prefetch)
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch must be 0 or 1, got {prefetch}")
     scale = default_scale(D) if scale is None else float(scale)
     block_k, ns, k_split = resolve_sparse_tuning(B, Hkv, K, D, block_k=block_k,
                                                  num_splits=num_splits)
 
     kernel = functools.partial(
         _sparse_decode_kernel, scale=scale, block_k=block_k, k_split=k_split,
-        K=K, S=S, precision=dot_precision(q.dtype))
+        K=K, S=S, g_pad=group_rows(Hq // Hkv), prefetch=prefetch, precision=dot_precision(q.dtype))
     return split_decode_call(
         kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
         name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, return_residuals=return_residuals)
 
 
+def group_rows(G: int) -> int:
+    """Rows of a program's query tile: G padded up to ``MIN_GROUP_ROWS`` or the next
+    power of two (``tl.dot`` needs M >= 16)."""
+    return max(MIN_GROUP_ROWS, next_pow2(G))
+
+
 def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
                       head_scalars=(), row_scalars=(), name: str, num_warps=None,
                       num_stages=None, interpret=False, return_residuals=False):
-    """The scaffolding the decode kernels share: GQA grouping, the list split,
-    the ``pallas_call`` over grid ``(B, Hkv, ns)`` and the merge of the splits.
+    """The scaffolding the decode kernels share: GQA grouping, the ``pallas_call``
+    over grid ``(B, Hkv, ns)`` and the merge of the splits.
 
     ``kernel(*head_scalars, *row_scalars, q, list, k, v, o, m, l)`` gets per
     program: each of ``head_scalars`` (``[B, Hkv]`` arrays) and ``row_scalars``
-    (``[B]``) as a scalar ref; ``q`` as ``[G_pad, D]`` (the GQA group, zero rows
-    up to ``MIN_GROUP_ROWS`` or the next power of two, as ``tl.dot`` needs);
-    its split's ``per_split`` entries of ``split_list [B, Hkv, N]`` (padded with
-    zeros to ``ns * per_split``: kernels mask past their counts); the whole
-    ``k, v [S, D]`` of its KV head; and writes the split's partial ``o [G_pad,
-    D]``, ``m, l [G_pad]`` (f32), merged here (:func:`finish_splits`).
+    (``[B]``) as a scalar ref; ``q`` as ``[G, D]`` (its GQA group; load it with
+    :func:`load_group_q`); the whole row ``[N]`` of ``split_list [B, Hkv, N]``,
+    of which split ``s`` owns entries ``[s * per_split, (s + 1) * per_split)``
+    (read with masked loads: nothing is padded); the whole ``k, v [S, D]`` of its
+    KV head; and writes the split's partial ``o [G, D]``, ``m, l [G]`` (f32,
+    with :func:`store_group`), merged here (:func:`finish_splits`). No XLA
+    copies surround the kernel: q and the list go in as they are, and the
+    outputs hold real heads only.
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     G = Hq // Hkv
-    g_pad = max(MIN_GROUP_ROWS, next_pow2(G))
+    assert ns * per_split >= split_list.shape[-1], (ns, per_split, split_list.shape)
     qg = q.reshape(B, Hkv, G, D)
-    if g_pad != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
     lst = split_list.astype(jnp.int32)
-    pad = ns * per_split - lst.shape[-1]
-    if pad:
-        lst = jnp.pad(lst, ((0, 0), (0, 0), (0, pad)))  # masked by the count
-    lst = lst.reshape(B, Hkv, ns, per_split)
+    if lst.shape[-1] == 0:  # an empty list selects nothing; a zero-size block cannot be mapped
+        lst = jnp.zeros((B, Hkv, 1), jnp.int32)
+    n = lst.shape[-1]
     in_specs = ([pl.BlockSpec((None, None), lambda b, h, s: (b, h)) for _ in head_scalars]
                 + [pl.BlockSpec((None,), lambda b, h, s: (b,)) for _ in row_scalars]
-                + [pl.BlockSpec((None, None, g_pad, D), lambda b, h, s: (b, h, 0, 0)),        # q
-                   pl.BlockSpec((None, None, None, per_split), lambda b, h, s: (b, h, s, 0)),  # list
+                + [pl.BlockSpec((None, None, G, D), lambda b, h, s: (b, h, 0, 0)),            # q
+                   pl.BlockSpec((None, None, n), lambda b, h, s: (b, h, 0)),                  # list
                    pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),            # k
                    pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0))])           # v
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, ns),
         in_specs=in_specs,
-        **split_outputs(B, Hkv, ns, g_pad, D),
+        **split_outputs(B, Hkv, ns, G, D),
         compiler_params=plgpu.CompilerParams(
             num_warps=DEFAULT_NUM_WARPS if num_warps is None else int(num_warps),
             num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
@@ -319,29 +359,27 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
     return finish_splits(o, m, l, G, q.dtype, return_residuals)
 
 
-def split_outputs(B: int, Hkv: int, ns: int, g_pad: int, D: int) -> dict:
+def split_outputs(B: int, Hkv: int, ns: int, G: int, D: int) -> dict:
     """``out_specs`` and ``out_shape`` of a decode kernel with grid ``(B, Hkv, ns)``
-    writing per-split partials: ``o [B, Hkv, ns, g_pad, D]``, ``m, l [B, Hkv, ns, g_pad]`` (f32)."""
+    writing per-split partials: ``o [B, Hkv, ns, G, D]``, ``m, l [B, Hkv, ns, G]`` (f32)."""
     return dict(
         out_specs=[
-            pl.BlockSpec((None, None, None, g_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, G, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, s: (b, h, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, ns, g_pad), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, ns, G, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, ns, G), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hkv, ns, G), jnp.float32),
         ],
     )
 
 
 def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool):
-    """Merge the kernel's per-split partials ``[B, Hkv, NS, G_pad, ...]``."""
+    """Merge the kernel's per-split partials ``[B, Hkv, NS, G, ...]``."""
     B, Hkv = o.shape[:2]
     D = o.shape[-1]
-    # Drop the zero-padded query rows before merging (less work).
-    o, m, l = o[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
     # JAX's own decode kernel notes NaNs after jit without a barrier here;
     # it costs nothing, so keep the max from being fused into the kernel inputs.
     m = lax.optimization_barrier(m)

@@ -71,6 +71,11 @@ CASES = [
                  id="gqa8-f32-d64-split3"),
     pytest.param(2, 8, 1, 211, 128, 40, jnp.float16, dict(block_k=16),
                  id="gqa8-f16-d128-mqa"),
+    # register double buffering: one split of several tiles, and splits ending mid-tile
+    pytest.param(2, 12, 4, 333, 128, 150, jnp.bfloat16, dict(block_k=32, num_splits=1, prefetch=1),
+                 id="gqa3-bf16-d128-prefetch"),
+    pytest.param(1, 4, 1, 400, 256, 97, jnp.float32, dict(block_k=16, num_splits=2, prefetch=1),
+                 id="mqa4-f32-d256-prefetch-split2"),
 ]
 
 

@@ -119,8 +119,8 @@ def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
             continue
         if isinstance(val, bool) or not isinstance(val, numbers.Integral):
             raise TypeError(f"{op}: tuning argument {key} must be an int or None, got {val!r}")
-        if val < 1:
-            raise ValueError(f"{op}: tuning argument {key} must be >= 1, got {val}")
+        if val < (0 if key == "prefetch" else 1):
+            raise ValueError(f"{op}: tuning argument {key} must be >= {0 if key == 'prefetch' else 1}, got {val}")
 
 
 # --------------------------------------------------------------------------
