@@ -161,9 +161,10 @@ def _group(k, hq):
     return jnp.repeat(k.transpose(0, 2, 1, 3), hq // k.shape[2], axis=1)
 
 
-def window_scores(q, k, lengths, window: int):
-    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
-    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``)."""
+def window_scores_reference(q, k, lengths, window: int):
+    """Step 1, pure jnp (the kernel's oracle): ``[B, Hq, T]`` f32, the mean attention
+    probability each key gets from the row's last ``window`` queries (0 outside the
+    prefix ``[0, L - W)``). Materialises the ``[B, Hq, W, T]`` f32 probabilities."""
     b, t, hq, d = q.shape
     lengths = lengths.astype(jnp.int32)
     pos = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)  # [B, W]
@@ -176,6 +177,53 @@ def window_scores(q, k, lengths, window: int):
     mean = p.mean(axis=2)  # [B, Hq, T]
     prefix = jnp.arange(t)[None, None, :] < (lengths - window)[:, None, None]
     return jnp.where(prefix, mean, 0.0)
+
+
+def _check_window_scores_args(q, k, lengths, window):
+    """Shapes and dtypes only (nothing traced): ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``,
+    ``lengths int[B]``, ``window`` a positive int."""
+    from sparse_jax.ops._checks import check_float, check_gqa, check_int_array, check_rank
+
+    check_rank("q", q, 4, "[B, T, Hq, D]")
+    check_float("q", q)
+    check_rank("k", k, 4, "[B, T, Hkv, D]")
+    check_float("k", k)
+    b, t, hq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, t, d):
+        raise ValueError(f"k must have shape [B={b}, T={t}, Hkv, D={d}], got {tuple(k.shape)}")
+    check_gqa(hq, k.shape[2])
+    check_int_array("lengths", lengths, (b,), "[B]")
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive int (static), got {window!r}")
+    if t < 1:
+        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+
+
+def window_scores(q, k, lengths, window: int, *, impl: str = "auto", **tuning):
+    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
+    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``); ``q
+    [B,T,Hq,D]``, ``k [B,T,Hkv,D]``, ``lengths int32[B]`` (each ``<= T``).
+
+    ``impl`` ("auto" | "pallas" | "reference", ``sparse_jax.ops._dispatch``): the
+    two-pass Pallas-Triton kernel (``pallas_kernels.window_scores``: never holds the
+    ``[B, Hq, W, T]`` probabilities) or :func:`window_scores_reference`. The kernel
+    needs ``D`` in {64, 128, 256} and q, k of one dtype; "auto" falls back to the
+    reference otherwise (and on CPU), "pallas" raises. Tuning (kernel only):
+    ``block_q``, ``block_k``, ``num_splits``, ``num_warps``, ``num_stages``."""
+    from pallas_kernels import window_scores as _ws
+    from sparse_jax.ops._dispatch import resolve_impl
+
+    _check_window_scores_args(q, k, lengths, window)
+    bad = set(tuning) - set(_ws.TUNING_KEYS)
+    if bad:
+        raise ValueError(f"unknown tuning keys for window_scores: {sorted(bad)}; allowed: {_ws.TUNING_KEYS}")
+    window = int(window)
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_ws.unsupported_reason(q.shape[3], q.dtype, k.dtype))
+    if choice == "reference":
+        return window_scores_reference(q, k, lengths, window)
+    if choice == "pallas":
+        _ws.resolve_tuning(window, q.shape[3], block_q=tuning.get("block_q"), block_k=tuning.get("block_k"))
+    return _ws.window_scores_pallas(q, k, lengths, window=window, interpret=interpret, **tuning)
 
 
 def smooth(scores, pool: int):
@@ -210,7 +258,33 @@ def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, he
 
 def kept_tokens(scores, keep, lengths, window: int):
     """Step 4: ``bool[B, Hq, T]``: each head's top-``keep`` prefix tokens by its own
-    score, and the window ``[L - W, L)``."""
+    score, and the window ``[L - W, L)``.
+
+    Ties are broken towards the lower position (as a stable descending argsort would).
+    One value sort per head (no argsort, no rank inversion): the ``keep``-th largest
+    prefix score is the threshold; every score above it is kept, and of the scores
+    equal to it the first ``keep - #above`` positions (float equality: ``-0.0`` ties
+    with ``0.0``, which a total-order argsort would separate; window scores are
+    ``>= +0.0``, so the two agree on them). NaN scores: unspecified."""
+    b, hq, t = scores.shape
+    prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
+    j = jnp.arange(t)[None, None, :]
+    in_prefix = j < prefix_len[:, None, None]
+    keep = keep.astype(jnp.int32)[:, None, None]
+    masked = jnp.where(in_prefix, scores, -jnp.inf)
+    desc = -jnp.sort(-masked, axis=-1)  # descending; -inf (outside the prefix) last
+    kth = jnp.take_along_axis(desc, jnp.clip(keep - 1, 0, t - 1), axis=-1)  # [B, Hq, 1]
+    above = in_prefix & (masked > kth)
+    tie = in_prefix & (masked == kth)
+    need = keep - above.sum(-1, keepdims=True)  # ties to take, lowest positions first
+    top = above | (tie & (jnp.cumsum(tie, axis=-1) <= need))
+    in_window = (j >= prefix_len[:, None, None]) & (j < lengths[:, None, None])
+    return top | in_window
+
+
+def kept_tokens_argsort(scores, keep, lengths, window: int):
+    """:func:`kept_tokens` by two stable argsorts (the previous formulation; the
+    test oracle for the one-sort version)."""
     b, hq, t = scores.shape
     prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
     j = jnp.arange(t)[None, None, :]
@@ -294,15 +368,17 @@ def compressed_causal_attention(q, k, v, kept):
 
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
-                           head_axis=None, impl: str = "compressed"):
+                           head_axis=None, impl: str = "compressed", scores_impl: str = "auto"):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
-    scatter) or "masked" (the reference: masks over the whole prompt)."""
+    scatter) or "masked" (the reference: masks over the whole prompt).
+    ``scores_impl``: step 1's ``impl`` (:func:`window_scores`; "auto": the kernel on
+    the GPU where it supports the head size, the reference elsewhere)."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
-    scores = smooth(window_scores(q, k, lengths, window), pool)
+    scores = smooth(window_scores(q, k, lengths, window, impl=scores_impl), pool)
     keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":
