@@ -323,6 +323,22 @@ def masked_causal_attention(q, k, v, kept, block: int = 512):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def compress_order(kept):
+    """``int32[B, Hq, T]``: each head's kept positions first, then the dropped ones, each
+    ascending (what a stable argsort of ``~kept`` gives), by two cumulative sums and a
+    scatter with unique indices instead of a sort."""
+    b, hq, t = kept.shape
+    k32 = kept.astype(jnp.int32)
+    before = jnp.cumsum(k32, axis=-1) - k32  # kept tokens before each position
+    n = before[..., -1:] + k32[..., -1:]  # the head's kept count
+    j = jnp.arange(t, dtype=jnp.int32)
+    dest = jnp.where(kept, before, n + j - before)  # a dropped token follows the n kept and the drops before it
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(hq)[None, :, None]
+    return jnp.zeros((b, hq, t), jnp.int32).at[rows, heads, dest].set(
+        jnp.broadcast_to(j, (b, hq, t)), unique_indices=True)
+
+
 def compress(x, order):
     """Each head's kept tokens first, in their original order: ``x [B,T,H,D]`` (``H``
     the query heads, or a KV head per query head) gathered by ``order [B,Hq,T]`` ->
@@ -357,7 +373,7 @@ def compressed_causal_attention(q, k, v, kept):
 
     b, t, hq, d = q.shape
     counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
-    order = jnp.argsort(~kept, axis=-1, stable=True).astype(jnp.int32)  # kept first, ascending
+    order = compress_order(kept)  # kept first, ascending
     qc, kc, vc = compress(q, order), compress(k, order), compress(v, order)
     if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
         oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,

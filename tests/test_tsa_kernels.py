@@ -173,3 +173,11 @@ def test_kept_tokens_one_sort_equals_the_argsorts(seed):
         # per head: min(keep, prefix) prefix tokens and the whole window
         np.testing.assert_array_equal(got[:, :, :].sum(-1),
                                       (np.minimum(keep, prefix) + lengths - prefix)[:, None].repeat(hq, 1))
+
+
+def test_compress_order_equals_the_stable_argsort():
+    rng = np.random.default_rng(4)
+    kept = rng.random((3, 4, 77)) < np.asarray([0.0, 0.3, 1.0])[:, None, None]  # none, some, all kept
+    kept[1, 2, -1] = True
+    got = np.asarray(tsa.compress_order(jnp.asarray(kept)))
+    np.testing.assert_array_equal(got, np.argsort(~kept, axis=-1, kind="stable"))
