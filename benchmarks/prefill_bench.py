@@ -11,6 +11,10 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   smallest context: max |difference|);
 * **tsa scoring**: steps 1-4 (the scores, the pool, the count, each head's kept set),
   with either implementation of step 1;
+* **tsa select / compressed order**: step 4's kept set by one value sort and a
+  threshold (``kept_tokens``) against the two stable argsorts it replaced, and the
+  compressed order (``compress_order``: cumulative sums and a scatter) against a stable
+  argsort (the same results);
 * **tsa attend @ f**: its step 5 (``compressed_causal_attention``: gather each head's
   kept tokens, cuDNN causal attention with the kept count as sequence length, scatter
   back) with a fraction ``f`` of the prefix kept per head (``--fractions``), chosen at
@@ -104,6 +108,20 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
         sc = time_fn(jax.jit(scoring), (q, k, lengths), runs=runs, cupti=False)
         rows.append(dict(context=t, part=f"tsa scoring (steps 1-4), {impl}", kept=None, ms=sc.wall_ms,
                          vs_dense=dense.wall_ms / sc.wall_ms, floor_ms=None))
+    # step 4 and the compressed order, each against the sorts they replaced (same results)
+    sm = jax.jit(lambda q, k, n: tsa.smooth(tsa.window_scores(q, k, n, window, impl="reference"), 7))(q, k, lengths)
+    keep = tsa.keep_counts(sm, lengths, tau=0.005, min_tokens=1024, window=window)
+    kept_set = jax.jit(lambda s, n, c: tsa.kept_tokens(s, n, c, window))(sm, keep, lengths)
+    for part, fn, args in (
+            ("tsa select (step 4), one sort", lambda s, n, c: tsa.kept_tokens(s, n, c, window), (sm, keep, lengths)),
+            ("tsa select (step 4), two argsorts", lambda s, n, c: tsa.kept_tokens_argsort(s, n, c, window),
+             (sm, keep, lengths)),
+            ("tsa compressed order, cumsum + scatter", tsa.compress_order, (kept_set,)),
+            ("tsa compressed order, argsort", lambda m: jnp.argsort(~m, axis=-1, stable=True).astype(jnp.int32),
+             (kept_set,))):
+        r = time_fn(jax.jit(fn), args, runs=runs, cupti=False)
+        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense.wall_ms / r.wall_ms,
+                         floor_ms=None))
     attend = jax.jit(tsa.compressed_causal_attention)
     for f in fractions:
         kept = random_kept(kr, b, hq, t, window, f)
