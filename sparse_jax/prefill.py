@@ -221,8 +221,7 @@ def window_scores(q, k, lengths, window: int, *, impl: str = "auto", **tuning):
     choice, interpret = resolve_impl(impl, kernel_unsupported=_ws.unsupported_reason(q.shape[3], q.dtype, k.dtype))
     if choice == "reference":
         return window_scores_reference(q, k, lengths, window)
-    if choice == "pallas":
-        _ws.resolve_tuning(window, q.shape[3], block_q=tuning.get("block_q"), block_k=tuning.get("block_k"))
+    _ws.resolve_tuning(window, q.shape[3], block_q=tuning.get("block_q"), block_k=tuning.get("block_k"))  # checks
     return _ws.window_scores_pallas(q, k, lengths, window=window, interpret=interpret, **tuning)
 
 
