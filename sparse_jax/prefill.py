@@ -1,4 +1,4 @@
-"""Sparse prefill: Token Sparse Attention (TSA, 2025), the pure-jnp reference.
+"""Sparse prefill: Token Sparse Attention (TSA, 2025): jnp, with step 1 as a Pallas kernel on the GPU.
 
 TSA drops, per layer and per query head, the prompt tokens that the last
 ``window`` queries barely attend, and runs causal attention over the kept tokens
@@ -14,7 +14,8 @@ window and the ``P = L - W`` before them as the prefix:
 1. **Score**: softmax over all keys of each window query (causal inside the
    window, scale ``1/sqrt(D)`` as every attention here), mean over the W
    queries; per query head (K/V shared by a GQA group, scored per query head).
-   Only prefix keys are candidates.
+   Only prefix keys are candidates. :func:`window_scores`: on the GPU the
+   two-pass kernel of ``pallas_kernels.window_scores``, else the jnp reference.
 2. **Smooth**: average pool of width ``pool`` (7) with zero padding, counting the
    padding (PyTorch's ``avg_pool1d`` default): the prefix's edges are damped.
 3. **Count** (one number per row, shared by the heads): the head mean,
@@ -164,13 +165,17 @@ def _group(k, hq):
 def window_scores_reference(q, k, lengths, window: int):
     """Step 1, pure jnp (the kernel's oracle): ``[B, Hq, T]`` f32, the mean attention
     probability each key gets from the row's last ``window`` queries (0 outside the
-    prefix ``[0, L - W)``). Materialises the ``[B, Hq, W, T]`` f32 probabilities."""
+    prefix ``[0, L - W)``). Materialises the ``[B, Hq, W, T]`` f32 probabilities.
+    The logits are one grouped einsum over K as stored (no per-query-head copy of K),
+    f32 accumulation, full precision (no TF32 rounding of f32 inputs on the GPU)."""
     b, t, hq, d = q.shape
+    hkv = k.shape[2]
     lengths = lengths.astype(jnp.int32)
     pos = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)  # [B, W]
-    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1).astype(jnp.float32)  # [B, W, Hq, D]
-    kh = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D]
-    s = jnp.einsum("bwhd,bhtd->bhwt", qw, kh) * (d ** -0.5)
+    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1)  # [B, W, Hq, D]
+    qw = qw.reshape(b, window, hkv, hq // hkv, d)
+    s = jnp.einsum("bwhgd,bthd->bhgwt", qw, k, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).reshape(b, hq, window, t) * (d ** -0.5)
     j = jnp.arange(t)[None, None, None, :]
     ok = (j <= pos[:, None, :, None]) & (j < lengths[:, None, None, None])
     p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
