@@ -4,8 +4,17 @@
 Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
 
 * **dense**: ``dense_prefill_attention`` (cuDNN causal flash attention: the baseline);
-* **tsa scoring**: Token Sparse Attention's steps 1-4 (the last ``window`` queries'
-  softmax over the prompt, the pool, the count, each head's kept set);
+* **tsa window scores**: Token Sparse Attention's step 1 (the last ``window``
+  queries' softmax over the prompt, mean over the window), with the jnp reference
+  (materialises ``[B, Hq, W, T]`` f32) and with the Pallas kernel
+  (``pallas_kernels.window_scores``; cross-checked against the reference at the
+  smallest context: max |difference|);
+* **tsa scoring**: steps 1-4 (the scores, the pool, the count, each head's kept set),
+  with either implementation of step 1;
+* **tsa select / compressed order**: step 4's kept set by one value sort and a
+  threshold (``kept_tokens``) against the two stable argsorts it replaced, and the
+  compressed order (``compress_order``: cumulative sums and a scatter) against a stable
+  argsort (the same results);
 * **tsa attend @ f**: its step 5 (``compressed_causal_attention``: gather each head's
   kept tokens, cuDNN causal attention with the kept count as sequence length, scatter
   back) with a fraction ``f`` of the prefix kept per head (``--fractions``), chosen at
@@ -52,6 +61,7 @@ def random_kept(key, b: int, hq: int, t: int, window: int, fraction: float) -> j
 
 def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fractions, dtype, runs: int,
                    check: bool, log=print) -> list[dict]:
+    from pallas_kernels.window_scores import unsupported_reason
     from sparse_jax import prefill as tsa
     from sparse_jax.methods.base import dense_prefill_attention
 
@@ -70,14 +80,48 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
     rows.append(dict(context=t, part="dense (cuDNN causal)", kept=1.0, ms=dense.wall_ms, vs_dense=1.0,
                      floor_ms=floor_ms(t)))
 
-    def scoring(q, k, lengths):
-        s = tsa.smooth(tsa.window_scores(q, k, lengths, window), 7)
-        keep = tsa.keep_counts(s, lengths, tau=0.005, min_tokens=1024, window=window)
-        return tsa.kept_tokens(s, keep, lengths, window)
+    impls = ["reference"]
+    why = unsupported_reason(d, dtype, dtype)
+    if why is None:
+        impls.append("pallas")
+    else:
+        log(f"  (no window-scores kernel rows: {why})")
+    scores = {}
+    for impl in impls:  # step 1 alone, then steps 1-4, per implementation of step 1
+        def step1(q, k, lengths, impl=impl):
+            return tsa.window_scores(q, k, lengths, window, impl=impl)
 
-    sc = time_fn(jax.jit(scoring), (q, k, lengths), runs=runs, cupti=False)
-    rows.append(dict(context=t, part="tsa scoring (steps 1-4)", kept=None, ms=sc.wall_ms,
-                     vs_dense=dense.wall_ms / sc.wall_ms, floor_ms=None))
+        def scoring(q, k, lengths, impl=impl):
+            s = tsa.smooth(tsa.window_scores(q, k, lengths, window, impl=impl), 7)
+            keep = tsa.keep_counts(s, lengths, tau=0.005, min_tokens=1024, window=window)
+            return tsa.kept_tokens(s, keep, lengths, window)
+
+        step1 = jax.jit(step1)
+        ws = time_fn(step1, (q, k, lengths), runs=runs, cupti=False)
+        row = dict(context=t, part=f"tsa window scores (step 1), {impl}", kept=None, ms=ws.wall_ms,
+                   vs_dense=dense.wall_ms / ws.wall_ms, floor_ms=None)
+        if check:  # the kernel against the reference (scores of a head sum to <= 1)
+            scores[impl] = step1(q, k, lengths)
+            if impl != "reference":
+                row["max_abs_err"] = float(jnp.max(jnp.abs(scores[impl] - scores["reference"])))
+        rows.append(row)
+        sc = time_fn(jax.jit(scoring), (q, k, lengths), runs=runs, cupti=False)
+        rows.append(dict(context=t, part=f"tsa scoring (steps 1-4), {impl}", kept=None, ms=sc.wall_ms,
+                         vs_dense=dense.wall_ms / sc.wall_ms, floor_ms=None))
+    # step 4 and the compressed order, each against the sorts they replaced (same results)
+    sm = jax.jit(lambda q, k, n: tsa.smooth(tsa.window_scores(q, k, n, window, impl="reference"), 7))(q, k, lengths)
+    keep = tsa.keep_counts(sm, lengths, tau=0.005, min_tokens=1024, window=window)
+    kept_set = jax.jit(lambda s, n, c: tsa.kept_tokens(s, n, c, window))(sm, keep, lengths)
+    for part, fn, args in (
+            ("tsa select (step 4), one sort", lambda s, n, c: tsa.kept_tokens(s, n, c, window), (sm, keep, lengths)),
+            ("tsa select (step 4), two argsorts", lambda s, n, c: tsa.kept_tokens_argsort(s, n, c, window),
+             (sm, keep, lengths)),
+            ("tsa compressed order, cumsum + scatter", tsa.compress_order, (kept_set,)),
+            ("tsa compressed order, argsort", lambda m: jnp.argsort(~m, axis=-1, stable=True).astype(jnp.int32),
+             (kept_set,))):
+        r = time_fn(jax.jit(fn), args, runs=runs, cupti=False)
+        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense.wall_ms / r.wall_ms,
+                         floor_ms=None))
     attend = jax.jit(tsa.compressed_causal_attention)
     for f in fractions:
         kept = random_kept(kr, b, hq, t, window, f)
@@ -102,7 +146,9 @@ def render(payload) -> str:
             f"commit {s.get('git_commit', '')}\n\n`{s['command']}`\n\n"
             f"B={payload['batch']}, {payload['heads']} heads, D={payload['head_dim']}, {payload['dtype']}; median ms "
             "of synchronised runs; vs_dense = dense ms / this ms (scoring: the same ratio, for scale); floor_ms: "
-            "causal attention FLOP over the kept tokens at the bf16 peak. Kept prefix tokens drawn at random "
+            "causal attention FLOP over the kept tokens at the bf16 peak; max_abs_err: the window-scores kernel "
+            "against the reference (a head's scores sum to <= 1), the compressed attention against the masked one. "
+            "Kept prefix tokens drawn at random "
             "(random weights have no attention structure; the fraction tau keeps on real text is measured "
             "separately).\n\n"
             + markdown_table(payload["rows"], ["context", "part", "kept", "ms", "vs_dense", "floor_ms", "max_abs_err"],

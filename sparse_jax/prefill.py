@@ -1,4 +1,4 @@
-"""Sparse prefill: Token Sparse Attention (TSA, 2025), the pure-jnp reference.
+"""Sparse prefill: Token Sparse Attention (TSA, 2025): jnp, with step 1 as a Pallas kernel on the GPU.
 
 TSA drops, per layer and per query head, the prompt tokens that the last
 ``window`` queries barely attend, and runs causal attention over the kept tokens
@@ -14,7 +14,8 @@ window and the ``P = L - W`` before them as the prefix:
 1. **Score**: softmax over all keys of each window query (causal inside the
    window, scale ``1/sqrt(D)`` as every attention here), mean over the W
    queries; per query head (K/V shared by a GQA group, scored per query head).
-   Only prefix keys are candidates.
+   Only prefix keys are candidates. :func:`window_scores`: on the GPU the
+   two-pass kernel of ``pallas_kernels.window_scores``, else the jnp reference.
 2. **Smooth**: average pool of width ``pool`` (7) with zero padding, counting the
    padding (PyTorch's ``avg_pool1d`` default): the prefix's edges are damped.
 3. **Count** (one number per row, shared by the heads): the head mean,
@@ -161,21 +162,72 @@ def _group(k, hq):
     return jnp.repeat(k.transpose(0, 2, 1, 3), hq // k.shape[2], axis=1)
 
 
-def window_scores(q, k, lengths, window: int):
-    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
-    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``)."""
+def window_scores_reference(q, k, lengths, window: int):
+    """Step 1, pure jnp (the kernel's oracle): ``[B, Hq, T]`` f32, the mean attention
+    probability each key gets from the row's last ``window`` queries (0 outside the
+    prefix ``[0, L - W)``). Materialises the ``[B, Hq, W, T]`` f32 probabilities.
+    The logits are one grouped einsum over K as stored (no per-query-head copy of K),
+    f32 accumulation, full precision (no TF32 rounding of f32 inputs on the GPU)."""
     b, t, hq, d = q.shape
+    hkv = k.shape[2]
     lengths = lengths.astype(jnp.int32)
     pos = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)  # [B, W]
-    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1).astype(jnp.float32)  # [B, W, Hq, D]
-    kh = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D]
-    s = jnp.einsum("bwhd,bhtd->bhwt", qw, kh) * (d ** -0.5)
+    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1)  # [B, W, Hq, D]
+    qw = qw.reshape(b, window, hkv, hq // hkv, d)
+    s = jnp.einsum("bwhgd,bthd->bhgwt", qw, k, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).reshape(b, hq, window, t) * (d ** -0.5)
     j = jnp.arange(t)[None, None, None, :]
     ok = (j <= pos[:, None, :, None]) & (j < lengths[:, None, None, None])
     p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
     mean = p.mean(axis=2)  # [B, Hq, T]
     prefix = jnp.arange(t)[None, None, :] < (lengths - window)[:, None, None]
     return jnp.where(prefix, mean, 0.0)
+
+
+def _check_window_scores_args(q, k, lengths, window):
+    """Shapes and dtypes only (nothing traced): ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``,
+    ``lengths int[B]``, ``window`` a positive int."""
+    from sparse_jax.ops._checks import check_float, check_gqa, check_int_array, check_rank
+
+    check_rank("q", q, 4, "[B, T, Hq, D]")
+    check_float("q", q)
+    check_rank("k", k, 4, "[B, T, Hkv, D]")
+    check_float("k", k)
+    b, t, hq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, t, d):
+        raise ValueError(f"k must have shape [B={b}, T={t}, Hkv, D={d}], got {tuple(k.shape)}")
+    check_gqa(hq, k.shape[2])
+    check_int_array("lengths", lengths, (b,), "[B]")
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive int (static), got {window!r}")
+    if t < 1:
+        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
+
+
+def window_scores(q, k, lengths, window: int, *, impl: str = "auto", **tuning):
+    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
+    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``); ``q
+    [B,T,Hq,D]``, ``k [B,T,Hkv,D]``, ``lengths int32[B]`` (each ``<= T``).
+
+    ``impl`` ("auto" | "pallas" | "reference", ``sparse_jax.ops._dispatch``): the
+    two-pass Pallas-Triton kernel (``pallas_kernels.window_scores``: never holds the
+    ``[B, Hq, W, T]`` probabilities) or :func:`window_scores_reference`. The kernel
+    needs ``D`` in {64, 128, 256} and q, k of one dtype; "auto" falls back to the
+    reference otherwise (and on CPU), "pallas" raises. Tuning (kernel only):
+    ``block_q``, ``block_k``, ``num_splits``, ``num_warps``, ``num_stages``."""
+    from pallas_kernels import window_scores as _ws
+    from sparse_jax.ops._dispatch import resolve_impl
+
+    _check_window_scores_args(q, k, lengths, window)
+    bad = set(tuning) - set(_ws.TUNING_KEYS)
+    if bad:
+        raise ValueError(f"unknown tuning keys for window_scores: {sorted(bad)}; allowed: {_ws.TUNING_KEYS}")
+    window = int(window)
+    choice, interpret = resolve_impl(impl, kernel_unsupported=_ws.unsupported_reason(q.shape[3], q.dtype, k.dtype))
+    if choice == "reference":
+        return window_scores_reference(q, k, lengths, window)
+    _ws.resolve_tuning(window, q.shape[3], block_q=tuning.get("block_q"), block_k=tuning.get("block_k"))  # checks
+    return _ws.window_scores_pallas(q, k, lengths, window=window, interpret=interpret, **tuning)
 
 
 def smooth(scores, pool: int):
@@ -210,7 +262,33 @@ def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, he
 
 def kept_tokens(scores, keep, lengths, window: int):
     """Step 4: ``bool[B, Hq, T]``: each head's top-``keep`` prefix tokens by its own
-    score, and the window ``[L - W, L)``."""
+    score, and the window ``[L - W, L)``.
+
+    Ties are broken towards the lower position (as a stable descending argsort would).
+    One value sort per head (no argsort, no rank inversion): the ``keep``-th largest
+    prefix score is the threshold; every score above it is kept, and of the scores
+    equal to it the first ``keep - #above`` positions (float equality: ``-0.0`` ties
+    with ``0.0``, which a total-order argsort would separate; window scores are
+    ``>= +0.0``, so the two agree on them). NaN scores: unspecified."""
+    b, hq, t = scores.shape
+    prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
+    j = jnp.arange(t)[None, None, :]
+    in_prefix = j < prefix_len[:, None, None]
+    keep = keep.astype(jnp.int32)[:, None, None]
+    masked = jnp.where(in_prefix, scores, -jnp.inf)
+    desc = -jnp.sort(-masked, axis=-1)  # descending; -inf (outside the prefix) last
+    kth = jnp.take_along_axis(desc, jnp.clip(keep - 1, 0, t - 1), axis=-1)  # [B, Hq, 1]
+    above = in_prefix & (masked > kth)
+    tie = in_prefix & (masked == kth)
+    need = keep - above.sum(-1, keepdims=True)  # ties to take, lowest positions first
+    top = above | (tie & (jnp.cumsum(tie, axis=-1) <= need))
+    in_window = (j >= prefix_len[:, None, None]) & (j < lengths[:, None, None])
+    return top | in_window
+
+
+def kept_tokens_argsort(scores, keep, lengths, window: int):
+    """:func:`kept_tokens` by two stable argsorts (the previous formulation; the
+    test oracle for the one-sort version)."""
     b, hq, t = scores.shape
     prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
     j = jnp.arange(t)[None, None, :]
@@ -249,6 +327,22 @@ def masked_causal_attention(q, k, v, kept, block: int = 512):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def compress_order(kept):
+    """``int32[B, Hq, T]``: each head's kept positions first, then the dropped ones, each
+    ascending (what a stable argsort of ``~kept`` gives), by two cumulative sums and a
+    scatter with unique indices instead of a sort."""
+    b, hq, t = kept.shape
+    k32 = kept.astype(jnp.int32)
+    before = jnp.cumsum(k32, axis=-1) - k32  # kept tokens before each position
+    n = before[..., -1:] + k32[..., -1:]  # the head's kept count
+    j = jnp.arange(t, dtype=jnp.int32)
+    dest = jnp.where(kept, before, n + j - before)  # a dropped token follows the n kept and the drops before it
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(hq)[None, :, None]
+    return jnp.zeros((b, hq, t), jnp.int32).at[rows, heads, dest].set(
+        jnp.broadcast_to(j, (b, hq, t)), unique_indices=True)
+
+
 def compress(x, order):
     """Each head's kept tokens first, in their original order: ``x [B,T,H,D]`` (``H``
     the query heads, or a KV head per query head) gathered by ``order [B,Hq,T]`` ->
@@ -283,7 +377,7 @@ def compressed_causal_attention(q, k, v, kept):
 
     b, t, hq, d = q.shape
     counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
-    order = jnp.argsort(~kept, axis=-1, stable=True).astype(jnp.int32)  # kept first, ascending
+    order = compress_order(kept)  # kept first, ascending
     qc, kc, vc = compress(q, order), compress(k, order), compress(v, order)
     if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
         oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,
@@ -294,15 +388,17 @@ def compressed_causal_attention(q, k, v, kept):
 
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
-                           head_axis=None, impl: str = "compressed"):
+                           head_axis=None, impl: str = "compressed", scores_impl: str = "auto"):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
-    scatter) or "masked" (the reference: masks over the whole prompt)."""
+    scatter) or "masked" (the reference: masks over the whole prompt).
+    ``scores_impl``: step 1's ``impl`` (:func:`window_scores`; "auto": the kernel on
+    the GPU where it supports the head size, the reference elsewhere)."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
-    scores = smooth(window_scores(q, k, lengths, window), pool)
+    scores = smooth(window_scores(q, k, lengths, window, impl=scores_impl), pool)
     keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":

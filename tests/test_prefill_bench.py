@@ -8,17 +8,32 @@ from benchmarks import prefill_bench
 
 
 def test_prefill_bench_tiny(tmp_path):
-    rc = prefill_bench.main(["--contexts", "256", "--fractions", "1.0,0.25", "--heads", "4,2", "--head-dim", "16",
+    rc = prefill_bench.main(["--contexts", "256", "--fractions", "1.0,0.25", "--heads", "4,2", "--head-dim", "64",
                              "--window", "16", "--dtype", "float32", "--runs", "1", "--out", str(tmp_path),
                              "--name", "pb"])
     assert rc == 0
     rows = json.loads((tmp_path / "pb.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["dense (cuDNN causal)", "tsa scoring (steps 1-4)",
+    assert [r["part"] for r in rows] == ["dense (cuDNN causal)",
+                                         "tsa window scores (step 1), reference", "tsa scoring (steps 1-4), reference",
+                                         "tsa window scores (step 1), pallas", "tsa scoring (steps 1-4), pallas",
+                                         "tsa select (step 4), one sort", "tsa select (step 4), two argsorts",
+                                         "tsa compressed order, cumsum + scatter", "tsa compressed order, argsort",
                                          "tsa attend, 1 of the prefix", "tsa attend, 0.25 of the prefix"]
-    kept = [r["kept"] for r in rows[2:]]
+    assert rows[3]["max_abs_err"] < 1e-6  # the kernel (interpret mode) == the reference
+    kept = [r["kept"] for r in rows[-2:]]
     assert kept[0] == 1.0 and 0.25 < kept[1] < 0.35  # a quarter of the prefix + the 16-token window
-    assert all(r["max_abs_err"] < 1e-5 for r in rows[2:])  # compressed == masked reference
+    assert all(r["max_abs_err"] < 1e-5 for r in rows[-2:])  # compressed == masked reference
     assert "| dense (cuDNN causal) |" in (tmp_path / "pb.md").read_text()
+
+
+def test_prefill_bench_without_a_kernel_for_the_head_size(tmp_path):
+    """A head size the window-scores kernel does not take: reference rows only."""
+    rc = prefill_bench.main(["--contexts", "64", "--fractions", "0.5", "--heads", "2,1", "--head-dim", "16",
+                             "--window", "16", "--dtype", "float32", "--runs", "1", "--out", str(tmp_path),
+                             "--name", "pb"])
+    assert rc == 0
+    parts = [r["part"] for r in json.loads((tmp_path / "pb.json").read_text())["rows"]]
+    assert not any("pallas" in p for p in parts) and "tsa scoring (steps 1-4), reference" in parts
 
 
 @pytest.mark.parametrize("argv", [["--contexts", "8"], ["--fractions", "0"], ["--heads", "5,2"], ["--contexts", "x"]])
