@@ -1,0 +1,53 @@
+"""The tuned-config table (pallas_kernels/tuning.py): shape classes, precedence of
+the caller's tuning, and that every shipped entry is a configuration its kernel
+accepts (a bad entry would only fail on the GPU, where the table is read)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pallas_kernels import tuning
+from pallas_kernels.block_sparse_decode import TUNING_KEYS as BLOCK_KEYS, resolve_block_tuning
+from pallas_kernels.labels import TUNING_KEYS as LABEL_KEYS
+from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
+
+
+def test_shape_class_rounds_rows_and_lengths_but_not_head_dim():
+    a = tuning.shape_class("sparse_decode", rows=60, k=1500, d=128, g=4)
+    assert a == "sparse_decode|rows=64|k=2048|d=128|g=4"
+    assert tuning.shape_class("sparse_decode", rows=64, k=2048, d=128, g=4) == a
+    assert tuning.shape_class("sparse_decode", rows=64, k=2048, d=64, g=4) != a
+    with pytest.raises(ValueError, match="needs exactly"):
+        tuning.shape_class("sparse_decode", rows=64, k=2048, d=128)
+
+
+def test_callers_tuning_wins_and_unmeasured_classes_get_defaults(monkeypatch):
+    key = tuning.shape_class("sparse_decode", rows=64, k=2048, d=128, g=4)
+    monkeypatch.setattr(tuning, "_table", lambda: {key: {"config": {"block_k": 128, "num_splits": 5}}})
+    dims = dict(rows=64, k=2048, d=128, g=4)
+    assert tuning.with_tuned({}, "sparse_decode", **dims) == {"block_k": 128, "num_splits": 5}
+    assert tuning.with_tuned({"block_k": None}, "sparse_decode", **dims) == {"block_k": 128, "num_splits": 5}
+    assert tuning.with_tuned({"block_k": 32}, "sparse_decode", **dims) == {"block_k": 32}
+    assert tuning.with_tuned({}, "sparse_decode", rows=8, k=2048, d=128, g=4) == {}
+
+
+def test_every_shipped_entry_is_accepted_by_its_kernel():
+    table = json.loads(tuning.TABLE_PATH.read_text())["configs"]
+    assert table, "the shipped table is empty"
+    allowed = {"sparse_decode": SPARSE_KEYS, "block_sparse_decode": BLOCK_KEYS, "label_scores": LABEL_KEYS,
+               "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages")}
+    for key, entry in table.items():
+        kernel, *dims = key.split("|")
+        dims = {n: int(v) for n, v in (d.split("=") for d in dims)}
+        assert tuning.shape_class(kernel, **dims) == key  # the key is canonical
+        cfg = entry["config"]
+        assert set(cfg) <= set(allowed[kernel]), (key, cfg)
+        assert entry["device"] and entry["measured_at"], key
+        if kernel == "sparse_decode":
+            resolve_sparse_tuning(dims["rows"] // 8 or 1, 8, dims["k"], dims["d"], block_k=cfg.get("block_k"),
+                                  num_splits=cfg.get("num_splits"))
+        if kernel == "block_sparse_decode":
+            resolve_block_tuning(dims["rows"] // 8 or 1, 8, dims["k"] // dims["block"], dims["d"], dims["block"],
+                                 block_k=cfg.get("block_k"), num_splits=cfg.get("num_splits"))
