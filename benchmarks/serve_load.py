@@ -204,8 +204,12 @@ def run(args) -> dict:
     for label in args.methods.split(","):
         method_name, _, where = label.partition(":")
         model = build_model(args, method_name)
+        if where not in ("", "offload", "segmented"):
+            raise ValueError(f"method label {label!r}: NAME, NAME:offload or NAME:segmented")
+        inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where == "segmented" else None
         engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                        offload=where == "offload", pool_slots=args.pool_slots).start()
+                        offload=where in ("offload", "segmented"), pool_slots=args.pool_slots,
+                        max_inject_tokens=inject).start()
         try:
             t0 = time.perf_counter()
             iteration_ms = warm_up(engine, mix, model.config.vocab_size)
@@ -220,7 +224,8 @@ def run(args) -> dict:
                 rows.append(row)
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
                 print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
-            runs.append({"method": label, "offloaded": where == "offload", "slots": engine.slots,
+            runs.append({"method": label, "offloaded": where in ("offload", "segmented"),
+                         "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                          "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                          "goodput_rps": goodput(rows, iteration_ms)})
         finally:
@@ -287,8 +292,12 @@ def merge(paths: list[str]) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
-                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded")
+                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded, "
+                        "NAME:segmented offloaded with layer-segmented prefill")
     p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
+    p.add_argument("--max-inject-tokens", type=int, default=None,
+                   help="NAME:segmented (offloaded, layer-segmented prefill): prompt tokens x layers per iteration "
+                        "(default: the longest prompt of the mix, one layer of it per iteration)")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=12, help="requests per rate")
     p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")

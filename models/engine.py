@@ -12,6 +12,10 @@ slots) on this project's pure functions, with SparseServe's scheduler limits
 * **Prefill** runs one request at a time, ``tokens int32[1, T_bucket]`` into a
   fresh one-row cache of the same ``max_len`` (``model.fns.prefill``, one
   program per prompt bucket), and samples the first token from its logits.
+  Offloaded, with ``max_inject_tokens``, it is layer-segmented (SparseServe
+  §3.4): each iteration runs a segment of the prompt's layers
+  (:class:`models.tiered.PrefillJob`) beside the decode step, the finished
+  layers' KV going to the host tier.
 * **Insert** writes that one-row cache into the free slot (one jitted program,
   the decode cache donated).
 * **Generate**: one jitted program per step over all slots (the cache
@@ -182,10 +186,10 @@ class Scheduler:
     paged allocator would hold). Offloaded (:meth:`OffloadedSlots.working_set`):
     SparseServe's estimate for a decoding request, the blocks it used over the
     last w = 12 steps, counted on the device and read back one step late; for
-    a prompt, the blocks its first step reads. The pools are per slot, so on
-    its own this admission changes nothing yet: it matters once the pool is
-    shared across slots (``docs/serving.md``). Layer-segmented prefill (a
-    prompt's working set = one layer of its KV) is not built.
+    a prompt, the blocks its first step reads, or under layer-segmented prefill
+    (``Engine(max_inject_tokens=...)``) one layer of its KV. The pools are per
+    slot, so on its own this admission changes nothing yet: it matters once the
+    pool is shared across slots (``docs/serving.md``).
     """
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
@@ -475,14 +479,33 @@ class OffloadedSlots:
         self._ws_pending = None  # (int32[slots] on the device, the step it measured)
         self._steps = 0
         self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
+        self.segmented = False  # set by the engine: prompts prefill a few layers per iteration
 
     def prefill(self, ids: Sequence[int]):
+        job = self.start_prefill(ids)
+        job.advance(job.runner.num_layers)
+        return job.result()
+
+    def start_prefill(self, ids: Sequence[int]):
+        """A :class:`models.tiered.PrefillJob` of one prompt (bucketed as every prefill):
+        the engine's layer-segmented prefill advances it between decode steps."""
         n = len(ids)
         t = prefill_bucket(n, self.max_len)
         t = t if t < self.max_len else n  # the tiered prefill needs room for one decode token
         tokens = np.full((1, t), self.model._pad_id(), np.int32)
         tokens[0, :n] = ids
-        return self.runner.prefill(tokens, np.asarray([n], np.int32), self.max_len)
+        return self.runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
+
+    def prompt_tokens(self, n: int) -> int:
+        """Tokens a prompt of ``n`` runs through each layer (its prefill bucket)."""
+        t = prefill_bucket(n, self.max_len)
+        return t if t < self.max_len else n
+
+    def layer_kv_bytes(self, n: int) -> int:
+        """Device bytes of one layer's K/V of a prompt of ``n`` tokens (its bucket), the
+        working set of a prompt under layer-segmented prefill (SparseServe §3.3)."""
+        cfg = self.model.config
+        return 2 * cfg.num_kv_heads * self.prompt_tokens(n) * cfg.head_dim * jnp.dtype(self.model.dtype).itemsize
 
     def insert(self, row, slot: int) -> None:
         st = self.state
@@ -530,6 +553,8 @@ class OffloadedSlots:
         at most the prompt's blocks, plus the ring) in every offloaded layer and head."""
         if r.slot is not None and r.output_ids and self.ws_blocks[r.slot] > 0:
             return int(self.ws_blocks[r.slot]) * self.block_bytes
+        if self.segmented and not r.output_ids:  # waiting or prefilling: one layer of its KV at a time
+            return self.layer_kv_bytes(r.prompt_len)
         first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + 2
         return first * self.layer_heads * self.block_bytes
 
@@ -573,14 +598,27 @@ class Engine:
       offload: KV blocks in pinned host memory (:class:`OffloadedSlots`; a method whose
         selection names blocks), else every slot resident (:class:`ResidentSlots`).
       pool_slots: offloaded: resident block slots per (row, KV head) (default: the runner's).
+      max_inject_tokens: offloaded: layer-segmented prefill (SparseServe §3.4). A prompt is
+        prefilled a segment of layers per iteration, ``max(1, max_inject_tokens // T)``
+        layers for a prompt of T (bucketed) tokens, beside that iteration's decode step, so
+        a long prompt no longer stalls the running requests for its whole prefill; each
+        finished layer's KV goes to the host tier and is freed, and the prompt's working
+        set is one layer of its KV. One prompt prefills at a time. None (default): each
+        prompt's whole prefill runs in the iteration that admits it.
     """
 
     def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
-                 pool_slots: int | None = None):
+                 pool_slots: int | None = None, max_inject_tokens: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if max_inject_tokens is not None:
+            if not offload:
+                raise ValueError("max_inject_tokens (layer-segmented prefill) needs offload=True: the segments are "
+                                 "the tiered runner's layer-by-layer prefill, whose finished layers go to the host")
+            if isinstance(max_inject_tokens, bool) or int(max_inject_tokens) < 1:
+                raise ValueError(f"max_inject_tokens must be a positive int (tokens x layers), got {max_inject_tokens!r}")
         from models.api import round_up
 
         self.model = model
@@ -599,6 +637,11 @@ class Engine:
             unroll = tfm.default_unroll()
         self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots) if offload
                    else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
+        self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
+        if self.max_inject_tokens is not None:
+            self.kv.segmented = True
+        self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
+        self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
         cache_bytes = self.kv.device_bytes
         # resident: bytes per cached token; offloaded the device holds a fixed tier per slot, so this
         # spreads it over the slot's positions (the working-set estimate is not built: Scheduler)
@@ -679,6 +722,7 @@ class Engine:
             active = int(self._active.sum())
             return {"slots": self.slots, "active_slots": active, "free_slots": self.slots - active,
                     "waiting": len(self._waiting) + self._inbox.qsize(),
+                    "prefilling": int(self._prefilling is not None), "prefill_segments": self.prefill_segments,
                     "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
@@ -689,7 +733,7 @@ class Engine:
 
     def idle(self) -> bool:
         s = self.stats()
-        return s["active_slots"] == 0 and s["waiting"] == 0
+        return s["active_slots"] == 0 and s["waiting"] == 0 and s["prefilling"] == 0
 
     # -- the engine thread -------------------------------------------------------------
     def start(self) -> "Engine":
@@ -745,10 +789,19 @@ class Engine:
                 worked = True
         running = [s.request for s in self._slots if s is not None]
         free = [i for i, s in enumerate(self._slots) if s is None]
-        for r in self.scheduler.admit(list(self._waiting), running, len(free)):
-            self._waiting.remove(r)
-            self._prefill_insert(r, free.pop(0))
-            worked = True
+        if self.max_inject_tokens is None:
+            for r in self.scheduler.admit(list(self._waiting), running, len(free)):
+                self._waiting.remove(r)
+                self._prefill_insert(r, free.pop(0))
+                worked = True
+        else:
+            if self._prefilling is None and free:  # one prompt in flight: it holds a slot, inactive
+                for r in self.scheduler.admit(list(self._waiting), running, 1):
+                    self._waiting.remove(r)
+                    self._start_segmented(r, free.pop(0))
+            if self._prefilling is not None:
+                self._prefill_segment()
+                worked = True
         if self._active.any():
             self._decode()
             worked = True
@@ -757,6 +810,9 @@ class Engine:
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
         logits, row = self.kv.prefill(r.prompt_ids)
+        self._insert_prefilled(r, slot, logits, row)
+
+    def _insert_prefilled(self, r: Request, slot: int, logits, row) -> None:
         p = r.params
         first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
                                 jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
@@ -771,6 +827,26 @@ class Engine:
             self._temperature[slot] = p.temperature
             self._top_p[slot] = p.top_p
         self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
+
+    def _start_segmented(self, r: Request, slot: int) -> None:
+        r.t_scheduled = time.perf_counter()
+        job = self.kv.start_prefill(r.prompt_ids)
+        with self._lock:
+            self._slots[slot] = _Slot(r)  # reserved; the slot stays inactive until insertion
+            r.slot = slot
+        self._prefilling = (r, slot, job)
+
+    def _prefill_segment(self) -> None:
+        """Run the next segment of the prompt in flight (its layers within
+        ``max_inject_tokens``); after its last layer, sample its first token and insert it."""
+        r, slot, job = self._prefilling
+        job.advance(max(1, self.max_inject_tokens // max(1, job.tokens)))
+        self.prefill_segments += 1
+        if not job.done:
+            return
+        self._prefilling = None
+        logits, row = job.result()
+        self._insert_prefilled(r, slot, logits, row)
 
     def _decode(self) -> None:
         """Issue one step, then collect the step before it: the device runs step t+1
@@ -853,6 +929,8 @@ class Engine:
     def _finish(self, r: Request, reason: str, last_ids: tuple[int, ...] = ()) -> None:
         """End ``r`` (free its slot), flush held text, report "done"."""
         rest = ""
+        if self._prefilling is not None and self._prefilling[0] is r:
+            self._prefilling = None  # cancelled mid-prefill: its layers done so far are dropped
         if r.slot is not None:
             s = self._slots[r.slot]
             if reason in ("length", "stop") and s is not None:

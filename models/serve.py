@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks: quest, arkvale, asynctls)")
     p.add_argument("--pool-slots", type=int, default=None,
                    help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks)")
+    p.add_argument("--max-inject-tokens", type=int, default=None, metavar="N",
+                   help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
+                        "step (SparseServe; default: each prompt's whole prefill in one iteration)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices by KV heads (models.sharding), one engine over them; "
                         "default 1")
@@ -334,6 +337,8 @@ def make_engine(args) -> tuple[Engine, str]:
     for name in ("slots", "max_len", "tensor_parallel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_inject_tokens is not None and (args.max_inject_tokens < 1 or not args.offload):
+        raise ValueError("--max-inject-tokens must be >= 1 and needs --offload (layer-segmented prefill)")
     if args.tensor_parallel > len(jax.devices()):
         raise ValueError(f"--tensor-parallel {args.tensor_parallel}: {len(jax.devices())} devices visible "
                          f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
@@ -345,7 +350,8 @@ def make_engine(args) -> tuple[Engine, str]:
     if args.tensor_parallel > 1:
         model = model.shard(model=args.tensor_parallel)  # the unsharded copy is dropped with `model`
     engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots)
+                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots,
+                    max_inject_tokens=args.max_inject_tokens)
     return engine, args.served_model_name or args.model
 
 

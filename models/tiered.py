@@ -235,33 +235,10 @@ class TieredRunner:
         q_last)`` (device ``[B,Hkv,S,D]`` x2, ``[B,Hq,D]``): used by :meth:`prefill`
         and by benchmarks that fill the cache with synthetic K/V. Each layer's
         device K/V is dropped before the next is made (about one layer at a time)."""
-        lengths = jnp.asarray(lengths, jnp.int32)
-        batch = int(lengths.shape[0])
-        pool = self._pool(max_len)
-        self.check_capacity(batch, max_len)
-        layout = self._layout(batch, max_len) if self.mesh is not None else None
-        if layout is None:
-            dev, pinned = device_sharding(self.sharding), pinned_host_sharding(self.sharding)
-        else:
-            dev, pinned = layout.rows, layout.host_tier
-            lengths = jax.device_put(lengths, dev)
-        layers, host = [], []
+        build = _StateBuilder(self, lengths, max_len)
         for i in range(self.num_layers):
-            k, v, q_last = kv_of_layer(i)
-            spec = self.plan.specs[i]
-            m = self.method if spec.sparse else None
-            finish = _finish_layer(m, spec, self.offloaded[i], pool) if layout is None else layout.finish[i]
-            entry, hk, hv = finish(k, v, lengths, q_last, self.layer_data(i))
-            del k, v
-            # committed to the device, as the decode program's outputs are (the host tier is):
-            # an uncommitted first state would compile the decode program a second time
-            # (a shard_map's outputs are committed to the mesh already)
-            layers.append(jax.device_put(entry, dev) if layout is None else entry)
-            host.append(HostLayer(jax.device_put(hk, pinned), jax.device_put(hv, pinned))  # async D2H copies
-                        if self.offloaded[i] else None)
-        cache = KVCache(tuple(layers), jax.device_put(lengths, dev), max_len)
-        self._compile_save(cache, int(lengths.shape[0]))
-        return TieredState(cache, tuple(host), np.asarray(lengths).copy(), max_len)
+            build.add(i, *kv_of_layer(i))
+        return build.finish()
 
     def _compile_save(self, cache: KVCache, batch: int):
         """Compile the block extraction for every padded row count of this batch
@@ -276,31 +253,14 @@ class TieredRunner:
     def prefill(self, tokens, lengths, max_len: int | None = None):
         """Prefill right-padded ``tokens int32[B, T]``, layer by layer. Returns the
         f32 logits ``[B, V]`` at each row's last token and the :class:`TieredState`."""
-        max_len = round_up(int(max_len or self.model.max_len), self.method.cache_multiple)
-        tokens = jnp.asarray(tokens, jnp.int32)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        b, t = tokens.shape
-        if t >= max_len:
-            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
-        params = self.model.params
-        cur = {"x": self._embed(params, tokens),
-               "carry": self.method.init_prefill_carry(batch=b, num_kv_heads=self.local_cfg.num_kv_heads, length=t)}
-        if cur["carry"] is not None and self.mesh is not None:
-            raise ValueError(f"{self.method.name}: a prefill carry across layers (Kascade's tiled prefill) is not "
-                             f"supported by the layer-by-layer prefill on a mesh yet")
+        job = self.start_prefill(tokens, lengths, max_len)
+        job.advance(self.num_layers)
+        return job.result()
 
-        def kv_of_layer(i):
-            if self.mesh is None:
-                fn = _prefill_layer_fn(self.driver, self.plan.specs[i], max_len)
-                cur["x"], k, v, q_last, cur["carry"] = fn(params["layers"], cur["x"], lengths, self.layer_data(i),
-                                                          cur["carry"])
-            else:
-                fn = self._layout(b, max_len).prompt[i]
-                cur["x"], k, v, q_last = fn(params["layers"], cur["x"], lengths, self.layer_data(i))
-            return k, v, q_last
-
-        state = self.state_from_kv(kv_of_layer, lengths, max_len)
-        return self._head(params, tfm.last_valid(cur["x"], lengths)), state
+    def start_prefill(self, tokens, lengths, max_len: int | None = None) -> "PrefillJob":
+        """A prefill that runs a few layers at a time (:class:`PrefillJob`): the serving
+        engine's layer-segmented prefill, interleaved with decode steps."""
+        return PrefillJob(self, tokens, lengths, max_len)
 
     # -- decode --------------------------------------------------------------------
     def decode_step(self, tokens, state: TieredState, active=None):
@@ -585,3 +545,104 @@ class _MeshLayout:
 
 def _prompt_layer(driver: Driver, spec, cap: int, stacked, x, lengths, data):
     return driver.prompt_layer(stacked, x, lengths, data, spec, cap)[:4]
+
+
+class _StateBuilder:
+    """A :class:`TieredState` made one layer at a time: each layer's device K/V becomes
+    its device tier (pool, ring, method state) and, for an offloaded layer, a host tier
+    (asynchronous copies to pinned memory), and is then dropped."""
+
+    def __init__(self, runner: TieredRunner, lengths, max_len: int):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        batch = int(lengths.shape[0])
+        self.runner, self.max_len = runner, max_len
+        self.pool = runner._pool(max_len)
+        runner.check_capacity(batch, max_len)
+        self.layout = runner._layout(batch, max_len) if runner.mesh is not None else None
+        if self.layout is None:
+            self.dev, self.pinned = device_sharding(runner.sharding), pinned_host_sharding(runner.sharding)
+        else:
+            self.dev, self.pinned = self.layout.rows, self.layout.host_tier
+            lengths = jax.device_put(lengths, self.dev)
+        self.lengths = lengths
+        self.layers, self.host = [], []
+
+    def add(self, i: int, k, v, q_last) -> None:
+        r = self.runner
+        assert i == len(self.layers), (i, len(self.layers))
+        spec = r.plan.specs[i]
+        m = r.method if spec.sparse else None
+        finish = _finish_layer(m, spec, r.offloaded[i], self.pool) if self.layout is None else self.layout.finish[i]
+        entry, hk, hv = finish(k, v, self.lengths, q_last, r.layer_data(i))
+        del k, v
+        # committed to the device, as the decode program's outputs are (the host tier is):
+        # an uncommitted first state would compile the decode program a second time
+        # (a shard_map's outputs are committed to the mesh already)
+        self.layers.append(jax.device_put(entry, self.dev) if self.layout is None else entry)
+        self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
+                         if r.offloaded[i] else None)
+
+    def finish(self) -> TieredState:
+        r = self.runner
+        assert len(self.layers) == r.num_layers
+        cache = KVCache(tuple(self.layers), jax.device_put(self.lengths, self.dev), self.max_len)
+        r._compile_save(cache, int(self.lengths.shape[0]))
+        return TieredState(cache, tuple(self.host), np.asarray(self.lengths).copy(), self.max_len)
+
+
+class PrefillJob:
+    """A layer-by-layer prefill that can stop between layers (SparseServe's
+    layer-segmented prefill, §3.4): :meth:`advance` runs the next layers, each
+    layer's K/V goes to its tiers (the host, for an offloaded layer) and is freed
+    before the next, so the device holds one layer of the prompt's KV at a time; a
+    serving engine runs a decode step between segments. The programs, and so the
+    numbers, are those of :meth:`TieredRunner.prefill`."""
+
+    def __init__(self, runner: TieredRunner, tokens, lengths, max_len: int | None = None):
+        max_len = round_up(int(max_len or runner.model.max_len), runner.method.cache_multiple)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        b, t = tokens.shape
+        if t >= max_len:
+            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
+        self.runner, self.max_len, self.lengths, self.batch = runner, max_len, lengths, b
+        self.tokens = t
+        self.x = runner._embed(runner.model.params, tokens)
+        self.carry = runner.method.init_prefill_carry(batch=b, num_kv_heads=runner.local_cfg.num_kv_heads, length=t)
+        if self.carry is not None and runner.mesh is not None:
+            raise ValueError(f"{runner.method.name}: a prefill carry across layers (Kascade's tiled prefill) is not "
+                             f"supported by the layer-by-layer prefill on a mesh yet")
+        self.build = _StateBuilder(runner, lengths, max_len)
+        self.layers_done = 0
+        self._result = None
+
+    @property
+    def done(self) -> bool:
+        return self.layers_done == self.runner.num_layers
+
+    def advance(self, layers: int) -> bool:
+        """Run up to ``layers`` more layers (at least one); returns :attr:`done`."""
+        r, params = self.runner, self.runner.model.params
+        stop = min(r.num_layers, self.layers_done + max(1, int(layers)))
+        for i in range(self.layers_done, stop):
+            if r.mesh is None:
+                fn = _prefill_layer_fn(r.driver, r.plan.specs[i], self.max_len)
+                self.x, k, v, q_last, self.carry = fn(params["layers"], self.x, self.lengths, r.layer_data(i),
+                                                      self.carry)
+            else:
+                fn = r._layout(self.batch, self.max_len).prompt[i]
+                self.x, k, v, q_last = fn(params["layers"], self.x, self.lengths, r.layer_data(i))
+            self.build.add(i, k, v, q_last)
+            del k, v
+            self.layers_done = i + 1
+        return self.done
+
+    def result(self):
+        """``(logits f32[B, V], TieredState)`` once :attr:`done`."""
+        if not self.done:
+            raise RuntimeError(f"the prefill ran {self.layers_done} of {self.runner.num_layers} layers")
+        if self._result is None:
+            r = self.runner
+            self._result = (r._head(r.model.params, tfm.last_valid(self.x, self.lengths)), self.build.finish())
+            self.x = None
+        return self._result

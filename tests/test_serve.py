@@ -229,7 +229,9 @@ def test_soak_mixed_clients(server, references):
 
 
 @pytest.mark.parametrize("flags, fragment", [(["--tensor-parallel", "64"], "64: 1 devices visible"),
-                                             (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1")])
+                                             (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
+                                             (["--max-inject-tokens", "512"], "needs --offload"),
+                                             (["--offload", "--max-inject-tokens", "0"], "must be >= 1")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """``--tensor-parallel`` asks for devices that are not there: a clear error, no weights loaded."""
     from models.serve import build_parser, make_engine

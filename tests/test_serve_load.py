@@ -7,13 +7,14 @@ from benchmarks import serve_load
 
 
 def test_serve_load_tiny(tmp_path):
-    rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload", "--budget", "32", "--rates", "20,200",
+    rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload,quest:segmented", "--budget", "32", "--rates", "20,200",
                           "--requests", "5", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
                           "--output-max", "6", "--slots", "2", "--time-limit", "30", "--out", str(tmp_path),
                           "--name", "t"])
     assert rc == 0
     d = json.loads((tmp_path / "t.json").read_text())
-    assert [r["method"] for r in d["runs"]] == ["dense", "quest:offload"]
+    assert [r["method"] for r in d["runs"]] == ["dense", "quest:offload", "quest:segmented"]
+    assert d["runs"][2]["offloaded"] and d["runs"][2]["prefill_segments"] > 0
     assert d["runs"][1]["offloaded"] and sum(r["blocks_loaded_per_iter"] for r in d["runs"][1]["rows"]) > 0
     for run in d["runs"]:
         assert run["iteration_ms"] > 0 and run["goodput_rps"] in (None, 20.0, 200.0)
@@ -25,7 +26,7 @@ def test_serve_load_tiny(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
     rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
                           "--name", "m"])
-    assert rc == 0 and len(json.loads((tmp_path / "m.json").read_text())["runs"]) == 4
+    assert rc == 0 and len(json.loads((tmp_path / "m.json").read_text())["runs"]) == 6
 
 
 def test_workload_is_poisson_and_bounded():
