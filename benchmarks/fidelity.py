@@ -141,9 +141,9 @@ class FidelityProbe(AttentionMethod):
     inner: AttentionMethod = DenseAttention()
     num_q_heads: int = 1
 
-    def for_model(self, model_name, *, num_layers, head_dim):
+    def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         # the measured method may need per-model data (calibrated channels)
-        inner = self.inner.for_model(model_name, num_layers=num_layers, head_dim=head_dim)
+        inner = self.inner.for_model(model_name, num_layers=num_layers, head_dim=head_dim, sparse_layers=sparse_layers)
         return dataclasses.replace(self, inner=inner)
 
     @property

@@ -359,22 +359,6 @@ def with_dense_layer_rule(method: AttentionMethod, options: dict | None, cfg: Mo
     return dataclasses.replace(method, dense_layers=tuple(cfg.global_dense_layers))
 
 
-def _first_sparse_layer_anchors(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
-    """A method that reuses an earlier layer's selection (Kascade's ``anchors``) must
-    anchor the first layer it runs on, which on a hybrid model is a global layer the
-    method itself cannot see (``for_model`` knows no layer kinds): without it that
-    layer would attend an empty carry and output zeros."""
-    anchors = getattr(method, "anchors", None)
-    if anchors is None or not cfg.layer_types:
-        return method
-    from models.driver import make_plan
-
-    first = next((i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse), None)
-    if first is None or first in anchors:
-        return method
-    return dataclasses.replace(method, anchors=tuple(sorted({first, *anchors})))
-
-
 def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
     """Token Sparse Attention without ``prefill.layers``: the model's shipped drift
     profile names the layers (``python -m models.prefill_profile``), when it has one."""
@@ -395,8 +379,11 @@ def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> Atte
 
     Raises ValueError (the method cannot run this model) or FileNotFoundError (no
     calibration for it), before anything compiles."""
-    method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
-    method = _first_sparse_layer_anchors(method, cfg)
+    from models.driver import make_plan
+
+    # the layers the method runs on, from the model's plan (layer kinds, the dense-layer rule)
+    sparse = tuple(i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse)
+    method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim, sparse_layers=sparse)
     method = _prefill_layers_from_profile(method, cfg)
     max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)

@@ -237,3 +237,19 @@ def test_composed_methods_run_from_the_cli(capsys, opts):
     assert rc == 0
     text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
     assert text == tok.decode(f["greedy_ids"][:3].tolist())
+
+
+def test_hybrid_model_anchors_its_first_global_layer_through_the_plan():
+    """On a hybrid model Kascade runs on global layers only: ``load_model`` gives
+    ``for_model`` the plan's sparse layers, so the first global layer (2 here) becomes
+    an anchor (nothing before it to reuse). Without the plan the method would anchor
+    its own idea of the first layer (0, a local layer it never runs on)."""
+    import models
+    from test_driver import hybrid_config
+
+    cfg = hybrid_config()
+    model = models.load_model(config=cfg, dtype=jnp.float32, attention="kascade",
+                              attention_options={"anchors": (5,), "dense_layers": ()})
+    assert model.method.anchors == (2, 5), model.method.anchors
+    plain = Kascade(anchors=(5,)).for_model("tiny-hybrid", num_layers=6, head_dim=16)
+    assert plain.anchors == (0, 5)  # the control: no plan, no global layer known

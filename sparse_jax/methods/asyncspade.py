@@ -161,9 +161,9 @@ class AsyncSpade(AttentionMethod):
     def blocks(self) -> bool:
         return isinstance(self.inner(), BlockSparseMethod)
 
-    def for_model(self, model_name, *, num_layers, head_dim):
+    def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         return dataclasses.replace(self, bound=self.inner().for_model(model_name, num_layers=num_layers,
-                                                                       head_dim=head_dim))
+                                                                       head_dim=head_dim, sparse_layers=sparse_layers))
 
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
         if self.window < 1:

@@ -151,9 +151,14 @@ class AttentionMethod:
     prefill_options: tuple = ()
 
     # -- binding to a model ---------------------------------------------------
-    def for_model(self, model_name: str, *, num_layers: int, head_dim: int) -> "AttentionMethod":
+    def for_model(self, model_name: str, *, num_layers: int, head_dim: int,
+                  sparse_layers: tuple[int, ...] | None = None) -> "AttentionMethod":
         """Called once by ``load_model``: a method that needs per-model data
-        (calibrated channels) returns a copy holding it, or raises a clear error."""
+        (calibrated channels) returns a copy holding it, or raises a clear error.
+        ``sparse_layers``: the model layers the method runs on, from the model's layer
+        plan (layer kinds and the dense-layer rule applied; on a hybrid model only
+        global layers), when the caller has the plan; None: derive from
+        ``dense_layers`` over ``num_layers``."""
         return self
 
     def sparse_prefill(self):

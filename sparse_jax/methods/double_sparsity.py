@@ -54,7 +54,7 @@ class DoubleSparsity(SparseMethod):
     calibration_root: str | None = None
     channels_per_layer: tuple | None = dataclasses.field(default=None, repr=False)
 
-    def for_model(self, model_name, *, num_layers, head_dim):
+    def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         if self.channels_per_layer is not None:
             return self
         cpl = select_channels(model_name, num_layers, self.num_channels(head_dim), self.ranking, self.calibration_root)

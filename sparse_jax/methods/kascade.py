@@ -148,7 +148,7 @@ class Kascade(AttentionMethod):
         return get_method(self.anchor_selector, **opts)
 
     # -- binding -------------------------------------------------------------------
-    def for_model(self, model_name, *, num_layers, head_dim):
+    def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         if self.num_anchors is not None and self.num_anchors < 1:
             raise ValueError(f"kascade: num_anchors must be >= 1, got {self.num_anchors}")
         anchors, head_map = self.anchors, self.head_map
@@ -161,14 +161,18 @@ class Kascade(AttentionMethod):
         if head_map is None and cal_map is not None:
             head_map = tuple(tuple(int(h) for h in row) for row in np.asarray(cal_map))
         anchors = tuple(sorted(int(a) for a in anchors))
-        # the first sparse layer must be an anchor: nothing before it to reuse
-        dense = {i % num_layers for i in self.dense_layers}
-        first_sparse = next((i for i in range(num_layers) if i not in dense), None)
+        # the first layer the method runs on must be an anchor: nothing before it to reuse. On
+        # a hybrid model that is a global layer, which only the model's plan knows
+        if sparse_layers is not None:
+            first_sparse = min(sparse_layers, default=None)
+        else:
+            dense = {i % num_layers for i in self.dense_layers}
+            first_sparse = next((i for i in range(num_layers) if i not in dense), None)
         if first_sparse is not None and first_sparse not in anchors:
             anchors = tuple(sorted({first_sparse, *anchors}))
         sel = self._selector()
         if sel is not None:
-            sel = sel.for_model(model_name, num_layers=num_layers, head_dim=head_dim)
+            sel = sel.for_model(model_name, num_layers=num_layers, head_dim=head_dim, sparse_layers=sparse_layers)
         return dataclasses.replace(self, anchors=anchors, head_map=head_map, selector=sel)
 
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
