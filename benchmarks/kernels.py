@@ -203,16 +203,22 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
         for impl in impls:
             t = time_fn(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (ls,), runs=runs)
             add(f"topk tokens 8192->K [{impl}]", t, ls.size * 4, budget, dense_ms)
-        idx = jax.random.randint(jax.random.key(budget), (b, HKV, budget), 0, s, jnp.int32)
+        # several selections, cycled: the rows one selection reads (34 MB at B=8, K=1024) would
+        # otherwise stay in the 50 MB L2 between runs and read faster than HBM allows
+        n_sets = max(1, min(8, -(-3 * 50 * 2**20 // (2 * b * HKV * budget * D * 2))))
+        idx_sets = [jax.random.randint(jax.random.key(budget * 16 + i), (b, HKV, budget), 0, s, jnp.int32)
+                    for i in range(n_sets)]
         counts = jnp.full((b, HKV), budget, jnp.int32)
-        sel_bytes = 2 * b * HKV * budget * D * 2 + idx.size * 4
+        sel_bytes = 2 * b * HKV * budget * D * 2 + idx_sets[0].size * 4
         for impl in impls:
-            t = time_fn(jax.jit(functools.partial(sparse_decode_attention, impl=impl)), (q, k, v, idx, counts), runs=runs)
+            t = time_fn(jax.jit(functools.partial(sparse_decode_attention, impl=impl)),
+                        [(q, k, v, i, counts) for i in idx_sets], runs=runs, rotate=True)
             add(f"sparse_decode_attention [{impl}]", t, sel_bytes, budget, dense_ms)
-        bidx = jax.random.randint(jax.random.key(budget + 1), (b, HKV, budget // BLOCK), 0, nb, jnp.int32)
+        bidx_sets = [jax.random.randint(jax.random.key(budget * 16 + 8 + i), (b, HKV, budget // BLOCK), 0, nb, jnp.int32)
+                     for i in range(n_sets)]
         bcounts = jnp.full((b, HKV), budget // BLOCK, jnp.int32)
         t = time_fn(jax.jit(functools.partial(block_sparse_decode_attention, block_size=BLOCK)),
-                    (q, k, v, bidx, bcounts, lengths), runs=runs)
+                    [(q, k, v, bi, bcounts, lengths) for bi in bidx_sets], runs=runs, rotate=True)
         add("block_sparse_decode_attention", t, sel_bytes, budget, dense_ms)
         op = jax.jit(functools.partial(asynctls_operator, budget=budget))
         t = time_fn(op, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)

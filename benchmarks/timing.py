@@ -105,8 +105,14 @@ def _cupti(fn, sets, runs):
         iters = max(1, min(runs, 20))
         totals = []
         per_kernel = None
-        for a in sets[: max(1, min(len(sets), 4))]:
-            _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*a)
+        if len(sets) > 1:
+            # rotating: one call per set in turn, so a call never finds its own inputs in L2
+            # (measure's iterations repeat the same arguments back to back)
+            calls = [(sets[j % len(sets)], 1) for j in range(max(iters, len(sets)))]
+        else:
+            calls = [(sets[0], iters)]
+        for a, n in calls:
+            _, timings = profiler.measure(fn, aggregate=False, iterations=n)(*a)
             if not timings:
                 continue
             for it in timings:
