@@ -34,7 +34,8 @@ from benchmarks.timing import (
     write_results,
 )
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
-from sparse_jax.ops.scoring import block_minmax, build_label_cache, label_scores, quest_block_scores
+from sparse_jax.ops.scoring import (block_label_scores, block_minmax, build_label_cache, label_scores,
+                                    quest_block_scores)
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
@@ -67,7 +68,8 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     """AsyncTLS two-level selection + sparse attention, one decode step.
 
     Quest GEMM block scores over 64-token blocks -> top-KB blocks -> label
-    scores over their KB*64 tokens -> top-``budget`` tokens -> sparse attention.
+    scores over their KB*64 tokens (over the block ids) -> top-``budget`` tokens
+    -> sparse attention.
     """
     b = q.shape[0]
     nb = k_max.shape[2]
@@ -75,11 +77,11 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     nvalid = (lengths + BLOCK - 1) // BLOCK
     block_counts = jnp.broadcast_to(nvalid[:, None], (b, HKV)).astype(jnp.int32)
     blocks = topk_indices(scores, KB, block_counts, impl=impl)  # [B, Hkv, KB]
-    cand = (blocks[..., None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(b, HKV, KB * BLOCK)
-    cand_counts = jnp.full((b, HKV), KB * BLOCK, jnp.int32)
-    ls = label_scores(q, labels, channels, cand, cand_counts, lengths=lengths, impl=impl)
-    pick = topk_indices(ls, budget, impl=impl)
-    tokens = jnp.take_along_axis(cand, pick, axis=-1)
+    # the labels scored over the block ids (no candidate array), as the method does
+    ls = block_label_scores(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,
+                            block_size=BLOCK, impl=impl)
+    pick = topk_indices(ls, budget, impl=impl)  # slots of the KB * BLOCK candidates
+    tokens = jnp.take_along_axis(blocks, pick // BLOCK, axis=-1) * BLOCK + pick % BLOCK
     counts = jnp.full((b, HKV), budget, jnp.int32)
     out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
     if return_parts:

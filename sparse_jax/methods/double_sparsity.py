@@ -19,6 +19,7 @@ from sparse_jax.methods.quest import BlockBoxes
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import SparseMethod
 from sparse_jax.ops.scoring import (
+    block_label_scores,
     block_minmax,
     build_label_cache,
     label_scores,
@@ -186,9 +187,22 @@ class AsyncTLS(DoubleSparsity):
 
     def select_tokens(self, q, state, blocks, lengths, channels, capacity):
         """Top tokens by label score inside ``blocks [B,Hkv,n-1]`` and the newest
-        block: ``(positions int32[B,Hkv,K], counts int32[B,Hkv])``."""
-        cand, cand_counts = self.expand_blocks(blocks, lengths)
-        scores = label_scores(q, state.labels, channels, cand, cand_counts, impl=self.impl)
+        block: ``(positions int32[B,Hkv,K], counts int32[B,Hkv])``.
+
+        The labels are scored over the block ids (``block_label_scores``: the
+        kernel makes the positions in registers, so no candidate array is written
+        for it), in :meth:`expand_blocks`'s order and with its mask: a short row's
+        ``arange`` blocks already hold its newest block unless that is block
+        ``n-1``, so the appended copy is counted out; tokens at or past ``lengths``
+        score 0."""
+        bs = self.block_size
+        b, hkv, n1 = blocks.shape
+        newest = (lengths - 1) // bs
+        all_blocks = jnp.concatenate([blocks, jnp.broadcast_to(newest[:, None, None], (b, hkv, 1))], -1)
+        scored = jnp.broadcast_to(jnp.where(newest < n1, n1, n1 + 1)[:, None], (b, hkv)).astype(jnp.int32)
+        scores = block_label_scores(q, state.labels, channels, all_blocks, scored, lengths, block_size=bs,
+                                    impl=self.impl)
+        cand, cand_counts = self.expand_blocks(blocks, lengths)  # positions for the top-k's masks and gather
         return self.select_from_scores(scores, lengths, cand, cand_counts, capacity=capacity)
 
     def prefill_query_state(self, state, q_last, lengths, layer):
