@@ -47,13 +47,13 @@ def _wait_idle(engine: Engine, timeout: float = 30.0) -> dict:
     raise AssertionError(f"the engine did not drain: {engine.stats()}")
 
 
-@pytest.fixture(scope="module")
-def server():
-    try:
-        model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
-    except Exception as e:  # noqa: BLE001  (weights package missing)
-        pytest.skip(str(e))
-    engine = Engine(model, slots=3, max_len=MAX_LEN).start()
+import contextlib
+
+
+@contextlib.contextmanager
+def _serving(engine: Engine, model):
+    """``engine`` behind the app on a uvicorn thread (a free loopback port), with an
+    ``openai`` client; stops both on exit."""
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -64,10 +64,22 @@ def server():
         time.sleep(0.02)
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield SimpleNamespace(base=base, model=model, engine=engine, client=client)
-    srv.should_exit = True
-    thread.join(10)
-    engine.stop()
+    try:
+        yield SimpleNamespace(base=base, model=model, engine=engine, client=client)
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    try:
+        model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
+    except Exception as e:  # noqa: BLE001  (weights package missing)
+        pytest.skip(str(e))
+    with _serving(Engine(model, slots=3, max_len=MAX_LEN).start(), model) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +251,19 @@ def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeyp
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
     with pytest.raises(ValueError, match=fragment):
         make_engine(build_parser().parse_args(flags))
+
+
+def test_offloaded_server_with_layer_segmented_prefill(server):
+    """The offloaded engine with SparseServe's layer-segmented prefill (a prompt runs a
+    few layers per iteration) behind the same server: two concurrent ``openai``
+    clients get the resident method's greedy tokens, and the engine drains."""
+    model = server.model.with_method("quest", budget=64)
+    engine = Engine(model, slots=2, max_len=MAX_LEN, offload=True, max_inject_tokens=64).start()
+    prompts = PROMPTS[:2]
+    refs = {p: model.generate(p, max_new_tokens=12) for p in prompts}
+    with _serving(engine, model) as srv:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = dict(zip(prompts, pool.map(lambda p: _complete(srv.client, p).choices[0].text, prompts)))
+        assert got == refs
+        assert engine.prefill_segments >= 2 * 30 // 4  # 30 layers, at most 4 per iteration (64 // 16 tokens)
+        _wait_idle(engine)
