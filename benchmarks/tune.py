@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.timing import RESULTS_DIR, hbm_floor_ms, markdown_table, stamp, time_fn, write_results
 from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
-from sparse_jax.ops.scoring import build_label_cache, label_scores, quest_block_scores
+from sparse_jax.ops.scoring import block_label_scores, build_label_cache, label_scores, quest_block_scores
 from sparse_jax.ops.selection import topk_indices
 
 DEADLINE = float("inf")
@@ -206,6 +206,15 @@ def main(argv=None):
             if r:
                 best[("labels", shape)] = r
                 classes[shape_class("label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g)] = (r, shape)
+            # over block ids, as AsyncTLS scores them (no candidate array)
+            bcount = jnp.full((b, hkv), nsel, jnp.int32)
+            ref = block_label_scores(q, labels, channels, blocks, bcount, lengths, block_size=64, impl="reference")
+            r = sweep("block_label_scores", lambda *a, **c: block_label_scores(*a, block_size=64, impl="pallas", **c),
+                      (q, labels, channels, blocks, bcount, lengths), ref, cfgs, b * hkv * cand.shape[-1] * (w + 8),
+                      args.runs, rows, shape, tol=1e-3)
+            if r:
+                best[("block_labels", shape)] = r
+                classes[shape_class("block_label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g, block=64)] = (r, shape)
         del q, k, v
     if not only or "topk" in only:
         for rows_, n, kk in ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048), (64, 8192, 1024),
