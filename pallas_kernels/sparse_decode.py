@@ -27,13 +27,15 @@ GPU kernel design
 -----------------
 Grid ``(B, Hkv, num_splits)``. One program owns one GQA group: its q tile is
 ``[G_pad, D]`` (G padded with zero rows up to >= 16, because Triton's ``tl.dot``
-needs M >= 16), so every gathered K/V row is loaded once and used by all G
+needs M >= 16; the padding is a masked load of the group's G rows, not a
+padded copy of q), so every gathered K/V row is loaded once and used by all G
 query heads through tensor-core dots. The K selected slots are cut into
 ``num_splits`` contiguous shares (flash-decoding) so that small ``B * Hkv``
 still fills the GPU; each program loops over its share in tiles of
 ``block_k`` slots:
 
-1. load ``block_k`` indices (a contiguous ``pl.ds`` slice of the index row),
+1. load ``block_k`` indices (a masked ``pl.ds`` slice of the whole index row at
+   the split's offset: the list is read in place, never padded),
 2. mask slots past the count and point them at row 0 (always in bounds, so the
    gather needs no load mask),
 3. gather the K rows: ``k_ref[idx]`` with an int-array indexer lowers to a
@@ -42,8 +44,11 @@ still fills the GPU; each program loops over its share in tiles of
 4. ``logits = q @ k.T`` ``[G_pad, block_k]``, online softmax in float32,
    ``o += p @ v`` with V gathered the same way.
 
-Each split writes unnormalised ``(o, m, l)``; a small jnp epilogue
-(``merge.combine_splits``) merges the splits.
+Each split writes unnormalised ``(o, m, l)`` of the G real heads (masked
+stores); a small jnp epilogue (``merge.combine_splits``) merges the splits.
+Tiling comes from the tuned table (``pallas_kernels.tuning``) on the GPU when
+the caller gives none. ``prefetch=1`` double-buffers tile t+1's rows in
+registers while tile t computes.
 """
 
 from __future__ import annotations
