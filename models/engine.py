@@ -442,7 +442,7 @@ class OffloadedSlots:
 
     offloaded = True
 
-    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None):
+    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False):
         from models.tiered import TieredRunner
         from sparse_jax.offload.tiers import OffloadedLayer
 
@@ -479,7 +479,7 @@ class OffloadedSlots:
         self._ws_pending = None  # (int32[slots] on the device, the step it measured)
         self._steps = 0
         self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
-        self.segmented = False  # set by the engine: prompts prefill a few layers per iteration
+        self.segmented = segmented  # prompts prefill a few layers per iteration (Engine.max_inject_tokens)
 
     def prefill(self, ids: Sequence[int]):
         job = self.start_prefill(ids)
@@ -490,14 +490,14 @@ class OffloadedSlots:
         """A :class:`models.tiered.PrefillJob` of one prompt (bucketed as every prefill):
         the engine's layer-segmented prefill advances it between decode steps."""
         n = len(ids)
-        t = prefill_bucket(n, self.max_len)
-        t = t if t < self.max_len else n  # the tiered prefill needs room for one decode token
-        tokens = np.full((1, t), self.model._pad_id(), np.int32)
+        tokens = np.full((1, self.prompt_tokens(n)), self.model._pad_id(), np.int32)
         tokens[0, :n] = ids
         return self.runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
 
     def prompt_tokens(self, n: int) -> int:
-        """Tokens a prompt of ``n`` runs through each layer (its prefill bucket)."""
+        """Tokens a prompt of ``n`` runs through each layer: its prefill bucket, or ``n``
+        where the bucket would fill the cache (the tiered prefill needs room for one
+        decode token)."""
         t = prefill_bucket(n, self.max_len)
         return t if t < self.max_len else n
 
@@ -635,11 +635,10 @@ class Engine:
         self.stop_ids = frozenset(int(i) for i in (model._stop_ids() if stop_ids is None else stop_ids))
         if unroll is None:
             unroll = tfm.default_unroll()
-        self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots) if offload
-                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
-        if self.max_inject_tokens is not None:
-            self.kv.segmented = True
+        self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots,
+                                  segmented=self.max_inject_tokens is not None) if offload
+                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
         self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
         cache_bytes = self.kv.device_bytes

@@ -63,7 +63,6 @@ from pallas_kernels.sparse_decode import (
     default_scale,
     dot_precision,
     gathered_attention_reference,
-    group_rows,
     load_group_q,
     store_group,
     online_softmax_step,
@@ -111,7 +110,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
                          o_ref, m_ref, l_ref, *,
                          scale: float, block_size: int, tile: int, sub_tiles: int,
                          blocks_per_iter: int, blocks_per_split: int, NB: int, S: int,
-                         g_pad: int, precision):
+                         precision):
     # Block refs: counts_ref [], len_ref [] ; q_ref [G, D] ; bidx_ref [NB] (the
     # whole block list; this split owns [split * blocks_per_split, ...)) ;
     # k_ref, v_ref [S, D] ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
@@ -123,7 +122,8 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
     base = split * blocks_per_split
     n_valid = jnp.clip(count - base, 0, blocks_per_split)
 
-    q = load_group_q(q_ref, g_pad)
+    q = load_group_q(q_ref)
+    g_pad = q.shape[0]
     lanes = jnp.arange(tile, dtype=jnp.int32)
 
     if blocks_per_iter == 1:
@@ -250,7 +250,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
-        g_pad=group_rows(Hq // Hkv), precision=dot_precision(q.dtype))
+        precision=dot_precision(q.dtype))
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
         name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,

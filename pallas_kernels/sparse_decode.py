@@ -184,9 +184,11 @@ def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def load_group_q(q_ref, g_pad: int):
-    """The program's GQA group ``q_ref [G, D]`` as a ``[g_pad, D]`` tile with zero rows
-    past G (``tl.dot`` needs M >= 16): a masked load, so no padded copy of q is made."""
+def load_group_q(q_ref):
+    """The program's GQA group ``q_ref [G, D]`` as a ``[group_rows(G), D]`` tile with
+    zero rows past G (``tl.dot`` needs M >= 16): a masked load, so no padded copy of q
+    is made."""
+    g_pad = group_rows(q_ref.shape[0])
     rows = jnp.arange(g_pad, dtype=jnp.int32)
     return plgpu.load(q_ref.at[pl.ds(0, g_pad)], mask=(rows < q_ref.shape[0])[:, None], other=0.0)
 
@@ -204,7 +206,7 @@ def store_group(o_ref, m_ref, l_ref, o, m, l):
 def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
                           o_ref, m_ref, l_ref, *,
                           scale: float, block_k: int, k_split: int, K: int, S: int,
-                          g_pad: int, prefetch: int, precision):
+                          prefetch: int, precision):
     # Block refs: counts_ref [] ; q_ref [G, D] ; idx_ref [K] (the whole index row:
     # this split reads [split * k_split, ...) with masked loads, so the list needs no
     # padded copy) ; k_ref, v_ref [S, D] (this (b, h)'s whole cache row) ;
@@ -218,7 +220,8 @@ def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
     # Only tiles with >= 1 valid slot are visited (early exit for short rows).
     n_tiles = lax.div(n_valid + (block_k - 1), block_k)
 
-    q = load_group_q(q_ref, g_pad)
+    q = load_group_q(q_ref)
+    g_pad = q.shape[0]
     lanes = jnp.arange(block_k, dtype=jnp.int32)
 
     def fetch(t):
@@ -305,7 +308,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
 
     kernel = functools.partial(
         _sparse_decode_kernel, scale=scale, block_k=block_k, k_split=k_split,
-        K=K, S=S, g_pad=group_rows(Hq // Hkv), prefetch=prefetch, precision=dot_precision(q.dtype))
+        K=K, S=S, prefetch=prefetch, precision=dot_precision(q.dtype))
     return split_decode_call(
         kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
         name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,

@@ -195,13 +195,11 @@ class AsyncTLS(DoubleSparsity):
         ``arange`` blocks already hold its newest block unless that is block
         ``n-1``, so the appended copy is counted out; tokens at or past ``lengths``
         score 0."""
-        bs = self.block_size
         b, hkv, n1 = blocks.shape
-        newest = (lengths - 1) // bs
-        all_blocks = jnp.concatenate([blocks, jnp.broadcast_to(newest[:, None, None], (b, hkv, 1))], -1)
+        all_blocks, newest = self._with_newest(blocks, lengths)
         scored = jnp.broadcast_to(jnp.where(newest < n1, n1, n1 + 1)[:, None], (b, hkv)).astype(jnp.int32)
-        scores = block_label_scores(q, state.labels, channels, all_blocks, scored, lengths, block_size=bs,
-                                    impl=self.impl)
+        scores = block_label_scores(q, state.labels, channels, all_blocks, scored, lengths,
+                                    block_size=self.block_size, impl=self.impl)
         cand, cand_counts = self.expand_blocks(blocks, lengths)  # positions for the top-k's masks and gather
         return self.select_from_scores(scores, lengths, cand, cand_counts, capacity=capacity)
 
@@ -231,6 +229,13 @@ class AsyncTLS(DoubleSparsity):
         short = (newest <= n1)[:, None, None]
         return jnp.where(short, jnp.arange(n1, dtype=jnp.int32), top).astype(jnp.int32)
 
+    def _with_newest(self, blocks, lengths):
+        """``(blocks [B,Hkv,n-1]`` with each row's newest block appended ``[B,Hkv,n]``,
+        ``newest int32[B])``."""
+        b, hkv, _ = blocks.shape
+        newest = (lengths - 1) // self.block_size
+        return jnp.concatenate([blocks, jnp.broadcast_to(newest[:, None, None], (b, hkv, 1))], -1), newest
+
     def expand_blocks(self, blocks, lengths):
         """Candidate tokens of ``blocks [B,Hkv,n-1]`` plus the newest block (last):
         ``(positions int32[B,Hkv,n*bs], counts int32[B,Hkv])``, the first
@@ -238,8 +243,7 @@ class AsyncTLS(DoubleSparsity):
         index ``newest``, so its first ``lengths`` candidates are ``0..L-1``."""
         bs = self.block_size
         b, hkv, n1 = blocks.shape
-        newest = (lengths - 1) // bs
-        all_blocks = jnp.concatenate([blocks, jnp.broadcast_to(newest[:, None, None], (b, hkv, 1))], -1)
+        all_blocks, newest = self._with_newest(blocks, lengths)
         tokens = (all_blocks[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(b, hkv, -1)
         short = newest <= n1
         counts = jnp.where(short, lengths, n1 * bs + lengths - newest * bs)
