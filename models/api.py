@@ -145,6 +145,15 @@ class Model:
 
         return ShardedModel(self, Parallelism(data, model), devices)
 
+    def with_cache_rank(self, devices=None, *, pack_layers: int = 6) -> "Model":
+        """AsyncSpade with its cache rank on a second device
+        (:class:`models.cache_rank.CacheRankModel`): the next step's selection is chosen
+        on ``devices[1]`` while ``devices[0]`` runs the step, in packs of
+        ``pack_layers`` layers. The same API; the model must run ``asyncspade``."""
+        from models.cache_rank import CacheRankModel
+
+        return CacheRankModel(self, devices, pack_layers)
+
     def forward(self, tokens) -> jax.Array:
         """Logits f32 ``[B, T, V]`` of whole sequences ``tokens int32[B, T]`` (no cache)."""
         tokens = _as_int_array("tokens", tokens, 2, "[B, T]")

@@ -282,7 +282,7 @@ class Driver:
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
-               gather_programs: int | None = None):
+               gather_programs: int | None = None, layers: range | None = None):
         """One token per row ``x [B, H]`` at positions ``cache.lengths``: returns ``x``
         and the cache with the token appended (``lengths + 1``).
 
@@ -290,15 +290,23 @@ class Driver:
         offloaded layer (whose cache entry is its device tier, an
         :class:`~sparse_jax.offload.tiers.OffloadedLayer`) or None; offloaded
         segments always run unrolled (each layer reads its own host buffers).
-        ``gather_programs``: the offloaded layers' copy grid."""
+        ``gather_programs``: the offloaded layers' copy grid. ``layers``: run only these
+        consecutive model layers (``x`` is then the hidden state entering the first;
+        entries of ``cache.layers`` outside them are not read and may be None): a pack
+        of layers of :mod:`models.cache_rank`."""
         from models.transformer import layer_output, layer_qkv, rope_cos_sin
 
         pos = cache.lengths
         b = pos.shape[0]
         host = host or (None,) * cache.num_layers
         mcarry = self.method.init_carry(batch=b, num_kv_heads=self.cfg.num_kv_heads, max_len=cache.max_len)
-        layers = list(cache.layers)
+        entries_all = list(cache.layers)
         for seg in self.plan.segments:
+            if layers is not None:  # the segment clipped to the layers asked for
+                lo, hi = max(seg.start, layers.start), min(seg.start + seg.length, layers.stop)
+                if lo >= hi:
+                    continue
+                seg = dataclasses.replace(seg, start=lo, length=hi - lo)
             spec, m = seg.spec, _method_for(self.method, seg.spec)
             cos, sin = rope_cos_sin(pos, inv_freq(self.cfg, spec))
             offloaded = [host[i] is not None for i in seg.layers]
@@ -326,12 +334,12 @@ class Driver:
                     o, st, mcarry = m.decode(q, kv, pos + 1, st, mcarry, ctx)
                 return (layer_output(layer, x, o, self._reduce), mcarry), LayerCache(kc, vc, st)
 
-            entries = [layers[i] for i in seg.layers]
+            entries = [entries_all[i] for i in seg.layers]
             (x, mcarry), entries = self._run_segment(body, (x, mcarry), seg, entries,
                                                      self.unroll or any(offloaded))
             for i, e in zip(seg.layers, entries):
-                layers[i] = e
-        return x, KVCache(tuple(layers), pos + 1, cache.max_len)
+                entries_all[i] = e
+        return x, KVCache(tuple(entries_all), pos + 1, cache.max_len)
 
     # -- helpers ------------------------------------------------------------------------
     def _xs(self, seg: Segment) -> dict:

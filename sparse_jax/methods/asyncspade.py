@@ -240,31 +240,42 @@ class AsyncSpade(AttentionMethod):
         sel, _, _ = inner.select(q_hat, kv, lengths, inner_state, None, layer)
         return sel.token_view(lengths)
 
-    def select(self, q, kv, lengths, state, carry, layer):
-        inner = self.inner()
-        # 1. this step's selection: chosen during the previous step
-        cur, cur_counts = state["next"], state["next_counts"]
-        # 2. the query history and the prediction for the next step
+    def advance(self, q, kv, lengths, state, layer):
+        """Steps 2 and 3 of the module docstring: push ``q [B,Hq,D]`` into the history,
+        predict ``q̂_{t+1}`` and choose the next step's selection from it; ``state``
+        needs ``hist``, ``count`` and ``inner`` (the selector's state, the new key
+        appended). Reads nothing of ``kv`` but its ``capacity`` (and what the selector's
+        ``select`` reads: :meth:`check` refuses selectors that read the keys), so it can
+        run apart from the attention: on a second device (:mod:`models.cache_rank`)."""
         hist = jnp.concatenate([state["hist"][:, :, 1:], q.astype(jnp.float32)[:, :, None]], axis=2)
         count = jnp.minimum(state["count"] + 1, self.window + 1)
         q_hat = predict_next_query(hist, count, self.window, self.ridge)
-        # 3. the next step's selection (independent of this step's attention)
         nxt, nxt_counts = self._choose(q_hat, lengths, state["inner"], layer, kv)
-        state = dict(state, hist=hist, count=count, next=nxt, next_counts=nxt_counts)
+        return dict(state, hist=hist, count=count, next=nxt, next_counts=nxt_counts)
+
+    def step_selection(self, cur, cur_counts, lengths, prefetch=None) -> Selection:
+        """This step's :class:`Selection` from the choice made one step earlier
+        (``cur [B,Hkv,K]``, ``cur_counts [B,Hkv]``: block ids, or token positions to which
+        this step's new token is added: it did not exist when they were chosen)."""
         if self.blocks:
-            sel = Selection.blocks(cur, cur_counts, inner.block_size,
-                                   prefetch=self._prefetch_blocks(nxt, nxt_counts, lengths, True), within_prefetch=True)
-            return sel, state, carry
-        # tokens: add this step's new token (it did not exist when they were chosen)
+            return Selection.blocks(cur, cur_counts, self.inner().block_size, prefetch=prefetch,
+                                    within_prefetch=prefetch is not None)
         b, hkv, kk = cur.shape
         newest = jnp.broadcast_to((lengths - 1)[:, None, None], (b, hkv, 1))
         idx = jnp.concatenate([cur, newest], -1)
         slot = jnp.arange(kk + 1)
         idx = jnp.where(slot == cur_counts[..., None], newest, jnp.where(slot < cur_counts[..., None], idx, 0))
-        sel = Selection.tokens(idx.astype(jnp.int32), cur_counts + 1, block_size=self.prefetch_block_size,
-                               within_prefetch=True,
-                               prefetch=self._prefetch_blocks(nxt, nxt_counts, lengths, False))
-        return sel, state, carry
+        return Selection.tokens(idx.astype(jnp.int32), cur_counts + 1, block_size=self.prefetch_block_size,
+                                within_prefetch=prefetch is not None, prefetch=prefetch)
+
+    def select(self, q, kv, lengths, state, carry, layer):
+        # 1. this step's selection: chosen during the previous step
+        cur, cur_counts = state["next"], state["next_counts"]
+        # 2-3. the history, the prediction and the next step's selection (independent
+        # of this step's attention)
+        state = self.advance(q, kv, lengths, state, layer)
+        prefetch = self._prefetch_blocks(state["next"], state["next_counts"], lengths, self.blocks)
+        return self.step_selection(cur, cur_counts, lengths, prefetch), state, carry
 
     # -- offloading: the next selection's blocks are the prefetch ---------------------------
     def _prefetch_blocks(self, nxt, counts, lengths, blocks: bool):

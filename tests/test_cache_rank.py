@@ -1,0 +1,77 @@
+"""AsyncSpade's cache rank on a second device (models.cache_rank).
+
+The two-device cases run ``tests/cache_rank_check.py`` in a subprocess with two forced
+CPU devices (the count must be set before jax starts); the errors are checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models.api import Model
+from models.cache_rank import packs_of
+from models.config import ModelConfig
+from models.transformer import init_params
+from sparse_jax.methods.registry import get_method
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_cache_rank_gives_the_one_device_tokens():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-m", "tests.cache_rank_check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["case"]: r for r in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
+    cases = [c for c in rows if c.startswith("tiny/")]
+    assert len(cases) == 5, rows
+    for c in cases:
+        r = rows[c]
+        # the same computation on the same CPU, compiled per pack: equal to f32 rounding
+        assert r["max_dlogit"] < 1e-5 and r["tokens_agree"], r
+        assert r["rank_devices"] == ["cpu:1"] and r["inference_devices"] == ["cpu:0"], r
+    assert rows["tiny/asyncspade[quest]/pack=1"]["packs"] == 5
+    assert rows["tiny/asyncspade[quest]/pack=6"]["packs"] == 1
+    # the comparison can fail: another selection (the lag) moves the logits by far more
+    assert rows["control/asyncspade[quest]/window=1-vs-window=4"]["max_dlogit"] > 0.1
+    sm = rows["smollm2/asyncspade/generate"]
+    assert sm["tokens_agree"] and sm["got"].strip(), sm
+
+
+def _tiny(method):
+    cfg = ModelConfig(name="tiny", arch="qwen3", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48, vocab_size=31, max_position=256, rope_theta=1e4,
+                      rms_eps=1e-6)
+    graphdef, params = init_params(cfg, jnp.float32)
+    return Model(cfg, graphdef, params, None, method, jnp.float32, 128)
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="the cache rank is AsyncSpade's"):
+        _tiny(get_method("quest", budget=16)).with_cache_rank()
+    spade = _tiny(get_method("asyncspade", budget=16, window=2))
+    with pytest.raises(ValueError, match="pack_layers must be >= 1"):
+        spade.with_cache_rank(pack_layers=0)
+    if len(jax.devices()) == 1:
+        with pytest.raises(ValueError, match="needs a second device: jax sees 1"):
+            spade.with_cache_rank()
+    with pytest.raises(ValueError, match="two different devices"):
+        spade.with_cache_rank(devices=[jax.devices()[0]] * 2)
+    # ArkVale re-summarises the new token's whole page: the keys stay on the inference rank
+    ark = _tiny(get_method("asyncspade", budget=128, window=2, selector="arkvale"))
+    with pytest.raises(ValueError, match="reads `block_keys` of the key cache"):
+        ark.with_cache_rank(devices=[jax.devices()[0]] * 2)
+
+
+def test_packs():
+    assert packs_of(5, 2) == (range(0, 2), range(2, 4), range(4, 5))
+    assert packs_of(36, 6)[-1] == range(30, 36) and len(packs_of(36, 6)) == 6
+    assert packs_of(3, 8) == (range(0, 3),)
