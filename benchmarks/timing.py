@@ -115,6 +115,9 @@ def _cupti(fn, sets, runs):
             _, timings = profiler.measure(fn, aggregate=False, iterations=n)(*a)
             if not timings:
                 continue
+            if n == 1:
+                # one iteration comes back as one flat [(name, ms), ...], not a list per iteration
+                timings = [timings]
             for it in timings:
                 totals.append(sum(t for _, t in it))
             per_kernel = timings[len(timings) // 2]
