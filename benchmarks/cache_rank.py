@@ -42,7 +42,7 @@ def spade_method(budget: int, window: int):
 
 
 def run_cache_rank(model, method, *, batch: int, context: int, steps: int, rounds: int, pack_layers: int,
-                   log=print):
+                   transfer: str = "device_put", log=print):
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
     from models import sharding as sh
     from models.api import round_up
@@ -51,7 +51,7 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)
     t0 = time.perf_counter()
-    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers)
+    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer)
     mesh = sh.Parallelism(1, 1).mesh()  # the fill runs on device 0, as for the one-GPU rows
     fill = fill_function(cfg, cr.method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)
     cache = fill(init_cache(cfg, cr.method, batch, max_len, jnp.bfloat16), jax.random.key(7))
@@ -62,10 +62,15 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     first = np.asarray(logits, np.float32)
     argmax = jax.jit(lambda x: jnp.argmax(x, -1).astype(jnp.int32))
     tok = argmax(logits)
+    for _ in range(2):  # the second step compiles again (its inputs come from the first's outputs)
+        logits, split = cr.fns.decode_step(cr.params, tok, split)
+        tok = argmax(logits)
+    jax.block_until_ready(tok)
     compile_s = time.perf_counter() - t0
     held = {"split": split}
     del split
     issue = []
+    cr.fns.trace_host, cr.fns.host_s = True, {}
 
     def step(tok):
         t = time.perf_counter()
@@ -76,11 +81,14 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
 
     times = timed_rounds(step, tok, steps=steps, rounds=rounds)
     ms = statistics.median(times)
-    row = dict(context=context, method="asyncspade", layout=f"cache rank, packs of {pack_layers}", gpus=2,
+    n = max(1, len(issue))
+    host = {k: v / n * 1e3 for k, v in cr.fns.host_s.items()}
+    row = dict(context=context, method="asyncspade", layout=f"cache rank, packs of {pack_layers}, {transfer}", gpus=2,
                batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, issue_ms=statistics.median(issue) * 1e3,
-               compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
-    log(f"  {row['layout']:<24} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
-        f"issue {row['issue_ms']:.2f} ms  (compile+fill {compile_s:.0f} s)", flush=True)
+               host_ms=host, compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
+    log(f"  {row['layout']:<40} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
+        f"issue {row['issue_ms']:.2f} ms  host per step: "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in host.items()) + f"  (compile+fill {compile_s:.0f} s)", flush=True)
     del held, cr
     gc.collect()
     return row, first
@@ -93,7 +101,7 @@ def render(payload) -> str:
              f"`{s['command']}`", "",
              "ms/step: median of rounds of back-to-back greedy steps, all resident. vs_quest / vs_spade_1gpu: "
              "time per output token relative to Quest and to one-device AsyncSpade (below 1 is faster). "
-             "issue_ms: host time to dispatch one step (cache rank only). max_dlogit: the cache rank's first "
+             "issue_ms: host time to dispatch one step (cache rank only; the JSON splits it by call). max_dlogit: the cache rank's first "
              "step against one-device AsyncSpade (same weights, KV and selector state; bf16).", ""]
     cols = ["context", "method", "layout", "batch", "ms_per_step", "tokens_per_s", "vs_quest", "vs_spade_1gpu",
             "issue_ms", "max_dlogit", "argmax_agree"]
@@ -134,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--packs", default="6", help="layers per pack of the cache rank (comma list)")
+    p.add_argument("--transfers", default="device_put,collective",
+                   help="how the ranks exchange (comma list): device_put, collective (a ppermute program)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=0, help="stop starting configurations after this many s")
@@ -171,8 +181,9 @@ def main(argv=None) -> int:
     for context, b in zip(contexts, batches):
         print(f"{context // 1024}K, B={b}", flush=True)
         quest = spade_ref = None
-        configs = [("quest", None), ("asyncspade", None)] + [("asyncspade", n) for n in packs]
-        for name, pack in configs:
+        configs = [("quest", None, None), ("asyncspade", None, None)] + [
+            ("asyncspade", n, t) for t in a.transfers.split(",") for n in packs]
+        for name, pack, transfer in configs:
             if a.time_limit and time.perf_counter() - start > a.time_limit:
                 print(f"time limit: skipping {name} pack={pack} at {context}", flush=True)
                 continue
@@ -185,7 +196,7 @@ def main(argv=None) -> int:
                     row.pop(k, None)
             else:
                 row, first = run_cache_rank(model, spade, batch=b, context=context, steps=a.steps, rounds=a.rounds,
-                                            pack_layers=pack)
+                                            pack_layers=pack, transfer=transfer)
             if name == "quest":
                 quest = row
             elif pack is None:

@@ -145,14 +145,15 @@ class Model:
 
         return ShardedModel(self, Parallelism(data, model), devices)
 
-    def with_cache_rank(self, devices=None, *, pack_layers: int = 6) -> "Model":
+    def with_cache_rank(self, devices=None, *, pack_layers: int = 6, transfer: str = "device_put") -> "Model":
         """AsyncSpade with its cache rank on a second device
         (:class:`models.cache_rank.CacheRankModel`): the next step's selection is chosen
         on ``devices[1]`` while ``devices[0]`` runs the step, in packs of
-        ``pack_layers`` layers. The same API; the model must run ``asyncspade``."""
+        ``pack_layers`` layers; ``transfer``: ``"device_put"`` or ``"collective"`` (a
+        ``ppermute`` program, NCCL on GPUs). The same API; the model must run ``asyncspade``."""
         from models.cache_rank import CacheRankModel
 
-        return CacheRankModel(self, devices, pack_layers)
+        return CacheRankModel(self, devices, pack_layers, transfer)
 
     def forward(self, tokens) -> jax.Array:
         """Logits f32 ``[B, T, V]`` of whole sequences ``tokens int32[B, T]`` (no cache)."""

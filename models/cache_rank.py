@@ -171,11 +171,15 @@ class SplitCache:
 
     ``inference``: the :class:`KVCache` on the inference rank (every layer's K/V;
     sparse layers' state: ``next [B,Hkv,K]``, ``next_counts [B,Hkv]``, ``q [B,Hq,D]``,
-    ``k [B,Hkv,D]``). ``rank``: per layer, the cache rank's state (``inner``: the
-    selector's index, ``hist [B,Hq,W+1,D]``, ``count [B]``) or None on dense
-    layers. ``rank_lengths``: the positions, on the cache rank."""
+    ``k [B,Hkv,D]``). ``selections``: per pack, the selection its sparse layers attend
+    next step, ``(ids [1, n, B, Hkv, K], counts [1, n, B, Hkv])`` on the inference rank
+    (None for a pack without sparse layers; the leading 1 is the transfer's device
+    axis). ``rank``: per layer, the cache rank's state (``inner``: the selector's index,
+    ``hist [B,Hq,W+1,D]``, ``count [B]``) or None on dense layers. ``rank_lengths``: the
+    positions, on the cache rank."""
 
     inference: KVCache
+    selections: tuple
     rank: tuple
     rank_lengths: jax.Array
 
@@ -201,20 +205,68 @@ def packs_of(num_layers: int, pack_layers: int) -> tuple[range, ...]:
     return tuple(range(a, min(a + pack_layers, num_layers)) for a in range(0, num_layers, pack_layers))
 
 
+TRANSFERS = ("device_put", "collective")
+
+
+class Courier:
+    """Moves a tuple of ``[1, ...]`` arrays from one device to the other.
+
+    ``device_put``: ``jax.device_put`` of each array. ``collective``: one program over
+    a two-device mesh, a ``ppermute`` (NCCL on GPUs) of every array: its launch never
+    waits on the host, and the destination's part comes out as that device's shard
+    (the sender's zero part is a buffer kept per shape)."""
+
+    def __init__(self, devices, mode: str):
+        if mode not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {mode!r}")
+        self.devices, self.mode = tuple(devices), mode
+        self._zeros: dict = {}
+        self._perm: dict = {}
+        if mode == "collective":
+            import numpy as np
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+            self.mesh = Mesh(np.array(self.devices), ("rank",))
+            self.sharding = NamedSharding(self.mesh, P("rank"))
+
+    def send(self, xs: tuple, dst: int) -> tuple:
+        if self.mode == "device_put":
+            return jax.device_put(xs, self.devices[dst])
+        src = 1 - dst
+        if dst not in self._perm:
+            from jax.sharding import PartitionSpec as P
+
+            def perm(arrays):
+                return tuple(jax.lax.ppermute(x, "rank", [(src, dst)]) for x in arrays)
+
+            self._perm[dst] = jax.jit(jax.shard_map(perm, mesh=self.mesh, in_specs=(P("rank"),),
+                                                    out_specs=P("rank")))
+        glob = []
+        for x in xs:
+            key = (x.shape, x.dtype, dst)
+            if key not in self._zeros:  # the receiver's part of the input: never read
+                self._zeros[key] = jnp.zeros(x.shape, x.dtype, device=self.devices[dst])
+            parts = [x, self._zeros[key]] if src == 0 else [self._zeros[key], x]
+            glob.append(jax.make_array_from_single_device_arrays((2,) + x.shape[1:], self.sharding, parts))
+        out = self._perm[dst](tuple(glob))
+        return tuple(next(sh.data for sh in y.addressable_shards if sh.device == self.devices[dst]) for y in out)
+
+
 class CacheRankFunctions:
     """``prefill`` and ``decode_step`` with :class:`models.api.ModelFunctions`'
     signatures (``decode_step`` takes and returns a :class:`SplitCache`): per step,
-    ``2 x packs`` programs on the two devices and ``2 x packs`` device-to-device
-    copies, dispatched asynchronously from the host in an order that never makes
-    device 0 wait on the host (pack ``p + 1`` is queued before pack ``p``'s copies)."""
+    ``2 x packs`` programs on the two devices and ``2 x packs`` transfers
+    (:class:`Courier`), dispatched from the host in an order that keeps the next pack
+    queued on device 0 while a pack's transfers are issued."""
 
-    def __init__(self, model: "CacheRankModel", base_prefill):
+    def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put"):
         from models.driver import Driver, make_plan, segment_data
         from models.transformer import default_unroll, layer_graphdef
 
         self.cfg, self.graphdef, self.dtype = model.config, model.graphdef, model.dtype
         self.spade: AsyncSpade = model.method
         self.devices = model.devices
+        self.courier = Courier(self.devices, transfer)
         self.base_prefill = base_prefill
         self.side = InferenceSide(spade=self.spade)
         self.plan = make_plan(self.cfg, self.spade)
@@ -228,17 +280,21 @@ class CacheRankFunctions:
                 for j, i in enumerate(seg.layers):
                     self.layer_ctx[i] = LayerCtx(seg.spec, {k: jnp.asarray(v[j]) for k, v in data.items()})
         self.sparse_in = [tuple(i for i in r if i in self.layer_ctx) for r in self.packs]
-        self._infer = [jax.jit(functools.partial(self._infer_pack, p), static_argnums=(4,), donate_argnums=(3,))
+        self._infer = [jax.jit(functools.partial(self._infer_pack, p), static_argnums=(5,), donate_argnums=(3,))
                        for p in range(len(self.packs))]
         self._rank = [jax.jit(functools.partial(self._rank_pack, p), static_argnums=(3,), donate_argnums=(0,))
                       for p in range(len(self.packs))]
+        #: host seconds spent in each kind of call of decode_step (filled when ``trace_host``)
+        self.trace_host = False
+        self.host_s: dict[str, float] = {}
 
     # -- the inference rank -------------------------------------------------------------
-    def _infer_pack(self, p, params, x, pos, entries, max_len):
+    def _infer_pack(self, p, params, x, pos, entries, sel, max_len):
         """Pack ``p`` on device 0: ``x`` (tokens ``int32[B]`` for the first pack, else
-        the hidden state ``[B, H]``), positions ``pos [B]``, the pack's cache entries ->
-        (hidden state, or the logits and ``pos + 1`` after the last pack), the entries,
-        and per sparse layer ``(q, k)`` for the cache rank."""
+        the hidden state ``[B, H]``), positions ``pos [B]``, the pack's cache entries,
+        its selection ``(ids [1,n,B,Hkv,K], counts [1,n,B,Hkv])`` -> (hidden state, or
+        the logits and ``pos + 1`` after the last pack), the entries, and ``(q [1,n,B,
+        Hq,D], k [1,n,B,Hkv,D])`` of its sparse layers for the cache rank."""
         model = nnx.merge(self.graphdef, params)
         rng = self.packs[p]
         if p == 0:
@@ -246,9 +302,14 @@ class CacheRankFunctions:
         layers = [None] * self.cfg.num_layers
         for i, e in zip(rng, entries):
             layers[i] = e
+        for j, i in enumerate(self.sparse_in[p]):
+            e = layers[i]
+            layers[i] = LayerCache(e.k, e.v, dict(e.state, next=sel[0][0, j], next_counts=sel[1][0, j]))
         x, cache = self.driver.decode(nnx.state(model.layers), x, KVCache(tuple(layers), pos, max_len), layers=rng)
         out = tuple(cache.layers[i] for i in rng)
-        shipped = tuple((cache.layers[i].state["q"], cache.layers[i].state["k"]) for i in self.sparse_in[p])
+        shipped = None
+        if self.sparse_in[p]:
+            shipped = tuple(jnp.stack([cache.layers[i].state[n] for i in self.sparse_in[p]])[None] for n in ("q", "k"))
         if p == len(self.packs) - 1:
             return (model.logits(x), pos + 1), out, shipped
         return x, out, shipped
@@ -256,16 +317,16 @@ class CacheRankFunctions:
     # -- the cache rank -----------------------------------------------------------------
     def _rank_pack(self, p, states, shipped, pos, max_len):
         """Pack ``p`` on device 1: each sparse layer's :func:`rank_layer` ->
-        (states, the next step's ``(ids, counts)`` per layer, and ``pos + 1`` after the
-        last pack)."""
-        new, nexts = [], []
-        for i, st, (q, k) in zip(self.sparse_in[p], states, shipped):
+        (states, the next step's ``(ids [1,n,B,Hkv,K], counts [1,n,B,Hkv])``)."""
+        new, ids, counts = [], [], []
+        for j, (i, st) in enumerate(zip(self.sparse_in[p], states)):
             ctx = self.layer_ctx[i]
-            s, n = rank_layer(self.spade, st, q, k, pos, ctx, ctx.spec.capacity(max_len))
+            s, (a, c) = rank_layer(self.spade, st, shipped[0][0, j], shipped[1][0, j], pos, ctx,
+                                   ctx.spec.capacity(max_len))
             new.append(s)
-            nexts.append(n)
-        return tuple(new), tuple(nexts), (pos + 1 if p == len(self.packs) - 1 else None)
-
+            ids.append(a)
+            counts.append(c)
+        return tuple(new), (jnp.stack(ids)[None], jnp.stack(counts)[None])
 
     # -- the ModelFunctions interface -----------------------------------------------------
     def prefill(self, params, tokens, lengths, cache: KVCache):
@@ -290,39 +351,45 @@ class CacheRankFunctions:
                     "k": jnp.zeros((b, hkv, self.cfg.head_dim), lc.k.dtype, device=d0)}
             layers.append(LayerCache(lc.k, lc.v, keep))
             rank.append(jax.device_put({"inner": st["inner"], "hist": st["hist"], "count": st["count"]}, d1))
-        return SplitCache(KVCache(tuple(layers), cache.lengths, cache.max_len), tuple(rank),
+        sels = tuple((jnp.stack([layers[i].state["next"] for i in sp])[None],
+                      jnp.stack([layers[i].state["next_counts"] for i in sp])[None]) if sp else None
+                     for sp in self.sparse_in)
+        return SplitCache(KVCache(tuple(layers), cache.lengths, cache.max_len), sels, tuple(rank),
                           jax.device_put(cache.lengths, d1))
+
+    def _timed(self, what: str, fn, *args):
+        if not self.trace_host:
+            return fn(*args)
+        import time
+
+        t = time.perf_counter()
+        out = fn(*args)
+        self.host_s[what] = self.host_s.get(what, 0.0) + time.perf_counter() - t
+        return out
 
     def decode_step(self, params, tokens, split: SplitCache):
         """One step over both devices: ``(logits [B, V] on device 0, SplitCache)``."""
-        d0, d1 = self.devices
         max_len = split.max_len
         entries = list(split.inference.layers)
+        sels = list(split.selections)
         rank = list(split.rank)
         pos0, pos1 = split.inference.lengths, split.rank_lengths
-        x = jax.device_put(tokens, d0)
-        pending = None  # (pack, shipped): copied and handed to the cache rank after the next pack is queued
-        logits = new_pos0 = new_pos1 = None
+        x = tokens
+        pending = None  # (pack, shipped): handed to the cache rank once the next pack is queued
 
         def ship(p, shipped):
-            nonlocal new_pos1
             sp = self.sparse_in[p]
             if not sp:
-                if p == len(self.packs) - 1:
-                    new_pos1 = pos1 + 1
                 return
-            states, nexts, last_pos = self._rank[p](tuple(rank[i] for i in sp), jax.device_put(shipped, d1), pos1,
-                                                    max_len)
-            if last_pos is not None:
-                new_pos1 = last_pos
-            nexts = jax.device_put(nexts, d0)
-            for i, st, (ids, cnt) in zip(sp, states, nexts):
+            shipped = self._timed("to_rank", self.courier.send, shipped, 1)
+            states, sel = self._timed("rank", self._rank[p], tuple(rank[i] for i in sp), shipped, pos1, max_len)
+            sels[p] = self._timed("to_inference", self.courier.send, sel, 0)
+            for i, st in zip(sp, states):
                 rank[i] = st
-                e = entries[i]
-                entries[i] = LayerCache(e.k, e.v, dict(e.state, next=ids, next_counts=cnt))
 
         for p, rng in enumerate(self.packs):
-            x, out, shipped = self._infer[p](params, x, pos0, tuple(entries[i] for i in rng), max_len)
+            x, out, shipped = self._timed("infer", self._infer[p], params, x, pos0, tuple(entries[i] for i in rng),
+                                          sels[p], max_len)
             for i, e in zip(rng, out):
                 entries[i] = e
             if pending is not None:
@@ -330,9 +397,7 @@ class CacheRankFunctions:
             pending = (p, shipped)
         logits, new_pos0 = x
         ship(*pending)
-        if new_pos1 is None:
-            new_pos1 = pos1 + 1
-        return logits, SplitCache(KVCache(tuple(entries), new_pos0, max_len), tuple(rank), new_pos1)
+        return logits, SplitCache(KVCache(tuple(entries), new_pos0, max_len), tuple(sels), tuple(rank), pos1 + 1)
 
     def forward(self, params, tokens):
         raise NotImplementedError("forward (whole sequences, no cache) has no cache rank: use the base model")
@@ -349,11 +414,13 @@ class CacheRankModel(Model):
     decode_step / generate / generate_ids`` API; ``prefill`` returns a
     :class:`SplitCache`, which ``decode_step`` takes."""
 
-    def __init__(self, base: Model, devices=None, pack_layers: int = 6):
+    def __init__(self, base: Model, devices=None, pack_layers: int = 6, transfer: str = "device_put"):
         method = base.method
         if not isinstance(method, AsyncSpade):
             raise ValueError(f"the cache rank is AsyncSpade's: the model runs {method.name!r}; load it with "
                              f"attention='asyncspade' (or model.with_method('asyncspade'))")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         if int(pack_layers) < 1:
             raise ValueError(f"pack_layers must be >= 1, got {pack_layers}")
         check_selector(method, base.config, base.max_len, base.dtype)
@@ -370,7 +437,7 @@ class CacheRankModel(Model):
         self.devices = (devs[0], devs[1])
         self.pack_layers = int(pack_layers)
         self.base_fns = self.fns
-        self.fns = CacheRankFunctions(self, self.base_fns.prefill)
+        self.fns = CacheRankFunctions(self, self.base_fns.prefill, transfer)
 
     def __repr__(self) -> str:
         return (super().__repr__()[:-1] + f", inference rank {self.devices[0]}, cache rank {self.devices[1]}, "
