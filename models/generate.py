@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices by KV heads (models.sharding; on CPU set "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N); default 1")
+    p.add_argument("--cache-rank", action="store_true",
+                   help="AsyncSpade only: choose the next step's selection on a second device (its cache "
+                        "rank, models.cache_rank) while the first runs the step; on CPU set "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=2")
     p.add_argument("--demo", action="store_true",
                    help="built-in long-context test: find a passphrase hidden in ~3,300 tokens "
                         "(chat template, greedy, 24 tokens); exit status 1 if the answer is wrong")
@@ -220,6 +224,7 @@ class RunSpec:
     profile: str | None
     demo: Any = None  # models.demo_prompt.DemoPrompt with --demo
     tensor_parallel: int = 1
+    cache_rank: bool = False
 
 
 def resolve_args(args: argparse.Namespace) -> RunSpec:
@@ -234,6 +239,10 @@ def resolve_args(args: argparse.Namespace) -> RunSpec:
         raise CLIError("no prompt: give PROMPT, --prompt TEXT, --prompt-file PATH or --demo")
     if args.tensor_parallel < 1:
         raise CLIError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.cache_rank and args.attention != "asyncspade":
+        raise CLIError(f"--cache-rank is AsyncSpade's: use --attention asyncspade (got {args.attention})")
+    if args.cache_rank and args.tensor_parallel > 1:
+        raise CLIError("--cache-rank and --tensor-parallel do not combine")
 
     demo = None
     chat = bool(args.chat)
@@ -293,7 +302,7 @@ def resolve_args(args: argparse.Namespace) -> RunSpec:
                    top_p=float(args.top_p), seed=int(args.seed), max_new_tokens=int(max_new),
                    attention=args.attention, attention_opts=opts, method=method,
                    dtype=args.dtype or default_dtype(), profile=args.profile, demo=demo,
-                   tensor_parallel=int(args.tensor_parallel))
+                   tensor_parallel=int(args.tensor_parallel), cache_rank=bool(args.cache_rank))
 
 
 @functools.lru_cache(maxsize=4)
@@ -457,11 +466,24 @@ def generate_timed(model, prep: Prepared, spec: RunSpec, out: TextIO) -> dict[st
     # compile (ahead of time, nothing runs): prefill, decode_step, sampling
     cache = model.init_cache(1, prep.cache_len)
     t0 = time.perf_counter()
-    prefill = model.fns.prefill.lower(params, tokens, lengths, cache).compile()
-    t1 = time.perf_counter()
-    logits_shape, cache_shape = jax.eval_shape(model.fns.prefill, params, tokens, lengths, cache)
-    decode = model.fns.decode_step.lower(params, jax.ShapeDtypeStruct((1,), jnp.int32), cache_shape).compile()
-    t2 = time.perf_counter()
+    if hasattr(model.fns.prefill, "lower"):
+        prefill = model.fns.prefill.lower(params, tokens, lengths, cache).compile()
+        t1 = time.perf_counter()
+        logits_shape, cache_shape = jax.eval_shape(model.fns.prefill, params, tokens, lengths, cache)
+        decode = model.fns.decode_step.lower(params, jax.ShapeDtypeStruct((1,), jnp.int32), cache_shape).compile()
+        t2 = time.perf_counter()
+    else:  # several programs per step (the cache rank): compiled by a warm-up run on a spare cache
+        prefill, decode = model.fns.prefill, model.fns.decode_step
+        logits, warm = prefill(params, tokens, lengths, model.init_cache(1, prep.cache_len))
+        _sync(logits)
+        t1 = time.perf_counter()
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        for _ in range(2):  # the second step compiles again (its inputs are the first one's outputs)
+            logits, warm = decode(params, tok, warm)
+        _sync(logits)
+        del warm
+        t2 = time.perf_counter()
+        logits_shape = logits
     _sync(samp(jnp.zeros(logits_shape.shape, logits_shape.dtype), jax.random.key(0)))
     t3 = time.perf_counter()
 
@@ -546,6 +568,12 @@ def run(spec: RunSpec, out: TextIO | None = None) -> dict[str, Any]:
         except ValueError as e:
             raise CLIError(f"--tensor-parallel {spec.tensor_parallel}: {e}") from e
         devices = f" x {spec.tensor_parallel} (tensor parallel)"
+    if spec.cache_rank:
+        try:
+            model = model.with_cache_rank()
+        except ValueError as e:
+            raise CLIError(f"--cache-rank: {e}") from e
+        devices = f" + cache rank on {model.devices[1]}"
     load_s = time.perf_counter() - t0
     opts = ", ".join(f"{k}={v}" for k, v in spec.attention_opts.items())
     out.write(f"[{spec.model} | attention {spec.attention}{f' ({opts})' if opts else ''} | {spec.dtype} | {jax.devices()[0].platform}{devices} | "
