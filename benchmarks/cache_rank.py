@@ -42,7 +42,7 @@ def spade_method(budget: int, window: int):
 
 
 def run_cache_rank(model, method, *, batch: int, context: int, steps: int, rounds: int, pack_layers: int,
-                   transfer: str = "device_put", log=print):
+                   transfer: str = "device_put", threads: bool = True, log=print):
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
     from models import sharding as sh
     from models.api import round_up
@@ -51,7 +51,7 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)
     t0 = time.perf_counter()
-    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer)
+    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer, threads=threads)
     mesh = sh.Parallelism(1, 1).mesh()  # the fill runs on device 0, as for the one-GPU rows
     fill = fill_function(cfg, cr.method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)
     cache = fill(init_cache(cfg, cr.method, batch, max_len, jnp.bfloat16), jax.random.key(7))
@@ -83,10 +83,11 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     ms = statistics.median(times)
     n = max(1, len(issue))
     host = {k: v / n * 1e3 for k, v in cr.fns.host_s.items()}
-    row = dict(context=context, method="asyncspade", layout=f"cache rank, packs of {pack_layers}, {transfer}", gpus=2,
+    row = dict(context=context, method="asyncspade", layout=f"cache rank, packs of {pack_layers}, {transfer}"
+               + (", 2 host threads" if threads else ", 1 host thread"), gpus=2,
                batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, issue_ms=statistics.median(issue) * 1e3,
                host_ms=host, compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
-    log(f"  {row['layout']:<40} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
+    log(f"  {row['layout']:<56} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
         f"issue {row['issue_ms']:.2f} ms  host per step: "
         + ", ".join(f"{k} {v:.2f} ms" for k, v in host.items()) + f"  (compile+fill {compile_s:.0f} s)", flush=True)
     del held, cr
@@ -144,6 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--packs", default="6", help="layers per pack of the cache rank (comma list)")
     p.add_argument("--transfers", default="device_put,collective",
                    help="how the ranks exchange (comma list): device_put, collective (a ppermute program)")
+    p.add_argument("--dispatch", default="threads",
+                   help="comma list: threads (the cache rank's calls from a second host thread), one")
+    p.add_argument("--baselines", default="quest,asyncspade", help="one-GPU rows (comma list; may be empty)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=0, help="stop starting configurations after this many s")
@@ -181,9 +185,10 @@ def main(argv=None) -> int:
     for context, b in zip(contexts, batches):
         print(f"{context // 1024}K, B={b}", flush=True)
         quest = spade_ref = None
-        configs = [("quest", None, None), ("asyncspade", None, None)] + [
-            ("asyncspade", n, t) for t in a.transfers.split(",") for n in packs]
-        for name, pack, transfer in configs:
+        configs = [(n, None, None, None) for n in a.baselines.split(",") if n] + [
+            ("asyncspade", n, t, d == "threads") for d in a.dispatch.split(",") for t in a.transfers.split(",")
+            for n in packs]
+        for name, pack, transfer, threads in configs:
             if a.time_limit and time.perf_counter() - start > a.time_limit:
                 print(f"time limit: skipping {name} pack={pack} at {context}", flush=True)
                 continue
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
                     row.pop(k, None)
             else:
                 row, first = run_cache_rank(model, spade, batch=b, context=context, steps=a.steps, rounds=a.rounds,
-                                            pack_layers=pack, transfer=transfer)
+                                            pack_layers=pack, transfer=transfer, threads=threads)
             if name == "quest":
                 quest = row
             elif pack is None:

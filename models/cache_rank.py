@@ -259,7 +259,7 @@ class CacheRankFunctions:
     (:class:`Courier`), dispatched from the host in an order that keeps the next pack
     queued on device 0 while a pack's transfers are issued."""
 
-    def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put"):
+    def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put", threads: bool = True):
         from models.driver import Driver, make_plan, segment_data
         from models.transformer import default_unroll, layer_graphdef
 
@@ -287,6 +287,15 @@ class CacheRankFunctions:
         #: host seconds spent in each kind of call of decode_step (filled when ``trace_host``)
         self.trace_host = False
         self.host_s: dict[str, float] = {}
+        #: the cache rank's calls (copies in, its program, copies out) issued from a second
+        #: host thread, so a call that waits for a cross-device copy blocks that thread only
+        #: and device 0's packs keep being queued
+        self.threads = bool(threads)
+        self._pool = None
+        if self.threads:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-rank")
 
     # -- the inference rank -------------------------------------------------------------
     def _infer_pack(self, p, params, x, pos, entries, sel, max_len):
@@ -387,6 +396,19 @@ class CacheRankFunctions:
             for i, st in zip(sp, states):
                 rank[i] = st
 
+        if self._pool is not None:  # one FIFO worker: the packs reach the cache rank in order
+            futures = []
+            for p, rng in enumerate(self.packs):
+                x, out, shipped = self._timed("infer", self._infer[p], params, x, pos0,
+                                              tuple(entries[i] for i in rng), sels[p], max_len)
+                for i, e in zip(rng, out):
+                    entries[i] = e
+                futures.append(self._pool.submit(ship, p, shipped))
+            for f in futures:  # every cache-rank call of this step issued (not finished)
+                f.result()
+            logits, new_pos0 = x
+            return logits, SplitCache(KVCache(tuple(entries), new_pos0, max_len), tuple(sels), tuple(rank),
+                                      pos1 + 1)
         for p, rng in enumerate(self.packs):
             x, out, shipped = self._timed("infer", self._infer[p], params, x, pos0, tuple(entries[i] for i in rng),
                                           sels[p], max_len)
@@ -414,7 +436,8 @@ class CacheRankModel(Model):
     decode_step / generate / generate_ids`` API; ``prefill`` returns a
     :class:`SplitCache`, which ``decode_step`` takes."""
 
-    def __init__(self, base: Model, devices=None, pack_layers: int = 6, transfer: str = "device_put"):
+    def __init__(self, base: Model, devices=None, pack_layers: int = 6, transfer: str = "device_put",
+                 threads: bool = True):
         method = base.method
         if not isinstance(method, AsyncSpade):
             raise ValueError(f"the cache rank is AsyncSpade's: the model runs {method.name!r}; load it with "
@@ -437,7 +460,7 @@ class CacheRankModel(Model):
         self.devices = (devs[0], devs[1])
         self.pack_layers = int(pack_layers)
         self.base_fns = self.fns
-        self.fns = CacheRankFunctions(self, self.base_fns.prefill, transfer)
+        self.fns = CacheRankFunctions(self, self.base_fns.prefill, transfer, threads)
 
     def __repr__(self) -> str:
         return (super().__repr__()[:-1] + f", inference rank {self.devices[0]}, cache rank {self.devices[1]}, "

@@ -8,7 +8,7 @@ logits against ``decode_step`` on one device, whether the greedy tokens agree, a
 the two ranks' state lives. Cases: a tiny random config (8 KV heads, 5 layers, budgets
 below the prompts so every sparse layer selects) with the Quest, Double Sparsity and
 AsyncTLS selectors, packs of 1, 2 and 6 layers and both transfers (``device_put``, a
-``ppermute`` program); a control (the one-device reference
+``ppermute`` program), issued from one host thread or two; a control (the one-device reference
 with the lag, ``window=1``: a different selection must show as a logit difference);
 SmolLM2-135M on its real weights through ``generate``.
 """
@@ -64,14 +64,14 @@ def tiny_cases():
         method = get_method("asyncspade", budget=48, window=4, dense_layers=(0,), selector=sel, **opts)
         base = Model(cfg, graphdef, params, None, method, jnp.float32, 256)
         ref, _ = _greedy(base.prefill, base.decode_step, tokens, lengths, base.init_cache(3, 256))
-        runs = [(1, "device_put"), (2, "device_put"), (6, "device_put"), (2, "collective")] if sel == "quest" \
-            else [(2, "device_put")]
-        for pack, transfer in runs:
-            cr = base.with_cache_rank(pack_layers=pack, transfer=transfer)
+        runs = [(1, "device_put", True), (2, "device_put", False), (6, "device_put", True),
+                (2, "collective", True), (2, "collective", False)] if sel == "quest" else [(2, "device_put", True)]
+        for pack, transfer, threads in runs:
+            cr = base.with_cache_rank(pack_layers=pack, transfer=transfer, threads=threads)
             got, split = _greedy(cr.prefill, cr.decode_step, tokens, lengths, cr.init_cache(3, 256))
             rank_devs = {str(d) for st in split.rank if st is not None for x in jax.tree.leaves(st) for d in x.devices()}
             inf_devs = {str(d) for x in jax.tree.leaves(split.inference) for d in x.devices()}
-            _report(f"tiny/asyncspade[{sel}]/pack={pack}/{transfer}", ref, got, rank_devices=sorted(rank_devs),
+            _report(f"tiny/asyncspade[{sel}]/pack={pack}/{transfer}/{'threads' if threads else 'one-thread'}", ref, got, rank_devices=sorted(rank_devs),
                     inference_devices=sorted(inf_devs), packs=len(cr.fns.packs))
         if sel == "quest":  # control: the lag (W=1) selects differently, and the comparison sees it
             lag = Model(cfg, graphdef, params, None, get_method("asyncspade", budget=48, window=1, dense_layers=(0,)),
