@@ -45,7 +45,7 @@ from models.config import ModelConfig
 from sparse_jax.cache import KVCache, LayerCache, write_rows
 from sparse_jax.kv import ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
-from sparse_jax.methods.base import AttentionMethod, LayerCtx, dense_prefill_attention
+from sparse_jax.methods.base import AttentionMethod, LayerCtx, blockwise_causal_attention, dense_prefill_attention
 from sparse_jax.offload.pool import decode_offloaded
 from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
@@ -279,6 +279,40 @@ class Driver:
                                     self.method, self.tp_axis, carry)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
         return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths), carry
+
+    def chunkable(self, spec: LayerSpec) -> bool:
+        """Whether a layer's prompt attention can run in chunks (:meth:`prompt_layer_chunk`):
+        exact attention there (no Token Sparse Attention, no method prefill hook), one device."""
+        if spec.sparse_prefill or self.tp_axis is not None:
+            return False
+        m = _method_for(self.method, spec)
+        return m is None or (type(m).prefill_attention is AttentionMethod.prefill_attention
+                             and type(m).prefill_attention_carry is AttentionMethod.prefill_attention_carry)
+
+    def prompt_layer_chunk(self, stacked, x: jax.Array, start: jax.Array, kbuf: jax.Array, vbuf: jax.Array,
+                           q_last: jax.Array, lengths: jax.Array, data: dict, spec: LayerSpec):
+        """One chunk of one layer over the prompt (chunked prefill, for a layer whose
+        whole prompt exceeds a serving iteration's budget): ``x [B, C, H]`` at positions
+        ``start .. start + C - 1`` (``start`` traced), the layer's keys and values so far
+        ``kbuf, vbuf [B, T, Hkv, D]`` (every position of the prompt; this chunk's rows are
+        written), and the last prompt query seen so far ``q_last [B, Hq, D]``. The chunk's
+        queries attend every key up to their position (exact attention; a sliding window
+        on local layers). Returns ``(x, kbuf, vbuf, q_last)``; after the last chunk,
+        :func:`prefill_kv` of the buffers is what :meth:`prompt_layer` returns."""
+        from models.transformer import layer_output, layer_qkv, rope_cos_sin
+
+        layer = _layer_at(self.layer_graph, stacked, data["index"])
+        c = x.shape[1]
+        cos, sin = rope_cos_sin(start + jnp.arange(c), inv_freq(self.cfg, spec))
+        q, k, v = layer_qkv(layer, x, cos, sin)  # [B, C, H*, D]
+        kbuf = jax.lax.dynamic_update_slice_in_dim(kbuf, k.astype(kbuf.dtype), start, axis=1)
+        vbuf = jax.lax.dynamic_update_slice_in_dim(vbuf, v.astype(vbuf.dtype), start, axis=1)
+        o = blockwise_causal_attention(q, kbuf, vbuf, window=spec.window, q_offset=start)
+        at = lengths - 1 - start  # the row's last prompt token, if it is in this chunk
+        here = (at >= 0) & (at < c)
+        q_row = jnp.take_along_axis(q, jnp.clip(at, 0, c - 1)[:, None, None, None], axis=1)[:, 0]
+        q_last = jnp.where(here[:, None, None], q_row.astype(q_last.dtype), q_last)
+        return layer_output(layer, x, o, self._reduce), kbuf, vbuf, q_last
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,

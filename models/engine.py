@@ -599,8 +599,11 @@ class Engine:
         selection names blocks), else every slot resident (:class:`ResidentSlots`).
       pool_slots: offloaded: resident block slots per (row, KV head) (default: the runner's).
       max_inject_tokens: offloaded: layer-segmented prefill (SparseServe §3.4). A prompt is
-        prefilled a segment of layers per iteration, ``max(1, max_inject_tokens // T)``
-        layers for a prompt of T (bucketed) tokens, beside that iteration's decode step, so
+        prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
+        a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
+        one layer (chunked prefill: ``max_inject_tokens`` rounded down to a multiple of 64
+        tokens, the chunk's queries attending the keys before them), beside that
+        iteration's decode step, so
         a long prompt no longer stalls the running requests for its whole prefill; each
         finished layer's KV goes to the host tier and is freed, and the prompt's working
         set is one layer of its KV. One prompt prefills at a time. None (default): each
@@ -839,7 +842,7 @@ class Engine:
         """Run the next segment of the prompt in flight (its layers within
         ``max_inject_tokens``); after its last layer, sample its first token and insert it."""
         r, slot, job = self._prefilling
-        job.advance(max(1, self.max_inject_tokens // max(1, job.tokens)))
+        job.advance_budget(self.max_inject_tokens)
         self.prefill_segments += 1
         if not job.done:
             return

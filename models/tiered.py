@@ -45,7 +45,7 @@ from flax import nnx
 
 from models import transformer as tfm
 from models.api import round_up
-from models.driver import Driver, make_plan, per_kv_head, prompt_state
+from models.driver import Driver, make_plan, per_kv_head, prefill_kv, prompt_state
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods.base import DenseAttention, LayerCtx
 from sparse_jax.offload import capacity
@@ -426,6 +426,28 @@ def _prefill_layer_fn(driver: Driver, spec, max_len: int):
                                                                                 spec.capacity(max_len), carry))
 
 
+@functools.lru_cache(maxsize=64)
+def _prefill_chunk_fn(driver: Driver, spec, size: int):
+    """``(stacked, x [B,T,H], start, kbuf, vbuf, q_last, lengths, data) -> (x, kbuf, vbuf,
+    q_last)``: :meth:`Driver.prompt_layer_chunk` on positions ``start .. start + size - 1``
+    of ``x`` (written back in place); ``x`` and the buffers donated."""
+
+    def run(stacked, x, start, kbuf, vbuf, q_last, lengths, data):
+        xc = jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        xc, kbuf, vbuf, q_last = driver.prompt_layer_chunk(stacked, xc, start, kbuf, vbuf, q_last, lengths, data,
+                                                           spec)
+        return jax.lax.dynamic_update_slice_in_dim(x, xc, start, axis=1), kbuf, vbuf, q_last
+
+    return jax.jit(run, donate_argnums=(1, 3, 4))
+
+
+@functools.lru_cache(maxsize=32)
+def _chunked_layer_kv(spec, max_len: int):
+    """``(kbuf, vbuf [B,T,Hkv,D], lengths) -> k, v [B,Hkv,cap,D]``: a chunked layer's K/V
+    as the cache holds them (:func:`models.driver.prefill_kv`)."""
+    return jax.jit(lambda k, v, lengths: prefill_kv(k, v, lengths, spec.capacity(max_len), spec))
+
+
 @functools.lru_cache(maxsize=32)
 def _finish_layer(method, spec, offloaded: bool, pool: int):
     """``(k, v, lengths, q_last, data) -> (entry, host_k, host_v)``; K/V donated."""
@@ -615,13 +637,72 @@ class PrefillJob:
         self.build = _StateBuilder(runner, lengths, max_len)
         self.layers_done = 0
         self._result = None
+        #: chunked prefill of a layer over budget: the chunk size (fixed at the first
+        #: over-budget call), the tokens of the current layer done, its K/V so far
+        self.chunk: int | None = None
+        self.chunk_pos = 0
+        self._partial = None  # (kbuf, vbuf, q_last) of the layer in progress
+        self.chunks_run = 0
 
     @property
     def done(self) -> bool:
         return self.layers_done == self.runner.num_layers
 
+    def advance_budget(self, tokens: int) -> bool:
+        """Run the next segment within ``tokens`` (prompt tokens x layers; SparseServe's
+        ``max_inject_tokens``): ``tokens // T`` whole layers when one layer fits, else
+        chunks of the current layer (``tokens`` rounded down to a multiple of 64, at least
+        64, fixed by the first such call), each chunk's queries attending the keys of the
+        chunks before it. A layer whose prompt attention cannot be chunked (Token Sparse
+        Attention, a method's prefill hook, a mesh) runs whole. Returns :attr:`done`."""
+        tokens = max(1, int(tokens))
+        if self.tokens <= tokens and self._partial is None:
+            return self.advance(tokens // self.tokens)
+        r = self.runner
+        i = self.layers_done
+        if r.mesh is not None or not r.driver.chunkable(r.plan.specs[i]):
+            return self.advance(1)
+        if self.chunk is None:
+            self.chunk = max(64, tokens // 64 * 64)
+        spent = 0  # at least one chunk; then chunks while the budget lasts, into chunkable layers
+        while not self.done and r.driver.chunkable(r.plan.specs[self.layers_done]):
+            c = min(self.chunk, self.tokens - self.chunk_pos)
+            if spent and spent + c > tokens:
+                break
+            self._run_chunk(self.chunk_pos, c)
+            spent += c
+        return self.done
+
+    def _run_chunk(self, start: int, size: int) -> None:
+        """Prompt positions ``start .. start + size - 1`` of the current layer; after the
+        layer's last chunk its K/V go to the tiers as a whole layer's do."""
+        r, params = self.runner, self.runner.model.params
+        i = self.layers_done
+        spec = r.plan.specs[i]
+        if self._partial is None:
+            b, t = self.batch, self.tokens
+            kv_shape = (b, t, r.local_cfg.num_kv_heads, r.local_cfg.head_dim)
+            self._partial = (jnp.zeros(kv_shape, self.x.dtype), jnp.zeros(kv_shape, self.x.dtype),
+                             jnp.zeros((b, r.local_cfg.num_heads, r.local_cfg.head_dim), self.x.dtype))
+        kbuf, vbuf, q_last = self._partial
+        fn = _prefill_chunk_fn(r.driver, spec, size)
+        self.x, kbuf, vbuf, q_last = fn(params["layers"], self.x, jnp.int32(start), kbuf, vbuf, q_last,
+                                        self.lengths, r.layer_data(i))
+        self.chunks_run += 1
+        self.chunk_pos = start + size
+        if self.chunk_pos < self.tokens:
+            self._partial = (kbuf, vbuf, q_last)
+            return
+        k, v = _chunked_layer_kv(spec, self.max_len)(kbuf, vbuf, self.lengths)
+        del kbuf, vbuf
+        self._partial, self.chunk_pos = None, 0
+        self.build.add(i, k, v, q_last)
+        self.layers_done = i + 1
+
     def advance(self, layers: int) -> bool:
         """Run up to ``layers`` more layers (at least one); returns :attr:`done`."""
+        if self._partial is not None:
+            raise RuntimeError("a layer is half done in chunks: continue it with advance_budget")
         r, params = self.runner, self.runner.model.params
         stop = min(r.num_layers, self.layers_done + max(1, int(layers)))
         for i in range(self.layers_done, stop):

@@ -208,8 +208,8 @@ def test_offloaded_engine_matches_single_request_generation(smollm2):
 
 
 def test_layer_segmented_prefill_interleaves_with_decode(tiny):
-    """SparseServe's layer-segmented prefill (offloaded): a prompt runs one layer per
-    iteration (``max_inject_tokens`` below one prompt's tokens), so a running request
+    """SparseServe's layer-segmented prefill (offloaded): a prompt runs one chunk of a layer
+    per iteration (``max_inject_tokens`` below one layer's prompt tokens), so a running request
     keeps decoding while the next prompt prefills; every request still gets its tokens
     alone, a request cancelled mid-prefill frees its slot, and nothing leaks."""
     model = tiny.with_method("quest", budget=64)
@@ -229,12 +229,14 @@ def test_layer_segmented_prefill_interleaves_with_decode(tiny):
     while not first.output_ids:
         assert engine.iterate()
         iters += 1
-    assert iters == 3 and engine.prefill_segments == 3  # 3 layers, one per iteration
+    # one layer of 192 (bucketed) tokens exceeds the budget of 64: chunked prefill, 3 chunks
+    # of 64 per layer, one chunk per iteration, 3 layers
+    assert iters == 9 and engine.prefill_segments == 9
     second = engine.submit(engine.make_request(ids[1], SamplingParams(max_tokens=steps)))
     before = len(first.output_ids)
     while not second.output_ids:
         engine.iterate()
-    # the first request decoded during the second's three segments (one step ahead: >= 2 tokens seen)
+    # the first request decoded during the second's six segments (one step ahead: >= 2 tokens seen)
     assert len(first.output_ids) - before >= 2, (before, len(first.output_ids))
     # cancelled mid-prefill: its reserved slot is freed, the job dropped
     third = engine.submit(engine.make_request(ids[2], SamplingParams(max_tokens=steps)))
@@ -259,3 +261,44 @@ def test_layer_segmented_prefill_interleaves_with_decode(tiny):
         assert again.output_ids == refs[2]
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("case", ["quest-offloaded", "hybrid-dense"])
+def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
+    """Chunked prefill (``PrefillJob.advance_budget`` below one layer's tokens): each chunk's
+    queries attend the keys of the chunks before them, so the logits and the decode after
+    it equal the whole-layer prefill's; on a hybrid model the local layers' window and ring
+    too. Chunks of 64 on prompts of 192 (bucketed) tokens, a ragged second row."""
+    from models.tiered import TieredRunner
+    from tests.test_driver import hybrid_config
+
+    import models
+
+    if case == "quest-offloaded":
+        runner = TieredRunner(tiny.with_method("quest", budget=64), "offload")
+    else:
+        runner = TieredRunner(models.load_model(config=hybrid_config(window=40), dtype=jnp.float32), "resident")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(4, 97, (2, 192)).astype(np.int32)
+    lengths = np.asarray([192, 150], np.int32)
+    whole = runner.start_prefill(tokens, lengths, 256)
+    whole.advance(100)
+    chunked = runner.start_prefill(tokens, lengths, 256)
+    calls = 1
+    while not chunked.advance_budget(64):
+        calls += 1
+    n = runner.num_layers
+    assert chunked.chunks_run == 3 * n and calls == 3 * n and chunked.chunk == 64
+    (la, sa), (lb, sb) = whole.result(), chunked.result()
+    assert float(jnp.max(jnp.abs(la - lb))) < 1e-5
+    ta = tb = jnp.argmax(la, -1).astype(jnp.int32)
+    for _ in range(4):
+        a, b = runner.decode_step(ta, sa), runner.decode_step(tb, sb)
+        assert float(jnp.max(jnp.abs(a - b))) < 1e-5
+        ta, tb = jnp.argmax(a, -1).astype(jnp.int32), jnp.argmax(b, -1).astype(jnp.int32)
+    # a budget of several chunks runs them in one call, across layers
+    job = runner.start_prefill(tokens, lengths, 256)
+    job.advance_budget(128)  # chunks of 128: the layer's first 128 tokens (the other 64 would exceed it)
+    assert job.chunk == 128 and job.chunks_run == 1
+    job.advance_budget(128)  # its last 64 (the next layer's first 128 would exceed the budget)
+    assert job.chunks_run == 2 and job.layers_done == 1

@@ -290,34 +290,38 @@ def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: in
 
 
 def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 256,
-                               window: int | None = None) -> jax.Array:
+                               window: int | None = None, q_offset: jax.Array | int = 0) -> jax.Array:
     """Causal attention in blocks with an online softmax (flash-attention in jnp).
 
-    ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` -> ``[B,T,Hq,D]``; ``window``: sliding
-    window (keys ``t - window + 1 .. t``). A scan over query blocks; for each, a
-    loop over the key blocks it can see only (the diagonal and, with a window,
-    from the window's first block), each ``[G*block, block]`` score tile small
-    enough to stay in cache. f32 scores and accumulators. Measured on 2 CPU
-    cores (T=4000, Hq=9, Hkv=3, D=64, f32): 0.27 s against 1.5 s for
-    ``jax.nn.dot_product_attention(implementation="xla")``.
+    ``q [B,T,Hq,D]``, ``k, v [B,S,Hkv,D]`` -> ``[B,T,Hq,D]``; query ``i`` sits at position
+    ``q_offset + i`` (a traced int is fine) and sees keys ``<=`` it, so ``S`` may exceed
+    ``T``: a chunk of a prompt over the keys of the chunks before it and its own
+    (``S >= q_offset + T``; keys past a query are masked). ``window``: sliding window
+    (keys ``t - window + 1 .. t``). A scan over query blocks; for each, a loop over the
+    key blocks it can see only (up to the diagonal and, with a window, from the window's
+    first block), each ``[G*block, block]`` score tile small enough to stay in cache. f32
+    scores and accumulators. Measured on 2 CPU cores (T=4000, Hq=9, Hkv=3, D=64, f32):
+    0.27 s against 1.5 s for ``jax.nn.dot_product_attention(implementation="xla")``.
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    s_len, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     c = min(block, -(-t // 8) * 8)
     tp = -(-t // c) * c
-    nb = tp // c
+    sp = -(-s_len // c) * c
+    nb, nkb = tp // c, sp // c
 
-    def pad(x):
-        return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    def pad(x, n):
+        return jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
 
-    qs = (pad(q) * jnp.asarray(d**-0.5, q.dtype)).reshape(b, nb, c, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
-    kp = pad(k).transpose(0, 2, 1, 3)  # [B, Hkv, Tp, D]
-    vp = pad(v).transpose(0, 2, 1, 3)
+    qs = (pad(q, tp) * jnp.asarray(d**-0.5, q.dtype)).reshape(b, nb, c, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+    kp = pad(k, sp).transpose(0, 2, 1, 3)  # [B, Hkv, Sp, D]
+    vp = pad(v, sp).transpose(0, 2, 1, 3)
 
     def per_query_block(_, xs):
         i, qi = xs  # qi [B, Hkv, G, c, D]
-        qpos = i * c + jnp.arange(c)
+        start = q_offset + i * c  # the block's first query position
+        qpos = start + jnp.arange(c)
 
         def body(j, carry):
             m, l, acc = carry
@@ -339,9 +343,11 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
 
         init = (jnp.full((b, hkv, g, c), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, c), jnp.float32),
                 jnp.zeros((b, hkv, g, c, d), jnp.float32))
-        first = 0 if window is None else jnp.maximum(0, (i * c - window + 1) // c)
-        _, l, acc = jax.lax.fori_loop(first, i + 1, body, init)
-        return None, (acc / l[..., None]).astype(q.dtype)
+        first = 0 if window is None else jnp.maximum(0, (start - window + 1) // c)
+        last = jnp.minimum((start + c - 1) // c, nkb - 1)  # the block of the block's last query
+        _, l, acc = jax.lax.fori_loop(first, last + 1, body, init)
+        # padded queries past the keys see nothing: l = 0 (their rows are dropped below)
+        return None, (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
 
     _, out = jax.lax.scan(per_query_block, None, (jnp.arange(nb), qs))  # [nb, B, Hkv, G, c, D]
     return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, hq, d)[:, :t]
