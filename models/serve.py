@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks)")
     p.add_argument("--max-inject-tokens", type=int, default=None, metavar="N",
                    help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
-                        "step (SparseServe; default: each prompt's whole prefill in one iteration)")
+                        "step (SparseServe), a layer over N in chunks of N tokens (rounded to 64); default: each "
+                        "prompt's whole prefill in one iteration")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices by KV heads (models.sharding), one engine over them; "
                         "default 1")
