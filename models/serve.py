@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
                         "step (SparseServe), a layer over N in chunks of N tokens (rounded to 64); default: each "
                         "prompt's whole prefill in one iteration")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
+                        "a request goes to the least-loaded replica (models.replicas); default 1")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices by KV heads (models.sharding), one engine over them; "
                         "default 1")
@@ -335,25 +338,34 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError(f"unknown model {args.model!r}; available: {', '.join(models.available_models())}")
     if args.attention not in available_methods():
         raise ValueError(f"unknown attention method {args.attention!r}; available: {', '.join(available_methods())}")
-    for name in ("slots", "max_len", "tensor_parallel"):
+    for name in ("slots", "max_len", "tensor_parallel", "data_parallel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_inject_tokens is not None and (args.max_inject_tokens < 1 or not args.offload):
         raise ValueError("--max-inject-tokens must be >= 1 and needs --offload (layer-segmented prefill)")
-    if args.tensor_parallel > len(jax.devices()):
-        raise ValueError(f"--tensor-parallel {args.tensor_parallel}: {len(jax.devices())} devices visible "
-                         f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    need = args.tensor_parallel * args.data_parallel
+    if need > len(jax.devices()):
+        what = (f"--tensor-parallel {args.tensor_parallel}" if args.data_parallel == 1 else
+                f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} = {need} devices")
+        raise ValueError(f"{what}: {len(jax.devices())} devices visible "
+                         f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
     method = get_method(args.attention, **parse_attention_opts(args.attention_opt))
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model = models.load_model(args.model, dtype=jnp.dtype(dtype), attention=method, max_len=args.max_len)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has random weights and no tokenizer: it cannot serve text")
+    options = dict(slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                   kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots,
+                   max_inject_tokens=args.max_inject_tokens)
+    if args.data_parallel > 1:
+        from models.replicas import replicate
+
+        # one copy per device group; the loaded copy is dropped with `model`
+        return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \
+            args.served_model_name or args.model
     if args.tensor_parallel > 1:
         model = model.shard(model=args.tensor_parallel)  # the unsharded copy is dropped with `model`
-    engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots,
-                    max_inject_tokens=args.max_inject_tokens)
-    return engine, args.served_model_name or args.model
+    return Engine(model, **options), args.served_model_name or args.model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -366,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     engine.start()
-    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}, {engine.slots} slots "
+    reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
+    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}, {reps}{engine.slots} slots "
           f"of {engine.max_len} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:

@@ -1,0 +1,153 @@
+"""Data-parallel serving: one :class:`models.engine.Engine` per device group.
+
+An engine serves one replica of the model (its slots' caches and every request's
+prefill on the replica's devices; ``model.shard(model=n)`` makes a replica span
+``n`` devices by KV heads). :class:`EngineReplicas` runs several, one per group of
+devices, behind the engine's client interface (``make_request``, ``submit``,
+``cancel``, ``stats``, ``start``, ``stop``, ``generate``), so the OpenAI server
+(``python -m models.serve --data-parallel N``) serves them as one model:
+
+* each request goes to the replica with the least load (busy slots + waiting +
+  prefilling requests; ties to the replica that was given fewest requests), and
+  stays there: a request is never split or moved;
+* every replica runs its own engine thread and decode step; replicas share
+  nothing per step (no collective), so throughput adds up over replicas;
+* ``stats()`` sums the counters and lists each replica's.
+
+Weights are copied to every group (``replicate``); the copy the replicas came
+from is dropped by the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+
+from models.engine import Engine, Event, Request, SamplingParams
+
+
+def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:
+    """``replicas`` groups of ``per_replica`` consecutive devices (ValueError when there are too few)."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = int(replicas) * int(per_replica)
+    if replicas < 1 or per_replica < 1:
+        raise ValueError(f"replicas and devices per replica must be >= 1, got {replicas} and {per_replica}")
+    if len(devices) < need:
+        raise ValueError(f"{replicas} replica(s) x {per_replica} device(s) need {need} devices; {len(devices)} "
+                         f"visible ({devices[0].platform}). On CPU, set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before jax starts")
+    return [devices[i * per_replica:(i + 1) * per_replica] for i in range(replicas)]
+
+
+def replicate(model, replicas: int, *, tensor_parallel: int = 1, devices=None, **engine_options) -> "EngineReplicas":
+    """``replicas`` engines, each on its own group of ``tensor_parallel`` devices (the
+    model sharded over the group by KV heads, ``model.shard(model=tensor_parallel,
+    devices=group)``; one device: the model placed on it), with the same
+    ``engine_options`` (:class:`models.engine.Engine`'s keywords)."""
+    groups = device_groups(replicas, tensor_parallel, devices)
+    engines = [Engine(model.shard(model=tensor_parallel, devices=g), **engine_options) for g in groups]
+    return EngineReplicas(engines)
+
+
+class EngineReplicas:
+    """Several engines (replicas of one model) behind one engine interface (module docstring)."""
+
+    def __init__(self, engines: Sequence[Engine]):
+        engines = list(engines)
+        if not engines:
+            raise ValueError("EngineReplicas needs at least one engine")
+        first = engines[0]
+        for e in engines[1:]:
+            if (e.model.config != first.model.config or e.max_len != first.max_len or e.context != first.context
+                    or type(e.model.method) is not type(first.model.method)):
+                raise ValueError("the replicas must serve the same model, method and context")
+        self.engines = engines
+        self.model = first.model
+        self.tokenizer = first.tokenizer
+        self.context = first.context
+        self.max_len = first.max_len
+        self.slots = sum(e.slots for e in engines)
+        self._given = collections.Counter()  # requests given to each replica
+        self._owner: dict[int, tuple[int, Request]] = {}  # request id -> (replica, request); done ones pruned
+        self._lock = threading.Lock()
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((e.error for e in self.engines if e.error is not None), None)
+
+    # -- the client side ---------------------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     on_event: Callable[[Event], Any] | None = None) -> Request:
+        """A checked request (the replicas are alike: the first one checks it)."""
+        return self.engines[0].make_request(prompt_ids, params, on_event)
+
+    def _load(self, i: int) -> tuple:
+        s = self.engines[i].stats()
+        return (s["active_slots"] + s["waiting"] + s["prefilling"], self._given[i], i)
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` on the least-loaded replica; returns it."""
+        if self.error is not None:
+            raise RuntimeError(f"a replica stopped after an error: {self.error!r}")
+        with self._lock:
+            i = min(range(len(self.engines)), key=self._load)
+            self._given[i] += 1
+            if len(self._owner) > 1024:
+                self._owner = {k: v for k, v in self._owner.items() if not v[1].done.is_set()}
+            self._owner[request.id] = (i, request)
+        return self.engines[i].submit(request)
+
+    def replica_of(self, request: Request) -> int | None:
+        """The replica a submitted request went to (None when unknown or long finished)."""
+        got = self._owner.get(request.id)
+        return None if got is None else got[0]
+
+    def cancel(self, request: Request) -> None:
+        i = self.replica_of(request)
+        if i is None:
+            request.cancelled = True
+            return
+        self.engines[i].cancel(request)
+
+    def stats(self) -> dict:
+        """The replicas' counters summed (``finished`` merged, ``running`` when all run),
+        and each replica's under ``replicas``."""
+        per = [e.stats() for e in self.engines]
+        out: dict = {}
+        for key, value in per[0].items():
+            if key == "finished":
+                total = collections.Counter()
+                for s in per:
+                    total.update(s["finished"])
+                out[key] = dict(total)
+            elif key == "running":
+                out[key] = all(s["running"] for s in per)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = sum(s[key] for s in per)
+            else:
+                out[key] = value
+        out["replicas"] = per
+        out["requests_given"] = [self._given[i] for i in range(len(self.engines))]
+        return out
+
+    def idle(self) -> bool:
+        return all(e.idle() for e in self.engines)
+
+    def start(self) -> "EngineReplicas":
+        for e in self.engines:
+            e.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        for e in self.engines:
+            e.stop(timeout)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 600.0) -> Request:
+        """Submit and wait (the engine threads must be running)."""
+        r = self.submit(self.make_request(prompt_ids, params))
+        if not r.done.wait(timeout):
+            raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
+        return r

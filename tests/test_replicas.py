@@ -1,0 +1,136 @@
+"""Data-parallel serving (models.replicas): one engine per device group behind one
+engine interface, and ``python -m models.serve --data-parallel 2`` behind the OpenAI
+API. Two forced CPU devices: the multi-device cases run in subprocesses (the device
+count must be set before jax starts)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+ENGINE_CHECK = r'''
+import json, jax, jax.numpy as jnp, numpy as np
+import models
+from models.engine import SamplingParams
+from models.replicas import replicate
+base = models.load_model("smollm2-135m", dtype=jnp.float32, attention="quest", attention_options=dict(budget=64),
+                         max_len=512)
+rng = np.random.default_rng(0)
+ids = [rng.integers(4, 1000, n).tolist() for n in (150, 60, 120, 90, 30)]
+refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=10,
+                          stop_ids=())[0] for i in ids]
+for offload in (False, True):
+    reps = replicate(base, 2, slots=2, max_len=512, stop_ids=(), offload=offload).start()
+    reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=10))) for i in ids]
+    for r in reqs:
+        assert r.done.wait(600)
+    s = reps.stats()
+    print(json.dumps(dict(offload=offload, equal=[r.output_ids == ref for r, ref in zip(reqs, refs)],
+                          replicas=[reps.replica_of(r) for r in reqs], given=s["requests_given"],
+                          finished=s["finished"], slots=s["slots"], idle=reps.idle(),
+                          devices=sorted({str(d) for e in reps.engines
+                                          for d in jax.tree.leaves(e.model.params)[0].devices()}))), flush=True)
+    reps.stop()
+'''
+
+
+@pytest.mark.slow
+def test_replicas_give_each_request_its_single_request_tokens():
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECK], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [r["offload"] for r in rows] == [False, True]
+    for r in rows:
+        assert all(r["equal"]), r
+        assert set(r["replicas"]) == {0, 1} and r["given"] == [3, 2], r  # both used, least-loaded first
+        assert r["finished"] == {"length": 5} and r["slots"] == 4 and r["idle"], r
+        assert r["devices"] == ["cpu:0", "cpu:1"], r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_server_data_parallel_with_the_openai_client():
+    """``python -m models.serve --data-parallel 2`` (a real server process): concurrent
+    ``openai`` clients get greedy ``Model.generate`` text, both replicas serve, and
+    ``/health`` lists them."""
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "models.serve", "--model", "smollm2-135m", "--data-parallel",
+                               "2", "--slots", "2", "--max-len", "256", "--port", str(port)], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        end = time.time() + 300
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < end, "the server did not start"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+                   "The three primary colors are"]
+
+        def complete(p):
+            return client.completions.create(model="smollm2-135m", prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, prompts))
+        health = httpx.get(f"{base}/health").json()
+    finally:
+        server.terminate()
+        out = server.communicate(timeout=60)[0]
+    assert "2 replicas" in out, out[-2000:]
+    assert health["status"] == "ok" and len(health["replicas"]) == 2, health
+    assert sum(health["requests_given"]) == 4 and min(health["requests_given"]) >= 1, health
+    # the references on one device, in this process
+    import jax.numpy as jnp
+
+    import models
+
+    model = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
+    assert got == [model.generate(p, max_new_tokens=10) for p in prompts]
+
+
+def test_device_groups_and_errors():
+    from models.replicas import EngineReplicas, device_groups
+
+    assert device_groups(2, 1, devices=["a", "b", "c"]) == [["a"], ["b"]]
+    assert device_groups(1, 2, devices=["a", "b"]) == [["a", "b"]]
+    with pytest.raises(ValueError, match="need 4 devices; 2 visible"):
+        device_groups(2, 2, devices=[type("D", (), {"platform": "cpu"})()] * 2)
+    with pytest.raises(ValueError, match="at least one engine"):
+        EngineReplicas([])
+
+
+def test_data_parallel_flag_is_checked_before_loading(monkeypatch):
+    import models
+    from models.serve import build_parser, make_engine
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
+    with pytest.raises(ValueError, match="--data-parallel 2 x --tensor-parallel 1 = 2 devices: 1 devices visible"):
+        make_engine(build_parser().parse_args(["--data-parallel", "2"]))
+    with pytest.raises(ValueError, match="--data-parallel must be >= 1"):
+        make_engine(build_parser().parse_args(["--data-parallel", "0"]))
