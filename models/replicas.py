@@ -7,9 +7,8 @@ devices, behind the engine's client interface (``make_request``, ``submit``,
 ``cancel``, ``stats``, ``start``, ``stop``, ``generate``), so the OpenAI server
 (``python -m models.serve --data-parallel N``) serves them as one model:
 
-* each request goes to the replica with the least load (busy slots + waiting +
-  prefilling requests; ties to the replica that was given fewest requests), and
-  stays there: a request is never split or moved;
+* each request goes to the replica with the fewest unfinished requests (ties to the
+  replica that was given fewest), and stays there: a request is never split or moved;
 * every replica runs its own engine thread and decode step; replicas share
   nothing per step (no collective), so throughput adds up over replicas;
 * ``stats()`` sums the counters and lists each replica's.
@@ -85,8 +84,10 @@ class EngineReplicas:
         return self.engines[0].make_request(prompt_ids, params, on_event)
 
     def _load(self, i: int) -> tuple:
-        s = self.engines[i].stats()
-        return (s["active_slots"] + s["waiting"] + s["prefilling"], self._given[i], i)
+        # the requests given to replica i and not finished, counted here: the engine's own
+        # counters miss a request between its queues (e.g. while its prefill runs)
+        busy = sum(1 for j, r in self._owner.values() if j == i and not r.done.is_set())
+        return (busy, self._given[i], i)
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` on the least-loaded replica; returns it."""

@@ -32,18 +32,16 @@ def test_cache_rank_gives_the_one_device_tokens():
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {r["case"]: r for r in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
     cases = [c for c in rows if c.startswith("tiny/")]
-    assert len(cases) == 7, rows
+    assert len(cases) == 5, rows
     for c in cases:
         r = rows[c]
         # the same computation on the same CPU, compiled per pack: equal to f32 rounding
         assert r["max_dlogit"] < 1e-5 and r["tokens_agree"], r
         assert r["rank_devices"] == ["cpu:1"] and r["inference_devices"] == ["cpu:0"], r
     assert rows["tiny/asyncspade[quest]/pack=1/device_put/threads"]["packs"] == 5
-    assert rows["tiny/asyncspade[quest]/pack=6/device_put/threads"]["packs"] == 1
+    assert rows["tiny/asyncspade[quest]/pack=6/device_put/one-thread"]["packs"] == 1
     # the comparison can fail: another selection (the lag) moves the logits by far more
     assert rows["control/asyncspade[quest]/window=1-vs-window=4"]["max_dlogit"] > 0.1
-    sm = rows["smollm2/asyncspade/generate"]
-    assert sm["tokens_agree"] and sm["got"].strip(), sm
 
 
 def _tiny(method):
