@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.multi_gpu import fill_function, run_config, timed_rounds
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import logit_agreement, markdown_table, stamp, write_final_results, write_results
 
 
 def spade_method(budget: int, window: int):
@@ -211,16 +211,10 @@ def main(argv=None) -> int:
             if spade_ref is not None and name == "asyncspade":
                 row["vs_spade_1gpu"] = row["ms_per_step"] / spade_ref[0]["ms_per_step"]
                 if pack is not None:
-                    row["max_dlogit"] = float(np.max(np.abs(first - spade_ref[1])))
-                    row["argmax_agree"] = float(np.mean(first.argmax(-1) == spade_ref[1].argmax(-1)))
+                    row.update(logit_agreement(first, spade_ref[1]))
             payload["rows"].append(row)
             write_results(a.name, payload, render(payload), out)
-    path = write_results(a.name, payload, render(payload), out)
-    try:
-        plot(payload, path / f"{a.name}.png")
-    except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are written
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(render(payload))
+    write_final_results(a.name, payload, render, plot, out)
     return 0
 
 

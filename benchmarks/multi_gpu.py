@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import logit_agreement, markdown_table, stamp, write_final_results, write_results
 
 # HBM read rate per GPU for the floors: the H100's is cuDNN dense decode's measured rate
 # (issue 18); the H200's is its nominal peak (4.8 TB/s; not measured here), so H200
@@ -379,18 +379,11 @@ def main(argv=None) -> int:
                 if base is None:
                     base = (row, first)
                 else:
-                    n = base[1].shape[0]
                     row["vs_1gpu"] = row["tokens_per_s"] / base[0]["tokens_per_s"]
-                    row["max_dlogit"] = float(np.max(np.abs(first[:n] - base[1])))
-                    row["argmax_agree"] = float(np.mean(first[:n].argmax(-1) == base[1].argmax(-1)))
+                    row.update(logit_agreement(first, base[1]))
                 payload["rows"].append(row)
                 write_results(a.name, payload, render(payload), out)
-    path = write_results(a.name, payload, render(payload), out)
-    try:
-        plot(payload, path / f"{a.name}.png")
-    except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are written
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(render(payload))
+    write_final_results(a.name, payload, render, plot, out)
     return 0
 
 

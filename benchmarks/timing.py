@@ -176,6 +176,28 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None 
     return out
 
 
+def write_final_results(name: str, payload: dict, render, plot, out_dir: Path | None = None) -> Path:
+    """:func:`write_results` of ``render(payload)``, then ``plot(payload, <dir>/<name>.png)``
+    (a failed plot is reported, not raised: the numbers are written), and the markdown
+    printed."""
+    md = render(payload)
+    path = write_results(name, payload, md, out_dir)
+    try:
+        plot(payload, path / f"{name}.png")
+    except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are written
+        print(f"plot failed: {e}", file=sys.stderr)
+    print(md)
+    return path
+
+
+def logit_agreement(got: np.ndarray, ref: np.ndarray) -> dict:
+    """``max_dlogit`` (max |difference|) and ``argmax_agree`` (fraction of rows) of logits
+    ``got`` against ``ref`` (``[B, V]``; ``got``'s first ``len(ref)`` rows)."""
+    got = got[: ref.shape[0]]
+    return {"max_dlogit": float(np.max(np.abs(got - ref))),
+            "argmax_agree": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
+
+
 def markdown_table(rows: list[dict], columns: list[str], fmt: dict[str, str] | None = None) -> str:
     fmt = fmt or {}
     head = "| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns) + " |\n"

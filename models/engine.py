@@ -616,6 +616,11 @@ class Engine:
                  pool_slots: int | None = None, max_inject_tokens: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        from models.cache_rank import CacheRankModel
+
+        if isinstance(model, CacheRankModel):
+            raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
+                             "serve the model it came from, or use model.generate")
         if max_inject_tokens is not None:
             if not offload:
                 raise ValueError("max_inject_tokens (layer-segmented prefill) needs offload=True: the segments are "

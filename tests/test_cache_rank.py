@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.api import Model
-from models.cache_rank import packs_of
+from models.cache_rank import CacheRankModel, packs_of
 from models.config import ModelConfig
 from models.transformer import init_params
 from sparse_jax.methods.registry import get_method
@@ -65,6 +65,10 @@ def test_clear_errors():
         spade.with_cache_rank(transfer="nccl")
     with pytest.raises(ValueError, match="two different devices"):
         spade.with_cache_rank(devices=[jax.devices()[0]] * 2)
+    from models.engine import Engine
+
+    with pytest.raises(ValueError, match="does not run AsyncSpade's cache rank"):
+        Engine(CacheRankModel.__new__(CacheRankModel))  # refused before anything of it is read
     # ArkVale re-summarises the new token's whole page: the keys stay on the inference rank
     ark = _tiny(get_method("asyncspade", budget=128, window=2, selector="arkvale"))
     with pytest.raises(ValueError, match="reads `block_keys` of the key cache"):
@@ -96,3 +100,25 @@ def test_generate_cli_cache_rank():
     proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "hi",
                            "--cache-rank"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "--cache-rank is AsyncSpade's" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_two_device_benchmarks_run_on_cpu(tmp_path):
+    """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` end to end on a tiny model
+    (two CPU devices): every configuration row, the results files, and the cross-device
+    logits agreeing with the one-device run."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    runs = {"cache_rank": ["--tiny", "--contexts", "512", "--batch", "2", "--budget", "64", "--window", "4",
+                           "--packs", "2", "--steps", "2", "--rounds", "1", "--transfers", "device_put"],
+            "multi_gpu": ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "dense,quest", "--steps", "2",
+                          "--rounds", "1", "--budget", "64"]}
+    for name, args in runs.items():
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(tmp_path)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+        assert (tmp_path / f"{name}.md").exists() and (tmp_path / f"{name}.png").exists()
+        two = [r for r in rows if r.get("gpus") == 2]
+        assert len(rows) == (3 if name == "cache_rank" else 4) and two, rows
+        for r in two:
+            assert r["argmax_agree"] == 1.0 and r["max_dlogit"] < 0.1 and r["ms_per_step"] > 0, r
