@@ -42,7 +42,7 @@ def spade_method(budget: int, window: int):
 
 
 def run_cache_rank(model, method, *, batch: int, context: int, steps: int, rounds: int, pack_layers: int,
-                   transfer: str = "device_put", threads: bool = True, log=print):
+                   transfer: str = "device_put", threads: bool = True, profile: Path | None = None, log=print):
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
     from models import sharding as sh
     from models.api import round_up
@@ -87,12 +87,45 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
                + (", 2 host threads" if threads else ", 1 host thread"), gpus=2,
                batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, issue_ms=statistics.median(issue) * 1e3,
                host_ms=host, compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
+    if profile is not None:
+        row["profile"] = profile_steps(step, tok, profile, steps=8, log=log)
     log(f"  {row['layout']:<56} B={batch:<3} {ms:7.2f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
         f"issue {row['issue_ms']:.2f} ms  host per step: "
         + ", ".join(f"{k} {v:.2f} ms" for k, v in host.items()) + f"  (compile+fill {compile_s:.0f} s)", flush=True)
     del held, cr
     gc.collect()
     return row, first
+
+
+def profile_steps(step, tok, logdir: Path, *, steps: int, log=print) -> dict:
+    """``steps`` back-to-back steps under ``jax.profiler.trace(logdir)``; per GPU, the
+    busy and idle time of its streams over the steps' span (``benchmarks.trace_overlap``:
+    whether device 0 waits, for the host or for the cache rank). The trace file stays
+    under ``logdir``."""
+    from benchmarks import trace_overlap as to
+
+    logdir.mkdir(parents=True, exist_ok=True)
+    jax.block_until_ready(tok)
+    with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
+        for _ in range(steps):
+            tok = step(tok)
+        jax.block_until_ready(tok)
+    events, _ = to.load_events(logdir)
+    out = {"steps": steps, "trace": str(to.find_trace_file(logdir))}
+    for i, d in enumerate(jax.devices()[:2]):
+        rep = to.overlap_report(events, device_regex=rf"/device:GPU:{d.id}\b")
+        if rep["note"] is not None and not rep["gpu_streams_found"]:
+            out["note"] = rep["note"]
+            break
+        active = rep["active_us"] or 1.0
+        out[f"gpu{i}"] = {"busy_ms_per_step": rep["gpu_busy_us"] / steps / 1e3,
+                          "idle_ms_per_step": rep["gpu_idle_us"] / steps / 1e3,
+                          "busy_fraction": rep["gpu_busy_us"] / active,
+                          "top": [(t["name"][:60], round(t["total_us"] / steps, 1))
+                                  for t in rep["top_names"].get("compute", [])[:6]]}
+        log(f"    GPU {i}: busy {out[f'gpu{i}']['busy_ms_per_step']:.2f} ms, idle "
+            f"{out[f'gpu{i}']['idle_ms_per_step']:.2f} ms per step", flush=True)
+    return out
 
 
 def render(payload) -> str:
@@ -151,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=0, help="stop starting configurations after this many s")
+    p.add_argument("--profile", default=None,
+                   help="DIR: trace 8 steps of each cache-rank configuration (jax.profiler) and report each "
+                        "GPU's busy and idle time per step; the traces stay under DIR/<config>")
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="cache_rank")
@@ -201,7 +237,9 @@ def main(argv=None) -> int:
                     row.pop(k, None)
             else:
                 row, first = run_cache_rank(model, spade, batch=b, context=context, steps=a.steps, rounds=a.rounds,
-                                            pack_layers=pack, transfer=transfer, threads=threads)
+                                            pack_layers=pack, transfer=transfer, threads=threads,
+                                            profile=None if a.profile is None else
+                                            Path(a.profile) / f"{context}_{pack}_{transfer}_{int(threads)}")
             if name == "quest":
                 quest = row
             elif pack is None:
