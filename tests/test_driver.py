@@ -184,3 +184,36 @@ def test_hybrid_model_unrolled_equals_forward():
         logits, cache = fns.decode_step(model.params, jnp.asarray(np.asarray(tokens)[np.arange(2), pos]), cache)
         np.testing.assert_allclose(np.asarray(logits), want[np.arange(2), pos], atol=3e-5, rtol=3e-5)
         pos += 1
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_decode_over_layer_ranges_equals_one_decode(unroll):
+    """``Driver.decode(layers=range)`` (a pack of layers, models.cache_rank): running the
+    stack as consecutive ranges, each fed the previous one's hidden state, gives the
+    whole decode's hidden state and cache entries, on a hybrid model with a sparse method
+    (the ranges cut through a segment)."""
+    from flax import nnx
+
+    from models.driver import Driver
+    from sparse_jax.cache import KVCache
+
+    model = models.load_model(config=hybrid_config(), dtype=jnp.float32, attention="quest",
+                              attention_options=dict(budget=16, block_size=4, dense_layers=(0,)))
+    cfg, method = model.config, model.method
+    assert [s.sparse for s in make_plan(cfg, method).specs] == [False] * 5 + [True]  # Quest selects on layer 5
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 40)), jnp.int32)
+    _, cache = model.prefill(tokens, jnp.asarray([40, 33], jnp.int32), model.init_cache(2, 64))
+    m = nnx.merge(model.graphdef, model.params)
+    drv = Driver(cfg, method, tfm.layer_graphdef(cfg, jnp.float32), unroll)
+    x0 = m.embed_tokens(jnp.asarray([5, 7], jnp.int32))
+    want_x, want = drv.decode(nnx.state(m.layers), x0, cache)
+    x, entries = x0, list(cache.layers)
+    for rng_ in (range(0, 2), range(2, 5), range(5, 6)):
+        part = [e if i in rng_ else None for i, e in enumerate(entries)]
+        x, out = drv.decode(nnx.state(m.layers), x, KVCache(tuple(part), cache.lengths, cache.max_len), layers=rng_)
+        for i in rng_:
+            entries[i] = out.layers[i]
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
+    for a, b in zip(jax.tree.leaves(entries), jax.tree.leaves(want.layers)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
