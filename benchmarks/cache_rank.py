@@ -42,7 +42,8 @@ def spade_method(budget: int, window: int):
 
 
 def run_cache_rank(model, method, *, batch: int, context: int, steps: int, rounds: int, pack_layers: int,
-                   transfer: str = "device_put", threads: bool = True, profile: Path | None = None, log=print):
+                   transfer: str = "device_put", threads: bool = True, wait_copies: bool = False,
+                   profile: Path | None = None, log=print):
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
     from models import sharding as sh
     from models.api import round_up
@@ -51,7 +52,8 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)
     t0 = time.perf_counter()
-    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer, threads=threads)
+    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer, threads=threads,
+                                                   wait_copies=wait_copies)
     mesh = sh.Parallelism(1, 1).mesh()  # the fill runs on device 0, as for the one-GPU rows
     fill = fill_function(cfg, cr.method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)
     cache = fill(init_cache(cfg, cr.method, batch, max_len, jnp.bfloat16), jax.random.key(7))
@@ -84,7 +86,8 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     n = max(1, len(issue))
     host = {k: v / n * 1e3 for k, v in cr.fns.host_s.items()}
     row = dict(context=context, method="asyncspade", layout=f"cache rank, packs of {pack_layers}, {transfer}"
-               + (", 2 host threads" if threads else ", 1 host thread"), gpus=2,
+               + ((", 2 host threads, copies of ready sources" if wait_copies else ", 2 host threads") if threads
+                  else ", 1 host thread"), gpus=2,
                batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, issue_ms=statistics.median(issue) * 1e3,
                host_ms=host, compile_s=compile_s, rounds_ms=[round(x, 3) for x in times])
     if profile is not None:
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--transfers", default="device_put,collective",
                    help="how the ranks exchange (comma list): device_put, collective (a ppermute program)")
     p.add_argument("--dispatch", default="threads",
-                   help="comma list: threads (the cache rank's calls from a second host thread), one")
+                   help="comma list: threads (the cache rank's calls from a second host thread), threads-wait "
+                        "(that thread copies only computed sources), one")
     p.add_argument("--baselines", default="quest,asyncspade", help="one-GPU rows (comma list; may be empty)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
@@ -222,9 +226,11 @@ def main(argv=None) -> int:
         print(f"{context // 1024}K, B={b}", flush=True)
         quest = spade_ref = None
         configs = [(n, None, None, None) for n in a.baselines.split(",") if n] + [
-            ("asyncspade", n, t, d == "threads") for d in a.dispatch.split(",") for t in a.transfers.split(",")
-            for n in packs]
-        for name, pack, transfer, threads in configs:
+            ("asyncspade", n, t, d) for d in a.dispatch.split(",") for t in a.transfers.split(",") for n in packs]
+        if any(c[3] not in (None, "threads", "threads-wait", "one") for c in configs):
+            print(f"error: --dispatch takes threads, threads-wait and one, got {a.dispatch!r}", file=sys.stderr)
+            return 2
+        for name, pack, transfer, dispatch in configs:
             if a.time_limit and time.perf_counter() - start > a.time_limit:
                 print(f"time limit: skipping {name} pack={pack} at {context}", flush=True)
                 continue
@@ -237,9 +243,10 @@ def main(argv=None) -> int:
                     row.pop(k, None)
             else:
                 row, first = run_cache_rank(model, spade, batch=b, context=context, steps=a.steps, rounds=a.rounds,
-                                            pack_layers=pack, transfer=transfer, threads=threads,
+                                            pack_layers=pack, transfer=transfer, threads=dispatch != "one",
+                                            wait_copies=dispatch == "threads-wait",
                                             profile=None if a.profile is None else
-                                            Path(a.profile) / f"{context}_{pack}_{transfer}_{int(threads)}")
+                                            Path(a.profile) / f"{context}_{pack}_{transfer}_{dispatch}")
             if name == "quest":
                 quest = row
             elif pack is None:

@@ -146,16 +146,17 @@ class Model:
         return ShardedModel(self, Parallelism(data, model), devices)
 
     def with_cache_rank(self, devices=None, *, pack_layers: int = 6, transfer: str = "device_put",
-                        threads: bool = True) -> "Model":
+                        threads: bool = True, wait_copies: bool = False) -> "Model":
         """AsyncSpade with its cache rank on a second device
         (:class:`models.cache_rank.CacheRankModel`): the next step's selection is chosen
         on ``devices[1]`` while ``devices[0]`` runs the step, in packs of
         ``pack_layers`` layers; ``transfer``: ``"device_put"`` or ``"collective"`` (a
         ``ppermute`` program, NCCL on GPUs); ``threads``: the cache rank's calls issued from
-        a second host thread. The same API; the model must run ``asyncspade``."""
+        a second host thread; ``wait_copies``: that thread waits for each copy's source
+        before issuing it. The same API; the model must run ``asyncspade``."""
         from models.cache_rank import CacheRankModel
 
-        return CacheRankModel(self, devices, pack_layers, transfer, threads)
+        return CacheRankModel(self, devices, pack_layers, transfer, threads, wait_copies)
 
     def forward(self, tokens) -> jax.Array:
         """Logits f32 ``[B, T, V]`` of whole sequences ``tokens int32[B, T]`` (no cache)."""

@@ -259,7 +259,8 @@ class CacheRankFunctions:
     (:class:`Courier`), dispatched from the host in an order that keeps the next pack
     queued on device 0 while a pack's transfers are issued."""
 
-    def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put", threads: bool = True):
+    def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put", threads: bool = True,
+                 wait_copies: bool = False):
         from models.driver import Driver, make_plan, segment_data
         from models.transformer import default_unroll, layer_graphdef
 
@@ -291,6 +292,10 @@ class CacheRankFunctions:
         #: host thread, so a call that waits for a cross-device copy blocks that thread only
         #: and device 0's packs keep being queued
         self.threads = bool(threads)
+        #: with ``threads``: the cache-rank thread waits until each copy's source is computed
+        #: before issuing the copy, so the copy is queued at once and a call consuming it
+        #: finds it defined (the main thread then never waits on a cross-device copy)
+        self.wait_copies = bool(wait_copies) and self.threads
         self._pool = None
         if self.threads:
             from concurrent.futures import ThreadPoolExecutor
@@ -390,8 +395,12 @@ class CacheRankFunctions:
             sp = self.sparse_in[p]
             if not sp:
                 return
+            if self.wait_copies:
+                self._timed("wait", jax.block_until_ready, shipped)
             shipped = self._timed("to_rank", self.courier.send, shipped, 1)
             states, sel = self._timed("rank", self._rank[p], tuple(rank[i] for i in sp), shipped, pos1, max_len)
+            if self.wait_copies:
+                self._timed("wait", jax.block_until_ready, sel)
             sels[p] = self._timed("to_inference", self.courier.send, sel, 0)
             for i, st in zip(sp, states):
                 rank[i] = st
@@ -437,7 +446,7 @@ class CacheRankModel(Model):
     :class:`SplitCache`, which ``decode_step`` takes."""
 
     def __init__(self, base: Model, devices=None, pack_layers: int = 6, transfer: str = "device_put",
-                 threads: bool = True):
+                 threads: bool = True, wait_copies: bool = False):
         method = base.method
         if not isinstance(method, AsyncSpade):
             raise ValueError(f"the cache rank is AsyncSpade's: the model runs {method.name!r}; load it with "
@@ -460,7 +469,7 @@ class CacheRankModel(Model):
         self.devices = (devs[0], devs[1])
         self.pack_layers = int(pack_layers)
         self.base_fns = self.fns
-        self.fns = CacheRankFunctions(self, self.base_fns.prefill, transfer, threads)
+        self.fns = CacheRankFunctions(self, self.base_fns.prefill, transfer, threads, wait_copies)
 
     def __repr__(self) -> str:
         return (super().__repr__()[:-1] + f", inference rank {self.devices[0]}, cache rank {self.devices[1]}, "

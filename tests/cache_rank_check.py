@@ -66,14 +66,16 @@ def tiny_cases():
         method = get_method("asyncspade", budget=48, window=4, dense_layers=(0,), selector=sel, **opts)
         base = Model(cfg, graphdef, params, None, method, jnp.float32, 256)
         ref, _ = _greedy(base.prefill, base.decode_step, tokens, lengths, base.init_cache(3, 256))
-        runs = [(1, "device_put", True), (2, "collective", False), (6, "device_put", False)] if sel == "quest" \
-            else [(3, "device_put", True)]
-        for pack, transfer, threads in runs:
-            cr = base.with_cache_rank(pack_layers=pack, transfer=transfer, threads=threads)
+        runs = [(1, "device_put", "threads"), (2, "collective", "one"), (6, "device_put", "one")] \
+            if sel == "quest" else [(3, "device_put", "threads-wait")]
+        for pack, transfer, dispatch in runs:
+            threads = dispatch != "one"
+            cr = base.with_cache_rank(pack_layers=pack, transfer=transfer, threads=threads,
+                                      wait_copies=dispatch == "threads-wait")
             got, split = _greedy(cr.prefill, cr.decode_step, tokens, lengths, cr.init_cache(3, 256))
             rank_devs = {str(d) for st in split.rank if st is not None for x in jax.tree.leaves(st) for d in x.devices()}
             inf_devs = {str(d) for x in jax.tree.leaves(split.inference) for d in x.devices()}
-            _report(f"tiny/asyncspade[{sel}]/pack={pack}/{transfer}/{'threads' if threads else 'one-thread'}", ref, got, rank_devices=sorted(rank_devs),
+            _report(f"tiny/asyncspade[{sel}]/pack={pack}/{transfer}/{dispatch}", ref, got, rank_devices=sorted(rank_devs),
                     inference_devices=sorted(inf_devs), packs=len(cr.fns.packs))
         if sel == "quest":  # control: the lag (W=1) selects differently, and the comparison sees it
             lag = Model(cfg, graphdef, params, None, get_method("asyncspade", budget=48, window=1, dense_layers=(0,)),
