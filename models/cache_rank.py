@@ -405,29 +405,23 @@ class CacheRankFunctions:
             for i, st in zip(sp, states):
                 rank[i] = st
 
-        if self._pool is not None:  # one FIFO worker: the packs reach the cache rank in order
-            futures = []
-            for p, rng in enumerate(self.packs):
-                x, out, shipped = self._timed("infer", self._infer[p], params, x, pos0,
-                                              tuple(entries[i] for i in rng), sels[p], max_len)
-                for i, e in zip(rng, out):
-                    entries[i] = e
-                futures.append(self._pool.submit(ship, p, shipped))
-            for f in futures:  # every cache-rank call of this step issued (not finished)
-                f.result()
-            logits, new_pos0 = x
-            return logits, SplitCache(KVCache(tuple(entries), new_pos0, max_len), tuple(sels), tuple(rank),
-                                      pos1 + 1)
+        futures = []
         for p, rng in enumerate(self.packs):
             x, out, shipped = self._timed("infer", self._infer[p], params, x, pos0, tuple(entries[i] for i in rng),
                                           sels[p], max_len)
             for i, e in zip(rng, out):
                 entries[i] = e
+            if self._pool is not None:  # one FIFO worker: the packs reach the cache rank in order
+                futures.append(self._pool.submit(ship, p, shipped))
+                continue
             if pending is not None:
                 ship(*pending)
             pending = (p, shipped)
+        if pending is not None:
+            ship(*pending)
+        for f in futures:  # every cache-rank call of this step issued (not finished)
+            f.result()
         logits, new_pos0 = x
-        ship(*pending)
         return logits, SplitCache(KVCache(tuple(entries), new_pos0, max_len), tuple(sels), tuple(rank), pos1 + 1)
 
     def forward(self, params, tokens):

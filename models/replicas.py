@@ -146,9 +146,5 @@ class EngineReplicas:
         for e in self.engines:
             e.stop(timeout)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 600.0) -> Request:
-        """Submit and wait (the engine threads must be running)."""
-        r = self.submit(self.make_request(prompt_ids, params))
-        if not r.done.wait(timeout):
-            raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
-        return r
+    #: submit and wait (the engine threads must be running): the engine's own, on the replicas
+    generate = Engine.generate

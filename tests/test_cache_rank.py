@@ -84,21 +84,14 @@ def test_packs():
 @pytest.mark.slow
 def test_generate_cli_cache_rank():
     """``python -m models.generate --attention asyncspade --cache-rank`` prints the one-device text."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    from tests.cli_runs import run_generate, texts_with_and_without
+
     prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 5 + "The capital of Germany is"
-    texts = []
-    for extra in ([], ["--cache-rank"]):
-        proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--attention",
-                               "asyncspade", "--attention-opt", "budget=48", "--prompt", prompt,
-                               "--max-new-tokens", "8", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        head, rest = proc.stdout.split("]\n", 1)
-        texts.append(rest.split("-" * 72)[0])
-        assert ("cache rank on cpu:1" in head) == bool(extra), head
+    texts = texts_with_and_without(["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt",
+                                    "budget=48", "--prompt", prompt, "--max-new-tokens", "8"], ["--cache-rank"],
+                                   "cache rank on cpu:1")
     assert texts[0] == texts[1] and texts[0].strip(), texts
-    proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "hi",
-                           "--cache-rank"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])
     assert proc.returncode == 2 and "--cache-rank is AsyncSpade's" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -171,19 +171,12 @@ def test_clear_errors():
 @pytest.mark.slow
 def test_generate_cli_tensor_parallel():
     """``python -m models.generate --tensor-parallel 2`` prints the one-device text."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    texts = []
-    for extra in ([], ["--tensor-parallel", "2"]):
-        proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt",
-                               "The capital of France is", "--max-new-tokens", "12", *extra], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        head, rest = proc.stdout.split("]\n", 1)
-        texts.append(rest.split("-" * 72)[0])
-        assert ("x 2 (tensor parallel)" in head) == bool(extra), head
+    from tests.cli_runs import run_generate, texts_with_and_without
+
+    texts = texts_with_and_without(["--model", "smollm2-135m", "--prompt", "The capital of France is",
+                                    "--max-new-tokens", "12"], ["--tensor-parallel", "2"], "x 2 (tensor parallel)")
     assert texts[0] == texts[1] and texts[0].strip(), texts
-    proc = subprocess.run([sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "hi",
-                           "--tensor-parallel", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--tensor-parallel", "4"])
     assert proc.returncode == 2 and "needs 4 devices; 2 visible" in proc.stderr, proc.stderr[-2000:]
 
 
