@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import jax
@@ -182,14 +183,16 @@ def main(argv=None):
     else:
         rows = e2e_rows(a)
         cols = ["method", "batch", "context", "layers", "step_ms", "tokens_per_s"] + (
-            ["gpu_busy_ms", "gpu_span_ms"] if a.profile else [])
+            ["gpu_busy_ms", "gpu_span_ms", "kernel_sum_ms", "select_ms", "select_hidden_ms"] if a.profile else [])
         title = "Decode step through the layer driver (Qwen3-8B shape, random bf16 weights, unrolled)"
-    md = f"# {title}\n\n{stamp()}\n\n" + markdown_table(rows, cols)
+    flags = os.environ.get("XLA_FLAGS", "")
+    md = f"# {title}\n\n{stamp()}\n\nXLA_FLAGS: `{flags}`\n\n" + markdown_table(rows, cols)
     if a.part == "e2e" and a.profile:
         md += "\n\nTop kernels (ms per step):\n\n" + "\n".join(f"- {r['method']}: {r['top_kernels_ms']}" for r in rows)
     print(md)
     if a.out:
-        write_results(a.name or f"kascade_{a.part}", {"rows": rows, **stamp()}, md, out_dir=a.out)
+        write_results(a.name or f"kascade_{a.part}", {"rows": rows, "xla_flags": flags, **stamp()}, md,
+                      out_dir=a.out)
 
 
 if __name__ == "__main__":

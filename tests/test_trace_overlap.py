@@ -285,3 +285,20 @@ def test_host_time_by_name(gpu_logdir):
         ("python", "PjitFunction(step)"), ("python", "cuMemcpyHtoDAsync"),
         ("tf_Stream #99 executor", "MemcpyH2D"), ("tf_Stream #99 executor", "fusion_9")}
     assert len(to.host_time_by_name(events, top=2)) == 2
+
+
+def test_selection_overlap_counts_only_concurrent_selection_time():
+    from benchmarks.driver_probe import selection_overlap
+
+    def ev(name, ts, dur, tid=1):
+        return to.TraceEvent(name, ts, dur, 1, tid, "/device:GPU:0", f"stream {tid}")
+
+    # attention 0-10 on one stream; the selection's scores 5-15 on another (5 µs hidden),
+    # its top-k 20-22 alone (not hidden); an MLP gemm 30-40
+    ks = [ev("sparse_decode_bk64", 0, 10), ev("quest_block_scores", 5, 10, tid=2),
+          ev("topk_select_l0", 20, 2, tid=2), ev("gemm_fusion", 30, 10)]
+    ov = selection_overlap(ks)
+    assert ov["kernel_sum_us"] == 32 and ov["busy_us"] == 27
+    assert ov["select_us"] == 12 and ov["select_hidden_us"] == 5
+    serial = selection_overlap([ev("quest_block_scores", 0, 4), ev("gemm", 4, 4)])
+    assert serial["select_hidden_us"] == 0 and serial["kernel_sum_us"] == serial["busy_us"]
