@@ -150,13 +150,15 @@ def main(argv=None):
         params = model.params
         for shape in a.shapes.split(","):
             tokens = jnp.zeros((a.batch,), jnp.int32)
-            if shape in ("tiered", "offload"):
-                if shape == "offload" and name == "dense":
+            if shape in ("tiered", "offload", "offload_quiet"):
+                if shape != "tiered" and name == "dense":
                     continue
-                runner = TieredRunner(with_churn(model, a.churn) if shape == "offload" else model,
+                runner = TieredRunner(with_churn(model, a.churn) if shape != "tiered" else model,
                                       "resident" if shape == "tiered" else "offload", host_limit=None)
                 cache = runner.state_from_kv(_synthetic_kv(cfg, a.batch, cap, a.context, jnp.bfloat16, 0),
                                              np.full((a.batch,), a.context, np.int32), cap)
+                # offload_quiet: the step's block counters are not kept (TieredState.record_transfers)
+                cache.record_transfers = shape != "offload_quiet"
 
                 def run(st, runner=runner):
                     tok, state = st
@@ -165,7 +167,7 @@ def main(argv=None):
             else:
                 cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
                 cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
-            if shape in ("tiered", "offload"):
+            if shape in ("tiered", "offload", "offload_quiet"):
                 per_call = 1
             elif shape == "logits":
                 def run(st):
