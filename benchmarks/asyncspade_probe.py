@@ -13,6 +13,16 @@ positions:
 * ``cos``: cosine of ``q̂_{t+1}`` and ``q_{t+1}`` per query head;
 * ``overlap@k``: ``|top_k(q̂) ∩ top_k(q)| / k`` of the exact group-summed
   attention probabilities over keys ``0..t+1`` (the paper's overlap ratio).
+
+``--time`` instead times the predictor itself, one layer's call (no model):
+
+    python -m benchmarks.asyncspade_probe --time --out benchmarks/results
+
+at ``B x Hq x W x D`` = ``--time-shapes`` (default ``4x32x16x128,1x32x16x128``,
+Qwen3-8B's query heads), full histories: the ``W - 1`` LU solves (the
+reference), the jnp Cholesky form and the Pallas kernel (per ``--warps``), CUPTI
+medians (``benchmarks.timing.time_fn``) and each one's largest difference from
+a float64 window-by-window oracle, relative to the history's largest entry.
 """
 
 from __future__ import annotations
@@ -37,7 +47,13 @@ def main(argv=None):
     p.add_argument("--first-layer", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--name", default=None)
+    p.add_argument("--time", action="store_true", help="time the predictor (reference, cholesky-jnp, pallas)")
+    p.add_argument("--time-shapes", default="4x32x16x128,1x32x16x128", help="BxHqxWxD,...")
+    p.add_argument("--warps", default="1,2,4", help="the kernel's num_warps to time")
+    p.add_argument("--runs", type=int, default=50)
     a = p.parse_args(argv)
+    if a.time:
+        return time_predictor(a)
     windows = [int(x) for x in a.windows.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
 
@@ -93,6 +109,63 @@ def main(argv=None):
     print(md)
     if a.out:
         write_results(a.name or f"asyncspade_probe_{a.model}", {"rows": rows, **stamp()}, md, out_dir=a.out)
+
+
+def _oracle(hist, count, window, ridge):
+    """The predictor window by window in float64 (``hist [N, W+1, D]``, ``count [N]``)."""
+    out = []
+    for h, c in zip(hist, count):
+        q_t = h[-1]
+        eps = ridge * max(q_t @ q_t, 1e-12)
+        cands = [q_t]
+        for k in range(2, window + 1):
+            if c > k:
+                x = h[-1 - k:-1]
+                w = np.linalg.solve(x @ x.T + eps * np.eye(k), x @ q_t)
+                w = np.exp(w - w.max())
+                cands.append((w / w.sum()) @ h[-k:])
+        out.append(np.mean(cands, axis=0))
+    return np.stack(out)
+
+
+def time_predictor(a):
+    from benchmarks.timing import time_fn
+    from sparse_jax.ops.prediction import predict_query
+
+    rows = []
+    for shape in a.time_shapes.split(","):
+        b, hq, w, d = (int(x) for x in shape.split("x"))
+        rng = np.random.default_rng(0)
+        h = rng.normal(size=(b, hq, w + 1, d))
+        for t in range(1, w + 1):  # temporally correlated, as real queries are
+            h[:, :, t] = 0.8 * h[:, :, t - 1] + 0.6 * h[:, :, t]
+        h = h.astype(np.float32)
+        count = np.full((b,), w + 1, np.int32)
+        want = _oracle(h.reshape(b * hq, w + 1, d).astype(np.float64), np.repeat(count, hq), w, a.ridge)
+        hist, cnt = jnp.asarray(h), jnp.asarray(count)
+        impls = [("reference (W-1 LU solves)", dict(impl="reference")),
+                 ("cholesky-jnp", dict(impl="reference", reference="cholesky"))]
+        impls += [(f"pallas num_warps={nw}", dict(impl="pallas", num_warps=nw)) for nw in map(int, a.warps.split(","))]
+        for name, kw in impls:
+            fn = jax.jit(lambda x, c, kw=kw: predict_query(x, c, window=w, ridge=a.ridge, **kw))
+            got = np.asarray(fn(hist, cnt)).reshape(b * hq, d)
+            err = float(np.abs(got - want).max() / np.abs(h).max())
+            t = time_fn(fn, (hist, cnt), name=name, runs=a.runs)
+            r = {"shape": shape, "impl": name, "device_us": None if t.device_ms is None else round(t.device_ms * 1e3, 1),
+                 "wall_us": round(t.wall_ms * 1e3, 1), "launches": None if t.kernels is None else len(t.kernels),
+                 "x36_layers_ms": round(t.best_ms * 36, 3), "err_vs_f64": float(f"{err:.3g}"),
+                 "kernels": t.kernels}
+            rows.append(r)
+            print({k: v for k, v in r.items() if k != "kernels"}, flush=True)
+    cols = ["shape", "impl", "device_us", "wall_us", "launches", "x36_layers_ms", "err_vs_f64"]
+    md = (f"# AsyncSpade's query predictor, one layer's call (B x Hq x W x D, full histories)\n\n{stamp()}\n\n"
+          "device_us: CUPTI median of the kernels' summed time; x36_layers_ms: per decode step of a 36-layer "
+          "model (device time, else wall); err_vs_f64: max |q̂ - float64 oracle| / max |history|.\n\n"
+          + markdown_table(rows, cols))
+    print(md)
+    if a.out:
+        write_results(a.name or "asyncspade_predictor_time", {"rows": rows, **stamp()}, md, out_dir=a.out)
+    return rows
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ public code):
 * *group reduction*: one prediction per query head (Alg. 1 works per
   batch x query head); the selector reduces over the GQA group as it always
   does (Quest sums its bound over the group, DS averages label softmaxes).
+* *computation*: window ``k``'s Gram matrix is a block of one ``W x W``
+  matrix, and a Cholesky factor's blocks factor its blocks, so one
+  factorization and one triangular inverse give every window's weights
+  (``pallas_kernels.query_predictor``: one Pallas launch per layer on the GPU,
+  ``impl="auto"``; the ``W - 1`` batched LU solves it replaces stay the
+  reference).
 * *start step*: from the first decode step; until ``W + 1`` queries are known
   the candidates use the window sizes the history supports (after prefill
   only the last prompt query: the first prediction is the lag).
@@ -60,6 +66,8 @@ import jax.numpy as jnp
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.methods.registry import get_method, register
 from sparse_jax.methods.sparse_base import BlockSparseMethod
+from sparse_jax.ops._dispatch import IMPLS
+from sparse_jax.ops.prediction import predict_query
 from sparse_jax.selection import Selection
 
 
@@ -72,7 +80,8 @@ def ridge_weights(x: jax.Array, y: jax.Array, eps: jax.Array) -> jax.Array:
     return jnp.linalg.solve(g, b[..., None])[..., 0]
 
 
-def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: float) -> jax.Array:
+def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: float, *,
+                       impl: str = "reference", reference: str = "lu") -> jax.Array:
     """``q̂_{t+1}`` from the history ``hist [B, Hq, W+1, D]`` (oldest first, the newest
     ``q_t`` last; the first ``W+1-count`` entries are not real) -> ``[B, Hq, D]`` f32.
 
@@ -80,34 +89,11 @@ def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: fl
     weights, apply them to ``Q_{t-k+1..t}``; candidates needing more than the
     ``count - 1`` past queries are left out of the average.
 
-    All windows at once: window ``k``'s Gram matrix is the trailing ``k x k``
-    block of the last ``W`` past queries' Gram matrix, so one ``[W, W]`` Gram
-    and one batched solve of ``W - 1`` padded systems (padding rows: identity,
-    right-hand side 0, weight masked out of the softmax) serve every window."""
-    h = hist.astype(jnp.float32)
-    q_t = h[:, :, -1]
-    total = q_t  # k = 1: one weight, softmax 1: the lag
-    if window == 1:
-        return total
-    past = h[:, :, -1 - window:-1]  # Q_{t-W..t-1}: [B, Hq, W, D]
-    eps = ridge * jnp.maximum(jnp.sum(q_t * q_t, -1), 1e-12)  # [B, Hq]
-    gram = jnp.einsum("bhid,bhjd->bhij", past, past)  # [B, Hq, W, W]
-    rhs = jnp.einsum("bhid,bhd->bhi", past, q_t)  # [B, Hq, W]
-    ks = jnp.arange(2, window + 1)  # window sizes: [W-1]
-    idx = jnp.arange(window)
-    real = idx[None, :] >= window - ks[:, None]  # [W-1, W]: row i is in window k (the last k rows)
-    both = real[:, :, None] & real[:, None, :]
-    eye = jnp.eye(window, dtype=jnp.float32)
-    g = jnp.where(both, gram[:, :, None], 0.0) + eye * jnp.where(real, eps[:, :, None, None], 1.0)[..., None]
-    b = jnp.where(real, rhs[:, :, None], 0.0)
-    w = jnp.linalg.solve(g, b[..., None])[..., 0]  # [B, Hq, W-1, W]
-    w = jax.nn.softmax(jnp.where(real, w, -jnp.inf), axis=-1)
-    # applied to the window shifted by one: row i of Q_{t-W..t-1} -> Q_{t-W+1..t}
-    cand = jnp.einsum("bhki,bhid->bhkd", w, h[:, :, -window:])  # [B, Hq, W-1, D]
-    ok = (count[:, None] > ks[None, :])[:, None, :, None]  # [B, 1, W-1, 1]: k past queries known
-    total = total + jnp.sum(jnp.where(ok, cand, 0.0), axis=2)
-    used = 1.0 + jnp.sum(count[:, None] > ks[None, :], axis=-1).astype(jnp.float32)
-    return total / used[:, None, None]
+    :func:`sparse_jax.ops.prediction.predict_query`: by default the reference
+    (``W - 1`` batched LU solves, :func:`pallas_kernels.query_predictor.predict_lu_reference`);
+    ``impl="auto"`` runs the one-launch Cholesky kernel on the GPU (AsyncSpade's
+    ``impl``), ``reference="cholesky"`` the one-factorization jnp form."""
+    return predict_query(hist, count, window=window, ridge=ridge, impl=impl, reference=reference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +116,7 @@ class AsyncSpade(AttentionMethod):
       window: W, past queries the predictor regresses on (1: AsyncTLS's lag).
       ridge: ``ε`` relative to the newest query's squared norm.
       dense_layers: global layers kept exact (the selector's convention: 0, 1).
-      impl: kernel implementation.
+      impl: the query predictor's implementation (``auto``: the kernel on the GPU).
       prefetch_block_size: blocks of the offloaded tier under a token selector.
     """
 
@@ -170,6 +156,8 @@ class AsyncSpade(AttentionMethod):
             raise ValueError(f"asyncspade: window must be >= 1, got {self.window}")
         if self.ridge <= 0:
             raise ValueError(f"asyncspade: ridge must be > 0, got {self.ridge}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"asyncspade: impl must be one of {IMPLS}, got {self.impl!r}")
         if self.budget < 2:
             raise ValueError(f"asyncspade: budget must be >= 2, got {self.budget}")
         inner = self.inner()
@@ -249,7 +237,7 @@ class AsyncSpade(AttentionMethod):
         run apart from the attention: on a second device (:mod:`models.cache_rank`)."""
         hist = jnp.concatenate([state["hist"][:, :, 1:], q.astype(jnp.float32)[:, :, None]], axis=2)
         count = jnp.minimum(state["count"] + 1, self.window + 1)
-        q_hat = predict_next_query(hist, count, self.window, self.ridge)
+        q_hat = predict_next_query(hist, count, self.window, self.ridge, impl=self.impl)
         nxt, nxt_counts = self._choose(q_hat, lengths, state["inner"], layer, kv)
         return dict(state, hist=hist, count=count, next=nxt, next_counts=nxt_counts)
 
