@@ -168,14 +168,17 @@ def tiled_attention(q, k, v, indices, counts, tile: int):
     return masked_attention(q, k, v, selection_mask(indices, counts, q.shape[1], tile))
 
 
-#: most query rows one program of the gather kernel holds (a tile of 32 queries of a
-#: GQA group of 4 is 128; a larger group splits the tile into several kernel calls)
-MAX_ROWS = 128
+#: most query-row elements (rows x head_dim) one program of the gather kernel holds:
+#: its f32 accumulator is ``rows x D``. 128 x 128 = a tile of 32 queries of a GQA group
+#: of 4 at D=128 (Qwen3-8B, Llama-3.1-8B); a larger group or head splits the tile into
+#: several kernel calls over the same lists (a guess from register pressure, unmeasured
+#: beyond D=128, G=4)
+MAX_ROW_ELEMENTS = 128 * 128
 IMPLS = ("composed", "masked")
 
 
 def tiled_attention_composed(q, k, v, indices, counts, tile: int, *, impl: str = "auto",
-                             max_rows: int = MAX_ROWS, **tuning):
+                             max_rows: int | None = None, **tuning):
     """:func:`tiled_attention` as a composition of existing kernels (module docstring).
 
     Shapes as :func:`tiled_attention`: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``,
@@ -191,8 +194,8 @@ def tiled_attention_composed(q, k, v, indices, counts, tile: int, *, impl: str =
     ``impl`` is the gather kernel's (``"auto"``: the Pallas kernel on a GPU, its jnp
     reference elsewhere; ``"pallas"`` runs interpret mode on a CPU); ``tuning`` its
     knobs (``sparse_jax.ops.attention.SPARSE_TUNING_KEYS``). A tile whose ``tile x G``
-    rows exceed ``max_rows`` runs as several calls over slices of its queries (the
-    same lists).
+    rows exceed ``max_rows`` (default ``MAX_ROW_ELEMENTS // D``, at least 16) runs as
+    several calls over equal slices of its queries (the same lists, read again).
     """
     from sparse_jax.ops.attention import merge_attention, sparse_decode_attention
 
@@ -224,6 +227,8 @@ def tiled_attention_composed(q, k, v, indices, counts, tile: int, *, impl: str =
     vh = v.transpose(0, 2, 1, 3).reshape(b * hkv, 1, t, d)
     idx = indices.astype(jnp.int32).reshape(b * hkv * nt, 1, kk)  # a free reshape
     cnt = jnp.broadcast_to(counts.astype(jnp.int32)[:, None, :], (b, hkv, nt)).reshape(b * hkv * nt, 1)
+    if max_rows is None:
+        max_rows = max(16, MAX_ROW_ELEMENTS // d)
     per = max(1, min(tile, max_rows // g))
     while tile % per:  # equal slices of the tile
         per -= 1

@@ -108,9 +108,9 @@ def _selection(rng, b, hkv, t, tile, width):
 
 # (T, Hq, Hkv, D, dtype, max_rows, tuning): T off the tile grid, G = 1, 4, 8, D = 64, 128
 COMPOSED_CASES = [
-    (150, 2, 2, 64, jnp.float32, 128, {}),
-    (100, 8, 2, 128, jnp.float32, 128, {"block_k": 16, "num_splits": 2}),
-    (130, 8, 2, 64, jnp.bfloat16, 128, {}),
+    (150, 2, 2, 64, jnp.float32, None, {}),
+    (100, 8, 2, 128, jnp.float32, None, {"block_k": 16, "num_splits": 2}),
+    (130, 8, 2, 64, jnp.bfloat16, None, {}),
     (70, 8, 1, 64, jnp.float32, 128, {}),  # a tile of 32 x G=8 = 256 rows: two calls of 16 queries
 ]
 
