@@ -22,6 +22,18 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   keeps on real text has to come from a real model (``benchmarks.accuracy`` with
   ``prefill=token_sparse``), and the time is reported per fraction.
 
+* **kascade reuse** (``--parts kascade``): a Kascade reuse layer's tiled attention
+  (``sparse_jax.kascade_prefill.tiled_attention_composed``: the gather kernel over each
+  32-query tile's selected keys, the causal diagonal tile, the LSE merge) at the
+  paper's budget (``tile_counts``: ``min(0.1 T - 32, max(128, 0.1 x tile start), tile
+  start)`` keys per tile, growing with position), with random selections (per tile,
+  one key drawn in each of ``count`` equal strata of the keys before it: distinct, in
+  ascending order, where an anchor's are in score order), once per kernel tuning
+  (``--kascade-tunings``); and the same with every count 0 (the layout, the diagonal
+  and the merge alone: the composition's overhead). Cross-checked against the masked
+  reference (``tiled_attention``) at ``min(context, 2048)`` tokens of the smallest
+  context (max |difference|).
+
 Each row: median ms (``benchmarks.timing.time_fn``: warm-up, synchronised runs),
 the ratio to dense, and the compute floor: causal attention's ``2 * B * Hq * D * T^2``
 FLOP (QK and PV, half the square) over the kept tokens, at the H100's bf16 dense peak
@@ -59,10 +71,94 @@ def random_kept(key, b: int, hq: int, t: int, window: int, fraction: float) -> j
     return jnp.concatenate([rank < keep, jnp.ones((b, hq, window), bool)], axis=-1)
 
 
+KASCADE_TILE = 32
+#: the reuse layer's kernel tunings timed by default ("default": the kernel's own
+#: defaults; a tile of 32 queries x G=4 is a 128-row program, which may want 8 warps)
+KASCADE_TUNINGS = "default;num_warps=8;block_k=32:num_warps=8"
+
+
+def parse_tunings(spec: str) -> list[dict]:
+    """``"default;num_warps=8;block_k=32:num_warps=8"`` -> ``[{}, {"num_warps": 8}, ...]``."""
+    out = []
+    for item in spec.split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        if item == "default":
+            out.append({})
+            continue
+        conf = {}
+        for kv in item.split(":"):
+            key, _, val = kv.partition("=")
+            conf[key.strip()] = int(val)
+        out.append(conf)
+    return out
+
+
+def tuning_name(conf: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in conf.items()) or "default tuning"
+
+
+def random_tile_selection(key, counts, hkv: int, t: int, tile: int, width: int) -> jax.Array:
+    """``int32[B, Hkv, n_tiles, width]``: for each tile ``n`` (start ``s = n * tile``) and
+    its ``c = counts[b, n]``, one uniformly random key in each of ``c`` equal strata of
+    ``[0, s)`` (sizes ``s // c`` or one more): distinct keys before the tile, ascending;
+    zeros past the count. Integer arithmetic bounded by ``s`` (no overflow)."""
+    b, nt = counts.shape
+    s = (jnp.arange(nt, dtype=jnp.int32) * tile)[None, None, :, None]  # [1, 1, nt, 1]
+    c = jnp.maximum(counts, 1)[:, None, :, None]  # [B, 1, nt, 1]
+    j = jnp.arange(width, dtype=jnp.int32)[None, None, None, :]
+    base, rem = s // c, s % c
+    lo = j * base + jnp.minimum(j, rem)
+    size = base + (j < rem).astype(jnp.int32)
+    u = jax.random.uniform(key, (b, hkv, nt, width))
+    idx = lo + jnp.minimum((u * size).astype(jnp.int32), jnp.maximum(size - 1, 0))
+    return jnp.where(j < counts[:, None, :, None], idx, 0).astype(jnp.int32)
+
+
+def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, floor_pairs_ms) -> list[dict]:
+    """A Kascade reuse layer at the paper's budget (module docstring)."""
+    from sparse_jax import kascade_prefill as kp
+
+    b, t, hq, d = q.shape
+    hkv, tile = k.shape[2], KASCADE_TILE
+    rule = dict(budget=0, fraction=0.1, min_keys=128)
+
+    def selection(t_, key):
+        counts = kp.tile_counts(jnp.full((b,), t_, jnp.int32), t_, tile, **rule)
+        width = kp.tile_width(t_, tile, **rule)
+        return jax.jit(random_tile_selection, static_argnums=(2, 3, 4, 5))(key, counts, hkv, t_, tile, width), counts
+
+    def pairs(counts, t_):  # (query, key) pairs attended by one query head
+        diag = sum(min(tile, t_ - n * tile) * (min(tile, t_ - n * tile) + 1) // 2 for n in range(counts.shape[1]))
+        rows_in = np.minimum(tile, t_ - np.arange(counts.shape[1]) * tile)
+        return int((np.asarray(counts[0], np.int64) * rows_in).sum()) + diag
+
+    idx, counts = selection(t, jax.random.PRNGKey(1))
+    kept = pairs(counts, t) / (t * (t + 1) / 2)
+    rows = []
+    for conf in tunings:
+        fn = jax.jit(lambda q, k, v, i, c, conf=conf: kp.tiled_attention_composed(q, k, v, i, c, tile, **conf))
+        r = time_fn(fn, (q, k, v, idx, counts), runs=runs, cupti=False)
+        row = dict(context=t, part=f"kascade reuse, composed ({tuning_name(conf)})", kept=kept, ms=r.wall_ms,
+                   vs_dense=dense_ms / r.wall_ms, floor_ms=floor_pairs_ms(pairs(counts, t)))
+        if check:  # against the masked reference at a small size
+            tc = min(t, 2048)
+            ic, cc = selection(tc, jax.random.PRNGKey(2))
+            qc, kc, vc = q[:, :tc], k[:, :tc], v[:, :tc]
+            want = jax.jit(kp.tiled_attention, static_argnums=5)(qc, kc, vc, ic, cc, tile)
+            row["max_abs_err"] = float(jnp.max(jnp.abs(fn(qc, kc, vc, ic, cc).astype(jnp.float32)
+                                                       - want.astype(jnp.float32))))
+        rows.append(row)
+    fn = jax.jit(lambda q, k, v, i, c: kp.tiled_attention_composed(q, k, v, i, c, tile, **tunings[0]))
+    r = time_fn(fn, (q, k, v, idx, jnp.zeros_like(counts)), runs=runs, cupti=False)
+    rows.append(dict(context=t, part="kascade reuse, counts 0 (layout, diagonal, merge)", kept=None, ms=r.wall_ms,
+                     vs_dense=dense_ms / r.wall_ms, floor_ms=None))
+    return rows
+
+
 def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fractions, dtype, runs: int,
-                   check: bool, log=print) -> list[dict]:
-    from pallas_kernels.window_scores import unsupported_reason
-    from sparse_jax import prefill as tsa
+                   check: bool, parts=("tsa", "kascade"), kascade_tunings=None, log=print) -> list[dict]:
     from sparse_jax.methods.base import dense_prefill_attention
 
     kq, kk, kv, kr = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -75,10 +171,34 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
     def floor_ms(tokens):
         return None if peak is None else 2 * b * hq * d * tokens * tokens / peak * 1e3
 
+    def floor_pairs_ms(pairs):  # QK and PV over the attended (query, key) pairs of each head
+        return None if peak is None else 4 * b * hq * d * pairs / peak * 1e3
+
     rows = []
     dense = time_fn(jax.jit(dense_prefill_attention), (q, k, v), runs=runs, cupti=False)
     rows.append(dict(context=t, part="dense (cuDNN causal)", kept=1.0, ms=dense.wall_ms, vs_dense=1.0,
                      floor_ms=floor_ms(t)))
+    if "tsa" in parts:
+        rows += tsa_rows(q, k, v, lengths, kr, window=window, fractions=fractions, runs=runs, check=check,
+                         dense_ms=dense.wall_ms, floor_ms=floor_ms, log=log)
+    if "kascade" in parts:
+        rows += kascade_rows(q, k, v, tunings=kascade_tunings or parse_tunings(KASCADE_TUNINGS), runs=runs,
+                             check=check, dense_ms=dense.wall_ms, floor_pairs_ms=floor_pairs_ms)
+    rows = [{key: val for key, val in row.items() if val is not None} for row in rows]  # blank cells, not "None"
+    for row in rows:
+        log(f"  {t:>7} {row['part']:<34} {row['ms']:9.3f} ms  x{row['vs_dense']:.2f} vs dense", flush=True)
+    return rows
+
+
+def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: bool, dense_ms: float, floor_ms,
+             log=print) -> list[dict]:
+    """Token Sparse Attention's steps (module docstring)."""
+    from pallas_kernels.window_scores import unsupported_reason
+    from sparse_jax import prefill as tsa
+
+    b, t, hq, d = q.shape
+    dtype = q.dtype
+    rows = []
 
     impls = ["reference"]
     why = unsupported_reason(d, dtype, dtype)
@@ -99,7 +219,7 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
         step1 = jax.jit(step1)
         ws = time_fn(step1, (q, k, lengths), runs=runs, cupti=False)
         row = dict(context=t, part=f"tsa window scores (step 1), {impl}", kept=None, ms=ws.wall_ms,
-                   vs_dense=dense.wall_ms / ws.wall_ms, floor_ms=None)
+                   vs_dense=dense_ms / ws.wall_ms, floor_ms=None)
         if check:  # the kernel against the reference (scores of a head sum to <= 1)
             scores[impl] = step1(q, k, lengths)
             if impl != "reference":
@@ -107,7 +227,7 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
         rows.append(row)
         sc = time_fn(jax.jit(scoring), (q, k, lengths), runs=runs, cupti=False)
         rows.append(dict(context=t, part=f"tsa scoring (steps 1-4), {impl}", kept=None, ms=sc.wall_ms,
-                         vs_dense=dense.wall_ms / sc.wall_ms, floor_ms=None))
+                         vs_dense=dense_ms / sc.wall_ms, floor_ms=None))
     # step 4 and the compressed order, each against the sorts they replaced (same results)
     sm = jax.jit(lambda q, k, n: tsa.smooth(tsa.window_scores(q, k, n, window, impl="reference"), 7))(q, k, lengths)
     keep = tsa.keep_counts(sm, lengths, tau=0.005, min_tokens=1024, window=window)
@@ -120,7 +240,7 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
             ("tsa compressed order, argsort", lambda m: jnp.argsort(~m, axis=-1, stable=True).astype(jnp.int32),
              (kept_set,))):
         r = time_fn(jax.jit(fn), args, runs=runs, cupti=False)
-        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense.wall_ms / r.wall_ms,
+        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
                          floor_ms=None))
     attend = jax.jit(tsa.compressed_causal_attention)
     for f in fractions:
@@ -128,15 +248,12 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
         n = int(kept[0, 0].sum())
         r = time_fn(attend, (q, k, v, kept), runs=runs, cupti=False)
         row = dict(context=t, part=f"tsa attend, {f:g} of the prefix", kept=n / t, ms=r.wall_ms,
-                   vs_dense=dense.wall_ms / r.wall_ms, floor_ms=floor_ms(n))
+                   vs_dense=dense_ms / r.wall_ms, floor_ms=floor_ms(n))
         if check:
             want = tsa.masked_causal_attention(q, k, v, kept, 512)
             row["max_abs_err"] = float(jnp.max(jnp.abs(attend(q, k, v, kept).astype(jnp.float32)
                                                        - want.astype(jnp.float32))))
         rows.append(row)
-    rows = [{key: val for key, val in row.items() if val is not None} for row in rows]  # blank cells, not "None"
-    for row in rows:
-        log(f"  {t:>7} {row['part']:<34} {row['ms']:9.3f} ms  x{row['vs_dense']:.2f} vs dense", flush=True)
     return rows
 
 
@@ -147,7 +264,9 @@ def render(payload) -> str:
             f"B={payload['batch']}, {payload['heads']} heads, D={payload['head_dim']}, {payload['dtype']}; median ms "
             "of synchronised runs; vs_dense = dense ms / this ms (scoring: the same ratio, for scale); floor_ms: "
             "causal attention FLOP over the kept tokens at the bf16 peak; max_abs_err: the window-scores kernel "
-            "against the reference (a head's scores sum to <= 1), the compressed attention against the masked one. "
+            "against the reference (a head's scores sum to <= 1), the compressed attention against the masked one, "
+            "Kascade's composed tiled attention against its masked reference at min(context, 2048) tokens. "
+            "Kascade kept: the share of the causal (query, key) pairs a reuse layer attends at the paper's budget. "
             "Kept prefix tokens drawn at random "
             "(random weights have no attention structure; the fraction tau keeps on real text is measured "
             "separately).\n\n"
@@ -165,6 +284,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--parts", default="tsa,kascade", help="which sparse rows besides dense: tsa, kascade")
+    p.add_argument("--kascade-tunings", default=KASCADE_TUNINGS,
+                   help="';'-separated gather-kernel tunings for the Kascade reuse rows ('default' or "
+                        "'key=val:key=val', keys from sparse_jax.ops.attention.SPARSE_TUNING_KEYS)")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="prefill_bench")
@@ -173,8 +296,17 @@ def main(argv=None) -> int:
         contexts = [int(x) for x in a.contexts.split(",") if x]
         fractions = [float(x) for x in a.fractions.split(",") if x]
         hq, hkv = (int(x) for x in a.heads.split(","))
+        parts = tuple(x for x in a.parts.split(",") if x)
+        tunings = parse_tunings(a.kascade_tunings)
     except ValueError:
-        p.error("--contexts and --fractions take comma-separated numbers, --heads two ints")
+        p.error("--contexts and --fractions take comma-separated numbers, --heads two ints, "
+                "--kascade-tunings key=int pairs")
+    from sparse_jax.ops.attention import SPARSE_TUNING_KEYS
+
+    if not parts or set(parts) - {"tsa", "kascade"}:
+        p.error("--parts: a comma-separated subset of tsa,kascade")
+    if "kascade" in parts and (not tunings or any(set(c) - set(SPARSE_TUNING_KEYS) for c in tunings)):
+        p.error(f"--kascade-tunings: at least one, keys from {SPARSE_TUNING_KEYS}")
     if not contexts or min(contexts) <= a.window or not fractions or not all(0 < f <= 1 for f in fractions):
         p.error("contexts must exceed --window and fractions lie in (0, 1]")
     if hq % hkv or a.runs < 1 or a.batch < 1:
@@ -185,7 +317,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for i, t in enumerate(sorted(contexts)):
         payload["rows"] += attention_rows(b=a.batch, t=t, hq=hq, hkv=hkv, d=a.head_dim, window=a.window,
-                                          fractions=fractions, dtype=dtype, runs=a.runs, check=i == 0)
+                                          fractions=fractions, dtype=dtype, runs=a.runs, check=i == 0,
+                                          parts=parts, kascade_tunings=tunings)
         write_results(a.name, payload, render(payload), a.out)
     payload["wall_s"] = time.perf_counter() - t0
     write_results(a.name, payload, render(payload), a.out)

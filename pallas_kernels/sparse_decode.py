@@ -18,6 +18,10 @@ Query head ``i`` belongs to KV head ``i // G`` with ``G = Hq // Hkv``. For each
   clamped into range (a memory-safety guard, not a feature).
 * Duplicated positions inside the count are attended once per occurrence
   (the kernel does not deduplicate; callers are expected not to produce them).
+* ``kv_batch_share = r`` (default 1): ``q``, ``indices`` and ``counts`` have
+  ``r`` times k's batch, and q's batch row ``i`` reads k/v row ``i // r``: many
+  lists over one cache without copying it (Kascade's tiled prefill: one row per
+  (batch, KV head, query tile), ``sparse_jax.kascade_prefill``).
 
 The output is ``[B, Hq, D]`` in q's dtype; logits, softmax and accumulation are
 float32. With ``return_residuals=True`` the result is ``(out, (m, l))`` with
@@ -115,16 +119,23 @@ def gathered_attention_reference(q, k, v, pos, valid, scale: float,
                                  return_residuals: bool):
     """Shared jnp reference: attention of each GQA group over gathered tokens.
 
-    q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; pos ``int32[B, Hkv, T]`` (any
+    q ``[B, Hq, D]``; k, v ``[B // r, Hkv, S, D]`` (q's row ``i`` reads k/v row
+    ``i // r``; r = 1 unless ``kv_batch_share``); pos ``int32[B, Hkv, T]`` (any
     values where ``valid`` is False); valid ``bool[B, Hkv, T]``.
     """
     B, Hq, D = q.shape
-    _, Hkv, S, _ = k.shape
+    Bk, Hkv, S, _ = k.shape
     G = Hq // Hkv
     pos = jnp.where(valid, jnp.clip(pos, 0, S - 1), 0).astype(jnp.int32)
     qg = q.reshape(B, Hkv, G, D).astype(jnp.float32)
-    kg = jnp.take_along_axis(k, pos[..., None], axis=2).astype(jnp.float32)
-    vg = jnp.take_along_axis(v, pos[..., None], axis=2).astype(jnp.float32)
+    if Bk == B:
+        kg = jnp.take_along_axis(k, pos[..., None], axis=2).astype(jnp.float32)
+        vg = jnp.take_along_axis(v, pos[..., None], axis=2).astype(jnp.float32)
+    else:  # gather straight from the shared rows (no [B, Hkv, S, D] copy)
+        rows = (jnp.arange(B, dtype=jnp.int32) // (B // Bk))[:, None, None]
+        heads = jnp.arange(Hkv, dtype=jnp.int32)[None, :, None]
+        kg = k[rows, heads, pos].astype(jnp.float32)
+        vg = v[rows, heads, pos].astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # no TF32 in the reference on GPU
     logits = jnp.einsum("bhgd,bhtd->bhgt", qg, kg, precision=hi) * scale
     vmask = valid[:, :, None, :]
@@ -145,7 +156,8 @@ def gathered_attention_reference(q, k, v, pos, valid, scale: float,
 @functools.partial(jax.jit, static_argnames=("scale", "return_residuals"))
 def sparse_decode_attention_reference(q, k, v, indices, counts, *, scale=None,
                                       return_residuals=False):
-    """Pure-jnp reference (float32 math). Same contract as the kernel."""
+    """Pure-jnp reference (float32 math). Same contract as the kernel (k's batch
+    may divide q's: ``kv_batch_share``)."""
     K = indices.shape[-1]
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     cnt = jnp.clip(counts.astype(jnp.int32), 0, K)
@@ -294,10 +306,12 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     Tuning: ``block_k`` (tokens per tile, power of two >= 16; default 64 for
     D <= 128 else 32, capped by K), ``num_splits`` (default from
     ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``prefetch``
-    (0 or 1, default 0: 1 loads tile t+1 while tile t computes).
+    (0 or 1, default 0: 1 loads tile t+1 while tile t computes). k's batch may
+    divide q's (``kv_batch_share = q batch // k batch``, read off the shapes).
     """
     B, Hq, D = q.shape
-    _, Hkv, S, _ = k.shape
+    Bk, Hkv, S, _ = k.shape
+    assert B % Bk == 0, (q.shape, k.shape)
     K = indices.shape[-1]
     prefetch = 0 if prefetch is None else int(prefetch)
     if prefetch not in (0, 1):
@@ -312,7 +326,8 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     return split_decode_call(
         kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
         name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals)
+        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals,
+        kv_batch_share=B // Bk)
 
 
 def group_rows(G: int) -> int:
@@ -323,7 +338,8 @@ def group_rows(G: int) -> int:
 
 def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
                       head_scalars=(), row_scalars=(), name: str, num_warps=None,
-                      num_stages=None, interpret=False, return_residuals=False):
+                      num_stages=None, interpret=False, return_residuals=False,
+                      kv_batch_share: int = 1):
     """The scaffolding the decode kernels share: GQA grouping, the ``pallas_call``
     over grid ``(B, Hkv, ns)`` and the merge of the splits.
 
@@ -336,23 +352,30 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
     KV head; and writes the split's partial ``o [G, D]``, ``m, l [G]`` (f32,
     with :func:`store_group`), merged here (:func:`finish_splits`). No XLA
     copies surround the kernel: q and the list go in as they are, and the
-    outputs hold real heads only.
+    outputs hold real heads only. ``kv_batch_share = r``: k, v hold ``B / r``
+    rows and program ``(b, h)`` reads row ``b // r`` (the rest is per q row).
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     G = Hq // Hkv
+    r = int(kv_batch_share)
+    assert r >= 1 and B == k.shape[0] * r, (q.shape, k.shape, r)
     assert ns * per_split >= split_list.shape[-1], (ns, per_split, split_list.shape)
     qg = q.reshape(B, Hkv, G, D)
     lst = split_list.astype(jnp.int32)
     if lst.shape[-1] == 0:  # an empty list selects nothing; a zero-size block cannot be mapped
         lst = jnp.zeros((B, Hkv, 1), jnp.int32)
     n = lst.shape[-1]
+
+    def kv_row(b):
+        return b if r == 1 else lax.div(b, jnp.int32(r))
+
     in_specs = ([pl.BlockSpec((None, None), lambda b, h, s: (b, h)) for _ in head_scalars]
                 + [pl.BlockSpec((None,), lambda b, h, s: (b,)) for _ in row_scalars]
                 + [pl.BlockSpec((None, None, G, D), lambda b, h, s: (b, h, 0, 0)),            # q
                    pl.BlockSpec((None, None, n), lambda b, h, s: (b, h, 0)),                  # list
-                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),            # k
-                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0))])           # v
+                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (kv_row(b), h, 0, 0)),    # k
+                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (kv_row(b), h, 0, 0))])   # v
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, ns),

@@ -21,7 +21,20 @@ KV head ``h`` attends the top-k of the anchor head ``head_map[h]`` plus its diag
 tile. The anchors' selection crosses layers as the prefill carry
 (``indices int32[B, Hkv, n_tiles, K]``, ``counts int32[B, n_tiles]``).
 
-This reference builds dense ``[T, T]`` masks: exact, for tests and CPU; not fast.
+The reference (``impl="masked"``) builds dense ``[T, T]`` masks: exact, for tests
+and CPU; not fast. The fast path (``impl="composed"``, :func:`tiled_attention_composed`)
+is a composition of existing kernels, exact for the selections the anchors make:
+
+(a) the tile's selected keys: a sparse *decode* attention
+    (``sparse_jax.ops.attention.sparse_decode_attention``, the token-gather kernel)
+    with one row per (batch, KV head, tile) whose GQA group is the tile's
+    ``tile x G`` query rows, all reading that tile's list; the rows share the
+    head-major K/V through ``kv_batch_share`` (no per-tile copy);
+(b) the diagonal tile: causal attention inside each ``tile`` of queries (an einsum
+    over ``[tile, tile]`` blocks, cheap);
+(c) the two log-sum-exp merged (``merge_attention``): the selected keys lie before
+    the tile and the diagonal's inside it, disjoint sets, so the merge is the softmax
+    over their union, which is what the masked reference attends.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from sparse_jax.prefill import _group  # k [B, T, Hkv, D] -> [B, Hq, T, D]
 
@@ -152,6 +166,113 @@ def reused(carry, head_map):
 def tiled_attention(q, k, v, indices, counts, tile: int):
     """Attention over each tile's selected keys plus its diagonal tile."""
     return masked_attention(q, k, v, selection_mask(indices, counts, q.shape[1], tile))
+
+
+#: most query-row elements (rows x head_dim) one program of the gather kernel holds:
+#: its f32 accumulator is ``rows x D``. 128 x 128 = a tile of 32 queries of a GQA group
+#: of 4 at D=128 (Qwen3-8B, Llama-3.1-8B); a larger group or head splits the tile into
+#: several kernel calls over the same lists (a guess from register pressure, unmeasured
+#: beyond D=128, G=4)
+MAX_ROW_ELEMENTS = 128 * 128
+IMPLS = ("composed", "masked")
+
+
+def tiled_attention_composed(q, k, v, indices, counts, tile: int, *, impl: str = "auto",
+                             max_rows: int | None = None, **tuning):
+    """:func:`tiled_attention` as a composition of existing kernels (module docstring).
+
+    Shapes as :func:`tiled_attention`: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``,
+    ``indices int32[B, Hkv, n_tiles, K]``, ``counts int32[B, n_tiles]``. Equal to it
+    (up to float rounding) when each tile's listed keys (the first ``counts`` entries)
+    are distinct and lie before the tile, as every anchor's selection does
+    (:func:`tile_scores` leaves only keys before the tile to pick, and ``counts <=``
+    tile start); the reference would also drop a listed key at or after the tile,
+    this path would attend it. A count of 0 (the first tile) leaves the diagonal
+    alone. Like the reference, lengths play no part: a query past its row's length
+    attends its tile's keys as any other (the model never reads it).
+
+    ``impl`` is the gather kernel's (``"auto"``: the Pallas kernel on a GPU, its jnp
+    reference elsewhere; ``"pallas"`` runs interpret mode on a CPU); ``tuning`` its
+    knobs (``sparse_jax.ops.attention.SPARSE_TUNING_KEYS``). A tile whose ``tile x G``
+    rows exceed ``max_rows`` (default ``MAX_ROW_ELEMENTS // D``, at least 16) runs as
+    several calls over equal slices of its queries (the same lists, read again).
+    """
+    from sparse_jax.ops.attention import merge_attention, sparse_decode_attention
+
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    nt = num_tiles(t, tile)
+    kk = indices.shape[-1]
+    assert indices.shape == (b, hkv, nt, kk) and counts.shape == (b, nt), (indices.shape, counts.shape)
+    scale = d ** -0.5
+    pad = ((0, 0), (0, nt * tile - t), (0, 0), (0, 0))
+    # q as [B, Hkv, nt, tile, G, D]: the rows of one (batch, KV head, tile) together
+    qt = jnp.pad(q, pad).reshape(b, nt, tile, hkv, g, d).transpose(0, 3, 1, 2, 4, 5)
+
+    # (b) the diagonal tile, causal: f32 logits, the partial (o, m, l) of merge_attention
+    kd = jnp.pad(k, pad).reshape(b, nt, tile, hkv, d)
+    vd = jnp.pad(v, pad).reshape(b, nt, tile, hkv, d)
+    hi = lax.Precision.HIGHEST
+    s = jnp.einsum("bhnqgd,bnkhd->bhnqgk", qt, kd, precision=hi, preferred_element_type=jnp.float32) * scale
+    causal = (jnp.arange(tile)[:, None] >= jnp.arange(tile)[None, :])[:, None, :]  # [tile(q), 1, tile(k)]
+    s = jnp.where(causal, s, NEG)
+    m_d = s.max(-1)  # every query sees itself: finite
+    p = jnp.exp(s - m_d[..., None])
+    l_d = p.sum(-1)
+    o_d = jnp.einsum("bhnqgk,bnkhd->bhnqgd", p, vd.astype(jnp.float32), precision=hi) / l_d[..., None]
+
+    # (a) the selected keys: one gather-kernel row per (batch, KV head, tile), K/V shared
+    kh = k.transpose(0, 2, 1, 3).reshape(b * hkv, 1, t, d)  # head-major, row (b, h)
+    vh = v.transpose(0, 2, 1, 3).reshape(b * hkv, 1, t, d)
+    idx = indices.astype(jnp.int32).reshape(b * hkv * nt, 1, kk)  # a free reshape
+    cnt = jnp.broadcast_to(counts.astype(jnp.int32)[:, None, :], (b, hkv, nt)).reshape(b * hkv * nt, 1)
+    if max_rows is None:
+        max_rows = max(16, MAX_ROW_ELEMENTS // d)
+    per = max(1, min(tile, max_rows // g))
+    while tile % per:  # equal slices of the tile
+        per -= 1
+    rows = b * hkv * nt
+    outs = []
+    for c in range(0, tile, per):
+        qc = qt[:, :, :, c:c + per].reshape(rows, per * g, d)
+        o_s, res_s = sparse_decode_attention(qc, kh, vh, idx, cnt, scale=scale, return_residuals=True,
+                                             impl=impl, kv_batch_share=nt, **tuning)
+        part = (slice(None),) * 3 + (slice(c, c + per),)
+        res_d = (m_d[part].reshape(rows, per * g), l_d[part].reshape(rows, per * g))
+        # (c) the union of two disjoint sets: the log-sum-exp merge
+        o = merge_attention(o_d[part].reshape(rows, per * g, d).astype(jnp.float32), res_d,
+                            o_s.astype(jnp.float32), res_s)
+        outs.append(o.reshape(b, hkv, nt, per, g, d))
+    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    o = o.transpose(0, 2, 3, 1, 4, 5).reshape(b, nt * tile, hq, d)[:, :t]
+    return o.astype(q.dtype)
+
+
+def tiled_attention_impl(q, k, v, indices, counts, tile: int, *, impl: str = "composed",
+                         kernel_impl: str = "auto", **tuning):
+    """A reuse layer's attention: ``impl`` "composed" (:func:`tiled_attention_composed`,
+    the gather kernel's ``kernel_impl``) or "masked" (:func:`tiled_attention`)."""
+    if impl == "masked":
+        return tiled_attention(q, k, v, indices, counts, tile)
+    if impl != "composed":
+        raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
+    return tiled_attention_composed(q, k, v, indices, counts, tile, impl=kernel_impl, **tuning)
+
+
+def anchor_attention_impl(q, k, v, lengths, *, impl: str = "composed", kernel_impl: str = "auto", **args):
+    """An anchor layer: ``(out, selection)``. "masked": :func:`anchor_attention` (its
+    probabilities renormalised); "composed": the same selection
+    (:func:`anchor_selection`), attended by :func:`tiled_attention_composed`. The two
+    agree on every query inside its row's length; past it the masked anchor keeps
+    only keys before the length, the composed path attends its tile as a reuse layer
+    does (rows the model never reads)."""
+    if impl == "masked":
+        return anchor_attention(q, k, v, lengths, **args)
+    if impl != "composed":
+        raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
+    sel = anchor_selection(q, k, lengths, **args)
+    return tiled_attention_composed(q, k, v, sel["indices"], sel["counts"], args["tile"], impl=kernel_impl), sel
 
 
 def empty_carry(batch: int, num_kv_heads: int, t: int, *, tile: int, budget: int, fraction: float,

@@ -2,8 +2,12 @@
 the per-tile counts and top-k against NumPy, the attention against a brute force
 over each query's allowed keys, exact when the budget covers the prompt (in the
 model too, scanned and unrolled), the layer-by-layer prefill equal to the model's,
-and a run from the CLI."""
+and a run from the CLI; the composed fast path (gather kernel + diagonal tile + LSE
+merge) against the masked reference."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,6 +92,52 @@ def test_tiled_attention_matches_a_brute_force():
                 np.testing.assert_allclose(got[b, t, h], want, atol=2e-5, rtol=0)
 
 
+def _selection(rng, b, hkv, t, tile, width):
+    """Each tile's list: distinct keys before the tile (what an anchor selects), garbage
+    past the count; counts up to the tile start, one over the width (clamped to it)."""
+    nt = kp.num_tiles(t, tile)
+    idx = rng.integers(-3 * t, 3 * t, (b, hkv, nt, width))
+    cnt = np.zeros((b, nt), np.int32)
+    for r in range(b):
+        for n in range(1, nt):
+            cnt[r, n] = rng.integers(0, min(width, n * tile) + 1)
+            for h in range(hkv):
+                idx[r, h, n, : cnt[r, n]] = rng.permutation(n * tile)[: cnt[r, n]]
+    if nt * tile - tile > width:
+        cnt[0, -1] = width + 3
+        idx[0, :, -1] = [rng.permutation((nt - 1) * tile)[:width] for _ in range(hkv)]
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(cnt)
+
+
+# (T, Hq, Hkv, D, dtype, max_rows, tuning): T off the tile grid, G = 1, 4, 8, D = 64, 128
+COMPOSED_CASES = [
+    (150, 2, 2, 64, jnp.float32, None, {}),
+    (100, 8, 2, 128, jnp.float32, None, {"block_k": 16, "num_splits": 2}),
+    (130, 8, 2, 64, jnp.bfloat16, None, {}),
+    (70, 8, 1, 64, jnp.float32, 128, {}),  # a tile of 32 x G=8 = 256 rows: two calls of 16 queries
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,dtype,max_rows,tuning", COMPOSED_CASES)
+def test_composed_equals_the_masked_reference(t, hq, hkv, d, dtype, max_rows, tuning):
+    """The fast path (the gather kernel in interpret mode over each tile's keys, the
+    diagonal tile, the LSE merge) against the [T, T]-mask reference, every query row
+    (padded ones too: neither reads the lengths). The first tile (count 0) and the
+    random empty lists are the diagonal alone. (The kernel's jnp reference, what the
+    composed path runs on a CPU, is checked in the model below.)"""
+    rng = np.random.default_rng(t + hq + d)
+    b, tile, width = 2, 32, 40
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), dtype) for h in (hq, hkv, hkv))
+    idx, cnt = _selection(rng, b, hkv, t, tile, width)
+    want = jax.jit(kp.tiled_attention, static_argnums=5)(q, k, v, idx, cnt, tile)
+    composed = functools.partial(kp.tiled_attention_composed, tile=tile, impl="pallas", max_rows=max_rows, **tuning)
+    got = jax.jit(composed)(q, k, v, idx, cnt)
+    assert got.dtype == dtype and got.shape == q.shape
+    # bf16: both round the f32 result once; the composed path also rounds the gathered part
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("unroll", [False, True])
 def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     """Every key before each tile selected: anchors and reuse layers attend the whole
@@ -103,6 +153,10 @@ def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     rule = _run(_tiny_model(Kascade(anchors=(0, 2), tiled_prefill=True)), tokens, lengths, 3, 512)
     plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
     assert np.all(np.isfinite(rule)) and np.abs(rule - plain).max() > 1e-4
+    # the composed attention (the default) against the masked reference, anchors and reuse layers
+    masked = _run(_tiny_model(Kascade(anchors=(0, 2), tiled_prefill=True, prefill_impl="masked")),
+                  tokens, lengths, 3, 512)
+    np.testing.assert_allclose(rule, masked, atol=3e-5, rtol=0)
 
 
 def test_layer_by_layer_prefill_equals_the_model():
@@ -120,6 +174,11 @@ def test_layer_by_layer_prefill_equals_the_model():
 def test_options_and_errors():
     m = get_method("kascade", anchors=(0,), tiled_prefill=True, prefill_tile=16)
     assert m.tiled_prefill and m.prefill_tile == 16
+    assert m.prefill_impl == "composed"
+    with pytest.raises(ValueError, match="prefill_impl"):
+        Kascade(anchors=(0,), prefill_impl="dense").check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kp.tiled_attention_impl(None, None, None, None, None, 32, impl="fast")
     with pytest.raises(ValueError, match="prefill_tile"):
         Kascade(anchors=(0,), prefill_tile=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
     with pytest.raises(ValueError, match="both sparsify the prompt"):
@@ -159,6 +218,17 @@ def test_anchor_renormalises_its_probabilities_over_its_selection():
     args = dict(tile=16, budget=0, fraction=0.1, min_keys=40)  # 40 - 16 = 24 keys per tile
     out, sel = kp.anchor_attention(q, k, v, lengths, **args)
     want = kp.tiled_attention(q, k, v, sel["indices"], sel["counts"], 16)
+    composed = functools.partial(kp.anchor_attention_impl, impl="composed", kernel_impl="reference", **args)
+    fast, fast_sel = jax.jit(composed)(q, k, v, lengths)  # (the kernel itself: the tests above)
     for r, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(np.asarray(out)[r, :n], np.asarray(want)[r, :n], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(fast)[r, :n], np.asarray(out)[r, :n], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(fast_sel["indices"]), np.asarray(sel["indices"]))
     assert int(sel["counts"].max()) > 0  # it selects
+    # what the composed path needs of a selection: distinct keys before the tile
+    idx, cnt = np.asarray(sel["indices"]), np.asarray(sel["counts"])
+    for r in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            for n in range(idx.shape[2]):
+                listed = idx[r, h, n, : cnt[r, n]]
+                assert len(set(listed.tolist())) == len(listed) and np.all(listed < n * 16)

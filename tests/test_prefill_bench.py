@@ -10,9 +10,16 @@ from benchmarks import prefill_bench
 def test_prefill_bench_tiny(tmp_path):
     rc = prefill_bench.main(["--contexts", "256", "--fractions", "1.0,0.25", "--heads", "4,2", "--head-dim", "64",
                              "--window", "16", "--dtype", "float32", "--runs", "1", "--out", str(tmp_path),
-                             "--name", "pb"])
+                             "--name", "pb", "--kascade-tunings", "default"])
     assert rc == 0
     rows = json.loads((tmp_path / "pb.json").read_text())["rows"]
+    kascade, rows = rows[-2:], rows[:-2]
+    assert [r["part"] for r in kascade] == ["kascade reuse, composed (default tuning)",
+                                            "kascade reuse, counts 0 (layout, diagonal, merge)"]
+    assert kascade[0]["max_abs_err"] < 1e-5  # the composed path == the masked reference
+    # 256 tokens at the paper's rule: tiles 1-7 attend min(128 - 32, 128, start) keys before them
+    want = sum(32 * min(96, 32 * n) for n in range(8)) + 8 * 32 * 33 // 2
+    assert kascade[0]["kept"] == pytest.approx(want / (256 * 257 / 2))
     assert [r["part"] for r in rows] == ["dense (cuDNN causal)",
                                          "tsa window scores (step 1), reference", "tsa scoring (steps 1-4), reference",
                                          "tsa window scores (step 1), pallas", "tsa scoring (steps 1-4), pallas",
@@ -30,13 +37,16 @@ def test_prefill_bench_without_a_kernel_for_the_head_size(tmp_path):
     """A head size the window-scores kernel does not take: reference rows only."""
     rc = prefill_bench.main(["--contexts", "64", "--fractions", "0.5", "--heads", "2,1", "--head-dim", "16",
                              "--window", "16", "--dtype", "float32", "--runs", "1", "--out", str(tmp_path),
-                             "--name", "pb"])
+                             "--name", "pb", "--parts", "tsa"])
     assert rc == 0
     parts = [r["part"] for r in json.loads((tmp_path / "pb.json").read_text())["rows"]]
     assert not any("pallas" in p for p in parts) and "tsa scoring (steps 1-4), reference" in parts
+    assert not any("kascade" in p for p in parts)  # --parts tsa
 
 
-@pytest.mark.parametrize("argv", [["--contexts", "8"], ["--fractions", "0"], ["--heads", "5,2"], ["--contexts", "x"]])
+@pytest.mark.parametrize("argv", [["--contexts", "8"], ["--fractions", "0"], ["--heads", "5,2"], ["--contexts", "x"],
+                                  ["--parts", "tsa,x"], ["--kascade-tunings", "block_kk=32"],
+                                  ["--kascade-tunings", "num_warps=x"]])
 def test_prefill_bench_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         prefill_bench.main(argv)

@@ -182,6 +182,29 @@ def test_under_jit_and_auto_on_cpu():
     assert_close(f(q, k, v, idx, jnp.asarray(counts, jnp.int32)), want, jnp.float32, "jit auto")
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_kv_batch_share(impl):
+    """q rows b read k/v row b // r (each with its own list): the same as repeating the
+    cache r times (Kascade's tiled prefill, one row per tile)."""
+    rng = np.random.default_rng(9)
+    r = 3
+    q, _, _ = make_qkv(rng, 2 * r, 16, 2, 40, 16, jnp.float32)
+    _, k, v = make_qkv(rng, 2, 16, 2, 40, 16, jnp.float32)
+    counts = rng.integers(0, 13, (2 * r, 2))
+    idx, lists = make_indices(rng, 2 * r, 2, 40, 12, counts)
+    want, wm, wl = oracle(q, jnp.repeat(k, r, 0), jnp.repeat(v, r, 0), lists, 0.25)
+    out, (m, l) = sparse_decode_attention(q, k, v, idx, jnp.asarray(counts, jnp.int32), impl=impl,
+                                          kv_batch_share=r, return_residuals=True)
+    assert_close(out, want, jnp.float32, "shared rows")
+    np.testing.assert_allclose(np.asarray(l), wl, rtol=1e-5)
+    with pytest.raises(ValueError, match="kv_batch_share"):
+        sparse_decode_attention(q, k, v, idx, jnp.asarray(counts, jnp.int32), kv_batch_share=4)
+    with pytest.raises(ValueError, match="kv_batch_share"):
+        sparse_decode_attention(q, k, v, idx, jnp.asarray(counts, jnp.int32), kv_batch_share=0)
+    with pytest.raises(ValueError, match=r"B / kv_batch_share"):
+        sparse_decode_attention(q, k, v, idx, jnp.asarray(counts, jnp.int32), kv_batch_share=2)
+
+
 def test_head_dim_unsupported_by_kernel():
     rng = np.random.default_rng(5)
     q, k, v = make_qkv(rng, 1, 2, 1, 50, 48, jnp.float32)  # D=48: not a power of 2

@@ -101,6 +101,9 @@ class Kascade(AttentionMethod):
       tiled_prefill: Kascade's tile-sparse prefill (module :mod:`sparse_jax.kascade_prefill`;
         the 10% rule less one tile per tile, or ``budget`` keys per tile when fixed).
       prefill_tile: queries per prefill tile (32, as the code; the paper says 128).
+      prefill_impl: the tiled prefill's attention: "composed" (the gather kernel over
+        each tile's keys, LSE-merged with the causal diagonal tile; ``impl`` picks the
+        kernel) or "masked" (the ``[T, T]``-mask reference).
     """
 
     crosses_kv_heads: ClassVar[bool] = True  # reuse head h reads the anchor head head_map[h]
@@ -125,6 +128,9 @@ class Kascade(AttentionMethod):
     #: diagonal tile. Off by default: dense prefill, Kascade in decode only
     tiled_prefill: bool = False
     prefill_tile: int = 32
+    #: "composed" (fast: :func:`sparse_jax.kascade_prefill.tiled_attention_composed`) or
+    #: "masked" (the reference with dense [T, T] masks)
+    prefill_impl: str = "composed"
     #: the anchor selector bound to the model (``for_model``), filled in
     selector: Any = dataclasses.field(default=None, repr=False)
 
@@ -180,6 +186,8 @@ class Kascade(AttentionMethod):
             raise ValueError("kascade: budget must be >= 0, min_budget >= 1 and 0 < budget_fraction <= 1")
         if self.prefill_tile < 1:
             raise ValueError(f"kascade: prefill_tile must be >= 1, got {self.prefill_tile}")
+        if self.prefill_impl not in ("composed", "masked"):
+            raise ValueError(f"kascade: prefill_impl must be 'composed' or 'masked', got {self.prefill_impl!r}")
         if self.tiled_prefill and self.prefill != "dense":
             # a Token Sparse layer runs its own prompt attention: an anchor there would leave
             # no selection for the reuse layers after it
@@ -268,12 +276,14 @@ class Kascade(AttentionMethod):
         def dense(_):
             return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection(q, k, lengths, **args)
 
+        impls = dict(impl=self.prefill_impl, kernel_impl=self.impl)
+
         def anchor(_):
-            return kp.anchor_attention(q, k, v, lengths, **args)
+            return kp.anchor_attention_impl(q, k, v, lengths, **impls, **args)
 
         def reuse(_):
             idx = kp.reused(carry, layer.data.get("head_map"))
-            return kp.tiled_attention(q, k, v, idx, carry["counts"], tile), carry
+            return kp.tiled_attention_impl(q, k, v, idx, carry["counts"], tile, **impls), carry
 
         role = layer.data["role"]
         if _is_static(role):

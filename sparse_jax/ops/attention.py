@@ -79,8 +79,8 @@ BLOCK_SPARSE_TUNING_KEYS = _bsd.TUNING_KEYS
 # Checks
 # --------------------------------------------------------------------------
 
-def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
-    """Check q/k/v; return (B, Hq, Hkv, S, D)."""
+def _check_qkv(q, k, v, kv_batch_share: int = 1) -> tuple[int, int, int, int, int]:
+    """Check q/k/v (k, v with q's batch / ``kv_batch_share`` rows); return (B, Hq, Hkv, S, D)."""
     check_rank("q", q, 3, "[B, Hq, D]")
     check_rank("k", k, 4, "[B, Hkv, S, D]")
     check_rank("v", v, 4, "[B, Hkv, S, D]")
@@ -92,7 +92,13 @@ def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
             f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
-    check_shape("k", k, (B, Hkv, S, D), "[B, Hkv, S, D] (B and D from q)")
+    if B % kv_batch_share:
+        raise ValueError(f"q's batch ({B}) must be a multiple of kv_batch_share ({kv_batch_share})")
+    if kv_batch_share == 1:
+        check_shape("k", k, (B, Hkv, S, D), "[B, Hkv, S, D] (B and D from q)")
+    else:
+        check_shape("k", k, (B // kv_batch_share, Hkv, S, D),
+                    "[B / kv_batch_share, Hkv, S, D] (B and D from q)")
     check_shape("v", v, k.shape, "[B, Hkv, S, D] (same as k)")
     check_gqa(Hq, Hkv)
     if S < 1:
@@ -128,7 +134,7 @@ def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
 # --------------------------------------------------------------------------
 
 def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
-                            return_residuals=False, impl="auto", **tuning):
+                            return_residuals=False, impl="auto", kv_batch_share=1, **tuning):
     """Decode attention over a per-(batch, KV head) list of token positions.
 
     Args:
@@ -144,12 +150,18 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
       scale: logit scale (a Python number); default ``1 / sqrt(D)``.
       return_residuals: also return ``(m, l)``, float32 ``[B, Hq]``.
       impl: "auto" | "pallas" | "reference".
+      kv_batch_share: ``r`` (a Python int >= 1): k and v hold ``B / r`` rows and
+        q's row ``b`` (with its own ``indices[b]``, ``counts[b]``) reads k/v row
+        ``b // r``. Many query rows over one cache without copying it: Kascade's
+        tiled prefill runs one row per (batch, KV head, query tile).
       **tuning: kernel knobs, see ``SPARSE_TUNING_KEYS``.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
     """
-    B, Hq, Hkv, S, D = _check_qkv(q, k, v)
+    if isinstance(kv_batch_share, bool) or not isinstance(kv_batch_share, numbers.Integral) or kv_batch_share < 1:
+        raise ValueError(f"kv_batch_share must be a Python int >= 1, got {kv_batch_share!r}")
+    B, Hq, Hkv, S, D = _check_qkv(q, k, v, int(kv_batch_share))
     check_int_array("indices", indices, (B, Hkv, indices.shape[-1]), "[B, Hkv, K]")
     check_int_array("counts", counts, (B, Hkv), "[B, Hkv]")
     _check_scale(scale)
