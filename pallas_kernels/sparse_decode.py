@@ -115,14 +115,17 @@ def gathered_attention_reference(q, k, v, pos, valid, scale: float,
                                  return_residuals: bool):
     """Shared jnp reference: attention of each GQA group over gathered tokens.
 
-    q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; pos ``int32[B, Hkv, T]`` (any
-    values where ``valid`` is False); valid ``bool[B, Hkv, T]``.
+    q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]`` (or ``[1, Hkv, S, D]``, read by every
+    row); pos ``int32[B, Hkv, T]`` (any values where ``valid`` is False); valid
+    ``bool[B, Hkv, T]``.
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     G = Hq // Hkv
     pos = jnp.where(valid, jnp.clip(pos, 0, S - 1), 0).astype(jnp.int32)
     qg = q.reshape(B, Hkv, G, D).astype(jnp.float32)
+    if k.shape[0] != B:  # one buffer for every row
+        k, v = jnp.broadcast_to(k, (B,) + k.shape[1:]), jnp.broadcast_to(v, (B,) + v.shape[1:])
     kg = jnp.take_along_axis(k, pos[..., None], axis=2).astype(jnp.float32)
     vg = jnp.take_along_axis(v, pos[..., None], axis=2).astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # no TF32 in the reference on GPU
@@ -347,12 +350,14 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
     if lst.shape[-1] == 0:  # an empty list selects nothing; a zero-size block cannot be mapped
         lst = jnp.zeros((B, Hkv, 1), jnp.int32)
     n = lst.shape[-1]
+    # k, v with a batch of 1 (the offloaded tier's shared pool): every row reads it
+    kv_map = (lambda b, h, s: (0, h, 0, 0)) if k.shape[0] == 1 else (lambda b, h, s: (b, h, 0, 0))
     in_specs = ([pl.BlockSpec((None, None), lambda b, h, s: (b, h)) for _ in head_scalars]
                 + [pl.BlockSpec((None,), lambda b, h, s: (b,)) for _ in row_scalars]
                 + [pl.BlockSpec((None, None, G, D), lambda b, h, s: (b, h, 0, 0)),            # q
                    pl.BlockSpec((None, None, n), lambda b, h, s: (b, h, 0)),                  # list
-                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),            # k
-                   pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0))])           # v
+                   pl.BlockSpec((None, None, S, D), kv_map),                                  # k
+                   pl.BlockSpec((None, None, S, D), kv_map)])                                 # v
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, ns),

@@ -109,3 +109,86 @@ def test_shared_bad_input():
     a["block_slot"] = np.full((2, 2, 9), -1, np.int32)
     with pytest.raises(ValueError, match=r"block_slot must have shape \[M, R, NB\]"):
         assign_shared_pool_slots(**{k: jnp.asarray(v) for k, v in a.items()})
+
+
+def test_sparse_decode_attention_reads_one_shared_buffer():
+    """k, v with a batch of 1 are read by every row: equal to the same buffer repeated
+    per row (kernel in interpret mode and reference)."""
+    from sparse_jax.ops.attention import sparse_decode_attention
+
+    rng = np.random.default_rng(1)
+    b, hq, hkv, s, d, k = 3, 4, 2, 40, 16, 7
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
+    kk = jnp.asarray(rng.standard_normal((1, hkv, s, d)), jnp.float32)
+    vv = jnp.asarray(rng.standard_normal((1, hkv, s, d)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, s, (b, hkv, k)), jnp.int32)
+    cnt = jnp.asarray(rng.integers(0, k + 1, (b, hkv)), jnp.int32)
+    want = sparse_decode_attention(q, jnp.repeat(kk, b, 0), jnp.repeat(vv, b, 0), idx, cnt, impl="reference")
+    for impl in ("reference", "pallas"):
+        got = sparse_decode_attention(q, kk, vv, idx, cnt, impl=impl)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def _shared_equals_resident(model, tokens, lengths, steps, max_len, pools, atol):
+    """Offloaded greedy decoding on a shared pool of each size equals the resident
+    model's (ids and logits); blocks came back from the host; dropping the saves of
+    completed blocks breaks it (the negative control). Returns the per-pool stats."""
+    from models.tiered import TieredRunner
+    from tests.test_offload import _resident_run
+
+    ref_ids, ref_logits = _resident_run(model, tokens, lengths, steps, max_len)
+    stats = {}
+    for pool in pools:
+        runner = TieredRunner(model, "offload", pool="shared", pool_slots=pool)
+        ids, lg, state = runner.generate_ids(tokens, lengths, steps, max_len)
+        np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+        np.testing.assert_allclose(np.asarray(lg), ref_logits, atol=atol, rtol=0)
+        st = runner.transfer_stats(state)
+        assert st["steps"] == steps and sum(st["misses_per_step"][1:]) > 0 and 0 < st["hit_rate"] < 1, st
+        tier = state.cache.layers[runner.offloaded_layers[0]]
+        assert tier.shared and tier.pool_k.shape[0] == 1 and tier.slot_block.shape[0] == 1
+        stats[pool] = (st, state, runner)
+    runner = TieredRunner(model, "offload", pool="shared", pool_slots=pools[0])
+    runner._store_pending = lambda state: state.pending.clear()  # drop the completed blocks
+    _, lg, _ = runner.generate_ids(tokens, lengths, steps, max_len)
+    assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
+    return stats
+
+
+def test_offloaded_quest_on_a_shared_pool_equals_resident():
+    """Quest (the fetch path: the current query's blocks placed before attending) on the
+    smallest shared pool (3 rows x 8 blocks: evictions every step)."""
+    from sparse_jax.methods import get_method
+    from tests.test_offload import _ragged_tokens, _tiny_model
+
+    model = _tiny_model(get_method("quest", budget=64, block_size=8, dense_layers=(0,)))
+    tokens, lengths = _ragged_tokens(5)
+    shared, state, runner = _shared_equals_resident(model, tokens, lengths, 24, 256, (24,), atol=1e-5)[24]
+    # the rows really share: a pool of 24 slots for 3 rows, against per-row pools of 16 (2 x 8)
+    from models.tiered import TieredRunner
+
+    per_row_runner = TieredRunner(model, "offload")
+    _, _, per_row_state = per_row_runner.generate_ids(tokens, lengths, 24, 256)
+    per_row = per_row_runner.transfer_stats(per_row_state)
+    assert sum(shared["misses_per_step"]) > sum(per_row["misses_per_step"])
+    assert shared["hit_rate"] < per_row["hit_rate"]
+    # the map (row, block) -> slot: a row's blocks take what the others leave, not a fixed third
+    tier = state.cache.layers[runner.offloaded_layers[0]]
+    owner = np.asarray(tier.slot_block)[0] // (256 // 8)  # [Hkv, N]: the row of each slot's block
+    shares = np.stack([(owner == b).sum(-1) for b in range(3)], -1)  # [Hkv, 3]
+    assert (shares.sum(-1) <= 24).all() and (shares != 8).any(), shares
+    bslot = np.asarray(tier.block_slot)
+    for h in range(bslot.shape[1]):
+        for b in range(3):
+            for blk in np.nonzero(bslot[b, h] >= 0)[0]:
+                assert owner[h, bslot[b, h, blk]] == b
+
+
+def test_offloaded_asynctls_on_a_shared_pool_equals_resident():
+    """AsyncTLS with its one-step lag (the prefetch path: the next step's blocks placed
+    after the attention, beside the MLP) on the smallest shared pool (3 rows x 3)."""
+    from tests.test_offload import _ragged_tokens, _tiny_asynctls_model
+
+    model = _tiny_asynctls_model(lag=True)
+    tokens, lengths = _ragged_tokens(7)
+    _shared_equals_resident(model, tokens, lengths, 24, 256, (9,), atol=1e-5)

@@ -79,8 +79,9 @@ BLOCK_SPARSE_TUNING_KEYS = _bsd.TUNING_KEYS
 # Checks
 # --------------------------------------------------------------------------
 
-def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
-    """Check q/k/v; return (B, Hq, Hkv, S, D)."""
+def _check_qkv(q, k, v, shared_kv: bool = False) -> tuple[int, int, int, int, int]:
+    """Check q/k/v; return (B, Hq, Hkv, S, D). ``shared_kv``: k, v may have a batch of
+    1, read by every row."""
     check_rank("q", q, 3, "[B, Hq, D]")
     check_rank("k", k, 4, "[B, Hkv, S, D]")
     check_rank("v", v, 4, "[B, Hkv, S, D]")
@@ -92,7 +93,8 @@ def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
             f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
-    check_shape("k", k, (B, Hkv, S, D), "[B, Hkv, S, D] (B and D from q)")
+    kb = 1 if shared_kv and k.shape[0] == 1 else B
+    check_shape("k", k, (kb, Hkv, S, D), "[B, Hkv, S, D] (B and D from q)")
     check_shape("v", v, k.shape, "[B, Hkv, S, D] (same as k)")
     check_gqa(Hq, Hkv)
     if S < 1:
@@ -133,7 +135,9 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
 
     Args:
       q: ``[B, Hq, D]`` query for the current token.
-      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q).
+      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q), or
+        ``[1, Hkv, S, D]``: one buffer every row reads (the offloaded tier's shared
+        pool; each row's ``indices`` name its own rows of it).
       indices: ``int32[B, Hkv, K]`` token positions. The query heads of KV head
         h attend to ``indices[b, h, :counts[b, h]]``. Entries past the count
         are ignored whatever they hold. Entries inside the count should lie in
@@ -149,7 +153,7 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
     Returns:
       ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
     """
-    B, Hq, Hkv, S, D = _check_qkv(q, k, v)
+    B, Hq, Hkv, S, D = _check_qkv(q, k, v, shared_kv=True)
     check_int_array("indices", indices, (B, Hkv, indices.shape[-1]), "[B, Hkv, K]")
     check_int_array("counts", counts, (B, Hkv), "[B, Hkv]")
     _check_scale(scale)
