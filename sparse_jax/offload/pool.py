@@ -322,9 +322,8 @@ def tier_from_prefill(method: AttentionMethod, k, v, lengths, state, pool_slots:
     if prime is None:
         prime = jnp.zeros((b, hkv, 0), jnp.int32)
     m = prime.shape[-1]
-    if m * (b if shared else 1) > pool_slots:
-        raise ValueError(f"the first step's {m} blocks {'of each of ' + str(b) + ' rows ' if shared else ''}do not "
-                         f"fit in a pool of {pool_slots} slots")
+    if m > pool_slots:  # (a shared pool: check_shared_fits, by the caller that decodes every row)
+        raise ValueError(f"the first step's {m} blocks do not fit in a pool of {pool_slots} slots")
 
     def take_blocks(x, blocks):  # x [B,Hkv,NB,bs,D], blocks [B,Hkv,m] -> [B,Hkv,m,bs,D]
         idx = jnp.clip(blocks, 0, nb - 1)[..., None, None]
@@ -367,30 +366,70 @@ def _ring_blocks(newest, hkv):
 
 
 def _shared_tier_from_prefill(kb_, vb_, prime, need, newest, state, pool_slots: int, bs: int):
-    """:func:`tier_from_prefill` for a shared pool (layout: :mod:`sparse_jax.offload.tiers`)."""
+    """:func:`tier_from_prefill` for a shared pool (layout: :mod:`sparse_jax.offload.tiers`):
+    per KV head, the rows' primed blocks take slots 0, 1, ... in (row, position) order
+    (a caller that decodes every row checks they fit: :func:`check_shared_fits`; any
+    past the pool are left out, as a miss the first step fetches)."""
     b, hkv, nb, _, d = kb_.shape
     m = prime.shape[-1]
+    n = pool_slots
     rows = jnp.arange(b, dtype=jnp.int32)
-    slot_of = rows[:, None, None] * m + jnp.arange(m, dtype=jnp.int32)  # [B, 1, m]
-    flat = jnp.where(need, rows[:, None, None] * nb + prime, -1)  # [B, Hkv, m]
-    empty = jnp.full((1, hkv, pool_slots - b * m), -1, jnp.int32)
-    slot_block = jnp.concatenate([flat.transpose(1, 0, 2).reshape(1, hkv, b * m), empty], axis=-1)
-    slot_used = jnp.concatenate([jnp.where(flat >= 0, 0, -1).transpose(1, 0, 2).reshape(1, hkv, b * m), empty], -1)
-    block_slot = jax.vmap(jax.vmap(lambda blk, ok, sl: jnp.full((nb,), -1, jnp.int32).at[jnp.where(ok, blk, nb)].set(
-        sl, mode="drop"), in_axes=(0, 0, None)))(prime, need, slot_of[:, 0])
+    flat = (rows[:, None, None] * nb + jnp.clip(prime, 0, nb - 1)).transpose(1, 0, 2).reshape(hkv, b * m)
+    ok = need.transpose(1, 0, 2).reshape(hkv, b * m)
+    rank = jnp.cumsum(ok.astype(jnp.int32), axis=-1) - 1
+    slot = jnp.where(ok & (rank < n), rank, n)  # [Hkv, B*m]; n: not placed
+    heads = jnp.arange(hkv, dtype=jnp.int32)[:, None]
+    slot_block = jnp.full((hkv, n), -1, jnp.int32).at[heads, slot].set(flat, mode="drop")
+    slot_used = jnp.full((hkv, n), -1, jnp.int32).at[heads, slot].set(0, mode="drop")
+    src = jnp.full((hkv, n), -1, jnp.int32).at[heads, slot].set(jnp.arange(b * m, dtype=jnp.int32), mode="drop")
+    placed = slot < n
+    block_slot = jnp.full((hkv, b * nb), -1, jnp.int32).at[heads, jnp.where(placed, flat, b * nb)].set(
+        slot, mode="drop").reshape(hkv, b, nb).transpose(1, 0, 2)
     ring = _ring_blocks(newest, hkv)
 
     def take_blocks(x, blocks):
         return jnp.take_along_axis(x, jnp.clip(blocks, 0, nb - 1)[..., None, None], axis=2)
 
     def pool(x):
-        primed = jnp.where(need[..., None, None], take_blocks(x, prime), 0).astype(x.dtype)  # [B, Hkv, m, bs, D]
-        primed = primed.transpose(1, 0, 2, 3, 4).reshape(hkv, b * m, bs, d)
-        rest = jnp.zeros((hkv, pool_slots - b * m, bs, d), x.dtype)
+        primed = take_blocks(x, prime).transpose(1, 0, 2, 3, 4).reshape(hkv, b * m, bs, d)
+        slots = jnp.take_along_axis(primed, jnp.maximum(src, 0)[..., None, None], axis=1)  # [Hkv, N, bs, D]
+        slots = jnp.where((src >= 0)[..., None, None], slots, 0).astype(x.dtype)
         rings = take_blocks(x, ring).transpose(1, 0, 2, 3, 4).reshape(hkv, b * RING_SLOTS, bs, d)
-        return jnp.concatenate([primed, rest, rings], axis=1).reshape(1, hkv, (pool_slots + RING_SLOTS * b) * bs, d)
+        return jnp.concatenate([slots, rings], axis=1).reshape(1, hkv, (n + RING_SLOTS * b) * bs, d)
 
     zero = jnp.zeros((b, hkv), jnp.int32)
-    entry = OffloadedLayer(pool(kb_), pool(vb_), block_slot, slot_block, slot_used, state, zero, zero, bs,
-                           jnp.zeros((1, hkv), jnp.int32), True)
+    entry = OffloadedLayer(pool(kb_), pool(vb_), block_slot, slot_block[None], slot_used[None], state, zero, zero,
+                           bs, jnp.zeros((1, hkv), jnp.int32), True)
     return entry, kb_, vb_
+
+
+def insert_shared_row(big: OffloadedLayer, row: OffloadedLayer, slot, host: HostLayer, *, impl: str = "auto"):
+    """Row ``slot`` of a shared-pool tier ``big`` replaced by the one-row per-row tier
+    ``row`` (a prefilled request; its host blocks already copied into ``host``'s row
+    ``slot``): the slot's previous blocks leave the pool, the row's ring and method
+    state go in, and the blocks its pool held (what its first step reads: the primed
+    prefetch) are placed LRU in the shared pool, copied from ``host``. The per-step
+    counters are left as they are."""
+    bs = big.block_size
+    b, hkv, nb = big.block_slot.shape
+    n, p1 = big.pool_slots, row.pool_slots
+    sb, su = big.slot_block[0], big.slot_used[0]
+    gone = (sb >= 0) & (sb // nb == slot)  # the previous occupant's blocks
+    sb, su = jnp.where(gone, -1, sb), jnp.where(gone, -1, su)
+    bslot = jax.lax.dynamic_update_index_in_dim(big.block_slot, jnp.full((hkv, nb), -1, jnp.int32), slot, 0)
+    ring_k = row.pool_k[0, :, p1 * bs:(p1 + RING_SLOTS) * bs]
+    ring_v = row.pool_v[0, :, p1 * bs:(p1 + RING_SLOTS) * bs]
+    at = (n + RING_SLOTS * slot) * bs
+    pool_k = jax.lax.dynamic_update_slice_in_dim(big.pool_k, ring_k[None].astype(big.pool_k.dtype), at, axis=2)
+    pool_v = jax.lax.dynamic_update_slice_in_dim(big.pool_v, ring_v[None].astype(big.pool_v.dtype), at, axis=2)
+    state = jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y[0].astype(x.dtype), slot, 0),
+                         big.state, row.state)
+    # the row's resident blocks (its pool's table), placed for this row only
+    mine = row.slot_block[0]  # [Hkv, P1] block ids, -1 empty
+    need = jnp.zeros((b, hkv, p1), jnp.int32).at[slot].set(jnp.where(mine >= 0, mine, nb))
+    # the row's pool holds blocks below its ring only: every listed block is placed (empties, nb, are not)
+    ring_start = jnp.where(jnp.arange(b, dtype=jnp.int32) == slot, nb, 0)
+    tables, pool_k, pool_v, _, _ = place_blocks_shared(need, ring_start, big.tick[0], (bslot, sb[None], su[None]),
+                                                       pool_k, pool_v, host, impl=impl)
+    return dataclasses.replace(big, pool_k=pool_k, pool_v=pool_v, block_slot=tables[0], slot_block=tables[1],
+                               slot_used=tables[2], state=state)
