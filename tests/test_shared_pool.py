@@ -225,7 +225,10 @@ def test_engine_on_a_shared_pool():
     from models.engine import Engine, SamplingParams
     from tests.test_engine import _tiny_config
 
-    model = models.load_model(config=_tiny_config(), dtype=jnp.float32).with_method("quest", budget=64)
+    import dataclasses
+
+    cfg = dataclasses.replace(_tiny_config(), num_layers=2)  # layer 1 offloaded
+    model = models.load_model(config=cfg, dtype=jnp.float32).with_method("quest", budget=64, dense_layers=(0,))
     rng = np.random.default_rng(3)
     ids = [rng.integers(4, 97, n).tolist() for n in (150, 120, 90)]
     steps = 20  # the 16-token blocks complete: saves run
@@ -266,3 +269,33 @@ def test_engine_on_a_shared_pool():
         engine.iterate()
         assert a.finish_reason is not None or b.slot is None  # b waits while a runs
     assert a.output_ids == refs[0][:6] and b.output_ids == refs[1][:6] and engine.idle()
+
+
+def test_pool_flags_are_checked_before_any_model_is_built():
+    from benchmarks import offload as offload_bench
+    from benchmarks import serve_load
+    from models import serve
+    from models.tiered import TieredRunner
+    from tests.test_offload import _tiny_asynctls_model
+
+    args = serve.build_parser().parse_args(["--attention", "quest", "--pool", "shared"])
+    with pytest.raises(ValueError, match="--pool shared needs --offload"):
+        serve.make_engine(args)
+    args = serve.build_parser().parse_args(["--attention", "quest", "--offload", "--pool", "shared",
+                                            "--tensor-parallel", "2"])
+    with pytest.raises(ValueError, match="does not run on several devices"):
+        serve.make_engine(args)
+    with pytest.raises(SystemExit):
+        serve_load.parse_args(["--methods", "quest:sharde"])
+    assert serve_load.parse_args(["--methods", "quest:shared,quest:shared-segmented", "--tiny"]).methods
+    with pytest.raises(SystemExit):
+        offload_bench.parse_args(["--modes", "offload,shared"])
+    model = _tiny_asynctls_model()
+    with pytest.raises(ValueError, match="pool must be one of"):
+        TieredRunner(model, "offload", pool="global")
+    runner = TieredRunner(model, "offload", pool="shared", pool_slots=5)  # 3 blocks a step: one row fits
+    with pytest.raises(ValueError, match="a shared pool of 5 slots cannot hold one step of 2 rows"):
+        runner.start_prefill(np.zeros((2, 40), np.int32), np.array([40, 30], np.int32), 256)
+    # the footprint: one pool per layer and KV head plus a ring per row
+    fp = TieredRunner(model, "offload", pool="shared", pool_slots=12).footprint(3, 256)
+    assert fp.device["slot_pool"] == 2 * 2 * 2 * (12 + 2 * 3) * 16 * 16 * 4  # layers x K,V x Hkv x slots x bs x D x f32
