@@ -187,9 +187,10 @@ class Scheduler:
     SparseServe's estimate for a decoding request, the blocks it used over the
     last w = 12 steps, counted on the device and read back one step late; for
     a prompt, the blocks its first step reads, or under layer-segmented prefill
-    (``Engine(max_inject_tokens=...)``) one layer of its KV. The pools are per
-    slot, so on its own this admission changes nothing yet: it matters once the
-    pool is shared across slots (``docs/serving.md``).
+    (``Engine(max_inject_tokens=...)``) one layer of its KV. With per-slot pools
+    this admission changes nothing a slot's pool holds; with the shared pool
+    (``Engine(pool="shared")``: M_avl defaults to the pool's bytes) it keeps the
+    running requests' working sets within the pool (``docs/serving.md``).
     """
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
