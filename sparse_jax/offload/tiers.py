@@ -52,8 +52,6 @@ from typing import Any
 
 import jax
 
-RING = 2  # ring slots per row (sparse_jax.offload.pool.RING_SLOTS)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +77,6 @@ class OffloadedLayer:
     @property
     def batch(self) -> int:
         return self.block_slot.shape[0]
-
-    def ring_base(self, rows):
-        """The pool slot of each row's first ring slot (``rows int32[m]``)."""
-        p = self.pool_slots
-        return p + RING * rows if self.shared else p + 0 * rows
 
 
 @jax.tree_util.register_dataclass
