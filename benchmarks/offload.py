@@ -142,13 +142,14 @@ def with_churn(model, churn: float):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row"):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
-    ``concurrent``: TieredRunner's (None: its default schedule for ``mode``)."""
+    ``concurrent``: TieredRunner's (None: its default schedule for ``mode``); ``pool``:
+    the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head)."""
     from models.tiered import TieredRunner
 
     runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
-                          concurrent=concurrent)
+                          concurrent=concurrent, pool=pool)
     max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
     t0 = time.perf_counter()
     lengths = np.full((batch,), context, np.int32)
@@ -232,7 +233,8 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
            "host_dispatch_ms": round(1e3 * statistics.median(dispatch), 3),
            "tokens_per_s": batch / tpot, "finite": bool(np.isfinite(np.asarray(logits)).all()),
            "footprint_device_gib": fp.device_bytes / GiB, "footprint_host_gib": fp.host_bytes / GiB,
-           "pool_slots": runner._pool(max_len) if mode == "offload" else None}
+           "pool_slots": runner._pool(max_len, batch) if mode == "offload" else None,
+           "pool": runner.pool if mode == "offload" else None}
     nbytes = bytes_per_step(runner, batch, context)
     out["gib_read_per_step"] = nbytes / GiB
     if bandwidth:
@@ -550,7 +552,9 @@ def parse_args(argv=None):
                    help="device memory the capacity planner leaves free (XLA's temporaries and the GEMM "
                         "autotuner's workspace: with 2 GiB, the planned offloaded batches at 32K failed to "
                         "compile with RESOURCE_EXHAUSTED in the autotuner)")
-    p.add_argument("--modes", default="dense,sparse,offload")
+    p.add_argument("--modes", default="dense,sparse,offload",
+                   help="comma list of dense, sparse (resident), offload (per-row pools), offload-shared (one pool "
+                        "per layer and KV head shared by the batch)")
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
     p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
     p.add_argument("--smollm2-only", action="store_true")
@@ -570,7 +574,11 @@ def parse_args(argv=None):
     p.add_argument("--name", default="offload_qwen3_8b")
     p.add_argument("--merge", default="", help="comma list of this benchmark's JSON results: write them as one "
                    "results file named --name (no device work)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    bad = set(a.modes.split(",")) - {"dense", "sparse", "offload", "offload-shared"}
+    if bad:  # before any model is built or compiled
+        p.error(f"--modes: unknown {sorted(bad)}; choose from dense, sparse, offload, offload-shared")
+    return a
 
 
 def main(argv=None) -> int:
@@ -626,11 +634,14 @@ def main(argv=None) -> int:
         found = {}
         for mode in modes:
             mdl, rmode = (dense, "resident") if mode == "dense" else (model, "resident" if mode == "sparse" else "offload")
-            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode=mode, device_limit=dl,
-                                       host_limit=hl, limit=64 if not a.tiny else 4)
-            churn = a.churn if mode == "offload" else 0.0
+            # "offload-shared": the offloaded tier with one pool per layer and KV head for the batch (the
+            # default size: the batch times the per-row default, the same bytes as per-row pools)
+            shared = mode == "offload-shared"
+            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode="offload" if shared else mode,
+                                       device_limit=dl, host_limit=hl, limit=64 if not a.tiny else 4)
+            churn = a.churn if rmode == "offload" else 0.0
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl, bandwidth=bw)
+                          host_limit=hl, bandwidth=bw, pool="shared" if shared else "per_row")
             r["label"] = mode
             found[mode] = r
             payload["throughput"].append(r)

@@ -204,12 +204,12 @@ def run(args) -> dict:
     for label in args.methods.split(","):
         method_name, _, where = label.partition(":")
         model = build_model(args, method_name)
-        if where not in ("", "offload", "segmented"):
-            raise ValueError(f"method label {label!r}: NAME, NAME:offload or NAME:segmented")
-        inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where == "segmented" else None
+        check_label(label)
+        shared = where.startswith("shared")
+        inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
         engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                        offload=where in ("offload", "segmented"), pool_slots=args.pool_slots,
-                        max_inject_tokens=inject).start()
+                        offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
+                        pool="shared" if shared else "per_row", max_inject_tokens=inject).start()
         try:
             t0 = time.perf_counter()
             iteration_ms = warm_up(engine, mix, model.config.vocab_size)
@@ -224,7 +224,8 @@ def run(args) -> dict:
                 rows.append(row)
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
                 print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
-            runs.append({"method": label, "offloaded": where in ("offload", "segmented"),
+            runs.append({"method": label, "offloaded": where != "",
+                         "pool": ("shared" if shared else "per_row") if where else None,
                          "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                          "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                          "goodput_rps": goodput(rows, iteration_ms)})
@@ -289,12 +290,26 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
+PLACES = ("", "offload", "segmented", "shared", "shared-segmented")
+
+
+def check_label(label: str) -> None:
+    """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
+    if label.partition(":")[2] not in PLACES:
+        raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:shared or "
+                         f"NAME:shared-segmented")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
-                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded, "
-                        "NAME:segmented offloaded with layer-segmented prefill")
+                   help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded (a pool per "
+                        "slot), NAME:segmented offloaded with layer-segmented prefill, NAME:shared and "
+                        "NAME:shared-segmented the same on one pool shared by the slots (SparseServe's)")
     p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
+    p.add_argument("--shared-pool-slots", type=int, default=None,
+                   help="NAME:shared / NAME:shared-segmented: block slots per (layer, KV head) of the pool all slots "
+                        "share (default: slots x the per-slot default)")
     p.add_argument("--max-inject-tokens", type=int, default=None,
                    help="NAME:segmented (offloaded, layer-segmented prefill): prompt tokens x layers per iteration "
                         "(default: the longest prompt of the mix, one layer of it per iteration)")
@@ -316,6 +331,11 @@ def parse_args(argv=None):
     p.add_argument("--merge", default=None, help="comma-separated result JSONs to join (no run)")
     a = p.parse_args(argv)
     if a.merge is None:
+        for label in a.methods.split(","):
+            try:
+                check_label(label)
+            except ValueError as e:
+                p.error(str(e))
         mix = parse_mix(a.prompt_mix)
         if not 1 <= a.output_min <= a.output_max:
             p.error("need 1 <= --output-min <= --output-max")

@@ -316,7 +316,7 @@ class Driver:
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,
-               gather_programs: int | None = None, layers: range | None = None):
+               gather_programs: int | None = None, layers: range | None = None, active=None):
         """One token per row ``x [B, H]`` at positions ``cache.lengths``: returns ``x``
         and the cache with the token appended (``lengths + 1``).
 
@@ -327,7 +327,8 @@ class Driver:
         ``gather_programs``: the offloaded layers' copy grid. ``layers``: run only these
         consecutive model layers (``x`` is then the hidden state entering the first;
         entries of ``cache.layers`` outside them are not read and may be None): a pack
-        of layers of :mod:`models.cache_rank`."""
+        of layers of :mod:`models.cache_rank`. ``active`` (``bool[B]``): the rows that
+        place blocks in an offloaded layer's shared pool (None: every row)."""
         from models.transformer import layer_output, layer_qkv, rope_cos_sin
 
         pos = cache.lengths
@@ -354,7 +355,7 @@ class Driver:
                 ctx = LayerCtx(spec, data)
                 if isinstance(entry, OffloadedLayer):
                     o, entry, mcarry = decode_offloaded(m, q, k, v, pos, entry, host[int(data["index"])], ctx,
-                                                        mcarry, gather_programs=gather_programs)
+                                                        mcarry, gather_programs=gather_programs, active=active)
                     return (layer_output(layer, x, o, self._reduce), mcarry), entry
                 cap = entry.k.shape[2]
                 slot = pos if spec.kind == "global" else pos % cap

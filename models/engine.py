@@ -187,9 +187,10 @@ class Scheduler:
     SparseServe's estimate for a decoding request, the blocks it used over the
     last w = 12 steps, counted on the device and read back one step late; for
     a prompt, the blocks its first step reads, or under layer-segmented prefill
-    (``Engine(max_inject_tokens=...)``) one layer of its KV. The pools are per
-    slot, so on its own this admission changes nothing yet: it matters once the
-    pool is shared across slots (``docs/serving.md``).
+    (``Engine(max_inject_tokens=...)``) one layer of its KV. With per-slot pools
+    this admission changes nothing a slot's pool holds; with the shared pool
+    (``Engine(pool="shared")``: M_avl defaults to the pool's bytes) it keeps the
+    running requests' working sets within the pool (``docs/serving.md``).
     """
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
@@ -427,29 +428,72 @@ def offloaded_working_set(cache: KVCache, window: int = WORKING_SET_WINDOW) -> j
 
     total = jnp.zeros(cache.lengths.shape, jnp.int32)
     for e in cache.layers:
-        if isinstance(e, OffloadedLayer):
+        if isinstance(e, OffloadedLayer) and e.shared:
+            # a shared pool: the slots holding the row's blocks (slot_block = row * NB + block) used in the
+            # pool's last `window` ticks; the rings are each row's own, outside the pool, not counted
+            nb = e.block_slot.shape[2]
+            recent = (e.slot_block[0] >= 0) & (e.slot_used[0] > e.tick[0][:, None] - window)  # [Hkv, N]
+            owner = jnp.where(recent, e.slot_block[0] // nb, total.shape[0])
+            total = total + jnp.zeros_like(total).at[owner.reshape(-1)].add(1, mode="drop")
+        elif isinstance(e, OffloadedLayer):
             recent = (e.slot_block >= 0) & (e.slot_used > cache.lengths[:, None, None] - window)
             total = total + recent.sum((1, 2)).astype(jnp.int32) + 2 * e.slot_block.shape[1]
     return total
 
 
+def insert_shared_slot(cache: KVCache, row: KVCache, slot: jax.Array, host: tuple) -> KVCache:
+    """:func:`insert_tiered_slot` for a cache whose offloaded layers share one pool per
+    KV head (:func:`sparse_jax.offload.pool.insert_shared_row`: the slot's previous
+    blocks leave the pool, the prefilled row's blocks are placed in it from the host
+    tier ``host``, which already holds the row's blocks)."""
+    from sparse_jax.offload.pool import insert_shared_row
+    from sparse_jax.offload.tiers import OffloadedLayer
+
+    layers = []
+    for big, one, h in zip(cache.layers, row.layers, host):
+        if isinstance(big, OffloadedLayer):
+            layers.append(insert_shared_row(big, one, slot, h))
+        else:
+            layers.append(insert_slot(big, one, slot))
+    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
+    return KVCache(tuple(layers), lengths, cache.max_len)
+
+
 class OffloadedSlots:
     """Every slot's KV blocks in pinned host memory (:class:`models.tiered.TieredRunner`,
-    ``mode="offload"``, per-row pools): the device keeps each slot's pool, ring and
-    method state. A request is prefilled layer by layer into a one-row tiered state;
-    insertion writes its device tier into the slot (one jitted program) and copies its
-    host blocks into the slot's rows of the host tier on the CPU."""
+    ``mode="offload"``): the device keeps each slot's ring and method state, and the
+    resident blocks in a pool per slot (``pool="per_row"``) or in one pool shared by
+    the slots (``pool="shared"``, LRU across them). A request is prefilled layer by
+    layer into a one-row tiered state; insertion writes its device tier into the slot
+    (one jitted program) and copies its host blocks into the slot's rows of the host
+    tier on the CPU (shared pool: first, and the insertion places the row's primed
+    blocks in the shared pool from there).
+
+    Shared pool: at most ``max_rows = pool_slots // blocks_per_step`` rows decode at
+    once (the engine caps R_max to it), so one step's blocks always fit the pool; the
+    scheduler's M_avl defaults to the pool's bytes, and the working sets it adds up are
+    each request's blocks in the pool used over the last 12 steps."""
 
     offloaded = True
 
-    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False):
+    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False,
+                 pool: str = "per_row"):
         from models.tiered import TieredRunner
+        from sparse_jax.offload import pool as off
         from sparse_jax.offload.tiers import OffloadedLayer
 
         check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
-        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots)
+        self.shared = off.check_pool(pool) == "shared"
+        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool)
         cfg, dt = model.config, model.dtype
+        method = self.runner.method
+        self.blocks_per_step = method.offload_blocks_per_step(max_len)
+        self.pool_slots = self.runner._pool(max_len, slots)
+        self.max_rows = min(slots, self.pool_slots // self.blocks_per_step) if self.shared else slots
+        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool
+        self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
+                               else self.runner)
 
         def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
             shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
@@ -458,23 +502,26 @@ class OffloadedSlots:
         self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len)
         bad = []
         for i, e in enumerate(self.state.cache.layers):
-            e = dataclasses.replace(e, hits=None, misses=None) if isinstance(e, OffloadedLayer) else e
+            if isinstance(e, OffloadedLayer) and e.shared:  # the pool is the slots' together: its row leaves
+                e = (e.block_slot, e.state)
+            elif isinstance(e, OffloadedLayer):
+                e = dataclasses.replace(e, hits=None, misses=None)
             bad += [f"layer {i}: {a.shape}" for a in jax.tree.leaves(e) if a.ndim < 1 or a.shape[0] != slots]
         bad += [f"host tier {i}: {h.k.shape}" for i, h in enumerate(self.state.host)
                 if h is not None and h.k.shape[0] != slots]
         if bad:
             raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
-        self._insert = jax.jit(insert_tiered_slot, donate_argnums=(0,))
+        self._insert = jax.jit(insert_shared_slot if self.shared else insert_tiered_slot, donate_argnums=(0,))
         self._sample = jax.jit(sample_rows)
         self._working_set = jax.jit(offloaded_working_set)
         self._copiers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
                                                               thread_name_prefix="sparse-jax-insert")
         self.device_bytes = self.state.cache.nbytes()
-        method = self.runner.method
         self.block_size = method.offload_block_size
         self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
         self.layer_heads = len(self.runner.offloaded_layers) * cfg.num_kv_heads
-        self.blocks_per_step = method.offload_blocks_per_step(max_len)
+        #: shared pool: the bytes of its blocks (the default M_avl)
+        self.pool_bytes = self.pool_slots * self.layer_heads * self.block_bytes
         self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
         self._ws_pending = None  # (int32[slots] on the device, the step it measured)
         self._steps = 0
@@ -492,7 +539,7 @@ class OffloadedSlots:
         n = len(ids)
         tokens = np.full((1, self.prompt_tokens(n)), self.model._pad_id(), np.int32)
         tokens[0, :n] = ids
-        return self.runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
+        return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
 
     def prompt_tokens(self, n: int) -> int:
         """Tokens a prompt of ``n`` runs through each layer: its prefill bucket, or ``n``
@@ -510,7 +557,9 @@ class OffloadedSlots:
     def insert(self, row, slot: int) -> None:
         st = self.state
         self.runner.finish(st)  # saves still pending for the slot's last occupant land first
-        st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
+        if not self.shared:
+            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
+
         def copy(i):  # one CPU copy per layer and K/V, view to view (NumPy releases the GIL)
             # views per shard (one on one device): (row range, head range, k, v)
             for rows, heads, kview, vview in self.runner._views(st, i):
@@ -527,6 +576,8 @@ class OffloadedSlots:
         # several threads, as SparseServe's CPU-assisted saving: one thread copies ~5-10 GB/s, and a
         # 16K-token row of Qwen3-8B is 2.4 GB, copied while the engine waits
         list(self._copiers.map(copy, self.runner.offloaded_layers))
+        if self.shared:  # after the host copy: the insertion fetches the row's primed blocks from there
+            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot), st.host)
         st.lengths_host[slot] = row.lengths_host[0]
         self.ws_blocks[slot] = 0  # measured again after its first step
         self._inserted_at[slot] = self._steps
@@ -555,7 +606,8 @@ class OffloadedSlots:
             return int(self.ws_blocks[r.slot]) * self.block_bytes
         if self.segmented and not r.output_ids:  # waiting or prefilling: one layer of its KV at a time
             return self.layer_kv_bytes(r.prompt_len)
-        first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + 2
+        # shared pool: the ring is the row's own, not the pool's
+        first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + (0 if self.shared else 2)
         return first * self.layer_heads * self.block_bytes
 
     def blocks_loaded(self, active) -> int:
@@ -597,7 +649,13 @@ class Engine:
       stop_ids: token ids that end a request (default the model's end-of-sequence ids).
       offload: KV blocks in pinned host memory (:class:`OffloadedSlots`; a method whose
         selection names blocks), else every slot resident (:class:`ResidentSlots`).
-      pool_slots: offloaded: resident block slots per (row, KV head) (default: the runner's).
+      pool_slots: offloaded: resident block slots per (row, KV head), or with ``pool="shared"``
+        per KV head for all slots (default: the runner's; shared: slots x the per-row default).
+      pool: offloaded: "per_row" (default: a pool per slot) or "shared" (one pool per layer and KV
+        head for every slot, LRU across slots: SparseServe's pool, where one request's working set
+        can evict another's). With a shared pool the working-set admission keeps the running
+        requests' working sets within M_avl (default: the pool's bytes), and R_max is capped at
+        ``pool_slots // blocks per step`` so one step's blocks always fit the pool.
       max_inject_tokens: offloaded: layer-segmented prefill (SparseServe §3.4). A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -613,7 +671,7 @@ class Engine:
     def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
-                 pool_slots: int | None = None, max_inject_tokens: int | None = None):
+                 pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row"):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         from models.cache_rank import CacheRankModel
@@ -621,6 +679,8 @@ class Engine:
         if isinstance(model, CacheRankModel):
             raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
                              "serve the model it came from, or use model.generate")
+        if pool != "per_row" and not offload:
+            raise ValueError(f"pool={pool!r} needs offload=True: the pool is the offloaded tier's")
         if max_inject_tokens is not None:
             if not offload:
                 raise ValueError("max_inject_tokens (layer-segmented prefill) needs offload=True: the segments are "
@@ -645,7 +705,7 @@ class Engine:
             unroll = tfm.default_unroll()
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
         self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots,
-                                  segmented=self.max_inject_tokens is not None) if offload
+                                  segmented=self.max_inject_tokens is not None, pool=pool) if offload
                    else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
         self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
@@ -653,10 +713,13 @@ class Engine:
         # resident: bytes per cached token; offloaded the device holds a fixed tier per slot, so this
         # spreads it over the slot's positions (the working-set estimate is not built: Scheduler)
         self.kv_bytes_per_token = cache_bytes / (self.slots * self.max_len)
+        # a shared pool holds one step of at most max_rows rows (OffloadedSlots)
+        rows = getattr(self.kv, "max_rows", self.slots)
+        shared = getattr(self.kv, "shared", False)
         self.scheduler = Scheduler(
-            max_requests=self.slots if max_requests is None else min(int(max_requests), self.slots),
+            max_requests=rows if max_requests is None else min(int(max_requests), rows),
             max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
-            kv_bytes=cache_bytes if kv_bytes is None else int(kv_bytes),
+            kv_bytes=(self.kv.pool_bytes if shared else cache_bytes) if kv_bytes is None else int(kv_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
             working_set=self.kv.working_set)
 

@@ -303,7 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks in pinned host memory, per-slot device pools (methods whose selection names "
                         "blocks: quest, arkvale, asynctls)")
     p.add_argument("--pool-slots", type=int, default=None,
-                   help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks)")
+                   help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks); "
+                        "with --pool shared, per KV head for all slots (default: slots x that)")
+    p.add_argument("--pool", choices=("per_row", "shared"), default="per_row",
+                   help="--offload: per_row (default) keeps a pool of --pool-slots per slot and KV head; shared "
+                        "keeps one pool of --pool-slots per layer and KV head for every slot, LRU across them "
+                        "(SparseServe): the working-set admission keeps the running requests' working sets "
+                        "within it, and at most pool-slots // blocks-per-step requests decode at once")
     p.add_argument("--max-inject-tokens", type=int, default=None, metavar="N",
                    help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
                         "step (SparseServe), a layer over N in chunks of N tokens (rounded to 64); default: each "
@@ -343,6 +349,10 @@ def make_engine(args) -> tuple[Engine, str]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_inject_tokens is not None and (args.max_inject_tokens < 1 or not args.offload):
         raise ValueError("--max-inject-tokens must be >= 1 and needs --offload (layer-segmented prefill)")
+    if args.pool == "shared" and not args.offload:
+        raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
+    if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):
+        raise ValueError("--pool shared does not run on several devices yet: use --pool per_row")
     need = args.tensor_parallel * args.data_parallel
     if need > len(jax.devices()):
         what = (f"--tensor-parallel {args.tensor_parallel}" if args.data_parallel == 1 else
@@ -355,7 +365,7 @@ def make_engine(args) -> tuple[Engine, str]:
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has random weights and no tokenizer: it cannot serve text")
     options = dict(slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                   kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots,
+                   kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
                    max_inject_tokens=args.max_inject_tokens)
     if args.data_parallel > 1:
         from models.replicas import replicate

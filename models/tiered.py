@@ -108,9 +108,17 @@ class TieredRunner:
       model: a :class:`models.api.Model`; its method is used (offloaded:
         ``method.for_offload()``).
       mode: "resident" or "offload".
-      pool_slots: resident block slots per (row, KV head) of an offloaded layer
-        (default :func:`sparse_jax.offload.pool.default_pool_slots`: twice the
-        blocks one step reads; that smallest pool is allowed).
+      pool: "per_row" (default: a pool of ``pool_slots`` block slots per (row, KV
+        head) of an offloaded layer, which no other row touches) or "shared" (one pool
+        of ``pool_slots`` slots per (layer, KV head) for every row of the batch, LRU
+        across rows: a row's misses may evict another row's blocks; see
+        ``docs/offload.md``). Not on a mesh yet.
+      pool_slots: per_row: resident block slots per (row, KV head) (default
+        :func:`sparse_jax.offload.pool.default_pool_slots`: twice the blocks one step
+        reads; that smallest pool is allowed). shared: slots per (layer, KV head)
+        (default: the batch times the per-row default, the same device bytes); it must
+        hold one step of every row decoding at once (``rows x blocks per step``:
+        :func:`~sparse_jax.offload.pool.check_shared_fits`, checked before any step).
       sharding: where the tiers live (a :class:`jax.sharding.Sharding`; its
         memory kind is replaced by ``device`` / ``pinned_host``). Default: the
         first device.
@@ -128,7 +136,8 @@ class TieredRunner:
         scan's per-layer cache copies cost step time; offloaded layers always).
     """
 
-    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, sharding=None,
+    def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, pool: str = "per_row",
+                 sharding=None,
                  concurrent: bool | None = None, gather_programs: int | None = None, unroll: bool | None = None,
                  device_limit="auto", host_limit="auto"):
         if mode not in MODES:
@@ -142,6 +151,8 @@ class TieredRunner:
                                        or pool_slots < 1):
             raise ValueError(f"pool_slots must be a positive int or None, got {pool_slots!r}")
         self.pool_slots = pool_slots
+        self.pool = off.check_pool(pool)
+        self.shared = mode == "offload" and pool == "shared"
         self.sharding = sharding
         self.concurrent = (mode == "offload") if concurrent is None else bool(concurrent)
         if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int)
@@ -170,6 +181,9 @@ class TieredRunner:
 
             if sharding is not None:
                 raise ValueError("a sharded model's tiers follow its mesh: do not pass sharding=")
+            if self.shared:
+                raise ValueError('pool="shared" does not run on a mesh yet (the shared pool has no row axis to '
+                                 'split by data replicas): use pool="per_row"')
             self.par = shd.Parallelism.of(self.mesh)
             shd.check_method(method, self.par.model, self.par.size)
             self.local_cfg = shd.local_config(self.cfg, self.par.model)
@@ -186,10 +200,16 @@ class TieredRunner:
         self._head = _head_fn(model.graphdef)
 
     # -- helpers -----------------------------------------------------------------
-    def _pool(self, max_len: int) -> int:
+    def _pool(self, max_len: int, batch: int | None = None) -> int:
+        """Pool slots of an offloaded layer: per (row, KV head), or with a shared pool per
+        KV head for the whole batch (its default needs ``batch``)."""
         if self.mode != "offload":
             return 0
         p = off.default_pool_slots(self.method, max_len) if self.pool_slots is None else int(self.pool_slots)
+        if self.shared and self.pool_slots is None:
+            if batch is None:
+                raise ValueError("the default shared pool is sized by the batch: pass batch")
+            p *= int(batch)
         off.check_offload(self.method, p, max_len)
         return p
 
@@ -218,7 +238,8 @@ class TieredRunner:
         def fp(cfg, b):
             return capacity.footprint(cfg, self.method, batch=b, max_len=max_len, mode=mode,
                                       dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
-                                      pool_slots=self._pool(max_len) if self.mode == "offload" else None)
+                                      pool_slots=self._pool(max_len, batch) if self.mode == "offload" else None,
+                                      shared=self.shared)
 
         whole = fp(self.cfg, batch)
         if self.mesh is None:
@@ -278,7 +299,13 @@ class TieredRunner:
         if live.any() and int(state.lengths_host[live].max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         decode = self._decode if self.mesh is None else self._layout(*state.lengths_host.shape, state.max_len).decode
-        logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host)
+        if self.shared:  # the rows that place blocks must fit the pool together (checked here, on the host)
+            off.check_shared_fits(self.method, state.cache.layers[self.offloaded_layers[0]].pool_slots,
+                                  state.max_len, int(live.sum()))
+            logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host,
+                                         jnp.asarray(live.copy()))
+        else:
+            logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host)
         state.lengths_host = state.lengths_host + live
         if active is not None:
             # placed like the program's own output: an uncommitted array would compile the step again
@@ -302,9 +329,10 @@ class TieredRunner:
         rows = np.nonzero(done if live is None else done & live)[0]
         if not rows.size:
             return
-        pool = state.cache.layers[idx[0]].pool_slots
+        tier = state.cache.layers[idx[0]]
         blocks = state.lengths_host[rows] // bs - 1
-        ring = pool + blocks % off.RING_SLOTS  # the ring slot that holds each row's completed block
+        # the ring slot that holds each row's completed block (a shared pool: each row's own two)
+        ring = tier.pool_slots + (off.RING_SLOTS * rows if tier.shared else 0) + blocks % off.RING_SLOTS
         # pad the lists to a power of two (repeating their last entry): few compilations
         pad = _padded_rows(rows.size) - rows.size
         ks, vs = _extract_block_fn()(tuple(state.cache.layers[i] for i in idx),
@@ -413,10 +441,10 @@ def _decode_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
 def _decode_body(graphdef, driver: Driver, gather_programs):
     """:func:`_decode_fn`'s step, not jitted (a mesh layout wraps it in its ``shard_map``)."""
 
-    def run(params, tokens, cache, host):
+    def run(params, tokens, cache, host, active=None):
         model = nnx.merge(graphdef, params)
         x, cache = driver.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache, host,
-                                 gather_programs=gather_programs)
+                                 gather_programs=gather_programs, active=active)
         return model.logits(x), cache
 
     return run
@@ -455,12 +483,12 @@ def _chunked_layer_kv(spec, max_len: int):
 
 
 @functools.lru_cache(maxsize=32)
-def _finish_layer(method, spec, offloaded: bool, pool: int):
+def _finish_layer(method, spec, offloaded: bool, pool: int, shared: bool = False):
     """``(k, v, lengths, q_last, data) -> (entry, host_k, host_v)``; K/V donated."""
-    return jax.jit(_finish_layer_body(method, spec, offloaded, pool), donate_argnums=(0, 1))
+    return jax.jit(_finish_layer_body(method, spec, offloaded, pool, shared), donate_argnums=(0, 1))
 
 
-def _finish_layer_body(method, spec, offloaded: bool, pool: int):
+def _finish_layer_body(method, spec, offloaded: bool, pool: int, shared: bool = False):
     """:func:`_finish_layer`, not jitted (a mesh layout wraps it in its ``shard_map``)."""
 
     def run(k, v, lengths, q_last, data):
@@ -472,7 +500,7 @@ def _finish_layer_body(method, spec, offloaded: bool, pool: int):
                                num_q_heads=q_last.shape[1])
         st = prompt_state(method, st, k, v, q_last, lengths, ctx)
         if offloaded:
-            return off.tier_from_prefill(method, k, v, lengths, st, pool)
+            return off.tier_from_prefill(method, k, v, lengths, st, pool, shared)
         return LayerCache(k, v, st), None, None
 
     return run
@@ -493,6 +521,7 @@ def _extract_block_fn():
             bs = t.block_size
 
             def row(r, slot):
+                r = 0 if t.shared else r  # a shared pool is one buffer; the slot names the row's ring
                 k = jax.lax.dynamic_slice_in_dim(t.pool_k[r], slot * bs, bs, axis=1)
                 v = jax.lax.dynamic_slice_in_dim(t.pool_v[r], slot * bs, bs, axis=1)
                 return k, v
@@ -584,7 +613,7 @@ class _StateBuilder:
         lengths = jnp.asarray(lengths, jnp.int32)
         batch = int(lengths.shape[0])
         self.runner, self.max_len = runner, max_len
-        self.pool = runner._pool(max_len)
+        self.pool = runner._pool(max_len, batch)
         runner.check_capacity(batch, max_len)
         self.layout = runner._layout(batch, max_len) if runner.mesh is not None else None
         if self.layout is None:
@@ -600,7 +629,8 @@ class _StateBuilder:
         assert i == len(self.layers), (i, len(self.layers))
         spec = r.plan.specs[i]
         m = r.method if spec.sparse else None
-        finish = _finish_layer(m, spec, r.offloaded[i], self.pool) if self.layout is None else self.layout.finish[i]
+        finish = (_finish_layer(m, spec, r.offloaded[i], self.pool, r.shared) if self.layout is None
+                  else self.layout.finish[i])
         entry, hk, hv = finish(k, v, self.lengths, q_last, r.layer_data(i))
         del k, v
         # committed to the device, as the decode program's outputs are (the host tier is):
@@ -634,6 +664,8 @@ class PrefillJob:
         if t >= max_len:
             raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
         self.runner, self.max_len, self.lengths, self.batch = runner, max_len, lengths, b
+        if runner.shared:  # every row of this batch decodes: one step of all of them must fit the pool
+            off.check_shared_fits(runner.method, runner._pool(max_len, b), max_len, b)
         self.tokens = t
         self.x = runner._embed(runner.model.params, tokens)
         self.carry = runner.method.init_prefill_carry(batch=b, num_kv_heads=runner.local_cfg.num_kv_heads, length=t)

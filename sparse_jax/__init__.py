@@ -31,7 +31,7 @@ from sparse_jax.ops.scoring import (
     update_label_cache,
 )
 from sparse_jax.ops.selection import topk_indices
-from sparse_jax.ops.slot_pool import assign_pool_slots
+from sparse_jax.ops.slot_pool import assign_pool_slots, assign_shared_pool_slots
 from sparse_jax.ops.transfer import host_gather, host_gather_into
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "KVCache",
     "LayerCache",
     "assign_pool_slots",
+    "assign_shared_pool_slots",
     "available_methods",
     "block_cuboid",
     "block_label_scores",

@@ -53,10 +53,12 @@ class Footprint:
 
 
 def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: int = 2,
-              pool_slots: int | None = None) -> Footprint:
+              pool_slots: int | None = None, shared: bool = False) -> Footprint:
     """Bytes of weights, caches and tiers (not XLA temporaries) for ``cfg`` (a
     :class:`models.config.ModelConfig`) and ``method`` (an AsyncTLS-like method
-    for "sparse"/"offload"; ignored for "dense")."""
+    for "sparse"/"offload"; ignored for "dense"). ``shared``: the offloaded tier's
+    pool is shared by the rows, ``pool_slots`` per (layer, KV head) (default: the
+    batch times the per-row default), plus two ring slots per row."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     b, hkv, d, s = int(batch), cfg.num_kv_heads, cfg.head_dim, int(max_len)
@@ -81,8 +83,13 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
         dev["kv_sparse_layers"] = n_sparse * kv_layer
         return Footprint(dev, host)
     p = 2 * n1 if pool_slots is None else int(pool_slots)  # pool.default_pool_slots
-    dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
-    dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
+    if shared:
+        p = b * 2 * n1 if pool_slots is None else int(pool_slots)
+        dev["slot_pool"] = n_sparse * 2 * hkv * (p + 2 * b) * bs * d * e
+        dev["block_tables"] = n_sparse * 4 * hkv * (b * nb + 2 * p)
+    else:
+        dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
+        dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
     dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)
     dev["prefill_layer"] = 2 * kv_layer  # one layer's K/V and its block layout, while it is built
     host["kv_blocks"] = n_sparse * kv_layer

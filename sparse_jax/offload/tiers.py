@@ -25,6 +25,16 @@ Device tier (:class:`OffloadedLayer`, one entry of :class:`sparse_jax.cache.KVCa
   head): needed blocks found in the pool, and blocks copied from the host
   (batch and head axes kept apart, so they split over a mesh like the rest).
 
+Shared pool (``pool="shared"``, :mod:`sparse_jax.offload.pool`): one pool of
+``N`` slots per KV head shared by every row, LRU across rows:
+
+* ``pool_k, pool_v [1, Hkv, (N + 2B)*bs, D]``: the ``N`` shared slots, then each
+  row's two ring slots (row ``b``'s at ``N + 2b + n % 2``);
+* ``block_slot int32[B, Hkv, NB]``: the map (row, block) -> shared slot;
+* ``slot_block int32[1, Hkv, N]`` (the flat id ``b * NB + block`` of the row's
+  block held by each slot), ``slot_used int32[1, Hkv, N]`` and ``tick int32[1,
+  Hkv]``: the LRU clock is the pool's step count, not a row's length.
+
 Eviction policy (documented contract): the blocks a step needs (its selection,
 or the next step's prefetch) are never evicted while it places them; a miss
 takes the least recently used other slot (empty slots first; ties by slot
@@ -55,10 +65,18 @@ class OffloadedLayer:
     hits: jax.Array
     misses: jax.Array
     block_size: int = dataclasses.field(default=1, metadata=dict(static=True))
+    #: shared pool only: the pool's clock ``int32[1, Hkv]`` (decode steps run)
+    tick: Any = None
+    #: the pool is shared by every row (``pool="shared"``): see the module docstring
+    shared: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def pool_slots(self) -> int:
         return self.slot_block.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.block_slot.shape[0]
 
 
 @jax.tree_util.register_dataclass

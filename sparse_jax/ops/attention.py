@@ -134,12 +134,14 @@ def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
 # --------------------------------------------------------------------------
 
 def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
-                            return_residuals=False, impl="auto", kv_batch_share=1, **tuning):
+                            return_residuals=False, impl="auto", kv_batch_share=None, **tuning):
     """Decode attention over a per-(batch, KV head) list of token positions.
 
     Args:
       q: ``[B, Hq, D]`` query for the current token.
-      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q).
+      k, v: ``[B, Hkv, S, D]`` head-major KV cache (same dtype as q), or
+        ``[1, Hkv, S, D]``: one buffer every row reads (the offloaded tier's shared
+        pool; each row's ``indices`` name its own rows of it).
       indices: ``int32[B, Hkv, K]`` token positions. The query heads of KV head
         h attend to ``indices[b, h, :counts[b, h]]``. Entries past the count
         are ignored whatever they hold. Entries inside the count should lie in
@@ -153,12 +155,15 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
       kv_batch_share: ``r`` (a Python int >= 1): k and v hold ``B / r`` rows and
         q's row ``b`` (with its own ``indices[b]``, ``counts[b]``) reads k/v row
         ``b // r``. Many query rows over one cache without copying it: Kascade's
-        tiled prefill runs one row per (batch, KV head, query tile).
+        tiled prefill runs one row per (batch, KV head, query tile). Default
+        (None): 1, or ``B`` when k and v hold one row (the shared pool).
       **tuning: kernel knobs, see ``SPARSE_TUNING_KEYS``.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
     """
+    if kv_batch_share is None:  # k, v of one row: read by every row (the offloaded tier's shared pool)
+        kv_batch_share = q.shape[0] if getattr(k, "ndim", 0) == 4 and k.shape[0] == 1 and q.ndim == 3 else 1
     if isinstance(kv_batch_share, bool) or not isinstance(kv_batch_share, numbers.Integral) or kv_batch_share < 1:
         raise ValueError(f"kv_batch_share must be a Python int >= 1, got {kv_batch_share!r}")
     B, Hq, Hkv, S, D = _check_qkv(q, k, v, int(kv_batch_share))
