@@ -11,8 +11,12 @@ greedy tokens agree, and the cache's sharding.
 ``--only offload [--smollm2]``: offloaded decoding on a mesh (host tier and pool
 split by KV head and row) against one device, resident: Quest and AsyncTLS (lag,
 per-head channels) on 1x2 and 2x2, a control that drops the block saves, and
-SmolLM2 padded to 4 KV heads on model=2; and the serving engine on model=2,
+AsyncTLS on a tiny config of 3 KV heads padded to 4 on model=2; with ``--smollm2``,
+the serving engine on SmolLM2 (real weights, padded to 4 KV heads) on model=2,
 resident and offloaded, against single-request generation on one device.
+``--with-offload``: every case above and the offload ones (SmolLM2's engine
+included) in one process: ``tests/test_sharding.py`` runs its 4-device checks so,
+paying for one process start and one SmolLM2 load.
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
 asynctls, asyncspade and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
@@ -26,6 +30,7 @@ to show the sharded error is rounding of the same size as one device's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -63,6 +68,22 @@ def sharded(cfg, params, method, tokens, lengths, max_len, dtype, par):
                                      unroll=False)
     return _run(fns, sh.shard_params(params, mesh), sh.init_cache(cfg, method, tokens.shape[0], max_len, dtype, mesh),
                 tokens, lengths)
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_weights():
+    import models
+
+    return models.load_model("smollm2-135m", dtype=jnp.float32, max_len=512)
+
+
+def smollm2(max_len: int):
+    """SmolLM2-135M on its real weights, f32, dense, ``max_len`` positions (loaded once per process)."""
+    from models.api import Model
+
+    b = _smollm2_weights()
+    return b if b.max_len == max_len else Model(b.config, b.graphdef, b.params, b.tokenizer, b.method, b.dtype,
+                                                max_len)
 
 
 def report(case, ref, got, cache):
@@ -181,31 +202,34 @@ def offload_cases(meshes):
         report_offload(f"offload-control/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
 
 
-def smollm2_offload_case():
-    """SmolLM2 (3 KV heads padded to 4) offloaded AsyncTLS on model=2 against one device, resident."""
+def padded_offload_case():
+    """A tiny config of 3 KV heads (padded to 4, its per-head channels too) offloaded AsyncTLS
+    on model=2 against one device, resident: the padding on the offload path (SmolLM2's
+    3 KV heads, real weights: the engine case)."""
     import models
-    from tests.test_methods_in_model import PROMPT
+    from models.config import ModelConfig
+    from sparse_jax.methods.registry import get_method
 
-    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
-    m = base.with_method("asynctls", budget=32, block_size=8, kb=8, lag=True)
-    tok = base.tokenizer
-    ids1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))[:150]
-    ids2 = ids1[: len(ids1) - 23]
-    tokens = np.zeros((2, len(ids1)), np.int32)
-    tokens[0], tokens[1, : len(ids2)] = ids1, ids2
-    lengths = np.array([len(ids1), len(ids2)], np.int32)
+    cfg = ModelConfig(name="tiny-kv3", arch="llama", num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3,
+                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                      rms_eps=1e-6, eos_token_id=2, pad_token_id=2)
+    channels = (tuple(tuple(range(h, 16, 4)) for h in range(3)),) * 3
+    m = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention=get_method(
+        "asynctls", budget=32, block_size=8, kb=8, lag=True, channels_per_layer=channels, dense_layers=(0,)))
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, 97, (2, 121)).astype(np.int32)
+    lengths = np.array([121, 98], np.int32)
     _, *ref, _ = _tiered(m, "resident", tokens, lengths)
     runner, *got, state = _tiered(m.shard(model=2), "offload", tokens, lengths, 7)
-    report_offload("offload/smollm2/asynctls/data=1,model=2", ref, got, runner, state)
+    report_offload("offload/tiny-kv3/asynctls/data=1,model=2", ref, got, runner, state)
 
 
 def engine_case():
     """The serving engine over a mesh (SmolLM2, model=2), resident and offloaded: three
     requests through two slots give each request's single-request tokens on one device."""
-    import models
     from models.engine import Engine, SamplingParams
 
-    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
+    base = smollm2(256)
     tok = base.tokenizer
     prompts = ["List three fruits.", "What is the capital of France?", "Count to five."]
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
@@ -226,13 +250,12 @@ def engine_case():
 
 
 def smollm2_cases(bf16: bool):
-    import models
     from models import sharding as sh
     from models.demo_prompt import build_demo_prompt
     from models.sharding import Parallelism
 
     text = build_demo_prompt(n_paragraphs=3).messages[0]["content"]
-    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=512)
+    base = smollm2(512)
     ids = base.tokenizer.encode(text)[:200]
     tokens = jnp.asarray(np.stack([ids, ids[::-1]]), jnp.int32)
     lengths = jnp.asarray([200, 170], jnp.int32)
@@ -270,6 +293,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["tiny", "smollm2", "offload"], default=None)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--smollm2", action="store_true", help="with --only offload: also SmolLM2 (real weights)")
+    p.add_argument("--with-offload", action="store_true",
+                   help="the offload cases too (SmolLM2's included), after the others, in this process")
     a = p.parse_args(argv)
     n = len(jax.devices())
     meshes = [m for m in [(1, 2), (2, 2), (1, 4)] if m[0] * m[1] <= n]
@@ -277,10 +302,10 @@ def main(argv=None) -> int:
         tiny_cases(meshes)
     if a.only in (None, "smollm2"):
         smollm2_cases(a.bf16)
-    if a.only == "offload":  # its own run (tests/test_sharding.py): 4 devices
+    if a.only == "offload" or (a.with_offload and a.only is None):  # 4 devices (tests/test_sharding.py)
         offload_cases([m for m in meshes if m != (1, 4)])
-        if a.smollm2:
-            smollm2_offload_case()
+        padded_offload_case()
+        if a.smollm2 or a.with_offload:
             engine_case()
     return 0
 

@@ -185,8 +185,21 @@ def test_offloaded_asynctls_equals_resident_on_smollm2():
     tokens[0], tokens[1, : len(ids2)] = ids1, ids2
     lengths = np.array([len(ids1), len(ids2)], np.int32)
     # 24 steps: three blocks of 8 complete per row; some come back from the host tier.
-    # 7 = kb - 1, the smallest pool: evictions every step; None = twice that
-    _check_offloaded_equals_resident(m, tokens, lengths, 24, 256, (7, None), atol=1e-4)
+    # 7 = kb - 1, the smallest pool: evictions every step (the larger default pool: the
+    # tiny model's test below, the same method and block layout)
+    _check_offloaded_equals_resident(m, tokens, lengths, 24, 256, (7,), atol=1e-4)
+
+
+def test_offloaded_asynctls_equals_resident_with_either_pool():
+    """The SmolLM2 check above on the tiny random model (the same AsyncTLS options, per-head
+    channels): equal to resident with the smallest pool and with the default one (2 x that)."""
+    from sparse_jax.methods import get_method
+
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    model = _tiny_model(get_method("asynctls", channels_per_layer=chans, budget=32, block_size=8, kb=8, lag=True,
+                                   dense_layers=(0,)))
+    tokens, lengths = _ragged_tokens(7)
+    _check_offloaded_equals_resident(model, tokens, lengths, 24, 256, (7, None), atol=1e-5)
 
 
 def test_capacity_planning():

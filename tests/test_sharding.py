@@ -1,8 +1,9 @@
 """Several devices (models.sharding): sharded prefill + decode give one device's logits.
 
 The device-count cases run ``tests/sharded_check.py`` in a subprocess with
-``--xla_force_host_platform_device_count`` (it must be set before jax starts);
-the rest runs here on one device."""
+``--xla_force_host_platform_device_count`` (it must be set before jax starts):
+one 4-device process for both 4-device tests (the ``four_devices`` fixture), one
+2-device process; the rest runs here on one device."""
 
 from __future__ import annotations
 
@@ -34,9 +35,23 @@ def _check(devices: int, *args: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture(scope="module")
+def four_devices() -> dict[str, dict]:
+    """Every 4-device case in one process (a process start, its compilations and one SmolLM2
+    load shared): the sharded decode cases with bf16, and the offloaded ones with the engine."""
+    rows = _check(4, "--bf16", "--with-offload")
+    out = {r["case"]: r for r in rows}
+    assert len(out) == len(rows), [r["case"] for r in rows]  # no case reported twice
+    return out
+
+
+def _offload_rows(case: str) -> bool:
+    return case.startswith(("offload/", "offload-control/", "engine/"))
+
+
 @pytest.mark.slow
-def test_four_devices_match_one_device():
-    rows = {r["case"]: r for r in _check(4, "--bf16")}
+def test_four_devices_match_one_device(four_devices):
+    rows = {c: r for c, r in four_devices.items() if not _offload_rows(c)}
     f32 = [r for c, r in rows.items() if "bf16" not in c]
     # tiny: 5 methods (asyncspade, quest+TSA prefill) x 3 meshes, forward, kascade (+ tiled prefill) on data=2; SmolLM2: dense, quest,
     # asynctls on model=2 and asynctls on data=2, and Model.shard(...).generate for dense and quest
@@ -66,11 +81,12 @@ def test_two_devices_match_one_device():
 
 
 @pytest.mark.slow
-def test_offloaded_decoding_on_a_mesh_matches_one_device():
+def test_offloaded_decoding_on_a_mesh_matches_one_device(four_devices):
     """Host tier and pool split by KV head and row (``TieredRunner`` on a sharded model):
     the same tokens and logits as one device, resident, with blocks read back from the
-    sharded pinned host tier; dropping the block saves breaks it (the test can fail)."""
-    rows = {r["case"]: r for r in _check(4, "--only", "offload", "--smollm2")}
+    sharded pinned host tier; dropping the block saves breaks it (the test can fail).
+    Padded KV heads: a tiny config of 3, and SmolLM2 (real weights) through the engine."""
+    rows = {c: r for c, r in four_devices.items() if _offload_rows(c)}
     engine = {c: rows.pop(c) for c in list(rows) if c.startswith("engine/")}
     assert len(rows) == 7 and len(engine) == 2, sorted(rows)
     for r in engine.values():  # the serving engine over the mesh, resident and offloaded
@@ -84,6 +100,7 @@ def test_offloaded_decoding_on_a_mesh_matches_one_device():
         else:
             assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
     assert rows["offload/tiny-kv8/asynctls/data=2,model=2"]["devices"] == 4
+    assert rows["offload/tiny-kv3/asynctls/data=1,model=2"]["devices"] == 2
 
 
 def _tiny(kv=3, heads=9):
