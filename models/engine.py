@@ -273,6 +273,12 @@ def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
                         cache, row)
 
 
+@jax.jit
+def _sum_arrays(arrays: tuple) -> jax.Array:
+    """The elementwise sum of same-shaped arrays (per-layer block counters -> one per step)."""
+    return functools.reduce(jnp.add, arrays)
+
+
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
                 top_p: jax.Array) -> jax.Array:
     """One token per row from f32 ``logits [B, V]``: argmax where ``temperature[b] == 0``,
@@ -584,8 +590,10 @@ class OffloadedSlots:
 
     def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
         logits = self.runner.decode_step(tokens, self.state, active=active)
-        if self.state.counters:  # the counters are leaves of the cache the next step donates: keep copies
-            self.state.counters[-1] = [(None, jnp.copy(m)) for _, m in self.state.counters[-1]]
+        if self.state.counters:
+            # the counters are leaves of the cache the next step donates: keep their sum over the
+            # offloaded layers, one small program (a copy per layer was a dispatch per layer and step)
+            self.state.counters[-1] = [(None, _sum_arrays(tuple(m for _, m in self.state.counters[-1])))]
         self._steps += 1
         if self._ws_pending is not None:  # last step's working sets, copied meanwhile: one step stale
             ws, step = self._ws_pending
