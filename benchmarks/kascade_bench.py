@@ -1,6 +1,6 @@
 """Kascade and AsyncSpade speed on the GPU (Qwen3-8B shape, random weights).
 
-Two parts (run on the H100):
+Three parts (run on the H100):
 
     python -m benchmarks.kascade_bench attention --shapes 1x32768,1x65536,1x131072,8x32768,8x65536,8x131072
     python -m benchmarks.kascade_bench e2e --context 32768 --batch 4 --layers 36 \\
@@ -16,6 +16,12 @@ estimate is Qwen3-8B's: 36 layers, anchors [0, 2, 7, 14, 23] (1 dense anchor,
 4 anchors, 31 reuse layers), so ``speedup = 36 dense / (dense-anchor + 4
 anchor + 31 reuse)``; the paper reports 4.1x over FlashAttention-3 at 128K
 (Llama-3.1-8B shape, 5 of 32 anchors).
+
+``prefill``: ms per whole-model prefill of ``--context`` tokens (``dense`` against
+``kascade_tiled``: Kascade's tiled prefill, composed path, chunked anchor selection
+of ``--chunk-bytes``) and the device's peak memory::
+
+    python -m benchmarks.kascade_bench prefill --context 32768 --batch 1 --layers 36
 
 ``e2e``: ms per decode step (tokens/s) of whole models through the layer
 driver (unrolled, one program per step, cache donated) with ``--context``
@@ -153,6 +159,48 @@ def e2e_rows(a) -> list[dict]:
     return rows
 
 
+def prefill_rows(a) -> list[dict]:
+    """Whole-model prefill of ``--context`` tokens per row (``prefill`` part): ms per
+    prefill through the layer driver (unrolled), and the device's peak memory."""
+    from benchmarks.offload import qwen3_8b, random_model
+    from models import transformer as tfm
+    from models.driver import init_cache
+    from sparse_jax.methods import get_method
+
+    cap = a.context
+    cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
+    anchors = QWEN3_ANCHORS if cfg.num_layers == 36 else None
+    methods = {"dense": lambda: get_method("dense"),
+               "kascade_tiled": lambda: get_method("kascade", anchors=anchors, tiled_prefill=True,
+                                                   prefill_chunk_bytes=a.chunk_bytes)}
+    rows = []
+    for name in a.methods.split(","):
+        method = methods[name]().for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
+        model = random_model(cfg, method, cap)
+        fns = tfm.build_functions(model.graphdef, cfg, method, True)
+        prompt = jax.random.randint(jax.random.PRNGKey(0), (a.batch, a.context), 0, cfg.vocab_size, jnp.int32)
+        lengths = jnp.full((a.batch,), a.context, jnp.int32)
+        cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
+        t0 = time.perf_counter()
+        times = []
+        for i in range(a.warmup + a.runs):
+            t1 = time.perf_counter()
+            logits, cache = fns.prefill(model.params, prompt, lengths, cache)  # the cache is donated, refilled
+            jax.block_until_ready(logits)
+            if i >= a.warmup:
+                times.append((time.perf_counter() - t1) * 1e3)
+        stats = jax.devices()[0].memory_stats() or {}
+        ms = float(np.median(times))
+        row = {"method": name, "batch": a.batch, "context": a.context, "layers": a.layers,
+               "prefill_ms": round(ms, 1), "tokens_per_s": round(a.batch * a.context * 1e3 / ms, 1),
+               "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2 ** 30, 2),
+               "finite": bool(jnp.all(jnp.isfinite(logits))), "wall_s": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
+        print(row, flush=True)
+        del cache, model, fns
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="part", required=True)
@@ -168,7 +216,15 @@ def main(argv=None):
     pe.add_argument("--methods", default="dense,kascade,quest,asyncspade,asyncspade_w1")
     pe.add_argument("--profile", action="store_true")
     pe.add_argument("--trace-dir", default="/tmp/kascade_bench_trace")
-    for sp in (pa, pe):
+    pp = sub.add_parser("prefill")
+    pp.add_argument("--context", type=int, default=32768)
+    pp.add_argument("--batch", type=int, default=1)
+    pp.add_argument("--layers", type=int, default=36)
+    pp.add_argument("--warmup", type=int, default=1)
+    pp.add_argument("--runs", type=int, default=3)
+    pp.add_argument("--methods", default="dense,kascade_tiled", help="dense, kascade_tiled (composed)")
+    pp.add_argument("--chunk-bytes", type=int, default=2 << 30, help="Kascade.prefill_chunk_bytes")
+    for sp in (pa, pe, pp):
         sp.add_argument("--out", default=None)
         sp.add_argument("--name", default=None)
     a = p.parse_args(argv)
@@ -180,6 +236,10 @@ def main(argv=None):
             print(rows[-1], flush=True)
         cols = ["B", "S", "op", "ms", "x_dense", "speedup", "k", "anchor_kernel_max_err"]
         title = "Kascade decode attention against cuDNN dense (Qwen3-8B heads: 32/8, D=128, bf16)"
+    elif a.part == "prefill":
+        rows = prefill_rows(a)
+        cols = ["method", "batch", "context", "layers", "prefill_ms", "tokens_per_s", "peak_gib", "finite"]
+        title = "Whole-model prefill through the layer driver (Qwen3-8B shape, random bf16 weights, unrolled)"
     else:
         rows = e2e_rows(a)
         cols = ["method", "batch", "context", "layers", "step_ms", "tokens_per_s"] + (

@@ -21,8 +21,10 @@ KV head ``h`` attends the top-k of the anchor head ``head_map[h]`` plus its diag
 tile. The anchors' selection crosses layers as the prefill carry
 (``indices int32[B, Hkv, n_tiles, K]``, ``counts int32[B, n_tiles]``).
 
-The reference (``impl="masked"``) builds dense ``[T, T]`` masks: exact, for tests
-and CPU; not fast. The fast path (``impl="composed"``, :func:`tiled_attention_composed`)
+The reference (``impl="masked"``) builds dense ``[T, T]`` masks and probabilities: exact,
+for tests and CPU; not fast. On the fast path an anchor's selection comes from
+:func:`anchor_selection_chunked` (the same indices, chunk by chunk of query tiles, at
+most ``max_chunk_bytes`` of f32 logits at a time) and the fast path (``impl="composed"``, :func:`tiled_attention_composed`)
 is a composition of existing kernels, exact for the selections the anchors make:
 
 (a) the tile's selected keys: a sparse *decode* attention
@@ -140,6 +142,66 @@ def anchor_selection(q, k, lengths, **args):
     """An anchor's per-tile top-k: ``{"indices": int32[B, Hkv, nt, K], "counts": int32[B, nt]}``
     (``args``: ``tile, budget, fraction, min_keys``)."""
     return _select(causal_probabilities(q, k, lengths), lengths, k.shape[2], **args)
+
+
+#: default byte budget of one chunk's f32 probabilities in :func:`anchor_selection_chunked`
+#: (2 GiB: 16 tiles of 32 queries at T = 32K for Qwen3-8B's 32 query heads, B = 1)
+MAX_CHUNK_BYTES = 2 << 30
+
+
+def chunk_tiles(batch: int, num_q_heads: int, t: int, tile: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Tiles per chunk of :func:`anchor_selection_chunked`: the most whose f32 logits
+    ``[B, Hq, chunk * tile, T]`` fit ``max_chunk_bytes`` (at least 1, at most all)."""
+    per_tile = batch * num_q_heads * tile * t * 4
+    return int(max(1, min(num_tiles(t, tile), max_chunk_bytes // per_tile)))
+
+
+def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction: float, min_keys: int,
+                             max_chunk_bytes: int = MAX_CHUNK_BYTES, chunk: int | None = None):
+    """:func:`anchor_selection` without the ``[B, Hq, T, T]`` probabilities: the same
+    indices and counts, chunk by chunk of query tiles.
+
+    A chunk of ``c`` tiles (``c * tile`` queries) needs its queries' whole causal key
+    rows anyway, so each chunk computes its exact softmax ``[B, Hq, c * tile, T]`` (the
+    reference's f32 math, row by row: the same logits, mask and ``jax.nn.softmax``), sums
+    it over each GQA group and each tile's valid queries, masks keys at or after the
+    tile start and takes ``lax.top_k(width)``, under ``lax.map`` over the chunks: one
+    chunk's arrays live at a time. ``c`` (``chunk``, else :func:`chunk_tiles`) is the
+    most tiles whose f32 logits fit ``max_chunk_bytes``; the peak is a small multiple
+    of that (logits, their exponentials, the group sum: about 2-3x, XLA's fusion
+    decides), plus the f32 grouped keys ``[B, Hq, T, D]``. Tiles past ``T`` in the last
+    chunk are padding, dropped.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    nt = num_tiles(t, tile)
+    width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
+    c = chunk_tiles(b, hq, t, tile, max_chunk_bytes) if chunk is None else int(max(1, min(chunk, nt)))
+    nc = -(-nt // c)
+    rows = c * tile
+    lengths = lengths.astype(jnp.int32)
+    kg = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D], as causal_probabilities
+    qp = jnp.pad(q, ((0, 0), (0, nc * rows - t), (0, 0), (0, 0)))
+    qc = qp.reshape(b, nc, rows, hq, d).swapaxes(0, 1)  # [nc, B, rows, Hq, D]
+    j = jnp.arange(t)[None, :]
+
+    def one(xs):
+        qi, ci = xs
+        s = jnp.einsum("bthd,bhsd->bhts", qi.astype(jnp.float32), kg) * (d ** -0.5)
+        i = ci * rows + jnp.arange(rows)[:, None]  # [rows, 1]: the chunk's query positions
+        ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
+        p = jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)  # [B, Hq, rows, T]
+        valid_q = (i[None, :, 0] < lengths[:, None])[:, None, :, None]  # [B, 1, rows, 1]
+        gs = jnp.where(valid_q, p, 0.0).reshape(b, hkv, g, rows, t).sum(2)
+        gs = gs.reshape(b, hkv, c, tile, t).sum(3)  # [B, Hkv, c, T]
+        before = j < ((ci * c + jnp.arange(c)) * tile)[:, None]  # [c, T]
+        return tile_topk(jnp.where(before[None, None], gs, -jnp.inf), width)  # [B, Hkv, c, width]
+
+    idx = lax.map(one, (qc, jnp.arange(nc, dtype=jnp.int32)))  # [nc, B, Hkv, c, width]
+    idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]
+    return {"indices": idx,
+            "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
 
 
 def anchor_attention(q, k, v, lengths, **args):
@@ -260,19 +322,33 @@ def tiled_attention_impl(q, k, v, indices, counts, tile: int, *, impl: str = "co
     return tiled_attention_composed(q, k, v, indices, counts, tile, impl=kernel_impl, **tuning)
 
 
-def anchor_attention_impl(q, k, v, lengths, *, impl: str = "composed", kernel_impl: str = "auto", **args):
+def anchor_attention_impl(q, k, v, lengths, *, impl: str = "composed", kernel_impl: str = "auto",
+                          max_chunk_bytes: int = MAX_CHUNK_BYTES, **args):
     """An anchor layer: ``(out, selection)``. "masked": :func:`anchor_attention` (its
-    probabilities renormalised); "composed": the same selection
-    (:func:`anchor_selection`), attended by :func:`tiled_attention_composed`. The two
-    agree on every query inside its row's length; past it the masked anchor keeps
-    only keys before the length, the composed path attends its tile as a reuse layer
-    does (rows the model never reads)."""
+    probabilities renormalised); "composed": the same selection from
+    :func:`anchor_selection_chunked` (chunks of ``max_chunk_bytes``), attended by
+    :func:`tiled_attention_composed` as a reuse layer attends it: no ``[T, T]`` array.
+    The two agree on every query inside its row's length; past it the masked anchor
+    keeps only keys before the length, the composed path attends its tile as a reuse
+    layer does (rows the model never reads)."""
     if impl == "masked":
         return anchor_attention(q, k, v, lengths, **args)
     if impl != "composed":
         raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
-    sel = anchor_selection(q, k, lengths, **args)
+    sel = anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, **args)
     return tiled_attention_composed(q, k, v, sel["indices"], sel["counts"], args["tile"], impl=kernel_impl), sel
+
+
+def anchor_selection_impl(q, k, lengths, *, impl: str = "composed", max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                          **args):
+    """The dense anchor's selection (it attends densely, by the driver's prefill attention):
+    "masked" :func:`anchor_selection` (the ``[T, T]`` reference), "composed"
+    :func:`anchor_selection_chunked`."""
+    if impl == "masked":
+        return anchor_selection(q, k, lengths, **args)
+    if impl != "composed":
+        raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
+    return anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, **args)
 
 
 def empty_carry(batch: int, num_kv_heads: int, t: int, *, tile: int, budget: int, fraction: float,

@@ -3,7 +3,8 @@ the per-tile counts and top-k against NumPy, the attention against a brute force
 over each query's allowed keys, exact when the budget covers the prompt (in the
 model too, scanned and unrolled), the layer-by-layer prefill equal to the model's,
 and a run from the CLI; the composed fast path (gather kernel + diagonal tile + LSE
-merge) against the masked reference."""
+merge) against the masked reference; the chunked anchor selection equal to the
+[T, T] reference, and no [T, T] array on the composed anchor path."""
 
 import functools
 
@@ -150,7 +151,9 @@ def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     tiled = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512, tiled_prefill=True)), tokens, lengths, 3, 512)
     np.testing.assert_allclose(tiled, dense, atol=3e-5, rtol=0)
     # the paper's rule (k = 128 - 32 keys per tile of a 300-token prompt): it selects
-    rule = _run(_tiny_model(Kascade(anchors=(0, 2), tiled_prefill=True)), tokens, lengths, 3, 512)
+    # (anchors select in chunks of one 32-query tile: prefill_chunk_bytes=1)
+    rule = _run(_tiny_model(Kascade(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)), tokens, lengths,
+                3, 512)
     plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
     assert np.all(np.isfinite(rule)) and np.abs(rule - plain).max() > 1e-4
     # the composed attention (the default) against the masked reference, anchors and reuse layers
@@ -174,7 +177,9 @@ def test_layer_by_layer_prefill_equals_the_model():
 def test_options_and_errors():
     m = get_method("kascade", anchors=(0,), tiled_prefill=True, prefill_tile=16)
     assert m.tiled_prefill and m.prefill_tile == 16
-    assert m.prefill_impl == "composed"
+    assert m.prefill_impl == "composed" and m.prefill_chunk_bytes == 2 << 30
+    with pytest.raises(ValueError, match="prefill_chunk_bytes"):
+        Kascade(anchors=(0,), prefill_chunk_bytes=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
     with pytest.raises(ValueError, match="prefill_impl"):
         Kascade(anchors=(0,), prefill_impl="dense").check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -218,7 +223,8 @@ def test_anchor_renormalises_its_probabilities_over_its_selection():
     args = dict(tile=16, budget=0, fraction=0.1, min_keys=40)  # 40 - 16 = 24 keys per tile
     out, sel = kp.anchor_attention(q, k, v, lengths, **args)
     want = kp.tiled_attention(q, k, v, sel["indices"], sel["counts"], 16)
-    composed = functools.partial(kp.anchor_attention_impl, impl="composed", kernel_impl="reference", **args)
+    composed = functools.partial(kp.anchor_attention_impl, impl="composed", kernel_impl="reference",
+                                 max_chunk_bytes=3 * 2 * 4 * 16 * 150 * 4, **args)  # chunks of 3 of 10 tiles
     fast, fast_sel = jax.jit(composed)(q, k, v, lengths)  # (the kernel itself: the tests above)
     for r, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(np.asarray(out)[r, :n], np.asarray(want)[r, :n], atol=2e-5, rtol=0)
@@ -232,3 +238,72 @@ def test_anchor_renormalises_its_probabilities_over_its_selection():
             for n in range(idx.shape[2]):
                 listed = idx[r, h, n, : cnt[r, n]]
                 assert len(set(listed.tolist())) == len(listed) and np.all(listed < n * 16)
+
+
+# (B, T, Hq, Hkv, tile, lengths): T off the tile grid, ragged rows (a tile wholly past a
+# row's length scores 0 everywhere: all ties), G = 4 and G = 1
+CHUNK_CASES = [(2, 150, 4, 1, 16, (150, 113)), (2, 97, 2, 2, 32, (97, 30))]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,tile,lengths", CHUNK_CASES)
+@pytest.mark.parametrize("budget", [0, 24])
+def test_chunked_selection_equals_the_reference(b, t, hq, hkv, tile, lengths, budget):
+    """anchor_selection_chunked (lax.map over chunks of query tiles) gives the reference's
+    indices exactly (the same f32 math row by row: order and ties too) and counts, for
+    chunks of 1 tile, of a number not dividing the tile count, of all tiles, and one
+    picked from a byte budget."""
+    rng = np.random.default_rng(t + budget)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, 16)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, 16)), jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    args = dict(tile=tile, budget=budget, fraction=0.1, min_keys=40)
+    want = kp.anchor_selection(q, k, lengths, **args)
+    nt = kp.num_tiles(t, tile)
+    per_tile = b * hq * tile * t * 4
+    assert kp.chunk_tiles(b, hq, t, tile, 3 * per_tile + 1) == 3 and kp.chunk_tiles(b, hq, t, tile, 1) == 1
+    assert kp.chunk_tiles(b, hq, t, tile) == nt  # the 2 GiB default: one chunk here
+    for chunk in (1, 3, nt, None):
+        fn = functools.partial(kp.anchor_selection_chunked, chunk=chunk, max_chunk_bytes=2 * per_tile, **args)
+        got = jax.jit(fn)(q, k, lengths)
+        np.testing.assert_array_equal(np.asarray(got["indices"]), np.asarray(want["indices"]), err_msg=str(chunk))
+        np.testing.assert_array_equal(np.asarray(got["counts"]), np.asarray(want["counts"]))
+    assert int(want["counts"].max()) > 0
+
+
+def _avals(jaxpr):
+    """Every equation's output shape, sub-jaxprs (lax.map's scan, switch branches) too."""
+    from jax.extend import core as jcore
+
+    for e in jaxpr.eqns:
+        yield from (getattr(v.aval, "shape", ()) for v in e.outvars)
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else (p,):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    yield from _avals(sub.jaxpr)
+                elif isinstance(sub, jcore.Jaxpr):
+                    yield from _avals(sub)
+
+
+def test_composed_anchor_builds_no_t_by_t_array():
+    """At T = 4096 (tiny heads, 8-tile chunks) the composed anchor (chunked selection +
+    the composed attention) and the dense anchor's selection hold no array with two
+    dims >= T (the masked reference does: the check sees one), and the compiled
+    selection's temporaries are a few chunks, not [B, Hq, T, T]."""
+    b, t, hq, hkv, d, tile = 1, 4096, 4, 1, 8, 32
+    q = jnp.zeros((b, t, hq, d), jnp.float32)
+    k = v = jnp.zeros((b, t, hkv, d), jnp.float32)
+    lengths = jnp.asarray([t - 5], jnp.int32)
+    chunk_bytes = 8 * b * hq * tile * t * 4  # 8 tiles of 32 queries: 16 MiB
+    args = dict(tile=tile, budget=0, fraction=0.1, min_keys=128, max_chunk_bytes=chunk_bytes)
+
+    def big(fn, *xs):
+        return [s for s in _avals(jax.make_jaxpr(fn)(*xs).jaxpr) if sum(n >= t for n in s) >= 2]
+
+    anchor = functools.partial(kp.anchor_attention_impl, impl="composed", **args)
+    assert big(anchor, q, k, v, lengths) == []
+    selection = functools.partial(kp.anchor_selection_impl, impl="composed", **args)
+    assert big(selection, q, k, lengths) == []
+    assert big(functools.partial(kp.anchor_attention_impl, impl="masked", **args), q, k, v, lengths)
+    mem = jax.jit(selection).lower(q, k, lengths).compile().memory_analysis()
+    if mem is not None:
+        assert mem.temp_size_in_bytes < 4 * chunk_bytes < b * hq * t * t * 4 // 2, mem.temp_size_in_bytes

@@ -103,7 +103,9 @@ class Kascade(AttentionMethod):
       prefill_tile: queries per prefill tile (32, as the code; the paper says 128).
       prefill_impl: the tiled prefill's attention: "composed" (the gather kernel over
         each tile's keys, LSE-merged with the causal diagonal tile; ``impl`` picks the
-        kernel) or "masked" (the ``[T, T]``-mask reference).
+        kernel; anchors select chunk by chunk of tiles, ``prefill_chunk_bytes`` of f32
+        logits at a time, no ``[T, T]`` array) or "masked" (the ``[T, T]``-mask reference).
+      prefill_chunk_bytes: the composed anchors' selection chunk (default 2 GiB).
     """
 
     crosses_kv_heads: ClassVar[bool] = True  # reuse head h reads the anchor head head_map[h]
@@ -131,6 +133,9 @@ class Kascade(AttentionMethod):
     #: "composed" (fast: :func:`sparse_jax.kascade_prefill.tiled_attention_composed`) or
     #: "masked" (the reference with dense [T, T] masks)
     prefill_impl: str = "composed"
+    #: "composed" anchors' selection: f32 logits of at most this many bytes at a time
+    #: (:func:`sparse_jax.kascade_prefill.anchor_selection_chunked`; default 2 GiB)
+    prefill_chunk_bytes: int = 2 << 30
     #: the anchor selector bound to the model (``for_model``), filled in
     selector: Any = dataclasses.field(default=None, repr=False)
 
@@ -186,6 +191,8 @@ class Kascade(AttentionMethod):
             raise ValueError("kascade: budget must be >= 0, min_budget >= 1 and 0 < budget_fraction <= 1")
         if self.prefill_tile < 1:
             raise ValueError(f"kascade: prefill_tile must be >= 1, got {self.prefill_tile}")
+        if self.prefill_chunk_bytes < 1:
+            raise ValueError(f"kascade: prefill_chunk_bytes must be >= 1, got {self.prefill_chunk_bytes}")
         if self.prefill_impl not in ("composed", "masked"):
             raise ValueError(f"kascade: prefill_impl must be 'composed' or 'masked', got {self.prefill_impl!r}")
         if self.tiled_prefill and self.prefill != "dense":
@@ -273,13 +280,16 @@ class Kascade(AttentionMethod):
 
         args, tile = self._prefill_args(), self.prefill_tile
 
-        def dense(_):
-            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection(q, k, lengths, **args)
+        chunk = dict(impl=self.prefill_impl, max_chunk_bytes=self.prefill_chunk_bytes)
+
+        def dense(_):  # the driver's dense (flash) prefill attention, the selection alone
+            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection_impl(q, k, lengths, **chunk,
+                                                                                             **args)
 
         impls = dict(impl=self.prefill_impl, kernel_impl=self.impl)
 
         def anchor(_):
-            return kp.anchor_attention_impl(q, k, v, lengths, **impls, **args)
+            return kp.anchor_attention_impl(q, k, v, lengths, **chunk, kernel_impl=self.impl, **args)
 
         def reuse(_):
             idx = kp.reused(carry, layer.data.get("head_map"))
