@@ -121,17 +121,18 @@ def tiny_cases(meshes):
         for data, model in meshes:
             got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(data, model))
             report(f"tiny-kv8/{name}/data={data},model={model}", ref, got, got[2])
-    # forward (whole sequences, no cache) on the widest mesh
+    # forward (whole sequences, no cache) on the narrowest and the widest mesh
     from models import sharding as sh
     from models.transformer import build_functions
-    data, model = meshes[-1]
-    mesh = Parallelism(data, model).mesh()
-    fs = sh.build_sharded_functions(cfg, methods["dense"], mesh, max_len=256, dtype=jnp.float32, unroll=False)
     want = np.asarray(build_functions(graphdef, cfg, methods["dense"], unroll=False).forward(params, tokens))
-    got = np.asarray(fs.forward(sh.shard_params(params, mesh), tokens))
-    print(json.dumps(dict(case=f"tiny-kv8/forward/data={data},model={model}", max_dlogit=float(np.max(np.abs(want - got))),
-                          logit_scale=float(np.max(np.abs(want))), tokens_agree=bool((want.argmax(-1) == got.argmax(-1)).all()),
-                          k_spec="no cache", devices=len(fs.mesh.devices.flat))), flush=True)
+    for data, model in dict.fromkeys([meshes[0], meshes[-1]]):
+        mesh = Parallelism(data, model).mesh()
+        fs = sh.build_sharded_functions(cfg, methods["dense"], mesh, max_len=256, dtype=jnp.float32, unroll=False)
+        got = np.asarray(fs.forward(sh.shard_params(params, mesh), tokens))
+        print(json.dumps(dict(case=f"tiny-kv8/forward/data={data},model={model}",
+                              max_dlogit=float(np.max(np.abs(want - got))), logit_scale=float(np.max(np.abs(want))),
+                              tokens_agree=bool((want.argmax(-1) == got.argmax(-1)).all()),
+                              k_spec="no cache", devices=len(fs.mesh.devices.flat))), flush=True)
     # Kascade reads other heads' selections (its head map): data replicas only
     for name, opts in (("kascade", {}), ("kascade+tiled_prefill", dict(tiled_prefill=True, prefill_tile=16))):
         m = get_method("kascade", budget=64, anchors=(0, 1), **opts)

@@ -55,7 +55,7 @@ def test_four_devices_match_one_device(four_devices):
     f32 = [r for c, r in rows.items() if "bf16" not in c]
     # tiny: 5 methods (asyncspade, quest+TSA prefill) x 3 meshes, forward, kascade (+ tiled prefill) on data=2; SmolLM2: dense, quest,
     # asynctls on model=2 and asynctls on data=2, and Model.shard(...).generate for dense and quest
-    assert len(f32) == 24, sorted(rows)  # + forward on 1x4, + kascade's tiled prefill on data=2
+    assert len(f32) == 25, sorted(rows)  # + forward on 1x2 and 1x4, + kascade's tiled prefill on data=2
     assert rows["smollm2/api-generate/dense/data=1,model=2"]["kv_heads"] == 4  # 3 padded to 4
     for r in f32:
         assert r["tokens_agree"], r
@@ -70,14 +70,6 @@ def test_four_devices_match_one_device(four_devices):
     one = rows["smollm2-bf16/dense/one device vs f32"]["max_dlogit"]
     two = rows["smollm2-bf16/dense/model=2 vs f32"]["max_dlogit"]
     assert 0 < two < 2 * one + 0.05, (one, two)
-
-
-@pytest.mark.slow
-def test_two_devices_match_one_device():
-    rows = _check(2, "--only", "tiny")
-    assert len(rows) == 8 and sum(r["case"].endswith("data=1,model=2") for r in rows) == 6  # + forward, kascade x2
-    for r in rows:
-        assert r["tokens_agree"] and r["max_dlogit"] < 5e-4, r
 
 
 @pytest.mark.slow
