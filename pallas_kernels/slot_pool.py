@@ -158,6 +158,28 @@ def _assign_kernel(nxt_ref, ring_ref, clock_ref, _bslot_in, _sblock_in, _sused_i
     hits_out[r] = jnp.sum(hit.astype(jnp.int32))
 
 
+def _call_slot_kernel(kern, sizes, *, grid, name, num_warps, interpret, inputs):
+    """The ``pallas_call`` both slot kernels share: ``inputs`` (nxt, ring_start, clock,
+    block_slot, slot_block, slot_used) flattened to int32; ``sizes = (tables, slots,
+    copies, counts)`` the flat lengths of the outputs (block_slot; slot_block and
+    slot_used; copy_src and copy_dst; copy_count and hits). The three tables are updated
+    in place (aliased to their inputs)."""
+    i32 = jnp.int32
+    n_tab, n_slot, n_copy, n_cnt = sizes
+    out_shape = tuple(jax.ShapeDtypeStruct((k,), i32) for k in (n_tab, n_slot, n_slot, n_copy, n_copy, n_cnt, n_cnt))
+    nxt, ring_start, clock, block_slot, slot_block, slot_used = inputs
+    return pl.pallas_call(
+        kern,
+        out_shape=out_shape,
+        grid=(grid,),
+        input_output_aliases={3: 0, 4: 1, 5: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(nxt.reshape(-1).astype(i32), ring_start.astype(i32), clock.astype(i32), block_slot.reshape(-1).astype(i32),
+      slot_block.reshape(-1).astype(i32), slot_used.reshape(-1).astype(i32))
+
+
 def assign_slots_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_used, *, ring_slots: int = 2,
                         num_warps: int = 1, interpret: bool = False):
     """Kernel path (same contract as :func:`assign_slots_reference`)."""
@@ -167,26 +189,9 @@ def assign_slots_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_use
         raise ValueError(f"{r} rows x {max(nb, p + ring_slots)} entries overflow int32 offsets")
     kern = functools.partial(_assign_kernel, n_rows=r, n1=n1, nb=nb, p=p, ring_slots=ring_slots,
                              n1p=next_pow2(n1), pp=next_pow2(p))
-    i32 = jnp.int32
-    out_shape = (
-        jax.ShapeDtypeStruct((r * nb,), i32),
-        jax.ShapeDtypeStruct((r * p,), i32),
-        jax.ShapeDtypeStruct((r * p,), i32),
-        jax.ShapeDtypeStruct((r * n1,), i32),
-        jax.ShapeDtypeStruct((r * n1,), i32),
-        jax.ShapeDtypeStruct((r,), i32),
-        jax.ShapeDtypeStruct((r,), i32),
-    )
-    bslot, sblock, sused, src, dst, count, hits = pl.pallas_call(
-        kern,
-        out_shape=out_shape,
-        grid=(r,),
-        input_output_aliases={3: 0, 4: 1, 5: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="assign_pool_slots",
-    )(nxt.reshape(-1).astype(i32), ring_start.astype(i32), clock.astype(i32), block_slot.reshape(-1).astype(i32),
-      slot_block.reshape(-1).astype(i32), slot_used.reshape(-1).astype(i32))
+    bslot, sblock, sused, src, dst, count, hits = _call_slot_kernel(
+        kern, (r * nb, r * p, r * n1, r), grid=r, name="assign_pool_slots", num_warps=num_warps,
+        interpret=interpret, inputs=(nxt, ring_start, clock, block_slot, slot_block, slot_used))
     return (bslot.reshape(r, nb), sblock.reshape(r, p), sused.reshape(r, p), src.reshape(r, n1),
             dst.reshape(r, n1), count, hits)
 
@@ -343,26 +348,10 @@ def assign_shared_pallas(nxt, ring_start, clock, block_slot, slot_block, slot_us
         raise ValueError(f"{m_rows} rows x {r_pools} pools overflow int32 offsets")
     kern = functools.partial(_assign_shared_kernel, m_rows=m_rows, r_pools=r_pools, n1=n1, nb=nb, n=n,
                              ring_slots=ring_slots, mp=next_pow2(m_rows * n1), pp=next_pow2(n))
-    i32 = jnp.int32
-    out_shape = (
-        jax.ShapeDtypeStruct((m_rows * r_pools * nb,), i32),
-        jax.ShapeDtypeStruct((r_pools * n,), i32),
-        jax.ShapeDtypeStruct((r_pools * n,), i32),
-        jax.ShapeDtypeStruct((m_rows * r_pools * n1,), i32),
-        jax.ShapeDtypeStruct((m_rows * r_pools * n1,), i32),
-        jax.ShapeDtypeStruct((m_rows * r_pools,), i32),
-        jax.ShapeDtypeStruct((m_rows * r_pools,), i32),
-    )
-    bslot, sblock, sused, src, dst, count, hits = pl.pallas_call(
-        kern,
-        out_shape=out_shape,
-        grid=(r_pools,),
-        input_output_aliases={3: 0, 4: 1, 5: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="assign_shared_pool_slots",
-    )(nxt.reshape(-1).astype(i32), ring_start.astype(i32), clock.astype(i32), block_slot.reshape(-1).astype(i32),
-      slot_block.reshape(-1).astype(i32), slot_used.reshape(-1).astype(i32))
+    bslot, sblock, sused, src, dst, count, hits = _call_slot_kernel(
+        kern, (m_rows * r_pools * nb, r_pools * n, m_rows * r_pools * n1, m_rows * r_pools), grid=r_pools,
+        name="assign_shared_pool_slots", num_warps=num_warps, interpret=interpret,
+        inputs=(nxt, ring_start, clock, block_slot, slot_block, slot_used))
     return (bslot.reshape(m_rows, r_pools, nb), sblock.reshape(r_pools, n), sused.reshape(r_pools, n),
             src.reshape(m_rows, r_pools, n1), dst.reshape(m_rows, r_pools, n1), count.reshape(m_rows, r_pools),
             hits.reshape(m_rows, r_pools))

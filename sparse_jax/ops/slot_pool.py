@@ -29,6 +29,11 @@ from sparse_jax.ops._dispatch import resolve_impl
 __all__ = ["assign_pool_slots", "assign_shared_pool_slots"]
 
 
+def _check_ring_slots(ring_slots) -> None:
+    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or ring_slots < 0:
+        raise ValueError(f"ring_slots must be a non-negative int, got {ring_slots!r}")
+
+
 def _check(nxt, ring_start, clock, block_slot, slot_block, slot_used, ring_slots):
     _checks.check_rank("nxt", nxt, 2, "[R, n1]")
     _checks.check_int("nxt", nxt)
@@ -47,8 +52,7 @@ def _check(nxt, ring_start, clock, block_slot, slot_block, slot_used, ring_slots
     _checks.check_int_array("slot_used", slot_used, (r, p), "[R, P]")
     if p < n1:
         raise ValueError(f"the pool ({p} slots per row) must hold the {n1} blocks a step needs (P >= n1)")
-    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or ring_slots < 0:
-        raise ValueError(f"ring_slots must be a non-negative int, got {ring_slots!r}")
+    _check_ring_slots(ring_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("ring_slots", "choice", "interpret"))
@@ -102,8 +106,7 @@ def _check_shared(nxt, ring_start, clock, block_slot, slot_block, slot_used, rin
     _checks.check_int_array("slot_used", slot_used, (r, n), "[R, N]")
     if n < n1:
         raise ValueError(f"the shared pool ({n} slots) must hold the {n1} blocks one row needs (N >= n1)")
-    if isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or ring_slots < 0:
-        raise ValueError(f"ring_slots must be a non-negative int, got {ring_slots!r}")
+    _check_ring_slots(ring_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("ring_slots", "choice", "interpret"))
