@@ -61,6 +61,15 @@ ROUND_STEPS = 64  # steps per timed round: one 64-token block per row (its host 
 GiB = 1 << 30
 
 
+
+def default_reserve(params) -> int:
+    """Bytes the capacity planner leaves free by default: the largest parameter leaf (a stacked
+    weight, which the GEMM autotuner copies whole when a fused GEMM slices one layer out of it)
+    plus 2.5 GiB for XLA's other temporaries, and never under 4 GiB."""
+    largest = max(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    return max(4 * GiB, largest + int(2.5 * GiB))
+
+
 def qwen3_8b(max_position: int):
     from models.config import get_config
 
@@ -548,10 +557,13 @@ def parse_args(argv=None):
                         "the default pool, twice the filter's set; 0.096 with the smallest pool. SmolLM2 at 8K: "
                         "0.012 and 0.10)")
     p.add_argument("--host-fraction", type=float, default=0.7, help="share of MemAvailable the host tier may use")
-    p.add_argument("--device-reserve-gib", type=float, default=4.0,
-                   help="device memory the capacity planner leaves free (XLA's temporaries and the GEMM "
-                        "autotuner's workspace: with 2 GiB, the planned offloaded batches at 32K failed to "
-                        "compile with RESOURCE_EXHAUSTED in the autotuner)")
+    p.add_argument("--device-reserve-gib", type=float, default=None,
+                   help="device memory the capacity planner leaves free for XLA's temporaries and the GEMM "
+                        "autotuner (default: the largest stacked weight + 2.5 GiB, at least 4 GiB). The "
+                        "offloaded step runs its layers unrolled, so XLA fuses a slice of a stacked weight into "
+                        "each GEMM, and the autotuner allocates a copy of the whole stack (3.4 GiB for "
+                        "Qwen3-8B's down projection): with a flat 4 GiB, every offloaded batch at 32K failed to "
+                        "compile with RESOURCE_EXHAUSTED in the autotuner")
     p.add_argument("--modes", default="dense,sparse,offload",
                    help="comma list of dense, sparse (resident), offload (per-row pools), offload-shared (one pool "
                         "per layer and KV head shared by the batch)")
@@ -624,7 +636,9 @@ def main(argv=None) -> int:
     model = random_model(cfg, method, max(contexts) + 1024)
     dense = model.with_method("dense")
     log(f"[offload] {cfg.name}: {cfg.num_params() / 1e9:.2f}B params in {time.perf_counter() - t0:.1f}s")
-    dl, hl = capacity.device_budget(int(a.device_reserve_gib * GiB)), capacity.host_budget(a.host_fraction)
+    reserve = default_reserve(model.params) if a.device_reserve_gib is None else int(a.device_reserve_gib * GiB)
+    dl, hl = capacity.device_budget(reserve), capacity.host_budget(a.host_fraction)
+    payload["device_reserve_gib"] = reserve / GiB
     payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
     modes = a.modes.split(",")
     bw = measure_bandwidth((1 << 24) if a.tiny else (4 << 30))
