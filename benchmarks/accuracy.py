@@ -405,7 +405,10 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                     if name != "dense":
                         f = fid.method_kl(mm, ref)
                         probe = fid.FidelityProbe(inner=method, num_q_heads=cfg.num_heads)
-                        f.update(fid.probe_metrics(model.with_method(probe), ref, probe_steps))
+                        # unrolled: a method whose selection depends on the layer's role (Kascade's
+                        # dense first anchor) cannot return it from a scanned layer, and the probe
+                        # needs the selection for its mass (scanned, the CPU default, it got NaN)
+                        f.update(fid.probe_metrics(model.with_method(probe, unroll=True), ref, probe_steps))
                         row["fidelity"] = f
                     row["fidelity_s"] = time.perf_counter() - t1
                 if name != "dense" and accuracy and "average" in row:

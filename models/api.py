@@ -63,7 +63,8 @@ class Model:
     jitted pure functions (``fns``). See the module docstring."""
 
     def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State,
-                 tokenizer: Tokenizer | None, method: AttentionMethod, dtype, max_len: int):
+                 tokenizer: Tokenizer | None, method: AttentionMethod, dtype, max_len: int,
+                 unroll: bool | None = None):
         self.config = config
         self.graphdef = graphdef
         self.params = params
@@ -71,18 +72,23 @@ class Model:
         self.method = method
         self.dtype = jnp.dtype(dtype)
         self.max_len = int(max_len)
-        self.fns = tfm.build_functions(graphdef, config, method)
+        self.unroll = unroll
+        self.fns = tfm.build_functions(graphdef, config, method, unroll)
 
     def __repr__(self) -> str:
         return (f"Model({self.config.name!r}, dtype={self.dtype.name}, attention={self.method!r}, "
                 f"max_len={self.max_len}, params={self.config.num_params() / 1e6:.1f}M, "
                 f"tokenizer={'yes' if self.tokenizer is not None else 'no'})")
 
-    def with_method(self, attention: "str | AttentionMethod", **options) -> "Model":
-        """The same params (not copied) with another attention method."""
+    def with_method(self, attention: "str | AttentionMethod", *, unroll: bool | None = None,
+                    **options) -> "Model":
+        """The same params (not copied) with another attention method. ``unroll``: run
+        the layer driver's segments unrolled (static layer indices, as on the GPU) or
+        scanned; None keeps this model's choice (default: unrolled on the GPU only)."""
         method = method_for_model(attention, options, self.config)
         method = bind_method(method, self.config, self.max_len)
-        return Model(self.config, self.graphdef, self.params, self.tokenizer, method, self.dtype, self.max_len)
+        return Model(self.config, self.graphdef, self.params, self.tokenizer, method, self.dtype, self.max_len,
+                     self.unroll if unroll is None else unroll)
 
     # -- checks (host side, before any compilation) ------------------------------
     def _check_tokens_range(self, tokens):
