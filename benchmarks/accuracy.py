@@ -451,7 +451,12 @@ def render_markdown(payload: dict) -> str:
                   f"python {st.get('python')}, commit {st.get('git_commit') or '?'}",
                   f"- date: {st.get('date')}", f"- command: `{st.get('command')}`"]
     lines += [f"- {s['samples']} samples per task and length, seed {s['seed']}; scores in % "
-              "(RULER string match: fraction of expected strings in the greedy output)", ""]
+              "(RULER string match: fraction of expected strings in the greedy output)"]
+    if payload.get("partial"):
+        done = {(r["method"], r["budget"], r["length"]) for r in payload["rows"]}
+        lines.append(f"- **partial**: the run stopped after {len(done)} rows (a checkpoint of an interrupted "
+                     "run); the rows not listed were not measured")
+    lines.append("")
     tasks = s["tasks"]
     cols = ["method", "budget", "length"] + tasks + ["avg"]
     fid_cols = ["mass", "rel_err", "KL", "agree"] if s["fidelity"] else []

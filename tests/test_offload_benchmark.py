@@ -50,3 +50,19 @@ def test_stream_probe_renders_saved_result(tmp_path):
     md = (tmp_path / "sp.md").read_text()
     assert "| serial_p8u4/concurrent | 0.16 | 1.333 | 0.692 | True |" in md  # (0.12 + 0.13 - 0.16) / 0.13
     assert (tmp_path / "sp.png").stat().st_size > 0
+
+
+def test_offloaded_runs_prime_the_autotuner_at_a_short_context(tmp_path, monkeypatch):
+    """Each offloaded configuration first steps its batch at a quarter of the context (so
+    XLA's GEMM autotuner runs before the full state fills the device), then measures."""
+    calls = []
+    real = offload.prime_autotuner
+    monkeypatch.setattr(offload, "PRIME_BACKENDS", ("gpu", "cpu"))
+    monkeypatch.setattr(offload, "prime_autotuner", lambda runner, model, batch, context: (
+        calls.append((batch, context)), real(runner, model, batch, context)))
+    rc = offload.main(["--tiny", "--contexts", "1024", "--modes", "offload", "--budget", "128", "--kb", "8",
+                       "--steps", "2", "--warmup", "1", "--prefill-len", "0", "--no-extras", "--eq-repeats", "0",
+                       "--out", str(tmp_path), "--name", "p"])
+    assert rc == 0 and calls and all(c == 1024 for _, c in calls)
+    off = json.loads((tmp_path / "p.json").read_text())["throughput"][0]
+    assert off["batch"] == calls[-1][0] and off["finite"]
