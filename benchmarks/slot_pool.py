@@ -13,6 +13,12 @@ and inside the loop XLA fuses the reference into a few kernels, so its
 figure is not what it costs inside a layer's jit (there, the profile of
 ``benchmarks/offload_profile.py`` is the measure). The kernel's outputs are
 checked equal to the reference's first. ``python -m benchmarks.slot_pool``.
+
+``--shared``: the shared pool (``assign_shared_pool_slots``) at the same shape: one
+pool per KV head of ``--rows / --heads`` rows x ``--pool`` slots (the per-row pools'
+bytes), each row needing ``--n1`` blocks of which ``misses`` are not resident. Its
+kernel runs one program per pool over every row's blocks (the per-row kernel: one
+program per row and head), which is what this compares.
 """
 
 from __future__ import annotations
@@ -48,6 +54,29 @@ def tables(rng, r, nb, p, n1, misses, hits_oldest=False):
     return nxt, ring, clock, bslot, sblock, sused
 
 
+def shared_tables(rng, m, r, nb, p, n1, misses, hits_oldest=False):
+    """:func:`tables` for the shared pool: ``m`` rows x ``r`` pools of ``m * p`` slots,
+    each row's ``p`` resident blocks of pool ``r`` in slots ``[m' * p, (m' + 1) * p)``."""
+    n = m * p
+    bslot = np.full((m, r, nb), -1, np.int32)
+    sblock = np.full((r, n), -1, np.int32)
+    sused = np.zeros((r, n), np.int32)
+    nxt = np.zeros((m, r, n1), np.int32)
+    for i in range(m):
+        for h in range(r):
+            blocks = rng.choice(nb - 2, size=p, replace=False)
+            slots = i * p + np.arange(p)
+            sblock[h, slots], bslot[i, h, blocks] = i * nb + blocks, slots
+            sused[h, slots] = rng.integers(0, 1000, size=p)
+            hit = rng.choice(p, size=n1 - misses, replace=False)
+            sused[h, slots[hit]] = 0 if hits_oldest else 1000 + rng.integers(0, 10, size=n1 - misses)
+            others = np.setdiff1d(np.arange(nb - 2), blocks)
+            nxt[i, h] = np.concatenate([blocks[hit], rng.choice(others, size=misses, replace=False)])
+    ring = np.full((m,), nb - 1, np.int32)
+    clock = np.full((r,), 2000, np.int32)
+    return nxt, ring, clock, bslot, sblock, sused
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=24)
@@ -58,26 +87,40 @@ def main(argv=None):
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--inner", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--shared", action="store_true", help="time the shared pool instead (see the docstring)")
+    ap.add_argument("--heads", type=int, default=8, help="with --shared: KV heads (pools); rows / heads = batch")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    if a.shared and a.rows % a.heads:
+        ap.error(f"--shared needs --rows ({a.rows}) divisible by --heads ({a.heads})")
     from pallas_kernels import slot_pool as sp
 
     rng = np.random.default_rng(0)
     rows = []
-    impls = {"reference": lambda *x: sp.assign_slots_reference(*x)}
+    ref_fn, pallas_fn = ((sp.assign_shared_reference, sp.assign_shared_pallas) if a.shared
+                         else (sp.assign_slots_reference, sp.assign_slots_pallas))
+    impls = {"reference": lambda *x: ref_fn(*x)}
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run
     for w in (int(v) for v in a.warps.split(",")):
-        impls[f"pallas_w{w}"] = lambda *x, w=w: sp.assign_slots_pallas(*x, num_warps=w, interpret=interpret)
+        impls[f"pallas_w{w}"] = lambda *x, w=w: pallas_fn(*x, num_warps=w, interpret=interpret)
     for misses in (int(v) for v in a.misses.split(",")):
         for oldest in (False, True):
             if oldest and misses in (0, a.n1):
                 continue
-            args = [jnp.asarray(t) for t in tables(rng, a.rows, a.blocks, a.pool, a.n1, misses, oldest)]
+            t = (shared_tables(rng, a.rows // a.heads, a.heads, a.blocks, a.pool, a.n1, misses, oldest) if a.shared
+                 else tables(rng, a.rows, a.blocks, a.pool, a.n1, misses, oldest))
+            args = [jnp.asarray(x) for x in t]
             ref = jax.jit(impls["reference"])(*args)
-            row = {"misses": misses, "hits_oldest": oldest}
+            row = {"pool": "shared" if a.shared else "per_row", "misses": misses, "hits_oldest": oldest}
             for name, fn in impls.items():
                 got = jax.jit(fn)(*args)
-                ok = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(ref, got))
+                ok = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(ref[:3], got[:3]))
+                # the copy lists: equal up to their counts (entries past them are unspecified)
+                cnt = np.asarray(ref[5])
+                ok &= np.array_equal(cnt, np.asarray(got[5])) and np.array_equal(np.asarray(ref[6]), np.asarray(got[6]))
+                live = np.arange(a.n1) < cnt[..., None]
+                ok &= all(np.array_equal(np.where(live, np.asarray(x), 0), np.where(live, np.asarray(y), 0))
+                          for x, y in zip(ref[3:5], got[3:5]))
 
                 @jax.jit
                 def loop(nxt, ring, clock, bslot, sblock, sused, fn=fn):
@@ -86,7 +129,7 @@ def main(argv=None):
                         # cannot hoist any of the work out of the loop
                         z = jnp.minimum(acc, 0)
                         out = fn(nxt + z, ring + z, clock + z, bslot + z, sblock + z, sused + z)
-                        return acc + out[5][0] + out[6][0]
+                        return acc + jnp.sum(out[5]) + jnp.sum(out[6])
                     return jax.lax.fori_loop(0, a.inner, body, jnp.int32(0))
 
                 loop(*args).block_until_ready()
@@ -96,7 +139,7 @@ def main(argv=None):
                     loop(*args).block_until_ready()
                     ts.append((time.perf_counter() - t) / a.inner)
                 row[name + "_us"] = round(1e6 * float(np.median(ts)), 2)
-                row[name + "_ok"] = ok
+                row[name + "_ok"] = bool(ok)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if a.json:

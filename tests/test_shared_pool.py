@@ -299,3 +299,18 @@ def test_pool_flags_are_checked_before_any_model_is_built():
     # the footprint: one pool per layer and KV head plus a ring per row
     fp = TieredRunner(model, "offload", pool="shared", pool_slots=12).footprint(3, 256)
     assert fp.device["slot_pool"] == 2 * 2 * 2 * (12 + 2 * 3) * 16 * 16 * 4  # layers x K,V x Hkv x slots x bs x D x f32
+
+
+def test_slot_pool_benchmark_times_both_pools(tmp_path):
+    """``benchmarks.slot_pool`` (and ``--shared``) checks each kernel against its reference
+    before timing it; a CPU smoke run at a tiny shape, interpret mode."""
+    import json
+
+    from benchmarks import slot_pool as bench
+
+    for extra, pool in (([], "per_row"), (["--shared", "--heads", "2"], "shared")):
+        out = tmp_path / f"{pool}.json"
+        assert bench.main(["--rows", "4", "--blocks", "64", "--pool", "12", "--n1", "6", "--misses", "0,3",
+                           "--warps", "1", "--inner", "1", "--repeats", "1", "--json", str(out), *extra]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert len(rows) == 3 and all(r["pool"] == pool and r["reference_ok"] and r["pallas_w1_ok"] for r in rows)
