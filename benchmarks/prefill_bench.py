@@ -44,6 +44,7 @@ the smallest context (max |difference|).
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
@@ -242,18 +243,23 @@ def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: 
         r = time_fn(jax.jit(fn), args, runs=runs, cupti=False)
         rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
                          floor_ms=None))
-    attend = jax.jit(tsa.compressed_causal_attention)
+    # the compressed attention under both row movements (tsa.GATHER_MODES: the same numbers);
+    # "scatter" keeps the rows' old name
+    attends = {mode: jax.jit(functools.partial(tsa.compressed_causal_attention, gather=mode))
+               for mode in tsa.GATHER_MODES}
     for f in fractions:
         kept = random_kept(kr, b, hq, t, window, f)
         n = int(kept[0, 0].sum())
-        r = time_fn(attend, (q, k, v, kept), runs=runs, cupti=False)
-        row = dict(context=t, part=f"tsa attend, {f:g} of the prefix", kept=n / t, ms=r.wall_ms,
-                   vs_dense=dense_ms / r.wall_ms, floor_ms=floor_ms(n))
-        if check:
-            want = tsa.masked_causal_attention(q, k, v, kept, 512)
-            row["max_abs_err"] = float(jnp.max(jnp.abs(attend(q, k, v, kept).astype(jnp.float32)
-                                                       - want.astype(jnp.float32))))
-        rows.append(row)
+        want = tsa.masked_causal_attention(q, k, v, kept, 512) if check else None
+        for mode, attend in attends.items():
+            r = time_fn(attend, (q, k, v, kept), runs=runs, cupti=False)
+            suffix = "" if mode == "scatter" else f", {mode}"
+            row = dict(context=t, part=f"tsa attend, {f:g} of the prefix{suffix}", kept=n / t, ms=r.wall_ms,
+                       vs_dense=dense_ms / r.wall_ms, floor_ms=floor_ms(n))
+            if check:
+                row["max_abs_err"] = float(jnp.max(jnp.abs(attend(q, k, v, kept).astype(jnp.float32)
+                                                           - want.astype(jnp.float32))))
+            rows.append(row)
     return rows
 
 

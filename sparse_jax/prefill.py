@@ -102,6 +102,10 @@ class TokenSparsePrefill:
       block: query-block size of the masked reference attention (memory, not results).
       impl: "compressed" (default: each head's kept tokens gathered, causal attention
         over the shorter sequence, scattered back) or "masked" (the reference).
+      gather: how "compressed" moves rows (:data:`GATHER_MODES`, the same numbers):
+        "scatter" (default: K/V repeated to the query heads, the output scattered
+        back) or "gather" (each query head reads its KV head's rows; the output is
+        gathered back through the inverse order).
     """
 
     tau: float = 0.005
@@ -111,6 +115,7 @@ class TokenSparsePrefill:
     layers: tuple[int, ...] | None = None
     block: int = 512
     impl: str = "compressed"
+    gather: str = "scatter"
 
     def __post_init__(self):
         if not (self.tau >= 0):
@@ -121,6 +126,8 @@ class TokenSparsePrefill:
                 raise ValueError(f"token_sparse: {name} must be a positive int, got {v!r}")
         if self.impl not in ("compressed", "masked"):
             raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {self.impl!r}")
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {self.gather!r}")
         if self.pool % 2 == 0:
             raise ValueError(f"token_sparse: pool must be odd (centred), got {self.pool}")
         if self.layers is not None:
@@ -138,7 +145,7 @@ class TokenSparsePrefill:
     def attention(self, q, k, v, lengths, head_axis: str | None = None):
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                       window=self.window, pool=self.pool, block=self.block, head_axis=head_axis,
-                                      impl=self.impl)
+                                      impl=self.impl, gather=self.gather)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -327,10 +334,11 @@ def masked_causal_attention(q, k, v, kept, block: int = 512):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
-def compress_order(kept):
-    """``int32[B, Hq, T]``: each head's kept positions first, then the dropped ones, each
-    ascending (what a stable argsort of ``~kept`` gives), by two cumulative sums and a
-    scatter with unique indices instead of a sort."""
+def compress_positions(kept):
+    """``(order, dest)``, both ``int32[B, Hq, T]``: ``order`` lists each head's kept
+    positions first, then the dropped ones, each ascending (what a stable argsort of
+    ``~kept`` gives); ``dest`` is its inverse, the compressed index of every position.
+    Two cumulative sums give ``dest``; one scatter with unique indices inverts it."""
     b, hq, t = kept.shape
     k32 = kept.astype(jnp.int32)
     before = jnp.cumsum(k32, axis=-1) - k32  # kept tokens before each position
@@ -339,18 +347,31 @@ def compress_order(kept):
     dest = jnp.where(kept, before, n + j - before)  # a dropped token follows the n kept and the drops before it
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(hq)[None, :, None]
-    return jnp.zeros((b, hq, t), jnp.int32).at[rows, heads, dest].set(
+    order = jnp.zeros((b, hq, t), jnp.int32).at[rows, heads, dest].set(
         jnp.broadcast_to(j, (b, hq, t)), unique_indices=True)
+    return order, dest
 
 
-def compress(x, order):
+def compress_order(kept):
+    """``int32[B, Hq, T]``: :func:`compress_positions`' ``order`` alone."""
+    return compress_positions(kept)[0]
+
+
+def compress(x, order, *, repeat: bool = True):
     """Each head's kept tokens first, in their original order: ``x [B,T,H,D]`` (``H``
-    the query heads, or a KV head per query head) gathered by ``order [B,Hq,T]`` ->
-    ``[B,T,Hq,D]``."""
-    hq = order.shape[1]
-    if x.shape[2] != hq:
-        x = jnp.repeat(x, hq // x.shape[2], axis=2)
-    return jnp.take_along_axis(x, order.transpose(0, 2, 1)[..., None], axis=1)
+    the query heads, or the KV heads of a GQA group) gathered by ``order [B,Hq,T]`` ->
+    ``[B,T,Hq,D]``. ``repeat``: a KV input is first repeated to the query heads (the
+    original formulation); False gathers each query head's rows from its KV head
+    directly, without the repeated copy."""
+    b, hq, t = order.shape
+    h = x.shape[2]
+    if h == hq:
+        return jnp.take_along_axis(x, order.transpose(0, 2, 1)[..., None], axis=1)
+    if repeat:
+        return jnp.take_along_axis(jnp.repeat(x, hq // h, axis=2), order.transpose(0, 2, 1)[..., None], axis=1)
+    rows = jnp.arange(b)[:, None, None]
+    kv_head = (jnp.arange(hq) // (hq // h))[None, None, :]
+    return x[rows, order.transpose(0, 2, 1), kv_head]  # [B, T, Hq, D]
 
 
 def decompress(o, order, counts):
@@ -364,37 +385,59 @@ def decompress(o, order, counts):
     return out.at[rows, pos, heads].set(o.transpose(0, 2, 1, 3))[:, :t]
 
 
-def compressed_causal_attention(q, k, v, kept):
+def decompress_gather(o, dest, kept):
+    """:func:`decompress` as a gather: position ``p`` of head ``h`` reads compressed row
+    ``dest[b, h, p]`` where ``kept``, zero elsewhere (one pass, no zero fill and
+    scatter): ``o [B,T,Hq,D]``, ``dest, kept [B,Hq,T]`` -> ``[B,T,Hq,D]``."""
+    g = jnp.take_along_axis(o, dest.transpose(0, 2, 1)[..., None], axis=1)
+    return jnp.where(kept.transpose(0, 2, 1)[..., None], g, jnp.zeros((), o.dtype))
+
+
+#: how :func:`compressed_causal_attention` moves rows: "scatter" (the K/V repeated to the
+#: query heads, then gathered; the output scattered back) or "gather" (each query head's
+#: K/V rows read from its KV head; the output gathered back through the inverse order)
+GATHER_MODES = ("scatter", "gather")
+
+
+def compressed_causal_attention(q, k, v, kept, *, gather: str = "scatter"):
     """Step 5, compressed: each query head's kept tokens gathered into a shorter
     sequence (original order, so causal stays causal), causal attention over it (cuDNN
     on the GPU, with the row's kept count as its sequence length so the work scales
     with the kept tokens; the blockwise flash attention on CPU), scattered back. The
     same result as :func:`masked_causal_attention`: a compressed query attends exactly
     the kept keys before it. ``kept [B,Hq,T]`` must keep the same number of tokens in
-    every head of a row (TSA's count is per row)."""
+    every head of a row (TSA's count is per row). ``gather``: one of
+    :data:`GATHER_MODES` (the same numbers)."""
     from sparse_jax.methods.base import dense_prefill_attention
     from sparse_jax.ops._dispatch import on_gpu
 
+    if gather not in GATHER_MODES:
+        raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {gather!r}")
     b, t, hq, d = q.shape
     counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
-    order = compress_order(kept)  # kept first, ascending
-    qc, kc, vc = compress(q, order), compress(k, order), compress(v, order)
+    order, dest = compress_positions(kept)  # kept first, ascending
+    rep = gather == "scatter"
+    qc, kc, vc = compress(q, order), compress(k, order, repeat=rep), compress(v, order, repeat=rep)
     if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
         oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,
                                           key_value_seq_lengths=counts, implementation="cudnn")
     else:
         oc = dense_prefill_attention(qc, kc, vc)
-    return decompress(oc.astype(q.dtype), order, counts)
+    if rep:
+        return decompress(oc.astype(q.dtype), order, counts)
+    return decompress_gather(oc.astype(q.dtype), dest, kept)
 
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
-                           head_axis=None, impl: str = "compressed", scores_impl: str = "auto"):
+                           head_axis=None, impl: str = "compressed", scores_impl: str = "auto",
+                           gather: str = "scatter"):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
     scatter) or "masked" (the reference: masks over the whole prompt).
     ``scores_impl``: step 1's ``impl`` (:func:`window_scores`; "auto": the kernel on
-    the GPU where it supports the head size, the reference elsewhere)."""
+    the GPU where it supports the head size, the reference elsewhere). ``gather``: see
+    :func:`compressed_causal_attention`."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
@@ -403,4 +446,4 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":
         return masked_causal_attention(q, k, v, kept, block)
-    return compressed_causal_attention(q, k, v, kept)
+    return compressed_causal_attention(q, k, v, kept, gather=gather)

@@ -25,11 +25,12 @@ def test_prefill_bench_tiny(tmp_path):
                                          "tsa window scores (step 1), pallas", "tsa scoring (steps 1-4), pallas",
                                          "tsa select (step 4), one sort", "tsa select (step 4), two argsorts",
                                          "tsa compressed order, cumsum + scatter", "tsa compressed order, argsort",
-                                         "tsa attend, 1 of the prefix", "tsa attend, 0.25 of the prefix"]
+                                         "tsa attend, 1 of the prefix", "tsa attend, 1 of the prefix, gather",
+                                         "tsa attend, 0.25 of the prefix", "tsa attend, 0.25 of the prefix, gather"]
     assert rows[3]["max_abs_err"] < 1e-6  # the kernel (interpret mode) == the reference
-    kept = [r["kept"] for r in rows[-2:]]
-    assert kept[0] == 1.0 and 0.25 < kept[1] < 0.35  # a quarter of the prefix + the 16-token window
-    assert all(r["max_abs_err"] < 1e-5 for r in rows[-2:])  # compressed == masked reference
+    kept = [r["kept"] for r in rows[-4:]]
+    assert kept[0] == kept[1] == 1.0 and 0.25 < kept[2] == kept[3] < 0.35  # a quarter + the 16-token window
+    assert all(r["max_abs_err"] < 1e-5 for r in rows[-4:])  # compressed (both movements) == masked reference
     assert "| dense (cuDNN causal) |" in (tmp_path / "pb.md").read_text()
 
 

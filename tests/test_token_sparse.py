@@ -134,6 +134,38 @@ def test_compress_decompress_round_trip():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+def test_gather_mode_moves_the_same_rows():
+    """``gather="gather"``: K/V read from each query head's KV head (no repeated copy), the
+    output gathered back through the inverse order: bit-equal to the scatter path, zeros
+    where dropped; ``dest`` inverts ``order``; a bad mode is refused."""
+    q, k, v = _data(6)
+    rng = np.random.default_rng(7)
+    b, t, hq, _ = q.shape
+    assert k.shape[2] < hq  # GQA: the no-repeat gather is exercised
+    kept = np.zeros((b, hq, t), bool)
+    for r, n in enumerate([61, 150]):
+        for h in range(hq):
+            kept[r, h, rng.choice(t, n, replace=False)] = True
+    kept_j = jnp.asarray(kept)
+    order, dest = tsa.compress_positions(kept_j)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(dest), np.asarray(order), -1),
+                                  np.broadcast_to(np.arange(t), (b, hq, t)))
+    for x in (k, v):
+        np.testing.assert_array_equal(np.asarray(tsa.compress(jnp.asarray(x), order, repeat=False)),
+                                      np.asarray(tsa.compress(jnp.asarray(x), order)))
+    counts = jnp.asarray(kept[:, 0].sum(-1), jnp.int32)
+    c = tsa.compress(jnp.asarray(q), order)
+    np.testing.assert_array_equal(np.asarray(tsa.decompress_gather(c, dest, kept_j)),
+                                  np.asarray(tsa.decompress(c, order, counts)))
+    args = [jnp.asarray(a) for a in (q, k, v)] + [kept_j]
+    np.testing.assert_array_equal(np.asarray(tsa.compressed_causal_attention(*args, gather="gather")),
+                                  np.asarray(tsa.compressed_causal_attention(*args)))
+    with pytest.raises(ValueError, match="gather must be one of"):
+        tsa.compressed_causal_attention(*args, gather="nope")
+    with pytest.raises(ValueError, match="gather must be one of"):
+        tsa.TokenSparsePrefill(gather="nope")
+
+
 def test_exact_where_it_does_not_apply():
     q, k, v = (jnp.asarray(a) for a in _data(3))
     ref = blockwise_causal_attention(q, k, v)
