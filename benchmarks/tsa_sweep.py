@@ -1,0 +1,199 @@
+"""Token Sparse Attention's coverage τ on real text: how many prompt tokens each τ
+keeps, layer by layer, and what that saves.
+
+    python -m benchmarks.tsa_sweep --model gemma3-270m --lengths 4096,8192 --taus 0.001,0.005,0.02,0.05
+
+For each length, one dense forward pass over real text captures every layer's
+post-RoPE queries and keys (:func:`models.capture.capture_qk`): prose (the demo
+notes with one fact at half depth, ``--text prose``, the profile's haystack) or
+standard-library Python source (``--text source``, the fidelity probe's text), one
+row per ``--rows``. On each layer TSA runs on (the model's shipped drift profile,
+global layers only), steps 1-3 of :mod:`sparse_jax.prefill` give the kept prefix
+count for each τ (the same count in every head of a row): the table reports the
+kept fraction of the prompt (kept prefix + the window over the length) averaged
+over rows and TSA layers, its range over layers, and the causal attention work it
+leaves, ``(kept / L)²`` of dense (the compressed sequence is kept long, causal).
+
+What τ costs in accuracy is the accuracy harness's to measure, with the same
+options: ``benchmarks.accuracy --methods dense,tsa=dense --set tsa.prefill=token_sparse
+--set "tsa.prefill_options=[('tau', 0.02)]"``. Writes ``NAME.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, write_results
+
+
+def text_ids(tokenizer, kind: str, length: int, rows: int) -> np.ndarray:
+    """``int32[rows, length]`` of real text: ``prose`` (the demo haystack; every row the
+    same text, shifted by a paragraph's worth of tokens per row) or ``source``."""
+    if kind == "source":
+        from benchmarks.fidelity import fidelity_text_ids
+
+        return np.asarray(fidelity_text_ids(tokenizer, length, rows), np.int32)
+    from models.prefill_profile import haystack_ids
+
+    shift = 97
+    ids = haystack_ids(tokenizer, length + shift * (rows - 1))
+    if len(ids) < length + shift * (rows - 1):
+        raise ValueError(f"the prose haystack has only {len(ids)} tokens; ask for a shorter length")
+    return np.stack([np.asarray(ids[r * shift: r * shift + length], np.int32) for r in range(rows)])
+
+
+def kept_fractions(q, k, lengths, taus, *, min_tokens: int, window: int, pool: int) -> np.ndarray:
+    """``f64[len(taus), B]``: kept prompt fraction per τ and row on one layer
+    (``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``)."""
+    from sparse_jax import prefill as tsa
+
+    scores = tsa.smooth(tsa.window_scores(q, k, lengths, window, impl="reference"), pool)
+    out = []
+    for tau in taus:
+        keep = tsa.keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window)
+        kept = np.asarray(keep, np.float64) + np.minimum(np.asarray(lengths), window)
+        out.append(kept / np.asarray(lengths, np.float64))
+    return np.stack(out)
+
+
+def sweep(model, tokenizer, *, lengths, taus, rows: int, text: str, log=print) -> dict:
+    from models.capture import capture_qk
+    from sparse_jax.prefill import TokenSparsePrefill
+
+    method = model.method
+    opts = method.sparse_prefill() or TokenSparsePrefill()
+    nl = model.config.num_layers
+    layers = sorted(i for i in range(nl) if method.is_sparse_prefill_layer(i, nl)) if method.sparse_prefill() \
+        else sorted(opts.layers_for(nl))
+    results = []
+    for length in lengths:
+        t0 = time.perf_counter()
+        ids = text_ids(tokenizer, text, length, rows)
+        qk = capture_qk(model, ids)
+        lens = jnp.full((rows,), length, jnp.int32)
+        per_layer = {i: kept_fractions(qk[i][0], qk[i][1], lens, taus, min_tokens=opts.min_tokens,
+                                       window=opts.window, pool=opts.pool) for i in layers}
+        for j, tau in enumerate(taus):
+            fr = np.array([per_layer[i][j].mean() for i in layers])
+            results.append({"length": length, "tau": tau, "kept": float(fr.mean()), "kept_min": float(fr.min()),
+                            "kept_max": float(fr.max()), "attention_work": float(np.mean(fr ** 2)),
+                            "per_layer": {str(i): float(f) for i, f in zip(layers, fr)}})
+            log(f"[tsa_sweep] L={length} tau={tau:g}: kept {fr.mean():.3f} ({fr.min():.3f}-{fr.max():.3f}), "
+                f"attention work {np.mean(fr ** 2):.3f} of dense")
+        log(f"[tsa_sweep] L={length}: {time.perf_counter() - t0:.1f}s")
+    return {"layers": layers, "options": {"min_tokens": opts.min_tokens, "window": opts.window, "pool": opts.pool},
+            "rows": results}
+
+
+def render(payload) -> str:
+    st, s = payload["stamp"], payload["settings"]
+    lines = [f"# Token Sparse Attention: kept tokens against τ ({s['model']}, {s['text']} text)", "",
+             f"- device: {st.get('device')}, jax {st.get('jax')}, commit {st.get('git_commit') or '?'}",
+             f"- date: {st.get('date')}", f"- command: `{st.get('command')}`",
+             f"- TSA layers {payload['layers']} (the shipped drift profile), min_tokens "
+             f"{payload['options']['min_tokens']}, window {payload['options']['window']}, pool "
+             f"{payload['options']['pool']}; {s['rows']} rows of real text per length",
+             "- `kept`: the kept prompt fraction (prefix kept + window) / length, mean over rows and TSA layers "
+             "(range over layers); `attention_work`: mean of kept² (causal attention on the compressed "
+             "sequence, against dense)", ""]
+    cols = ["length", "tau", "kept", "kept_min", "kept_max", "attention_work"]
+    lines.append(markdown_table(payload["rows"], cols, {c: ".3f" for c in cols[2:]}))
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for length in sorted({r["length"] for r in payload["rows"]}):
+        rs = [r for r in payload["rows"] if r["length"] == length]
+        ax.errorbar([r["tau"] for r in rs], [r["kept"] for r in rs],
+                    yerr=[[r["kept"] - r["kept_min"] for r in rs], [r["kept_max"] - r["kept"] for r in rs]],
+                    marker="o", capsize=3, label=f"{length} tokens")
+    ax.set_xscale("log")
+    ax.set_xlabel("coverage τ")
+    ax.set_ylabel("kept fraction of the prompt")
+    ax.set_title(f"TSA on {payload['settings']['model']} ({payload['settings']['text']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not out or any(not (x >= 0) for x in out):
+        raise argparse.ArgumentTypeError(f"expected non-negative numbers, got {s!r}")
+    return out
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tsa_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lengths", type=_ints, default=[4096])
+    p.add_argument("--taus", type=_floats, default=[0.001, 0.005, 0.02, 0.05])
+    p.add_argument("--rows", type=int, default=2, help="rows of text per length (default 2)")
+    p.add_argument("--text", choices=["prose", "source"], default="prose")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default=None)
+    a = p.parse_args(argv)
+    if a.rows < 1:
+        p.error("--rows must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import models
+
+    t0 = time.perf_counter()
+    model = models.load_model(a.model, dtype=getattr(jnp, a.dtype), max_len=max(a.lengths),
+                              attention="dense", attention_options={"prefill": "token_sparse"})
+    too_long = [n for n in a.lengths if n > model.config.max_position]
+    if too_long:
+        print(f"error: lengths {too_long} exceed {a.model}'s context of {model.config.max_position}", file=sys.stderr)
+        return 2
+    payload = {"settings": {"model": a.model, "lengths": a.lengths, "taus": a.taus, "rows": a.rows, "text": a.text,
+                            "dtype": a.dtype}}
+    payload.update(sweep(model, model.tokenizer, lengths=a.lengths, taus=a.taus, rows=a.rows, text=a.text))
+    payload["stamp"] = stamp("python -m benchmarks.tsa_sweep " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])))
+    name = a.name or f"tsa_sweep_{a.model}_{a.text}"
+    md = render(payload)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_results(name, payload, md, out)
+        plot(payload, out / f"{name}.png")
+        print(f"[tsa_sweep] wrote {out / name}.json/.md/.png in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
