@@ -33,6 +33,7 @@ another order) -- small against the KL values it sits beside, but not exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -305,11 +306,11 @@ def method_kl(model, ref: Reference, steps: int | None = None) -> dict:
             "steps": steps}
 
 
-@jax.jit
-def _gather_metrics(cache):
-    """``rel_err, mass [L, B, Hq]``; the layers the probe did not run on (exact) get 0 and 1."""
+@functools.partial(jax.jit, static_argnums=1)
+def _gather_metrics(cache, hq: int):
+    """``rel_err, mass [L, B, Hq]``; the layers the probe did not run on (exact) get 0 and 1
+    (every layer, for a method whose decode is dense, e.g. dense with a sparse prefill)."""
     rel, mass = [], []
-    hq = next(lc.state["rel_err"].shape[-1] for lc in cache.layers if lc.state is not None)
     for lc in cache.layers:
         if lc.state is None:
             b = lc.k.shape[0]
@@ -332,7 +333,7 @@ def probe_metrics(probe_model, ref: Reference, steps: int) -> dict:
     max_diff = jnp.zeros((), jnp.float32)
     for t in range(steps):
         logits, cache = probe_model.fns.decode_step(probe_model.params, jnp.asarray(ref.fed[t]), cache)
-        rel, mass = _gather_metrics(cache)
+        rel, mass = _gather_metrics(cache, probe_model.config.num_heads)
         rel_sum = rel if rel_sum is None else rel_sum + rel
         mass_sum = mass if mass_sum is None else mass_sum + mass
         max_diff = jnp.maximum(max_diff, jnp.max(jnp.abs(_log_softmax(logits) - ref.logp[t])))

@@ -207,17 +207,27 @@ def test_harness_end_to_end(tokenizer, tmp_path):
     sparse = "oracle_topk" if "oracle_topk" in available_methods() else None
     # kascade: its dense first anchor has no selection in a scanned layer (the CPU default), so
     # the probe runs unrolled; its mass was NaN before
-    methods = ["dense", "no_such_method", "win=streaming", "kascade"] + ([sparse] if sparse else [])
+    # tsa: dense decode after a sparse prefill: the probe has no sparse decode layer (it crashed)
+    methods = ["dense", "no_such_method", "win=streaming", "kascade", "tsa=dense"] + ([sparse] if sparse else [])
     payload = acc.run(model, tokenizer=tokenizer, methods=methods, budgets=[48, 1024], lengths=[384],
                       tasks=["niah_single_1", "vt"], samples=1, batch_size=2, fidelity=True, probe_steps=2,
                       kl_steps=4, keep_full_budget=True, progress=False, log=lambda s: None,
-                      method_options={"win": {"window": 40}, "kascade": {"anchors": (0,)}})
+                      method_options={"win": {"window": 40}, "kascade": {"anchors": (0,)},
+                                      "tsa": {"prefill": "token_sparse",
+                                              "prefill_options": (("min_tokens", 64), ("window", 16),
+                                                                  ("tau", 0.2), ("layers", (0,)))}})
     rows = {(r["method"], r["budget"]): r for r in payload["rows"]}
     dense = rows[("dense", None)]
     assert dense["status"] == "ok" and set(dense["scores"]) == {"niah_single_1", "vt"}
     assert 0.0 <= dense["average"] <= 1.0 and dense["n_samples"] == 2
     assert rows[("no_such_method", None)]["status"] == "error"  # reported, the run went on
-    assert len(payload["predictions"]) == 2 * (5 + (2 if sparse else 0))
+    assert len(payload["predictions"]) == 2 * (6 + (2 if sparse else 0))
+    tsa = rows[("tsa", None)]
+    assert tsa["status"] == "ok", tsa.get("traceback")
+    assert tsa["fidelity"]["mass"] == 1.0 and tsa["fidelity"]["rel_err"] == 0.0  # decode is dense
+    # layer 0's sparse prefill changed the K/V layer 1 wrote (the last layer's alone could not:
+    # its cache is written before compression, and the window keeps the last token)
+    assert tsa["fidelity"]["kl"] > 0
     kas = rows[("kascade", 48)]["fidelity"]  # layer 0 the dense anchor (mass 1), layer 1 reuses it
     assert kas["mass_per_layer"][0] == 1.0 and 0 < kas["mass_per_layer"][1] <= 1 + 1e-6, kas["mass_per_layer"]
     # a variant runs under its alias, with its own options
