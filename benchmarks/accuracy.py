@@ -76,7 +76,7 @@ import numpy as np
 
 from benchmarks import fidelity as fid
 from benchmarks import ruler_tasks
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 from models.api import with_dense_layer_rule
 
 DEFAULT_METHODS = ("dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls")
@@ -453,8 +453,7 @@ def render_markdown(payload: dict) -> str:
     lines += [f"- {s['samples']} samples per task and length, seed {s['seed']}; scores in % "
               "(RULER string match: fraction of expected strings in the greedy output)"]
     if payload.get("partial"):
-        done = {(r["method"], r["budget"], r["length"]) for r in payload["rows"]}
-        lines.append(f"- **partial**: the run stopped after {len(done)} rows (a checkpoint of an interrupted "
+        lines.append(f"- **partial**: the run stopped after {len(payload['rows'])} rows (a checkpoint of an interrupted "
                      "run); the rows not listed were not measured")
     lines.append("")
     tasks = s["tasks"]
@@ -568,13 +567,6 @@ def save(payload: dict, name: str, out_dir: Path | str | None) -> Path:
 # -----------------------------------------------------------------------------
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
 def _names(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -587,8 +579,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weights", default=None, help="weights path passed to models.load_model (default: the preset's)")
     p.add_argument("--methods", type=_names, default=list(DEFAULT_METHODS),
                    help=f"comma-separated method names (default: {','.join(DEFAULT_METHODS)}); dense always runs")
-    p.add_argument("--budgets", type=_ints, default=[512, 1024, 2048], help="tokens per KV head (default 512,1024,2048)")
-    p.add_argument("--lengths", type=_ints, default=[2048, 4096, 8192], help="context lengths (default 2048,4096,8192)")
+    p.add_argument("--budgets", type=parse_list, default=[512, 1024, 2048], help="tokens per KV head (default 512,1024,2048)")
+    p.add_argument("--lengths", type=parse_list, default=[2048, 4096, 8192], help="context lengths (default 2048,4096,8192)")
     p.add_argument("--tasks", type=_names, default=list(ruler_tasks.TASKS),
                    help=f"subset of {','.join(ruler_tasks.TASKS)}")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length (default 5)")

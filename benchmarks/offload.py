@@ -66,7 +66,7 @@ def default_reserve(params) -> int:
     """Bytes the capacity planner leaves free by default: the largest parameter leaf (a stacked
     weight, which the GEMM autotuner copies whole when a fused GEMM slices one layer out of it)
     plus 2.5 GiB for XLA's other temporaries, and never under 4 GiB."""
-    largest = max(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    largest = max(x.nbytes for x in jax.tree.leaves(params))
     return max(4 * GiB, largest + int(2.5 * GiB))
 
 

@@ -56,25 +56,17 @@ def tables(rng, r, nb, p, n1, misses, hits_oldest=False):
 
 def shared_tables(rng, m, r, nb, p, n1, misses, hits_oldest=False):
     """:func:`tables` for the shared pool: ``m`` rows x ``r`` pools of ``m * p`` slots,
-    each row's ``p`` resident blocks of pool ``r`` in slots ``[m' * p, (m' + 1) * p)``."""
-    n = m * p
-    bslot = np.full((m, r, nb), -1, np.int32)
-    sblock = np.full((r, n), -1, np.int32)
-    sused = np.zeros((r, n), np.int32)
-    nxt = np.zeros((m, r, n1), np.int32)
-    for i in range(m):
-        for h in range(r):
-            blocks = rng.choice(nb - 2, size=p, replace=False)
-            slots = i * p + np.arange(p)
-            sblock[h, slots], bslot[i, h, blocks] = i * nb + blocks, slots
-            sused[h, slots] = rng.integers(0, 1000, size=p)
-            hit = rng.choice(p, size=n1 - misses, replace=False)
-            sused[h, slots[hit]] = 0 if hits_oldest else 1000 + rng.integers(0, 10, size=n1 - misses)
-            others = np.setdiff1d(np.arange(nb - 2), blocks)
-            nxt[i, h] = np.concatenate([blocks[hit], rng.choice(others, size=misses, replace=False)])
+    each (row, pool) drawn as one per-row pool of :func:`tables`, its ``p`` resident
+    blocks in slots ``[row * p, (row + 1) * p)`` of the pool, ids ``row * nb + block``."""
+    nxt, _, _, bslot, sblock, sused = tables(rng, m * r, nb, p, n1, misses, hits_oldest)
+    row = np.arange(m)[:, None, None]
+    bslot = bslot.reshape(m, r, nb)
+    bslot = np.where(bslot >= 0, bslot + row * p, -1).astype(np.int32)
+    sblock = (sblock.reshape(m, r, p) + row * nb).transpose(1, 0, 2).reshape(r, m * p).astype(np.int32)
+    sused = sused.reshape(m, r, p).transpose(1, 0, 2).reshape(r, m * p)
     ring = np.full((m,), nb - 1, np.int32)
     clock = np.full((r,), 2000, np.int32)
-    return nxt, ring, clock, bslot, sblock, sused
+    return nxt.reshape(m, r, n1), ring, clock, bslot, sblock, sused
 
 
 def main(argv=None):

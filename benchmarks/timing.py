@@ -9,6 +9,7 @@ floor. Both are reported.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -196,6 +197,16 @@ def logit_agreement(got: np.ndarray, ref: np.ndarray) -> dict:
     got = got[: ref.shape[0]]
     return {"max_dlogit": float(np.max(np.abs(got - ref))),
             "argmax_agree": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
+
+
+def parse_list(s: str, cast=int) -> list:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (an argparse ``type``; blank items skipped): a bad item
+    is an :class:`argparse.ArgumentTypeError` naming the whole argument."""
+    try:
+        return [cast(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        what = "integers" if cast is int else "numbers"
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}") from None
 
 
 def markdown_table(rows: list[dict], columns: list[str], fmt: dict[str, str] | None = None) -> str:

@@ -22,16 +22,16 @@ options: ``benchmarks.accuracy --methods dense,tsa=dense --set tsa.prefill=token
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, parse_list, stamp, write_final_results
 
 
 def text_ids(tokenizer, kind: str, length: int, rows: int) -> np.ndarray:
@@ -65,14 +65,16 @@ def kept_fractions(q, k, lengths, taus, *, min_tokens: int, window: int, pool: i
 
 
 def sweep(model, tokenizer, *, lengths, taus, rows: int, text: str, log=print) -> dict:
+    """The kept fractions on ``model``'s TSA layers (its method must have
+    ``prefill="token_sparse"``) for each length and τ."""
     from models.capture import capture_qk
-    from sparse_jax.prefill import TokenSparsePrefill
 
     method = model.method
-    opts = method.sparse_prefill() or TokenSparsePrefill()
+    opts = method.sparse_prefill()
+    if opts is None:
+        raise ValueError(f"tsa_sweep needs a model whose method has prefill='token_sparse', got {method!r}")
     nl = model.config.num_layers
-    layers = sorted(i for i in range(nl) if method.is_sparse_prefill_layer(i, nl)) if method.sparse_prefill() \
-        else sorted(opts.layers_for(nl))
+    layers = [i for i in range(nl) if method.is_sparse_prefill_layer(i, nl)]
     results = []
     for length in lengths:
         t0 = time.perf_counter()
@@ -132,37 +134,21 @@ def plot(payload, path: Path):
     plt.close(fig)
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-    if not out or any(not (x >= 0) for x in out):
-        raise argparse.ArgumentTypeError(f"expected non-negative numbers, got {s!r}")
-    return out
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.tsa_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--lengths", type=_ints, default=[4096])
-    p.add_argument("--taus", type=_floats, default=[0.001, 0.005, 0.02, 0.05])
+    p.add_argument("--lengths", type=parse_list, default=[4096])
+    p.add_argument("--taus", type=functools.partial(parse_list, cast=float), default=[0.001, 0.005, 0.02, 0.05])
     p.add_argument("--rows", type=int, default=2, help="rows of text per length (default 2)")
     p.add_argument("--text", choices=["prose", "source"], default="prose")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--out", default=None)
     p.add_argument("--name", default=None)
     a = p.parse_args(argv)
+    if not a.lengths or min(a.lengths) < 1:
+        p.error(f"--lengths must be positive integers, got {a.lengths}")
+    if not a.taus or not all(t >= 0 for t in a.taus):
+        p.error(f"--taus must be non-negative numbers, got {a.taus}")
     if a.rows < 1:
         p.error("--rows must be >= 1")
     return a
@@ -184,14 +170,11 @@ def main(argv=None) -> int:
     payload.update(sweep(model, model.tokenizer, lengths=a.lengths, taus=a.taus, rows=a.rows, text=a.text))
     payload["stamp"] = stamp("python -m benchmarks.tsa_sweep " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])))
     name = a.name or f"tsa_sweep_{a.model}_{a.text}"
-    md = render(payload)
-    print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_results(name, payload, md, out)
-        plot(payload, out / f"{name}.png")
-        print(f"[tsa_sweep] wrote {out / name}.json/.md/.png in {time.perf_counter() - t0:.0f}s")
+        write_final_results(name, payload, render, plot, a.out)
+        print(f"[tsa_sweep] wrote {a.out}/{name}.json/.md/.png in {time.perf_counter() - t0:.0f}s")
+    else:
+        print(render(payload))
     return 0
 
 
