@@ -16,8 +16,10 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   compressed order (``compress_order``: cumulative sums and a scatter) against a stable
   argsort (the same results);
 * **tsa attend @ f**: its step 5 (``compressed_causal_attention``: gather each head's
-  kept tokens, cuDNN causal attention with the kept count as sequence length, scatter
-  back) with a fraction ``f`` of the prefix kept per head (``--fractions``), chosen at
+  kept tokens, cuDNN causal attention with the kept count as sequence length over the
+  shortest length bucket that holds them, scatter back; rows marked "full length": the
+  same at the padded prompt length, ``buckets=1``, as it ran before the buckets) with a
+  fraction ``f`` of the prefix kept per head (``--fractions``), chosen at
   random: random weights carry no attention structure, so the fraction TSA's tau
   keeps on real text has to come from a real model (``benchmarks.accuracy`` with
   ``prefill=token_sparse``), and the time is reported per fraction.
@@ -30,7 +32,10 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   one key drawn in each of ``count`` equal strata of the keys before it: distinct, in
   ascending order, where an anchor's are in score order), once per kernel tuning
   (``--kascade-tunings``); and the same with every count 0 (the layout, the diagonal
-  and the merge alone: the composition's overhead). Cross-checked against the masked
+  and the merge alone: the composition's overhead); and an anchor layer's selection
+  (``anchor_selection_chunked``: the exact f32 softmax per chunk of tiles, the group and
+  tile sums, the per-tile top-k), also with a top-1 to separate the scoring from the
+  top-k (floor: QK over the causal pairs at the bf16 peak). Cross-checked against the masked
   reference (``tiled_attention``) at ``min(context, 2048)`` tokens of the smallest
   context (max |difference|).
 
@@ -155,6 +160,19 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
     r = time_fn(fn, (q, k, v, idx, jnp.zeros_like(counts)), runs=runs, cupti=False)
     rows.append(dict(context=t, part="kascade reuse, counts 0 (layout, diagonal, merge)", kept=None, ms=r.wall_ms,
                      vs_dense=dense_ms / r.wall_ms, floor_ms=None))
+    # an anchor layer's selection (exact f32 softmax per chunk of tiles, group and tile sums,
+    # the top-k; the anchor then attends it as a reuse layer does), and the same with a
+    # top-1 (the scoring alone): what an anchor adds over a reuse layer
+    lengths = jnp.full((b,), t, jnp.int32)
+    floor_all = floor_pairs_ms(t * (t + 1) // 2)
+    floor_qk = None if floor_all is None else floor_all / 2  # QK alone over the causal pairs
+    for part, sel_rule in (("kascade anchor selection (exact softmax + per-tile top-k)", rule),
+                           ("kascade anchor selection, top-1 (the softmax and sums alone)",
+                            dict(budget=1, fraction=0.0, min_keys=1))):
+        fn = jax.jit(lambda q, k, n, sel_rule=sel_rule: kp.anchor_selection_chunked(q, k, n, tile=tile, **sel_rule))
+        r = time_fn(fn, (q, k, lengths), runs=max(1, min(runs, 3)), cupti=False)
+        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
+                         floor_ms=floor_qk))
     return rows
 
 
@@ -243,17 +261,20 @@ def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: 
         r = time_fn(jax.jit(fn), args, runs=runs, cupti=False)
         rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
                          floor_ms=None))
-    # the compressed attention under both row movements (tsa.GATHER_MODES: the same numbers);
-    # "scatter" keeps the rows' old name
-    attends = {mode: jax.jit(functools.partial(tsa.compressed_causal_attention, gather=mode))
-               for mode in tsa.GATHER_MODES}
+    # the compressed attention under both row movements (tsa.GATHER_MODES: the same numbers),
+    # cut to the length buckets (the default) and at the full padded length (buckets=1: what
+    # ran before the buckets, kept as the comparison); "scatter" keeps the rows' old name
+    attends = {", ".join(x for x in (mode, "" if nb > 1 else "full length") if x):
+               jax.jit(functools.partial(tsa.compressed_causal_attention, gather=mode, buckets=nb))
+               for nb in (8, 1) for mode in tsa.GATHER_MODES}
     for f in fractions:
         kept = random_kept(kr, b, hq, t, window, f)
         n = int(kept[0, 0].sum())
         want = tsa.masked_causal_attention(q, k, v, kept, 512) if check else None
         for mode, attend in attends.items():
             r = time_fn(attend, (q, k, v, kept), runs=runs, cupti=False)
-            suffix = "" if mode == "scatter" else f", {mode}"
+            suffix = mode.removeprefix("scatter").removeprefix(", ")
+            suffix = f", {suffix}" if suffix else ""
             row = dict(context=t, part=f"tsa attend, {f:g} of the prefix{suffix}", kept=n / t, ms=r.wall_ms,
                        vs_dense=dense_ms / r.wall_ms, floor_ms=floor_ms(n))
             if check:

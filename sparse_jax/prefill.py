@@ -106,6 +106,9 @@ class TokenSparsePrefill:
         "scatter" (default: K/V repeated to the query heads, the output scattered
         back) or "gather" (each query head reads its KV head's rows; the output is
         gathered back through the inverse order).
+      buckets: the compressed attention runs at the shortest of ``buckets`` static
+        lengths that holds the kept tokens (:func:`bucket_lengths`); 1: the padded
+        prompt length (cuDNN then still visits every query tile).
     """
 
     tau: float = 0.005
@@ -116,11 +119,12 @@ class TokenSparsePrefill:
     block: int = 512
     impl: str = "compressed"
     gather: str = "scatter"
+    buckets: int = 8
 
     def __post_init__(self):
         if not (self.tau >= 0):
             raise ValueError(f"token_sparse: tau must be >= 0, got {self.tau}")
-        for name in ("min_tokens", "window", "pool", "block"):
+        for name in ("min_tokens", "window", "pool", "block", "buckets"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"token_sparse: {name} must be a positive int, got {v!r}")
@@ -145,7 +149,7 @@ class TokenSparsePrefill:
     def attention(self, q, k, v, lengths, head_axis: str | None = None):
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                       window=self.window, pool=self.pool, block=self.block, head_axis=head_axis,
-                                      impl=self.impl, gather=self.gather)
+                                      impl=self.impl, gather=self.gather, buckets=self.buckets)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -374,23 +378,43 @@ def compress(x, order, *, repeat: bool = True):
     return x[rows, order.transpose(0, 2, 1), kv_head]  # [B, T, Hq, D]
 
 
-def decompress(o, order, counts):
+def decompress(o, order, counts, length: int | None = None):
     """The inverse of :func:`compress` for the first ``counts[b]`` compressed positions:
-    ``o [B,T,Hq,D]`` scattered back to the original positions, zero elsewhere."""
+    ``o [B,L,Hq,D]`` scattered back to the original positions (``order [B,Hq,L]``, the
+    first ``L`` entries of the full order), zero elsewhere -> ``[B,length,Hq,D]``
+    (``length``: the original sequence, default ``L``)."""
     b, t, hq, d = o.shape
-    pos = jnp.where(jnp.arange(t)[None, None, :] < counts[:, None, None], order, t)  # [B, Hq, T]; t: dropped
+    length = t if length is None else length
+    pos = jnp.where(jnp.arange(t)[None, None, :] < counts[:, None, None], order, length)  # length: dropped
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(hq)[None, :, None]
-    out = jnp.zeros((b, t + 1, hq, d), o.dtype)  # one spare row takes the dropped writes
-    return out.at[rows, pos, heads].set(o.transpose(0, 2, 1, 3))[:, :t]
+    out = jnp.zeros((b, length + 1, hq, d), o.dtype)  # one spare row takes the dropped writes
+    return out.at[rows, pos, heads].set(o.transpose(0, 2, 1, 3))[:, :length]
 
 
 def decompress_gather(o, dest, kept):
     """:func:`decompress` as a gather: position ``p`` of head ``h`` reads compressed row
     ``dest[b, h, p]`` where ``kept``, zero elsewhere (one pass, no zero fill and
-    scatter): ``o [B,T,Hq,D]``, ``dest, kept [B,Hq,T]`` -> ``[B,T,Hq,D]``."""
-    g = jnp.take_along_axis(o, dest.transpose(0, 2, 1)[..., None], axis=1)
+    scatter): ``o [B,L,Hq,D]`` (``L`` at least every row's kept count), ``dest, kept
+    [B,Hq,T]`` -> ``[B,T,Hq,D]``."""
+    idx = jnp.minimum(dest, o.shape[1] - 1)  # a dropped position's dest may pass L; it reads zero anyway
+    g = jnp.take_along_axis(o, idx.transpose(0, 2, 1)[..., None], axis=1)
     return jnp.where(kept.transpose(0, 2, 1)[..., None], g, jnp.zeros((), o.dtype))
+
+
+def bucket_lengths(t: int, buckets: int) -> tuple[int, ...]:
+    """The static compressed lengths :func:`compressed_causal_attention` chooses from:
+    ``buckets`` steps of ``ceil(t / buckets)`` rounded up to 128 rows (a tile of the
+    attention kernels), the last one ``t``. A call runs the shortest that holds every
+    row's kept count, so the attention's work follows the kept fraction (within one
+    step) instead of the padded prompt length: cuDNN's causal kernel with sequence
+    lengths still visits every query tile of the padded sequence, so its time falls
+    only linearly with the kept count, not quadratically."""
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+        raise ValueError(f"token_sparse: buckets must be a positive int, got {buckets!r}")
+    step = -(-t // buckets)
+    step = -(-step // 128) * 128
+    return tuple(sorted({min(t, step * i) for i in range(1, buckets + 1)}))
 
 
 #: how :func:`compressed_causal_attention` moves rows: "scatter" (the K/V repeated to the
@@ -399,45 +423,61 @@ def decompress_gather(o, dest, kept):
 GATHER_MODES = ("scatter", "gather")
 
 
-def compressed_causal_attention(q, k, v, kept, *, gather: str = "scatter"):
+def compressed_causal_attention(q, k, v, kept, *, gather: str = "scatter", buckets: int = 8):
     """Step 5, compressed: each query head's kept tokens gathered into a shorter
     sequence (original order, so causal stays causal), causal attention over it (cuDNN
-    on the GPU, with the row's kept count as its sequence length so the work scales
-    with the kept tokens; the blockwise flash attention on CPU), scattered back. The
-    same result as :func:`masked_causal_attention`: a compressed query attends exactly
-    the kept keys before it. ``kept [B,Hq,T]`` must keep the same number of tokens in
-    every head of a row (TSA's count is per row). ``gather``: one of
-    :data:`GATHER_MODES` (the same numbers)."""
+    on the GPU, with the row's kept count as its sequence length; the blockwise flash
+    attention on CPU), scattered back. The same result as
+    :func:`masked_causal_attention`: a compressed query attends exactly the kept keys
+    before it. ``kept [B,Hq,T]`` must keep the same number of tokens in every head of a
+    row (TSA's count is per row). ``gather``: one of :data:`GATHER_MODES` (the same
+    numbers). ``buckets``: the compressed sequences are cut to the shortest of
+    :func:`bucket_lengths` that holds the batch's largest kept count (one
+    ``lax.switch`` branch per length, each compiled once), so the attention's work
+    scales with the square of the kept fraction; 1 keeps the full length."""
     from sparse_jax.methods.base import dense_prefill_attention
     from sparse_jax.ops._dispatch import on_gpu
 
     if gather not in GATHER_MODES:
         raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {gather!r}")
     b, t, hq, d = q.shape
+    lengths = bucket_lengths(t, buckets)
     counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
     order, dest = compress_positions(kept)  # kept first, ascending
     rep = gather == "scatter"
-    qc, kc, vc = compress(q, order), compress(k, order, repeat=rep), compress(v, order, repeat=rep)
-    if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16):
-        oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,
-                                          key_value_seq_lengths=counts, implementation="cudnn")
-    else:
-        oc = dense_prefill_attention(qc, kc, vc)
-    if rep:
-        return decompress(oc.astype(q.dtype), order, counts)
-    return decompress_gather(oc.astype(q.dtype), dest, kept)
+    use_cudnn = on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+
+    def attend(length):
+        def run(q, k, v, order, dest, kept, counts):
+            o_l = order[..., :length]  # each head's kept tokens lead; the bucket holds them all
+            qc, kc, vc = compress(q, o_l), compress(k, o_l, repeat=rep), compress(v, o_l, repeat=rep)
+            if use_cudnn:
+                oc = jax.nn.dot_product_attention(qc, kc, vc, is_causal=True, query_seq_lengths=counts,
+                                                  key_value_seq_lengths=counts, implementation="cudnn")
+            else:
+                oc = dense_prefill_attention(qc, kc, vc)
+            if rep:
+                return decompress(oc.astype(q.dtype), o_l, counts, t)
+            return decompress_gather(oc.astype(q.dtype), dest, kept)
+        return run
+
+    args = (q, k, v, order, dest, kept, counts)
+    if len(lengths) == 1:
+        return attend(lengths[0])(*args)
+    which = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), jnp.max(counts), side="left")
+    return jax.lax.switch(which, [attend(n) for n in lengths], *args)
 
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
                            head_axis=None, impl: str = "compressed", scores_impl: str = "auto",
-                           gather: str = "scatter"):
+                           gather: str = "scatter", buckets: int = 8):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
     scatter) or "masked" (the reference: masks over the whole prompt).
     ``scores_impl``: step 1's ``impl`` (:func:`window_scores`; "auto": the kernel on
-    the GPU where it supports the head size, the reference elsewhere). ``gather``: see
-    :func:`compressed_causal_attention`."""
+    the GPU where it supports the head size, the reference elsewhere). ``gather``,
+    ``buckets``: see :func:`compressed_causal_attention`."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
@@ -446,4 +486,4 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":
         return masked_causal_attention(q, k, v, kept, block)
-    return compressed_causal_attention(q, k, v, kept, gather=gather)
+    return compressed_causal_attention(q, k, v, kept, gather=gather, buckets=buckets)

@@ -13,9 +13,12 @@ def test_prefill_bench_tiny(tmp_path):
                              "--name", "pb", "--kascade-tunings", "default"])
     assert rc == 0
     rows = json.loads((tmp_path / "pb.json").read_text())["rows"]
-    kascade, rows = rows[-2:], rows[:-2]
+    kascade, rows = rows[-4:], rows[:-4]
     assert [r["part"] for r in kascade] == ["kascade reuse, composed (default tuning)",
-                                            "kascade reuse, counts 0 (layout, diagonal, merge)"]
+                                            "kascade reuse, counts 0 (layout, diagonal, merge)",
+                                            "kascade anchor selection (exact softmax + per-tile top-k)",
+                                            "kascade anchor selection, top-1 (the softmax and sums alone)"]
+    assert all(r["ms"] > 0 for r in kascade)
     assert kascade[0]["max_abs_err"] < 1e-5  # the composed path == the masked reference
     # 256 tokens at the paper's rule: tiles 1-7 attend min(128 - 32, 128, start) keys before them
     want = sum(32 * min(96, 32 * n) for n in range(8)) + 8 * 32 * 33 // 2
@@ -25,12 +28,13 @@ def test_prefill_bench_tiny(tmp_path):
                                          "tsa window scores (step 1), pallas", "tsa scoring (steps 1-4), pallas",
                                          "tsa select (step 4), one sort", "tsa select (step 4), two argsorts",
                                          "tsa compressed order, cumsum + scatter", "tsa compressed order, argsort",
-                                         "tsa attend, 1 of the prefix", "tsa attend, 1 of the prefix, gather",
-                                         "tsa attend, 0.25 of the prefix", "tsa attend, 0.25 of the prefix, gather"]
+                                         *(f"tsa attend, {f} of the prefix{m}" for f in ("1", "0.25")
+                                           for m in ("", ", gather", ", full length", ", gather, full length"))]
     assert rows[3]["max_abs_err"] < 1e-6  # the kernel (interpret mode) == the reference
-    kept = [r["kept"] for r in rows[-4:]]
-    assert kept[0] == kept[1] == 1.0 and 0.25 < kept[2] == kept[3] < 0.35  # a quarter + the 16-token window
-    assert all(r["max_abs_err"] < 1e-5 for r in rows[-4:])  # compressed (both movements) == masked reference
+    kept = [r["kept"] for r in rows[-8:]]
+    assert set(kept[:4]) == {1.0} and len(set(kept[4:])) == 1 and 0.25 < kept[4] < 0.35  # a quarter + the window
+    # compressed (both movements, bucketed or full length) == masked reference
+    assert all(r["max_abs_err"] < 1e-5 for r in rows[-8:])
     assert "| dense (cuDNN causal) |" in (tmp_path / "pb.md").read_text()
 
 

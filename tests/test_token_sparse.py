@@ -166,6 +166,36 @@ def test_gather_mode_moves_the_same_rows():
         tsa.TokenSparsePrefill(gather="nope")
 
 
+def test_length_buckets_cut_the_attention_not_the_result():
+    """``buckets``: the compressed attention runs at the shortest static length that
+    holds the batch's largest kept count (``lax.switch``): the same numbers as the
+    full-length attention for every bucket hit, in both gather modes, counts on and
+    around a bucket edge included; the lengths follow the documented rule."""
+    assert tsa.bucket_lengths(300, 4) == (128, 256, 300)  # ceil(300/4)=75 -> 128 rows a step
+    assert tsa.bucket_lengths(4096, 8) == tuple(512 * i for i in range(1, 9))
+    assert tsa.bucket_lengths(100, 1) == (100,)
+    with pytest.raises(ValueError, match="buckets must be a positive int"):
+        tsa.TokenSparsePrefill(buckets=0)
+    q, k, v = _data(8)
+    rng = np.random.default_rng(9)
+    b, t, hq, _ = q.shape
+    args = [jnp.asarray(a) for a in (q, k, v)]
+    lengths = tsa.bucket_lengths(t, 8)
+    edge = lengths[0]
+    for counts in ([3, 40], [edge, edge - 1], [edge + 1, 17], [t, 5]):
+        kept = np.zeros((b, hq, t), bool)
+        for r, n in enumerate(counts):
+            for h in range(hq):
+                kept[r, h, rng.choice(t, n, replace=False)] = True
+        kept_j = jnp.asarray(kept)
+        want = tsa.masked_causal_attention(*args, kept_j, 64)
+        for mode in tsa.GATHER_MODES:
+            full = tsa.compressed_causal_attention(*args, kept_j, gather=mode, buckets=1)
+            cut = tsa.compressed_causal_attention(*args, kept_j, gather=mode, buckets=8)
+            np.testing.assert_allclose(np.asarray(cut), np.asarray(full), atol=2e-6, rtol=0, err_msg=f"{counts} {mode}")
+            np.testing.assert_allclose(np.asarray(cut), np.asarray(want), atol=2e-5, rtol=0)
+
+
 def test_exact_where_it_does_not_apply():
     q, k, v = (jnp.asarray(a) for a in _data(3))
     ref = blockwise_causal_attention(q, k, v)
