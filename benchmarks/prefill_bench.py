@@ -33,9 +33,12 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   ascending order, where an anchor's are in score order), once per kernel tuning
   (``--kascade-tunings``); and the same with every count 0 (the layout, the diagonal
   and the merge alone: the composition's overhead); and an anchor layer's selection
-  (``anchor_selection_chunked``: the exact f32 softmax per chunk of tiles, the group and
-  tile sums, the per-tile top-k), also with a top-1 to separate the scoring from the
-  top-k (floor: QK over the causal pairs at the bf16 peak). Cross-checked against the masked
+  (``anchor_selection_chunked``: the tile scores, from the f32 reference (exact softmax
+  per chunk of tiles, the group and tile sums) or the tile-scores kernel, then the
+  per-tile top-k), each also with a top-1 to separate the scoring from the top-k
+  (floor: QK over the causal pairs at the bf16 peak; max_abs_err: the kernel's scores
+  against the reference's at min(context, 2048) tokens; a tile's scores sum to at most
+  its 32 queries times the GQA group). Cross-checked against the masked
   reference (``tiled_attention``) at ``min(context, 2048)`` tokens of the smallest
   context (max |difference|).
 
@@ -124,7 +127,9 @@ def random_tile_selection(key, counts, hkv: int, t: int, tile: int, width: int) 
 
 def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, floor_pairs_ms) -> list[dict]:
     """A Kascade reuse layer at the paper's budget (module docstring)."""
+    from pallas_kernels.tile_scores import tile_scores_pallas
     from sparse_jax import kascade_prefill as kp
+    from sparse_jax.ops._dispatch import on_gpu
 
     b, t, hq, d = q.shape
     hkv, tile = k.shape[2], KASCADE_TILE
@@ -160,19 +165,32 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
     r = time_fn(fn, (q, k, v, idx, jnp.zeros_like(counts)), runs=runs, cupti=False)
     rows.append(dict(context=t, part="kascade reuse, counts 0 (layout, diagonal, merge)", kept=None, ms=r.wall_ms,
                      vs_dense=dense_ms / r.wall_ms, floor_ms=None))
-    # an anchor layer's selection (exact f32 softmax per chunk of tiles, group and tile sums,
-    # the top-k; the anchor then attends it as a reuse layer does), and the same with a
-    # top-1 (the scoring alone): what an anchor adds over a reuse layer
+    # an anchor layer's selection: the tile scores (the f32 reference: exact softmax per chunk
+    # of tiles in HBM, group and tile sums; or the tile-scores kernel) and the per-tile top-k;
+    # each also with a top-1 (the scoring alone). The anchor then attends its selection as a
+    # reuse layer does.
     lengths = jnp.full((b,), t, jnp.int32)
     floor_all = floor_pairs_ms(t * (t + 1) // 2)
     floor_qk = None if floor_all is None else floor_all / 2  # QK alone over the causal pairs
-    for part, sel_rule in (("kascade anchor selection (exact softmax + per-tile top-k)", rule),
-                           ("kascade anchor selection, top-1 (the softmax and sums alone)",
-                            dict(budget=1, fraction=0.0, min_keys=1))):
-        fn = jax.jit(lambda q, k, n, sel_rule=sel_rule: kp.anchor_selection_chunked(q, k, n, tile=tile, **sel_rule))
-        r = time_fn(fn, (q, k, lengths), runs=max(1, min(runs, 3)), cupti=False)
-        rows.append(dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
-                         floor_ms=floor_qk))
+    top1 = dict(budget=1, fraction=0.0, min_keys=1)
+    for impl, label in (("reference", "f32 softmax in HBM"), ("pallas", "tile-scores kernel")):
+        for part, sel_rule in ((f"kascade anchor selection, {label} + per-tile top-k", rule),
+                               (f"kascade anchor selection, {label} + top-1 (the scores alone)", top1)):
+            fn = jax.jit(lambda q, k, n, sel_rule=sel_rule, impl=impl: kp.anchor_selection_chunked(
+                q, k, n, tile=tile, scores_impl=impl, **sel_rule))
+            r = time_fn(fn, (q, k, lengths), runs=max(1, min(runs, 3)), cupti=False)
+            row = dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
+                       floor_ms=floor_qk)
+            if check and impl == "pallas" and sel_rule is rule:
+                # the kernel's tile scores against the reference's at a small size (max |difference|)
+                tc = min(t, 2048)
+                qc, kc, nc = q[:, :tc], k[:, :tc], jnp.full((b,), tc, jnp.int32)
+                ref = kp.tile_scores(kp.causal_probabilities(qc, kc, nc), nc, tile, hkv)
+                got = jax.jit(lambda q, k, n: tile_scores_pallas(q, k, n, 0, tile=tile, chunk=kp.num_tiles(
+                    tc, tile), interpret=not on_gpu()))(qc, kc, nc)
+                fin = jnp.isfinite(ref)
+                row["max_abs_err"] = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0.0)))
+            rows.append(row)
     return rows
 
 

@@ -157,7 +157,8 @@ def chunk_tiles(batch: int, num_q_heads: int, t: int, tile: int, max_chunk_bytes
 
 
 def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction: float, min_keys: int,
-                             max_chunk_bytes: int = MAX_CHUNK_BYTES, chunk: int | None = None):
+                             max_chunk_bytes: int = MAX_CHUNK_BYTES, chunk: int | None = None,
+                             scores_impl: str = "auto"):
     """:func:`anchor_selection` without the ``[B, Hq, T, T]`` probabilities: the same
     indices and counts, chunk by chunk of query tiles.
 
@@ -171,7 +172,24 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     of that (logits, their exponentials, the group sum: about 2-3x, XLA's fusion
     decides), plus the f32 grouped keys ``[B, Hq, T, D]``. Tiles past ``T`` in the last
     chunk are padding, dropped.
+
+    ``scores_impl`` ("auto" | "pallas" | "reference", ``sparse_jax.ops._dispatch``): a
+    chunk's tile scores from the Pallas kernel (``pallas_kernels.tile_scores``: two
+    flash-style passes, no logits in HBM; 2x the QK FLOP of causal attention) or the
+    f32 reference above; "auto": the kernel on the GPU where it supports the head size
+    and tile. Under the kernel a chunk is the most tiles whose f32 scores ``[B, Hkv, c,
+    T]`` fit ``max_chunk_bytes``. The kernel's dot runs on the tensor cores (bf16 inputs,
+    f32 accumulation), so near-ties may order differently from the f32 reference.
     """
+    from pallas_kernels import tile_scores as _ts
+    from sparse_jax.ops._dispatch import resolve_impl
+
+    choice, interpret = resolve_impl(scores_impl, kernel_unsupported=_ts.unsupported_reason(
+        q.shape[3], tile, q.dtype, k.dtype))
+    if choice == "pallas":
+        return _anchor_selection_kernel(q, k, lengths, tile=tile, budget=budget, fraction=fraction,
+                                        min_keys=min_keys, max_chunk_bytes=max_chunk_bytes, chunk=chunk,
+                                        interpret=interpret)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -199,6 +217,33 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
         return tile_topk(jnp.where(before[None, None], gs, -jnp.inf), width)  # [B, Hkv, c, width]
 
     idx = lax.map(one, (qc, jnp.arange(nc, dtype=jnp.int32)))  # [nc, B, Hkv, c, width]
+    idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]
+    return {"indices": idx,
+            "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
+
+
+def _anchor_selection_kernel(q, k, lengths, *, tile, budget, fraction, min_keys, max_chunk_bytes, chunk,
+                             interpret):
+    """:func:`anchor_selection_chunked` with the tile-scores kernel: ``lax.map`` over
+    chunks of ``c`` query tiles, each scored by ``pallas_kernels.tile_scores`` and cut
+    to its top-k."""
+    from pallas_kernels.tile_scores import tile_scores_pallas
+
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    nt = num_tiles(t, tile)
+    width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
+    if chunk is None:
+        chunk = max(1, min(nt, max_chunk_bytes // (b * hkv * t * 4)))
+    c = int(max(1, min(chunk, nt)))
+    nc = -(-nt // c)
+    lengths = lengths.astype(jnp.int32)
+
+    def one(ci):
+        s = tile_scores_pallas(q, k, lengths, ci * c, tile=tile, chunk=c, interpret=interpret)
+        return tile_topk(s, width)  # [B, Hkv, c, width]
+
+    idx = lax.map(one, jnp.arange(nc, dtype=jnp.int32))  # [nc, B, Hkv, c, width]
     idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]
     return {"indices": idx,
             "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
@@ -335,12 +380,12 @@ def anchor_attention_impl(q, k, v, lengths, *, impl: str = "composed", kernel_im
         return anchor_attention(q, k, v, lengths, **args)
     if impl != "composed":
         raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
-    sel = anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, **args)
+    sel = anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, scores_impl=kernel_impl, **args)
     return tiled_attention_composed(q, k, v, sel["indices"], sel["counts"], args["tile"], impl=kernel_impl), sel
 
 
 def anchor_selection_impl(q, k, lengths, *, impl: str = "composed", max_chunk_bytes: int = MAX_CHUNK_BYTES,
-                          **args):
+                          kernel_impl: str = "auto", **args):
     """The dense anchor's selection (it attends densely, by the driver's prefill attention):
     "masked" :func:`anchor_selection` (the ``[T, T]`` reference), "composed"
     :func:`anchor_selection_chunked`."""
@@ -348,7 +393,7 @@ def anchor_selection_impl(q, k, lengths, *, impl: str = "composed", max_chunk_by
         return anchor_selection(q, k, lengths, **args)
     if impl != "composed":
         raise ValueError(f"kascade prefill: impl must be one of {IMPLS}, got {impl!r}")
-    return anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, **args)
+    return anchor_selection_chunked(q, k, lengths, max_chunk_bytes=max_chunk_bytes, scores_impl=kernel_impl, **args)
 
 
 def empty_carry(batch: int, num_kv_heads: int, t: int, *, tile: int, budget: int, fraction: float,

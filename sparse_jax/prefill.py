@@ -103,9 +103,10 @@ class TokenSparsePrefill:
       impl: "compressed" (default: each head's kept tokens gathered, causal attention
         over the shorter sequence, scattered back) or "masked" (the reference).
       gather: how "compressed" moves rows (:data:`GATHER_MODES`, the same numbers):
-        "scatter" (default: K/V repeated to the query heads, the output scattered
-        back) or "gather" (each query head reads its KV head's rows; the output is
-        gathered back through the inverse order).
+        "gather" (default: each query head reads its KV head's rows; the output is
+        gathered back through the inverse order; 2-20% faster on the H100,
+        ``benchmarks/results/prefill_bench_tsa_buckets_h100.md``) or "scatter" (K/V
+        repeated to the query heads, the output scattered back).
       buckets: the compressed attention runs at the shortest of ``buckets`` static
         lengths that holds the kept tokens (:func:`bucket_lengths`); 1: the padded
         prompt length (cuDNN then still visits every query tile).
@@ -118,7 +119,7 @@ class TokenSparsePrefill:
     layers: tuple[int, ...] | None = None
     block: int = 512
     impl: str = "compressed"
-    gather: str = "scatter"
+    gather: str = "gather"
     buckets: int = 8
 
     def __post_init__(self):
@@ -423,7 +424,7 @@ def bucket_lengths(t: int, buckets: int) -> tuple[int, ...]:
 GATHER_MODES = ("scatter", "gather")
 
 
-def compressed_causal_attention(q, k, v, kept, *, gather: str = "scatter", buckets: int = 8):
+def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", buckets: int = 8):
     """Step 5, compressed: each query head's kept tokens gathered into a shorter
     sequence (original order, so causal stays causal), causal attention over it (cuDNN
     on the GPU, with the row's kept count as its sequence length; the blockwise flash
@@ -470,7 +471,7 @@ def compressed_causal_attention(q, k, v, kept, *, gather: str = "scatter", bucke
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
                            head_axis=None, impl: str = "compressed", scores_impl: str = "auto",
-                           gather: str = "scatter", buckets: int = 8):
+                           gather: str = "gather", buckets: int = 8):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,

@@ -307,3 +307,49 @@ def test_composed_anchor_builds_no_t_by_t_array():
     mem = jax.jit(selection).lower(q, k, lengths).compile().memory_analysis()
     if mem is not None:
         assert mem.temp_size_in_bytes < 4 * chunk_bytes < b * hq * t * t * 4 // 2, mem.temp_size_in_bytes
+
+
+# (B, T, Hq, Hkv, D, tile, lengths, chunk): T off the tile grid, ragged rows (one shorter than a
+# tile, one empty), G = 4, 1 and 3, D = 64 and 128, chunks not dividing the tile count
+KERNEL_CASES = [(2, 150, 4, 1, 64, 16, (150, 113), 3), (2, 97, 2, 2, 128, 32, (97, 11), None),
+                (1, 70, 3, 1, 64, 16, (0,), 2)]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,tile,lengths,chunk", KERNEL_CASES)
+def test_tile_scores_kernel_matches_the_reference(b, t, hq, hkv, d, tile, lengths, chunk):
+    """pallas_kernels.tile_scores (Pallas interpret mode, f32) against the materialised
+    reference (tile_scores of the exact causal softmax): the same scores per chunk of
+    tiles (-inf from each tile's start on, 0 for keys past a row's length), and
+    anchor_selection_chunked with scores_impl="pallas" selects keys of the same total
+    reference score as the reference selection (ties may order differently)."""
+    from pallas_kernels.tile_scores import tile_scores_pallas, unsupported_reason
+
+    rng = np.random.default_rng(t + tile)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)) * 1.5, jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    want = np.asarray(kp.tile_scores(kp.causal_probabilities(q, k, lengths), lengths, tile, hkv))  # [B,Hkv,nt,T]
+    nt = kp.num_tiles(t, tile)
+    c = 4 if chunk is None else chunk
+    for first in range(0, nt, c):
+        got = np.asarray(tile_scores_pallas(q, k, lengths, first, tile=tile, chunk=c, interpret=True))
+        n = min(c, nt - first)
+        np.testing.assert_array_equal(np.isinf(got[:, :, :n]), np.isinf(want[:, :, first:first + n]))
+        np.testing.assert_allclose(np.where(np.isinf(got), 0, got)[:, :, :n],
+                                   np.where(np.isinf(want), 0, want)[:, :, first:first + n], rtol=2e-5, atol=2e-6)
+    args = dict(tile=tile, budget=0, fraction=0.2, min_keys=24)
+    ref = kp.anchor_selection_chunked(q, k, lengths, scores_impl="reference", **args)
+    ker = kp.anchor_selection_chunked(q, k, lengths, scores_impl="pallas", chunk=chunk, **args)
+    np.testing.assert_array_equal(np.asarray(ker["counts"]), np.asarray(ref["counts"]))
+    cnt = np.asarray(ref["counts"])
+    for name, sel in (("kernel", ker), ("reference", ref)):
+        idx = np.asarray(sel["indices"])
+        picked = np.take_along_axis(np.where(np.isinf(want), 0, want), idx, axis=-1)
+        valid = np.arange(idx.shape[-1])[None, None, None, :] < cnt[:, None, :, None]
+        total = np.where(valid, picked, 0).sum()
+        if name == "reference":
+            np.testing.assert_allclose(total_kernel, total, rtol=1e-5)
+        total_kernel = total
+    assert unsupported_reason(16, 32) and unsupported_reason(64, 24) and unsupported_reason(64, 32) is None
+    with pytest.raises(ValueError, match="head_dim"):
+        kp.anchor_selection_chunked(q[..., :16], k[..., :16], lengths, scores_impl="pallas", **args)

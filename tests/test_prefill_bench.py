@@ -13,12 +13,14 @@ def test_prefill_bench_tiny(tmp_path):
                              "--name", "pb", "--kascade-tunings", "default"])
     assert rc == 0
     rows = json.loads((tmp_path / "pb.json").read_text())["rows"]
-    kascade, rows = rows[-4:], rows[:-4]
+    kascade, rows = rows[-6:], rows[:-6]
     assert [r["part"] for r in kascade] == ["kascade reuse, composed (default tuning)",
                                             "kascade reuse, counts 0 (layout, diagonal, merge)",
-                                            "kascade anchor selection (exact softmax + per-tile top-k)",
-                                            "kascade anchor selection, top-1 (the softmax and sums alone)"]
+                                            *(f"kascade anchor selection, {x} + {y}"
+                                              for x in ("f32 softmax in HBM", "tile-scores kernel")
+                                              for y in ("per-tile top-k", "top-1 (the scores alone)"))]
     assert all(r["ms"] > 0 for r in kascade)
+    assert kascade[4]["max_abs_err"] < 1e-4  # the tile-scores kernel (interpret mode) == the reference
     assert kascade[0]["max_abs_err"] < 1e-5  # the composed path == the masked reference
     # 256 tokens at the paper's rule: tiles 1-7 attend min(128 - 32, 128, start) keys before them
     want = sum(32 * min(96, 32 * n) for n in range(8)) + 8 * 32 * 33 // 2

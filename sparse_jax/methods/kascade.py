@@ -283,8 +283,8 @@ class Kascade(AttentionMethod):
         chunk = dict(impl=self.prefill_impl, max_chunk_bytes=self.prefill_chunk_bytes)
 
         def dense(_):  # the driver's dense (flash) prefill attention, the selection alone
-            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection_impl(q, k, lengths, **chunk,
-                                                                                             **args)
+            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection_impl(
+                q, k, lengths, **chunk, kernel_impl=self.impl, **args)
 
         impls = dict(impl=self.prefill_impl, kernel_impl=self.impl)
 

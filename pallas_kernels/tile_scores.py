@@ -1,0 +1,170 @@
+"""Kascade's anchor-layer tile scores in prefill: Pallas-Triton kernel.
+
+Shapes (prefill layout): ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``, ``lengths
+int32[B]`` (``0 <= L <= T``), a static query ``tile`` and a chunk of ``C`` query
+tiles starting at tile ``n0`` (a traced scalar). Query head ``i`` belongs to KV
+head ``i // G``. With ``P[b, h, i, j]`` the exact causal softmax of query ``i``
+(keys ``j <= i`` and ``j < L``), the result ``f32[B, Hkv, C, T]`` is
+
+    s[b, h, c, j] = sum_{g < G} sum_{i in tile n0 + c, i < L} P[b, h * G + g, i, j]
+
+for keys ``j`` before the tile's start, and ``-inf`` from the tile's start on:
+what :func:`sparse_jax.kascade_prefill.tile_scores` computes from the
+materialised ``[B, Hq, T, T]`` probabilities (the jnp reference;
+:func:`sparse_jax.kascade_prefill.anchor_selection_chunked` calls this kernel, or
+the reference, chunk by chunk and takes the per-tile top-k).
+
+GPU kernel design
+-----------------
+The reference path builds each chunk's f32 logits, their softmax and the group
+sums in HBM: on the H100 at 32K (Qwen3-8B heads) an anchor layer's selection took
+240 ms against 14.7 ms for cuDNN's whole causal attention
+(``benchmarks/results/prefill_bench_kascade_anchor_h100.md``). The kernel keeps one
+``[tile, block_k]`` logit tile in registers at a time.
+
+Grid ``(B, Hkv, C)``: one program per (row, KV head, query tile), its ``G *
+tile`` query rows loaded once (``q`` is laid out ``[B, Hkv, G * T, D]`` by a jnp
+prologue: one copy of q). Two passes over K, both reading one KV head's ``[T,
+D]`` in place:
+
+*Pass 1, log-sum-exp* of each query row over its causal keys (``j <= i``, ``j
+< L``), flash style: running max and sum of exponentials per row, ``tl.dot`` on
+the tensor cores (f32 inputs in IEEE f32).
+
+*Pass 2, scores* over the keys before the tile's start (all of them causal for
+every query of the tile): ``exp(s - lse)`` summed over the tile's valid queries
+and the group's heads, ``[block_k]`` per key tile, stored; keys at or past ``L``
+score 0 (their probability is 0), keys from the tile's start on ``-inf``.
+
+Cost: ``2 * B * Hq * D`` FLOP per (query, causal key) pair in each pass (twice
+the QK of causal attention), and the ``B * Hkv * C * T`` f32 output.
+
+Supported: ``D`` in {64, 128, 256} (:func:`unsupported_reason`); q and k of one
+dtype (f32, bf16 or f16); ``tile`` a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.merge import MASK_VALUE
+from pallas_kernels.sparse_decode import dot_precision
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+NO_KEYS_LSE = 1e30  # lse of a row without keys: exp(s - lse) == 0
+
+
+def unsupported_reason(head_dim: int, tile: int, q_dtype=None, k_dtype=None) -> str | None:
+    """Why the kernel cannot run these arguments, or None if it can."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the tile-scores kernel supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    if tile < 16 or tile & (tile - 1):
+        return f"the tile-scores kernel needs a query tile that is a power of two >= 16, got {tile}"
+    if q_dtype is not None and k_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(k_dtype):
+        return f"the tile-scores kernel needs q and k of one dtype, got {jnp.dtype(q_dtype)} and {jnp.dtype(k_dtype)}"
+    return None
+
+
+def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, block_k, scale, precision):
+    # n0_ref []: the chunk's first tile; len_ref []: the row's length; q_ref [G * T, D]: this KV
+    # head's query heads, head by head; k_ref [T, D]: this KV head; o_ref [T]: this tile's scores.
+    n = n0_ref[()] + pl.program_id(2)
+    q0 = n * tile
+    length = jnp.clip(len_ref[()], 0, seq_len)
+    qpos = q0 + jnp.arange(tile, dtype=jnp.int32)
+    valid_q = qpos < length
+    lanes = jnp.arange(block_k, dtype=jnp.int32)
+    qs = [plgpu.load(q_ref.at[pl.ds(g * seq_len + q0, tile), :], mask=(qpos < seq_len)[:, None], other=0.0)
+          for g in range(groups)]
+
+    def logits(g, kt):
+        return plgpu.dot(qs[g], kt, trans_b=True, precision=precision) * scale  # [tile, block_k] f32
+
+    def load_k(start, upto):
+        kpos = start + lanes
+        return kpos, plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=(kpos < upto)[:, None], other=0.0)
+
+    # pass 1: each query row's log-sum-exp over its causal keys
+    kend = jnp.minimum(q0 + tile, length)
+
+    def lse_body(i, carry):
+        kpos, kt = load_k(i * block_k, kend)
+        out = []
+        for g in range(groups):
+            m, l = carry[g]
+            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < length)
+            s = jnp.where(ok, logits(g, kt), MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+            out.append((m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=1)))
+        return tuple(out)
+
+    init = tuple((jnp.full((tile,), MASK_VALUE, jnp.float32), jnp.zeros((tile,), jnp.float32))
+                 for _ in range(groups))
+    stats = lax.fori_loop(0, lax.div(jnp.maximum(kend, 0) + block_k - 1, block_k), lse_body, init)
+    # rows past the length (or without keys) contribute nothing: a huge lse
+    lse = [jnp.where(valid_q & (l > 0), m + jnp.log(jnp.where(l > 0, l, 1.0)), NO_KEYS_LSE) for m, l in stats]
+
+    # pass 2: the keys before the tile's start, summed over the tile's queries and the group
+    valid_keys = jnp.minimum(q0, length)
+
+    def score_body(i, _):
+        start = i * block_k
+        kpos, kt = load_k(start, valid_keys)
+        acc = jnp.zeros((block_k,), jnp.float32)
+        for g in range(groups):
+            acc += jnp.sum(jnp.exp(logits(g, kt) - lse[g][:, None]), axis=0)
+        val = jnp.where(kpos < q0, jnp.where(kpos < length, acc, 0.0), -jnp.inf)
+        plgpu.store(o_ref.at[pl.ds(start, block_k)], val, mask=kpos < seq_len)
+        return 0
+
+    n_before = lax.div(q0 + block_k - 1, block_k)
+    lax.fori_loop(0, n_before, score_body, 0)
+
+    def fill_body(i, _):  # from the tile's start on: not selectable
+        start = i * block_k
+        kpos = start + lanes
+        plgpu.store(o_ref.at[pl.ds(start, block_k)], jnp.full((block_k,), -jnp.inf, jnp.float32),
+                    mask=(kpos < seq_len) & (kpos >= q0))
+        return 0
+
+    lax.fori_loop(lax.div(q0, block_k), lax.div(seq_len + block_k - 1, block_k), fill_body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "chunk", "block_k", "num_warps", "num_stages", "interpret"))
+def tile_scores_pallas(q, k, lengths, first_tile, *, tile, chunk, block_k=None, num_warps=None, num_stages=None,
+                       interpret=False):
+    """The kernel (module docstring) for ``chunk`` query tiles from ``first_tile``
+    (traced): ``f32[B, Hkv, chunk, T]``; no argument checks (see
+    :func:`sparse_jax.kascade_prefill.anchor_selection_chunked`). Tiles past the
+    prompt give rows of ``-inf`` past their start (callers drop them). Tuning:
+    ``block_k`` (keys per tile; 64, or 32 for D = 256), ``num_warps`` (4, or 8 for
+    D = 256), ``num_stages`` (2)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    bk = (64 if d <= 128 else 32) if block_k is None else int(block_k)
+    params = plgpu.CompilerParams(num_warps=(4 if d <= 128 else 8) if num_warps is None else int(num_warps),
+                                  num_stages=2 if num_stages is None else int(num_stages))
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # heads (g, position)
+    return pl.pallas_call(
+        functools.partial(_kernel, seq_len=t, tile=tile, groups=g, block_k=bk, scale=1.0 / math.sqrt(d),
+                          precision=dot_precision(q.dtype)),
+        grid=(b, hkv, chunk),
+        in_specs=[pl.BlockSpec((None,), lambda i, j, c: (0,)),
+                  pl.BlockSpec((None,), lambda i, j, c: (i,)),
+                  pl.BlockSpec((None, None, g * t, d), lambda i, j, c: (i, j, 0, 0)),
+                  pl.BlockSpec((None, t, None, d), lambda i, j, c: (i, 0, j, 0))],
+        out_specs=pl.BlockSpec((None, None, None, t), lambda i, j, c: (i, j, c, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, chunk, t), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"kascade_tile_scores_t{tile}_bk{bk}",
+    )(jnp.asarray(first_tile, jnp.int32).reshape(1), jnp.clip(lengths.astype(jnp.int32), 0, t), qg, k)
