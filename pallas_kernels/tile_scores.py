@@ -115,7 +115,7 @@ def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, bloc
     # pass 2: the keys before the tile's start, summed over the tile's queries and the group
     valid_keys = jnp.minimum(q0, length)
 
-    def score_body(i, _):
+    def score_body(i, carry):  # returns its carry: Triton's loop yields a Value, not a literal
         start = i * block_k
         kpos, kt = load_k(start, valid_keys)
         acc = jnp.zeros((block_k,), jnp.float32)
@@ -123,17 +123,17 @@ def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, bloc
             acc += jnp.sum(jnp.exp(logits(g, kt) - lse[g][:, None]), axis=0)
         val = jnp.where(kpos < q0, jnp.where(kpos < length, acc, 0.0), -jnp.inf)
         plgpu.store(o_ref.at[pl.ds(start, block_k)], val, mask=kpos < seq_len)
-        return 0
+        return carry
 
     n_before = lax.div(q0 + block_k - 1, block_k)
     lax.fori_loop(0, n_before, score_body, 0)
 
-    def fill_body(i, _):  # from the tile's start on: not selectable
+    def fill_body(i, carry):  # from the tile's start on: not selectable
         start = i * block_k
         kpos = start + lanes
         plgpu.store(o_ref.at[pl.ds(start, block_k)], jnp.full((block_k,), -jnp.inf, jnp.float32),
                     mask=(kpos < seq_len) & (kpos >= q0))
-        return 0
+        return carry
 
     lax.fori_loop(lax.div(q0, block_k), lax.div(seq_len + block_k - 1, block_k), fill_body, 0)
 
