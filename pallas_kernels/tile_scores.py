@@ -22,9 +22,12 @@ sums in HBM: on the H100 at 32K (Qwen3-8B heads) an anchor layer's selection too
 (``benchmarks/results/prefill_bench_kascade_anchor_h100.md``). The kernel keeps one
 ``[tile, block_k]`` logit tile in registers at a time.
 
-Grid ``(B, Hkv, C)``: one program per (row, KV head, query tile), its ``G *
-tile`` query rows loaded once (``q`` is laid out ``[B, Hkv, G * T, D]`` by a jnp
-prologue: one copy of q). Two passes over K, both reading one KV head's ``[T,
+Grid ``(B, Hkv, C)``: one program per (row, KV head, query tile), its ``R = Gp *
+tile`` query rows loaded once as one ``[R, D]`` operand (``q`` is laid out ``[B,
+Hkv, n_tiles * R, D]``, rows ordered (tile, head, query), by a jnp prologue: one
+copy of q; ``Gp`` is ``G`` rounded up to a power of two, its extra heads zero and
+masked), so each key tile costs one ``[R, block_k]`` dot: a tile of 32 queries alone
+would be an M = 32 dot, a quarter of a tensor-core tile at G = 4. Two passes over K, both reading one KV head's ``[T,
 D]`` in place:
 
 *Pass 1, log-sum-exp* of each query row over its causal keys (``j <= i``, ``j
@@ -54,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._util import next_pow2
 from pallas_kernels.merge import MASK_VALUE
 from pallas_kernels.sparse_decode import dot_precision
 
@@ -73,19 +77,22 @@ def unsupported_reason(head_dim: int, tile: int, q_dtype=None, k_dtype=None) -> 
 
 
 def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, block_k, scale, precision):
-    # n0_ref []: the chunk's first tile; len_ref []: the row's length; q_ref [G * T, D]: this KV
-    # head's query heads, head by head; k_ref [T, D]: this KV head; o_ref [T]: this tile's scores.
+    # n0_ref []: the chunk's first tile; len_ref []: the row's length; q_ref [NT * R, D]: this KV
+    # head's queries, R = Gp * tile rows per query tile ordered (g, i), heads past G zero;
+    # k_ref [T, D]: this KV head; o_ref [T]: this tile's scores.
     n = n0_ref[()] + pl.program_id(2)
     q0 = n * tile
     length = jnp.clip(len_ref[()], 0, seq_len)
-    qpos = q0 + jnp.arange(tile, dtype=jnp.int32)
-    valid_q = qpos < length
+    r = q_ref.shape[0] // -(-seq_len // tile)  # rows per query tile
+    rows = jnp.arange(r, dtype=jnp.int32)
+    qpos = q0 + rows % tile
+    valid_q = (rows // tile < groups) & (qpos < length)
     lanes = jnp.arange(block_k, dtype=jnp.int32)
-    qs = [plgpu.load(q_ref.at[pl.ds(g * seq_len + q0, tile), :], mask=(qpos < seq_len)[:, None], other=0.0)
-          for g in range(groups)]
+    # the whole group's rows in one [R, D] operand: one dot per key tile (M = R, not tile)
+    qt = plgpu.load(q_ref.at[pl.ds(n * r, r), :], mask=(n * r + rows < q_ref.shape[0])[:, None], other=0.0)
 
-    def logits(g, kt):
-        return plgpu.dot(qs[g], kt, trans_b=True, precision=precision) * scale  # [tile, block_k] f32
+    def logits(kt):
+        return plgpu.dot(qt, kt, trans_b=True, precision=precision) * scale  # [R, block_k] f32
 
     def load_k(start, upto):
         kpos = start + lanes
@@ -95,22 +102,18 @@ def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, bloc
     kend = jnp.minimum(q0 + tile, length)
 
     def lse_body(i, carry):
+        m, l = carry
         kpos, kt = load_k(i * block_k, kend)
-        out = []
-        for g in range(groups):
-            m, l = carry[g]
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < length)
-            s = jnp.where(ok, logits(g, kt), MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-            out.append((m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=1)))
-        return tuple(out)
+        ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < length)
+        s = jnp.where(ok, logits(kt), MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        return m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=1)
 
-    init = tuple((jnp.full((tile,), MASK_VALUE, jnp.float32), jnp.zeros((tile,), jnp.float32))
-                 for _ in range(groups))
-    stats = lax.fori_loop(0, lax.div(jnp.maximum(kend, 0) + block_k - 1, block_k), lse_body, init)
-    # rows past the length (or without keys) contribute nothing: a huge lse
-    lse = [jnp.where(valid_q & (l > 0), m + jnp.log(jnp.where(l > 0, l, 1.0)), NO_KEYS_LSE) for m, l in stats]
+    init = (jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32))
+    m, l = lax.fori_loop(0, lax.div(jnp.maximum(kend, 0) + block_k - 1, block_k), lse_body, init)
+    # rows past the length, padding heads and rows without keys contribute nothing: a huge lse
+    lse = jnp.where(valid_q & (l > 0), m + jnp.log(jnp.where(l > 0, l, 1.0)), NO_KEYS_LSE)
 
     # pass 2: the keys before the tile's start, summed over the tile's queries and the group
     valid_keys = jnp.minimum(q0, length)
@@ -118,9 +121,7 @@ def _kernel(n0_ref, len_ref, q_ref, k_ref, o_ref, *, seq_len, tile, groups, bloc
     def score_body(i, carry):  # returns its carry: Triton's loop yields a Value, not a literal
         start = i * block_k
         kpos, kt = load_k(start, valid_keys)
-        acc = jnp.zeros((block_k,), jnp.float32)
-        for g in range(groups):
-            acc += jnp.sum(jnp.exp(logits(g, kt) - lse[g][:, None]), axis=0)
+        acc = jnp.sum(jnp.exp(logits(kt) - lse[:, None]), axis=0)
         val = jnp.where(kpos < q0, jnp.where(kpos < length, acc, 0.0), -jnp.inf)
         plgpu.store(o_ref.at[pl.ds(start, block_k)], val, mask=kpos < seq_len)
         return carry
@@ -153,14 +154,18 @@ def tile_scores_pallas(q, k, lengths, first_tile, *, tile, chunk, block_k=None, 
     bk = (64 if d <= 128 else 32) if block_k is None else int(block_k)
     params = plgpu.CompilerParams(num_warps=(4 if d <= 128 else 8) if num_warps is None else int(num_warps),
                                   num_stages=2 if num_stages is None else int(num_stages))
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # heads (g, position)
+    nt = -(-t // tile)
+    gp = next_pow2(g)  # R = Gp * tile rows per query tile, a power of two for tl.dot
+    qg = jnp.pad(q, ((0, 0), (0, nt * tile - t), (0, 0), (0, 0))).reshape(b, nt, tile, hkv, g, d)
+    qg = jnp.pad(qg, ((0, 0),) * 4 + ((0, gp - g), (0, 0)))  # zero heads, masked as invalid rows
+    qg = qg.transpose(0, 3, 1, 4, 2, 5).reshape(b, hkv, nt * gp * tile, d)  # rows (tile, g, i)
     return pl.pallas_call(
         functools.partial(_kernel, seq_len=t, tile=tile, groups=g, block_k=bk, scale=1.0 / math.sqrt(d),
                           precision=dot_precision(q.dtype)),
         grid=(b, hkv, chunk),
         in_specs=[pl.BlockSpec((None,), lambda i, j, c: (0,)),
                   pl.BlockSpec((None,), lambda i, j, c: (i,)),
-                  pl.BlockSpec((None, None, g * t, d), lambda i, j, c: (i, j, 0, 0)),
+                  pl.BlockSpec((None, None, nt * gp * tile, d), lambda i, j, c: (i, j, 0, 0)),
                   pl.BlockSpec((None, t, None, d), lambda i, j, c: (i, 0, j, 0))],
         out_specs=pl.BlockSpec((None, None, None, t), lambda i, j, c: (i, j, c, 0)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, chunk, t), jnp.float32),
