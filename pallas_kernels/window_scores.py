@@ -26,12 +26,15 @@ groups them per KV head: ``[B, Hkv, R, D]`` with ``R = G * Wp`` rows ordered
 ``(g, w)``, where ``Wp`` is W rounded up to a multiple of ``block_q`` (padding
 rows sit at position -1: they see no key). Small: ``B * Hq * Wp * D``.
 
-*Pass 1, log-sum-exp* (flash-decoding). Grid ``(B, Hkv, num_splits)``; a
+*Pass 1, log-sum-exp* (flash-decoding). Grid ``(B, Hkv, num_splits, row
+groups)``; a
 program owns a contiguous share of the keys (``num_splits`` chosen so the grid
 has about 264 programs, >= 512 keys each: small ``B * Hkv`` still fills the
 GPU) and walks it in ``block_k`` tiles, stopping at the row's length. Each K
-tile is loaded once and used by every query row of the GQA group: for each of
-the ``R / block_q`` row chunks (a static loop) ``s = q_chunk @ k_tile.T`` on the
+tile is loaded once and used by every query row of the program's row group: for
+each of its row chunks (a static loop; Triton keeps them all live, so the rows
+are cut into groups whose chunks and K tiles fit ``SMEM_BUDGET_BYTES``: one group
+at D = 128, two at D = 256 with 4 heads) ``s = q_chunk @ k_tile.T`` on the
 tensor cores (``tl.dot``; f32 inputs in IEEE f32), causal mask ``j <= p_w``,
 running max and sum of exponentials per row. It writes ``(m, l) [R]`` per
 split; a jnp epilogue merges the splits into each row's log-sum-exp (padding
@@ -74,6 +77,9 @@ DEFAULT_BLOCK_Q = 64           # window rows per dot (M)
 MIN_TOKENS_PER_SPLIT = 512     # pass 1: keys per split at least
 NO_KEYS_LSE = 1e30             # lse of a row without keys: exp(s - lse) == 0
 TUNING_KEYS = ("block_q", "block_k", "num_splits", "num_warps", "num_stages")
+#: pass 1's shared-memory estimate per program (its row chunks plus the pipelined K
+#: tiles) stays within this: 192 KiB is what D = 128, 4 heads, W = 128 takes, and compiles
+SMEM_BUDGET_BYTES = 200 * 1024
 
 
 def unsupported_reason(head_dim: int, q_dtype=None, k_dtype=None) -> str | None:
@@ -97,19 +103,29 @@ def resolve_tuning(window: int, head_dim: int, *, block_q=None, block_k=None) ->
     return block_q, block_k
 
 
+def num_row_groups(n_chunks: int, block_q: int, block_k: int, head_dim: int, itemsize: int, stages: int) -> int:
+    """Pass 1's row groups: the fewest that divide the ``n_chunks`` row chunks of a GQA
+    group so one group's chunks plus ``stages`` K tiles fit ``SMEM_BUDGET_BYTES``."""
+    fit = max(1, (SMEM_BUDGET_BYTES - stages * block_k * head_dim * itemsize) // (block_q * head_dim * itemsize))
+    per_group = max(c for c in range(1, n_chunks + 1) if n_chunks % c == 0 and c <= fit)
+    return n_chunks // per_group
+
+
 def _lse_kernel(len_ref, rowpos_ref, q_ref, k_ref, m_ref, l_ref, *, seq_len, block_q, block_k, chunk,
                 scale, precision):
     # len_ref []: the row's length; rowpos_ref [Wp]: each window row's position (-1: none);
-    # q_ref [R, D]: the group's window queries, rows (g, w); k_ref [T, D]: this KV head;
-    # m_ref, l_ref [R]: this split's running max and sum of exponentials per row.
+    # q_ref [Rg, D]: this program's share of the group's window queries (row group
+    # program_id(3) of rows (g, w)); k_ref [T, D]: this KV head;
+    # m_ref, l_ref [Rg]: this split's running max and sum of exponentials per row.
     split = pl.program_id(2)
     rows, wp = q_ref.shape[0], rowpos_ref.shape[0]
     n_chunks, per_head = rows // block_q, wp // block_q
+    first_chunk = pl.program_id(3) * n_chunks  # this row group's first chunk among the group's
     length = jnp.clip(len_ref[()], 0, seq_len)
     start0 = split * chunk
     n_tiles = jnp.clip(lax.div(length - start0 + block_k - 1, block_k), 0, chunk // block_k)
     lanes = jnp.arange(block_k, dtype=jnp.int32)
-    rowpos = [rowpos_ref[pl.ds(c * block_q, block_q)] for c in range(per_head)]
+    rowpos = [rowpos_ref[pl.ds(lax.rem(first_chunk + c, per_head) * block_q, block_q)] for c in range(n_chunks)]
 
     def body(i, carry):
         start = start0 + i * block_k
@@ -120,7 +136,7 @@ def _lse_kernel(len_ref, rowpos_ref, q_ref, k_ref, m_ref, l_ref, *, seq_len, blo
             m, l = carry[c]
             q = q_ref[pl.ds(c * block_q, block_q), :]
             s = plgpu.dot(q, kt, trans_b=True, precision=precision) * scale  # [block_q, block_k] f32
-            ok = kpos[None, :] <= rowpos[c % per_head][:, None]  # causal; implies j < L
+            ok = kpos[None, :] <= rowpos[c][:, None]  # causal; implies j < L
             s = jnp.where(ok, s, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -197,24 +213,31 @@ def window_scores_pallas(q, k, lengths, *, window, block_q=None, block_k=None, n
     qw = qw.reshape(b, wp, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, r, d)
 
     tiles = -(-t // bk)
-    ns = int(num_splits) if num_splits else choose_num_splits(t, bk, MIN_TOKENS_PER_SPLIT, b * hkv)
+    # pass 1 keeps every row chunk of its program live across the key loop (Triton hoists
+    # the loads): the group's rows are cut into row groups whose chunks, with the pipelined
+    # K tiles, fit the shared memory (D = 256 with 4 heads and W = 128 asked for 320 KiB)
+    row_groups = num_row_groups(r // bq, bq, bk, d, jnp.dtype(q.dtype).itemsize,
+                                2 if num_stages is None else int(num_stages))
+    rg = r // row_groups
+    ns = int(num_splits) if num_splits else choose_num_splits(t, bk, MIN_TOKENS_PER_SPLIT, b * hkv * row_groups)
     ns = max(1, min(ns, tiles))
     chunk = -(-tiles // ns) * bk
     ns = -(-t // chunk)
-    len_spec = pl.BlockSpec((None,), lambda i, j, s: (i,))
+    len_spec = pl.BlockSpec((None,), lambda i, j, s, *_: (i,))
     q_spec = pl.BlockSpec((None, None, r, d), lambda i, j, s: (i, j, 0, 0))
-    k_spec = pl.BlockSpec((None, t, None, d), lambda i, j, s: (i, 0, j, 0))
-    stat_spec = pl.BlockSpec((None, None, None, r), lambda i, j, s: (i, j, s, 0))
+    k_spec = pl.BlockSpec((None, t, None, d), lambda i, j, s, *_: (i, 0, j, 0))
+    stat_spec = pl.BlockSpec((None, None, None, rg), lambda i, j, s, c: (i, j, s, c))
     m, l = pl.pallas_call(
         functools.partial(_lse_kernel, seq_len=t, block_q=bq, block_k=bk, chunk=chunk, scale=scale,
                           precision=precision),
-        grid=(b, hkv, ns),
-        in_specs=[len_spec, pl.BlockSpec((None, wp), lambda i, j, s: (i, 0)), q_spec, k_spec],
+        grid=(b, hkv, ns, row_groups),
+        in_specs=[len_spec, pl.BlockSpec((None, wp), lambda i, j, s, c: (i, 0)),
+                  pl.BlockSpec((None, None, rg, d), lambda i, j, s, c: (i, j, c, 0)), k_spec],
         out_specs=[stat_spec, stat_spec],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, ns, r), jnp.float32)] * 2,
         compiler_params=params,
         interpret=interpret,
-        name=f"tsa_window_lse_bq{bq}_bk{bk}_ns{ns}",
+        name=f"tsa_window_lse_bq{bq}_bk{bk}_ns{ns}_rg{row_groups}",
     )(lengths, rowpos, qw, k)
     # each row's log-sum-exp over the splits (a split without keys: m = MASK_VALUE, l = 0)
     m_all = jnp.max(m, axis=2)

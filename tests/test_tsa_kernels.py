@@ -55,7 +55,20 @@ CASES = [
     pytest.param(1, 300, 2, 2, 64, 70, [300], {"block_k": 32}, id="mha-t300-w70-two-chunks"),
     pytest.param(2, 100, 4, 1, 128, 8, [61, 100], {"block_q": 16, "block_k": 16, "num_splits": 4},
                  id="gqa4-t100-w8-small-tiles"),
+    # 3 row chunks per head, 2 heads: pass 1 in 6 row groups (f32) / 2 (bf16) (test_row_groups)
+    pytest.param(2, 260, 4, 2, 256, 130, [260, 200], {}, id="gqa2-t260-d256-w130-row-groups"),
 ]
+
+
+def test_row_groups():
+    """Pass 1's rows are cut into groups that fit the shared memory: D = 128 with 4 heads
+    and W = 128 (Qwen3-8B: what compiles on the H100) stays one group; D = 256 (Gemma 3,
+    4 heads: 320 KiB as one group failed on the H100) splits; the count divides the chunks."""
+    assert ws_kernel.num_row_groups(8, 64, 128, 128, 2, 2) == 1
+    assert ws_kernel.num_row_groups(8, 64, 64, 256, 2, 2) == 2
+    assert ws_kernel.num_row_groups(6, 64, 64, 256, 4, 2) == 6  # the f32 case above
+    assert ws_kernel.num_row_groups(6, 64, 64, 256, 2, 2) == 2  # 4 chunks fit; 3 is the largest divisor
+
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
 
