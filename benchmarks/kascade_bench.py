@@ -19,9 +19,12 @@ anchor + 31 reuse)``; the paper reports 4.1x over FlashAttention-3 at 128K
 
 ``prefill``: ms per whole-model prefill of ``--context`` tokens (``dense`` against
 ``kascade_tiled``: Kascade's tiled prefill, composed path, chunked anchor selection
-of ``--chunk-bytes``) and the device's peak memory::
+of ``--chunk-bytes``; ``tsa``: Token Sparse Attention at tau = 0.005 on the second
+half of the layers, and ``tsa@F`` keeping a fixed fraction ``F`` of each prefix:
+random weights have no attention structure for tau to find) and the device's peak
+memory, for the Qwen3-8B or Llama-3.1-8B shape (``--model``)::
 
-    python -m benchmarks.kascade_bench prefill --context 32768 --batch 1 --layers 36
+    python -m benchmarks.kascade_bench prefill --context 32768 --batch 1 --methods dense,kascade_tiled,tsa@0.5
 
 ``e2e``: ms per decode step (tokens/s) of whole models through the layer
 driver (unrolled, one program per step, cache donated) with ``--context``
@@ -49,6 +52,7 @@ from benchmarks.timing import markdown_table, stamp, time_fn, write_results
 HQ, HKV, D = 32, 8, 128
 DT = jnp.bfloat16
 QWEN3_ANCHORS = (0, 2, 7, 14, 23)
+PREFILL_MODELS = ("qwen3-8b", "llama-3.1-8b")
 
 
 def _inputs(b, s, seed=0):
@@ -148,7 +152,7 @@ def e2e_rows(a) -> list[dict]:
         cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
         t0 = time.perf_counter()
         ms, cache = time_steps(step, cache, tokens, a.steps, a.rounds)
-        row = {"method": name, "batch": a.batch, "context": a.context, "layers": a.layers, "step_ms": round(ms, 3),
+        row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers, "step_ms": round(ms, 3),
                "tokens_per_s": round(a.batch * 1e3 / ms, 1), "wall_s": round(time.perf_counter() - t0, 1)}
         if a.profile:
             prof, cache = kernel_profile(step, cache, tokens, 4, f"{a.trace_dir}/{name}")
@@ -167,15 +171,32 @@ def prefill_rows(a) -> list[dict]:
     from models.driver import init_cache
     from sparse_jax.methods import get_method
 
+    from models.config import get_config
+
     cap = a.context
-    cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
-    anchors = QWEN3_ANCHORS if cfg.num_layers == 36 else None
-    methods = {"dense": lambda: get_method("dense"),
-               "kascade_tiled": lambda: get_method("kascade", anchors=anchors, tiled_prefill=True,
-                                                   prefill_chunk_bytes=a.chunk_bytes)}
+    base = qwen3_8b(cap) if a.model == "qwen3-8b" else dataclasses.replace(get_config(a.model), max_position=cap)
+    cfg = dataclasses.replace(base, num_layers=a.layers or base.num_layers)
+    # Qwen3-8B's anchors as in the decode benchmarks; elsewhere Kascade's fallback (5 spread)
+    anchors = QWEN3_ANCHORS if (a.model == "qwen3-8b" and cfg.num_layers == 36) else None
+
+    def make(name):
+        if name == "dense":
+            return get_method("dense")
+        if name == "kascade_tiled":
+            return get_method("kascade", anchors=anchors, tiled_prefill=True, prefill_chunk_bytes=a.chunk_bytes)
+        if name == "tsa":
+            return get_method("dense", prefill="token_sparse")
+        if name.startswith("tsa@"):
+            return get_method("dense", prefill="token_sparse",
+                              prefill_options=(("keep_fraction", float(name[4:])),))
+        raise SystemExit(f"unknown prefill method {name!r}: dense, kascade_tiled, tsa, tsa@F")
+
+    names = a.methods.split(",")
+    for name in names:
+        make(name)  # a bad name fails before any device work
     rows = []
-    for name in a.methods.split(","):
-        method = methods[name]().for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
+    for name in names:
+        method = make(name).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
         model = random_model(cfg, method, cap)
         fns = tfm.build_functions(model.graphdef, cfg, method, True)
         prompt = jax.random.randint(jax.random.PRNGKey(0), (a.batch, a.context), 0, cfg.vocab_size, jnp.int32)
@@ -191,7 +212,7 @@ def prefill_rows(a) -> list[dict]:
                 times.append((time.perf_counter() - t1) * 1e3)
         stats = jax.devices()[0].memory_stats() or {}
         ms = float(np.median(times))
-        row = {"method": name, "batch": a.batch, "context": a.context, "layers": a.layers,
+        row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers,
                "prefill_ms": round(ms, 1), "tokens_per_s": round(a.batch * a.context * 1e3 / ms, 1),
                "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2 ** 30, 2),
                "finite": bool(jnp.all(jnp.isfinite(logits))), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -219,10 +240,13 @@ def main(argv=None):
     pp = sub.add_parser("prefill")
     pp.add_argument("--context", type=int, default=32768)
     pp.add_argument("--batch", type=int, default=1)
-    pp.add_argument("--layers", type=int, default=36)
+    pp.add_argument("--layers", type=int, default=None, help="default: the model's (36 Qwen3-8B, 32 Llama-3.1-8B)")
+    pp.add_argument("--model", default="qwen3-8b", choices=PREFILL_MODELS, help="the shape (random weights)")
     pp.add_argument("--warmup", type=int, default=1)
     pp.add_argument("--runs", type=int, default=3)
-    pp.add_argument("--methods", default="dense,kascade_tiled", help="dense, kascade_tiled (composed)")
+    pp.add_argument("--methods", default="dense,kascade_tiled",
+                    help="dense, kascade_tiled (composed), tsa (Token Sparse at tau=0.005 on the second half of "
+                         "the layers), tsa@F (the same keeping a fraction F of each prefix)")
     pp.add_argument("--chunk-bytes", type=int, default=2 << 30, help="Kascade.prefill_chunk_bytes")
     for sp in (pa, pe, pp):
         sp.add_argument("--out", default=None)
@@ -239,7 +263,8 @@ def main(argv=None):
     elif a.part == "prefill":
         rows = prefill_rows(a)
         cols = ["method", "batch", "context", "layers", "prefill_ms", "tokens_per_s", "peak_gib", "finite"]
-        title = "Whole-model prefill through the layer driver (Qwen3-8B shape, random bf16 weights, unrolled)"
+        title = (f"Whole-model prefill through the layer driver ({a.model} shape, random bf16 weights, "
+                 "unrolled)")
     else:
         rows = e2e_rows(a)
         cols = ["method", "batch", "context", "layers", "step_ms", "tokens_per_s"] + (

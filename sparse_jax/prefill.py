@@ -110,6 +110,11 @@ class TokenSparsePrefill:
       buckets: the compressed attention runs at the shortest of ``buckets`` static
         lengths that holds the kept tokens (:func:`bucket_lengths`); 1: the padded
         prompt length (cuDNN then still visits every query tile).
+      keep_fraction: an ablation knob (the paper's fixed-sparsity rows): keep this
+        fraction of each row's prefix (at least ``min_tokens``) instead of the count
+        ``tau`` gives; the kept tokens are still each head's top set by score. None
+        (default): ``tau``. Timing with random weights needs it: their attention has
+        no structure for ``tau`` to find.
     """
 
     tau: float = 0.005
@@ -121,6 +126,7 @@ class TokenSparsePrefill:
     impl: str = "compressed"
     gather: str = "gather"
     buckets: int = 8
+    keep_fraction: float | None = None
 
     def __post_init__(self):
         if not (self.tau >= 0):
@@ -133,6 +139,8 @@ class TokenSparsePrefill:
             raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {self.impl!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {self.gather!r}")
+        if self.keep_fraction is not None and not 0.0 <= self.keep_fraction <= 1.0:
+            raise ValueError(f"token_sparse: keep_fraction must be in [0, 1] or None, got {self.keep_fraction}")
         if self.pool % 2 == 0:
             raise ValueError(f"token_sparse: pool must be odd (centred), got {self.pool}")
         if self.layers is not None:
@@ -150,7 +158,8 @@ class TokenSparsePrefill:
     def attention(self, q, k, v, lengths, head_axis: str | None = None):
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                       window=self.window, pool=self.pool, block=self.block, head_axis=head_axis,
-                                      impl=self.impl, gather=self.gather, buckets=self.buckets)
+                                      impl=self.impl, gather=self.gather, buckets=self.buckets,
+                                      keep_fraction=self.keep_fraction)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -270,6 +279,16 @@ def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, he
     keep = jnp.clip(jnp.maximum(min_tokens, prefix_len - drop), 0, prefix_len)
     applies = (lengths > min_tokens + window) & (tau > 0)
     return jnp.where(applies, keep, prefix_len).astype(jnp.int32)
+
+
+def fixed_keep_counts(lengths, fraction: float, *, min_tokens: int, window: int):
+    """Step 3 at a fixed fraction: ``int32[B]``, ``floor(fraction * prefix)`` tokens of
+    each row's prefix, at least ``min_tokens`` (the whole prefix where TSA does not
+    apply, ``L <= min_tokens + window``, as in :func:`keep_counts`)."""
+    prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
+    keep = jnp.floor(fraction * prefix_len.astype(jnp.float32)).astype(jnp.int32)
+    keep = jnp.clip(jnp.maximum(min_tokens, keep), 0, prefix_len)
+    return jnp.where(lengths > min_tokens + window, keep, prefix_len).astype(jnp.int32)
 
 
 def kept_tokens(scores, keep, lengths, window: int):
@@ -471,19 +490,24 @@ def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", bucket
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
                            head_axis=None, impl: str = "compressed", scores_impl: str = "auto",
-                           gather: str = "gather", buckets: int = 8):
+                           gather: str = "gather", buckets: int = 8, keep_fraction: float | None = None):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
     scatter) or "masked" (the reference: masks over the whole prompt).
     ``scores_impl``: step 1's ``impl`` (:func:`window_scores`; "auto": the kernel on
     the GPU where it supports the head size, the reference elsewhere). ``gather``,
-    ``buckets``: see :func:`compressed_causal_attention`."""
+    ``buckets``: see :func:`compressed_causal_attention`. ``keep_fraction``: keep this
+    fraction of each row's prefix (at least ``min_tokens``) instead of ``tau``'s count
+    (:class:`TokenSparsePrefill`)."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
     scores = smooth(window_scores(q, k, lengths, window, impl=scores_impl), pool)
-    keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
+    if keep_fraction is None:
+        keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
+    else:
+        keep = fixed_keep_counts(lengths, keep_fraction, min_tokens=min_tokens, window=window)
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":
         return masked_causal_attention(q, k, v, kept, block)

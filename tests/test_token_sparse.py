@@ -335,3 +335,25 @@ def test_shipped_profiles_name_global_layers(name):
     eligible = [k == "global" for k in cfg.kinds]
     assert tuple(prof["layers"]) == tsa.layers_from_drift(prof["drift"], eligible, prof["quantile"])
     assert prof["layers"] and all(eligible[i] for i in prof["layers"])
+
+
+def test_keep_fraction_fixes_the_count():
+    """``keep_fraction`` (the fixed-sparsity ablation): floor(f * prefix) prefix tokens per
+    row and head, at least min_tokens, the window always; the whole prefix where TSA does
+    not apply; f = 1 is exact attention; out-of-range values are refused."""
+    lengths = jnp.asarray([150, 100, 40], jnp.int32)
+    got = np.asarray(tsa.fixed_keep_counts(lengths, 0.25, min_tokens=20, window=16))
+    np.testing.assert_array_equal(got, [33, 21, 20])  # prefixes 134, 84, 24: a quarter, then the floor of 20
+    np.testing.assert_array_equal(np.asarray(tsa.fixed_keep_counts(lengths, 0.25, min_tokens=30, window=16)),
+                                  [33, 30, 24])  # 40 <= 30 + 16: TSA does not apply, the whole prefix
+    q, k, v = (jnp.asarray(a) for a in _data(11))
+    n = jnp.asarray([150, 120], jnp.int32)
+    out = tsa.token_sparse_attention(q, k, v, n, min_tokens=8, window=16, keep_fraction=0.3)
+    kept_rows = (np.abs(np.asarray(out)).sum(-1) > 0).sum(1)  # [B, Hq]: positions with output
+    np.testing.assert_array_equal(kept_rows, [[int(0.3 * 134) + 16] * 4, [int(0.3 * 104) + 16] * 4])
+    full = tsa.token_sparse_attention(q, k, v, n, min_tokens=8, window=16, keep_fraction=1.0)
+    dense = tsa.token_sparse_attention(q, k, v, n, min_tokens=8, window=16, tau=0.0)
+    np.testing.assert_allclose(np.asarray(full), np.asarray(dense), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="keep_fraction"):
+        tsa.TokenSparsePrefill(keep_fraction=1.5)
+    assert tsa.make_prefill("token_sparse", {"keep_fraction": 0.5}).keep_fraction == 0.5
