@@ -53,15 +53,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, time_fn, write_results
+from benchmarks.timing import markdown_table, stamp, time_fn, write_final_results, write_results
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # bf16 dense tensor-core peak (same SM count and clocks)
 
@@ -319,6 +321,56 @@ def render(payload) -> str:
                              {"kept": ".3f", "ms": ".3f", "vs_dense": ".2f", "floor_ms": ".3f", "max_abs_err": ".2e"}))
 
 
+def tsa_curves(rows) -> dict:
+    """``{context: {series: [(kept, ms), ...]}}`` of the "tsa attend" rows (series: the
+    row movement and length cut: "scatter", "gather", "scatter, full length", ...), and
+    each context's dense ms under ``"dense"`` as ``[(1.0, ms)]``."""
+    out: dict = {}
+    for r in rows:
+        part = r["part"]
+        if part == "dense (cuDNN causal)":
+            out.setdefault(r["context"], {})["dense"] = [(1.0, r["ms"])]
+        elif part.startswith("tsa attend, "):
+            rest = part.split(" of the prefix", 1)[1].removeprefix(", ")
+            series = rest if rest.startswith("gather") else ", ".join(x for x in ("scatter", rest) if x)
+            out.setdefault(r["context"], {}).setdefault(series, []).append((r["kept"], r["ms"]))
+    return out
+
+
+def plot(payload, path: Path):
+    """TSA's compressed attention (ms, log) against the kept fraction, one panel per
+    context: each row movement and length cut, cuDNN dense as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {t: c for t, c in tsa_curves(payload["rows"]).items() if len(c) > 1}
+    if not curves:
+        return
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
+    for ax, (t, series) in zip(axes[0], sorted(curves.items())):
+        dense = series.pop("dense", [(1.0, None)])[0][1]
+        for name, pts in sorted(series.items()):
+            pts = sorted(pts)
+            ax.plot([k for k, _ in pts], [ms for _, ms in pts], marker="o", label=name,
+                    linestyle="--" if "full length" in name else "-")
+        if dense:
+            ax.axhline(dense, color="k", linewidth=1, label="cuDNN dense")
+        ax.set_yscale("log")
+        ax.set_xlabel("kept fraction of the prompt")
+        ax.set_ylabel("ms per layer")
+        ax.set_title(f"{t // 1024}K tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    s = payload["stamp"]
+    fig.suptitle(f"TSA compressed attention, {payload['heads']} heads, D={payload['head_dim']} ({s['device']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_bench", description=__doc__.split("\n\n")[0])
@@ -336,7 +388,13 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="prefill_bench")
+    p.add_argument("--replot", default=None, metavar="JSON", help="redraw a result file's plot (no run)")
     a = p.parse_args(argv)
+    if a.replot:
+        src = Path(a.replot)
+        plot(json.loads(src.read_text()), src.with_suffix(".png"))
+        print(f"wrote {src.with_suffix('.png')}")
+        return 0
     try:
         contexts = [int(x) for x in a.contexts.split(",") if x]
         fractions = [float(x) for x in a.fractions.split(",") if x]
@@ -366,8 +424,7 @@ def main(argv=None) -> int:
                                           parts=parts, kascade_tunings=tunings)
         write_results(a.name, payload, render(payload), a.out)
     payload["wall_s"] = time.perf_counter() - t0
-    write_results(a.name, payload, render(payload), a.out)
-    print(render(payload))
+    write_final_results(a.name, payload, render, plot, a.out)
     return 0
 
 

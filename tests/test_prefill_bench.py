@@ -38,6 +38,10 @@ def test_prefill_bench_tiny(tmp_path):
     # compressed (both movements, bucketed or full length) == masked reference
     assert all(r["max_abs_err"] < 1e-5 for r in rows[-8:])
     assert "| dense (cuDNN causal) |" in (tmp_path / "pb.md").read_text()
+    assert (tmp_path / "pb.png").stat().st_size > 0  # TSA's attend time against the kept fraction
+    curves = prefill_bench.tsa_curves(json.loads((tmp_path / "pb.json").read_text())["rows"])[256]
+    assert sorted(curves) == ["dense", "gather", "gather, full length", "scatter", "scatter, full length"]
+    assert all(len(v) == 2 for k, v in curves.items() if k != "dense")  # kept 1 and 0.25
 
 
 def test_prefill_bench_without_a_kernel_for_the_head_size(tmp_path):
