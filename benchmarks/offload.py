@@ -595,6 +595,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="dense,sparse,offload",
                    help="comma list of dense, sparse (resident), offload (per-row pools), offload-shared (one pool "
                         "per layer and KV head shared by the batch)")
+    p.add_argument("--shared-slot-impl", default="auto", choices=["auto", "pallas", "reference"],
+                   help="offload-shared: the shared pool's slot assignment (sparse_jax.offload.pool."
+                        "SHARED_SLOT_IMPL; auto: as the step, the kernel on the GPU)")
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
     p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
     p.add_argument("--smollm2-only", action="store_true")
@@ -669,6 +672,10 @@ def main(argv=None) -> int:
     payload["device_reserve_gib"] = reserve / GiB
     payload["limits_gib"] = {"device": dl and dl / GiB, "host": hl and hl / GiB}
     modes = a.modes.split(",")
+    from sparse_jax.offload import pool as offload_pool
+
+    offload_pool.SHARED_SLOT_IMPL = None if a.shared_slot_impl == "auto" else a.shared_slot_impl
+    payload["shared_slot_impl"] = a.shared_slot_impl
     bw = measure_bandwidth((1 << 24) if a.tiny else (4 << 30))
     payload["bandwidth_gbps"] = bw / 1e9
     for ctx in contexts:

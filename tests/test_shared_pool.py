@@ -314,3 +314,49 @@ def test_slot_pool_benchmark_times_both_pools(tmp_path):
                            "--warps", "1", "--inner", "1", "--repeats", "1", "--json", str(out), *extra]) == 0
         rows = json.loads(out.read_text())["rows"]
         assert len(rows) == 3 and all(r["pool"] == pool and r["reference_ok"] and r["pallas_w1_ok"] for r in rows)
+
+
+def _clear_step_caches():
+    import jax
+
+    from models import driver, tiered
+
+    for mod in (tiered, driver):
+        for v in vars(mod).values():
+            if hasattr(v, "cache_clear"):
+                v.cache_clear()
+    jax.clear_caches()
+
+
+def test_shared_slot_impl_knob(monkeypatch):
+    """``pool.SHARED_SLOT_IMPL`` (``benchmarks.offload --shared-slot-impl``) picks the shared
+    slot assignment's implementation when the step's impl is "auto", and only then: the
+    kernel (interpret mode here) gives the same tokens and logits as the reference."""
+    from models.tiered import TieredRunner
+    from sparse_jax.methods import get_method
+    from sparse_jax.offload import pool as offload_pool
+    from tests.test_offload import _ragged_tokens, _tiny_model
+
+    seen = []
+    real = offload_pool.assign_shared_pool_slots
+
+    def spy(*args, impl, **kw):
+        seen.append(impl)
+        return real(*args, impl=impl, **kw)
+
+    monkeypatch.setattr(offload_pool, "assign_shared_pool_slots", spy)
+    model = _tiny_model(get_method("quest", budget=64, block_size=8, dense_layers=(0,)), num_layers=2)
+    tokens, lengths = _ragged_tokens(5)
+    out = {}
+    for knob in (None, "pallas"):
+        monkeypatch.setattr(offload_pool, "SHARED_SLOT_IMPL", knob)
+        _clear_step_caches()  # the knob is read when a step is traced
+        seen.clear()
+        runner = TieredRunner(model, "offload", pool="shared", pool_slots=24)
+        ids, lg, _ = runner.generate_ids(tokens, lengths, 3, 256)
+        assert set(seen) == {"auto" if knob is None else "pallas"}, seen
+        out[knob] = (np.asarray(ids), np.asarray(lg))
+    np.testing.assert_array_equal(out[None][0], out["pallas"][0])
+    np.testing.assert_allclose(out[None][1], out["pallas"][1], atol=1e-6, rtol=0)
+    monkeypatch.setattr(offload_pool, "SHARED_SLOT_IMPL", None)
+    _clear_step_caches()  # no later test reuses a program traced with the knob

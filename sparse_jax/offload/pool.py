@@ -223,6 +223,14 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
     return tables, pool_k, pool_v, hits.reshape(b, hkv), copies.reshape(b, hkv)
 
 
+#: the shared pool's slot assignment when the step's ``impl`` is "auto": None follows the
+#: step (the kernel on the GPU). On the H100 the kernel wins at a miss or two per row and
+#: loses up to 11x to the jnp reference with many misses (``docs/offload.md``);
+#: ``python -m benchmarks.offload --shared-slot-impl reference`` sets this to A/B the step.
+#: It is read when a step is traced: set it before the first offloaded step compiles.
+SHARED_SLOT_IMPL: str | None = None
+
+
 def place_blocks_shared(need, ring_start, clock, entry_tables, pool_k, pool_v, host: HostLayer, *, impl: str,
                         gather_programs: int | None = None):
     """:func:`place_blocks` for a shared pool: ``need int32[B, Hkv, n]`` (row ``b``'s
@@ -231,8 +239,9 @@ def place_blocks_shared(need, ring_start, clock, entry_tables, pool_k, pool_v, h
     slot_used [1, Hkv, N])``, ``pool_* [1, Hkv, (N + 2B)*bs, D]``."""
     block_slot, slot_block, slot_used = entry_tables
     bs, d = host.k.shape[3], host.k.shape[4]
+    slot_impl = SHARED_SLOT_IMPL if (SHARED_SLOT_IMPL is not None and impl == "auto") else impl
     bslot, sblock, sused, src, dst, copies, hits = assign_shared_pool_slots(
-        need, ring_start, clock, block_slot, slot_block[0], slot_used[0], ring_slots=RING_SLOTS, impl=impl)
+        need, ring_start, clock, block_slot, slot_block[0], slot_used[0], ring_slots=RING_SLOTS, impl=slot_impl)
     if need.shape[-1]:
         tuning = {} if gather_programs is None else {"programs": gather_programs}
         # src: the flat id over the host tier's (B, Hkv, NB) axes; dst: the buffer seen as [Hkv*(N+2B), bs, D]
