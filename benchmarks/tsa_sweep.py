@@ -14,6 +14,15 @@ kept fraction of the prompt (kept prefix + the window over the length) averaged
 over rows and TSA layers, its range over layers, and the causal attention work it
 leaves, ``(kept / L)²`` of dense (the compressed sequence is kept long, causal).
 
+``--time``: on each TSA layer, the layer's attention is also timed on the device for
+each τ (median of ``--runs`` synchronised runs): the whole TSA step
+(:func:`sparse_jax.prefill.token_sparse_attention`: scoring, selection, the compressed
+attention at its length bucket) against the dense prefill attention (cuDNN on the GPU)
+on the captured queries and keys (the keys stand in for the values: the time does not
+depend on them); ``tsa_ms``/``dense_ms`` are sums over the TSA layers and ``speedup``
+their ratio. This is the speed side of the τ trade-off on the model's own shapes
+and attention.
+
 What τ costs in accuracy is the accuracy harness's to measure, with the same
 options: ``benchmarks.accuracy --methods dense,tsa=dense --set tsa.prefill=token_sparse
 --set "tsa.prefill_options=[('tau', 0.02)]"``. Writes ``NAME.{json,md,png}``.
@@ -64,9 +73,26 @@ def kept_fractions(q, k, lengths, taus, *, min_tokens: int, window: int, pool: i
     return np.stack(out)
 
 
-def sweep(model, tokenizer, *, lengths, taus, rows: int, text: str, log=print) -> dict:
+def layer_times(q, k, lengths, taus, *, min_tokens: int, window: int, pool: int, runs: int):
+    """``(dense_ms, [tsa_ms per τ])`` of one layer: the dense prefill attention and the
+    whole TSA step (module docstring) on ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``."""
+    from benchmarks.timing import time_fn
+    from sparse_jax import prefill as tsa
+    from sparse_jax.methods.base import dense_prefill_attention
+
+    dense = time_fn(jax.jit(dense_prefill_attention), (q, k, k), runs=runs, cupti=False).wall_ms
+    out = []
+    for tau in taus:
+        fn = jax.jit(functools.partial(tsa.token_sparse_attention, tau=tau, min_tokens=min_tokens, window=window,
+                                       pool=pool))
+        out.append(time_fn(fn, (q, k, k, lengths), runs=runs, cupti=False).wall_ms)
+    return dense, out
+
+
+def sweep(model, tokenizer, *, lengths, taus, rows: int, text: str, time_runs: int = 0, log=print) -> dict:
     """The kept fractions on ``model``'s TSA layers (its method must have
-    ``prefill="token_sparse"``) for each length and τ."""
+    ``prefill="token_sparse"``) for each length and τ; with ``time_runs`` > 0 also the
+    layers' dense and TSA attention times (:func:`layer_times`)."""
     from models.capture import capture_qk
 
     method = model.method
@@ -83,13 +109,21 @@ def sweep(model, tokenizer, *, lengths, taus, rows: int, text: str, log=print) -
         lens = jnp.full((rows,), length, jnp.int32)
         per_layer = {i: kept_fractions(qk[i][0], qk[i][1], lens, taus, min_tokens=opts.min_tokens,
                                        window=opts.window, pool=opts.pool) for i in layers}
+        times = {i: layer_times(qk[i][0], qk[i][1], lens, taus, min_tokens=opts.min_tokens, window=opts.window,
+                                pool=opts.pool, runs=time_runs) for i in layers} if time_runs else {}
         for j, tau in enumerate(taus):
             fr = np.array([per_layer[i][j].mean() for i in layers])
-            results.append({"length": length, "tau": tau, "kept": float(fr.mean()), "kept_min": float(fr.min()),
-                            "kept_max": float(fr.max()), "attention_work": float(np.mean(fr ** 2)),
-                            "per_layer": {str(i): float(f) for i, f in zip(layers, fr)}})
+            row = {"length": length, "tau": tau, "kept": float(fr.mean()), "kept_min": float(fr.min()),
+                   "kept_max": float(fr.max()), "attention_work": float(np.mean(fr ** 2)),
+                   "per_layer": {str(i): float(f) for i, f in zip(layers, fr)}}
+            if times:
+                row["dense_ms"] = float(sum(times[i][0] for i in layers))
+                row["tsa_ms"] = float(sum(times[i][1][j] for i in layers))
+                row["speedup"] = row["dense_ms"] / row["tsa_ms"]
+            results.append(row)
             log(f"[tsa_sweep] L={length} tau={tau:g}: kept {fr.mean():.3f} ({fr.min():.3f}-{fr.max():.3f}), "
-                f"attention work {np.mean(fr ** 2):.3f} of dense")
+                f"attention work {np.mean(fr ** 2):.3f} of dense"
+                + (f", TSA {row['tsa_ms']:.2f} ms against dense {row['dense_ms']:.2f} ms" if times else ""))
         log(f"[tsa_sweep] L={length}: {time.perf_counter() - t0:.1f}s")
     return {"layers": layers, "options": {"min_tokens": opts.min_tokens, "window": opts.window, "pool": opts.pool},
             "rows": results}
@@ -107,7 +141,14 @@ def render(payload) -> str:
              "(range over layers); `attention_work`: mean of kept² (causal attention on the compressed "
              "sequence, against dense)", ""]
     cols = ["length", "tau", "kept", "kept_min", "kept_max", "attention_work"]
-    lines.append(markdown_table(payload["rows"], cols, {c: ".3f" for c in cols[2:]}))
+    fmt = {c: ".3f" for c in cols[2:]}
+    if any("speedup" in r for r in payload["rows"]):
+        lines.insert(-1, "- `dense_ms`, `tsa_ms`: the TSA layers' attention, summed (dense prefill attention; the whole "
+                         "TSA step: scoring, selection, the compressed attention), median of synchronised runs; "
+                         "`speedup` = dense / TSA")
+        cols += ["dense_ms", "tsa_ms", "speedup"]
+        fmt.update({"dense_ms": ".3f", "tsa_ms": ".3f", "speedup": ".2f"})
+    lines.append(markdown_table(payload["rows"], cols, fmt))
     return "\n".join(lines) + "\n"
 
 
@@ -117,18 +158,32 @@ def plot(payload, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    timed = any("speedup" in r for r in payload["rows"])
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for length in sorted({r["length"] for r in payload["rows"]}):
         rs = [r for r in payload["rows"] if r["length"] == length]
         ax.errorbar([r["tau"] for r in rs], [r["kept"] for r in rs],
                     yerr=[[r["kept"] - r["kept_min"] for r in rs], [r["kept_max"] - r["kept"] for r in rs]],
                     marker="o", capsize=3, label=f"{length} tokens")
+        if timed:
+            axes[0][1].plot([r["tau"] for r in rs], [r.get("speedup", np.nan) for r in rs], marker="o",
+                            label=f"{length} tokens")
     ax.set_xscale("log")
     ax.set_xlabel("coverage τ")
     ax.set_ylabel("kept fraction of the prompt")
     ax.set_title(f"TSA on {payload['settings']['model']} ({payload['settings']['text']})")
     ax.grid(alpha=0.3)
     ax.legend()
+    if timed:
+        ax = axes[0][1]
+        ax.axhline(1.0, color="k", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("coverage τ")
+        ax.set_ylabel("TSA layers' attention speed-up over dense")
+        ax.set_title(f"on {payload['stamp'].get('device', '?')}")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -142,6 +197,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=2, help="rows of text per length (default 2)")
     p.add_argument("--text", choices=["prose", "source"], default="prose")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--time", action="store_true", help="also time the TSA layers' attention against dense")
+    p.add_argument("--runs", type=int, default=10, help="with --time: synchronised runs per timing")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default=None)
     a = p.parse_args(argv)
@@ -149,8 +206,8 @@ def parse_args(argv=None):
         p.error(f"--lengths must be positive integers, got {a.lengths}")
     if not a.taus or not all(t >= 0 for t in a.taus):
         p.error(f"--taus must be non-negative numbers, got {a.taus}")
-    if a.rows < 1:
-        p.error("--rows must be >= 1")
+    if a.rows < 1 or a.runs < 1:
+        p.error("--rows and --runs must be >= 1")
     return a
 
 
@@ -167,7 +224,8 @@ def main(argv=None) -> int:
         return 2
     payload = {"settings": {"model": a.model, "lengths": a.lengths, "taus": a.taus, "rows": a.rows, "text": a.text,
                             "dtype": a.dtype}}
-    payload.update(sweep(model, model.tokenizer, lengths=a.lengths, taus=a.taus, rows=a.rows, text=a.text))
+    payload.update(sweep(model, model.tokenizer, lengths=a.lengths, taus=a.taus, rows=a.rows, text=a.text,
+                         time_runs=a.runs if a.time else 0))
     payload["stamp"] = stamp("python -m benchmarks.tsa_sweep " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])))
     name = a.name or f"tsa_sweep_{a.model}_{a.text}"
     if a.out:
