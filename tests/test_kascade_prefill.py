@@ -310,9 +310,9 @@ def test_composed_anchor_builds_no_t_by_t_array():
 
 
 # (B, T, Hq, Hkv, D, tile, lengths, chunk): T off the tile grid, ragged rows (one shorter than a
-# tile, one empty), G = 4, 1 and 3, D = 64 and 128, chunks not dividing the tile count
+# tile, one empty), G = 4, 1 and 3, D = 64, 128 and 256 (Gemma 3's MQA), chunks not dividing the tile count
 KERNEL_CASES = [(2, 150, 4, 1, 64, 16, (150, 113), 3), (2, 97, 2, 2, 128, 32, (97, 11), None),
-                (1, 70, 3, 1, 64, 16, (0,), 2)]
+                (1, 70, 3, 1, 64, 16, (0,), 2), (1, 70, 4, 1, 256, 16, (61,), None)]
 
 
 @pytest.mark.parametrize("b,t,hq,hkv,d,tile,lengths,chunk", KERNEL_CASES)
