@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Gemma 3 270M on the GPU, in stages that each fit one 10-minute command.
 #
-#   bash scripts/gemma3_gpu.sh tests      # D=256 kernels (real Pallas/Triton) + Gemma parity and self-consistency
+#   bash scripts/gemma3_gpu.sh tests      # D=256 kernels (real Pallas/Triton: decode, scoring, TSA's window
+#                                         # scores) + Gemma parity and self-consistency
 #   bash scripts/gemma3_gpu.sh passkey    # passkey, 2K/8K/16K/32K, every method, budget 1024
 #   bash scripts/gemma3_gpu.sh ruler L    # the RULER-style tasks at length L (4096, 8192, 16384 or 32768),
 #                                         # every method, budgets 512/1024/2048, + fidelity (mass, KL, agreement)
@@ -29,7 +30,8 @@ case "$stage" in
     "$PY" -c "import jax; print(jax.__version__, jax.devices())"
     # f32 parity needs f32 matmuls: XLA's default on the GPU may use TF32 (~1e-3 relative)
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T:-590}" "$PY" -m pytest -q -x tests/test_gemma3.py tests/test_sparse_decode.py tests/test_block_sparse_decode.py \
-      tests/test_block_scores.py tests/test_labels.py -k "gemma or 256 or d256 or test_gemma3" --durations=10
+      tests/test_block_scores.py tests/test_labels.py tests/test_tsa_kernels.py \
+      -k "gemma or 256 or d256 or test_gemma3 or row_groups" --durations=10
     ;;
   passkey)
     timeout "${T:-590}" "$PY" -m benchmarks.accuracy --model gemma3-270m --methods "$METHODS" --tasks passkey \
