@@ -168,10 +168,9 @@ def prefill_rows(a) -> list[dict]:
     prefill through the layer driver (unrolled), and the device's peak memory."""
     from benchmarks.offload import qwen3_8b, random_model
     from models import transformer as tfm
+    from models.config import get_config
     from models.driver import init_cache
     from sparse_jax.methods import get_method
-
-    from models.config import get_config
 
     cap = a.context
     base = qwen3_8b(cap) if a.model == "qwen3-8b" else dataclasses.replace(get_config(a.model), max_position=cap)

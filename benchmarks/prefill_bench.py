@@ -283,18 +283,17 @@ def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: 
                          floor_ms=None))
     # the compressed attention under both row movements (tsa.GATHER_MODES: the same numbers),
     # cut to the length buckets (the default) and at the full padded length (buckets=1: what
-    # ran before the buckets, kept as the comparison); "scatter" keeps the rows' old name
-    attends = {", ".join(x for x in (mode, "" if nb > 1 else "full length") if x):
+    # ran before the buckets, kept as the comparison), keyed by the row name's suffix:
+    # "scatter" keeps the rows' old name
+    attends = {("" if mode == "scatter" else f", {mode}") + ("" if nb > 1 else ", full length"):
                jax.jit(functools.partial(tsa.compressed_causal_attention, gather=mode, buckets=nb))
                for nb in (8, 1) for mode in tsa.GATHER_MODES}
     for f in fractions:
         kept = random_kept(kr, b, hq, t, window, f)
         n = int(kept[0, 0].sum())
         want = tsa.masked_causal_attention(q, k, v, kept, 512) if check else None
-        for mode, attend in attends.items():
+        for suffix, attend in attends.items():
             r = time_fn(attend, (q, k, v, kept), runs=runs, cupti=False)
-            suffix = mode.removeprefix("scatter").removeprefix(", ")
-            suffix = f", {suffix}" if suffix else ""
             row = dict(context=t, part=f"tsa attend, {f:g} of the prefix{suffix}", kept=n / t, ms=r.wall_ms,
                        vs_dense=dense_ms / r.wall_ms, floor_ms=floor_ms(n))
             if check:

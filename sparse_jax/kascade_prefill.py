@@ -186,65 +186,41 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
 
     choice, interpret = resolve_impl(scores_impl, kernel_unsupported=_ts.unsupported_reason(
         q.shape[3], tile, q.dtype, k.dtype))
-    if choice == "pallas":
-        return _anchor_selection_kernel(q, k, lengths, tile=tile, budget=budget, fraction=fraction,
-                                        min_keys=min_keys, max_chunk_bytes=max_chunk_bytes, chunk=chunk,
-                                        interpret=interpret)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     nt = num_tiles(t, tile)
     width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
-    c = chunk_tiles(b, hq, t, tile, max_chunk_bytes) if chunk is None else int(max(1, min(chunk, nt)))
-    nc = -(-nt // c)
-    rows = c * tile
     lengths = lengths.astype(jnp.int32)
-    kg = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D], as causal_probabilities
-    qp = jnp.pad(q, ((0, 0), (0, nc * rows - t), (0, 0), (0, 0)))
-    qc = qp.reshape(b, nc, rows, hq, d).swapaxes(0, 1)  # [nc, B, rows, Hq, D]
-    j = jnp.arange(t)[None, :]
-
-    def one(xs):
-        qi, ci = xs
-        s = jnp.einsum("bthd,bhsd->bhts", qi.astype(jnp.float32), kg) * (d ** -0.5)
-        i = ci * rows + jnp.arange(rows)[:, None]  # [rows, 1]: the chunk's query positions
-        ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
-        p = jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)  # [B, Hq, rows, T]
-        valid_q = (i[None, :, 0] < lengths[:, None])[:, None, :, None]  # [B, 1, rows, 1]
-        gs = jnp.where(valid_q, p, 0.0).reshape(b, hkv, g, rows, t).sum(2)
-        gs = gs.reshape(b, hkv, c, tile, t).sum(3)  # [B, Hkv, c, T]
-        before = j < ((ci * c + jnp.arange(c)) * tile)[:, None]  # [c, T]
-        return tile_topk(jnp.where(before[None, None], gs, -jnp.inf), width)  # [B, Hkv, c, width]
-
-    idx = lax.map(one, (qc, jnp.arange(nc, dtype=jnp.int32)))  # [nc, B, Hkv, c, width]
-    idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]
-    return {"indices": idx,
-            "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
-
-
-def _anchor_selection_kernel(q, k, lengths, *, tile, budget, fraction, min_keys, max_chunk_bytes, chunk,
-                             interpret):
-    """:func:`anchor_selection_chunked` with the tile-scores kernel: ``lax.map`` over
-    chunks of ``c`` query tiles, each scored by ``pallas_kernels.tile_scores`` and cut
-    to its top-k."""
-    from pallas_kernels.tile_scores import tile_scores_pallas
-
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    nt = num_tiles(t, tile)
-    width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
-    if chunk is None:
-        chunk = max(1, min(nt, max_chunk_bytes // (b * hkv * t * 4)))
+    if chunk is None:  # the most tiles whose f32 logits (reference) or scores (kernel) fit
+        chunk = (chunk_tiles(b, hq, t, tile, max_chunk_bytes) if choice == "reference"
+                 else max_chunk_bytes // (b * hkv * t * 4))
     c = int(max(1, min(chunk, nt)))
     nc = -(-nt // c)
-    lengths = lengths.astype(jnp.int32)
 
-    def one(ci):
-        s = tile_scores_pallas(q, k, lengths, ci * c, tile=tile, chunk=c, interpret=interpret)
-        return tile_topk(s, width)  # [B, Hkv, c, width]
+    if choice == "pallas":
+        def chunk_scores(ci):  # [B, Hkv, c, T]
+            return _ts.tile_scores_pallas(q, k, lengths, ci * c, tile=tile, chunk=c, interpret=interpret)
+    else:
+        rows = c * tile
+        kg = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D], as causal_probabilities
+        qp = jnp.pad(q, ((0, 0), (0, nc * rows - t), (0, 0), (0, 0)))
+        qc = qp.reshape(b, nc, rows, hq, d).swapaxes(0, 1)  # [nc, B, rows, Hq, D]
+        j = jnp.arange(t)[None, :]
 
-    idx = lax.map(one, jnp.arange(nc, dtype=jnp.int32))  # [nc, B, Hkv, c, width]
-    idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]
+        def chunk_scores(ci):  # [B, Hkv, c, T]
+            s = jnp.einsum("bthd,bhsd->bhts", qc[ci].astype(jnp.float32), kg) * (d ** -0.5)
+            i = ci * rows + jnp.arange(rows)[:, None]  # [rows, 1]: the chunk's query positions
+            ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
+            p = jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)  # [B, Hq, rows, T]
+            valid_q = (i[None, :, 0] < lengths[:, None])[:, None, :, None]  # [B, 1, rows, 1]
+            gs = jnp.where(valid_q, p, 0.0).reshape(b, hkv, g, rows, t).sum(2)
+            gs = gs.reshape(b, hkv, c, tile, t).sum(3)
+            before = j < ((ci * c + jnp.arange(c)) * tile)[:, None]  # [c, T]
+            return jnp.where(before[None, None], gs, -jnp.inf)
+
+    idx = lax.map(lambda ci: tile_topk(chunk_scores(ci), width), jnp.arange(nc, dtype=jnp.int32))
+    idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]  # from [nc, B, Hkv, c, width]
     return {"indices": idx,
             "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}
 

@@ -276,9 +276,8 @@ def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, he
     csum = jnp.cumsum(jnp.where(jnp.isfinite(ordered), ordered, 0.0), axis=-1)
     below = (csum < tau) & jnp.isfinite(ordered)
     drop = below.sum(-1) + 1
-    keep = jnp.clip(jnp.maximum(min_tokens, prefix_len - drop), 0, prefix_len)
-    applies = (lengths > min_tokens + window) & (tau > 0)
-    return jnp.where(applies, keep, prefix_len).astype(jnp.int32)
+    return _bounded_keep(prefix_len - drop, lengths, prefix_len, min_tokens=min_tokens, window=window,
+                         applies=tau > 0)
 
 
 def fixed_keep_counts(lengths, fraction: float, *, min_tokens: int, window: int):
@@ -287,8 +286,15 @@ def fixed_keep_counts(lengths, fraction: float, *, min_tokens: int, window: int)
     apply, ``L <= min_tokens + window``, as in :func:`keep_counts`)."""
     prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
     keep = jnp.floor(fraction * prefix_len.astype(jnp.float32)).astype(jnp.int32)
+    return _bounded_keep(keep, lengths, prefix_len, min_tokens=min_tokens, window=window)
+
+
+def _bounded_keep(keep, lengths, prefix_len, *, min_tokens: int, window: int, applies=True):
+    """Step 3's shared rule: ``keep`` raised to ``min_tokens`` and cut to the prefix; the
+    whole prefix where TSA does not apply (``L <= min_tokens + window``, or not
+    ``applies``)."""
     keep = jnp.clip(jnp.maximum(min_tokens, keep), 0, prefix_len)
-    return jnp.where(lengths > min_tokens + window, keep, prefix_len).astype(jnp.int32)
+    return jnp.where((lengths > min_tokens + window) & applies, keep, prefix_len).astype(jnp.int32)
 
 
 def kept_tokens(scores, keep, lengths, window: int):
