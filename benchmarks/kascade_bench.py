@@ -22,7 +22,8 @@ anchor + 31 reuse)``; the paper reports 4.1x over FlashAttention-3 at 128K
 of ``--chunk-bytes``; ``tsa``: Token Sparse Attention at tau = 0.005 on the second
 half of the layers, and ``tsa@F`` keeping a fixed fraction ``F`` of each prefix:
 random weights have no attention structure for tau to find) and the device's peak
-memory, for the Qwen3-8B or Llama-3.1-8B shape (``--model``)::
+memory, for the Qwen3-8B or Llama-3.1-8B shape (``--model``); ``floor_ms``: the FLOP the
+method must do (:func:`prefill_flops`) at the bf16 peak, ``x_floor`` how far above it::
 
     python -m benchmarks.kascade_bench prefill --context 32768 --batch 1 --methods dense,kascade_tiled,tsa@0.5
 
@@ -133,6 +134,7 @@ def method_for(name: str, cfg):
 def e2e_rows(a) -> list[dict]:
     from benchmarks.driver_probe import kernel_profile, time_steps
     from benchmarks.offload import qwen3_8b, random_model
+    from benchmarks.prefill_bench import peak_flops
     from models import transformer as tfm
     from models.driver import init_cache
 
@@ -163,10 +165,56 @@ def e2e_rows(a) -> list[dict]:
     return rows
 
 
+def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
+    """The FLOP a whole-model prefill of ``context`` tokens per row must do, by part:
+    ``linear`` (the projections and MLP of every token, and the LM head of each row's
+    last one), ``attention`` (QK and PV over the (query, key) pairs the method attends),
+    and ``selection`` (one QK pass over the causal pairs where a method scores keys:
+    Kascade's anchors; TSA's observation window). Its time at the bf16 peak is the
+    ``floor_ms`` column: a lower bound no implementation can beat. None for TSA at a
+    ``tau`` (how many tokens it keeps depends on the data)."""
+    from sparse_jax import kascade_prefill as kp
+
+    s, hq, d = context, cfg.num_heads, cfg.head_dim
+    causal = s * (s + 1) / 2
+    per_token = 2 * (cfg.hidden_size * (hq + 2 * cfg.num_kv_heads) * d + hq * d * cfg.hidden_size
+                     + 3 * cfg.hidden_size * cfg.intermediate_size)
+    linear = batch * (cfg.num_layers * per_token * s + 2 * cfg.hidden_size * cfg.vocab_size)
+    qk_pv = 4 * batch * hq * d  # per attended (query, key) pair of every head
+    attention, selection = cfg.num_layers * qk_pv * causal, 0.0
+    if getattr(method, "tiled_prefill", False):
+        args = method._prefill_args()
+        counts = np.asarray(kp.tile_counts(jnp.array([s]), s, args["tile"], budget=args["budget"],
+                                           fraction=args["fraction"], min_keys=args["min_keys"]))[0]
+        t = args["tile"]
+        diag = kp.num_tiles(s, t) * t * (t + 1) / 2  # each tile's own causal square
+        tiled = float(t * counts.sum() + diag)
+        anchors = len(method.anchors)
+        dense_anchor = 1 if method.dense_first_anchor else 0
+        attention = qk_pv * (dense_anchor * causal + (cfg.num_layers - dense_anchor) * tiled)
+        selection = anchors * qk_pv / 2 * causal
+    else:
+        tsa = method.sparse_prefill()
+        if tsa is not None:
+            layers = [i for i in range(cfg.num_layers) if method.is_sparse_prefill_layer(i, cfg.num_layers)]
+            if tsa.keep_fraction is not None:
+                from sparse_jax.prefill import fixed_keep_counts
+
+                keep = int(fixed_keep_counts(jnp.array([s]), tsa.keep_fraction, min_tokens=tsa.min_tokens,
+                                             window=tsa.window)[0])
+            else:
+                return None  # tau's count depends on the data: no floor without it
+            m = keep + tsa.window
+            attention = qk_pv * ((cfg.num_layers - len(layers)) * causal + len(layers) * m * (m + 1) / 2)
+            selection = len(layers) * qk_pv / 2 * tsa.window * s
+    return dict(linear=linear, attention=attention, selection=selection)
+
+
 def prefill_rows(a) -> list[dict]:
     """Whole-model prefill of ``--context`` tokens per row (``prefill`` part): ms per
     prefill through the layer driver (unrolled), and the device's peak memory."""
     from benchmarks.offload import qwen3_8b, random_model
+    from benchmarks.prefill_bench import peak_flops
     from models import transformer as tfm
     from models.config import get_config
     from models.driver import init_cache
@@ -193,6 +241,7 @@ def prefill_rows(a) -> list[dict]:
     names = a.methods.split(",")
     for name in names:
         make(name)  # a bad name fails before any device work
+    peak = peak_flops(jax.devices()[0].device_kind)
     rows = []
     for name in names:
         method = make(name).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
@@ -211,10 +260,17 @@ def prefill_rows(a) -> list[dict]:
                 times.append((time.perf_counter() - t1) * 1e3)
         stats = jax.devices()[0].memory_stats() or {}
         ms = float(np.median(times))
+        flops = prefill_flops(cfg, method, a.batch, a.context)
+        floor = None if peak is None or flops is None else sum(flops.values()) / peak * 1e3
         row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers,
                "prefill_ms": round(ms, 1), "tokens_per_s": round(a.batch * a.context * 1e3 / ms, 1),
                "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2 ** 30, 2),
+               "floor_ms": None if floor is None else round(floor, 1),
+               "x_floor": None if floor is None else round(ms / floor, 2),
+               **({} if flops is None else {"attn_tflop": round(flops["attention"] / 1e12, 1),
+                                            "linear_tflop": round(flops["linear"] / 1e12, 1)}),
                "finite": bool(jnp.all(jnp.isfinite(logits))), "wall_s": round(time.perf_counter() - t0, 1)}
+        row = {k: v for k, v in row.items() if v is not None}  # blank cells, not "None"
         rows.append(row)
         print(row, flush=True)
         del cache, model, fns
@@ -261,7 +317,8 @@ def main(argv=None):
         title = "Kascade decode attention against cuDNN dense (Qwen3-8B heads: 32/8, D=128, bf16)"
     elif a.part == "prefill":
         rows = prefill_rows(a)
-        cols = ["method", "batch", "context", "layers", "prefill_ms", "tokens_per_s", "peak_gib", "finite"]
+        cols = ["method", "batch", "context", "layers", "prefill_ms", "tokens_per_s", "floor_ms", "x_floor",
+                "attn_tflop", "linear_tflop", "peak_gib", "finite"]
         title = (f"Whole-model prefill through the layer driver ({a.model} shape, random bf16 weights, "
                  "unrolled)")
     else:

@@ -27,3 +27,39 @@ def test_tsa_fraction_rows_build_token_sparse_methods(monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         kascade_bench.main(["prefill", "--methods", "tsa@0.25", "--model", "llama-3.1-8b", "--context", "256"])
     assert built == [("llama-3.1-8b", 32, "token_sparse", {"keep_fraction": 0.25})]
+
+
+def _llama(context):
+    import dataclasses
+
+    from models.config import get_config
+
+    return dataclasses.replace(get_config("llama-3.1-8b"), max_position=context)
+
+
+def test_prefill_floor_counts_every_part():
+    """The floor's FLOP, by hand for dense, and the sparse rows' attention below it by the
+    pairs they skip (``floor_ms`` in the prefill table)."""
+    from sparse_jax.methods import get_method
+
+    s = 4096
+    cfg = _llama(s)
+    bound = lambda m: m.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)  # noqa: E731
+    dense = kascade_bench.prefill_flops(cfg, bound(get_method("dense")), 2, s)
+    h, d, L = cfg.num_heads, cfg.head_dim, cfg.num_layers
+    assert dense["attention"] == pytest.approx(L * 4 * 2 * h * d * s * (s + 1) / 2)
+    per_token = 2 * (4096 * (32 + 16) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336)
+    assert dense["linear"] == pytest.approx(2 * (L * per_token * s + 2 * 4096 * cfg.vocab_size))
+    assert dense["selection"] == 0
+
+    half = kascade_bench.prefill_flops(
+        cfg, bound(get_method("dense", prefill="token_sparse", prefill_options=(("keep_fraction", 0.5),))), 2, s)
+    m = (s - 128) // 2 + 128  # half the prefix, and the window
+    assert half["attention"] == pytest.approx(4 * 2 * h * d * (L // 2 * s * (s + 1) / 2 + L // 2 * m * (m + 1) / 2))
+    assert half["linear"] == dense["linear"] and half["selection"] > 0
+    assert kascade_bench.prefill_flops(cfg, bound(get_method("dense", prefill="token_sparse")), 2, s) is None
+
+    kas = kascade_bench.prefill_flops(cfg, bound(get_method("kascade", tiled_prefill=True)), 2, s)
+    # 31 of 32 layers attend about 10% of each prefix: far below dense, above the one dense anchor
+    assert dense["attention"] / L < kas["attention"] < 0.2 * dense["attention"]
+    assert kas["selection"] == pytest.approx(5 * 4 * 2 * h * d / 2 * s * (s + 1) / 2)
