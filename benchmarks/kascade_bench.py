@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import time
 
@@ -156,7 +157,7 @@ def e2e_rows(a) -> list[dict]:
         cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
         t0 = time.perf_counter()
         ms, cache = time_steps(step, cache, tokens, a.steps, a.rounds)
-        row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers, "step_ms": round(ms, 3),
+        row = {"model": a.model, "method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers, "step_ms": round(ms, 3),
                "tokens_per_s": round(a.batch * 1e3 / ms, 1), "wall_s": round(time.perf_counter() - t0, 1)}
         if a.profile:
             prof, cache = kernel_profile(step, cache, tokens, 4, f"{a.trace_dir}/{name}")
@@ -212,33 +213,50 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
     return dict(linear=linear, attention=attention, selection=selection)
 
 
+def prefill_model(model: str, context: int, layers: int | None = None):
+    """The ``--model`` shape's config at ``context`` tokens, and its Kascade anchors:
+    Qwen3-8B's as in the decode benchmarks; elsewhere Kascade's fallback (5 spread)."""
+    from benchmarks.offload import qwen3_8b
+    from models.config import get_config
+
+    base = qwen3_8b(context) if model == "qwen3-8b" else dataclasses.replace(get_config(model), max_position=context)
+    cfg = dataclasses.replace(base, num_layers=layers or base.num_layers)
+    anchors = QWEN3_ANCHORS if (model == "qwen3-8b" and cfg.num_layers == 36) else None
+    return cfg, anchors
+
+
+def prefill_method(name: str, *, anchors=None, chunk_bytes: int = 2 << 30):
+    """A ``prefill`` row's method by name (module docstring); SystemExit on a bad one."""
+    from sparse_jax.methods import get_method
+
+    if name == "dense":
+        return get_method("dense")
+    if name == "kascade_tiled":
+        return get_method("kascade", anchors=anchors, tiled_prefill=True, prefill_chunk_bytes=chunk_bytes)
+    if name == "tsa":
+        return get_method("dense", prefill="token_sparse")
+    if name.startswith("tsa@"):
+        try:
+            fraction = float(name[4:])
+        except ValueError:
+            fraction = None
+        if fraction is not None:
+            return get_method("dense", prefill="token_sparse", prefill_options=(("keep_fraction", fraction),))
+    raise SystemExit(f"unknown prefill method {name!r}: dense, kascade_tiled, tsa, tsa@F")
+
+
 def prefill_rows(a) -> list[dict]:
     """Whole-model prefill of ``--context`` tokens per row (``prefill`` part): ms per
     prefill through the layer driver (unrolled), and the device's peak memory."""
-    from benchmarks.offload import qwen3_8b, random_model
+    from benchmarks.offload import random_model
     from benchmarks.prefill_bench import peak_flops
     from models import transformer as tfm
-    from models.config import get_config
     from models.driver import init_cache
-    from sparse_jax.methods import get_method
 
     cap = a.context
-    base = qwen3_8b(cap) if a.model == "qwen3-8b" else dataclasses.replace(get_config(a.model), max_position=cap)
-    cfg = dataclasses.replace(base, num_layers=a.layers or base.num_layers)
-    # Qwen3-8B's anchors as in the decode benchmarks; elsewhere Kascade's fallback (5 spread)
-    anchors = QWEN3_ANCHORS if (a.model == "qwen3-8b" and cfg.num_layers == 36) else None
+    cfg, anchors = prefill_model(a.model, cap, a.layers)
 
-    def make(name):
-        if name == "dense":
-            return get_method("dense")
-        if name == "kascade_tiled":
-            return get_method("kascade", anchors=anchors, tiled_prefill=True, prefill_chunk_bytes=a.chunk_bytes)
-        if name == "tsa":
-            return get_method("dense", prefill="token_sparse")
-        if name.startswith("tsa@"):
-            return get_method("dense", prefill="token_sparse",
-                              prefill_options=(("keep_fraction", float(name[4:])),))
-        raise SystemExit(f"unknown prefill method {name!r}: dense, kascade_tiled, tsa, tsa@F")
+    make = functools.partial(prefill_method, anchors=anchors, chunk_bytes=a.chunk_bytes)
 
     names = a.methods.split(",")
     for name in names:
@@ -269,7 +287,7 @@ def prefill_rows(a) -> list[dict]:
         ms = float(np.median(times))
         flops = prefill_flops(cfg, method, a.batch, a.context)
         floor = None if peak is None or flops is None else sum(flops.values()) / peak * 1e3
-        row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers,
+        row = {"model": a.model, "method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers,
                "prefill_ms": round(ms, 1), "tokens_per_s": round(a.batch * a.context * 1e3 / ms, 1),
                "temp_gib": None if temp is None else round(temp / 2 ** 30, 2),
                "process_peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2 ** 30, 2),
@@ -283,6 +301,86 @@ def prefill_rows(a) -> list[dict]:
         print(row, flush=True)
         del cache, model, fns
     return rows
+
+
+def combine_prefill(paths) -> list[dict]:
+    """One table from several ``prefill`` result files (e.g. a method run alone at 128K,
+    where one process cannot hold two 8B-shaped programs). Every row keeps the command,
+    commit and date it came from; rows from before the floor column get it (the same
+    :func:`prefill_flops`, H100 peak), and ``x_dense`` is over the dense row of the same
+    model and context."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    from benchmarks.prefill_bench import peak_flops
+
+    rows = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        args = shlex.split(d.get("command") or "")
+        model = args[args.index("--model") + 1] if "--model" in args else "qwen3-8b"
+        for r in d["rows"]:
+            r = {"model": model, **r, "command": d.get("command"), "git_commit": d.get("git_commit"),
+                 "date": d.get("date")}
+            peak = peak_flops(d.get("device", ""))
+            if "floor_ms" not in r and peak:
+                cfg, anchors = prefill_model(r["model"], r["context"], r["layers"])
+                method = prefill_method(r["method"], anchors=anchors).for_model(
+                    cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
+                flops = prefill_flops(cfg, method, r["batch"], r["context"])
+                if flops is not None:
+                    r["floor_ms"] = round(sum(flops.values()) / peak * 1e3, 1)
+                    r["x_floor"] = round(r["prefill_ms"] / r["floor_ms"], 2)
+                    r["attn_tflop"] = round(flops["attention"] / 1e12, 1)
+                    r["linear_tflop"] = round(flops["linear"] / 1e12, 1)
+            rows.append(r)
+    dense = {(r["model"], r["context"]): r["prefill_ms"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        if (r["model"], r["context"]) in dense:
+            r["x_dense"] = round(dense[r["model"], r["context"]] / r["prefill_ms"], 2)
+    rows.sort(key=lambda r: (r["model"], r["context"], r["method"] != "dense"))
+    return rows
+
+
+def plot_prefill(rows: list[dict], path) -> None:
+    """Whole-model prefill: speed over dense (left) and time over the FLOP floor (right)
+    against context, one line per (model, method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    models = sorted({r.get("model", "qwen3-8b") for r in rows})
+    for model in models:
+        mine = [r for r in rows if r.get("model", "qwen3-8b") == model]
+        dense = {r["context"]: r["prefill_ms"] for r in mine if r["method"] == "dense"}
+        for method in dict.fromkeys(r["method"] for r in mine):
+            pts = sorted((r["context"], r) for r in mine if r["method"] == method)
+            style = "-o" if model == "qwen3-8b" else "--s"
+            label = f"{method} ({model})"
+            if method != "dense":
+                xs = [c for c, _ in pts if c in dense]
+                ax.plot(xs, [dense[c] / r["prefill_ms"] for c, r in pts if c in dense], style, label=label)
+            xs = [c for c, r in pts if "x_floor" in r]
+            bx.plot(xs, [r["x_floor"] for c, r in pts if "x_floor" in r], style, label=label)
+    for a_, title in ((ax, "prefill speed over cuDNN dense (B=1)"), (bx, "time over its FLOP floor")):
+        a_.set_xscale("log", base=2)
+        a_.set_xlabel("context (tokens)")
+        a_.set_title(title)
+        a_.grid(alpha=0.3)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("x dense")
+    bx.set_ylabel("x floor")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+PREFILL_COLS = ["model", "method", "batch", "context", "layers", "prefill_ms", "x_dense", "tokens_per_s", "floor_ms",
+                "x_floor", "attn_tflop", "linear_tflop", "temp_gib", "finite"]
 
 
 def main(argv=None):
@@ -311,11 +409,28 @@ def main(argv=None):
                     help="dense, kascade_tiled (composed), tsa (Token Sparse at tau=0.005 on the second half of "
                          "the layers), tsa@F (the same keeping a fraction F of each prefix)")
     pp.add_argument("--chunk-bytes", type=int, default=2 << 30, help="Kascade.prefill_chunk_bytes")
-    for sp in (pa, pe, pp):
+    pc = sub.add_parser("combine", help="one table and plot from several prefill result files")
+    pc.add_argument("files", nargs="+")
+    for sp in (pa, pe, pp, pc):
         sp.add_argument("--out", default=None)
         sp.add_argument("--name", default=None)
     a = p.parse_args(argv)
-    if a.part == "attention":
+    if a.part == "combine":
+        from pathlib import Path
+
+        from benchmarks.timing import RESULTS_DIR
+
+        rows = combine_prefill(a.files)
+        name = a.name or "kascade_prefill_model_combined"
+        sources = sorted({(r["command"], r["git_commit"], r["date"]) for r in rows})
+        md = (f"# Whole-model prefill against cuDNN dense (random bf16 weights, unrolled, B=1)\n\n"
+              + "\n".join(f"- `{c}` (commit {g}, {d})" for c, g, d in sources) + "\n\n"
+              + markdown_table(rows, PREFILL_COLS))
+        out = Path(a.out or RESULTS_DIR)
+        write_results(name, {"rows": rows, "sources": sources}, md, out_dir=out)
+        plot_prefill(rows, out / f"{name}.png")
+        print(md)
+        return
         rows = []
         for shape in a.shapes.split(","):
             b, s = (int(x) for x in shape.lower().split("x"))
@@ -325,8 +440,7 @@ def main(argv=None):
         title = "Kascade decode attention against cuDNN dense (Qwen3-8B heads: 32/8, D=128, bf16)"
     elif a.part == "prefill":
         rows = prefill_rows(a)
-        cols = ["method", "batch", "context", "layers", "prefill_ms", "tokens_per_s", "floor_ms", "x_floor",
-                "attn_tflop", "linear_tflop", "temp_gib", "process_peak_gib", "finite"]
+        cols = [c for c in PREFILL_COLS if c != "x_dense"] + ["process_peak_gib"]
         title = (f"Whole-model prefill through the layer driver ({a.model} shape, random bf16 weights, "
                  "unrolled)")
     else:
