@@ -353,6 +353,8 @@ def plot_prefill(rows: list[dict], path) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     models = sorted({r.get("model", "qwen3-8b") for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    color = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in both panels
     for model in models:
         mine = [r for r in rows if r.get("model", "qwen3-8b") == model]
         dense = {r["context"]: r["prefill_ms"] for r in mine if r["method"] == "dense"}
@@ -362,9 +364,10 @@ def plot_prefill(rows: list[dict], path) -> None:
             label = f"{method} ({model})"
             if method != "dense":
                 xs = [c for c, _ in pts if c in dense]
-                ax.plot(xs, [dense[c] / r["prefill_ms"] for c, r in pts if c in dense], style, label=label)
+                ax.plot(xs, [dense[c] / r["prefill_ms"] for c, r in pts if c in dense], style, label=label,
+                        color=color[method])
             xs = [c for c, r in pts if "x_floor" in r]
-            bx.plot(xs, [r["x_floor"] for c, r in pts if "x_floor" in r], style, label=label)
+            bx.plot(xs, [r["x_floor"] for c, r in pts if "x_floor" in r], style, label=label, color=color[method])
     for a_, title in ((ax, "prefill speed over cuDNN dense (B=1)"), (bx, "time over its FLOP floor")):
         a_.set_xscale("log", base=2)
         a_.set_xlabel("context (tokens)")
@@ -373,7 +376,7 @@ def plot_prefill(rows: list[dict], path) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("x dense")
     bx.set_ylabel("x floor")
-    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
