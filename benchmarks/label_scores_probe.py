@@ -17,6 +17,11 @@ B=1. Two candidate sets:
   (``block_label_scores``, no candidate array);
 * ``random``: 8192 random token positions (``label_scores`` only).
 
+Two layouts of the labels: ``LabelCache`` (codes, scales and offsets in three
+arrays) and ``LabelRecords`` (one interleaved record per token, the "records"
+variants; ``--only records`` runs those, ``--only logits`` both layouts' logits
+variants).
+
 Every variant is checked against the jnp reference (max abs error on the
 probabilities, which sum to 1 over C), then timed with
 ``benchmarks.timing.time_fn`` over 4 rotating input sets (different
@@ -39,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import markdown_table, stamp, time_fn, write_results
-from pallas_kernels.labels import LabelCache
+from pallas_kernels.labels import LabelCache, interleave_labels
 from sparse_jax.ops.scoring import block_label_scores, label_scores
 
 HQ, HKV, D, R, BITS = 32, 8, 128, 32, 4
@@ -55,6 +60,9 @@ VARIANTS = [
     ("two_pass", "block", dict(mode="two_pass")),
     ("logits", "block", dict(mode="logits")),
     ("logits hoist_q=False", "block", dict(mode="logits", hoist_q=False)),
+    # the interleaved label record (one record per token: codes, scale, offset)
+    ("logits records", "cand", dict(mode="logits", layout="records")),
+    ("logits records", "block", dict(mode="logits", layout="records")),
 ]
 SWEEP = [
     dict(hoist_q=False), dict(hoist_q=False, prefetch=1), dict(hoist_q=False, num_warps=8),
@@ -99,8 +107,10 @@ def run_shape(b, variants, rows, check=True):
                                                                 impl="reference"))
     refs = {name: np.asarray(ref_fn(q, cache, channels, cand, counts, lengths))
             for name, cand in (("blocks", sets[0][1]), ("random", sets[0][2]))}
+    records = interleave_labels(cache, bits=BITS)
     for name, api, tuning in variants:
         tuning = dict(tuning)
+        labels = records if tuning.pop("layout", "cache") == "records" else cache
         if api == "block":
             fn = jax.jit(lambda q, lab, ch, bid, n, L, t=tuning: block_label_scores(
                 q, lab, ch, bid, n, L, block_size=BLOCK, impl="pallas", **t))
@@ -111,9 +121,9 @@ def run_shape(b, variants, rows, check=True):
             label = f"{name} [{'block ids' if api == 'block' else 'cand array'}]"
             try:
                 if api == "block":
-                    argsets = [(q, cache, channels, s[0], bcounts, lengths) for s in sets]
+                    argsets = [(q, labels, channels, s[0], bcounts, lengths) for s in sets]
                 else:
-                    argsets = [(q, cache, channels, s[1] if cands == "blocks" else s[2], counts, lengths)
+                    argsets = [(q, labels, channels, s[1] if cands == "blocks" else s[2], counts, lengths)
                                for s in sets]
                 err = float("nan")
                 if check:
@@ -123,7 +133,7 @@ def run_shape(b, variants, rows, check=True):
                             warmup=3 if NSETS > 2 else 1)
                 kern = ", ".join(f"{_short(n)} {ms * 1e3:.1f}" for n, ms in (t.kernels or []))
                 rows.append({"B": b, "cands": cands, "variant": label, "tuning": str(tuning),
-                             "device_us": (t.device_ms or float("nan")) * 1e3, "wall_us": t.wall_ms * 1e3,
+                             "layout": type(labels).__name__, "device_us": (t.device_ms or float("nan")) * 1e3, "wall_us": t.wall_ms * 1e3,
                              "max_err": err, "kernels_us": kern})
             except Exception as e:  # noqa: BLE001 - report and go on
                 traceback.print_exc()
@@ -148,6 +158,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also a few tunings of the two modes at B=8")
     ap.add_argument("--out", default=None, help="write label_scores_probe.{json,md} there")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of this script)")
+    ap.add_argument("--only", default=None, help="only the variants whose name contains this")
     args = ap.parse_args(argv)
     if args.smoke:
         global S, C, NSETS
@@ -156,13 +167,14 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         print("warning: no GPU: the Pallas kernels run in interpret mode (very slow)", file=sys.stderr)
     rows = []
+    variants = [v for v in VARIANTS if args.only is None or args.only in v[0]]
     for b in (int(x) for x in args.batches.split(",")):
-        run_shape(b, VARIANTS, rows)
+        run_shape(b, variants, rows)
     if args.sweep:
         sweep = [(f"{mode} {t}", api, dict(mode=mode, **t)) for mode in ("logits", "two_pass")
                  for api in ("block", "cand") for t in SWEEP]
         run_shape(8, sweep, rows, check=True)
-    cols = ["B", "cands", "variant", "tuning", "device_us", "wall_us", "max_err", "kernels_us"]
+    cols = ["B", "cands", "variant", "layout", "tuning", "device_us", "wall_us", "max_err", "kernels_us"]
     table = markdown_table(rows, cols, {"device_us": ".1f", "wall_us": ".1f", "max_err": ".1e"})
     print()
     print(table)

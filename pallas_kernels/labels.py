@@ -131,6 +131,10 @@ from pallas_kernels._util import next_pow2, prev_pow2
 
 __all__ = [
     "LabelCache",
+    "LabelRecords",
+    "record_layout",
+    "interleave_labels",
+    "deinterleave_labels",
     "SUPPORTED_BITS",
     "build_label_cache_reference",
     "update_label_cache_reference",
@@ -157,6 +161,67 @@ class LabelCache(NamedTuple):
     packed: jax.Array  # uint8[B, Hkv, S, r * bits // 8]
     scale: jax.Array  # float32[B, Hkv, S]
     offset: jax.Array  # float32[B, Hkv, S]
+
+
+class LabelRecords(NamedTuple):
+    """The label cache interleaved, one record per token (a pytree): ``int32[B, Hkv, S, Wr]``.
+
+    A record holds the token's ``nw = r * bits // 32`` little-endian code words (the
+    bytes of ``LabelCache.packed``, four to a word), then its f32 scale and offset as
+    raw bits, then zero words up to ``Wr = next_pow2(nw + 2)`` (Triton tensors are
+    powers of two): 16 B at r=16, 32 B at r=32 (INT4). A scattered candidate then
+    costs one 32-byte sector instead of three (row, scale and offset in three
+    arrays), at the price of the padding at r=32 (24 B used of 32).
+    """
+
+    words: jax.Array  # int32[B, Hkv, S, Wr]
+
+
+def record_layout(r: int, bits: int) -> tuple[int, int]:
+    """``(nw, Wr)``: code words and record words per token (:class:`LabelRecords`);
+    ValueError when the codes are not whole 32-bit words (``r * bits % 32``)."""
+    if (r * bits) % 32:
+        raise ValueError(f"label records need whole 32-bit code words: r * bits = {r} * {bits} is not a "
+                         "multiple of 32")
+    nw = r * bits // 32
+    return nw, next_pow2(nw + 2)
+
+
+@functools.partial(jax.jit, static_argnames=("bits",))
+def interleave_labels(cache, *, bits=4) -> LabelRecords:
+    """:class:`LabelRecords` of a :class:`LabelCache` (the same numbers, one array)."""
+    b, hkv, s, w = cache.packed.shape
+    nw, wr = record_layout(w * 8 // bits, bits)
+    code = lax.bitcast_convert_type(cache.packed.reshape(b, hkv, s, nw, 4), jnp.int32)  # little-endian words
+    meta = lax.bitcast_convert_type(jnp.stack([cache.scale, cache.offset], -1).astype(jnp.float32), jnp.int32)
+    pad = jnp.zeros((b, hkv, s, wr - nw - 2), jnp.int32)
+    return LabelRecords(jnp.concatenate([code, meta, pad], axis=-1))
+
+
+@functools.partial(jax.jit, static_argnames=("r", "bits"))
+def deinterleave_labels(records: LabelRecords, *, r: int, bits=4) -> LabelCache:
+    """The :class:`LabelCache` of :class:`LabelRecords` (``r`` channels a token)."""
+    nw, wr = record_layout(r, bits)
+    words = records.words
+    if words.shape[-1] != wr:
+        raise ValueError(f"label records of r={r}, bits={bits} have {wr} words a token, got {words.shape[-1]}")
+    packed = lax.bitcast_convert_type(words[..., :nw], jnp.uint8).reshape(words.shape[:3] + (nw * 4,))
+    meta = lax.bitcast_convert_type(words[..., nw:nw + 2], jnp.float32)
+    return LabelCache(packed, meta[..., 0], meta[..., 1])
+
+
+def as_label_cache(labels, r: int, bits: int):
+    """``labels`` as a :class:`LabelCache` (records are de-interleaved)."""
+    return deinterleave_labels(labels, r=r, bits=bits) if isinstance(labels, LabelRecords) else labels
+
+
+def label_dims(labels, r: int, bits: int) -> tuple[int, int, int, int]:
+    """``(B, Hkv, S, W)`` with ``W`` the packed code bytes a token, of either layout."""
+    if isinstance(labels, LabelRecords):
+        record_layout(r, bits)
+        b, hkv, s, wr = labels.words.shape
+        return b, hkv, s, r * bits // 8
+    return labels.packed.shape
 
 
 def _is_pow2(n: int) -> bool:
@@ -256,7 +321,9 @@ def _valid_positions(pos, idx, counts, lengths, seq_len):
 @functools.partial(jax.jit, static_argnames=("scale", "bits"))
 def label_scores_reference(q, labels, channels, candidates=None, counts=None, *, lengths=None,
                            scale=None, bits=4):
-    """``float32[B, Hkv, C]`` (C = S when ``candidates`` is None). See module docstring."""
+    """``float32[B, Hkv, C]`` (C = S when ``candidates`` is None). See module docstring.
+    ``labels``: a :class:`LabelCache` or :class:`LabelRecords`."""
+    labels = as_label_cache(labels, channels.shape[-1], bits)
     b, hq, d = q.shape
     _, hkv, s, w = labels.packed.shape
     g = hq // hkv
@@ -567,21 +634,28 @@ def _combine_stats(m_in, l_in, group):
     return maxes, weights
 
 
-def _looped_body(len_ref, cnt_ref, src_ref, q_ref, packed_ref, scale_ref, offset_ref,
-                 *rest, phase, source, seq_len, num_cand, block_c, tiles_per_prog, num_tiles,
-                 group, bits, block_size, num_block_slots, words, hoist_q, prefetch):
+def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
+                 tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
+                 prefetch, record=False):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
-    # field (see _prepare_query); packed_ref: [S, W] uint8;
-    # scale_ref, offset_ref: [S] f32. rest by phase:
+    # field (see _prepare_query); then the labels: packed_ref [S, W] uint8,
+    # scale_ref, offset_ref [S] f32; or with ``record`` rec_ref [S, Wr] int32
+    # (LabelRecords: N code words, scale and offset bits, padding). rest by phase:
     #   "stats":  m_ref, l_ref [P, G]                  (outputs)
     #   "logits": logit_ref [G, C], m_ref, l_ref [P, G] (outputs)
     #   "scores": m_in, l_in [P, G] (inputs), out_ref [C] (output)
+    if record:
+        rec_ref, rest = refs[0], refs[1:]
+        width = q_ref.shape[-1]  # code words a token
+    else:
+        packed_ref, scale_ref, offset_ref = refs[:3]
+        rest = refs[3:]
+        width = packed_ref.shape[-1]
     tc = block_c
     levels = (1 << bits) - 1
     vpb = 8 // bits
-    width = packed_ref.shape[-1]
     lanes = jnp.arange(tc, dtype=jnp.int32)
     p = pl.program_id(2)
     t_first = p * tiles_per_prog
@@ -619,6 +693,16 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, packed_ref, scale_ref, offset
         ok = pos >= 0
         posc = jnp.maximum(pos, 0)
         cols = jnp.arange(width, dtype=jnp.int32)
+        if record:
+            # The code words, then scale and offset from the same record (the same
+            # 32-byte sector): two vector loads, one memory transaction.
+            rows = plgpu.load(rec_ref.at[posc[:, None], cols[None, :]], mask=ok[:, None], other=0)
+            two = jnp.arange(2, dtype=jnp.int32)
+            meta = plgpu.load(rec_ref.at[posc[:, None], width + two[None, :]], mask=ok[:, None], other=0)
+            # an in-thread pick of each column (the row sits in one thread)
+            lsc = lax.bitcast_convert_type(jnp.sum(jnp.where(two[None, :] == 0, meta, 0), axis=1), jnp.float32)
+            loff = lax.bitcast_convert_type(jnp.sum(jnp.where(two[None, :] == 1, meta, 0), axis=1), jnp.float32)
+            return rows, lsc, loff
         # One row per thread, contiguous along W: a single vector load per row.
         rows = plgpu.load(packed_ref.at[posc[:, None], cols[None, :]], mask=ok[:, None], other=0)
         lsc = plgpu.load(scale_ref.at[posc], mask=ok, other=0.0)
@@ -821,9 +905,10 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
                    sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
                    hoist_q, interpret, return_raw):
     b, hq, _ = q.shape
-    _, hkv, s, w = labels.packed.shape
-    g = hq // hkv
     r = channels.shape[-1]
+    record = isinstance(labels, LabelRecords)
+    _, hkv, s, w = label_dims(labels, r, bits)
+    g = hq // hkv
     if not (_is_pow2(w) and _is_pow2(block_c)):
         raise ValueError("label_scores_kernel needs power-of-two r*bits//8 and block_c")
     if prefetch < 0:
@@ -840,7 +925,7 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     common = dict(
         source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
         num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
-        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch)
+        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record)
     qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
     in_specs = [
@@ -848,17 +933,19 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         pl.BlockSpec((None, None), lambda i, j, t: (i, j)),
         pl.BlockSpec((None, None, src.shape[-1]), lambda i, j, t: (i, j, 0)),
         pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0)),
-        pl.BlockSpec((None, None, s, w), lambda i, j, t: (i, j, 0, 0)),
-        meta_spec,
-        meta_spec,
     ]
-    args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), qp,
-            labels.packed, labels.scale, labels.offset)
+    args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), qp)
+    if record:
+        in_specs.append(pl.BlockSpec((None, None, s, labels.words.shape[-1]), lambda i, j, t: (i, j, 0, 0)))
+        args += (labels.words,)
+    else:
+        in_specs += [pl.BlockSpec((None, None, s, w), lambda i, j, t: (i, j, 0, 0)), meta_spec, meta_spec]
+        args += (labels.packed, labels.scale, labels.offset)
     stat_spec = pl.BlockSpec((None, None, nsplit, g), lambda i, j, t: (i, j, 0, 0))
     stat = jax.ShapeDtypeStruct((b, hkv, nsplit, g), jnp.float32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     grid = (b, hkv, nsplit)
-    tag = f"{source}_c{block_c}_p{nsplit}"
+    tag = f"{source}_c{block_c}_p{nsplit}" + ("_rec" if record else "")
     out_spec = pl.BlockSpec((None, None, num_cand), lambda i, j, t: (i, j, 0))
     out_shape = jax.ShapeDtypeStruct((b, hkv, num_cand), jnp.float32)
     if mode == "logits":
@@ -942,12 +1029,12 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     """
     _check_mode(mode)
     b, hq, d = q.shape
-    _, hkv, s, w = labels.packed.shape
+    _, hkv, s, w = label_dims(labels, channels.shape[-1], bits)
     check_packed_width(w, channels.shape[-1], bits)
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
     if mode == "per_tile":
         return _per_tile_scores(
-            q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
+            q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
             block_c=64 if block_c is None else block_c, num_warps=4 if num_warps is None else num_warps,
             num_stages=2 if num_stages is None else num_stages, interpret=interpret,
             return_raw=return_raw)
@@ -992,7 +1079,7 @@ def block_label_scores_reference(q, labels, channels, block_ids, block_counts, l
     """``float32[B, Hkv, NBsel * block_size]``: ``label_scores`` over the tokens of the
     selected blocks, in block-slot order (``expand_blocks`` says what is masked)."""
     pos = expand_blocks(block_ids, block_counts, lengths, block_size=block_size,
-                        seq_len=labels.packed.shape[2])
+                        seq_len=label_dims(labels, channels.shape[-1], bits)[2])
     return label_scores_reference(q, labels, channels, pos, None, lengths=lengths, scale=scale,
                                   bits=bits)
 
@@ -1010,7 +1097,7 @@ def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, leng
     if mode == "per_tile":
         raise ValueError("block_label_scores_kernel has no 'per_tile' mode")
     b, hq, d = q.shape
-    _, hkv, s, w = labels.packed.shape
+    _, hkv, s, w = label_dims(labels, channels.shape[-1], bits)
     check_packed_width(w, channels.shape[-1], bits)
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
     return _looped_scores(

@@ -527,6 +527,101 @@ def test_kernels_lower_to_triton(monkeypatch):
                                                                                  mode=mode),
              (q, cache32, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
         ]
+    rec32 = lb.LabelRecords(sd((2, 3, 300, 8), jnp.int32))  # r = 32: 4 code words, scale, offset, padding
+    for mode in ("two_pass", "logits"):
+        fns += [
+            (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l, mode=mode),
+             (q8, rec32, ch32, cand, cnt, lens)),
+            (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
+                                                                                 mode=mode),
+             (q, rec32, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+        ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+
+
+# ----------------------------------------------------------------------------
+# Interleaved label records: one record per token, the same numbers
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r,bits,wr", [(16, 4, 4), (32, 4, 8), (16, 8, 8), (32, 2, 4)])
+def test_label_records_round_trip(r, bits, wr):
+    from pallas_kernels import labels as lb
+
+    k = _keys(r + bits, 2, 3, 37, 64, jnp.float32)
+    channels = _channels(r, 3, 64, r)
+    cache = scoring.build_label_cache(k, channels, bits=bits, impl="reference")
+    rec = lb.interleave_labels(cache, bits=bits)
+    assert rec.words.shape == (2, 3, 37, wr) and rec.words.dtype == jnp.int32
+    back = lb.deinterleave_labels(rec, r=r, bits=bits)
+    for a, b_ in zip(cache, back):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))  # bit for bit
+    nw = r * bits // 32
+    assert np.all(np.asarray(rec.words[..., nw + 2:]) == 0)  # the padding
+    np.testing.assert_array_equal(np.asarray(rec.words[..., nw]).view(np.float32), np.asarray(cache.scale))
+
+
+def test_label_records_refuse_partial_words():
+    from pallas_kernels import labels as lb
+
+    with pytest.raises(ValueError, match="whole 32-bit code words"):
+        lb.record_layout(4, 4)
+
+
+@pytest.mark.parametrize("hq,hkv,d,r,bits,c,tuning", [LOOPED_CASES[i] for i in (0, 1, 3, 5)] + [
+    (4, 2, 64, 16, 8, 29, dict(mode="logits", block_c=16, splits=2))])
+def test_label_scores_records_equal_the_cache(hq, hkv, d, r, bits, c, tuning):
+    """The kernel over interleaved records gives the cache's numbers: scattered
+    candidates with junk past the count and past the length, an empty row."""
+    from pallas_kernels import labels as lb
+
+    b, s = 2, 90
+    dtype = jnp.bfloat16 if d == 128 else jnp.float32
+    k = _keys(hq + c + 1, b, hkv, s, d, dtype)
+    channels = _channels(hq + r + 1, hkv, d, r)
+    cache = scoring.build_label_cache(k, channels, bits=bits, impl="reference")
+    rec = scoring.interleave_labels(cache, bits=bits)
+    q = _randn(c + r + 1, (b, hq, d), dtype, 2.0)
+    rng = np.random.default_rng(c + 1)
+    lengths = jnp.asarray([90, 61], jnp.int32)
+    cand = rng.integers(-5, 95, size=(b, hkv, c))
+    counts = rng.integers(1, c + 1, size=(b, hkv))
+    counts[1, -1] = 0
+    args = (jnp.asarray(cand, jnp.int32), jnp.asarray(counts, jnp.int32))
+    want = scoring.label_scores(q, cache, channels, *args, lengths=lengths, bits=bits, impl="pallas", **tuning)
+    got = scoring.label_scores(q, rec, channels, *args, lengths=lengths, bits=bits, impl="pallas", **tuning)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    ref = scoring.label_scores(q, rec, channels, *args, lengths=lengths, bits=bits, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=1e-6)
+    # all positions, and the block path
+    dense = scoring.label_scores(q, rec, channels, lengths=lengths, bits=bits, impl="pallas", **tuning)
+    np.testing.assert_array_equal(
+        np.asarray(dense),
+        np.asarray(scoring.label_scores(q, cache, channels, lengths=lengths, bits=bits, impl="pallas", **tuning)))
+    bid = jnp.asarray(rng.integers(-1, 12, size=(b, hkv, 5)), jnp.int32)
+    bcnt = jnp.asarray(rng.integers(0, 6, size=(b, hkv)), jnp.int32)
+    tun = {k_: v for k_, v in tuning.items() if k_ != "mode"} | {"mode": tuning.get("mode", "logits")}
+    blk = scoring.block_label_scores(q, rec, channels, bid, bcnt, lengths, block_size=8, bits=bits,
+                                     impl="pallas", **tun)
+    np.testing.assert_array_equal(
+        np.asarray(blk), np.asarray(scoring.block_label_scores(q, cache, channels, bid, bcnt, lengths, block_size=8,
+                                                               bits=bits, impl="pallas", **tun)))
+    assert lb.label_dims(rec, r, bits) == cache.packed.shape
+
+
+def test_label_records_bad_inputs():
+    from pallas_kernels import labels as lb
+
+    k = _keys(1, 1, 2, 16, 64, jnp.float32)
+    channels = _channels(1, 2, 64, 16)
+    cache = scoring.build_label_cache(k, channels, bits=4, impl="reference")
+    rec = lb.interleave_labels(cache, bits=4)
+    q = _randn(2, (1, 4, 64))
+    with pytest.raises(ValueError, match="hold 8 words a token, got 4"):
+        scoring.label_scores(q, rec, _channels(2, 2, 64, 32), lengths=jnp.array([16]))
+    with pytest.raises(TypeError, match="int32"):
+        scoring.label_scores(q, lb.LabelRecords(rec.words.astype(jnp.float32)), channels, lengths=jnp.array([16]))
+    with pytest.raises(TypeError, match="LabelCache"):
+        scoring.update_label_cache(rec, k[:, :, 0], channels, jnp.array([3]))

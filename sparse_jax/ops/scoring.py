@@ -39,13 +39,15 @@ import jax
 
 from pallas_kernels import block_scores as _bs
 from pallas_kernels import labels as _lb
-from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, dequantize_labels
+from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, LabelRecords, dequantize_labels, interleave_labels
 from pallas_kernels.tuning import with_tuned
 from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_int_array, check_rank, check_shape
 from sparse_jax.ops._dispatch import resolve_impl
 
 __all__ = [
     "LabelCache",
+    "LabelRecords",
+    "interleave_labels",
     "block_minmax",
     "update_block_minmax",
     "block_cuboid",
@@ -106,8 +108,15 @@ def _check_bits(bits) -> None:
 
 
 def _check_labels(labels) -> tuple:
+    """``(B, Hkv, S, W)`` of a label cache (``W`` None for records: it depends on ``r``
+    and ``bits``, checked by :func:`_check_record_width`)."""
+    if isinstance(labels, LabelRecords):
+        check_rank("labels.words", labels.words, 4, "[B, Hkv, S, Wr]")
+        if labels.words.dtype != np.int32:
+            raise TypeError(f"labels.words must be int32, got {labels.words.dtype}")
+        return labels.words.shape[:3] + (None,)
     if not isinstance(labels, LabelCache):
-        raise TypeError(f"labels must be a LabelCache, got {type(labels).__name__}")
+        raise TypeError(f"labels must be a LabelCache or LabelRecords, got {type(labels).__name__}")
     check_rank("labels.packed", labels.packed, 4, "[B, Hkv, S, r*bits//8]")
     if labels.packed.dtype != np.uint8:
         raise TypeError(f"labels.packed must be uint8, got {labels.packed.dtype}")
@@ -254,6 +263,9 @@ def update_label_cache(cache, k_new, channels, positions, *, bits=4):
     """Write the labels of one appended key per row (``k_new [B, Hkv, D]``) at
     ``positions[b]``; positions outside ``[0, S)`` change nothing. Pure jnp.
     ``bits`` must be the width the cache was built with."""
+    if isinstance(cache, LabelRecords):
+        raise TypeError("update_label_cache takes a LabelCache; interleave it after the update "
+                        "(interleave_labels)")
     b, hkv, _, w = _check_labels(cache)
     check_rank("k_new", k_new, 3, "[B, Hkv, D]")
     check_float("k_new", k_new)
@@ -282,12 +294,19 @@ def _check_scores_args(q, labels, channels, lengths, scale, bits):
     check_rank("q", q, 3, "[B, Hq, D]")
     check_float("q", q)
     b, hq, d = q.shape
-    _, hkv, _, w = _check_labels(labels)
-    if labels.packed.shape[0] != b:
-        raise ValueError(f"labels are for batch {labels.packed.shape[0]}, q for batch {b}")
+    lb, hkv, _, w = _check_labels(labels)
+    if lb != b:
+        raise ValueError(f"labels are for batch {lb}, q for batch {b}")
     check_gqa(hq, hkv)
     _check_bits(bits)
     _check_channels(channels, hkv, d, bits)
+    if w is None:  # records: their width follows from r and bits
+        r = channels.shape[1]
+        _, wr = _lb.record_layout(r, bits)
+        if labels.words.shape[-1] != wr:
+            raise ValueError(f"label records of r={r}, bits={bits} hold {wr} words a token, got "
+                             f"{labels.words.shape[-1]}")
+        w = r * bits // 8
     _lb.check_packed_width(w, channels.shape[1], bits)
     if lengths is not None:
         check_int_array("lengths", lengths, (b,), "[B]")
@@ -321,7 +340,10 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
     valid entry is all zeros. The query is used unquantized (more accurate than
     Double Sparsity's quantized query label). ``bits`` must be the width the
     cache was built with. Candidates that are whole blocks of consecutive
-    tokens are better scored with ``block_label_scores``.
+    tokens are better scored with ``block_label_scores``. ``labels``: a
+    ``LabelCache`` or its interleaved ``LabelRecords`` (``interleave_labels``: one
+    record per token, so a scattered candidate costs one memory sector, not
+    three; the same numbers).
 
     Tuning (kernel only; None = the kernel's default, see
     ``pallas_kernels.labels``): ``mode`` ("logits", the default: one kernel
@@ -356,7 +378,7 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
                                           scale=scale, bits=bits)
     tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
     if not interpret:
-        c = labels.packed.shape[2] if candidates is None else candidates.shape[2]
+        c = _lb.label_dims(labels, channels.shape[1], bits)[2] if candidates is None else candidates.shape[2]
         tuning = with_tuned(tuning, "label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv)
     return _lb.label_scores_kernel(
         q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
