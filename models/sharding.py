@@ -323,7 +323,9 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
     def make_prefill(length):
         empty = cache_specs(cfg, method, par.data, length, dtype, par)
         full = cache_specs(cfg, method, par.data, length, dtype, par, prefilled=True)
-        return jax.jit(smap(_prefill, (pspecs, rows2, rows, empty), (rows2, full)), donate_argnums=(3,))
+        # keep_unused: the prefill reads only the empty cache's shapes (models.transformer)
+        return jax.jit(smap(_prefill, (pspecs, rows2, rows, empty), (rows2, full)), donate_argnums=(3,),
+                       keep_unused=True)
 
     def make_decode(length):
         cs = cache_specs(cfg, method, par.data, length, dtype, par, prefilled=True)

@@ -436,6 +436,8 @@ def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionM
 
     return ModelFunctions(
         forward=jax.jit(_forward),
-        prefill=jax.jit(_prefill, donate_argnums=(3,)),
+        # keep_unused: the prefill reads only the empty cache's shapes, and jit would drop an
+        # unused argument with its donation: the new cache then needs memory of its own
+        prefill=jax.jit(_prefill, donate_argnums=(3,), keep_unused=True),
         decode_step=jax.jit(_decode, donate_argnums=(2,)),
     )
