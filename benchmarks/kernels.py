@@ -34,8 +34,8 @@ from benchmarks.timing import (
     write_results,
 )
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
-from sparse_jax.ops.scoring import (block_label_scores, block_minmax, build_label_cache, label_scores,
-                                    quest_block_scores)
+from sparse_jax.ops.scoring import (block_label_scores, block_minmax, build_label_cache, interleave_labels,
+                                     label_scores, quest_block_scores)
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
@@ -200,6 +200,16 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
     lab_bytes = b * HKV * cand.shape[-1] * (CHANNELS // 2 + 8) + cand.size * 4 * 2
     t = time_fn(jax.jit(label_scores), (q, labels, channels, cand, cc), runs=runs)
     add("label_scores 8192 cand", t, lab_bytes, dense_ms=dense_ms)
+    # the interleaved records (one int32 record per token: codes, scale, offset, padding), on the
+    # block candidates and on scattered ones (where three arrays cost three sectors a candidate)
+    records = jax.jit(functools.partial(interleave_labels, bits=4))(labels)
+    rec_bytes = b * HKV * cand.shape[-1] * records.words.shape[-1] * 4 + cand.size * 4 * 2
+    t = time_fn(jax.jit(label_scores), (q, records, channels, cand, cc), runs=runs)
+    add("label_scores 8192 cand [records]", t, rec_bytes, dense_ms=dense_ms)
+    scattered = jax.random.randint(jax.random.key(11), cand.shape, 0, s, jnp.int32)
+    for layout, lab, nbytes in (("cache", labels, lab_bytes), ("records", records, rec_bytes)):
+        t = time_fn(jax.jit(label_scores), (q, lab, channels, scattered, cc), runs=runs)
+        add(f"label_scores 8192 scattered [{layout}]", t, nbytes, dense_ms=dense_ms)
     ls = label_scores(q, labels, channels, cand, cc)
     for budget in budgets:
         for impl in impls:
@@ -226,6 +236,8 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
         t = time_fn(op, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
         op_bytes = meta_bytes + lab_bytes + sel_bytes
         add("AsyncTLS operator (end to end)", t, op_bytes, budget, dense_ms)
+        t = time_fn(op, (q, k, v, k_max, k_min, records, channels, lengths), runs=runs)
+        add("AsyncTLS operator (end to end) [records]", t, meta_bytes + rec_bytes + sel_bytes, budget, dense_ms)
         if baselines and budget == max(budgets):
             sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)
             for impl in ("pallas", "reference"):
