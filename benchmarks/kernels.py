@@ -35,7 +35,7 @@ from benchmarks.timing import (
 )
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_minmax, build_label_cache, interleave_labels,
-                                     label_scores, quest_block_scores)
+                                    label_scores, quest_block_scores)
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
