@@ -302,6 +302,22 @@ def update_label_cache_reference(cache, k_new, channels, positions, *, bits=4):
     )
 
 
+def update_label_records_reference(records, k_new, channels, positions, *, bits=4):
+    """:func:`update_label_cache_reference` on :class:`LabelRecords`: one whole record
+    (codes, scale, offset, padding) written per row; positions outside ``[0, S)``
+    leave the row unchanged."""
+    b, hkv, s, wr = records.words.shape
+    nw, want = record_layout(channels.shape[-1], bits)
+    if wr != want:
+        raise ValueError(f"label records of r={channels.shape[-1]}, bits={bits} hold {want} words a token, got {wr}")
+    packed, scale, offset = _quantize(_gather_channels(k_new, channels), bits)  # [B, Hkv, W], [B, Hkv]
+    one = interleave_labels(LabelCache(packed[:, :, None], scale[:, :, None], offset[:, :, None]), bits=bits)
+    positions = positions.astype(jnp.int32)
+    pos = jnp.where((positions >= 0) & (positions < s), positions, s)
+    rows = jnp.arange(b)
+    return LabelRecords(records.words.at[rows, :, pos].set(one.words[:, :, 0], mode="drop"))
+
+
 @functools.partial(jax.jit, static_argnames=("bits",))
 def dequantize_labels(cache, *, bits=4):
     """``float32[B, Hkv, S, r]``: the labels as the scorer sees them (reference helper)."""

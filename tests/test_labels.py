@@ -623,5 +623,23 @@ def test_label_records_bad_inputs():
         scoring.label_scores(q, rec, _channels(2, 2, 64, 32), lengths=jnp.array([16]))
     with pytest.raises(TypeError, match="int32"):
         scoring.label_scores(q, lb.LabelRecords(rec.words.astype(jnp.float32)), channels, lengths=jnp.array([16]))
-    with pytest.raises(TypeError, match="LabelCache"):
-        scoring.update_label_cache(rec, k[:, :, 0], channels, jnp.array([3]))
+    with pytest.raises(ValueError, match="hold 8 words a token, got 4"):
+        scoring.update_label_cache(rec, k[:, :, 0], _channels(2, 2, 64, 32), jnp.array([3]))
+
+
+def test_update_label_records_equals_interleaved_update():
+    """Appending to records gives the records of the appended cache; out-of-range
+    positions change nothing."""
+    from pallas_kernels import labels as lb
+
+    k = _keys(7, 2, 2, 40, 64, jnp.float32)
+    channels = _channels(7, 2, 64, 16)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    rec = lb.interleave_labels(cache)
+    k_new = _randn(8, (2, 2, 64))
+    for pos in (jnp.array([5, 39]), jnp.array([-1, 40])):
+        got = scoring.update_label_cache(rec, k_new, channels, pos)
+        want = lb.interleave_labels(scoring.update_label_cache(cache, k_new, channels, pos))
+        np.testing.assert_array_equal(np.asarray(got.words), np.asarray(want.words))
+    np.testing.assert_array_equal(np.asarray(scoring.update_label_cache(rec, k_new, channels, jnp.array([-1, 40])).words),
+                                  np.asarray(rec.words))

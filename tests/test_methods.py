@@ -210,3 +210,32 @@ def test_asynctls_lag_searches_the_blocks_the_previous_query_chose():
     for b in range(B):
         for h in range(HKV):
             assert sorted(np.asarray(i1[b, h, : c1[b, h]]).tolist()) == sorted(np.asarray(i0[b, h, : c0[b, h]]).tolist())
+
+
+@pytest.mark.parametrize("name", ["double_sparsity", "asynctls"])
+def test_label_records_layout_selects_the_same(name):
+    """``label_layout="records"``: the same selections and outputs as the three-array
+    cache, after a prefill and after appended tokens; a layout the channels cannot
+    fill is refused before anything runs."""
+    q, k, v, _ = peaked_inputs(5)
+    lengths = jnp.array([600, 333], jnp.int32)
+    cache_m, rec_m = make_method(name), make_method(name, label_layout="records")
+    i1, c1, o1, st1 = run(cache_m, q, k, v, lengths)
+    i2, c2, o2, st2 = run(rec_m, q, k, v, lengths)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(c1, c2)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    for m, st in ((cache_m, st1), (rec_m, st2)):
+        for step in range(3):
+            st = m.append_state(st, ResidentKV(k, v), lengths + step, ctx(m))
+        idx, cnt, _ = select_tokens(m, q, k, v, lengths + 3, st)
+        if m is cache_m:
+            want = (np.asarray(idx), np.asarray(cnt))
+        else:
+            np.testing.assert_array_equal(np.asarray(idx), want[0])
+            np.testing.assert_array_equal(np.asarray(cnt), want[1])
+    with pytest.raises(ValueError, match="label_layout must be"):
+        make_method(name, label_layout="interleaved")
+    narrow = tuple(tuple(tuple(range(c, 24, 4)) for c in range(HKV)) for _ in range(LAYERS))  # r = 6
+    with pytest.raises(ValueError, match="multiple of 8"):
+        make_method(name, label_layout="records", channels=6, channels_per_layer=narrow)

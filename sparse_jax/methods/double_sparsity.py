@@ -2,8 +2,10 @@
 selection from an INT4 "label cache" of calibrated key channels.
 
 State per layer: the label cache (``LabelCache``: packed INT4 keys of the
-layer's ``r`` calibrated channels with per-token scale and offset), plus for
-AsyncTLS the per-block key boxes of its Quest filter.
+layer's ``r`` calibrated channels with per-token scale and offset; or, with
+``label_layout="records"``, the same numbers interleaved into one record per
+token, ``LabelRecords``), plus for AsyncTLS the per-block key boxes of its
+Quest filter.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sparse_jax.ops.scoring import (
     block_label_scores,
     block_minmax,
     build_label_cache,
+    interleave_labels,
     label_scores,
     quest_block_scores,
     update_block_minmax,
@@ -54,6 +57,10 @@ class DoubleSparsity(SparseMethod):
     dense_layers: tuple[int, ...] = (0, 1)
     calibration_root: str | None = None
     channels_per_layer: tuple | None = dataclasses.field(default=None, repr=False)
+    #: "cache" (codes, scales and offsets in three arrays) or "records" (one interleaved
+    #: record per token, ``pallas_kernels.labels.LabelRecords``: a scattered candidate
+    #: costs one memory sector instead of three); the same selections
+    label_layout: str = "cache"
 
     def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         if self.channels_per_layer is not None:
@@ -66,6 +73,11 @@ class DoubleSparsity(SparseMethod):
         r = self.num_channels(head_dim)
         if r % 2:
             raise ValueError(f"{self.name}: channels must be even (two INT4 labels per byte), got {r}")
+        if self.label_layout not in ("cache", "records"):
+            raise ValueError(f"{self.name}: label_layout must be 'cache' or 'records', got {self.label_layout!r}")
+        if self.label_layout == "records" and r % 8:
+            raise ValueError(f"{self.name}: label_layout='records' needs whole 32-bit words of INT4 codes "
+                             f"(channels a multiple of 8), got {r}")
         if self.channels_per_layer is None:
             raise ValueError(
                 f"{self.name} needs calibrated channels: load the model with models.load_model(..., "
@@ -85,10 +97,14 @@ class DoubleSparsity(SparseMethod):
     def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         r = self.num_channels(head_dim)
         k = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
-        return build_label_cache(k, jnp.zeros((num_kv_heads, r), jnp.int32), impl="reference")
+        return self._laid_out(build_label_cache(k, jnp.zeros((num_kv_heads, r), jnp.int32), impl="reference"))
+
+    def _laid_out(self, labels):
+        """``labels`` in this method's ``label_layout``."""
+        return interleave_labels(labels) if self.label_layout == "records" else labels
 
     def prefill_state(self, state, k, v, lengths, layer):
-        return build_label_cache(k, layer.data["channels"], impl=self.impl)
+        return self._laid_out(build_label_cache(k, layer.data["channels"], impl=self.impl))
 
     def append_state(self, state, kv, positions, layer):
         return update_label_cache(state, kv.newest_keys(positions), layer.data["channels"], positions)
@@ -175,7 +191,7 @@ class AsyncTLS(DoubleSparsity):
     def state_from_keys(self, k, lengths, channels, prev_blocks=None) -> TwoLevelState:
         """Boxes and labels of a whole layer cache ``k [B,Hkv,S,D]``."""
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
-        labels = build_label_cache(k, channels, impl=self.impl)
+        labels = self._laid_out(build_label_cache(k, channels, impl=self.impl))
         return TwoLevelState(BlockBoxes(upper, lower), labels, prev_blocks)
 
     def append_key(self, state, k_new, positions, channels) -> TwoLevelState:

@@ -262,10 +262,8 @@ def build_label_cache(k, channels, *, bits=4, impl="auto", block_s=128, num_warp
 def update_label_cache(cache, k_new, channels, positions, *, bits=4):
     """Write the labels of one appended key per row (``k_new [B, Hkv, D]``) at
     ``positions[b]``; positions outside ``[0, S)`` change nothing. Pure jnp.
-    ``bits`` must be the width the cache was built with."""
-    if isinstance(cache, LabelRecords):
-        raise TypeError("update_label_cache takes a LabelCache; interleave it after the update "
-                        "(interleave_labels)")
+    ``bits`` must be the width the cache was built with. ``cache``: a ``LabelCache``
+    or ``LabelRecords`` (returned in the same layout)."""
     b, hkv, _, w = _check_labels(cache)
     check_rank("k_new", k_new, 3, "[B, Hkv, D]")
     check_float("k_new", k_new)
@@ -273,8 +271,10 @@ def update_label_cache(cache, k_new, channels, positions, *, bits=4):
         raise ValueError(f"k_new must have shape [B={b}, Hkv={hkv}, D], got {tuple(k_new.shape)}")
     _check_bits(bits)
     _check_channels(channels, hkv, k_new.shape[2], bits)
-    _lb.check_packed_width(w, channels.shape[1], bits)
     check_int_array("positions", positions, (b,), "[B]")
+    if w is None:
+        return _lb.update_label_records_reference(cache, k_new, channels, positions, bits=bits)
+    _lb.check_packed_width(w, channels.shape[1], bits)
     return _lb.update_label_cache_reference(cache, k_new, channels, positions, bits=bits)
 
 
