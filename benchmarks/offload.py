@@ -151,14 +151,14 @@ def with_churn(model, churn: float):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row"):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row", save="deferred"):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``: TieredRunner's (None: its default schedule for ``mode``); ``pool``:
     the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head)."""
     from models.tiered import TieredRunner
 
     runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
-                          concurrent=concurrent, pool=pool)
+                          concurrent=concurrent, pool=pool, save=save)
     max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
     if mode == "offload" and jax.default_backend() in PRIME_BACKENDS:
         prime_autotuner(runner, model, batch, context)
@@ -538,6 +538,9 @@ def render(payload) -> str:
              f"set renewed per step (0 = the random weights' own behaviour); tpot = median of "
              f"{ROUNDS} back-to-back rounds of {ROUND_STEPS} steps (one block per row: the host save of "
              f"completed blocks included), after untimed rounds until two agree within 5%", ""]
+    if payload.get("save", "deferred") != "deferred" or payload.get("shared_slot_impl", "auto") != "auto":
+        lines += [f"- offloaded rows: save `{payload.get('save', 'deferred')}` (deferred = FlashD2H), shared-pool "
+                  f"slot assignment `{payload.get('shared_slot_impl', 'auto')}`", ""]
     if payload.get("bandwidth_gbps"):
         lines += [f"- measured HBM bandwidth (device copy): {payload['bandwidth_gbps']:.0f} GB/s; `floor_ms` = "
                   f"bytes a step must read (weights once, the KV each layer attends) / that bandwidth; "
@@ -598,6 +601,10 @@ def parse_args(argv=None):
     p.add_argument("--shared-slot-impl", default="auto", choices=["auto", "pallas", "reference"],
                    help="offload-shared: the shared pool's slot assignment (sparse_jax.offload.pool."
                         "SHARED_SLOT_IMPL; auto: as the step, the kernel on the GPU)")
+    p.add_argument("--save", default="deferred", choices=["deferred", "sync"],
+                   help="offloaded modes: how completed blocks reach the host tier (TieredRunner(save=...)): "
+                        "deferred (FlashD2H: one copy a step, stored at the next step) or sync (waited for and "
+                        "stored within the step: the baseline)")
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
     p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
     p.add_argument("--smollm2-only", action="store_true")
@@ -676,6 +683,7 @@ def main(argv=None) -> int:
 
     offload_pool.SHARED_SLOT_IMPL = None if a.shared_slot_impl == "auto" else a.shared_slot_impl
     payload["shared_slot_impl"] = a.shared_slot_impl
+    payload["save"] = a.save
     bw = measure_bandwidth((1 << 24) if a.tiny else (4 << 30))
     payload["bandwidth_gbps"] = bw / 1e9
     for ctx in contexts:
@@ -690,7 +698,8 @@ def main(argv=None) -> int:
                                        device_limit=dl, host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if rmode == "offload" else 0.0
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl, bandwidth=bw, pool="shared" if shared else "per_row")
+                          host_limit=hl, bandwidth=bw, pool="shared" if shared else "per_row",
+                          save=a.save if rmode == "offload" else "deferred")
             r["label"] = mode
             found[mode] = r
             payload["throughput"].append(r)

@@ -53,6 +53,7 @@ from sparse_jax.offload import pool as off
 from sparse_jax.offload.tiers import HostLayer, OffloadedLayer, device_sharding, pinned_host_sharding
 
 MODES = ("resident", "offload")
+SAVE_MODES = ("deferred", "sync")  # TieredRunner(save=...)
 # the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py,
 # H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
 # alone still move ~45 GB/s)
@@ -134,14 +135,23 @@ class TieredRunner:
         ``concurrent``, else one program per block.
       unroll: the layer driver's segments unrolled (default: on the GPU, where the
         scan's per-layer cache copies cost step time; offloaded layers always).
+      save: how the blocks a step completes reach the host tier. "deferred" (default,
+        SparseServe's FlashD2H): one device-to-host copy of all of them, started after
+        the step is issued, and stored into the host blocks by the CPU at the next
+        step, while the device computes; "sync": the same copy, waited for and stored
+        within the step (the host cannot issue the next step until this one is done:
+        the baseline FlashD2H is measured against). The same numbers.
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, pool: str = "per_row",
                  sharding=None,
                  concurrent: bool | None = None, gather_programs: int | None = None, unroll: bool | None = None,
-                 device_limit="auto", host_limit="auto"):
+                 device_limit="auto", host_limit="auto", save: str = "deferred"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if save not in SAVE_MODES:
+            raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
+        self.save = save
         self.model = model
         self.cfg = model.config
         self.mode = mode
@@ -316,6 +326,8 @@ class TieredRunner:
                                    for i in self.offloaded_layers])
         self._store_pending(state)  # last step's completed blocks (that step is done or nearly)
         self._start_save(state, live)
+        if self.save == "sync":
+            self._store_pending(state)  # waits for this step, then stores its blocks
         return logits
 
     def _start_save(self, state: TieredState, live=None):

@@ -377,3 +377,33 @@ def test_decode_compiles_once_and_saving_is_precompiled():
     runner.finish(state)
     assert extract._cache_size() == built
     assert runner._decode._cache_size() == after_first
+
+
+def test_synchronous_save_gives_the_same_tokens_and_host_tier():
+    """``save="sync"`` (the completed blocks waited for and stored within the step: the
+    baseline FlashD2H is measured against) decodes the same tokens and leaves the same
+    host tier as the default deferred save; a bad mode is refused."""
+    from models.tiered import TieredRunner
+    from sparse_jax.methods import get_method
+
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    model = _tiny_model(get_method("asynctls", channels_per_layer=chans, budget=32, block_size=8, kb=8, lag=True,
+                                   dense_layers=(0,)))
+    tokens, lengths = _ragged_tokens(7)
+    out = {}
+    for save in ("deferred", "sync"):
+        runner = TieredRunner(model, "offload", pool_slots=7, save=save)
+        ids, lg, state = runner.generate_ids(tokens, lengths, 20, 256)
+        if save == "sync":
+            assert not state.pending  # stored within the step
+        runner.finish(state)
+        out[save] = (np.asarray(ids), np.asarray(lg), [None if h is None else (np.asarray(h.k), np.asarray(h.v))
+                                                      for h in state.host])
+    np.testing.assert_array_equal(out["sync"][0], out["deferred"][0])
+    np.testing.assert_array_equal(out["sync"][1], out["deferred"][1])
+    for a, b in zip(out["sync"][2], out["deferred"][2]):
+        if a is not None:
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
+    with pytest.raises(ValueError, match="save must be one of"):
+        TieredRunner(model, "offload", save="later")
