@@ -519,23 +519,17 @@ def test_kernels_lower_to_triton(monkeypatch):
             (lambda q, c, ch, l, mode=mode: lb.label_scores_kernel(q, c, ch, lengths=l, mode=mode),
              (q, cache, ch, lens)),
         ]
-    for mode in ("two_pass", "logits"):
-        fns += [
-            (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l, mode=mode),
-             (q8, cache32, ch32, cand, cnt, lens)),
-            (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
-                                                                                 mode=mode),
-             (q, cache32, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
-        ]
     rec32 = lb.LabelRecords(sd((2, 3, 300, 8), jnp.int32))  # r = 32: 4 code words, scale, offset, padding
-    for mode in ("two_pass", "logits"):
-        fns += [
-            (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l, mode=mode),
-             (q8, rec32, ch32, cand, cnt, lens)),
-            (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
-                                                                                 mode=mode),
-             (q, rec32, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
-        ]
+    for labels in (cache32, rec32):
+        for mode in ("two_pass", "logits"):
+            fns += [
+                (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l,
+                                                                                mode=mode),
+                 (q8, labels, ch32, cand, cnt, lens)),
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
+                                                                                     block_size=64, mode=mode),
+                 (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+            ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
