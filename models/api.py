@@ -388,8 +388,20 @@ def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> A
         return method
     profile = load_prefill_profile(cfg.name)
     if profile is None:
+        if tsa.quantile is not None:
+            raise ValueError(f"token_sparse: prefill.quantile needs {cfg.name}'s drift profile: "
+                             f"python -m models.prefill_profile --model {cfg.name}")
         return method
-    opts = tuple(method.prefill_options) + (("layers", tuple(profile["layers"])),)
+    layers = tuple(profile["layers"])
+    if tsa.quantile is not None:  # the paper's rule at another δ, on the shipped drift
+        from models.driver import make_plan
+        from sparse_jax.methods.registry import get_method
+        from sparse_jax.prefill import layers_from_drift
+
+        every = get_method("dense", prefill="token_sparse", prefill_options=(("layers", tuple(range(cfg.num_layers))),))
+        eligible = [s.sparse_prefill for s in make_plan(cfg, every).specs]  # global layers
+        layers = layers_from_drift(profile["drift"], eligible, tsa.quantile)
+    opts = tuple((k, v) for k, v in method.prefill_options if k != "quantile") + (("layers", layers),)
     return dataclasses.replace(method, prefill_options=opts)
 
 
@@ -400,10 +412,10 @@ def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> Atte
     calibration for it), before anything compiles."""
     from models.driver import make_plan
 
+    method = _prefill_layers_from_profile(method, cfg)  # first: the plan reads the prefill's layers
     # the layers the method runs on, from the model's plan (layer kinds, the dense-layer rule)
     sparse = tuple(i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse)
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim, sparse_layers=sparse)
-    method = _prefill_layers_from_profile(method, cfg)
     max_len = round_up(max_len, method.cache_multiple)
     method.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
     return method

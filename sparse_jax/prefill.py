@@ -115,6 +115,11 @@ class TokenSparsePrefill:
         ``tau`` gives; the kept tokens are still each head's top set by score. None
         (default): ``tau``. Timing with random weights needs it: their attention has
         no structure for ``tau`` to find.
+      quantile: the paper's δ for the layer rule, applied to the model's shipped drift
+        profile when ``load_model`` binds the method (the layers at or below this
+        quantile of the eligible layers' drift; the shipped list is δ = 0.5). Fewer
+        layers lose less: on SmolLM2 15 sparse layers cost 30 RULER points at 8K and 2
+        layers none (``docs/methods.md``). Exclusive with ``layers``.
     """
 
     tau: float = 0.005
@@ -127,6 +132,7 @@ class TokenSparsePrefill:
     gather: str = "gather"
     buckets: int = 8
     keep_fraction: float | None = None
+    quantile: float | None = None
 
     def __post_init__(self):
         if not (self.tau >= 0):
@@ -143,11 +149,19 @@ class TokenSparsePrefill:
             raise ValueError(f"token_sparse: keep_fraction must be in [0, 1] or None, got {self.keep_fraction}")
         if self.pool % 2 == 0:
             raise ValueError(f"token_sparse: pool must be odd (centred), got {self.pool}")
+        if self.quantile is not None:
+            if isinstance(self.quantile, bool) or not 0.0 < self.quantile <= 1.0:
+                raise ValueError(f"token_sparse: quantile must be in (0, 1], got {self.quantile!r}")
+            if self.layers is not None:
+                raise ValueError("token_sparse: give layers or quantile, not both")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
 
     def layers_for(self, num_layers: int) -> frozenset[int]:
         """The model layers TSA runs on (before the global-only rule)."""
+        if self.quantile is not None:
+            raise ValueError("token_sparse: quantile picks layers from the model's drift profile when "
+                             "models.load_model binds the method; here it is unbound (give layers instead)")
         if self.layers is None:
             return frozenset(range(num_layers // 2, num_layers))
         bad = [i for i in self.layers if not -num_layers <= i < num_layers]

@@ -322,6 +322,19 @@ def test_drift_profile_and_binding(tmp_path, monkeypatch):
     assert [s.sparse_prefill for s in make_plan(bound.config, bound.method).specs] == [True, False, True, False]
     explicit = model.with_method("dense", prefill="token_sparse", prefill_options=(("layers", (1,)),))
     assert explicit.method.sparse_prefill().layers == (1,)
+    # prefill.quantile: the paper's rule at another δ on the same drift
+    low = model.with_method("dense", prefill="token_sparse", prefill_options=(("quantile", 0.25),))
+    assert low.method.sparse_prefill().layers == tsa.layers_from_drift(drift, [True] * 4, 0.25)
+    assert len(low.method.sparse_prefill().layers) < 2 and low.method.sparse_prefill().quantile is None
+    with pytest.raises(ValueError, match="layers or quantile, not both"):
+        model.with_method("dense", prefill="token_sparse", prefill_options=(("quantile", 0.2), ("layers", (1,))))
+    with pytest.raises(ValueError, match=r"quantile must be in \(0, 1\]"):
+        model.with_method("dense", prefill="token_sparse", prefill_options=(("quantile", 0.0),))
+    with pytest.raises(ValueError, match="unbound"):
+        tsa.make_prefill("token_sparse", {"quantile": 0.5}).layers_for(4)
+    monkeypatch.setattr(tsa, "CALIBRATION_ROOT", tmp_path / "none")
+    with pytest.raises(ValueError, match="python -m models.prefill_profile --model tiny-tsa"):
+        model.with_method("dense", prefill="token_sparse", prefill_options=(("quantile", 0.5),))
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
