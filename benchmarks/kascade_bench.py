@@ -137,7 +137,6 @@ def method_for(name: str, cfg):
 def e2e_rows(a) -> list[dict]:
     from benchmarks.driver_probe import kernel_profile, time_steps
     from benchmarks.offload import qwen3_8b, random_model
-    from benchmarks.prefill_bench import peak_flops
     from models import transformer as tfm
     from models.driver import init_cache
 
@@ -157,7 +156,7 @@ def e2e_rows(a) -> list[dict]:
         cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
         t0 = time.perf_counter()
         ms, cache = time_steps(step, cache, tokens, a.steps, a.rounds)
-        row = {"model": a.model, "method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers, "step_ms": round(ms, 3),
+        row = {"method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers, "step_ms": round(ms, 3),
                "tokens_per_s": round(a.batch * 1e3 / ms, 1), "wall_s": round(time.perf_counter() - t0, 1)}
         if a.profile:
             prof, cache = kernel_profile(step, cache, tokens, 4, f"{a.trace_dir}/{name}")
@@ -434,6 +433,7 @@ def main(argv=None):
         plot_prefill(rows, out / f"{name}.png")
         print(md)
         return
+    if a.part == "attention":
         rows = []
         for shape in a.shapes.split(","):
             b, s = (int(x) for x in shape.lower().split("x"))

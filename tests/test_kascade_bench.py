@@ -63,3 +63,13 @@ def test_prefill_floor_counts_every_part():
     # 31 of 32 layers attend about 10% of each prefix: far below dense, above the one dense anchor
     assert dense["attention"] / L < kas["attention"] < 0.2 * dense["attention"]
     assert kas["selection"] == pytest.approx(5 * 4 * 2 * h * d / 2 * s * (s + 1) / 2)
+
+
+@pytest.mark.parametrize("part", ["attention", "e2e", "prefill"])
+def test_each_part_runs_its_own_rows(part, monkeypatch):
+    """``main`` sends each part to its own rows (the runs need the GPU: recorded here)."""
+    called = []
+    for fn in ("attention_rows", "e2e_rows", "prefill_rows"):
+        monkeypatch.setattr(kascade_bench, fn, lambda *a, fn=fn, **k: called.append(fn) or [{"method": "m"}])
+    kascade_bench.main([part] + (["--shapes", "1x256"] if part == "attention" else []))
+    assert called == [f"{part}_rows"]
