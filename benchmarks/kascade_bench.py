@@ -212,6 +212,17 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
     return dict(linear=linear, attention=attention, selection=selection)
 
 
+def floor_cells(flops: dict | None, peak: float | None, ms: float) -> dict:
+    """A prefill row's floor columns from :func:`prefill_flops` at ``peak`` FLOP/s:
+    ``floor_ms``, ``x_floor`` (``ms`` over it), ``attn_tflop``, ``linear_tflop``; none
+    without a floor."""
+    if flops is None or peak is None:
+        return {}
+    floor = sum(flops.values()) / peak * 1e3
+    return {"floor_ms": round(floor, 1), "x_floor": round(ms / floor, 2),
+            "attn_tflop": round(flops["attention"] / 1e12, 1), "linear_tflop": round(flops["linear"] / 1e12, 1)}
+
+
 def prefill_model(model: str, context: int, layers: int | None = None):
     """The ``--model`` shape's config at ``context`` tokens, and its Kascade anchors:
     Qwen3-8B's as in the decode benchmarks; elsewhere Kascade's fallback (5 spread)."""
@@ -284,16 +295,11 @@ def prefill_rows(a) -> list[dict]:
                 times.append((time.perf_counter() - t1) * 1e3)
         stats = jax.devices()[0].memory_stats() or {}
         ms = float(np.median(times))
-        flops = prefill_flops(cfg, method, a.batch, a.context)
-        floor = None if peak is None or flops is None else sum(flops.values()) / peak * 1e3
         row = {"model": a.model, "method": name, "batch": a.batch, "context": a.context, "layers": cfg.num_layers,
                "prefill_ms": round(ms, 1), "tokens_per_s": round(a.batch * a.context * 1e3 / ms, 1),
                "temp_gib": None if temp is None else round(temp / 2 ** 30, 2),
                "process_peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2 ** 30, 2),
-               "floor_ms": None if floor is None else round(floor, 1),
-               "x_floor": None if floor is None else round(ms / floor, 2),
-               **({} if flops is None else {"attn_tflop": round(flops["attention"] / 1e12, 1),
-                                            "linear_tflop": round(flops["linear"] / 1e12, 1)}),
+               **floor_cells(prefill_flops(cfg, method, a.batch, a.context), peak, ms),
                "finite": bool(jnp.all(jnp.isfinite(logits))), "wall_s": round(time.perf_counter() - t0, 1)}
         row = {k: v for k, v in row.items() if v is not None}  # blank cells, not "None"
         rows.append(row)
@@ -327,12 +333,7 @@ def combine_prefill(paths) -> list[dict]:
                 cfg, anchors = prefill_model(r["model"], r["context"], r["layers"])
                 method = prefill_method(r["method"], anchors=anchors).for_model(
                     cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
-                flops = prefill_flops(cfg, method, r["batch"], r["context"])
-                if flops is not None:
-                    r["floor_ms"] = round(sum(flops.values()) / peak * 1e3, 1)
-                    r["x_floor"] = round(r["prefill_ms"] / r["floor_ms"], 2)
-                    r["attn_tflop"] = round(flops["attention"] / 1e12, 1)
-                    r["linear_tflop"] = round(flops["linear"] / 1e12, 1)
+                r.update(floor_cells(prefill_flops(cfg, method, r["batch"], r["context"]), peak, r["prefill_ms"]))
             rows.append(r)
     dense = {(r["model"], r["context"]): r["prefill_ms"] for r in rows if r["method"] == "dense"}
     for r in rows:
