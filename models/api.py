@@ -394,13 +394,10 @@ def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> A
         return method
     layers = tuple(profile["layers"])
     if tsa.quantile is not None:  # the paper's rule at another δ, on the shipped drift
-        from models.driver import make_plan
-        from sparse_jax.methods.registry import get_method
+        from models.driver import sparse_prefill_eligible
         from sparse_jax.prefill import layers_from_drift
 
-        every = get_method("dense", prefill="token_sparse", prefill_options=(("layers", tuple(range(cfg.num_layers))),))
-        eligible = [s.sparse_prefill for s in make_plan(cfg, every).specs]  # global layers
-        layers = layers_from_drift(profile["drift"], eligible, tsa.quantile)
+        layers = layers_from_drift(profile["drift"], sparse_prefill_eligible(cfg), tsa.quantile)
     opts = tuple((k, v) for k, v in method.prefill_options if k != "quantile") + (("layers", layers),)
     return dataclasses.replace(method, prefill_options=opts)
 

@@ -67,6 +67,16 @@ def make_plan(cfg: ModelConfig, method: AttentionMethod) -> Plan:
     return Plan(specs, segments(specs))
 
 
+def sparse_prefill_eligible(cfg: ModelConfig) -> list[bool]:
+    """Per model layer, whether a sparse prefill may run there (the plan's rule: global
+    layers only), whatever layers a method names: what the drift profile's δ rule picks
+    among (``models.prefill_profile``, ``prefill.quantile``)."""
+    from sparse_jax.methods.registry import get_method
+
+    every = get_method("dense", prefill="token_sparse", prefill_options=(("layers", tuple(range(cfg.num_layers))),))
+    return [s.sparse_prefill for s in make_plan(cfg, every).specs]
+
+
 def segment_data(method: AttentionMethod, seg: Segment) -> dict[str, np.ndarray]:
     """The segment's per-layer constants stacked ``[L_seg, ...]``: the method's
     ``layer_data`` on sparse segments, and ``"index"`` (model layer indices)."""

@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     if a.length < 16:
         p.error(f"--length must be >= 16, got {a.length}")
     import models
-    from models.driver import make_plan
-    from sparse_jax.methods.registry import get_method
+    from models.driver import sparse_prefill_eligible
     from sparse_jax.prefill import layers_from_drift, save_prefill_profile
 
     model = models.load_model(a.model, dtype=jnp.dtype(a.dtype))
@@ -78,9 +77,7 @@ def main(argv=None) -> int:
     ids = haystack_ids(model.tokenizer, min(a.length, model.config.max_position))
     t0 = time.perf_counter()
     drift = layer_drift(model, np.asarray([ids], np.int32))
-    specs = make_plan(model.config, get_method("dense", prefill="token_sparse",
-                                               prefill_options=(("layers", tuple(range(model.config.num_layers))),))).specs
-    eligible = [s.sparse_prefill for s in specs]  # global layers
+    eligible = sparse_prefill_eligible(model.config)  # global layers
     layers = layers_from_drift(drift, eligible, a.quantile)
     meta = {"model": a.model, "tokens": len(ids), "quantile": a.quantile, "dtype": a.dtype,
             "prompt": "models.demo_prompt notes, fact at 50% depth", "jax": jax.__version__,
