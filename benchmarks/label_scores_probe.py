@@ -133,7 +133,8 @@ def run_shape(b, variants, rows, check=True):
                             warmup=3 if NSETS > 2 else 1)
                 kern = ", ".join(f"{_short(n)} {ms * 1e3:.1f}" for n, ms in (t.kernels or []))
                 rows.append({"B": b, "cands": cands, "variant": label, "tuning": str(tuning),
-                             "layout": type(labels).__name__, "device_us": (t.device_ms or float("nan")) * 1e3, "wall_us": t.wall_ms * 1e3,
+                             "layout": type(labels).__name__, "device_us": (t.device_ms or float("nan")) * 1e3,
+                             "wall_us": t.wall_ms * 1e3,
                              "max_err": err, "kernels_us": kern})
             except Exception as e:  # noqa: BLE001 - report and go on
                 traceback.print_exc()

@@ -187,6 +187,15 @@ def record_layout(r: int, bits: int) -> tuple[int, int]:
     return nw, next_pow2(nw + 2)
 
 
+def check_record_width(words: int, r: int, bits: int) -> int:
+    """``nw`` (code words a token) of records of ``r`` channels at ``bits``, whose
+    ``words`` a token must be :func:`record_layout`'s; ValueError otherwise."""
+    nw, wr = record_layout(r, bits)
+    if words != wr:
+        raise ValueError(f"label records of r={r}, bits={bits} hold {wr} words a token, got {words}")
+    return nw
+
+
 @functools.partial(jax.jit, static_argnames=("bits",))
 def interleave_labels(cache, *, bits=4) -> LabelRecords:
     """:class:`LabelRecords` of a :class:`LabelCache` (the same numbers, one array)."""
@@ -201,10 +210,8 @@ def interleave_labels(cache, *, bits=4) -> LabelRecords:
 @functools.partial(jax.jit, static_argnames=("r", "bits"))
 def deinterleave_labels(records: LabelRecords, *, r: int, bits=4) -> LabelCache:
     """The :class:`LabelCache` of :class:`LabelRecords` (``r`` channels a token)."""
-    nw, wr = record_layout(r, bits)
     words = records.words
-    if words.shape[-1] != wr:
-        raise ValueError(f"label records of r={r}, bits={bits} have {wr} words a token, got {words.shape[-1]}")
+    nw = check_record_width(words.shape[-1], r, bits)
     packed = lax.bitcast_convert_type(words[..., :nw], jnp.uint8).reshape(words.shape[:3] + (nw * 4,))
     meta = lax.bitcast_convert_type(words[..., nw:nw + 2], jnp.float32)
     return LabelCache(packed, meta[..., 0], meta[..., 1])
@@ -216,11 +223,11 @@ def as_label_cache(labels, r: int, bits: int):
 
 
 def label_dims(labels, r: int, bits: int) -> tuple[int, int, int, int]:
-    """``(B, Hkv, S, W)`` with ``W`` the packed code bytes a token, of either layout."""
+    """``(B, Hkv, S, W)`` with ``W`` the packed code bytes a token, of either layout
+    (records: their width checked against ``r`` and ``bits``)."""
     if isinstance(labels, LabelRecords):
-        record_layout(r, bits)
         b, hkv, s, wr = labels.words.shape
-        return b, hkv, s, r * bits // 8
+        return b, hkv, s, check_record_width(wr, r, bits) * 4
     return labels.packed.shape
 
 
@@ -307,9 +314,7 @@ def update_label_records_reference(records, k_new, channels, positions, *, bits=
     (codes, scale, offset, padding) written per row; positions outside ``[0, S)``
     leave the row unchanged."""
     b, hkv, s, wr = records.words.shape
-    nw, want = record_layout(channels.shape[-1], bits)
-    if wr != want:
-        raise ValueError(f"label records of r={channels.shape[-1]}, bits={bits} hold {want} words a token, got {wr}")
+    check_record_width(wr, channels.shape[-1], bits)
     packed, scale, offset = _quantize(_gather_channels(k_new, channels), bits)  # [B, Hkv, W], [B, Hkv]
     one = interleave_labels(LabelCache(packed[:, :, None], scale[:, :, None], offset[:, :, None]), bits=bits)
     positions = positions.astype(jnp.int32)
@@ -1050,7 +1055,8 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
     if mode == "per_tile":
         return _per_tile_scores(
-            q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
+            q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths,
+            scale=scale, bits=bits,
             block_c=64 if block_c is None else block_c, num_warps=4 if num_warps is None else num_warps,
             num_stages=2 if num_stages is None else num_stages, interpret=interpret,
             return_raw=return_raw)

@@ -109,7 +109,7 @@ def _check_bits(bits) -> None:
 
 def _check_labels(labels) -> tuple:
     """``(B, Hkv, S, W)`` of a label cache (``W`` None for records: it depends on ``r``
-    and ``bits``, checked by :func:`_check_record_width`)."""
+    and ``bits``, checked by ``pallas_kernels.labels.label_dims``)."""
     if isinstance(labels, LabelRecords):
         check_rank("labels.words", labels.words, 4, "[B, Hkv, S, Wr]")
         if labels.words.dtype != np.int32:
@@ -301,12 +301,7 @@ def _check_scores_args(q, labels, channels, lengths, scale, bits):
     _check_bits(bits)
     _check_channels(channels, hkv, d, bits)
     if w is None:  # records: their width follows from r and bits
-        r = channels.shape[1]
-        _, wr = _lb.record_layout(r, bits)
-        if labels.words.shape[-1] != wr:
-            raise ValueError(f"label records of r={r}, bits={bits} hold {wr} words a token, got "
-                             f"{labels.words.shape[-1]}")
-        w = r * bits // 8
+        w = _lb.label_dims(labels, channels.shape[1], bits)[3]
     _lb.check_packed_width(w, channels.shape[1], bits)
     if lengths is not None:
         check_int_array("lengths", lengths, (b,), "[B]")
