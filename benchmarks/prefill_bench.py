@@ -127,7 +127,8 @@ def random_tile_selection(key, counts, hkv: int, t: int, tile: int, width: int) 
     return jnp.where(j < counts[:, None, :, None], idx, 0).astype(jnp.int32)
 
 
-def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, floor_pairs_ms) -> list[dict]:
+def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, floor_pairs_ms,
+                 anchor_impls=("reference", "pallas"), scores_tunings=()) -> list[dict]:
     """A Kascade reuse layer at the paper's budget (module docstring)."""
     from pallas_kernels.tile_scores import tile_scores_pallas
     from sparse_jax import kascade_prefill as kp
@@ -175,29 +176,34 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
     floor_all = floor_pairs_ms(t * (t + 1) // 2)
     floor_qk = None if floor_all is None else floor_all / 2  # QK alone over the causal pairs
     top1 = dict(budget=1, fraction=0.0, min_keys=1)
-    for impl, label in (("reference", "f32 softmax in HBM"), ("pallas", "tile-scores kernel")):
-        for part, sel_rule in ((f"kascade anchor selection, {label} + per-tile top-k", rule),
-                               (f"kascade anchor selection, {label} + top-1 (the scores alone)", top1)):
-            fn = jax.jit(lambda q, k, n, sel_rule=sel_rule, impl=impl: kp.anchor_selection_chunked(
-                q, k, n, tile=tile, scores_impl=impl, **sel_rule))
-            r = time_fn(fn, (q, k, lengths), runs=max(1, min(runs, 3)), cupti=False)
-            row = dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
-                       floor_ms=floor_qk)
-            if check and impl == "pallas" and sel_rule is rule:
-                # the kernel's tile scores against the reference's at a small size (max |difference|)
-                tc = min(t, 2048)
-                qc, kc, nc = q[:, :tc], k[:, :tc], jnp.full((b,), tc, jnp.int32)
-                ref = kp.tile_scores(kp.causal_probabilities(qc, kc, nc), nc, tile, hkv)
-                got = jax.jit(lambda q, k, n: tile_scores_pallas(q, k, n, 0, tile=tile, chunk=kp.num_tiles(
-                    tc, tile), interpret=not on_gpu()))(qc, kc, nc)
-                fin = jnp.isfinite(ref)
-                row["max_abs_err"] = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0.0)))
-            rows.append(row)
+    variants = [(impl, label, rule_, {}) for impl, label in (("reference", "f32 softmax in HBM"),
+                                                             ("pallas", "tile-scores kernel"))
+                if impl in anchor_impls for rule_ in (rule, top1)]
+    variants += [("pallas", f"tile-scores kernel ({tuning_name(conf)})", top1, conf) for conf in scores_tunings]
+    for impl, label, sel_rule, conf in variants:
+        part = f"kascade anchor selection, {label} + " + (
+            "per-tile top-k" if sel_rule is rule else "top-1 (the scores alone)")
+        fn = jax.jit(lambda q, k, n, sel_rule=sel_rule, impl=impl, conf=conf: kp.anchor_selection_chunked(
+            q, k, n, tile=tile, scores_impl=impl, scores_tuning=conf, **sel_rule))
+        r = time_fn(fn, (q, k, lengths), runs=max(1, min(runs, 3)), cupti=False)
+        row = dict(context=t, part=part, kept=None, ms=r.wall_ms, vs_dense=dense_ms / r.wall_ms,
+                   floor_ms=floor_qk)
+        if check and impl == "pallas" and sel_rule is rule and not conf:
+            # the kernel's tile scores against the reference's at a small size (max |difference|)
+            tc = min(t, 2048)
+            qc, kc, nc = q[:, :tc], k[:, :tc], jnp.full((b,), tc, jnp.int32)
+            ref = kp.tile_scores(kp.causal_probabilities(qc, kc, nc), nc, tile, hkv)
+            got = jax.jit(lambda q, k, n: tile_scores_pallas(q, k, n, 0, tile=tile, chunk=kp.num_tiles(
+                tc, tile), interpret=not on_gpu()))(qc, kc, nc)
+            fin = jnp.isfinite(ref)
+            row["max_abs_err"] = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0.0)))
+        rows.append(row)
     return rows
 
 
 def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fractions, dtype, runs: int,
-                   check: bool, parts=("tsa", "kascade"), kascade_tunings=None, log=print) -> list[dict]:
+                   check: bool, parts=("tsa", "kascade"), kascade_tunings=None, anchor_impls=("reference", "pallas"),
+                   scores_tunings=(), log=print) -> list[dict]:
     from sparse_jax.methods.base import dense_prefill_attention
 
     kq, kk, kv, kr = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -222,7 +228,8 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
                          dense_ms=dense.wall_ms, floor_ms=floor_ms, log=log)
     if "kascade" in parts:
         rows += kascade_rows(q, k, v, tunings=kascade_tunings or parse_tunings(KASCADE_TUNINGS), runs=runs,
-                             check=check, dense_ms=dense.wall_ms, floor_pairs_ms=floor_pairs_ms)
+                             check=check, dense_ms=dense.wall_ms, floor_pairs_ms=floor_pairs_ms,
+                             anchor_impls=anchor_impls, scores_tunings=scores_tunings)
     rows = [{key: val for key, val in row.items() if val is not None} for row in rows]  # blank cells, not "None"
     for row in rows:
         log(f"  {t:>7} {row['part']:<34} {row['ms']:9.3f} ms  x{row['vs_dense']:.2f} vs dense", flush=True)
@@ -384,6 +391,11 @@ def main(argv=None) -> int:
     p.add_argument("--kascade-tunings", default=KASCADE_TUNINGS,
                    help="';'-separated gather-kernel tunings for the Kascade reuse rows ('default' or "
                         "'key=val:key=val', keys from sparse_jax.ops.attention.SPARSE_TUNING_KEYS)")
+    p.add_argument("--anchor-impls", default="reference,pallas",
+                   help="the anchor-selection rows: reference (f32 softmax in HBM), pallas (tile-scores kernel)")
+    p.add_argument("--scores-tunings", default="",
+                   help="';'-separated tile-scores kernel tunings timed as extra anchor rows (scores alone), "
+                        "'key=val:key=val' with keys block_k, num_warps, num_stages")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="prefill_bench")
@@ -400,6 +412,8 @@ def main(argv=None) -> int:
         hq, hkv = (int(x) for x in a.heads.split(","))
         parts = tuple(x for x in a.parts.split(",") if x)
         tunings = parse_tunings(a.kascade_tunings)
+        scores_tunings = parse_tunings(a.scores_tunings)
+        anchor_impls = tuple(x for x in a.anchor_impls.split(",") if x)
     except ValueError:
         p.error("--contexts and --fractions take comma-separated numbers, --heads two ints, "
                 "--kascade-tunings key=int pairs")
@@ -409,6 +423,9 @@ def main(argv=None) -> int:
         p.error("--parts: a comma-separated subset of tsa,kascade")
     if "kascade" in parts and (not tunings or any(set(c) - set(SPARSE_TUNING_KEYS) for c in tunings)):
         p.error(f"--kascade-tunings: at least one, keys from {SPARSE_TUNING_KEYS}")
+    if set(anchor_impls) - {"reference", "pallas"} or any(
+            set(c) - {"block_k", "num_warps", "num_stages"} for c in scores_tunings):
+        p.error("--anchor-impls: a subset of reference,pallas; --scores-tunings keys: block_k, num_warps, num_stages")
     if not contexts or min(contexts) <= a.window or not fractions or not all(0 < f <= 1 for f in fractions):
         p.error("contexts must exceed --window and fractions lie in (0, 1]")
     if hq % hkv or a.runs < 1 or a.batch < 1:
@@ -420,7 +437,8 @@ def main(argv=None) -> int:
     for i, t in enumerate(sorted(contexts)):
         payload["rows"] += attention_rows(b=a.batch, t=t, hq=hq, hkv=hkv, d=a.head_dim, window=a.window,
                                           fractions=fractions, dtype=dtype, runs=a.runs, check=i == 0,
-                                          parts=parts, kascade_tunings=tunings)
+                                          parts=parts, kascade_tunings=tunings, anchor_impls=anchor_impls,
+                                          scores_tunings=scores_tunings)
         write_results(a.name, payload, render(payload), a.out)
     payload["wall_s"] = time.perf_counter() - t0
     write_final_results(a.name, payload, render, plot, a.out)

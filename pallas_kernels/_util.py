@@ -12,3 +12,24 @@ def next_pow2(n: int) -> int:
 def prev_pow2(n: int) -> int:
     """The largest power of two ``<= max(n, 1)``."""
     return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def exp2_fast(x, *, interpret: bool):
+    """``2 ** x`` elementwise inside a Pallas-Triton kernel (f32).
+
+    ``jnp.exp`` / ``jnp.exp2`` lower to libdevice's accurate ``__nv_expf`` /
+    ``__nv_exp2f`` (range reduction and polynomial on the FP32 pipe); a
+    compute-bound kernel wants the MUFU instruction ``ex2.approx.ftz.f32`` (max
+    relative error 2^-22, what Triton's own ``tl.exp2`` emits), here through
+    inline PTX. ``interpret`` (the CPU path, no PTX) uses ``jnp.exp2``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if interpret:
+        return jnp.exp2(x)
+    from jax.experimental.pallas import triton as plgpu
+
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    return y

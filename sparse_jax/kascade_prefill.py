@@ -41,6 +41,7 @@ is a composition of existing kernels, exact for the selections the anchors make:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -149,6 +150,27 @@ def anchor_selection(q, k, lengths, **args):
 MAX_CHUNK_BYTES = 2 << 30
 
 
+#: the kernel path cuts the tiles into at least this many chunks: a chunk scores (and top-k sorts)
+#: rows only as long as its own causal prefix (:func:`key_bounds`), about half the keys of whole rows
+MIN_CHUNKS = 8
+
+
+def key_bounds(n_chunks: int, chunk_queries: int, t: int) -> list[tuple[int, int, int]]:
+    """``[(first chunk, end chunk, keys)]``: groups of consecutive chunks and the static
+    key count each scores, at least every key its queries attend (``(end chunk) *
+    chunk_queries``, at most ``t``). Up to 16 chunks each get their own count; more
+    are grouped by powers of two (chunks ``[2^(g-1), 2^g)``), so that the programs
+    stay few while the rows average about 2/3 of the keys, not all of them."""
+    if n_chunks <= 16:
+        return [(i, i + 1, min(t, (i + 1) * chunk_queries)) for i in range(n_chunks)]
+    out, c0 = [], 0
+    while c0 < n_chunks:
+        c1 = min(n_chunks, max(1, 2 * c0))
+        out.append((c0, c1, min(t, c1 * chunk_queries)))
+        c0 = c1
+    return out
+
+
 def chunk_tiles(batch: int, num_q_heads: int, t: int, tile: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
     """Tiles per chunk of :func:`anchor_selection_chunked`: the most whose f32 logits
     ``[B, Hq, chunk * tile, T]`` fit ``max_chunk_bytes`` (at least 1, at most all)."""
@@ -158,7 +180,7 @@ def chunk_tiles(batch: int, num_q_heads: int, t: int, tile: int, max_chunk_bytes
 
 def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction: float, min_keys: int,
                              max_chunk_bytes: int = MAX_CHUNK_BYTES, chunk: int | None = None,
-                             scores_impl: str = "auto"):
+                             scores_impl: str = "auto", scores_tuning: dict | None = None):
     """:func:`anchor_selection` without the ``[B, Hq, T, T]`` probabilities: the same
     indices and counts, chunk by chunk of query tiles.
 
@@ -173,12 +195,21 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     decides), plus the f32 grouped keys ``[B, Hq, T, D]``. Tiles past ``T`` in the last
     chunk are padding, dropped.
 
+    A chunk scores only the keys its queries can see (:func:`key_bounds`: its own end,
+    or for many chunks the end of its power-of-two group), not all ``T``: the early
+    chunks' rows are short, which halves the scores written and the keys ``top_k``
+    sorts (it costs the whole row whatever ``width`` is). The keys cut off are ``-inf``
+    (at or after every tile start of the chunk), so where ``width`` exceeds the row,
+    the indices ``top_k`` over the whole row would add (those keys, lowest first) are
+    appended: the result is the same.
+
     ``scores_impl`` ("auto" | "pallas" | "reference", ``sparse_jax.ops._dispatch``): a
     chunk's tile scores from the Pallas kernel (``pallas_kernels.tile_scores``: two
     flash-style passes, no logits in HBM; 2x the QK FLOP of causal attention) or the
     f32 reference above; "auto": the kernel on the GPU where it supports the head size
     and tile. Under the kernel a chunk is the most tiles whose f32 scores ``[B, Hkv, c,
-    T]`` fit ``max_chunk_bytes``. The kernel's dot runs on the tensor cores (bf16 inputs,
+    T]`` fit ``max_chunk_bytes``, and at most an eighth of the tiles (:data:`MIN_CHUNKS`);
+    ``scores_tuning`` (``block_k``, ``num_warps``, ``num_stages``) goes to the kernel. The kernel's dot runs on the tensor cores (bf16 inputs,
     f32 accumulation), so near-ties may order differently from the f32 reference.
     """
     from pallas_kernels import tile_scores as _ts
@@ -193,33 +224,53 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     width = tile_width(t, tile, budget=budget, fraction=fraction, min_keys=min_keys)
     lengths = lengths.astype(jnp.int32)
     if chunk is None:  # the most tiles whose f32 logits (reference) or scores (kernel) fit
-        chunk = (chunk_tiles(b, hq, t, tile, max_chunk_bytes) if choice == "reference"
-                 else max_chunk_bytes // (b * hkv * t * 4))
+        if choice == "reference":
+            chunk = chunk_tiles(b, hq, t, tile, max_chunk_bytes)
+        else:  # and at least MIN_CHUNKS chunks, so that the early ones score short rows (below)
+            chunk = min(max_chunk_bytes // (b * hkv * t * 4), -(-nt // MIN_CHUNKS))
     c = int(max(1, min(chunk, nt)))
     nc = -(-nt // c)
-
-    if choice == "pallas":
-        def chunk_scores(ci):  # [B, Hkv, c, T]
-            return _ts.tile_scores_pallas(q, k, lengths, ci * c, tile=tile, chunk=c, interpret=interpret)
-    else:
-        rows = c * tile
+    if choice == "reference":
         kg = _group(k, hq).astype(jnp.float32)  # [B, Hq, T, D], as causal_probabilities
-        qp = jnp.pad(q, ((0, 0), (0, nc * rows - t), (0, 0), (0, 0)))
-        qc = qp.reshape(b, nc, rows, hq, d).swapaxes(0, 1)  # [nc, B, rows, Hq, D]
-        j = jnp.arange(t)[None, :]
+        qp = jnp.pad(q, ((0, 0), (0, nc * c * tile - t), (0, 0), (0, 0)))
+        operands = (qp.reshape(b, nc, c * tile, hq, d).swapaxes(0, 1), kg, lengths)  # q: [nc, B, rows, Hq, D]
+    else:
+        operands = (q, k, lengths)
 
-        def chunk_scores(ci):  # [B, Hkv, c, T]
-            s = jnp.einsum("bthd,bhsd->bhts", qc[ci].astype(jnp.float32), kg) * (d ** -0.5)
-            i = ci * rows + jnp.arange(rows)[:, None]  # [rows, 1]: the chunk's query positions
-            ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
-            p = jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)  # [B, Hq, rows, T]
-            valid_q = (i[None, :, 0] < lengths[:, None])[:, None, :, None]  # [B, 1, rows, 1]
-            gs = jnp.where(valid_q, p, 0.0).reshape(b, hkv, g, rows, t).sum(2)
-            gs = gs.reshape(b, hkv, c, tile, t).sum(3)
-            before = j < ((ci * c + jnp.arange(c)) * tile)[:, None]  # [c, T]
-            return jnp.where(before[None, None], gs, -jnp.inf)
+    def chunk_scores(ops, ci, bound: int):  # [B, Hkv, c, bound]: keys 0 .. bound - 1
+        if choice == "pallas":
+            return _ts.tile_scores_pallas(*ops, ci * c, tile=tile, chunk=c, out_len=bound, interpret=interpret,
+                                          **(scores_tuning or {}))
+        qc, kg, lengths = ops
+        rows = c * tile
+        j = jnp.arange(bound)[None, :]
+        s = jnp.einsum("bthd,bhsd->bhts", qc[ci].astype(jnp.float32), kg[:, :, :bound]) * (d ** -0.5)
+        i = ci * rows + jnp.arange(rows)[:, None]  # [rows, 1]: the chunk's query positions
+        ok = (j <= i)[None, None] & (j[None, None] < lengths[:, None, None, None])
+        p = jax.nn.softmax(jnp.where(ok, s, NEG), axis=-1)  # [B, Hq, rows, bound]: whole causal rows
+        valid_q = (i[None, :, 0] < lengths[:, None])[:, None, :, None]  # [B, 1, rows, 1]
+        gs = jnp.where(valid_q, p, 0.0).reshape(b, hkv, g, rows, bound).sum(2)
+        gs = gs.reshape(b, hkv, c, tile, bound).sum(3)
+        before = j < ((ci * c + jnp.arange(c)) * tile)[:, None]  # [c, bound]
+        return jnp.where(before[None, None], gs, -jnp.inf)
 
-    idx = lax.map(lambda ci: tile_topk(chunk_scores(ci), width), jnp.arange(nc, dtype=jnp.int32))
+    def chunk_topk(ci, ops, bound: int):  # [B, Hkv, c, width]
+        top = tile_topk(chunk_scores(ops, ci, bound), min(width, bound))
+        if width > bound:  # what top_k over the whole row adds: keys bound, bound + 1, ... (-inf, lowest first)
+            pad = jnp.broadcast_to(bound + jnp.arange(width - bound, dtype=jnp.int32), top.shape[:-1] + (width - bound,))
+            top = jnp.concatenate([top, pad], axis=-1)
+        return top
+
+    parts = []
+    for c0, c1, bound in key_bounds(nc, c * tile, t):
+        if parts:  # one group at a time, as lax.map runs one chunk at a time: the next group's inputs
+            operands, _ = lax.optimization_barrier((operands, parts[-1]))  # wait for the last result
+        if c1 - c0 == 1:
+            parts.append(chunk_topk(jnp.int32(c0), operands, bound)[None])
+        else:
+            parts.append(lax.map(lambda ci, bound=bound, ops=operands: chunk_topk(ci, ops, bound),
+                                 jnp.arange(c0, c1, dtype=jnp.int32)))
+    idx = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
     idx = idx.transpose(1, 2, 0, 3, 4).reshape(b, hkv, nc * c, width)[:, :, :nt]  # from [nc, B, Hkv, c, width]
     return {"indices": idx,
             "counts": tile_counts(lengths, t, tile, budget=budget, fraction=fraction, min_keys=min_keys)}

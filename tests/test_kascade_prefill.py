@@ -353,3 +353,21 @@ def test_tile_scores_kernel_matches_the_reference(b, t, hq, hkv, d, tile, length
     assert unsupported_reason(16, 32) and unsupported_reason(64, 24) and unsupported_reason(64, 32) is None
     with pytest.raises(ValueError, match="head_dim"):
         kp.anchor_selection_chunked(q[..., :16], k[..., :16], lengths, scores_impl="pallas", **args)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("d,g,out_len", [(128, 4, None), (128, 4, 1024), (256, 4, 512), (64, 1, 2048)])
+def test_tile_scores_kernel_lowers_to_triton(abstract_h100, d, g, out_len):
+    """The kernel lowers for CUDA (an abstract H100, no GPU): the inline ex2.approx, the
+    transposed pass-2 dot and a truncated output row (``out_len``) are accepted by the
+    Triton lowering, and the PTX instruction is in the program."""
+    from pallas_kernels.tile_scores import tile_scores_pallas
+
+    sd = jax.ShapeDtypeStruct
+    q, k, lengths = sd((1, 2048, 2 * g, d), jnp.bfloat16), sd((1, 2048, 2, d), jnp.bfloat16), sd((1,), jnp.int32)
+    fn = functools.partial(tile_scores_pallas, tile=32, chunk=8, out_len=out_len)
+    lowered = jax.jit(fn).trace(q, k, lengths, 3).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text and "ex2.approx.ftz.f32" in text
+    out = jax.eval_shape(fn, q, k, lengths, 3)
+    assert out.shape == (1, 2, 8, 2048 if out_len is None else out_len)

@@ -62,3 +62,23 @@ def test_prefill_bench_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         prefill_bench.main(argv)
     assert e.value.code == 2
+
+
+def test_prefill_bench_anchor_options(tmp_path):
+    """--anchor-impls picks the anchor rows, --scores-tunings adds one kernel row per tuning;
+    bad values are refused before anything runs."""
+    rc = prefill_bench.main(["--contexts", "256", "--heads", "4,2", "--head-dim", "64", "--window", "16",
+                             "--dtype", "float32", "--runs", "1", "--out", str(tmp_path), "--name", "pa",
+                             "--parts", "kascade", "--kascade-tunings", "default", "--anchor-impls", "pallas",
+                             "--scores-tunings", "block_k=32:num_warps=8;num_stages=3"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "pa.json").read_text())["rows"]
+    assert [r["part"] for r in rows[3:]] == [
+        "kascade anchor selection, tile-scores kernel + per-tile top-k",
+        "kascade anchor selection, tile-scores kernel + top-1 (the scores alone)",
+        "kascade anchor selection, tile-scores kernel (block_k=32, num_warps=8) + top-1 (the scores alone)",
+        "kascade anchor selection, tile-scores kernel (num_stages=3) + top-1 (the scores alone)"]
+    assert rows[3]["max_abs_err"] < 1e-4
+    for bad in (["--anchor-impls", "cudnn"], ["--scores-tunings", "tile=64"]):
+        with pytest.raises(SystemExit):
+            prefill_bench.main(["--contexts", "256", "--parts", "kascade", *bad])
