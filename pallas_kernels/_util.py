@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E)
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``): Triton tiles and

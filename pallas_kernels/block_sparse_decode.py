@@ -110,7 +110,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
                          o_ref, m_ref, l_ref, *,
                          scale: float, block_size: int, tile: int, sub_tiles: int,
                          blocks_per_iter: int, blocks_per_split: int, NB: int, S: int,
-                         precision):
+                         precision, interpret: bool = False):
     # Block refs: counts_ref [], len_ref [] ; q_ref [G, D] ; bidx_ref [NB] (the
     # whole block list; this split owns [split * blocks_per_split, ...)) ;
     # k_ref, v_ref [S, D] ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
@@ -150,7 +150,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
             k = plgpu.load(k_ref.at[rows, :], mask=valid[:, None], other=0.0)
             v = plgpu.load(v_ref.at[rows, :], mask=valid[:, None], other=0.0)
             return online_softmax_step(q, k, v, valid, carry, scale=scale,
-                                       precision=precision)
+                                       precision=precision, interpret=interpret)
     else:
         # Multi-block gather path: tile == blocks_per_iter * block_size tokens.
         n_iter = lax.div(n_valid + (blocks_per_iter - 1), blocks_per_iter)
@@ -168,7 +168,7 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
             k = k_ref[pos]
             v = v_ref[pos]
             return online_softmax_step(q, k, v, valid, carry, scale=scale,
-                                       precision=precision)
+                                       precision=precision, interpret=interpret)
 
     init = (
         jnp.zeros((g_pad, d), jnp.float32),
@@ -250,7 +250,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
-        precision=dot_precision(q.dtype))
+        precision=dot_precision(q.dtype), interpret=interpret)
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
         name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.merge import MASK_VALUE, combine_splits
-from pallas_kernels._util import next_pow2
+from pallas_kernels._util import LOG2E, exp2_fast, next_pow2
 
 # Tuning defaults (the lead sweeps these on the H100).
 DEFAULT_BLOCK_K = 64          # gathered tokens per inner-loop tile
@@ -170,21 +170,28 @@ def sparse_decode_attention_reference(q, k, v, indices, counts, *, scale=None,
 # Kernel
 # --------------------------------------------------------------------------
 
-def online_softmax_step(q, k, v, valid, carry, *, scale: float, precision):
+def online_softmax_step(q, k, v, valid, carry, *, scale: float, precision, interpret: bool = False):
     """One flash step for a tile: q ``[G_pad, D]``, k/v ``[T, D]``, valid ``[T]``.
 
-    Shared by both decode kernels. ``carry = (o [G_pad, D] f32, m [G_pad] f32,
-    l [G_pad] f32)``; o is unnormalised.
+    Shared by both decode kernels (and Kascade's tiled prefill, which runs the gather
+    kernel with a tile's 128 query rows: compute-bound, where the exponential's cost
+    shows). ``carry = (o [G_pad, D] f32, m [G_pad] f32, l [G_pad] f32)``; o is
+    unnormalised, ``m`` in natural-log units (the residuals callers merge). Each
+    exponential is the MUFU ``ex2.approx`` of ``x * log2 e`` (``exp2_fast``), not
+    libdevice's ``expf``.
     """
+    def exp(x):
+        return exp2_fast(x * LOG2E, interpret=interpret)
+
     o_prev, m_prev, l_prev = carry
     logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [G_pad, T] f32
     vmask = valid[None, :]
     logits = jnp.where(vmask, logits, MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
-    corr = jnp.exp(m_prev - m_next)
+    corr = exp(m_prev - m_next)
     # where(): a fully masked tile (possible in the block-sparse kernel) with
     # m_prev == MASK would otherwise give exp(0) = 1 for every masked slot.
-    p = jnp.where(vmask, jnp.exp(logits - m_next[:, None]), 0.0)
+    p = jnp.where(vmask, exp(logits - m_next[:, None]), 0.0)
     l_next = corr * l_prev + jnp.sum(p, axis=-1)
     o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return o_next, m_next, l_next
@@ -218,7 +225,7 @@ def store_group(o_ref, m_ref, l_ref, o, m, l):
 def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
                           o_ref, m_ref, l_ref, *,
                           scale: float, block_k: int, k_split: int, K: int, S: int,
-                          prefetch: int, precision):
+                          prefetch: int, precision, interpret: bool = False):
     # Block refs: counts_ref [] ; q_ref [G, D] ; idx_ref [K] (the whole index row:
     # this split reads [split * k_split, ...) with masked loads, so the list needs no
     # padded copy) ; k_ref, v_ref [S, D] (this (b, h)'s whole cache row) ;
@@ -253,7 +260,8 @@ def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
     if not prefetch:
         def body(t, carry):
             valid, k, v = fetch(t)
-            return online_softmax_step(q, k, v, valid, carry, scale=scale, precision=precision)
+            return online_softmax_step(q, k, v, valid, carry, scale=scale, precision=precision,
+                                       interpret=interpret)
 
         o, m, l = lax.fori_loop(0, n_tiles, body, init)
     else:
@@ -264,7 +272,8 @@ def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
         def body(t, carry):
             acc, (valid, k, v) = carry
             nxt = fetch(t + 1)
-            return online_softmax_step(q, k, v, valid, acc, scale=scale, precision=precision), nxt
+            return online_softmax_step(q, k, v, valid, acc, scale=scale, precision=precision,
+                                       interpret=interpret), nxt
 
         (o, m, l), _ = lax.fori_loop(0, n_tiles, body, (init, fetch(0)))
     store_group(o_ref, m_ref, l_ref, o, m, l)
@@ -322,7 +331,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
 
     kernel = functools.partial(
         _sparse_decode_kernel, scale=scale, block_k=block_k, k_split=k_split,
-        K=K, S=S, prefetch=prefetch, precision=dot_precision(q.dtype))
+        K=K, S=S, prefetch=prefetch, precision=dot_precision(q.dtype), interpret=interpret)
     return split_decode_call(
         kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
         name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,

@@ -67,13 +67,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._util import exp2_fast, next_pow2
+from pallas_kernels._util import LOG2E, exp2_fast, next_pow2
 from pallas_kernels.merge import MASK_VALUE
 from pallas_kernels.sparse_decode import dot_precision
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 NO_KEYS_LSE = 1e30  # lse of a row without keys: exp2(s - lse) == 0
-LOG2E = math.log2(math.e)
 
 
 def unsupported_reason(head_dim: int, tile: int, q_dtype=None, k_dtype=None) -> str | None:

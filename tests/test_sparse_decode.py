@@ -7,6 +7,8 @@ counts int32[B, Hkv].
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,3 +294,22 @@ class TestSparseDecodeKernel(DecodeKernelTestBase):
         counts = np.full((B, Hkv), 5, np.int32)
         counts[0, 0] = 0
         return dict(indices=jnp.zeros((B, Hkv, 8), jnp.int32), counts=jnp.asarray(counts))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100, d):
+    """Both decode kernels lower for CUDA (an abstract H100, no GPU), and their online
+    softmax uses the MUFU ex2.approx (pallas_kernels._util.exp2_fast), not libdevice."""
+    from pallas_kernels.block_sparse_decode import block_sparse_decode_attention_pallas
+    from pallas_kernels.sparse_decode import sparse_decode_attention_pallas
+
+    sd = jax.ShapeDtypeStruct
+    q, kv = sd((2, 8, d), jnp.bfloat16), sd((2, 2, 1024, d), jnp.bfloat16)
+    idx, cnt, lens = sd((2, 2, 256), jnp.int32), sd((2, 2), jnp.int32), sd((2,), jnp.int32)
+    bidx = sd((2, 2, 8), jnp.int32)
+    for fn, args in ((sparse_decode_attention_pallas, (q, kv, kv, idx, cnt)),
+                     (functools.partial(block_sparse_decode_attention_pallas, block_size=64),
+                      (q, kv, kv, bidx, cnt, lens))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "ex2.approx.ftz.f32" in text
