@@ -491,8 +491,9 @@ def plot(payload, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     w = 0.27
     for j, mode in enumerate(modes):
-        tps = [next((r["tokens_per_s"] for r in rows if r["context"] == c and r["label"] == mode), 0) for c in ctxs]
-        bs = [next((r["batch"] for r in rows if r["context"] == c and r["label"] == mode), 0) for c in ctxs]
+        of_mode = [r for r in rows if r["label"].split(" (save ")[0] == mode]  # an A/B of saves: the first
+        tps = [next((r["tokens_per_s"] for r in of_mode if r["context"] == c), 0) for c in ctxs]
+        bs = [next((r["batch"] for r in of_mode if r["context"] == c), 0) for c in ctxs]
         x = np.arange(len(ctxs)) + (j - 1) * w
         axes[0].bar(x, tps, w, label=mode)
         axes[1].bar(x, bs, w, label=mode)
@@ -601,10 +602,12 @@ def parse_args(argv=None):
     p.add_argument("--shared-slot-impl", default="auto", choices=["auto", "pallas", "reference"],
                    help="offload-shared: the shared pool's slot assignment (sparse_jax.offload.pool."
                         "SHARED_SLOT_IMPL; auto: as the step, the kernel on the GPU)")
-    p.add_argument("--save", default="deferred", choices=["deferred", "sync"],
+    p.add_argument("--save", default="deferred",
                    help="offloaded modes: how completed blocks reach the host tier (TieredRunner(save=...)): "
                         "deferred (FlashD2H: one copy a step, stored at the next step) or sync (waited for and "
-                        "stored within the step: the baseline)")
+                        "stored within the step: the baseline). A comma list (e.g. deferred,sync,deferred) runs "
+                        "each in turn at the batch the first one found, one row each: an A/B at equal batch, "
+                        "repeats showing the host's drift within the process")
     p.add_argument("--prefill-len", type=int, default=32768, help="0 skips the prefill comparison")
     p.add_argument("--smollm2", action="store_true", help="measure hit rates on SmolLM2 (needs its weights)")
     p.add_argument("--smollm2-only", action="store_true")
@@ -628,6 +631,9 @@ def parse_args(argv=None):
     bad = set(a.modes.split(",")) - {"dense", "sparse", "offload", "offload-shared"}
     if bad:  # before any model is built or compiled
         p.error(f"--modes: unknown {sorted(bad)}; choose from dense, sparse, offload, offload-shared")
+    a.saves = [x.strip() for x in a.save.split(",")]
+    if not a.saves or set(a.saves) - {"deferred", "sync"}:
+        p.error(f"--save: a comma list of deferred and sync, got {a.save!r}")
     return a
 
 
@@ -697,14 +703,27 @@ def main(argv=None) -> int:
             start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode="offload" if shared else mode,
                                        device_limit=dl, host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if rmode == "offload" else 0.0
+            saves = a.saves if rmode == "offload" else ["deferred"]
+            pool = "shared" if shared else "per_row"
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl, bandwidth=bw, pool="shared" if shared else "per_row",
-                          save=a.save if rmode == "offload" else "deferred")
-            r["label"] = mode
+                          host_limit=hl, bandwidth=bw, pool=pool, save=saves[0])
+            rows = [r]
+            for sv in saves[1:] if r.get("batch") else ():  # the same batch: an A/B of the save alone
+                try:
+                    r2 = run_config(mdl, rmode, context=ctx, batch=r["batch"], steps=a.steps, warmup=a.warmup,
+                                    churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv)
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    log(f"[offload] {mode} save={sv} batch={r['batch']} failed: {type(e).__name__}: {str(e)[:200]}")
+                    r2 = {"mode": rmode, "context": ctx, "batch": 0, "error": f"{type(e).__name__}"}
+                r2["planner_batch"] = r.get("planner_batch")
+                rows.append(r2)
+            for row, sv in zip(rows, saves):
+                row["label"] = mode if len(saves) == 1 else f"{mode} (save {sv})"
+                row["save"] = sv
+                payload["throughput"].append(row)
+                log(f"[offload] ctx={ctx} {row['label']}: batch {row.get('batch')} tpot {row.get('tpot_ms', 0):.2f} "
+                    f"ms {row.get('tokens_per_s', 0):.1f} tok/s hit {row.get('hit_rate', '-')}")
             found[mode] = r
-            payload["throughput"].append(r)
-            log(f"[offload] ctx={ctx} {mode}: batch {r.get('batch')} tpot {r.get('tpot_ms', 0):.2f} ms "
-                f"{r.get('tokens_per_s', 0):.1f} tok/s hit {r.get('hit_rate', '-')}")
             save()
         if "offload" in found and found["offload"].get("batch") and "sparse" in found and found["sparse"].get("batch"):
             b = found["sparse"]["batch"]
@@ -749,7 +768,8 @@ def main(argv=None) -> int:
                 r["x_dense"] = r["tokens_per_s"] / d
     # the random weights' own locality (no churn), at the longest context
     ctx = max(contexts)
-    off_rows = [r for r in payload["throughput"] if r["label"] == "offload" and r["context"] == ctx and r.get("batch")]
+    off_rows = [r for r in payload["throughput"] if r["label"].split(" (save ")[0] == "offload" and r["context"] == ctx
+                and r.get("batch")]
     if off_rows and a.extras:
         b = off_rows[0]["batch"]
         trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None

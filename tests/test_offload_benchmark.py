@@ -66,3 +66,21 @@ def test_offloaded_runs_prime_the_autotuner_at_a_short_context(tmp_path, monkeyp
     assert rc == 0 and calls and all(c == 1024 for _, c in calls)
     off = json.loads((tmp_path / "p.json").read_text())["throughput"][0]
     assert off["batch"] == calls[-1][0] and off["finite"]
+
+
+def test_offload_benchmark_save_ab_at_one_batch(tmp_path):
+    """--save deferred,sync runs both saves at the batch the first found (one row each, labelled),
+    so the FlashD2H A/B is not confounded by the planner choosing two batches; a bad list is
+    refused before any model is built."""
+    rc = offload.main(["--tiny", "--contexts", "1024", "--budget", "128", "--kb", "8", "--steps", "2",
+                       "--warmup", "1", "--prefill-len", "0", "--modes", "offload", "--no-extras",
+                       "--save", "deferred,sync", "--out", str(tmp_path), "--name", "ab"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "ab.json").read_text())["throughput"]
+    assert [(r["label"], r["save"]) for r in rows] == [("offload (save deferred)", "deferred"),
+                                                       ("offload (save sync)", "sync")]
+    assert rows[0]["batch"] == rows[1]["batch"] >= 1 and all(r["finite"] and r["tpot_ms"] > 0 for r in rows)
+    import pytest
+
+    with pytest.raises(SystemExit):
+        offload.main(["--tiny", "--save", "deferred,flash"])
