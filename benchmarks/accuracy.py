@@ -175,13 +175,15 @@ def pad_id(model) -> int:
 
 
 def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[int], *, width: int,
-                    batch_size: int, stops: set[int], pad: int) -> list[list[int]]:
+                    batch_size: int, stops: set[int], pad: int, timing: dict | None = None) -> list[list[int]]:
     """Greedy continuation of one batch of prompts (``len(prompts) <= batch_size``).
 
     Prompts are right-padded to ``width`` tokens and the batch padded to
     ``batch_size`` rows (copies of the last prompt, discarded), so every batch of
     one length has the same shapes (one compilation). The cache holds ``width``
     tokens: each prompt plus the longest ``max_new`` of the batch must fit.
+    ``timing`` (a dict, updated in place): seconds in the prefill (synchronised) and
+    in the decode loop, decode steps and batches: where a run's time goes.
     """
     n = len(prompts)
     if not 0 < n <= batch_size:
@@ -194,8 +196,12 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[i
     tokens = np.full((batch_size, width), pad, np.int32)
     for r, p in enumerate(rows):
         tokens[r, : len(p)] = p
+    t0 = time.perf_counter()
     cache = model.init_cache(batch_size, width)
     logits, cache = model.fns.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    if timing is not None:
+        jax.block_until_ready(logits)
+        t1 = time.perf_counter()
     out: list[list[int]] = [[] for _ in range(n)]
     done = np.zeros(batch_size, bool)
     done[n:] = True
@@ -213,12 +219,17 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[i
         if done.all() or step == steps - 1:
             break
         logits, cache = model.fns.decode_step(model.params, tok, cache)
+    if timing is not None:
+        for key, val in (("prefill_s", t1 - t0), ("decode_s", time.perf_counter() - t1), ("steps", step + 1),
+                         ("batches", 1)):
+            timing[key] = timing.get(key, 0) + val
     return out
 
 
 def run_samples(model, samples: Sequence[ruler_tasks.Sample], tokenizer, *, batch_size: int,
-                progress: bool = True, desc: str = "") -> list[dict]:
-    """Generate and score every sample (all of one target length)."""
+                progress: bool = True, desc: str = "", timing: dict | None = None) -> list[dict]:
+    """Generate and score every sample (all of one target length); ``timing``: see
+    :func:`greedy_generate` (the first batch, which compiles, also as ``first_batch_s``)."""
     if not samples:
         return []
     width = samples[0].target_len
@@ -232,9 +243,12 @@ def run_samples(model, samples: Sequence[ruler_tasks.Sample], tokenizer, *, batc
 
         it = tqdm(batches, desc=desc, leave=False, file=sys.stderr, unit="batch")
     results = []
-    for batch in it:
+    for i, batch in enumerate(it):
+        t0 = time.perf_counter()
         outs = greedy_generate(model, [s.input_ids for s in batch], [s.max_new_tokens for s in batch],
-                               width=width, batch_size=batch_size, stops=stops, pad=pad)
+                               width=width, batch_size=batch_size, stops=stops, pad=pad, timing=timing)
+        if timing is not None and i == 0:
+            timing["first_batch_s"] = time.perf_counter() - t0
         for s, ids in zip(batch, outs):
             text = tokenizer.decode(ids, skip_special_tokens=True) if _takes_skip(tokenizer) else tokenizer.decode(ids)
             results.append({"task": s.task, "index": s.index, "prompt_tokens": s.num_tokens,
@@ -389,9 +403,12 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 mm = model.with_method(method)
                 if accuracy:
                     t1 = time.perf_counter()
+                    timing: dict = {}
                     res = run_samples(mm, samp, tokenizer, batch_size=batch_size, progress=progress,
-                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}")
+                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}", timing=timing)
                     row["accuracy_s"] = time.perf_counter() - t1
+                    row["timing"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}
+                    write(f"[accuracy] {name} b={budget} L={L}: {row['accuracy_s']:.1f}s {row['timing']}")
                     row["scores"], row["average"] = summarize(res, tasks)
                     row["n_samples"] = len(res)
                     for r in res:

@@ -25,9 +25,12 @@ Every prefill bucket and the step compile in a warm-up before the sweep.
 
 ``NAME:offload`` in ``--methods`` runs the method offloaded (KV blocks in
 pinned host memory, per-slot pools); its rows report the KV blocks loaded
-from the host per iteration. Not measured yet (the engine lacks them,
-``docs/serving.md``): working-set admission, a pool shared across slots,
-layer-segmented prefill interleaved with decode.
+from the host per iteration. ``NAME:segmented`` adds layer-segmented prefill
+interleaved with decode; ``NAME:shared`` / ``NAME:shared-segmented`` run one
+pool shared by the slots with working-set admission (SparseServe's design),
+``NAME:shared-nows`` the shared pool without the admission (M_avl unbounded):
+with ``dense`` and ``NAME`` (resident) that is SparseServe's Figure 13
+ablation, one component at a time (:data:`PLACES`).
 """
 
 from __future__ import annotations
@@ -207,9 +210,11 @@ def run(args) -> dict:
         check_label(label)
         shared = where.startswith("shared")
         inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
+        ws_admission = shared and where != "shared-nows"
         engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                         offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
-                        pool="shared" if shared else "per_row", max_inject_tokens=inject).start()
+                        pool="shared" if shared else "per_row", max_inject_tokens=inject,
+                        kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
         try:
             t0 = time.perf_counter()
             iteration_ms = warm_up(engine, mix, model.config.vocab_size)
@@ -226,6 +231,7 @@ def run(args) -> dict:
                 print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
             runs.append({"method": label, "offloaded": where != "",
                          "pool": ("shared" if shared else "per_row") if where else None,
+                         "ws_admission": ws_admission,
                          "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                          "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                          "goodput_rps": goodput(rows, iteration_ms)})
@@ -290,14 +296,20 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
-PLACES = ("", "offload", "segmented", "shared", "shared-segmented")
+#: where a method runs: resident (""), offloaded with a pool per slot, + layer-segmented prefill,
+#: on one shared pool with working-set admission (+ segmented prefill), or on the shared pool
+#: without it ("shared-nows": M_avl unbounded, only R_max's one-step cap): SparseServe's
+#: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
+#: NAME:shared-segmented
+PLACES = ("", "offload", "segmented", "shared", "shared-segmented", "shared-nows")
+UNBOUNDED_KV_BYTES = 1 << 62
 
 
 def check_label(label: str) -> None:
     """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
     if label.partition(":")[2] not in PLACES:
-        raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:shared or "
-                         f"NAME:shared-segmented")
+        raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:shared, "
+                         f"NAME:shared-segmented or NAME:shared-nows")
 
 
 def parse_args(argv=None):
@@ -305,7 +317,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
                    help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded (a pool per "
                         "slot), NAME:segmented offloaded with layer-segmented prefill, NAME:shared and "
-                        "NAME:shared-segmented the same on one pool shared by the slots (SparseServe's)")
+                        "NAME:shared-segmented the same on one pool shared by the slots (SparseServe's), "
+                        "NAME:shared-nows on the shared pool without working-set admission (the ablation)")
     p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
     p.add_argument("--shared-pool-slots", type=int, default=None,
                    help="NAME:shared / NAME:shared-segmented: block slots per (layer, KV head) of the pool all slots "

@@ -220,6 +220,10 @@ def test_harness_end_to_end(tokenizer, tmp_path):
     dense = rows[("dense", None)]
     assert dense["status"] == "ok" and set(dense["scores"]) == {"niah_single_1", "vt"}
     assert 0.0 <= dense["average"] <= 1.0 and dense["n_samples"] == 2
+    # where the time went: one batch (2 samples, batch 2) of prefill and decode steps
+    tm = dense["timing"]
+    assert tm["batches"] == 1 and tm["steps"] >= 1 and tm["prefill_s"] > 0 and tm["decode_s"] >= 0
+    assert tm["first_batch_s"] >= tm["prefill_s"]
     assert rows[("no_such_method", None)]["status"] == "error"  # reported, the run went on
     assert len(payload["predictions"]) == 2 * (6 + (2 if sparse else 0))
     tsa = rows[("tsa", None)]

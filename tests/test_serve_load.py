@@ -29,6 +29,19 @@ def test_serve_load_tiny(tmp_path):
     assert rc == 0 and len(json.loads((tmp_path / "m.json").read_text())["runs"]) == 6
 
 
+def test_serve_load_shared_pool_with_and_without_admission(tmp_path):
+    """The ablation's shared-pool steps: NAME:shared admits on working sets (M_avl = the pool),
+    NAME:shared-nows does not (M_avl unbounded); both complete every request."""
+    rc = serve_load.main(["--tiny", "--methods", "quest:shared,quest:shared-nows", "--budget", "32", "--rates", "200",
+                          "--requests", "4", "--prompt-mix", "64:1", "--output-min", "3", "--output-max", "5",
+                          "--slots", "2", "--time-limit", "30", "--out", str(tmp_path), "--name", "ab"])
+    assert rc == 0
+    runs = json.loads((tmp_path / "ab.json").read_text())["runs"]
+    assert [(r["method"], r["pool"], r["ws_admission"]) for r in runs] == [
+        ("quest:shared", "shared", True), ("quest:shared-nows", "shared", False)]
+    assert all(row["completed"] == row["requests"] == 4 for r in runs for row in r["rows"])
+
+
 def test_workload_is_poisson_and_bounded():
     mix = serve_load.parse_mix("100:1,1000:3")
     wl = serve_load.make_workload(2.0, 400, mix, 128, 512, seed=1)

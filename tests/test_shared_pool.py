@@ -287,7 +287,8 @@ def test_pool_flags_are_checked_before_any_model_is_built():
         serve.make_engine(args)
     with pytest.raises(SystemExit):
         serve_load.parse_args(["--methods", "quest:sharde"])
-    assert serve_load.parse_args(["--methods", "quest:shared,quest:shared-segmented", "--tiny"]).methods
+    assert serve_load.parse_args(["--methods", "quest:shared,quest:shared-segmented,quest:shared-nows",
+                                  "--tiny"]).methods
     with pytest.raises(SystemExit):
         offload_bench.parse_args(["--modes", "offload,shared"])
     model = _tiny_asynctls_model()
