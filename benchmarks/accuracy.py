@@ -205,6 +205,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[i
     out: list[list[int]] = [[] for _ in range(n)]
     done = np.zeros(batch_size, bool)
     done[n:] = True
+    step = -1  # no decode step (steps == 0)
     for step in range(steps):
         tok = _argmax(logits)
         th = np.asarray(tok)
