@@ -41,7 +41,6 @@ is a composition of existing kernels, exact for the selections the anchors make:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -209,8 +208,9 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     f32 reference above; "auto": the kernel on the GPU where it supports the head size
     and tile. Under the kernel a chunk is the most tiles whose f32 scores ``[B, Hkv, c,
     T]`` fit ``max_chunk_bytes``, and at most an eighth of the tiles (:data:`MIN_CHUNKS`);
-    ``scores_tuning`` (``block_k``, ``num_warps``, ``num_stages``) goes to the kernel. The kernel's dot runs on the tensor cores (bf16 inputs,
-    f32 accumulation), so near-ties may order differently from the f32 reference.
+    ``scores_tuning`` (``block_k``, ``num_warps``, ``num_stages``) goes to the kernel.
+    The kernel's dot runs on the tensor cores (bf16 inputs, f32 accumulation), so
+    near-ties may order differently from the f32 reference.
     """
     from pallas_kernels import tile_scores as _ts
     from sparse_jax.ops._dispatch import resolve_impl
@@ -257,7 +257,8 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     def chunk_topk(ci, ops, bound: int):  # [B, Hkv, c, width]
         top = tile_topk(chunk_scores(ops, ci, bound), min(width, bound))
         if width > bound:  # what top_k over the whole row adds: keys bound, bound + 1, ... (-inf, lowest first)
-            pad = jnp.broadcast_to(bound + jnp.arange(width - bound, dtype=jnp.int32), top.shape[:-1] + (width - bound,))
+            extra = width - bound
+            pad = jnp.broadcast_to(bound + jnp.arange(extra, dtype=jnp.int32), top.shape[:-1] + (extra,))
             top = jnp.concatenate([top, pad], axis=-1)
         return top
 
