@@ -192,8 +192,13 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
         diag = kp.num_tiles(s, t) * t * (t + 1) / 2  # each tile's own causal square
         tiled = float(t * counts.sum() + diag)
         anchors = len(method.anchors)
-        dense_anchor = 1 if method.dense_first_anchor else 0
-        attention = qk_pv * (dense_anchor * causal + (cfg.num_layers - dense_anchor) * tiled)
+        # layers attending densely: the dense first anchor, and those outside tiled_prefill_layers
+        sparse = [i for i in range(cfg.num_layers) if method.tiled_prefill_layers is None
+                  or i in method.tiled_prefill_layers]
+        dense_layers = cfg.num_layers - len(sparse)
+        if method.dense_first_anchor and method.anchors and method.anchors[0] in sparse:
+            dense_layers += 1
+        attention = qk_pv * (dense_layers * causal + (cfg.num_layers - dense_layers) * tiled)
         selection = anchors * qk_pv / 2 * causal
     else:
         tsa = method.sparse_prefill()

@@ -63,6 +63,14 @@ def test_prefill_floor_counts_every_part():
     # 31 of 32 layers attend about 10% of each prefix: far below dense, above the one dense anchor
     assert dense["attention"] / L < kas["attention"] < 0.2 * dense["attention"]
     assert kas["selection"] == pytest.approx(5 * 4 * 2 * h * d / 2 * s * (s + 1) / 2)
+    # tiled_prefill_layers: the layers outside it attend densely (the selection is unchanged)
+    none = kascade_bench.prefill_flops(cfg, bound(get_method("kascade", tiled_prefill=True,
+                                                             tiled_prefill_layers=())), 2, s)
+    assert none["attention"] == pytest.approx(dense["attention"]) and none["selection"] == kas["selection"]
+    last = kascade_bench.prefill_flops(cfg, bound(get_method("kascade", tiled_prefill=True,
+                                                             tiled_prefill_layers=(L - 1,))), 2, s)
+    one_tiled = (kas["attention"] - dense["attention"] / L) / (L - 1)  # one tiled layer's share
+    assert last["attention"] == pytest.approx(dense["attention"] * (L - 1) / L + one_tiled)
 
 
 @pytest.mark.parametrize("part", ["attention", "e2e", "prefill"])

@@ -371,3 +371,26 @@ def test_tile_scores_kernel_lowers_to_triton(abstract_h100, d, g, out_len):
     assert "__gpu$xla.gpu.triton" in text and "ex2.approx.ftz.f32" in text
     out = jax.eval_shape(fn, q, k, lengths, 3)
     assert out.shape == (1, 2, 8, 2048 if out_len is None else out_len)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
+    """``tiled_prefill_layers`` (4 layers): none listed is Kascade with a dense prefill, all listed is the
+    default tiled prefill, and a subset is neither (its anchors outside the set still select
+    for the reuse layers after them); scanned (traced roles) and unrolled alike."""
+    import models.transformer as tr
+
+    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    tokens, lengths = _tokens()
+    args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
+    plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
+    tiled = _run(_tiny_model(Kascade(**args)), tokens, lengths, 3, 512)
+    none = _run(_tiny_model(Kascade(**args, tiled_prefill_layers=())), tokens, lengths, 3, 512)
+    every = _run(_tiny_model(Kascade(**args, tiled_prefill_layers=(0, 1, 2, 3))), tokens, lengths, 3, 512)
+    last = _run(_tiny_model(Kascade(**args, tiled_prefill_layers=(2,))), tokens, lengths, 3, 512)
+    np.testing.assert_allclose(none, plain, atol=3e-5, rtol=0)
+    np.testing.assert_allclose(every, tiled, atol=3e-5, rtol=0)
+    assert np.abs(last - plain).max() > 1e-4 and np.abs(last - tiled).max() > 1e-4
+    with pytest.raises(ValueError, match="tiled_prefill_layers"):
+        Kascade(anchors=(0,), tiled_prefill=True, tiled_prefill_layers=(-1,)).check(
+            num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)

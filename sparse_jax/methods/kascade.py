@@ -106,6 +106,11 @@ class Kascade(AttentionMethod):
         kernel; anchors select chunk by chunk of tiles, ``prefill_chunk_bytes`` of f32
         logits at a time, no ``[T, T]`` array) or "masked" (the ``[T, T]``-mask reference).
       prefill_chunk_bytes: the composed anchors' selection chunk (default 2 GiB).
+      tiled_prefill_layers: the layers whose prompt attention is tile-sparse (None: all).
+        The others attend densely: an anchor among them still selects for the layers
+        after it (as the dense first anchor does), a reuse layer leaves the selection
+        as it is. On SmolLM2 the tiled prefill on 29 of 30 layers costs 21-42 RULER
+        points at 4K (``docs/methods.md``): fewer sparse layers is the knob, as TSA's δ.
     """
 
     crosses_kv_heads: ClassVar[bool] = True  # reuse head h reads the anchor head head_map[h]
@@ -136,6 +141,8 @@ class Kascade(AttentionMethod):
     #: "composed" anchors' selection: f32 logits of at most this many bytes at a time
     #: (:func:`sparse_jax.kascade_prefill.anchor_selection_chunked`; default 2 GiB)
     prefill_chunk_bytes: int = 2 << 30
+    #: layers with a tile-sparse prompt attention (None: every layer); the rest attend densely
+    tiled_prefill_layers: tuple[int, ...] | None = None
     #: the anchor selector bound to the model (``for_model``), filled in
     selector: Any = dataclasses.field(default=None, repr=False)
 
@@ -193,6 +200,9 @@ class Kascade(AttentionMethod):
             raise ValueError(f"kascade: prefill_tile must be >= 1, got {self.prefill_tile}")
         if self.prefill_chunk_bytes < 1:
             raise ValueError(f"kascade: prefill_chunk_bytes must be >= 1, got {self.prefill_chunk_bytes}")
+        if self.tiled_prefill_layers is not None and any(int(i) < 0 for i in self.tiled_prefill_layers):
+            raise ValueError(f"kascade: tiled_prefill_layers must be layer indices >= 0, "
+                             f"got {self.tiled_prefill_layers}")
         if self.prefill_impl not in ("composed", "masked"):
             raise ValueError(f"kascade: prefill_impl must be 'composed' or 'masked', got {self.prefill_impl!r}")
         if self.tiled_prefill and self.prefill != "dense":
@@ -229,6 +239,8 @@ class Kascade(AttentionMethod):
 
     def layer_data(self, index):
         d = {"role": np.int32(self.layer_role(index))}
+        if self.tiled_prefill:  # whether this layer's prompt attention is tile-sparse
+            d["tiled_prefill"] = np.bool_(self.tiled_prefill_layers is None or index in self.tiled_prefill_layers)
         if self.head_map is not None:
             d["head_map"] = np.asarray(self.head_map[index], np.int32)
         sel = self._selector()
@@ -295,10 +307,18 @@ class Kascade(AttentionMethod):
             idx = kp.reused(carry, layer.data.get("head_map"))
             return kp.tiled_attention_impl(q, k, v, idx, carry["counts"], tile, **impls), carry
 
-        role = layer.data["role"]
-        if _is_static(role):
-            return (dense, anchor, reuse)[int(role)](None)
-        return jax.lax.switch(role, (dense, anchor, reuse), None)
+        def dense_reuse(_):  # a reuse layer outside tiled_prefill_layers: dense, the selection kept
+            return self.prefill_attention(q, k, v, lengths, layer), carry
+
+        role, tiled = layer.data["role"], layer.data.get("tiled_prefill", True)
+        # outside tiled_prefill_layers an anchor attends densely and still selects (the dense branch)
+        if _is_static(role) and _is_static(tiled):
+            branch = role if tiled else (3 if role == REUSE else DENSE_ANCHOR)
+        else:
+            branch = jnp.where(tiled, role, jnp.where(role == REUSE, 3, DENSE_ANCHOR))
+        if _is_static(branch):
+            return (dense, anchor, reuse, dense_reuse)[int(branch)](None)
+        return jax.lax.switch(branch, (dense, anchor, reuse, dense_reuse), None)
 
     # -- state: the selector's, on every sparse layer (a scanned segment stacks
     #    identical states); plus whether the first decode step is still to come
