@@ -180,8 +180,8 @@ def online_softmax_step(q, k, v, valid, carry, *, scale: float, precision, inter
     exponential is the MUFU ``ex2.approx`` of ``x * log2 e`` (``exp2_fast``), not
     libdevice's ``expf``.
     """
-    def exp(x):
-        return exp2_fast(x * LOG2E, interpret=interpret)
+    def exp(x):  # interpret mode (CPU) keeps jnp.exp: the same numbers as before, bit for bit
+        return jnp.exp(x) if interpret else exp2_fast(x * LOG2E, interpret=False)
 
     o_prev, m_prev, l_prev = carry
     logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [G_pad, T] f32

