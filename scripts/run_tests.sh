@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite in a few pytest processes, not one: a single process that compiles
 # every test's XLA programs crashed inside XLA's CPU compiler (a segfault at ~70% of the
-# suite, reproducible on the 2-core CI machine), while each part passes on its own.
+# suite, reproducible on the 2-core CI machine), while each part passes on its own. Four
+# parts crashed the same way once the Kascade tests grew (CI of 4b7d119: part 2 segfaulted
+# compiling in test_offload, which passes alone), so `make test` uses eight.
 # Usage: scripts/run_tests.sh PYTHON [PARTS]
 set -uo pipefail
 py="$1"; parts="${2:-4}"
