@@ -19,9 +19,11 @@ anchor + 31 reuse)``; the paper reports 4.1x over FlashAttention-3 at 128K
 
 ``prefill``: ms per whole-model prefill of ``--context`` tokens (``dense`` against
 ``kascade_tiled``: Kascade's tiled prefill, composed path, chunked anchor selection
-of ``--chunk-bytes``; ``tsa``: Token Sparse Attention at tau = 0.005 on the second
-half of the layers, and ``tsa@F`` keeping a fixed fraction ``F`` of each prefix:
-random weights have no attention structure for tau to find), for the Qwen3-8B or
+of ``--chunk-bytes``, ``kascade_tiled[A-B]`` on layers A..B only; ``tsa``: Token
+Sparse Attention at tau = 0.005 on the second half of the layers, and ``tsa@F``
+keeping a fixed fraction ``F`` of each prefix: random weights have no attention
+structure for tau to find; ``kascade_tiled+tsa@F``: the two composed, TSA on its
+layers, the tiled prefill on the others), for the Qwen3-8B or
 Llama-3.1-8B shape (``--model``). ``floor_ms``: the FLOP the method must do
 (:func:`prefill_flops`) at the bf16 peak, ``x_floor`` how far above it;
 ``temp_gib``: the compiled program's scratch memory; ``process_peak_gib``: the
@@ -173,17 +175,21 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
     last one), ``attention`` (QK and PV over the (query, key) pairs the method attends),
     and ``selection`` (one QK pass over the causal pairs where a method scores keys:
     Kascade's anchors; TSA's observation window). Its time at the bf16 peak is the
-    ``floor_ms`` column: a lower bound no implementation can beat. None for TSA at a
-    ``tau`` (how many tokens it keeps depends on the data)."""
+    ``floor_ms`` column: a lower bound no implementation can beat. Layer by layer: a TSA
+    layer attends its kept tokens, a tiled Kascade layer its tiles' selections and
+    diagonal tiles, any other (the dense first anchor, layers outside
+    ``tiled_prefill_layers``) every causal pair; every Kascade anchor selects, on a TSA
+    layer too. None for TSA at a ``tau`` (how many tokens it keeps depends on the data)."""
     from sparse_jax import kascade_prefill as kp
 
-    s, hq, d = context, cfg.num_heads, cfg.head_dim
+    s, hq, d, nl = context, cfg.num_heads, cfg.head_dim, cfg.num_layers
     causal = s * (s + 1) / 2
     per_token = 2 * (cfg.hidden_size * (hq + 2 * cfg.num_kv_heads) * d + hq * d * cfg.hidden_size
                      + 3 * cfg.hidden_size * cfg.intermediate_size)
-    linear = batch * (cfg.num_layers * per_token * s + 2 * cfg.hidden_size * cfg.vocab_size)
+    linear = batch * (nl * per_token * s + 2 * cfg.hidden_size * cfg.vocab_size)
     qk_pv = 4 * batch * hq * d  # per attended (query, key) pair of every head
-    attention, selection = cfg.num_layers * qk_pv * causal, 0.0
+    pairs = [causal] * nl  # attended (query, key) pairs per layer
+    selection = 0.0
     if getattr(method, "tiled_prefill", False):
         args = method._prefill_args()
         counts = np.asarray(kp.tile_counts(jnp.array([s]), s, args["tile"], budget=args["budget"],
@@ -191,30 +197,25 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
         t = args["tile"]
         diag = kp.num_tiles(s, t) * t * (t + 1) / 2  # each tile's own causal square
         tiled = float(t * counts.sum() + diag)
-        anchors = len(method.anchors)
-        # layers attending densely: the dense first anchor, and those outside tiled_prefill_layers
-        sparse = [i for i in range(cfg.num_layers) if method.tiled_prefill_layers is None
-                  or i in method.tiled_prefill_layers]
-        dense_layers = cfg.num_layers - len(sparse)
-        if method.dense_first_anchor and method.anchors and method.anchors[0] in sparse:
-            dense_layers += 1
-        attention = qk_pv * (dense_layers * causal + (cfg.num_layers - dense_layers) * tiled)
-        selection = anchors * qk_pv / 2 * causal
-    else:
-        tsa = method.sparse_prefill()
-        if tsa is not None:
-            layers = [i for i in range(cfg.num_layers) if method.is_sparse_prefill_layer(i, cfg.num_layers)]
-            if tsa.keep_fraction is not None:
-                from sparse_jax.prefill import fixed_keep_counts
+        dense_first = method.anchors[0] if method.dense_first_anchor and method.anchors else None
+        for i in range(nl):
+            if (method.tiled_prefill_layers is None or i in method.tiled_prefill_layers) and i != dense_first:
+                pairs[i] = tiled
+        selection += len(method.anchors) * qk_pv / 2 * causal
+    tsa = method.sparse_prefill()
+    if tsa is not None:
+        if tsa.keep_fraction is None:
+            return None  # tau's count depends on the data: no floor without it
+        from sparse_jax.prefill import fixed_keep_counts
 
-                keep = int(fixed_keep_counts(jnp.array([s]), tsa.keep_fraction, min_tokens=tsa.min_tokens,
-                                             window=tsa.window)[0])
-            else:
-                return None  # tau's count depends on the data: no floor without it
-            m = keep + tsa.window
-            attention = qk_pv * ((cfg.num_layers - len(layers)) * causal + len(layers) * m * (m + 1) / 2)
-            selection = len(layers) * qk_pv / 2 * tsa.window * s
-    return dict(linear=linear, attention=attention, selection=selection)
+        keep = int(fixed_keep_counts(jnp.array([s]), tsa.keep_fraction, min_tokens=tsa.min_tokens,
+                                     window=tsa.window)[0])
+        m = keep + tsa.window
+        for i in range(nl):
+            if method.is_sparse_prefill_layer(i, nl):
+                pairs[i] = m * (m + 1) / 2
+                selection += qk_pv / 2 * tsa.window * s
+    return dict(linear=linear, attention=qk_pv * sum(pairs), selection=selection)
 
 
 def floor_cells(flops: dict | None, peak: float | None, ms: float) -> dict:
@@ -241,23 +242,42 @@ def prefill_model(model: str, context: int, layers: int | None = None):
 
 
 def prefill_method(name: str, *, anchors=None, chunk_bytes: int = 2 << 30):
-    """A ``prefill`` row's method by name (module docstring); SystemExit on a bad one."""
+    """A ``prefill`` row's method by name (module docstring): ``dense``,
+    ``kascade_tiled`` or ``kascade_tiled[A-B]`` (the tiled prefill on layers A..B only),
+    each optionally ``+tsa`` or ``+tsa@F`` (Token Sparse Attention on the second half of
+    the layers, at tau = 0.005 or keeping a fraction F); ``tsa`` / ``tsa@F`` alone mean
+    ``dense+tsa``. SystemExit on a bad name."""
     from sparse_jax.methods import get_method
 
-    if name == "dense":
-        return get_method("dense")
-    if name == "kascade_tiled":
-        return get_method("kascade", anchors=anchors, tiled_prefill=True, prefill_chunk_bytes=chunk_bytes)
-    if name == "tsa":
-        return get_method("dense", prefill="token_sparse")
-    if name.startswith("tsa@"):
-        try:
-            fraction = float(name[4:])
-        except ValueError:
-            fraction = None
-        if fraction is not None:
-            return get_method("dense", prefill="token_sparse", prefill_options=(("keep_fraction", fraction),))
-    raise SystemExit(f"unknown prefill method {name!r}: dense, kascade_tiled, tsa, tsa@F")
+    bad = SystemExit(f"unknown prefill method {name!r}: dense, kascade_tiled or kascade_tiled[A-B], "
+                     f"each optionally +tsa or +tsa@F; tsa, tsa@F")
+    base, plus, tsa = name.partition("+")
+    if not plus and base.startswith("tsa"):
+        base, tsa = "dense", base
+    opts: dict = {}
+    if tsa:
+        head, at, frac = tsa.partition("@")
+        if head != "tsa":
+            raise bad
+        opts["prefill"] = "token_sparse"
+        if at:
+            try:
+                opts["prefill_options"] = (("keep_fraction", float(frac)),)
+            except ValueError:
+                raise bad from None
+    elif plus:
+        raise bad
+    if base == "dense":
+        return get_method("dense", **opts)
+    if base == "kascade_tiled" or (base.startswith("kascade_tiled[") and base.endswith("]")):
+        if base != "kascade_tiled":
+            lo, dash, hi = base[len("kascade_tiled["):-1].partition("-")
+            try:
+                opts["tiled_prefill_layers"] = tuple(range(int(lo), int(hi or lo) + 1))
+            except ValueError:
+                raise bad from None
+        return get_method("kascade", anchors=anchors, tiled_prefill=True, prefill_chunk_bytes=chunk_bytes, **opts)
+    raise bad
 
 
 def prefill_rows(a) -> list[dict]:
@@ -414,8 +434,9 @@ def main(argv=None):
     pp.add_argument("--warmup", type=int, default=1)
     pp.add_argument("--runs", type=int, default=3)
     pp.add_argument("--methods", default="dense,kascade_tiled",
-                    help="dense, kascade_tiled (composed), tsa (Token Sparse at tau=0.005 on the second half of "
-                         "the layers), tsa@F (the same keeping a fraction F of each prefix)")
+                    help="dense, kascade_tiled (composed), kascade_tiled[A-B] (on layers A..B only), tsa (Token "
+                         "Sparse at tau=0.005 on the second half of the layers), tsa@F (the same keeping a fraction "
+                         "F of each prefix); NAME+tsa / NAME+tsa@F composes Kascade's with TSA")
     pp.add_argument("--chunk-bytes", type=int, default=2 << 30, help="Kascade.prefill_chunk_bytes")
     pc = sub.add_parser("combine", help="one table and plot from several prefill result files")
     pc.add_argument("files", nargs="+")

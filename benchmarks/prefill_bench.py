@@ -416,7 +416,7 @@ def main(argv=None) -> int:
         anchor_impls = tuple(x for x in a.anchor_impls.split(",") if x)
     except ValueError:
         p.error("--contexts and --fractions take comma-separated numbers, --heads two ints, "
-                "--kascade-tunings key=int pairs")
+                "--kascade-tunings and --scores-tunings key=int pairs")
     from sparse_jax.ops.attention import SPARSE_TUNING_KEYS
 
     if not parts or set(parts) - {"tsa", "kascade"}:

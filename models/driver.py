@@ -399,11 +399,14 @@ def prompt_attention(method: AttentionMethod | None, spec: LayerSpec, q, k, v, l
     """Causal attention over the prompt, ``(out, carry)``: Token Sparse Attention where
     the layer's spec says so (``model_method``'s ``prefill``; ``head_axis``: the mesh
     axis splitting the heads, for its count shared by every head), else the method's
-    prefill hook (with the prefill ``carry`` that crosses layers), or exact attention
+    prefill hook (with the prefill ``carry`` that crosses layers; on a TSA layer the
+    method's ``prefill_carry`` updates it, Kascade's anchors selecting), or exact attention
     (with the layer's sliding window) where ``method`` is None; the carry passes
     unchanged through layers the method does not run on."""
     if spec.sparse_prefill:
-        return (model_method or method).sparse_prefill().attention(q, k, v, lengths, head_axis=head_axis), carry
+        out = (model_method or method).sparse_prefill().attention(q, k, v, lengths, head_axis=head_axis)
+        # a carry the method builds across layers (Kascade's tiled prefill) still gets this layer's part
+        return out, (carry if method is None else method.prefill_carry(q, k, lengths, ctx, carry))
     if method is None:
         return dense_prefill_attention(q, k, v, spec.window), carry
     return method.prefill_attention_carry(q, k, v, lengths, ctx, carry)

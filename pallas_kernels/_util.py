@@ -37,3 +37,12 @@ def exp2_fast(x, *, interpret: bool):
     [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
     return y
+
+
+def exp_fast(x, *, interpret: bool):
+    """``e ** x`` elementwise inside a Pallas-Triton kernel (f32): on the GPU the MUFU
+    ``ex2.approx`` of ``x * log2 e`` (:func:`exp2_fast`); in interpret mode (the CPU
+    path) ``jnp.exp`` itself, so CPU results stay bit for bit those of ``jnp.exp``."""
+    import jax.numpy as jnp
+
+    return jnp.exp(x) if interpret else exp2_fast(x * LOG2E, interpret=False)

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.merge import MASK_VALUE, combine_splits
-from pallas_kernels._util import LOG2E, exp2_fast, next_pow2
+from pallas_kernels._util import exp_fast, next_pow2
 
 # Tuning defaults (the lead sweeps these on the H100).
 DEFAULT_BLOCK_K = 64          # gathered tokens per inner-loop tile
@@ -177,11 +177,10 @@ def online_softmax_step(q, k, v, valid, carry, *, scale: float, precision, inter
     kernel with a tile's 128 query rows: compute-bound, where the exponential's cost
     shows). ``carry = (o [G_pad, D] f32, m [G_pad] f32, l [G_pad] f32)``; o is
     unnormalised, ``m`` in natural-log units (the residuals callers merge). Each
-    exponential is the MUFU ``ex2.approx`` of ``x * log2 e`` (``exp2_fast``), not
+    exponential is the MUFU ``ex2.approx`` of ``x * log2 e`` (``exp_fast``), not
     libdevice's ``expf``.
     """
-    def exp(x):  # interpret mode (CPU) keeps jnp.exp: the same numbers as before, bit for bit
-        return jnp.exp(x) if interpret else exp2_fast(x * LOG2E, interpret=False)
+    exp = functools.partial(exp_fast, interpret=interpret)
 
     o_prev, m_prev, l_prev = carry
     logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [G_pad, T] f32

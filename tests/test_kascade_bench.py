@@ -71,6 +71,28 @@ def test_prefill_floor_counts_every_part():
                                                              tiled_prefill_layers=(L - 1,))), 2, s)
     one_tiled = (kas["attention"] - dense["attention"] / L) / (L - 1)  # one tiled layer's share
     assert last["attention"] == pytest.approx(dense["attention"] * (L - 1) / L + one_tiled)
+    # the composition: TSA's layers (the second half) attend their kept tokens, the first half
+    # is tiled but for the dense first anchor, and both select
+    both = kascade_bench.prefill_flops(cfg, bound(get_method("kascade", tiled_prefill=True, prefill="token_sparse",
+                                                             prefill_options=(("keep_fraction", 0.5),))), 2, s)
+    assert both["attention"] == pytest.approx(dense["attention"] / L + (L // 2 - 1) * one_tiled
+                                              + 4 * 2 * h * d * L // 2 * m * (m + 1) / 2)
+    assert both["selection"] == pytest.approx(kas["selection"] + half["selection"])
+
+
+def test_prefill_method_names():
+    """``prefill --methods``: Kascade's tiled prefill on some layers, composed with TSA,
+    and bad names refused before any device work."""
+    m = kascade_bench.prefill_method("kascade_tiled[18-35]+tsa@0.5", anchors=(0, 2))
+    assert m.tiled_prefill and m.tiled_prefill_layers == tuple(range(18, 36)) and m.anchors == (0, 2)
+    assert m.prefill == "token_sparse" and dict(m.prefill_options) == {"keep_fraction": 0.5}
+    assert kascade_bench.prefill_method("kascade_tiled[5]").tiled_prefill_layers == (5,)
+    assert kascade_bench.prefill_method("kascade_tiled+tsa").prefill_options == ()
+    assert kascade_bench.prefill_method("tsa@0.25").name == "dense"
+    assert kascade_bench.prefill_method("dense+tsa").prefill == "token_sparse"
+    for bad in ("kascade", "tsa@x", "dense+quest", "kascade_tiled[a-b]", "kascade_tiled+", "kascade_tiled[3"):
+        with pytest.raises(SystemExit, match="unknown prefill method"):
+            kascade_bench.prefill_method(bad)
 
 
 @pytest.mark.parametrize("part", ["attention", "e2e", "prefill"])

@@ -186,9 +186,6 @@ def test_options_and_errors():
         kp.tiled_attention_impl(None, None, None, None, None, 32, impl="fast")
     with pytest.raises(ValueError, match="prefill_tile"):
         Kascade(anchors=(0,), prefill_tile=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
-    with pytest.raises(ValueError, match="both sparsify the prompt"):
-        Kascade(anchors=(0,), tiled_prefill=True, prefill="token_sparse").check(
-            num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
     assert Kascade(anchors=(0,)).init_prefill_carry(batch=1, num_kv_heads=2, length=64) is None
     carry = Kascade(anchors=(0,), tiled_prefill=True).init_prefill_carry(batch=3, num_kv_heads=2, length=100)
     # width: min(max(128, 10), 100) - 32 = 68 keys; 4 tiles of 32 over 100 tokens
@@ -394,3 +391,35 @@ def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
     with pytest.raises(ValueError, match="tiled_prefill_layers"):
         Kascade(anchors=(0,), tiled_prefill=True, tiled_prefill_layers=(-1,)).check(
             num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
+    """``prefill="token_sparse"`` beside the tiled prefill: Token Sparse Attention attends
+    its layers (reuse layer 1 and anchor layer 2 of 4 here) and Kascade's anchor there
+    still selects for the reuse layer after it (layer 3). With tau = 0 (TSA keeps every
+    token: dense) it equals the tiled prefill with layers 1 and 2 outside
+    ``tiled_prefill_layers``; had the TSA anchor not selected, layer 3 would reuse
+    layer 0's selection and differ. Keeping half of each prefix differs from both."""
+    import models.transformer as tr
+
+    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    tokens, lengths = _tokens()
+    args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
+    tsa = (("min_tokens", 8), ("window", 16), ("layers", (1, 2)))
+    exact = _run(_tiny_model(Kascade(**args, prefill="token_sparse", prefill_options=(("tau", 0.0),) + tsa)),
+                 tokens, lengths, 3, 512)
+    layered = _run(_tiny_model(Kascade(**args, tiled_prefill_layers=(0, 3))), tokens, lengths, 3, 512)
+    np.testing.assert_allclose(exact, layered, atol=3e-5, rtol=0)
+    with monkeypatch.context() as m:  # the TSA anchor passing layer 0's selection on instead
+        m.setattr(Kascade, "prefill_carry", lambda self, q, k, lengths, layer, carry: carry)
+        tr.build_functions.cache_clear()  # the same method's functions are cached: trace anew
+        stale = _run(_tiny_model(Kascade(**args, prefill="token_sparse", prefill_options=(("tau", 0.0),) + tsa)),
+                     tokens, lengths, 3, 512)
+    tr.build_functions.cache_clear()
+    assert np.abs(stale - layered).max() > 1e-4
+    half = _run(_tiny_model(Kascade(**args, prefill="token_sparse", prefill_options=(("keep_fraction", 0.5),) + tsa)),
+                tokens, lengths, 3, 512)
+    assert np.all(np.isfinite(half)) and np.abs(half - layered).max() > 1e-4
+    tiled = _run(_tiny_model(Kascade(**args)), tokens, lengths, 3, 512)
+    assert np.abs(half - tiled).max() > 1e-4

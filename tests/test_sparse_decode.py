@@ -300,7 +300,7 @@ class TestSparseDecodeKernel(DecodeKernelTestBase):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100, d):
     """Both decode kernels lower for CUDA (an abstract H100, no GPU), and their online
-    softmax uses the MUFU ex2.approx (pallas_kernels._util.exp2_fast), not libdevice."""
+    softmax uses the MUFU ex2.approx (pallas_kernels._util.exp_fast), not libdevice."""
     from pallas_kernels.block_sparse_decode import block_sparse_decode_attention_pallas
     from pallas_kernels.sparse_decode import sparse_decode_attention_pallas
 

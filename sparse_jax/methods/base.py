@@ -42,6 +42,9 @@ hook                     called
                          per-tile selection), or None
 ``prefill_attention_carry``  ``prefill_attention`` with that carry -> ``(out,
                          carry)`` (default: ``prefill_attention``, carry unchanged)
+``prefill_carry``        the carry after a layer whose prompt attention another
+                         path ran (Token Sparse Attention on that layer): default
+                         unchanged; Kascade's anchors still select there
 ``prefill_state``        after the prefill wrote K/V: state from the whole
                          layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
 ``prefill_query_state``  after ``prefill_state``: the query of each row's last
@@ -222,6 +225,12 @@ class AttentionMethod:
     def prefill_attention_carry(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                                 layer: LayerCtx, carry: Any) -> tuple[jax.Array, Any]:
         return self.prefill_attention(q, k, v, lengths, layer), carry
+
+    def prefill_carry(self, q: jax.Array, k: jax.Array, lengths: jax.Array, layer: LayerCtx, carry: Any) -> Any:
+        """The prefill carry after a layer whose prompt attention did not run through this
+        method (the layer's spec chose Token Sparse Attention): what the layer adds to
+        the carry from its ``q [B,T,Hq,D]`` and ``k [B,T,Hkv,D]`` alone. Default: unchanged."""
+        return carry
 
     def select(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
                layer: LayerCtx) -> tuple[Selection, Any, Any]:

@@ -205,11 +205,6 @@ class Kascade(AttentionMethod):
                              f"got {self.tiled_prefill_layers}")
         if self.prefill_impl not in ("composed", "masked"):
             raise ValueError(f"kascade: prefill_impl must be 'composed' or 'masked', got {self.prefill_impl!r}")
-        if self.tiled_prefill and self.prefill != "dense":
-            # a Token Sparse layer runs its own prompt attention: an anchor there would leave
-            # no selection for the reuse layers after it
-            raise ValueError(f"kascade: tiled_prefill and prefill={self.prefill!r} both sparsify the prompt; "
-                             f"choose one (their composition is not built)")
         if self.anchors is None:
             raise ValueError("kascade needs its anchors: load the model with models.load_model(..., "
                              "attention='kascade') (reads the calibration) or pass anchors=(...)")
@@ -319,6 +314,25 @@ class Kascade(AttentionMethod):
         if _is_static(branch):
             return (dense, anchor, reuse, dense_reuse)[int(branch)](None)
         return jax.lax.switch(branch, (dense, anchor, reuse, dense_reuse), None)
+
+    def prefill_carry(self, q, k, lengths, layer, carry):
+        """With the tiled prefill composed with Token Sparse Attention (``prefill=
+        "token_sparse"``): on a TSA layer an anchor still selects each tile's keys from its
+        own ``q, k`` (the exact selection, as an anchor outside ``tiled_prefill_layers``
+        does), so the reuse layers after it keep an anchor; a reuse layer passes the carry on."""
+        if not self.tiled_prefill:
+            return carry
+        from sparse_jax import kascade_prefill as kp
+
+        def select(_):
+            return kp.anchor_selection_impl(q, k, lengths, impl=self.prefill_impl,
+                                            max_chunk_bytes=self.prefill_chunk_bytes, kernel_impl=self.impl,
+                                            **self._prefill_args())
+
+        role = layer.data["role"]
+        if _is_static(role):
+            return carry if int(role) == REUSE else select(None)
+        return jax.lax.cond(role == REUSE, lambda _: carry, select, None)
 
     # -- state: the selector's, on every sparse layer (a scanned segment stacks
     #    identical states); plus whether the first decode step is still to come
