@@ -72,6 +72,33 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
     return [(n, w / total) for n, w in out]
 
 
+def parse_slots(text: str, labels) -> dict[str, int]:
+    """``--slots``: ``"4"`` (every method), or a default and per-method counts,
+    ``"6,dense=3"`` (the dense engine's cache holds ``slots x max_len`` on the device, an
+    offloaded engine's on the host: at long prompts they fit different counts). A method
+    with no count of its own takes the default; ValueError if there is none, or on a
+    count below 1 or a label not in ``labels``."""
+    default, per = None, {}
+    for part in (x.strip() for x in text.split(",")):
+        label, eq, n = part.rpartition("=") if "=" in part else ("", "", part)
+        try:
+            count = int(n)
+        except ValueError:
+            raise ValueError(f"--slots entries are N or LABEL=N, got {part!r}") from None
+        if count < 1:
+            raise ValueError(f"--slots must be >= 1, got {part!r}")
+        if eq:
+            if label not in labels:
+                raise ValueError(f"--slots names {label!r}, not one of --methods {list(labels)}")
+            per[label] = count
+        else:
+            default = count
+    missing = [x for x in labels if x not in per]
+    if missing and default is None:
+        raise ValueError(f"--slots gives no count for {missing} (add a default: N,LABEL=N)")
+    return {x: per.get(x, default) for x in labels}
+
+
 def make_workload(rate: float, n: int, mix, out_min: int, out_max: int, seed: int) -> Workload:
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, n)
@@ -203,6 +230,7 @@ def run(args) -> dict:
 
     mix = parse_mix(args.prompt_mix)
     rates = [float(r) for r in args.rates.split(",")]
+    slots = parse_slots(args.slots, args.methods.split(","))
     runs = []
     for label in args.methods.split(","):
         method_name, _, where = label.partition(":")
@@ -211,7 +239,7 @@ def run(args) -> dict:
         shared = where.startswith("shared")
         inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
         ws_admission = shared and where != "shared-nows"
-        engine = Engine(model, slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+        engine = Engine(model, slots=slots[label], max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                         offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
                         pool="shared" if shared else "per_row", max_inject_tokens=inject,
                         kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
@@ -331,7 +359,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")
     p.add_argument("--output-min", type=int, default=128)
     p.add_argument("--output-max", type=int, default=512)
-    p.add_argument("--slots", type=int, default=4, help="decode slots (R_max)")
+    p.add_argument("--slots", default="4",
+                   help="decode slots (R_max): N for every method, or a default and per-method counts, e.g. "
+                        "6,dense=3 (the dense engine's cache is on the device, an offloaded one's on the host)")
     p.add_argument("--max-len", type=int, default=None, help="cache per slot (default: max prompt + max output)")
     p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max")
     p.add_argument("--budget", type=int, default=2048, help="sparse methods' token budget")
@@ -358,8 +388,12 @@ def parse_args(argv=None):
             a.max_len = round_up(max(m for m, _ in mix) + a.output_max, 64)
         if max(m for m, _ in mix) + a.output_max > a.max_len:
             p.error(f"--max-len {a.max_len} is below the longest prompt + output")
-        if a.requests < 1 or a.time_limit <= 0 or a.slots < 1:
-            p.error("--requests, --time-limit and --slots must be positive")
+        if a.requests < 1 or a.time_limit <= 0:
+            p.error("--requests and --time-limit must be positive")
+        try:
+            parse_slots(a.slots, a.methods.split(","))
+        except ValueError as e:
+            p.error(str(e))
         try:
             rates = [float(r) for r in a.rates.split(",")]
         except ValueError:

@@ -9,11 +9,12 @@ from benchmarks import serve_load
 def test_serve_load_tiny(tmp_path):
     rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload,quest:segmented", "--budget", "32", "--rates", "20,200",
                           "--requests", "5", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
-                          "--output-max", "6", "--slots", "2", "--time-limit", "30", "--out", str(tmp_path),
+                          "--output-max", "6", "--slots", "2,dense=1", "--time-limit", "30", "--out", str(tmp_path),
                           "--name", "t"])
     assert rc == 0
     d = json.loads((tmp_path / "t.json").read_text())
     assert [r["method"] for r in d["runs"]] == ["dense", "quest:offload", "quest:segmented"]
+    assert [r["slots"] for r in d["runs"]] == [1, 2, 2]
     assert d["runs"][2]["offloaded"] and d["runs"][2]["prefill_segments"] > 0
     assert d["runs"][1]["offloaded"] and sum(r["blocks_loaded_per_iter"] for r in d["runs"][1]["rows"]) > 0
     for run in d["runs"]:
@@ -40,6 +41,22 @@ def test_serve_load_shared_pool_with_and_without_admission(tmp_path):
     assert [(r["method"], r["pool"], r["ws_admission"]) for r in runs] == [
         ("quest:shared", "shared", True), ("quest:shared-nows", "shared", False)]
     assert all(row["completed"] == row["requests"] == 4 for r in runs for row in r["rows"])
+
+
+def test_slots_per_method():
+    """``--slots 6,dense=3``: a default and per-method counts; bad specs are refused before any run."""
+    import pytest
+
+    labels = ["dense", "asynctls:shared"]
+    assert serve_load.parse_slots("4", labels) == {"dense": 4, "asynctls:shared": 4}
+    assert serve_load.parse_slots("6,dense=3", labels) == {"dense": 3, "asynctls:shared": 6}
+    assert serve_load.parse_slots("dense=2,asynctls:shared=8", labels) == {"dense": 2, "asynctls:shared": 8}
+    for bad, msg in (("dense=3", "no count for"), ("0", ">= 1"), ("x", "N or LABEL=N"),
+                     ("4,quest=2", "not one of --methods")):
+        with pytest.raises(ValueError, match=msg):
+            serve_load.parse_slots(bad, labels)
+    with pytest.raises(SystemExit):
+        serve_load.parse_args(["--methods", "dense,asynctls", "--slots", "dense=3"])
 
 
 def test_workload_is_poisson_and_bounded():
