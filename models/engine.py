@@ -795,10 +795,12 @@ class Engine:
         self._wake.set()
 
     def stats(self) -> dict:
-        """Counters: slots in use, requests waiting, reserved KV bytes, totals."""
+        """Counters: slots in use (and each slot's context ``max_len``), requests waiting,
+        reserved KV bytes, totals."""
         with self._lock:
             active = int(self._active.sum())
-            return {"slots": self.slots, "active_slots": active, "free_slots": self.slots - active,
+            return {"slots": self.slots, "max_len": self.max_len, "active_slots": active,
+                    "free_slots": self.slots - active,
                     "waiting": len(self._waiting) + self._inbox.qsize(),
                     "prefilling": int(self._prefilling is not None), "prefill_segments": self.prefill_segments,
                     "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
@@ -826,6 +828,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():  # driven by iterate(), or stopped
+            self._settle()
 
     def _run(self) -> None:
         try:
@@ -833,6 +837,7 @@ class Engine:
                 if not self.iterate():
                     self._wake.wait(0.05)
                     self._wake.clear()
+            self._settle()
         except BaseException as e:  # noqa: BLE001  (reported to every request, then re-raised in the thread)
             self.error = e
             for r in self._all_requests():
@@ -883,7 +888,18 @@ class Engine:
         if self._active.any():
             self._decode()
             worked = True
+        elif self._inflight is not None:  # the batch emptied: the last step's tokens are all dropped
+            self._settle()
         return worked
+
+    def _settle(self) -> None:
+        """Wait for the step in flight and read its tokens back (emitting any still wanted).
+        Its device-to-host copy was started (``copy_to_host_async``); left pending, jax's
+        CPU client aborts the process at exit ("terminate called without an active
+        exception", jax 0.11.2), so an engine that empties or stops reads it."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._collect(inflight)
 
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()

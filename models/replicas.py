@@ -126,6 +126,8 @@ class EngineReplicas:
                 out[key] = dict(total)
             elif key == "running":
                 out[key] = all(s["running"] for s in per)
+            elif key == "max_len":  # every replica's slots hold the same context
+                out[key] = value
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[key] = sum(s[key] for s in per)
             else:

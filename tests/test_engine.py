@@ -302,3 +302,30 @@ def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     assert job.chunk == 128 and job.chunks_run == 1
     job.advance_budget(128)  # its last 64 (the next layer's first 128 would exceed the budget)
     assert job.chunks_run == 2 and job.layers_done == 1
+
+
+@needs_weights
+def test_a_process_that_ran_the_engine_exits_cleanly():
+    """The engine reads back the step it still has in flight when its batch empties or it
+    stops. Left pending, that step's ``copy_to_host_async`` made jax's CPU client abort the
+    process at exit ("terminate called without an active exception", exit status 134):
+    ``python -m models.serve`` and every script that served a request died that way
+    (SmolLM2 shows it; the small random model's step is too quick to)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """if True:
+        import jax.numpy as jnp, models
+        from models.engine import Engine, SamplingParams
+        model = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=64)
+        engine = Engine(model, slots=2, max_len=64).start()
+        r = engine.submit(engine.make_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert r.done.wait(300) and len(r.output_ids) == 3, r.output_ids
+        engine.stop()
+    """
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -198,46 +198,36 @@ def test_abandoned_stream_frees_its_slot(server, references):
     assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
 
 
-def test_soak_mixed_clients(server, references):
-    """Many concurrent clients on loopback, bounded in count: valid requests (streamed and
-    not), streams abandoned mid-way, malformed and over-length requests mixed in. Afterwards
-    every valid request got its correct output, no slot leaked, the server still answers."""
-    before = server.engine.stats()["finished"]
+def test_soak_mixed_clients(server):
+    """``benchmarks.soak`` against the module's server (3 slots): many concurrent clients on
+    loopback, bounded in count and time, every kind of request (greedy completions streamed
+    and not and chat, against ``Model.generate``; streams abandoned mid-way; malformed,
+    over-length, past-context and unknown-model requests). Afterwards every valid request got
+    its correct output, the engine drained (no slot or working set leaked), every valid and
+    abandoned request finished, and the server still answers."""
+    from benchmarks import soak
 
-    def valid(i):
-        p = PROMPTS[i % len(PROMPTS)]
-        if i % 2:
-            text = "".join(c.choices[0].text for c in _complete(server.client, p, stream=True))
-        else:
-            text = _complete(server.client, p).choices[0].text
-        return text == references[p]
+    refs = {p: server.model.generate(p, max_new_tokens=12) for p in soak.PROMPTS}
+    refs.update({"chat:" + q: server.model.generate(q, max_new_tokens=12, chat=True) for q in soak.CHAT})
+    report = soak.run_soak(server.base, MODEL, clients=8, requests=24, time_limit=600, max_tokens=12, refs=refs)
+    assert report["passed"], report
+    assert report["failure_count"] == 0 and report["drained"] and report["still_answers"]
+    assert report["finished_got"] == report["finished_want"] == 12  # 3 of every 8 kinds never reach the engine
+    assert report["finished"].get("cancelled", 0) >= 1  # the abandoned streams were cancelled, not run out
+    assert all(d["sent"] == 3 and d["failed"] == 0 for d in report["per_kind"].values())
+    st = server.engine.stats()
+    assert st["max_len"] == MAX_LEN and st["active_slots"] == 0 and st["working_set_bytes"] == 0
 
-    def abandoned(i):
-        with httpx.stream("POST", f"{server.base}/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 100, "temperature": 0.5,
-                "seed": i, "stream": True, "ignore_eos": True}) as r:
-            for n, _ in enumerate(r.iter_lines()):
-                if n >= 2:
-                    break
-        return True
 
-    def malformed(i):
-        body = [b"{", b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 10000}',
-                b'{"model": "smollm2-135m", "prompt": []}', b"[1, 2]"][i % 4]
-        r = httpx.post(f"{server.base}/v1/completions", content=body, timeout=30)
-        return 400 <= r.status_code < 500
+def test_soak_cli_refuses_bad_arguments(capsys):
+    from benchmarks import soak
 
-    kinds = [valid, abandoned, malformed]
-    jobs = [(kinds[i % 3], i) for i in range(18)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda job: job[0](job[1]), jobs))
-    assert all(results), [(j[0].__name__, j[1]) for j, ok in zip(jobs, results) if not ok]
-    s = _wait_idle(server.engine)
-    assert s["active_slots"] == 0 and s["waiting"] == 0 and s["working_set_bytes"] == 0
-    done = {k: v - before.get(k, 0) for k, v in s["finished"].items()}
-    assert done.get("cancelled", 0) + done.get("length", 0) + done.get("stop", 0) == 12
-    assert httpx.get(f"{server.base}/health").json()["status"] == "ok"
-    assert _complete(server.client, PROMPTS[3]).choices[0].text == references[PROMPTS[3]]
+    for argv, msg in (([], "either --serve"), (["--base-url", "http://x", "--serve"], "either --serve"),
+                      (["--base-url", "http://x", "--slots", "2"], "unrecognized arguments"),
+                      (["--base-url", "http://x", "--kinds", "complete,nope"], "--kinds")):
+        with pytest.raises(SystemExit):
+            soak.main(argv)
+        assert msg in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, fragment", [(["--tensor-parallel", "64"], "64: 1 devices visible"),
