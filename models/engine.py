@@ -399,6 +399,9 @@ class ResidentSlots:
     def blocks_loaded(self, active) -> int:
         return 0
 
+    def settle(self) -> None:
+        """Nothing of its own in flight (see :meth:`OffloadedSlots.settle`)."""
+
     working_set = None  # the scheduler's reservation estimate
 
 
@@ -595,11 +598,7 @@ class OffloadedSlots:
             # offloaded layers, one small program (a copy per layer was a dispatch per layer and step)
             self.state.counters[-1] = [(None, _sum_arrays(tuple(m for _, m in self.state.counters[-1])))]
         self._steps += 1
-        if self._ws_pending is not None:  # last step's working sets, copied meanwhile: one step stale
-            ws, step = self._ws_pending
-            ws = np.asarray(ws).astype(np.int64)
-            fresh = self._inserted_at < step  # a slot filled since then holds another request now
-            self.ws_blocks[fresh] = ws[fresh]
+        self._take_working_sets()  # last step's, copied meanwhile: one step stale
         ws = self._working_set(self.state.cache)
         ws.copy_to_host_async()
         self._ws_pending = (ws, self._steps)
@@ -617,6 +616,21 @@ class OffloadedSlots:
         # shared pool: the ring is the row's own, not the pool's
         first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + (0 if self.shared else 2)
         return first * self.layer_heads * self.block_bytes
+
+    def settle(self) -> None:
+        """Read back what the last step left in flight: its working-set copy, and the blocks
+        it completed (stored into the host tier, as the next step would have)."""
+        self._take_working_sets()
+        self.runner.finish(self.state)
+
+    def _take_working_sets(self) -> None:
+        """Read the working sets the last step measured (``_ws_pending``) into ``ws_blocks``."""
+        if self._ws_pending is not None:
+            ws, step = self._ws_pending
+            self._ws_pending = None
+            ws = np.asarray(ws).astype(np.int64)
+            fresh = self._inserted_at < step  # a slot filled since then holds another request now
+            self.ws_blocks[fresh] = ws[fresh]
 
     def blocks_loaded(self, active) -> int:
         """Blocks the step being collected copied from the host for its ``active`` rows
@@ -900,6 +914,7 @@ class Engine:
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             self._collect(inflight)
+        self.kv.settle()
 
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
