@@ -146,6 +146,11 @@ def stamp(command: str | None = None) -> dict:
             commit = subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip()
+            # uncommitted changes to tracked files: the code that runs is not HEAD's
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, check=False).stdout.strip()
+            if commit and dirty:
+                commit += "+uncommitted"
         except OSError:
             commit = ""
     return {

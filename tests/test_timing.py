@@ -45,3 +45,27 @@ def test_cupti_one_set_many_iterations(monkeypatch):
     ms, kernels = timing._cupti(lambda x: x, [(0,)], runs=5)
     assert ms == 0.75 and kernels == [("kernel_a", 0.25), ("kernel_b", 0.5)]
     assert calls == [((0,), 5)]
+
+
+def test_stamp_says_when_the_tree_is_not_its_commit(tmp_path, monkeypatch):
+    """A results file names the commit, and ``+uncommitted`` when tracked files differ from it
+    (a run started before its code was committed); GIT_COMMIT (the GPU machine's copy) wins."""
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("x = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    (tmp_path / "untracked.txt").write_text("scratch")  # untracked files do not count
+    assert timing.stamp("c")["git_commit"] == head
+    (tmp_path / "f.py").write_text("x = 2\n")
+    assert timing.stamp("c")["git_commit"] == head + "+uncommitted"
+    monkeypatch.setenv("GIT_COMMIT", "abc123")
+    assert timing.stamp("c")["git_commit"] == "abc123"
