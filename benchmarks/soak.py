@@ -266,7 +266,9 @@ def render(report: dict, stamp_: dict) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # allow_abbrev=False: models.serve's --model must not be taken for an abbreviation of --model-name
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False,
                                 epilog="With --serve, every argument this parser does not know goes to "
                                        "models.serve (e.g. --model, --attention, --offload, --slots, --max-len).")
     p.add_argument("--serve", action="store_true", help="start a server in this process (models.serve arguments)")
@@ -294,8 +296,14 @@ def main(argv=None) -> int:
     from benchmarks.timing import stamp, write_results
 
     st = stamp()
-    with (serving(serve_argv) if a.serve else contextlib.nullcontext((a.base_url.rstrip("/"), a.model_name))) as (
-            base, name):
+    with contextlib.ExitStack() as stack:
+        if a.serve:
+            try:
+                base, name = stack.enter_context(serving(serve_argv))
+            except (ValueError, TypeError, FileNotFoundError) as e:  # a bad model, method or option
+                p.error(str(e))
+        else:
+            base, name = a.base_url.rstrip("/"), a.model_name
         if name is None:
             import httpx
 

@@ -224,7 +224,8 @@ def test_soak_cli_refuses_bad_arguments(capsys):
 
     for argv, msg in (([], "either --serve"), (["--base-url", "http://x", "--serve"], "either --serve"),
                       (["--base-url", "http://x", "--slots", "2"], "unrecognized arguments"),
-                      (["--base-url", "http://x", "--kinds", "complete,nope"], "--kinds")):
+                      (["--base-url", "http://x", "--kinds", "complete,nope"], "--kinds"),
+                      (["--serve", "--model", "nope"], "unknown model 'nope'")):
         with pytest.raises(SystemExit):
             soak.main(argv)
         assert msg in capsys.readouterr().err
