@@ -290,8 +290,7 @@ class Kascade(AttentionMethod):
         chunk = dict(impl=self.prefill_impl, max_chunk_bytes=self.prefill_chunk_bytes)
 
         def dense(_):  # the driver's dense (flash) prefill attention, the selection alone
-            return self.prefill_attention(q, k, v, lengths, layer), kp.anchor_selection_impl(
-                q, k, lengths, **chunk, kernel_impl=self.impl, **args)
+            return self.prefill_attention(q, k, v, lengths, layer), self._anchor_selection(q, k, lengths)
 
         impls = dict(impl=self.prefill_impl, kernel_impl=self.impl)
 
@@ -322,17 +321,20 @@ class Kascade(AttentionMethod):
         does), so the reuse layers after it keep an anchor; a reuse layer passes the carry on."""
         if not self.tiled_prefill:
             return carry
-        from sparse_jax import kascade_prefill as kp
-
-        def select(_):
-            return kp.anchor_selection_impl(q, k, lengths, impl=self.prefill_impl,
-                                            max_chunk_bytes=self.prefill_chunk_bytes, kernel_impl=self.impl,
-                                            **self._prefill_args())
-
         role = layer.data["role"]
         if _is_static(role):
-            return carry if int(role) == REUSE else select(None)
-        return jax.lax.cond(role == REUSE, lambda _: carry, select, None)
+            return carry if int(role) == REUSE else self._anchor_selection(q, k, lengths)
+        return jax.lax.cond(role == REUSE, lambda _: carry, lambda _: self._anchor_selection(q, k, lengths), None)
+
+    def _anchor_selection(self, q, k, lengths):
+        """An anchor's exact per-tile selection (the new carry) when it attends by another
+        path: densely (the dense first anchor, an anchor outside ``tiled_prefill_layers``)
+        or through Token Sparse Attention."""
+        from sparse_jax import kascade_prefill as kp
+
+        return kp.anchor_selection_impl(q, k, lengths, impl=self.prefill_impl,
+                                        max_chunk_bytes=self.prefill_chunk_bytes, kernel_impl=self.impl,
+                                        **self._prefill_args())
 
     # -- state: the selector's, on every sparse layer (a scanned segment stacks
     #    identical states); plus whether the first decode step is still to come
