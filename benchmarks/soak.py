@@ -37,9 +37,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,38 +52,15 @@ KINDS = ("complete", "stream", "abandon", "malformed", "chat", "over_length", "p
 ENGINE_KINDS = ("complete", "stream", "abandon", "chat")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(serve_argv: list[str]):
     """A server from ``python -m models.serve`` arguments on a uvicorn thread (a free
     loopback port; ``--host``/``--port`` are ignored): yields ``(base_url, model_name)``."""
-    import uvicorn
+    from models.serve import build_parser, make_engine, serve_in_thread
 
-    from models.serve import build_app, build_parser, make_engine
-
-    args = build_parser().parse_args(serve_argv)
-    engine, name = make_engine(args)
-    engine.start()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, name), host="127.0.0.1", port=_free_port(),
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        end = time.time() + 60
-        while not srv.started:
-            if time.time() > end or not thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{srv.config.port}", name
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        engine.stop()
+    engine, name = make_engine(build_parser().parse_args(serve_argv))
+    with serve_in_thread(engine.start(), name) as base:
+        yield base, name
 
 
 def health(base: str) -> dict:

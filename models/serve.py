@@ -31,6 +31,7 @@ completions (as OpenAI's) and to the rest of the context for chat.
 
 import argparse
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -290,6 +291,41 @@ def build_app(engine: Engine, model_name: str):
 # -----------------------------------------------------------------------------
 # Command line
 # -----------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: Engine, model_name: str, *, startup_timeout: float = 60.0):
+    """``engine`` (started) behind the app on a uvicorn thread on a free loopback port, for
+    tests and in-process clients: yields the base URL; on exit stops the server, then the
+    engine. RuntimeError if uvicorn does not start within ``startup_timeout`` seconds."""
+    import threading
+
+    import uvicorn
+
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), host="127.0.0.1", port=free_port(),
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        end = time.time() + startup_timeout
+        while not srv.started:
+            if time.time() > end or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        engine.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

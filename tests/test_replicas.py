@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -62,12 +61,6 @@ def test_replicas_give_each_request_its_single_request_tokens():
         assert r["devices"] == ["cpu:0", "cpu:1"], r
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_server_data_parallel_with_the_openai_client():
     """``python -m models.serve --data-parallel 2`` (a real server process): concurrent
@@ -76,7 +69,9 @@ def test_server_data_parallel_with_the_openai_client():
     openai = pytest.importorskip("openai")
     import httpx
 
-    port = _free_port()
+    from models.serve import free_port
+
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "models.serve", "--model", "smollm2-135m", "--data-parallel",
                                "2", "--slots", "2", "--max-len", "256", "--port", str(port)], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

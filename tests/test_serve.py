@@ -9,8 +9,6 @@ One server for the module (a uvicorn thread on a free loopback port)."""
 from __future__ import annotations
 
 import concurrent.futures
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -20,7 +18,7 @@ import pytest
 
 import models
 from models.engine import Engine
-from models.serve import build_app
+from models.serve import serve_in_thread
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -29,12 +27,6 @@ MODEL = "smollm2-135m"
 MAX_LEN = 256
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_idle(engine: Engine, timeout: float = 30.0) -> dict:
@@ -54,22 +46,9 @@ import contextlib
 def _serving(engine: Engine, model):
     """``engine`` behind the app on a uvicorn thread (a free loopback port), with an
     ``openai`` client; stops both on exit."""
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    end = time.time() + 30
-    while not srv.started:
-        assert time.time() < end and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
+    with serve_in_thread(engine, MODEL, startup_timeout=30) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
         yield SimpleNamespace(base=base, model=model, engine=engine, client=client)
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
