@@ -423,3 +423,36 @@ def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
     assert np.all(np.isfinite(half)) and np.abs(half - layered).max() > 1e-4
     tiled = _run(_tiny_model(Kascade(**args)), tokens, lengths, 3, 512)
     assert np.abs(half - tiled).max() > 1e-4
+
+
+def test_tiled_prefill_on_a_hybrid_model_runs_on_global_layers():
+    """Gemma 3's layout (a tiny hybrid: local layers 0, 1, 3, 4 with a ring of 16, global
+    layers 2 and 5): the tiled prefill is sparse on the global layers only. A budget covering
+    the prompt equals Kascade with a dense prefill; the paper's rule selects (differs from
+    it) and equals the masked reference."""
+    import dataclasses
+
+    import models
+    from tests.test_driver import hybrid_config
+
+    cfg = dataclasses.replace(hybrid_config(window=16), max_position=512)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(3, cfg.vocab_size, (2, 300)).astype(np.int32)
+    lengths = np.array([300, 271], np.int32)
+
+    def run(**opts):
+        model = models.load_model(config=cfg, dtype=jnp.float32, max_len=512, attention=Kascade(anchors=(2,), **opts))
+        return _run(model, tokens, lengths, 3, 512)
+
+    plain = run(budget=512)
+    np.testing.assert_allclose(run(budget=512, tiled_prefill=True), plain, atol=3e-5, rtol=0)
+    rule, dense_prefill = run(tiled_prefill=True, prefill_chunk_bytes=1), run()
+    assert np.all(np.isfinite(rule)) and np.abs(rule - dense_prefill).max() > 1e-4
+    np.testing.assert_allclose(rule, run(tiled_prefill=True, prefill_chunk_bytes=1, prefill_impl="masked"),
+                               atol=3e-5, rtol=0)
+    # the first global layer is the dense anchor (exact attention, tiled or not): listing only the
+    # reuse layer is the whole tiled prefill, listing only the anchor is none of it
+    np.testing.assert_allclose(run(tiled_prefill=True, prefill_chunk_bytes=1, tiled_prefill_layers=(5,)), rule,
+                               atol=3e-5, rtol=0)
+    np.testing.assert_allclose(run(tiled_prefill=True, prefill_chunk_bytes=1, tiled_prefill_layers=(2,)), dense_prefill,
+                               atol=3e-5, rtol=0)
