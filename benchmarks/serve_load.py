@@ -153,6 +153,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
         r.done.wait(60)
     end = max((r.token_times[-1] for r in reqs if r.token_times), default=time.perf_counter())
     done = [r for r in reqs if r.finish_reason == "length"]
+    failed = [r for r in reqs if r.finish_reason == "error"]
     ttft = [r.t_first - r.t_arrival for r in done]
     queue = [r.t_scheduled - r.t_arrival for r in done]
     tbt = [g for r in done for g in np.diff(r.token_times)]
@@ -160,6 +161,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
     steps = engine.steps - steps0
     decode_tokens = sum(max(0, len(r.output_ids) - 1) for r in reqs)  # the first token comes from the prefill
     return {"rate": wl.rate, "submitted": len(reqs), "requests": len(wl.arrivals), "completed": len(done),
+            "failed": len(failed), "errors": sorted({r.error for r in failed})[:3],
             "wall_s": end - start, "mean_ttft_s": float(np.mean(ttft)) if ttft else float("nan"),
             "p99_ttft_s": _pct(ttft, 99), "mean_tbt_ms": 1e3 * float(np.mean(tbt)) if tbt else float("nan"),
             "p99_tbt_ms": 1e3 * _pct(tbt, 99), "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
@@ -176,7 +178,9 @@ def warm_up(engine, mix, vocab: int) -> float:
 
     rng = np.random.default_rng(0)
     for n, _ in mix:
-        engine.generate(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+        r = engine.generate(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+        if r.finish_reason != "length":  # e.g. its bucket's prefill ran out of device memory
+            raise RuntimeError(f"warm-up: a {n}-token prompt ended {r.finish_reason!r}: {r.error}")
     n = min(m for m, _ in mix)
     reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=24, ignore_eos=True))
             for _ in range(engine.slots)]
@@ -184,7 +188,9 @@ def warm_up(engine, mix, vocab: int) -> float:
     for r in reqs:
         engine.submit(r)
     for r in reqs:
-        r.done.wait(600)
+        if not r.done.wait(600) or r.finish_reason != "length":
+            raise RuntimeError(f"warm-up: {engine.slots} requests of {n} tokens at once: one ended "
+                               f"{r.finish_reason!r}: {r.error}")
     times, ends = engine.step_times[k:], engine.step_end_times[k:]
     # the steps after the last insertion: every slot decoding
     last_insert = max(r.t_first for r in reqs)
@@ -226,51 +232,60 @@ def build_model(args, method_name: str):
 def run(args) -> dict:
     import jax
 
-    from models.engine import Engine
-
     mix = parse_mix(args.prompt_mix)
     rates = [float(r) for r in args.rates.split(",")]
     slots = parse_slots(args.slots, args.methods.split(","))
     runs = []
     for label in args.methods.split(","):
-        method_name, _, where = label.partition(":")
-        model = build_model(args, method_name)
-        check_label(label)
-        shared = where.startswith("shared")
-        inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
-        ws_admission = shared and where != "shared-nows"
-        engine = Engine(model, slots=slots[label], max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                        offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
-                        pool="shared" if shared else "per_row", max_inject_tokens=inject,
-                        kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
         try:
-            t0 = time.perf_counter()
-            iteration_ms = warm_up(engine, mix, model.config.vocab_size)
-            warm_s = time.perf_counter() - t0
-            print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
-                  f"{iteration_ms:.2f} ms", flush=True)
-            rows = []
-            for i, rate in enumerate(rates):
-                wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
-                row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i)
-                row["method"] = label
-                rows.append(row)
-                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-                print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
-            runs.append({"method": label, "offloaded": where != "",
-                         "pool": ("shared" if shared else "per_row") if where else None,
-                         "ws_admission": ws_admission,
-                         "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
-                         "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
-                         "goodput_rps": goodput(rows, iteration_ms)})
+            runs.append(run_method(args, label, mix, rates, slots[label]))
+        except Exception as e:  # noqa: BLE001 - reported in the results, the next method runs
+            msg = f"{type(e).__name__}: {str(e).strip()[:600]}"
+            print(f"[{label}] FAILED: {msg}", file=sys.stderr, flush=True)
+            runs.append({"method": label, "slots": slots[label], "error": msg, "rows": []})
         finally:
-            engine.stop()
-            del engine, model
             gc.collect()
             jax.clear_caches()
     return {"stamp": stamp(), "model": "tiny" if args.tiny else "qwen3-8b (random bf16 weights)",
             "prompt_mix": mix, "output_range": [args.output_min, args.output_max], "requests_per_rate": args.requests,
             "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb, "runs": runs}
+
+
+def run_method(args, label: str, mix, rates, slots: int) -> dict:
+    """One method's warm-up and rate sweep on its own engine (stopped at the end)."""
+    from models.engine import Engine
+
+    method_name, _, where = label.partition(":")
+    check_label(label)
+    model = build_model(args, method_name)
+    shared = where.startswith("shared")
+    inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
+    ws_admission = shared and where != "shared-nows"
+    engine = Engine(model, slots=slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                    offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
+                    pool="shared" if shared else "per_row", max_inject_tokens=inject,
+                    kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
+    try:
+        t0 = time.perf_counter()
+        iteration_ms = warm_up(engine, mix, model.config.vocab_size)
+        warm_s = time.perf_counter() - t0
+        print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
+              f"{iteration_ms:.2f} ms", flush=True)
+        rows = []
+        for i, rate in enumerate(rates):
+            wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
+            row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i)
+            row["method"] = label
+            rows.append(row)
+            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
+        return {"method": label, "offloaded": where != "",
+                "pool": ("shared" if shared else "per_row") if where else None, "ws_admission": ws_admission,
+                "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
+                "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
+                "goodput_rps": goodput(rows, iteration_ms)}
+    finally:
+        engine.stop()
 
 
 def render(payload: dict) -> str:
@@ -283,10 +298,11 @@ def render(payload: dict) -> str:
     summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
                 "iteration_ms": r["iteration_ms"], "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
                 "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none"}
-               for r in payload["runs"]]
+               for r in payload["runs"] if "error" not in r]
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
+    md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
     rows = [row for r in payload["runs"] for row in r["rows"]]
-    cols = ["method", "rate", "completed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
+    cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
             "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
             "mean_working_set_mib"]
     md += [markdown_table(rows, cols), ""]
@@ -302,6 +318,8 @@ def plot(payload: dict, path: Path) -> None:
     keys = [("mean_ttft_s", "mean TTFT (s)"), ("p99_tbt_ms", "P99 TBT (ms)"), ("throughput_tok_s", "tokens/s")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for run_ in payload["runs"]:
+        if "error" in run_:
+            continue
         rates = [r["rate"] for r in run_["rows"]]
         for ax, (k, title) in zip(axes, keys):
             ax.plot(rates, [r[k] for r in run_["rows"]], marker="o", label=run_["method"])
@@ -409,7 +427,7 @@ def main(argv=None) -> int:
     out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
     plot(payload, out / f"{args.name}.png")
     print(render(payload))
-    return 0
+    return 1 if any("error" in r for r in payload["runs"]) else 0
 
 
 if __name__ == "__main__":

@@ -106,7 +106,8 @@ class Event:
     """What the engine reports to a request: ``kind`` "token" (``text`` the new
     text, ``token_ids`` the new ids; text may lag ids while an incomplete UTF-8
     sequence or a possible stop string is held back) or "done" (with
-    ``finish_reason``: "stop", "length" or "cancelled"; ``text`` any text left)."""
+    ``finish_reason``: "stop", "length", "cancelled" or "error", when the request's
+    ``error`` says what failed; ``text`` any text left)."""
 
     kind: str
     text: str = ""
@@ -129,6 +130,7 @@ class Request:
         self.output_ids: list[int] = []
         self.text = ""            # the output text sent so far
         self.finish_reason: str | None = None
+        self.error: str | None = None  # finish_reason "error": what failed (its prefill, or the engine)
         self.cancelled = False    # set from any thread; the engine acts on it next iteration
         self.slot: int | None = None
         self.t_arrival = time.perf_counter()
@@ -362,6 +364,36 @@ def prefill_bucket(n: int, max_len: int) -> int:
 # -----------------------------------------------------------------------------
 
 
+def check_resident_fits(model, slots: int, max_len: int, device_limit: int | None = None) -> None:
+    """:class:`~sparse_jax.offload.capacity.CapacityError` before anything is allocated when
+    the weights, ``slots`` rows of ``max_len`` tokens and the row a prompt is prefilled into
+    (:meth:`ResidentSlots.prefill`: one more row) do not fit the device (``device_limit``:
+    default :func:`~sparse_jax.offload.capacity.device_budget`, which keeps 2 GiB for XLA's
+    temporaries; CPU: no limit, no check). Without it, a batch that filled the device
+    failed later, compiling a long prompt's prefill (H100, Qwen3-8B, 3 x 98K slots: XLA's
+    GEMM autotuner could not allocate). The bytes are the cache's own shapes (a hybrid
+    model's sliding-window rings counted as rings)."""
+    from sparse_jax.offload import capacity
+
+    limit = capacity.device_budget() if device_limit is None else device_limit
+    if limit is None:
+        return
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    row = nbytes(jax.eval_shape(lambda: model.init_cache(1, max_len)))
+    weights = nbytes(model.params)
+
+    def fp(rows):
+        return capacity.Footprint({"weights": weights, "kv": rows * row}, {})
+
+    try:
+        capacity.check_fits(fp(slots + 1), device_limit=limit, host_limit=None,
+                            what=f"a resident engine of {slots} slots x {max_len} tokens (and one prefill row)")
+    except capacity.CapacityError as e:
+        fits = max((k for k in range(1, slots) if fp(k + 1).device_bytes <= limit), default=0)
+        hint = f" {fits} slots fit." if fits else " Not even one slot fits: lower max_len."
+        raise capacity.CapacityError(f"{e}{hint}") from None
+
+
 class ResidentSlots:
     """Every slot's KV on the device: ``model.init_cache(slots, max_len)``, decoded by the
     engine's own step program (the model's decode step + sampling, cache donated)."""
@@ -376,6 +408,7 @@ class ResidentSlots:
             self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
         else:
             self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
+            check_resident_fits(model, slots, max_len)
         self.cache = model.init_cache(slots, max_len)
         self.device_bytes = self.cache.nbytes()
 
@@ -767,7 +800,9 @@ class Engine:
         self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
         self.step_end_times: list[float] = []  # when each ended (perf_counter)
         self.finished = collections.Counter()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what stopped the engine thread (every request then failed)
+        self.request_errors = 0  # requests failed on their own (their prefill), the engine serving on
+        self._in_hand: Request | None = None  # admitted, being prefilled or inserted: in no list
 
     # -- the client side (any thread) ------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -823,7 +858,8 @@ class Engine:
                     "admitted": self.scheduler.counters.admitted,
                     "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
                     "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
-                    "finished": dict(self.finished), "running": self._thread is not None and self._thread.is_alive()}
+                    "finished": dict(self.finished), "request_errors": self.request_errors,
+                    "running": self._thread is not None and self._thread.is_alive()}
 
     def idle(self) -> bool:
         s = self.stats()
@@ -855,11 +891,17 @@ class Engine:
         except BaseException as e:  # noqa: BLE001  (reported to every request, then re-raised in the thread)
             self.error = e
             for r in self._all_requests():
-                self._finish(r, "error")
+                if r.finish_reason is None:
+                    r.error = r.error or f"the engine stopped: {_describe(e)}"
+                    self._finish(r, "error")
             raise
 
     def _all_requests(self) -> list[Request]:
-        out = [s.request for s in self._slots if s is not None] + list(self._waiting)
+        # the request being prefilled is in no slot and no longer waiting: without it, a failure
+        # there left its client waiting forever
+        out = [self._in_hand] if self._in_hand is not None else []
+        out += [s.request for s in self._slots if s is not None and s.request is not self._in_hand]
+        out += list(self._waiting)
         while True:
             try:
                 out.append(self._inbox.get_nowait())
@@ -918,10 +960,27 @@ class Engine:
 
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
-        logits, row = self.kv.prefill(r.prompt_ids)
+        self._in_hand = r
+        try:
+            logits, row = self.kv.prefill(r.prompt_ids)
+        except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
+            self._fail(r, e)
+            return
         self._insert_prefilled(r, slot, logits, row)
 
+    def _fail(self, r: Request, e: Exception) -> None:
+        """End ``r`` with ``finish_reason="error"`` after its own prefill failed (e.g. the
+        device ran out of memory for its bucket). The prefill wrote nothing the running
+        slots use (its row cache is its own; insertion, which donates the batch's cache,
+        comes after), so the engine goes on with the others."""
+        r.error = f"the prefill of this {r.prompt_len}-token prompt failed: {_describe(e)}"
+        with self._lock:
+            self.request_errors += 1
+        self._in_hand = None
+        self._finish(r, "error")
+
     def _insert_prefilled(self, r: Request, slot: int, logits, row) -> None:
+        self._in_hand = r
         p = r.params
         first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
                                 jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
@@ -935,11 +994,16 @@ class Engine:
             self._counters[slot] = 0
             self._temperature[slot] = p.temperature
             self._top_p[slot] = p.top_p
+        self._in_hand = None  # in its slot now
         self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
 
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
-        job = self.kv.start_prefill(r.prompt_ids)
+        try:
+            job = self.kv.start_prefill(r.prompt_ids)
+        except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
+            self._fail(r, e)
+            return
         with self._lock:
             self._slots[slot] = _Slot(r)  # reserved; the slot stays inactive until insertion
             r.slot = slot
@@ -949,12 +1013,16 @@ class Engine:
         """Run the next segment of the prompt in flight (its layers within
         ``max_inject_tokens``); after its last layer, sample its first token and insert it."""
         r, slot, job = self._prefilling
-        job.advance_budget(self.max_inject_tokens)
-        self.prefill_segments += 1
-        if not job.done:
+        try:
+            job.advance_budget(self.max_inject_tokens)
+            self.prefill_segments += 1
+            if not job.done:
+                return
+            logits, row = job.result()
+        except Exception as e:  # noqa: BLE001 - this request fails (its reserved slot freed), the engine serves on
+            self._fail(r, e)
             return
         self._prefilling = None
-        logits, row = job.result()
         self._insert_prefilled(r, slot, logits, row)
 
     def _decode(self) -> None:
@@ -1066,6 +1134,13 @@ class Engine:
         if not r.done.wait(timeout):
             raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
         return r
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message`` of an exception, its message cut to its first 400 characters
+    (XLA's out-of-memory errors run to pages of HLO)."""
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg[:400]}{' ...' if len(msg) > 400 else ''}"
 
 
 def _held_for_stop(text: str, stops: Sequence[str]) -> int:

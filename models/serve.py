@@ -231,7 +231,7 @@ def build_app(engine: Engine, model_name: str):
                 engine.cancel(req)
                 raise
             if req.finish_reason == "error":
-                raise BadRequest(f"the engine failed: {engine.error!r}", status=500, type_="server_error")
+                raise BadRequest(req.error or "the request failed", status=500, type_="server_error")
             choice = ({"index": 0, "message": {"role": "assistant", "content": req.text},
                        "finish_reason": req.finish_reason, "logprobs": None} if chat else
                       {"index": 0, "text": req.text, "finish_reason": req.finish_reason, "logprobs": None})
@@ -255,6 +255,11 @@ def build_app(engine: Engine, model_name: str):
                 while True:
                     ev = await events.get()
                     if ev.kind == "done":
+                        if req.finish_reason == "error":
+                            # OpenAI's stream error shape: the official client raises it as an APIError
+                            yield "data: " + json.dumps(BadRequest(req.error or "the request failed", status=500,
+                                                                   type_="server_error").body()) + "\n\n"
+                            break
                         if ev.text:
                             yield chunk(ev.text, None)
                         yield chunk(None, req.finish_reason)

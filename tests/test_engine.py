@@ -329,3 +329,94 @@ def test_a_process_that_ran_the_engine_exits_cleanly():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB " + "%gemm_fusion_dot = bf16[...] " * 80
+
+
+def _failing_on(fn, bad_len: int):
+    """``fn(ids)``, except that a prompt of ``bad_len`` tokens raises like XLA out of memory."""
+    def wrapped(ids, *a, **kw):
+        if len(ids) == bad_len:
+            raise RuntimeError(_OOM)
+        return fn(ids, *a, **kw)
+    return wrapped
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded-segmented"])
+def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offload):
+    """A prompt whose prefill raises (on the H100, a 64K bucket's compile ran out of memory)
+    ends with ``finish_reason="error"`` and a short message; before, it was in no list when
+    the engine thread died, and its client (the load benchmark's warm-up) waited forever.
+    The requests before and after it get their own tokens, no slot leaks, the engine runs on."""
+    model = tiny.with_method("quest", budget=64)
+    rng = np.random.default_rng(2)
+    ids = [rng.integers(4, 97, n).tolist() for n in (120, 77, 90)]
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=STEPS,
+                               stop_ids=())[0] for i in ids]
+    kw = dict(offload=True, max_inject_tokens=64) if offload else {}
+    engine = Engine(model, slots=1, max_len=256, stop_ids=(), **kw)
+    if offload:
+        engine.kv.start_prefill = _failing_on(engine.kv.start_prefill, 77)
+    else:
+        engine.kv.prefill = _failing_on(engine.kv.prefill, 77)
+    engine.start()
+    try:
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=STEPS))) for i in ids]
+        for r in reqs:
+            assert r.done.wait(300), r
+        good, bad, after = reqs
+        assert bad.finish_reason == "error" and bad.output_ids == [] and bad.slot is None
+        assert bad.error.startswith("the prefill of this 77-token prompt failed: RuntimeError: RESOURCE_EXHAUSTED")
+        assert len(bad.error) < 520 and bad.error.endswith(" ...")  # cut: XLA's messages run to pages
+        assert [good.output_ids, after.output_ids] == [refs[0], refs[2]]
+        s = engine.stats()
+        assert s["running"] and engine.error is None and s["request_errors"] == 1
+        assert s["finished"] == {"length": 2, "error": 1} and engine.idle() and s["working_set_bytes"] == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_fatal_engine_error_fails_every_request_even_the_one_being_inserted(tiny):
+    """Insertion donates the batch's cache, so a failure there stops the engine: every request
+    (running, waiting, and the one being inserted, which is in no list) ends with an error."""
+    model = tiny.with_method("dense")
+    engine = Engine(model, slots=2, max_len=256, stop_ids=())
+    real_insert = engine.kv.insert
+    calls = []
+
+    def insert(row, slot):
+        calls.append(slot)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real_insert(row, slot)
+
+    engine.kv.insert = insert
+    rng = np.random.default_rng(3)
+    reqs = [engine.submit(engine.make_request(rng.integers(4, 97, 30).tolist(),
+                                              SamplingParams(max_tokens=40))) for _ in range(3)]
+    engine.start()
+    for r in reqs:
+        assert r.done.wait(120), r
+    assert [r.finish_reason for r in reqs] == ["error"] * 3
+    assert all(r.error == "the engine stopped: RuntimeError: device lost" for r in reqs)
+    engine._thread.join(30)  # the thread re-raises after reporting
+    assert isinstance(engine.error, RuntimeError) and not engine.stats()["running"]
+    engine.stop()
+
+
+def test_resident_capacity_is_checked_before_allocating(tiny):
+    """The weights, the slots and the prefill row must fit the device; the error says how many
+    slots do (a limit is passed: on the CPU backend the check has no limit to use)."""
+    from models.engine import check_resident_fits
+    from sparse_jax.offload.capacity import CapacityError
+
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    row = nbytes(tiny.init_cache(1, 256))
+    limit = nbytes(tiny.params) + 3 * row  # two slots and the prefill row
+    check_resident_fits(tiny, 2, 256, device_limit=limit)
+    with pytest.raises(CapacityError, match=r"resident engine of 3 slots x 256 tokens .* 2 slots fit"):
+        check_resident_fits(tiny, 3, 256, device_limit=limit)
+    with pytest.raises(CapacityError, match="Not even one slot fits"):
+        check_resident_fits(tiny, 1, 256, device_limit=nbytes(tiny.params) + row)

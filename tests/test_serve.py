@@ -177,6 +177,32 @@ def test_abandoned_stream_frees_its_slot(server, references):
     assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
 
 
+def test_a_failed_prefill_is_a_500_and_the_server_serves_on(server, references, monkeypatch):
+    """A request whose prefill fails on the device (simulated: out of memory) gets HTTP 500 with
+    the reason, streaming or not (the official client raises it), and the others go on."""
+    tok = server.model.tokenizer
+    bad = "A prompt the device cannot prefill, this time."
+    n = len(tok.encode(bad))
+    real = server.engine.kv.prefill
+
+    def prefill(ids, *a, **kw):
+        if len(ids) == n:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB")
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(server.engine.kv, "prefill", prefill)
+    errors = server.engine.stats()["request_errors"]
+    with pytest.raises(openai.InternalServerError, match="RESOURCE_EXHAUSTED"):
+        _complete(server.client, bad)
+    with pytest.raises(openai.APIError, match="prefill of this .*RESOURCE_EXHAUSTED"):
+        for _ in _complete(server.client, bad, stream=True):
+            pass
+    s = _wait_idle(server.engine)
+    assert s["request_errors"] == errors + 2 and s["running"] and server.engine.error is None
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
+
+
 def test_soak_mixed_clients(server):
     """``benchmarks.soak`` against the module's server (3 slots): many concurrent clients on
     loopback, bounded in count and time, every kind of request (greedy completions streamed

@@ -66,3 +66,29 @@ def test_workload_is_poisson_and_bounded():
     assert abs(len(wl.arrivals) / wl.arrivals[-1] - 2.0) < 0.4  # rate
     assert all(50 < p <= 100 or 500 < p <= 1000 for p in wl.prompt_lens)
     assert all(128 <= o <= 512 for o in wl.output_lens)
+
+
+def test_a_method_whose_prefill_fails_is_reported_and_the_next_runs(tmp_path, monkeypatch):
+    """On the H100 a dense engine's 64K prefill ran out of memory compiling, the engine thread
+    died, and the warm-up waited 600 s for a request nobody would finish. Now the failed
+    request ends with its error, the warm-up stops the method at once, the results say why,
+    the next method runs, and the exit status is 1."""
+    from models import engine as eng
+
+    real = eng.ResidentSlots.prefill
+
+    def prefill(self, ids):
+        if len(ids) > 96:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB")
+        return real(self, ids)
+
+    monkeypatch.setattr(eng.ResidentSlots, "prefill", prefill)
+    rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload", "--budget", "32", "--rates", "200",
+                          "--requests", "3", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
+                          "--output-max", "4", "--slots", "2", "--time-limit", "30", "--out", str(tmp_path),
+                          "--name", "f"])
+    assert rc == 1
+    dense, offloaded = json.loads((tmp_path / "f.json").read_text())["runs"]
+    assert "warm-up: a 128-token prompt ended 'error'" in dense["error"] and "RESOURCE_EXHAUSTED" in dense["error"]
+    assert offloaded["rows"][0]["completed"] == 3 and offloaded["rows"][0]["failed"] == 0
+    assert "**dense (2 slots) failed**: RuntimeError: warm-up" in (tmp_path / "f.md").read_text()
