@@ -164,7 +164,8 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
             "failed": len(failed), "errors": sorted({r.error for r in failed})[:3],
             "wall_s": end - start, "mean_ttft_s": float(np.mean(ttft)) if ttft else float("nan"),
             "p99_ttft_s": _pct(ttft, 99), "mean_tbt_ms": 1e3 * float(np.mean(tbt)) if tbt else float("nan"),
-            "p99_tbt_ms": 1e3 * _pct(tbt, 99), "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
+            "p99_tbt_ms": 1e3 * _pct(tbt, 99), "max_tbt_ms": 1e3 * float(max(tbt)) if tbt else float("nan"),
+            "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
             "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
             "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0,
@@ -303,7 +304,7 @@ def render(payload: dict) -> str:
     md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
-            "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
+            "max_tbt_ms", "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
             "mean_working_set_mib"]
     md += [markdown_table(rows, cols), ""]
     return "\n".join(md)

@@ -432,6 +432,12 @@ class ResidentSlots:
     def blocks_loaded(self, active) -> int:
         return 0
 
+    @staticmethod
+    def wait(logits, row) -> None:
+        """Block until a prefill's outputs exist: the device reports a failure of the
+        prefill (out of memory) when its outputs are waited for."""
+        jax.block_until_ready((logits, row))
+
     def settle(self) -> None:
         """Nothing of its own in flight (see :meth:`OffloadedSlots.settle`)."""
 
@@ -664,6 +670,12 @@ class OffloadedSlots:
             ws = np.asarray(ws).astype(np.int64)
             fresh = self._inserted_at < step  # a slot filled since then holds another request now
             self.ws_blocks[fresh] = ws[fresh]
+
+    @staticmethod
+    def wait(logits, row) -> None:
+        """Block until a prefill's outputs exist, its host tier's copies included (see
+        :meth:`ResidentSlots.wait`)."""
+        jax.block_until_ready((logits, row.cache, row.host))
 
     def blocks_loaded(self, active) -> int:
         """Blocks the step being collected copied from the host for its ``active`` rows
@@ -963,6 +975,9 @@ class Engine:
         self._in_hand = r
         try:
             logits, row = self.kv.prefill(r.prompt_ids)
+            # its execution errors surface here, not in the insertion (whose failure is fatal): on
+            # the H100 a 98K prompt's prefill ran out of memory, reported at the insertion's copy
+            self.kv.wait(logits, row)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)
             return
@@ -1019,6 +1034,7 @@ class Engine:
             if not job.done:
                 return
             logits, row = job.result()
+            self.kv.wait(logits, row)
         except Exception as e:  # noqa: BLE001 - this request fails (its reserved slot freed), the engine serves on
             self._fail(r, e)
             return

@@ -334,6 +334,10 @@ def test_a_process_that_ran_the_engine_exits_cleanly():
 _OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB " + "%gemm_fusion_dot = bf16[...] " * 80
 
 
+def _raise_oom():
+    raise RuntimeError(_OOM)
+
+
 def _failing_on(fn, bad_len: int):
     """``fn(ids)``, except that a prompt of ``bad_len`` tokens raises like XLA out of memory."""
     def wrapped(ids, *a, **kw):
@@ -359,7 +363,9 @@ def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offlo
     if offload:
         engine.kv.start_prefill = _failing_on(engine.kv.start_prefill, 77)
     else:
-        engine.kv.prefill = _failing_on(engine.kv.prefill, 77)
+        # as the device reports it: the prefill call returns, waiting for its outputs raises
+        real_wait = engine.kv.wait
+        engine.kv.wait = lambda logits, row: real_wait(logits, row) if row.lengths[0] != 77 else _raise_oom()
     engine.start()
     try:
         reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=STEPS))) for i in ids]
