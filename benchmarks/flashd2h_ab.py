@@ -8,6 +8,11 @@ SparseServe's FlashD2H, "sync" the same copy waited for and stored within the st
 run ends with a 3-step ``jax.profiler`` trace; the host events that cost the most per step
 (``command_buffer::update``, ``cuGraphLaunch``, ...) and the device kernels are reported.
 
+``--order`` entries may name the loop too, ``SAVE:device`` (:meth:`TieredRunner.greedy_steps`:
+the argmax fed back on the device, tokens and logits in donated buffers, the same addresses
+every step) against the plain ``SAVE`` (``SAVE:host``: each step's tokens a new array, as the
+engine's loop): whether XLA's per-step ``command_buffer::update`` comes from those buffers.
+
 Why alternating: the first A/B (``--save deferred,sync`` of :mod:`benchmarks.offload`,
 deferred first) read deferred 57% slower; the first run in a process pays a slow first
 round, and the order was the confound. ``--tiny`` runs a small model (CPU smoke test).
@@ -64,23 +69,25 @@ def run(args) -> dict:
     model = ob.random_model(cfg, method, args.context + 1024)
     host_limit = capacity.host_budget(args.host_fraction)
     runs = []
-    for i, save in enumerate(args.order):
+    for i, entry in enumerate(args.order):
+        save, _, loop = entry.partition(":")
+        loop = loop or "host"
         trace_dir = Path(tempfile.mkdtemp(prefix=f"flashd2h_{i}_"))
         t0 = time.perf_counter()
         try:
             r = ob.run_config(model, "offload", context=args.context, batch=args.batch, steps=args.steps,
                               warmup=args.warmup, churn=args.churn, host_limit=host_limit, save=save,
-                              trace_dir=trace_dir)
+                              trace_dir=trace_dir, loop=loop)
             host, device = profile_summary(r.pop("_trace_events", []) or [])
             r.pop("_trace_report", None)
         finally:
             shutil.rmtree(trace_dir, ignore_errors=True)
-        row = {"run": i + 1, "save": save, **{k: r.get(k) for k in (
+        row = {"run": i + 1, "save": entry, **{k: r.get(k) for k in (
             "tpot_ms", "tpot_rounds_ms", "host_dispatch_ms", "host_issue_ms", "step_ms_median_synced",
             "settle_rounds", "hit_rate")}, "wall_s": round(time.perf_counter() - t0, 1),
                "trace": r.get("trace"), "host_top": host, "device_top": device}
         runs.append(row)
-        print(f"[flashd2h] run {i + 1} save={save}: tpot {row['tpot_ms']:.2f} ms, rounds {row['tpot_rounds_ms']}, "
+        print(f"[flashd2h] run {i + 1} {entry}: tpot {row['tpot_ms']:.2f} ms, rounds {row['tpot_rounds_ms']}, "
               f"host dispatch {row['host_dispatch_ms']} ms", file=sys.stderr, flush=True)
     return {"stamp": stamp(), "context": args.context, "batch": args.batch, "churn": args.churn,
             "model": cfg.name, "runs": runs}
@@ -116,7 +123,8 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    colors = {"deferred": "tab:blue", "sync": "tab:orange"}
+    colors = {"deferred": "tab:blue", "sync": "tab:orange", "deferred:device": "tab:cyan",
+              "sync:device": "tab:red"}
     for r in payload["runs"]:
         ax.bar(r["run"], r["tpot_ms"], color=colors.get(r["save"], "gray"), label=r["save"])
         ax.scatter([r["run"]] * len(r["tpot_rounds_ms"]), r["tpot_rounds_ms"], color="k", s=8, zorder=3)
@@ -134,7 +142,8 @@ def plot(payload: dict, path: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.flashd2h_ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--order", default="sync,deferred,sync,deferred", help="saves, comma-separated, in run order")
+    p.add_argument("--order", default="sync,deferred,sync,deferred",
+                   help="saves in run order, comma-separated; SAVE:device feeds the tokens back on the device")
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--budget", type=int, default=2048)
@@ -148,8 +157,9 @@ def parse_args(argv=None):
     p.add_argument("--name", default="offload_flashd2h_abab")
     a = p.parse_args(argv)
     a.order = [x.strip() for x in a.order.split(",")]
-    if not a.order or set(a.order) - {"deferred", "sync"}:
-        p.error(f"--order: a comma list of deferred and sync, got {a.order}")
+    ok = {f"{s}{loop}" for s in ("deferred", "sync") for loop in ("", ":host", ":device")}
+    if not a.order or set(a.order) - ok:
+        p.error(f"--order: a comma list of deferred and sync (each optionally :host or :device), got {a.order}")
     if a.batch < 1 or a.context < 256:
         p.error("need --batch >= 1 and --context >= 256")
     if a.tiny:

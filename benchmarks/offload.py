@@ -151,10 +151,18 @@ def with_churn(model, churn: float):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row", save="deferred"):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row", save="deferred",
+               loop="host"):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``: TieredRunner's (None: its default schedule for ``mode``); ``pool``:
-    the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head)."""
+    the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head); ``loop``:
+    "host" (each step's argmax taken by a separate call, its tokens a new array: the serving
+    loop's shape) or "device" (offloaded only: :meth:`TieredRunner.greedy_steps`, tokens and
+    logits fed back in donated buffers)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if loop == "device" and (mode != "offload" or pool != "per_row"):
+        raise ValueError('loop="device" runs offloaded per-row pools')
     from models.tiered import TieredRunner
 
     runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
@@ -172,8 +180,8 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     gc.collect()
     gc.disable()  # the step is dispatch-bound: keep Python's collector out of the timed loops
     try:
-        return _timed_decode(runner, state, tok, mode=mode, context=context, batch=batch, churn=churn,
-                             steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
+        return _timed_decode(runner, state, tok, decode=LOOPS[loop], mode=mode, context=context, batch=batch,
+                             churn=churn, steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
                              trace_dir=trace_dir, bandwidth=bandwidth)
     finally:
         gc.enable()
@@ -216,9 +224,18 @@ def _decode(runner, state, tok, n):
     return logits, tok
 
 
-def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
+def _decode_on_device(runner, state, tok, n):
+    """:func:`_decode` with the argmax fed back on the device (``TieredRunner.greedy_steps``)."""
+    return runner.greedy_steps(tok, state, n)
+
+
+#: run_config(loop=...): how each step's tokens reach the next
+LOOPS = {"host": _decode, "device": _decode_on_device}
+
+
+def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
                   trace_dir, bandwidth=None):
-    logits, tok = _decode(runner, state, tok, warmup)
+    logits, tok = decode(runner, state, tok, warmup)
     jax.block_until_ready(tok)
     # settle: right after a large pinned allocation, back-to-back rounds ran up to 40% slower
     # for about a second (the same configuration measured again in the same process did not),
@@ -226,7 +243,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
     prev, settle = None, 0
     while settle < SETTLE_ROUNDS:
         t1 = time.perf_counter()
-        logits, tok = _decode(runner, state, tok, steps)
+        logits, tok = decode(runner, state, tok, steps)
         jax.block_until_ready(tok)
         cur, settle = time.perf_counter() - t1, settle + 1
         if prev is not None and abs(cur - prev) <= 0.05 * min(cur, prev):
@@ -237,7 +254,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
     times, dispatch = [], []
     for _ in range(steps):
         t1 = time.perf_counter()
-        logits, tok = _decode(runner, state, tok, 1)
+        logits, tok = decode(runner, state, tok, 1)
         dispatch.append(time.perf_counter() - t1)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
@@ -256,7 +273,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
     state.record_transfers = False
     for _ in range(rounds):
         t1 = time.perf_counter()
-        logits, tok = _decode(runner, state, tok, ROUND_STEPS)
+        logits, tok = decode(runner, state, tok, ROUND_STEPS)
         issue_s.append((time.perf_counter() - t1) / ROUND_STEPS)
         jax.block_until_ready(tok)
         rounds_s.append((time.perf_counter() - t1) / ROUND_STEPS)
@@ -295,7 +312,7 @@ def _timed_decode(runner, state, tok, *, mode, context, batch, churn, steps, war
         from benchmarks import trace_overlap
 
         jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
-        logits, tok = _decode(runner, state, tok, 3)
+        logits, tok = decode(runner, state, tok, 3)
         jax.block_until_ready(tok)
         jax.profiler.stop_trace()
         events, _ = trace_overlap.load_events(trace_dir)

@@ -316,8 +316,13 @@ class TieredRunner:
                                          jnp.asarray(live.copy()))
         else:
             logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host)
+        self._after_step(state, live, active is not None)
+        return logits
+
+    def _after_step(self, state: TieredState, live, masked: bool):
+        """A step's host bookkeeping: lengths, block counters and the saves of completed blocks."""
         state.lengths_host = state.lengths_host + live
-        if active is not None:
+        if masked:
             # placed like the program's own output: an uncommitted array would compile the step again
             lengths = jax.device_put(state.lengths_host.astype(np.int32), state.cache.lengths.sharding)
             state.cache = dataclasses.replace(state.cache, lengths=lengths)
@@ -328,7 +333,27 @@ class TieredRunner:
         self._start_save(state, live)
         if self.save == "sync":
             self._store_pending(state)  # waits for this step, then stores its blocks
-        return logits
+
+    def greedy_steps(self, tokens, state: TieredState, n: int):
+        """``n`` greedy steps of every row, each step's argmax fed to the next on the device:
+        ``(logits f32[B, V], tokens int32[B])`` of the last step. The tokens and logits live
+        in buffers donated to each step and written back in place, so every step runs with
+        the same buffer addresses: XLA then has no reason to update the step's CUDA graph
+        (it does when any buffer its commands use moved, and :meth:`decode_step`'s tokens and
+        logits are new arrays each step). The same tokens as :meth:`decode_step` with
+        ``argmax`` between steps. Per-row pools, one device (a probe of the step's host cost)."""
+        if self.shared or self.mesh is not None:
+            raise ValueError("greedy_steps runs per-row pools on one device")
+        if int(state.lengths_host.max()) + n > state.max_len:
+            raise ValueError(f"{n} steps overrun the cache ({state.max_len} tokens)")
+        fn = _greedy_fn(self.model.graphdef, self.driver, self.gather_programs, self._conc)
+        live = np.ones(state.lengths_host.shape, bool)
+        io = {"tokens": jnp.array(tokens, jnp.int32, copy=True),  # donated: never the caller's array
+              "logits": jnp.zeros((len(live), self.cfg.vocab_size), jnp.float32)}
+        for _ in range(int(n)):
+            io, state.cache = fn(self.model.params, io, state.cache, state.host)
+            self._after_step(state, live, False)
+        return io["logits"], io["tokens"]
 
     def _start_save(self, state: TieredState, live=None):
         """Copy the blocks completed by this step to the host (asynchronously): one
@@ -448,6 +473,20 @@ def _decode_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
 
     return jax.jit(_decode_body(graphdef, driver, gather_programs), donate_argnums=(2,),
                    compiler_options=compiler_options(concurrent))
+
+
+@functools.lru_cache(maxsize=16)
+def _greedy_fn(graphdef, driver: Driver, gather_programs, concurrent: bool):
+    """``(params, io, cache, host) -> (io, cache)``: :func:`_decode_fn`'s step on
+    ``io["tokens"]``, writing its logits and their argmax back into ``io`` (donated with
+    the cache, so the outputs alias the inputs: the same addresses every step)."""
+    body = _decode_body(graphdef, driver, gather_programs)
+
+    def run(params, io, cache, host):
+        logits, cache = body(params, io["tokens"], cache, host)
+        return {"tokens": jnp.argmax(logits, -1).astype(jnp.int32), "logits": logits}, cache
+
+    return jax.jit(run, donate_argnums=(1, 2), compiler_options=compiler_options(concurrent))
 
 
 def _decode_body(graphdef, driver: Driver, gather_programs):

@@ -407,3 +407,38 @@ def test_synchronous_save_gives_the_same_tokens_and_host_tier():
             np.testing.assert_array_equal(a[1], b[1])
     with pytest.raises(ValueError, match="save must be one of"):
         TieredRunner(model, "offload", save="later")
+
+
+def test_greedy_steps_on_the_device_equal_decode_steps():
+    """``TieredRunner.greedy_steps`` (tokens and logits in donated buffers, fed back on the
+    device: the same addresses every step) gives ``decode_step``'s tokens, logits and host
+    tier, saves of completed blocks included; the caller's token array survives the donation."""
+    from models.tiered import TieredRunner
+    from sparse_jax.methods import get_method
+
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    model = _tiny_model(get_method("asynctls", channels_per_layer=chans, budget=32, block_size=8, kb=8, lag=True,
+                                   dense_layers=(0,)))
+    tokens, lengths = _ragged_tokens(9)
+    runner = TieredRunner(model, "offload", pool_slots=7)
+    steps = 19  # every row completes blocks (8-token blocks): saves run
+    logits, ref = runner.prefill(tokens, lengths, 256)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    want = [np.asarray(first)]
+    for _ in range(steps):
+        logits = runner.decode_step(jnp.asarray(want[-1]), ref)
+        want.append(np.asarray(jnp.argmax(logits, -1)))
+    runner.finish(ref)
+    _, state = runner.prefill(tokens, lengths, 256)
+    last, nxt = runner.greedy_steps(first, state, steps)
+    runner.finish(state)
+    assert np.asarray(first).tolist() == want[0].tolist()  # the caller's array, not deleted by the donation
+    np.testing.assert_array_equal(np.asarray(nxt), want[-1])
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(logits))
+    np.testing.assert_array_equal(state.lengths_host, ref.lengths_host)
+    for a, b in zip(state.host, ref.host):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a.k), np.asarray(b.k))
+            np.testing.assert_array_equal(np.asarray(a.v), np.asarray(b.v))
+    with pytest.raises(ValueError, match="overrun the cache"):
+        runner.greedy_steps(nxt, state, 1000)

@@ -95,12 +95,12 @@ def test_flashd2h_ab_tiny(tmp_path):
 
     with pytest.raises(SystemExit):
         flashd2h_ab.parse_args(["--order", "sync,async"])
-    rc = flashd2h_ab.main(["--tiny", "--order", "sync,deferred", "--batch", "2", "--steps", "2", "--warmup", "1",
-                           "--out", str(tmp_path), "--name", "f"])
+    rc = flashd2h_ab.main(["--tiny", "--order", "sync,deferred:device", "--batch", "2", "--steps", "2",
+                           "--warmup", "1", "--out", str(tmp_path), "--name", "f"])
     assert rc == 0
     d = json.loads((tmp_path / "f.json").read_text())
-    assert [(r["run"], r["save"]) for r in d["runs"]] == [(1, "sync"), (2, "deferred")]
+    assert [(r["run"], r["save"]) for r in d["runs"]] == [(1, "sync"), (2, "deferred:device")]
     for r in d["runs"]:
         assert r["tpot_ms"] > 0 and len(r["tpot_rounds_ms"]) == 3 and r["host_top"], r
     md = (tmp_path / "f.md").read_text()
-    assert "| sync | 1 |" in md and "| deferred | 1 |" in md and (tmp_path / "f.png").stat().st_size > 0
+    assert "| sync | 1 |" in md and "| deferred:device | 1 |" in md and (tmp_path / "f.png").stat().st_size > 0
