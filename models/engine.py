@@ -989,6 +989,11 @@ class Engine:
         slots use (its row cache is its own; insertion, which donates the batch's cache,
         comes after), so the engine goes on with the others."""
         r.error = f"the prefill of this {r.prompt_len}-token prompt failed: {_describe(e)}"
+        if "RESOURCE_EXHAUSTED" in str(e):  # what would make it fit
+            hint = ("fewer slots or a shorter context, or offload=True" if not self.kv.offloaded else
+                    "a layer-segmented prefill (max_inject_tokens) bounds a long prompt's activations"
+                    if self.max_inject_tokens is None else "a smaller max_inject_tokens, or fewer slots")
+            r.error += f" (out of device memory: {hint})"
         with self._lock:
             self.request_errors += 1
         self._in_hand = None
