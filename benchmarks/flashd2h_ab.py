@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import shutil
 import sys
 import tempfile
@@ -34,22 +33,19 @@ from benchmarks.timing import markdown_table, stamp, write_results
 TRACE_STEPS = 3  # run_config traces this many steps after its timed rounds
 
 
-def profile_summary(events, top: int = 12) -> tuple[list[dict], list[dict]]:
-    """Per-step milliseconds of the costliest host events and device kernels of a trace."""
+def profile_summary(events, report: dict, top: int = 12) -> tuple[list[dict], list[dict]]:
+    """Per-step milliseconds of a trace's costliest host events
+    (:func:`benchmarks.trace_overlap.host_time_by_name`) and device kernels (``report``:
+    its :func:`~benchmarks.trace_overlap.overlap_report`, compute and transfer kernels)."""
     from benchmarks import trace_overlap as to
 
-    st, dev = re.compile(to.DEFAULT_STREAM_REGEX), re.compile(to.DEFAULT_DEVICE_REGEX)
-    tot = {True: collections.Counter(), False: collections.Counter()}
-    num = {True: collections.Counter(), False: collections.Counter()}
-    for e in events:
-        on_device = bool(st.search(e.thread)) and (e.process == "" or bool(dev.search(e.process)))
-        tot[on_device][e.name[:70]] += e.dur
-        num[on_device][e.name[:70]] += 1
-    out = []
-    for on_device in (False, True):
-        out.append([{"event": k, "ms_per_step": round(v / 1e3 / TRACE_STEPS, 3), "count": num[on_device][k]}
-                    for k, v in tot[on_device].most_common(top)])
-    return out[0], out[1]
+    def rows(named):
+        return [{"event": r["name"][:70], "ms_per_step": round(r["total_us"] / 1e3 / TRACE_STEPS, 3),
+                 "count": r["count"]} for r in named]
+
+    device = sorted((r for named in report.get("top_names", {}).values() for r in named),
+                    key=lambda r: -r["total_us"])[:top]
+    return rows(to.host_time_by_name(events, top=top)), rows(device)
 
 
 def run(args) -> dict:
@@ -78,8 +74,7 @@ def run(args) -> dict:
             r = ob.run_config(model, "offload", context=args.context, batch=args.batch, steps=args.steps,
                               warmup=args.warmup, churn=args.churn, host_limit=host_limit, save=save,
                               trace_dir=trace_dir, loop=loop)
-            host, device = profile_summary(r.pop("_trace_events", []) or [])
-            r.pop("_trace_report", None)
+            host, device = profile_summary(r.pop("_trace_events", []) or [], r.pop("_trace_report", None) or {})
         finally:
             shutil.rmtree(trace_dir, ignore_errors=True)
         row = {"run": i + 1, "save": entry, **{k: r.get(k) for k in (

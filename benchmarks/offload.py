@@ -160,7 +160,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     loop's shape) or "device" (offloaded only: :meth:`TieredRunner.greedy_steps`, tokens and
     logits fed back in donated buffers)."""
     if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+        raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
     if loop == "device" and (mode != "offload" or pool != "per_row"):
         raise ValueError('loop="device" runs offloaded per-row pools')
     from models.tiered import TieredRunner

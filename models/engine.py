@@ -378,9 +378,8 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     limit = capacity.device_budget() if device_limit is None else device_limit
     if limit is None:
         return
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
-    row = nbytes(jax.eval_shape(lambda: model.init_cache(1, max_len)))
-    weights = nbytes(model.params)
+    row = jax.eval_shape(lambda: model.init_cache(1, max_len)).nbytes()  # shapes only: nothing allocated
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
 
     def fp(rows):
         return capacity.Footprint({"weights": weights, "kv": rows * row}, {})
