@@ -45,7 +45,7 @@ from models.config import ModelConfig
 from sparse_jax.cache import KVCache, LayerCache, write_rows
 from sparse_jax.kv import ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
-from sparse_jax.methods.base import AttentionMethod, LayerCtx, blockwise_causal_attention, dense_prefill_attention
+from sparse_jax.methods.base import AttentionMethod, LayerCtx, chunk_prefill_attention, dense_prefill_attention
 from sparse_jax.offload.pool import decode_offloaded
 from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
@@ -317,7 +317,7 @@ class Driver:
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, C, H*, D]
         kbuf = jax.lax.dynamic_update_slice_in_dim(kbuf, k.astype(kbuf.dtype), start, axis=1)
         vbuf = jax.lax.dynamic_update_slice_in_dim(vbuf, v.astype(vbuf.dtype), start, axis=1)
-        o = blockwise_causal_attention(q, kbuf, vbuf, window=spec.window, q_offset=start)
+        o = chunk_prefill_attention(q, kbuf, vbuf, start, window=spec.window)  # cuDNN on a GPU
         at = lengths - 1 - start  # the row's last prompt token, if it is in this chunk
         here = (at >= 0) & (at < c)
         q_row = jnp.take_along_axis(q, jnp.clip(at, 0, c - 1)[:, None, None, None], axis=1)[:, 0]

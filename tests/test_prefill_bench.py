@@ -82,3 +82,20 @@ def test_prefill_bench_anchor_options(tmp_path):
     for bad in (["--anchor-impls", "cudnn"], ["--scores-tunings", "tile=64"]):
         with pytest.raises(SystemExit):
             prefill_bench.main(["--contexts", "256", "--parts", "kascade", *bad])
+
+
+def test_chunk_attention_bench_tiny(tmp_path):
+    """benchmarks.chunk_attention end to end on CPU: every chunk checked against the whole
+    prompt's attention, results and plot written; a bad backend is refused before any work."""
+    import json
+
+    from benchmarks import chunk_attention
+
+    with pytest.raises(SystemExit):
+        chunk_attention.parse_args(["--impls", "blockwise,flash"])
+    assert chunk_attention.main(["--tiny", "--impls", "blockwise,cudnn", "--out", str(tmp_path), "--name", "ca"]) == 0
+    payload = json.loads((tmp_path / "ca.json").read_text())
+    rows = payload["rows"]
+    assert [r["impl"] for r in rows] == ["whole (xla)", "blockwise", "blockwise", "xla", "xla"]
+    assert all(r["max_err"] < 1e-4 and r["ms"] > 0 for r in rows)
+    assert (tmp_path / "ca.png").stat().st_size > 0
