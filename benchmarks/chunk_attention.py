@@ -6,6 +6,8 @@ cut in ``--chunk`` tokens (the layer-segmented prefill of the serving engine, wh
 layer of a prompt exceeds ``max_inject_tokens``), per backend (``--impls``), against
 the whole prompt's causal attention in one cuDNN call (what an unchunked layer pays),
 in the same run. Each chunk's output is checked against the rows of that whole call.
+Backends: ``blockwise`` (the jnp loop), ``cudnn`` (split: the keys before the chunk and its
+own, merged by log-sum-exp) and ``cudnn:padded`` (the chunk in a padded query array).
 
 Reported per chunk: milliseconds (median), the attention's FLOP floor at the H100's
 bf16 rate (``4 * B * Hq * D * C * (start + C / 2)``), and the largest difference from
@@ -55,7 +57,9 @@ def run(args) -> dict:
              "floor_ms": round(whole_floor, 3), "x_floor": round(tw.wall_ms / whole_floor, 2), "max_err": 0.0}]
     print(f"[chunk_attention] whole {t}: {tw.wall_ms:.2f} ms", file=sys.stderr, flush=True)
     for impl in args.impls:
-        fn = jax.jit(lambda qc, k, v, s, impl=impl: chunk_prefill_attention(qc, k, v, s, implementation=impl))
+        name, _, form = impl.partition(":")
+        fn = jax.jit(lambda qc, k, v, s, name=name, split=form != "padded": chunk_prefill_attention(
+            qc, k, v, s, implementation=name, split=split if name != "blockwise" else None))
         for start in range(0, t, c):
             size = min(c, t - start)
             if size != c:  # another chunk size is another program: time only whole chunks
@@ -132,7 +136,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--impls", default="blockwise,cudnn", help="backends of chunk_prefill_attention")
+    p.add_argument("--impls", default="blockwise,cudnn:padded,cudnn",
+                   help="backends of chunk_prefill_attention, NAME or NAME:padded (cudnn, xla: the padded-query "
+                        "form instead of the split one)")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="small shapes on CPU ('xla' for 'cudnn')")
@@ -142,12 +148,13 @@ def parse_args(argv=None):
     from sparse_jax.methods.base import CHUNK_ATTENTION_IMPLS
 
     args.impls = parse_list(args.impls, str)
-    bad = [i for i in args.impls if i not in CHUNK_ATTENTION_IMPLS]
+    bad = [i for i in args.impls if i.partition(":")[0] not in CHUNK_ATTENTION_IMPLS
+           or i.partition(":")[2] not in ("", "padded") or i == "blockwise:padded"]
     if bad:
-        p.error(f"--impls: {bad} not in {CHUNK_ATTENTION_IMPLS}")
+        p.error(f"--impls: {bad}: each NAME or NAME:padded, NAME in {CHUNK_ATTENTION_IMPLS}")
     if args.tiny:
         args.tokens, args.chunk, args.heads, args.kv_heads, args.head_dim, args.dtype = 300, 128, 4, 2, 16, "float32"
-        args.impls = ["xla" if i == "cudnn" else i for i in args.impls]
+        args.impls = [i.replace("cudnn", "xla") for i in args.impls]
         args.runs = 2
     if not 0 < args.chunk <= args.tokens:
         p.error(f"--chunk must be in [1, --tokens], got {args.chunk}")

@@ -36,6 +36,7 @@ ablation, one component at a time (:data:`PLACES`).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -114,8 +115,10 @@ def _pct(x, q):
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> dict:
-    """Submit ``wl`` in real time to the running engine; metrics of this rate."""
+def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
+             mix_lengths: tuple[int, ...] = ()) -> dict:
+    """Submit ``wl`` in real time to the running engine; metrics of this rate.
+    ``mix_lengths``: the prompt mix's lengths, to report prefill times per length."""
     from models.engine import SamplingParams
 
     rng = np.random.default_rng(seed + 1)
@@ -157,6 +160,12 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
     ttft = [r.t_first - r.t_arrival for r in done]
     queue = [r.t_scheduled - r.t_arrival for r in done]
     tbt = [g for r in done for g in np.diff(r.token_times)]
+    # prefill: scheduled (prefill started) to first token, per mix length (the (L/2, L] it came from)
+    prefill_by_len = collections.defaultdict(list)
+    for r in done:
+        prefill_by_len[min((n for n in mix_lengths if r.prompt_len <= n), default=r.prompt_len)].append(
+            r.t_first - r.t_scheduled)
+    worst = max(((g, r.prompt_len, i + 1) for r in done for i, g in enumerate(np.diff(r.token_times))), default=None)
     out_tokens = sum(len(r.output_ids) for r in reqs)
     steps = engine.steps - steps0
     decode_tokens = sum(max(0, len(r.output_ids) - 1) for r in reqs)  # the first token comes from the prefill
@@ -165,7 +174,10 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int) -> 
             "wall_s": end - start, "mean_ttft_s": float(np.mean(ttft)) if ttft else float("nan"),
             "p99_ttft_s": _pct(ttft, 99), "mean_tbt_ms": 1e3 * float(np.mean(tbt)) if tbt else float("nan"),
             "p99_tbt_ms": 1e3 * _pct(tbt, 99), "max_tbt_ms": 1e3 * float(max(tbt)) if tbt else float("nan"),
+            "max_tbt_at": None if worst is None else f"{worst[1]}-token prompt, before output token {worst[2]}",
             "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
+            "mean_prefill_s": float(np.mean([r.t_first - r.t_scheduled for r in done])) if done else float("nan"),
+            "prefill_s_by_length": {str(n): round(float(np.mean(v)), 3) for n, v in sorted(prefill_by_len.items())},
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
             "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
             "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0,
@@ -275,7 +287,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         rows = []
         for i, rate in enumerate(rates):
             wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
-            row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i)
+            row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i,
+                           tuple(n for n, _ in mix))
             row["method"] = label
             rows.append(row)
             shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
@@ -304,10 +317,14 @@ def render(payload: dict) -> str:
     md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
-            "max_tbt_ms", "mean_queue_s", "throughput_tok_s", "mean_batch", "blocks_loaded_per_iter",
-            "mean_working_set_mib"]
-    md += [markdown_table(rows, cols), ""]
-    return "\n".join(md)
+            "max_tbt_ms", "mean_queue_s", "mean_prefill_s", "throughput_tok_s", "mean_batch",
+            "blocks_loaded_per_iter", "mean_working_set_mib"]
+    md += [markdown_table([{"mean_prefill_s": float("nan"), **row} for row in rows], cols), ""]
+    # where the time went (results from before these fields lack them)
+    md += [f"- {row['method']} at {row['rate']} req/s: mean prefill (scheduled to first token) by prompt length "
+           f"{row['prefill_s_by_length']} s; the longest token gap came {row['max_tbt_at']}"
+           for row in rows if row.get("prefill_s_by_length")]
+    return "\n".join(md + [""])
 
 
 def plot(payload: dict, path: Path) -> None:

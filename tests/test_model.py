@@ -427,13 +427,15 @@ def test_blockwise_causal_attention(t, hq, hkv, d, block):
     np.testing.assert_allclose(np.asarray(blockwise_causal_attention(q, k, v, block)), np.asarray(want), **TOL)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "xla"])
+@pytest.mark.parametrize("impl,split", [("blockwise", None), ("xla", True), ("xla", False)])
 @pytest.mark.parametrize("t,c,hq,hkv,window", [(300, 128, 4, 2, None), (257, 100, 6, 3, 37), (64, 64, 2, 1, None)])
-def test_chunk_prefill_attention(impl, t, c, hq, hkv, window):
+def test_chunk_prefill_attention(impl, split, t, c, hq, hkv, window):
     """Chunked prefill's attention (each chunk over the keys so far, start traced) equals the
-    rows of the whole prompt's causal attention, for the CPU path and for the padded-query
-    form the GPU runs through cuDNN ("xla" is the same call on CPU); keys past the chunk
-    are garbage it must not read."""
+    rows of the whole prompt's causal attention, for the CPU path and for the two forms the
+    GPU runs through cuDNN ("xla" is the same calls on CPU): split (prefix + own chunk merged
+    by log-sum-exp) and padded queries; keys past the chunk are garbage it must not read."""
+    if split and window is not None:
+        pytest.skip("the split form has no window (tested to refuse below)")
     from sparse_jax.methods.base import chunk_prefill_attention
 
     kq, kk, kv = jax.random.split(jax.random.key(t + c), 3)
@@ -443,7 +445,8 @@ def test_chunk_prefill_attention(impl, t, c, hq, hkv, window):
     local = None if window is None else (window - 1, 0)
     want = np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
                                                    local_window_size=local))
-    fn = jax.jit(lambda qc, k, v, s: chunk_prefill_attention(qc, k, v, s, window=window, implementation=impl))
+    fn = jax.jit(lambda qc, k, v, s: chunk_prefill_attention(qc, k, v, s, window=window, implementation=impl,
+                                                                 split=split))
     for start in range(0, t, c):
         size = min(c, t - start)
         stale = jnp.where(jnp.arange(t)[None, :, None, None] >= start + size, 1e4, 1.0)  # unwritten keys
@@ -451,3 +454,5 @@ def test_chunk_prefill_attention(impl, t, c, hq, hkv, window):
         np.testing.assert_allclose(np.asarray(got), want[:, start:start + size], **TOL)
     with pytest.raises(ValueError, match="implementation must be one of"):
         chunk_prefill_attention(q[:, :c], k, v, 0, implementation="flash")
+    with pytest.raises(ValueError, match="no sliding window"):
+        chunk_prefill_attention(q[:, :c], k, v, 0, window=16, implementation="xla", split=True)

@@ -93,9 +93,12 @@ def test_chunk_attention_bench_tiny(tmp_path):
 
     with pytest.raises(SystemExit):
         chunk_attention.parse_args(["--impls", "blockwise,flash"])
-    assert chunk_attention.main(["--tiny", "--impls", "blockwise,cudnn", "--out", str(tmp_path), "--name", "ca"]) == 0
+    with pytest.raises(SystemExit):
+        chunk_attention.parse_args(["--impls", "cudnn:paged"])
+    assert chunk_attention.main(["--tiny", "--impls", "blockwise,cudnn:padded,cudnn", "--out", str(tmp_path),
+                                 "--name", "ca"]) == 0
     payload = json.loads((tmp_path / "ca.json").read_text())
     rows = payload["rows"]
-    assert [r["impl"] for r in rows] == ["whole (xla)", "blockwise", "blockwise", "xla", "xla"]
+    assert [r["impl"] for r in rows] == ["whole (xla)"] + [i for i in ("blockwise", "xla:padded", "xla") for _ in "01"]
     assert all(r["max_err"] < 1e-4 and r["ms"] > 0 for r in rows)
     assert (tmp_path / "ca.png").stat().st_size > 0

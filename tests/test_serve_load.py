@@ -23,6 +23,9 @@ def test_serve_load_tiny(tmp_path):
             assert row["completed"] == row["requests"] == 5
             assert row["p99_tbt_ms"] >= row["mean_tbt_ms"] > 0 and row["throughput_tok_s"] > 0
             assert 3 * 5 <= row["output_tokens"] <= 6 * 5
+            # prefill time per mix length (prompts of (32, 64] count as 64) and where the longest gap came
+            assert set(row["prefill_s_by_length"]) <= {"64", "128"} and min(row["prefill_s_by_length"].values()) > 0
+            assert row["mean_prefill_s"] > 0 and "-token prompt, before output token" in row["max_tbt_at"]
     assert (tmp_path / "t.md").read_text().startswith("# Serving under load")
     assert (tmp_path / "t.png").stat().st_size > 0
     rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),

@@ -302,8 +302,32 @@ def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: in
 CHUNK_ATTENTION_IMPLS = ("auto", "cudnn", "xla", "blockwise")
 
 
+def _attention_lse(q, k, v, *, causal: bool, kv_len, implementation: str):
+    """``(o [B,T,Hq,D], lse f32[B,T,Hq])``: attention of ``q`` over the first ``kv_len``
+    (``[B]``) keys of ``k, v [B,S,Hkv,D]`` (causal: top-left aligned, ``T == S``) and
+    the log-sum-exp of each query's scaled scores. cuDNN's softmax statistics are f32,
+    but ``jax.nn.dot_product_attention(return_residual=True)`` casts them to the output
+    dtype (bf16 would move a merge weight by up to 3%), so the cuDNN call is jax's
+    own ``jax._src.cudnn`` entry, which returns them as they are (jax is pinned)."""
+    b, t = q.shape[:2]
+    q_len = jnp.full((b,), t, jnp.int32)
+    if implementation == "cudnn":
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType
+        from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+        o, lse = cudnn_attention(q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, scale=q.shape[-1] ** -0.5,
+                                 mask_type=MaskType.PADDING_CAUSAL if causal else MaskType.PADDING,
+                                 return_residual=True)
+        return o, jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [B, Hq, T] -> [B, T, Hq]
+    o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=q_len,
+                                          key_value_seq_lengths=kv_len, implementation=implementation,
+                                          return_residual=True)
+    return o, lse.astype(jnp.float32)
+
+
 def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int,
-                            window: int | None = None, implementation: str = "auto") -> jax.Array:
+                            window: int | None = None, implementation: str = "auto",
+                            split: bool | None = None) -> jax.Array:
     """Causal attention of one chunk of a prompt over the keys so far (chunked prefill).
 
     ``q [B,C,Hq,D]`` holds the queries at positions ``start .. start + C - 1``
@@ -311,22 +335,23 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
     (those past ``start + C - 1`` are never read: they may be stale). Returns
     ``[B,C,Hq,D]``; ``window`` as in :func:`dense_prefill_attention`.
 
-    ``implementation``:
+    ``implementation``: ``"cudnn"`` (a GPU, bf16/f16), ``"xla"`` (the same calls
+    through XLA's attention, which materialises the masks: tests only), ``"blockwise"``
+    (:func:`blockwise_causal_attention` with ``q_offset=start``, the CPU path; a jnp
+    loop of thousands of small kernels a chunk on a GPU, 1.6 s for the last 32K chunk
+    of a 98K prompt on the H100), or ``"auto"``: cuDNN on a GPU for bf16/f16, else
+    blockwise. For cuDNN and XLA, ``split`` picks the form:
 
-    * ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` on a ``[B, T]`` query
-      array holding the chunk at its positions (zeros before it), with query and key
-      lengths ``start + C``. cuDNN's causal mask is aligned at the top left, so the
-      chunk's queries get exactly their causal keys, and the padding lengths make it
-      skip every tile past ``start + C``. The zero queries before ``start`` are wasted
-      work: attention over ``(start + C)^2 / 2`` scores instead of
-      ``C * (start + C / 2)``, 1.56x over the three chunks of a prompt cut in three.
-      That is the price of one program per chunk size with a traced ``start``; the
-      jnp loop below runs thousands of small kernels per chunk on a GPU, 0.4 s a
-      chunk at 98K tokens on the H100 (``benchmarks.chunk_attention``). ``"xla"``
-      materialises the ``[T, T]`` mask: tests only.
-    * ``"blockwise"``: :func:`blockwise_causal_attention` with ``q_offset=start``
-      (the CPU path).
-    * ``"auto"``: cuDNN on a GPU for bf16/f16, else blockwise.
+    * split (the default without a window): the chunk's queries over the keys before
+      it (no mask, key length ``start``) and over its own keys (causal, ``C x C``),
+      merged by their log-sum-exps: exactly the scores the chunk needs.
+    * padded (``split=False``; always with a window, whose first half is not a prefix):
+      the chunk's queries at their positions in a ``[B, T]`` array of zeros, causal,
+      with key lengths ``start + C``. cuDNN's causal mask is aligned at the top left,
+      so the chunk gets exactly its keys; it skips keys past ``start + C`` but not the
+      queries, so it does ``T x (start + C)``-ish work: 2.4x the whole prompt's
+      attention over the three chunks of a 98K prompt on the H100
+      (``benchmarks.chunk_attention``).
     """
     if implementation not in CHUNK_ATTENTION_IMPLS:
         raise ValueError(f"implementation must be one of {CHUNK_ATTENTION_IMPLS}, got {implementation!r}")
@@ -337,6 +362,23 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
     b, c = q.shape[:2]
     t = k.shape[1]
     start = jnp.asarray(start, jnp.int32)
+    if split is None:
+        split = window is None
+    if split:
+        if window is not None:
+            raise ValueError("chunk_prefill_attention: the split form has no sliding window (use split=False)")
+        # the keys before the chunk; a first chunk has none: one key, weighted out below
+        o_pre, lse_pre = _attention_lse(q, k, v, causal=False, kv_len=jnp.full((b,), jnp.maximum(start, 1)),
+                                        implementation=implementation)
+        kc = jax.lax.dynamic_slice_in_dim(k, start, c, axis=1)
+        vc = jax.lax.dynamic_slice_in_dim(v, start, c, axis=1)
+        o_own, lse_own = _attention_lse(q, kc, vc, causal=True, kv_len=jnp.full((b,), c, jnp.int32),
+                                        implementation=implementation)
+        lse_pre = jnp.where(start > 0, lse_pre, -jnp.inf)
+        m = jnp.maximum(lse_pre, lse_own)  # lse_own is finite: a query sees its own key
+        w_pre, w_own = jnp.exp(lse_pre - m), jnp.exp(lse_own - m)
+        o = (o_pre.astype(jnp.float32) * w_pre[..., None] + o_own.astype(jnp.float32) * w_own[..., None])
+        return (o / (w_pre + w_own)[..., None]).astype(q.dtype)
     q_full = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((b, t) + q.shape[2:], q.dtype), q, start, axis=1)
     seen = jnp.full((b,), start + c, jnp.int32)
     local = None if window is None else (window - 1, 0)
