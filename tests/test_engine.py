@@ -429,3 +429,18 @@ def test_resident_capacity_is_checked_before_allocating(tiny):
         check_resident_fits(tiny, 3, 256, device_limit=limit)
     with pytest.raises(CapacityError, match="Not even one slot fits"):
         check_resident_fits(tiny, 1, 256, device_limit=nbytes(tiny.params) + row)
+
+
+def test_offloaded_prompt_buckets_past_the_last_power_of_two():
+    """An offloaded prompt between the last power of two and the cache runs at one bucket (the
+    last multiple of 64 below ``max_len``), not at its own length: each length compiled its own
+    layer programs (H100, 98K slots: 14 s prefills, 3.5 s stalls of the running requests)."""
+    import types
+
+    from models.engine import OffloadedSlots
+
+    kv = types.SimpleNamespace(max_len=98816)
+    tokens = [OffloadedSlots.prompt_tokens(kv, n) for n in (1000, 5000, 65536, 65537, 80000, 98304, 98752)]
+    assert tokens == [1024, 8192, 65536, 98752, 98752, 98752, 98752]
+    assert OffloadedSlots.prompt_tokens(kv, 98760) == 98760  # past the last bucket: its own length
+    assert all(t < kv.max_len for t in tokens)  # room for the first decode token
