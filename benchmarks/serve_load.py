@@ -101,6 +101,8 @@ def parse_slots(text: str, labels) -> dict[str, int]:
 
 
 def make_workload(rate: float, n: int, mix, out_min: int, out_max: int, seed: int) -> Workload:
+    """``n`` requests arriving as a Poisson process of ``rate``: one seed gives the same
+    prompt and output lengths at every rate, and arrival times that scale with ``1 / rate``."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, n)
     arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at once
@@ -285,9 +287,10 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
               f"{iteration_ms:.2f} ms", flush=True)
         rows = []
-        for i, rate in enumerate(rates):
-            wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed + i)
-            row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed + i,
+        for rate in rates:
+            # every rate (and method) runs the same requests, their arrivals scaled: rows compare
+            wl = make_workload(rate, args.requests, mix, args.output_min, args.output_max, args.seed)
+            row = run_rate(engine, wl, args.time_limit, model.config.vocab_size, args.seed,
                            tuple(n for n, _ in mix))
             row["method"] = label
             rows.append(row)
