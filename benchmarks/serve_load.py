@@ -318,6 +318,7 @@ def render(payload: dict) -> str:
                for r in payload["runs"] if "error" not in r]
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
     md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
+    md += [f"- {n}" for n in payload.get("notes", [])]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
             "max_tbt_ms", "mean_queue_s", "mean_prefill_s", "throughput_tok_s", "mean_batch",
@@ -355,11 +356,36 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def merge(paths: list[str]) -> dict:
-    """One payload from several runs (e.g. one method per device command)."""
+    """One payload from several runs (e.g. one method per device command). Runs of one
+    method and configuration (slots, pool, max_inject_tokens) join into one, their rows
+    in rate order (the iteration time is their mean, the goodput recomputed); one method
+    at several ``max_inject_tokens`` gets labels that say which."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0])
-    out["runs"] = [r for p in parts for r in p["runs"]]
+    runs = [dict(r) for p in parts for r in p["runs"]]
     out["parts"] = [p["stamp"] for p in parts]
+    for label in {r["method"] for r in runs}:
+        same = [r for r in runs if r["method"] == label]
+        if len({r.get("max_inject_tokens") for r in same}) > 1:
+            for r in same:
+                r["method"] = f"{label} (inject {r.get('max_inject_tokens')})"
+                r["rows"] = [{**row, "method": r["method"]} for row in r["rows"]]
+    joined: dict = {}
+    out["runs"] = []
+    for r in runs:
+        key = (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"), "error" in r)
+        if "error" in r or key not in joined:
+            joined[key] = r
+            out["runs"].append(r)
+            continue
+        first = joined[key]
+        n = first.get("_joined", 1)
+        first["iteration_ms"] = (first["iteration_ms"] * n + r["iteration_ms"]) / (n + 1)
+        first["_joined"] = n + 1
+        first["rows"] = sorted(first["rows"] + r["rows"], key=lambda row: row["rate"])
+        first["goodput_rps"] = goodput(first["rows"], first["iteration_ms"])
+    for r in out["runs"]:
+        r.pop("_joined", None)
     return out
 
 
@@ -411,6 +437,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--name", default="serve_load")
     p.add_argument("--merge", default=None, help="comma-separated result JSONs to join (no run)")
+    p.add_argument("--note", action="append", default=[], help="a line for the results' notes (repeatable)")
     a = p.parse_args(argv)
     if a.merge is None:
         for label in a.methods.split(","):
@@ -445,6 +472,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = merge(args.merge.split(",")) if args.merge else run(args)
+    if args.note:
+        payload["notes"] = payload.get("notes", []) + args.note
     out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
     plot(payload, out / f"{args.name}.png")
     print(render(payload))

@@ -442,3 +442,22 @@ def test_greedy_steps_on_the_device_equal_decode_steps():
             np.testing.assert_array_equal(np.asarray(a.v), np.asarray(b.v))
     with pytest.raises(ValueError, match="overrun the cache"):
         runner.greedy_steps(nxt, state, 1000)
+
+
+def test_host_budget_reads_mem_available_once(monkeypatch):
+    """The pinned-host budget comes from MemAvailable at the process's first reading: XLA
+    pools freed pinned memory, so a later reading would shrink by every engine dropped before
+    (an H100 load benchmark's second offloaded method saw 16.9 of 96 GiB)."""
+    import io
+
+    from sparse_jax.offload import capacity
+
+    readings = iter([100 * capacity.GiB, 10 * capacity.GiB])
+    monkeypatch.setattr(capacity, "_FIRST_MEM_AVAILABLE", None)
+    monkeypatch.setattr(capacity, "open", lambda *a, **k: io.StringIO(f"MemAvailable: {next(readings) // 1024} kB\n"),
+                        raising=False)
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    assert capacity.host_budget(0.5) == 50 * capacity.GiB
+    assert capacity.host_budget(0.5) == 50 * capacity.GiB  # not the second, smaller reading
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "24")
+    assert capacity.host_budget(0.5) == 24 * capacity.GiB

@@ -29,8 +29,20 @@ def test_serve_load_tiny(tmp_path):
     assert (tmp_path / "t.md").read_text().startswith("# Serving under load")
     assert (tmp_path / "t.png").stat().st_size > 0
     rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
-                          "--name", "m"])
-    assert rc == 0 and len(json.loads((tmp_path / "m.json").read_text())["runs"]) == 6
+                          "--name", "m", "--note", "two copies"])
+    m = json.loads((tmp_path / "m.json").read_text())  # the same three runs twice: joined per method
+    assert [r["method"] for r in m["runs"]] == ["dense", "quest:offload", "quest:segmented"]
+    assert [row["rate"] for row in m["runs"][0]["rows"]] == [20, 20, 200, 200]
+    assert "- two copies" in (tmp_path / "m.md").read_text()
+    # one method at two max_inject_tokens: merged, the labels say which
+    d["runs"] = d["runs"][2:]
+    (tmp_path / "a.json").write_text(json.dumps(d))
+    d["runs"][0]["max_inject_tokens"] = 64
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    merged = serve_load.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    labels = [r["method"] for r in merged["runs"]]
+    assert labels[0] != labels[1] and labels[1] == "quest:segmented (inject 64)"
+    assert {row["method"] for row in merged["runs"][1]["rows"]} == {"quest:segmented (inject 64)"}
 
 
 def test_serve_load_shared_pool_with_and_without_admission(tmp_path):
