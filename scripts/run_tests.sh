@@ -4,7 +4,7 @@
 # suite, reproducible on the 2-core CI machine), while each part passes on its own. Four
 # parts crashed the same way once the Kascade tests grew (CI of 4b7d119: part 2 segfaulted
 # compiling in test_offload, which passes alone), so `make test` uses eight.
-# Usage: scripts/run_tests.sh PYTHON [PARTS]
+# Usage: [TEST_LANES=N] scripts/run_tests.sh PYTHON [PARTS]
 set -uo pipefail
 py="$1"; parts="${2:-4}"
 # One persistent XLA compilation cache for the whole run (all parts and the subprocesses tests
@@ -16,9 +16,31 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
 fi
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 mapfile -t files < <(ls tests/test_*.py)
-n=${#files[@]}; per=$(( (n + parts - 1) / parts )); rc=0
-for ((i = 0; i < n; i += per)); do
-  echo "== tests part $(( i / per + 1 )) of $parts: ${files[i]} .. ${files[$(( i + per < n ? i + per - 1 : n - 1 ))]}"
-  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE --durations=8 "${files[@]:i:per}" || rc=1
+n=${#files[@]}; per=$(( (n + parts - 1) / parts ))
+# The parts run in TEST_LANES concurrent lanes (default 2, the CI machine's cores; part k in lane
+# k mod lanes): most of a part's time is one compiler thread, so two lanes use both cores. Each
+# part's output is kept and printed whole, in order, once every lane is done. A cache entry read
+# while another process writes it fails to deserialise, which jax reports and recompiles.
+lanes="${TEST_LANES:-2}"
+logs="$(mktemp -d -t sparse-jax-test-logs.XXXXXX)"
+count=$(( (n + per - 1) / per ))
+run_part() {  # part number (1-based)
+  local k=$1 i=$(( ($1 - 1) * per )) t0=$SECONDS
+  local last=$(( i + per < n ? i + per - 1 : n - 1 ))
+  echo "== tests part $k of $count: ${files[i]} .. ${files[last]}" > "$logs/$k.log"
+  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE --durations=8 "${files[@]:i:per}" >> "$logs/$k.log" 2>&1
+  local r=$?
+  echo "$r" > "$logs/$k.rc"
+  echo "-- part $k of $count done: rc=$r in $(( SECONDS - t0 )) s ($(tail -1 "$logs/$k.log"))"
+}
+for ((lane = 1; lane <= lanes; lane++)); do
+  ( for ((k = lane; k <= count; k += lanes)); do run_part "$k"; done ) &
 done
+wait
+rc=0
+for ((k = 1; k <= count; k++)); do
+  cat "$logs/$k.log"
+  [ "$(cat "$logs/$k.rc" 2>/dev/null)" = 0 ] || { rc=1; echo "!! part $k failed"; }
+done
+rm -rf "$logs"
 exit $rc
