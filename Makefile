@@ -44,7 +44,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	bash scripts/run_tests.sh $(PY) 8
+	bash scripts/run_tests.sh $(PY) 12
 
 demo: $(STAMP)
 	@$(PY) -c "import jax; print('jax', jax.__version__, 'on', jax.devices()[0].device_kind)"

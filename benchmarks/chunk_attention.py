@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.timing import H100_BF16_FLOPS, markdown_table, parse_list, stamp, time_fn, write_results
+from benchmarks.timing import H100_BF16_FLOPS, markdown_table, parse_list, stamp, time_fn, write_final_results
 
 
 def chunk_flops(batch: int, heads: int, head_dim: int, start: int, chunk: int) -> float:
@@ -163,10 +163,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    payload = run(args)
-    out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
-    plot(payload, out / f"{args.name}.png")
-    print(render(payload))
+    write_final_results(args.name, run(args), render, plot, Path(args.out) if args.out else None)
     return 0
 
 

@@ -21,7 +21,9 @@ def test_serve_load_tiny(tmp_path):
         assert run["iteration_ms"] > 0 and run["goodput_rps"] in (None, 20.0, 200.0)
         for row in run["rows"]:
             assert row["completed"] == row["requests"] == 5
-            assert row["p99_tbt_ms"] >= row["mean_tbt_ms"] > 0 and row["throughput_tok_s"] > 0
+            # not p99 >= mean: a few whole-prefill stalls put the mean above the P99 on the H100
+            assert row["max_tbt_ms"] >= row["p99_tbt_ms"] > 0 and row["mean_tbt_ms"] > 0
+            assert row["throughput_tok_s"] > 0
             assert 3 * 5 <= row["output_tokens"] <= 6 * 5
             # prefill time per mix length (prompts of (32, 64] count as 64) and where the longest gap came
             assert set(row["prefill_s_by_length"]) <= {"64", "128"} and min(row["prefill_s_by_length"].values()) > 0
