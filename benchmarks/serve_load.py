@@ -161,13 +161,14 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
     failed = [r for r in reqs if r.finish_reason == "error"]
     ttft = [r.t_first - r.t_arrival for r in done]
     queue = [r.t_scheduled - r.t_arrival for r in done]
-    tbt = [g for r in done for g in np.diff(r.token_times)]
-    # prefill: scheduled (prefill started) to first token, per mix length (the (L/2, L] it came from)
+    prefill = [r.t_first - r.t_scheduled for r in done]  # prefill started to first token
+    gaps = [np.diff(r.token_times) for r in done]
+    tbt = [g for gs in gaps for g in gs]
+    # prefill per mix length (the (L/2, L] a prompt came from)
     prefill_by_len = collections.defaultdict(list)
-    for r in done:
-        prefill_by_len[min((n for n in mix_lengths if r.prompt_len <= n), default=r.prompt_len)].append(
-            r.t_first - r.t_scheduled)
-    worst = max(((g, r.prompt_len, i + 1) for r in done for i, g in enumerate(np.diff(r.token_times))), default=None)
+    for r, p in zip(done, prefill):
+        prefill_by_len[min((n for n in mix_lengths if r.prompt_len <= n), default=r.prompt_len)].append(p)
+    worst = max(((g, r.prompt_len, i + 1) for r, gs in zip(done, gaps) for i, g in enumerate(gs)), default=None)
     out_tokens = sum(len(r.output_ids) for r in reqs)
     steps = engine.steps - steps0
     decode_tokens = sum(max(0, len(r.output_ids) - 1) for r in reqs)  # the first token comes from the prefill
@@ -178,7 +179,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
             "p99_tbt_ms": 1e3 * _pct(tbt, 99), "max_tbt_ms": 1e3 * float(max(tbt)) if tbt else float("nan"),
             "max_tbt_at": None if worst is None else f"{worst[1]}-token prompt, before output token {worst[2]}",
             "mean_queue_s": float(np.mean(queue)) if queue else float("nan"),
-            "mean_prefill_s": float(np.mean([r.t_first - r.t_scheduled for r in done])) if done else float("nan"),
+            "mean_prefill_s": float(np.mean(prefill)) if prefill else float("nan"),
             "prefill_s_by_length": {str(n): round(float(np.mean(v)), 3) for n, v in sorted(prefill_by_len.items())},
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
             "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
@@ -374,22 +375,18 @@ def merge(paths: list[str]) -> dict:
             for r in same:
                 r["method"] = f"{label} (inject {r.get('max_inject_tokens')})"
                 r["rows"] = [{**row, "method": r["method"]} for row in r["rows"]]
-    joined: dict = {}
-    out["runs"] = []
+    groups: dict = {}  # in order of first appearance; a failed run stays alone
     for r in runs:
-        key = (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"), "error" in r)
-        if "error" in r or key not in joined:
-            joined[key] = r
-            out["runs"].append(r)
-            continue
-        first = joined[key]
-        n = first.get("_joined", 1)
-        first["iteration_ms"] = (first["iteration_ms"] * n + r["iteration_ms"]) / (n + 1)
-        first["_joined"] = n + 1
-        first["rows"] = sorted(first["rows"] + r["rows"], key=lambda row: row["rate"])
-        first["goodput_rps"] = goodput(first["rows"], first["iteration_ms"])
-    for r in out["runs"]:
-        r.pop("_joined", None)
+        key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"))
+        groups.setdefault(key, []).append(r)
+    out["runs"] = []
+    for first, *more in groups.values():
+        if more:
+            same = [first, *more]
+            first["iteration_ms"] = sum(r["iteration_ms"] for r in same) / len(same)
+            first["rows"] = sorted((row for r in same for row in r["rows"]), key=lambda row: row["rate"])
+            first["goodput_rps"] = goodput(first["rows"], first["iteration_ms"])
+        out["runs"].append(first)
     return out
 
 

@@ -97,6 +97,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.merge import MASK_VALUE, merge_normalized
 from sparse_jax.layers import LayerSpec
 from sparse_jax.ops._dispatch import on_gpu
 from sparse_jax.selection import Selection, attend, masked_decode_attention  # noqa: F401  (re-exported)
@@ -374,11 +375,11 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
         vc = jax.lax.dynamic_slice_in_dim(v, start, c, axis=1)
         o_own, lse_own = _attention_lse(q, kc, vc, causal=True, kv_len=jnp.full((b,), c, jnp.int32),
                                         implementation=implementation)
-        lse_pre = jnp.where(start > 0, lse_pre, -jnp.inf)
-        m = jnp.maximum(lse_pre, lse_own)  # lse_own is finite: a query sees its own key
-        w_pre, w_own = jnp.exp(lse_pre - m), jnp.exp(lse_own - m)
-        o = (o_pre.astype(jnp.float32) * w_pre[..., None] + o_own.astype(jnp.float32) * w_own[..., None])
-        return (o / (w_pre + w_own)[..., None]).astype(q.dtype)
+        # a log-sum-exp is a partial's (m, l) with l = 1; a first chunk's prefix is the empty set
+        lse_pre = jnp.where(start > 0, lse_pre, MASK_VALUE)
+        one = jnp.ones_like(lse_own)
+        o, _, _ = merge_normalized(o_pre, lse_pre, one, o_own, lse_own, one)
+        return o.astype(q.dtype)
     q_full = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((b, t) + q.shape[2:], q.dtype), q, start, axis=1)
     seen = jnp.full((b,), start + c, jnp.int32)
     local = None if window is None else (window - 1, 0)
