@@ -364,7 +364,8 @@ def prefill_bucket(n: int, max_len: int) -> int:
 # -----------------------------------------------------------------------------
 
 
-def check_resident_fits(model, slots: int, max_len: int, device_limit: int | None = None) -> None:
+def check_resident_fits(model, slots: int, max_len: int, device_limit: int | None = None,
+                        prefill_temp_bytes: int = 0) -> None:
     """:class:`~sparse_jax.offload.capacity.CapacityError` before anything is allocated when
     the weights, ``slots`` rows of ``max_len`` tokens and the row a prompt is prefilled into
     (:meth:`ResidentSlots.prefill`: one more row) do not fit the device (``device_limit``:
@@ -372,7 +373,10 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     temporaries; CPU: no limit, no check). Without it, a batch that filled the device
     failed later, compiling a long prompt's prefill (H100, Qwen3-8B, 3 x 98K slots: XLA's
     GEMM autotuner could not allocate). The bytes are the cache's own shapes (a hybrid
-    model's sliding-window rings counted as rings)."""
+    model's sliding-window rings counted as rings), plus ``prefill_temp_bytes``: the
+    temporaries of the longest prompt's prefill as XLA's buffer assignment reports them
+    (:func:`compile_longest_prefill`). Without them the check passed 11 slots of 33,280
+    tokens that then ran out of memory compiling a 32K prefill (H100, Qwen3-8B)."""
     from sparse_jax.offload import capacity
 
     limit = capacity.device_budget() if device_limit is None else device_limit
@@ -382,7 +386,8 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
 
     def fp(rows):
-        return capacity.Footprint({"weights": weights, "kv": rows * row}, {})
+        return capacity.Footprint({"weights": weights, "kv": rows * row,
+                                   "prefill_temporaries": int(prefill_temp_bytes)}, {})
 
     try:
         capacity.check_fits(fp(slots + 1), device_limit=limit, host_limit=None,
@@ -393,9 +398,29 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
         raise capacity.CapacityError(f"{e}{hint}") from None
 
 
+def compile_longest_prefill(model, max_len: int):
+    """``(bucket, compiled, temp_bytes)``: the prefill program of the longest prompt an engine
+    of ``max_len`` tokens admits (``max_len - 1`` tokens, leaving one to generate), compiled
+    ahead of time from shapes alone (nothing allocated), and its temporaries from XLA's buffer
+    assignment (``memory_analysis``; 0 where the backend reports none). A longer prompt's
+    prefill holds more, so this bounds every bucket's. Compiled before the slots' cache exists,
+    the GEMM autotuner also finds the device free."""
+    bucket = prefill_bucket(max_len - 1, max_len)
+    shapes = jax.ShapeDtypeStruct((1, bucket), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    row = jax.eval_shape(lambda: model.init_cache(1, max_len))
+    compiled = model.fns.prefill.lower(model.params, *shapes, row).compile()
+    stats = compiled.memory_analysis()
+    return bucket, compiled, int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+
+
 class ResidentSlots:
     """Every slot's KV on the device: ``model.init_cache(slots, max_len)``, decoded by the
-    engine's own step program (the model's decode step + sampling, cache donated)."""
+    engine's own step program (the model's decode step + sampling, cache donated).
+
+    On a device with a memory limit (a GPU) the longest prompt's prefill is compiled before
+    the cache is allocated, and its measured temporaries join the capacity check
+    (:func:`compile_longest_prefill`); that bucket then runs the compiled program. The CPU
+    backend has no limit to check against and skips it."""
 
     offloaded = False
 
@@ -403,21 +428,29 @@ class ResidentSlots:
         check_engine_mesh(model)
         check_slot_axis(model, max_len)
         self.model, self.slots, self.max_len = model, slots, max_len
+        self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
         if getattr(model, "mesh", None) is not None:
             self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
         else:
             self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
-            check_resident_fits(model, slots, max_len)
+            from sparse_jax.offload.capacity import device_budget
+
+            temps = 0
+            if device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
+                bucket, compiled, temps = compile_longest_prefill(model, max_len)
+                self._compiled_prefill[bucket] = compiled
+            check_resident_fits(model, slots, max_len, prefill_temp_bytes=temps)
         self.cache = model.init_cache(slots, max_len)
         self.device_bytes = self.cache.nbytes()
 
     def prefill(self, ids: Sequence[int]):
         """``(logits f32[1, V], one-row cache)`` of a prompt."""
         m, n = self.model, len(ids)
-        tokens = np.full((1, prefill_bucket(n, self.max_len)), m._pad_id(), np.int32)
+        bucket = prefill_bucket(n, self.max_len)
+        tokens = np.full((1, bucket), m._pad_id(), np.int32)
         tokens[0, :n] = ids
-        return m.fns.prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                             m.init_cache(1, self.max_len))
+        prefill = self._compiled_prefill.get(bucket, m.fns.prefill)
+        return prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), m.init_cache(1, self.max_len))
 
     def insert(self, row, slot: int) -> None:
         self.cache = self._insert(self.cache, row, jnp.int32(slot))

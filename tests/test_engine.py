@@ -431,6 +431,33 @@ def test_resident_capacity_is_checked_before_allocating(tiny):
         check_resident_fits(tiny, 1, 256, device_limit=nbytes(tiny.params) + row)
 
 
+def test_resident_capacity_counts_the_longest_prefill(tiny):
+    """The longest admissible prompt's prefill, compiled ahead of time, reports its
+    temporaries, which the check adds (H100: 11 dense slots passed without them and ran out of
+    memory compiling a 32K prefill); the compiled program gives the jitted one's outputs."""
+    from models.engine import check_resident_fits, compile_longest_prefill
+    from sparse_jax.offload.capacity import CapacityError
+
+    bucket, compiled, temps = compile_longest_prefill(tiny, 256)
+    assert bucket == 256 and temps > 0
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    row = nbytes(tiny.init_cache(1, 256))
+    limit = nbytes(tiny.params) + 3 * row  # two slots and the prefill row, no room for temporaries
+    check_resident_fits(tiny, 2, 256, device_limit=limit)
+    with pytest.raises(CapacityError, match=r"prefill_temporaries .* 1 slots fit"):
+        check_resident_fits(tiny, 2, 256, device_limit=limit + row // 2, prefill_temp_bytes=row)
+    check_resident_fits(tiny, 2, 256, device_limit=limit + temps, prefill_temp_bytes=temps)
+
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, tiny.config.vocab_size, (1, 256)), jnp.int32)
+    lengths = jnp.asarray([255], jnp.int32)
+    want_logits, want_cache = tiny.fns.prefill(tiny.params, tokens, lengths, tiny.init_cache(1, 256))
+    got_logits, got_cache = compiled(tiny.params, tokens, lengths, tiny.init_cache(1, 256))
+    np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(want_logits))
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_offloaded_prompt_buckets_past_the_last_power_of_two():
     """An offloaded prompt between the last power of two and the cache runs at one bucket (the
     last multiple of 64 below ``max_len``), not at its own length: each length compiled its own
