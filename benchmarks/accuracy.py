@@ -506,6 +506,42 @@ def render_markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plot_tasks(plt, payload: dict, ok: list, path: Path) -> Path:
+    """One budget: per length, each task's score (and the average) as grouped bars, one bar
+    per method, dense first."""
+    s = payload["settings"]
+    lengths = s["lengths"]
+    methods = ["dense"] + sorted({r["method"] for r in ok if r["method"] != "dense"})
+    tasks = sorted({t for r in ok for t in r.get("scores", {})}, key=lambda t: (t != "passkey", t)) + ["average"]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(max(6.0, 1.1 * len(tasks) * len(methods) / 3) * len(lengths), 3.8),
+                             squeeze=False)
+    width = 0.8 / len(methods)
+    for j, L in enumerate(lengths):
+        ax = axes[0][j]
+        for k, m in enumerate(methods):
+            row = next((r for r in ok if r["method"] == m and r["length"] == L and r.get("scores")), None)
+            if row is None:
+                continue
+            vals = [100 * (row["average"] if t == "average" else row["scores"].get(t, float("nan"))) for t in tasks]
+            ax.bar([i + (k - (len(methods) - 1) / 2) * width for i in range(len(tasks))], vals, width,
+                   label=m, color="k" if m == "dense" else None)
+        budget = next(iter({r["budget"] for r in ok if r["budget"] is not None}))
+        ax.set_xticks(range(len(tasks)), tasks)
+        ax.set_ylim(0, 102)
+        ax.set_ylabel("score (%)")
+        n = s.get("samples")
+        ax.set_title(f"{s['model']}, {L} tokens, budget {budget}" + (f", {n} prompts per task" if n else ""))
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(payload: dict, path: Path) -> Path | None:
     """The PNG (None when there is nothing to plot or matplotlib is missing)."""
     try:
@@ -530,6 +566,10 @@ def plot(payload: dict, path: Path) -> Path | None:
         panels.append(("KL(dense || method)", lambda r: max(r["fidelity"]["kl"], 1e-9) if "fidelity" in r else None))
     if not panels:  # e.g. a fidelity-only run saved after its dense row (dense is the reference)
         return None
+    budgets_run = {r["budget"] for r in ok if r["budget"] is not None}
+    if len(budgets_run) == 1 and any(r.get("scores") for r in ok):
+        # one budget: a line over budgets is a dot; the scores per task say more
+        return _plot_tasks(plt, payload, ok, path)
     fig, axes = plt.subplots(len(panels), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(panels)),
                              squeeze=False)
     methods = sorted({r["method"] for r in ok if r["method"] != "dense"})
@@ -561,8 +601,13 @@ def plot(payload: dict, path: Path) -> Path | None:
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+        # as many columns as the figure's width holds (one 4.2-inch panel: 3 names a row)
+        cols = min(len(labels), 8, 3 * len(lengths))
+        fig.legend(handles, labels, loc="lower center", ncol=cols, frameon=False)
+        legend_rows = -(-len(labels) // cols)
+        fig.tight_layout(rect=(0, 0.05 * legend_rows + 0.02, 1, 1))
+    else:
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -552,7 +552,11 @@ class OffloadedSlots:
     Shared pool: at most ``max_rows = pool_slots // blocks_per_step`` rows decode at
     once (the engine caps R_max to it), so one step's blocks always fit the pool; the
     scheduler's M_avl defaults to the pool's bytes, and the working sets it adds up are
-    each request's blocks in the pool used over the last 12 steps."""
+    each request's blocks in the pool used over the last 12 steps.
+
+    On a device with a memory limit (a GPU) the capacity check adds the longest prompt's
+    prefill temporaries, measured from its layer programs compiled ahead of time
+    (:meth:`models.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated."""
 
     offloaded = True
 
@@ -574,6 +578,12 @@ class OffloadedSlots:
         # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool
         self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
                                else self.runner)
+
+        from sparse_jax.offload.capacity import device_budget
+
+        if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
+            self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
+                self.prompt_tokens(max_len - 1), max_len))
 
         def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
             shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)

@@ -256,15 +256,44 @@ class TieredRunner:
             return whole
         return capacity.Footprint(device=fp(self.local_cfg, -(-batch // self.par.data)).device, host=whole.host)
 
-    def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None):
+    def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None,
+                       prefill_temp_bytes: int = 0):
         """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
-        when the batch does not fit (limits: the runner's unless given here)."""
+        when the batch does not fit (limits: the runner's unless given here).
+        ``prefill_temp_bytes``: a prompt's prefill temporaries on top of the batch
+        (:meth:`prefill_temp_bytes`; a serving engine prefills beside its batch)."""
         device_limit = self.device_limit if device_limit is None else device_limit
         host_limit = self.host_limit if host_limit is None else host_limit
         dl = capacity.device_budget() if device_limit == "auto" else device_limit
         hl = capacity.host_budget() if host_limit == "auto" else host_limit
-        capacity.check_fits(self.footprint(batch, max_len), device_limit=dl, host_limit=hl,
-                            what=f"{self.mode} batch of {batch} x {max_len} tokens")
+        fp = self.footprint(batch, max_len)
+        if prefill_temp_bytes:
+            fp = capacity.Footprint({**fp.device, "prefill_temporaries": int(prefill_temp_bytes)}, fp.host)
+        capacity.check_fits(fp, device_limit=dl, host_limit=hl, what=f"{self.mode} batch of {batch} x {max_len} tokens")
+
+    def prefill_temp_bytes(self, tokens: int, max_len: int) -> int:
+        """The largest temporaries, over the layer kinds, of one layer's prefill program for
+        a one-row prompt of ``tokens`` tokens, as XLA's buffer assignment reports them
+        (``memory_analysis``; 0 where the backend reports none, and on a mesh). The programs
+        are compiled ahead of time from shapes, before the caller allocates, so the GEMM
+        autotuner finds the device free; the prefill's jitted calls then reuse them. A
+        chunked layer's programs (fewer queries) hold less."""
+        if self.mesh is not None:
+            return 0
+        max_len = round_up(int(max_len), self.method.cache_multiple)
+        params = self.model.params
+        x = jax.eval_shape(self._embed, params, jax.ShapeDtypeStruct((1, int(tokens)), jnp.int32))
+        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+        carry = self.method.init_prefill_carry(batch=1, num_kv_heads=self.local_cfg.num_kv_heads, length=int(tokens))
+        most, seen = 0, set()
+        for i, spec in enumerate(self.plan.specs):
+            if spec in seen:
+                continue
+            seen.add(spec)
+            fn = _prefill_layer_fn(self.driver, spec, max_len)
+            stats = fn.lower(params["layers"], x, lengths, self.layer_data(i), carry).compile().memory_analysis()
+            most = max(most, int(getattr(stats, "temp_size_in_bytes", 0) or 0))
+        return most
 
     # -- building the state --------------------------------------------------------
     def state_from_kv(self, kv_of_layer, lengths, max_len: int) -> TieredState:

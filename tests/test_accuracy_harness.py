@@ -269,6 +269,15 @@ def test_plot_skips_rows_without_numbers(tmp_path):
     assert acc.plot(payload, tmp_path / "p.png") is None
 
 
+def test_plot_of_one_budget_shows_the_tasks(tmp_path):
+    """One budget: grouped bars per task (a line over one budget is a dot)."""
+    rows = [{"method": m, "budget": b, "length": 512, "status": "ok", "scores": {"passkey": p, "vt": v},
+             "average": (p + v) / 2} for m, b, p, v in (("dense", None, 1.0, 0.5), ("quest", 64, 0.75, 0.25))]
+    payload = {"settings": {"lengths": [512], "model": "tiny", "samples": 4}, "rows": rows}
+    path = acc.plot(payload, tmp_path / "p.png")
+    assert path is not None and path.stat().st_size > 0
+
+
 def test_probe_binds_the_measured_method_to_the_model():
     """A calibrated method inside the probe gets its channels (it failed before)."""
     from sparse_jax.methods import get_method

@@ -315,6 +315,28 @@ def test_runner_refuses_before_allocating():
         TieredRunner(model.with_method("dense"), "offload")
 
 
+def test_runner_counts_a_prefills_temporaries():
+    """The capacity check can add a prompt's prefill temporaries, measured from the compiled
+    layer programs (H100: 16 offloaded slots passed the check without them and ran out of
+    memory in their first prefill); the prefill then runs as before."""
+    from models.tiered import TieredRunner
+    from sparse_jax.offload import capacity
+
+    model = _tiny_asynctls_model()
+    runner = TieredRunner(model, "offload")
+    temps = runner.prefill_temp_bytes(192, 256)
+    assert temps > 0
+    limit = runner.footprint(2, 256).device_bytes
+    runner.check_capacity(2, 256, device_limit=limit, host_limit=None)
+    with pytest.raises(capacity.CapacityError, match="prefill_temporaries"):
+        runner.check_capacity(2, 256, device_limit=limit, host_limit=None, prefill_temp_bytes=temps)
+    runner.check_capacity(2, 256, device_limit=limit + temps, host_limit=None, prefill_temp_bytes=temps)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 192)).astype(np.int32)
+    logits, _ = runner.prefill(tokens, np.asarray([190], np.int32), 256)  # after the ahead-of-time compile
+    want, _ = model.prefill(tokens, np.asarray([190], np.int32), model.init_cache(1, 256))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_runner_schedule_options():
     """Offloaded runs default to the concurrent CUDA-graph schedule with the strided
     copy (8 programs); resident ones to XLA's default; bad grids are refused before
