@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, stamp, write_final_results
 
 TRACE_STEPS = 3  # run_config traces this many steps after its timed rounds
 
@@ -165,9 +165,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
-    plot(payload, out / f"{args.name}.png")
-    print(render(payload))
+    write_final_results(args.name, payload, render, plot, Path(args.out) if args.out else None)
     return 0
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, stamp, write_final_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,9 +475,7 @@ def main(argv=None) -> int:
     payload = merge(args.merge.split(",")) if args.merge else run(args)
     if args.note:
         payload["notes"] = payload.get("notes", []) + args.note
-    out = write_results(args.name, payload, render(payload), Path(args.out) if args.out else None)
-    plot(payload, out / f"{args.name}.png")
-    print(render(payload))
+    write_final_results(args.name, payload, render, plot, Path(args.out) if args.out else None)
     return 1 if any("error" in r for r in payload["runs"]) else 0
 
 
