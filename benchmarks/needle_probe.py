@@ -11,6 +11,8 @@ needle (the prompt tokens of the expected answer, found by the tokenizer's chara
 * ``block_rank``: for AsyncTLS-like methods (a Quest-bound block filter, then tokens), the best
   rank of a needle block among the blocks the filter ranks (0 = first; the filter keeps ranks
   below ``kb - 1``; the newest block is always kept), the worst over KV heads;
+* ``block_rank_max_heads``: the same rank under the per-head bound with the query group
+  reduced by max instead of the filter's sum (does one head want the needle's block);
 * ``in_selection``: the fraction of needle tokens in the method's final selection (its
   ``select``), the worst over KV heads.
 
@@ -49,6 +51,7 @@ class NeedleProbe(FidelityProbe):
                                 dtype=dtype, num_q_heads=num_q_heads)
         return {**st, "needle_mass": jnp.zeros((batch,), jnp.float32),
                 "block_rank": jnp.full((batch,), -1, jnp.int32),
+                "block_rank_max_heads": jnp.full((batch,), -1, jnp.int32),
                 "in_selection": jnp.zeros((batch,), jnp.float32)}
 
     def decode(self, q, kv, lengths, state, carry, layer):
@@ -57,7 +60,7 @@ class NeedleProbe(FidelityProbe):
         pos = jnp.asarray(self.needle, jnp.int32)
         probs = dense_probabilities(q, kv.k, lengths)  # [B, Hkv, G, S]
         mass = probs[..., pos].sum(-1).mean((1, 2))
-        rank = jnp.full(lengths.shape, -1, jnp.int32)
+        rank = rank_max = jnp.full(lengths.shape, -1, jnp.int32)
         if hasattr(inner, "pick_blocks") and hasattr(st, "boxes"):
             from sparse_jax.ops.scoring import quest_block_scores
 
@@ -67,8 +70,16 @@ class NeedleProbe(FidelityProbe):
             blk = jnp.arange(scores.shape[-1], dtype=jnp.int32)
             scores = jnp.where(blk[None, None] >= newest[:, None, None], -jnp.inf, scores)
             needle_blocks = jnp.asarray(sorted({p // bs for p in self.needle}), jnp.int32)
-            best = scores[..., needle_blocks].max(-1)  # [B, Hkv]: the needle's best block
-            rank = (scores > best[..., None]).sum(-1).max(-1).astype(jnp.int32)  # worst KV head
+            rank = _rank(scores, needle_blocks)
+            # the same bound per query head, the group reduced by max instead of the filter's sum:
+            # a block any one head wants ranks high
+            b, hq, d = q.shape
+            hkv = st.boxes.upper.shape[1]
+            qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, 1, d)
+            per_head = (jnp.maximum(qg, 0) * st.boxes.upper[:, :, None].astype(jnp.float32)
+                        + jnp.minimum(qg, 0) * st.boxes.lower[:, :, None].astype(jnp.float32)).sum(-1)
+            per_head = jnp.where(blk >= newest[:, None, None, None], -jnp.inf, per_head)
+            rank_max = _rank(per_head.max(2), needle_blocks)
         sel, _, _ = inner.select(q, kv, lengths, st, carry, layer)
         if sel.kind == "all":
             frac = jnp.ones(lengths.shape, jnp.float32)
@@ -77,7 +88,15 @@ class NeedleProbe(FidelityProbe):
             live = jnp.arange(idx.shape[-1])[None, None] < counts[..., None]
             hit = ((idx[..., None] == pos) & live[..., None]).any(-2)  # [B, Hkv, N]
             frac = hit.mean(-1).min(-1)
-        return dense, {**new, "needle_mass": mass, "block_rank": rank, "in_selection": frac}, new_carry
+        return dense, {**new, "needle_mass": mass, "block_rank": rank, "block_rank_max_heads": rank_max,
+                       "in_selection": frac}, new_carry
+
+
+def _rank(scores, blocks):
+    """``int32[B]``: the best rank (0 = first) of ``blocks`` under ``scores [B, Hkv, NB]``,
+    the worst over KV heads."""
+    best = scores[..., blocks].max(-1)
+    return (scores > best[..., None]).sum(-1).max(-1).astype(jnp.int32)
 
 
 def needle_positions(tokenizer, prompt: str, ids, answer: str) -> tuple[int, ...]:
@@ -117,6 +136,7 @@ def probe_prompt(model, method, ids, needle: tuple[int, ...], steps: int, index:
             s = cache.layers[i].state
             rows.append({"index": index, "step": t, "layer": i, "needle_tokens": len(needle),
                          "mass": float(s["needle_mass"][0]), "block_rank": int(s["block_rank"][0]),
+                         "block_rank_max_heads": int(s["block_rank_max_heads"][0]),
                          "in_selection": float(s["in_selection"][0])})
         tok = jnp.argmax(logits, -1).astype(jnp.int32)  # dense's greedy token (the probe's output is dense)
     return rows
@@ -132,6 +152,7 @@ def summarize(rows: list[dict], kept_ranks: int | None) -> list[dict]:
         out.append({"index": key[0], "layer": key[1], "steps": len(rs),
                     "mean_mass": float(np.mean([r["mass"] for r in rs])),
                     "worst_block_rank": max(ranks),
+                    "worst_rank_max_heads": max(r.get("block_rank_max_heads", -1) for r in rs),
                     "steps_outside_filter": (sum(rk >= kept_ranks for rk in ranks) if kept_ranks is not None
                                              and min(ranks) >= 0 else "-"),
                     "mean_in_selection": float(np.mean([r["in_selection"] for r in rs]))})

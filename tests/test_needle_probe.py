@@ -36,13 +36,14 @@ def test_probe_records_where_the_needle_stands(tiny):
     assert [(r["step"], r["layer"]) for r in rows] == [(0, 2), (1, 2), (2, 2)]  # layers 0-1 dense
     for r in rows:
         assert r["index"] == 7 and 0 < r["mass"] < 1 and 0 <= r["block_rank"] < 150 // 16
-        assert r["in_selection"] in (0.0, 1 / 3, 2 / 3, 1.0)
+        assert r["in_selection"] in (0.0, 1 / 3, 2 / 3, 1.0) and 0 <= r["block_rank_max_heads"] < 150 // 16
     whole = get_method("asynctls", budget=256, block_size=16, kb=16, channels_per_layer=_CHANNELS)
     rows = npb.probe_prompt(tiny, whole, ids, needle, steps=2)
     assert all(r["in_selection"] == 1.0 for r in rows)
     summary = npb.summarize(rows, kept_ranks=15)
     assert summary == [{"index": 0, "layer": 2, "steps": 2, "mean_mass": pytest.approx(np.mean([r["mass"] for r in rows])),
-                        "worst_block_rank": max(r["block_rank"] for r in rows), "steps_outside_filter": 0,
+                        "worst_block_rank": max(r["block_rank"] for r in rows),
+                        "worst_rank_max_heads": max(r["block_rank_max_heads"] for r in rows), "steps_outside_filter": 0,
                         "mean_in_selection": 1.0}]
 
 
