@@ -301,13 +301,14 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         seed: int = 0,
         method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
         accuracy: bool = True, tokenizer=None, progress: bool = True, chat: bool | None = None,
-        log: Callable[[str], None] | None = None,
+        indices: Sequence[int] | None = None, log: Callable[[str], None] | None = None,
         on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the harness on a loaded ``model`` (``models.load_model(...)``); returns the
     results payload (no stamp). See the module docstring. ``on_row`` receives the
     payload so far after every finished row (main saves it, so a run cut off by
     a time limit keeps what it measured). ``chat``: prompts in the chat template
-    (None: when the tokenizer has one; a base model's GGUF has none)."""
+    (None: when the tokenizer has one; a base model's GGUF has none). ``indices``: run
+    those samples of each task instead of the first ``samples``."""
     method_options = method_options or {}
     tokenizer = tokenizer or _default_tokenizer(model)
     if chat is None:
@@ -324,6 +325,10 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
             raise ValueError(f"unknown task {t!r}; available: {', '.join(ruler_tasks.TASKS)}")
     if samples < 1 or batch_size < 1:
         raise ValueError("--samples and --batch-size must be >= 1")
+    if indices is not None:
+        if not indices or any(i < 0 for i in indices):
+            raise ValueError(f"--indices must be non-negative sample indices, got {list(indices)}")
+        samples = len(indices)
     import_errors = import_methods()
 
     if progress:
@@ -361,6 +366,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
                 "method_options": method_options, "keep_full_budget": keep_full_budget,
                 "answer_room": ruler_tasks.ANSWER_ROOM, "chat": chat,
+                **({"indices": list(indices)} if indices is not None else {}),
             },
             "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                       "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "max_position": cfg.max_position},
@@ -377,7 +383,8 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         bar = tqdm(total=total, desc="accuracy", file=sys.stderr, unit="run")
     for L in lengths:
         t0 = time.perf_counter()
-        samp = ruler_tasks.generate_samples(tasks, L, samples, tokenizer, seed=seed, progress=progress, chat=chat) \
+        samp = ruler_tasks.generate_samples(tasks, L, samples, tokenizer, seed=seed, progress=progress, chat=chat,
+                                            indices=indices) \
             if accuracy else []
         gen_s = time.perf_counter() - t0
         write(f"[accuracy] length {L}: {len(samp)} samples generated in {gen_s:.1f}s")
@@ -468,7 +475,8 @@ def render_markdown(payload: dict) -> str:
         lines += [f"- device: {st.get('device')} ({st.get('backend')}), jax {st.get('jax')}, "
                   f"python {st.get('python')}, commit {st.get('git_commit') or '?'}",
                   f"- date: {st.get('date')}", f"- command: `{st.get('command')}`"]
-    lines += [f"- {s['samples']} samples per task and length, seed {s['seed']}; scores in % "
+    which = f"samples {s['indices']} of each task" if s.get("indices") else f"{s['samples']} samples per task and length"
+    lines += [f"- {which}, seed {s['seed']}; scores in % "
               "(RULER string match: fraction of expected strings in the greedy output)"]
     if payload.get("partial"):
         lines.append(f"- **partial**: the run stopped after {len(payload['rows'])} rows (a checkpoint of an interrupted "
@@ -647,6 +655,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", type=_names, default=list(ruler_tasks.TASKS),
                    help=f"subset of {','.join(ruler_tasks.TASKS)}")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length (default 5)")
+    p.add_argument("--indices", type=parse_list, default=None,
+                   help="run these sample indices of each task instead of the first --samples (e.g. the prompts "
+                        "a method lost in a larger run)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per prefill/decode batch (default 8)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--seed", type=int, default=0, help="task generation seed")
@@ -702,7 +713,7 @@ def main(argv=None) -> int:
         save({"stamp": st, **partial, "wall_s": time.perf_counter() - t0, "partial": True}, name, args.out)
 
     payload = run(model, on_row=checkpoint, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
-                  samples=args.samples, batch_size=args.batch_size, fidelity=args.fidelity,
+                  samples=args.samples, indices=args.indices, batch_size=args.batch_size, fidelity=args.fidelity,
                   probe_steps=args.probe_steps, kl_steps=args.kl_steps, fidelity_batch=args.fidelity_batch,
                   seed=args.seed,
                   method_options=args.method_options, keep_full_budget=args.keep_full_budget,

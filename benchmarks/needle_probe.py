@@ -11,8 +11,8 @@ needle (the prompt tokens of the expected answer, found by the tokenizer's chara
 * ``block_rank``: for AsyncTLS-like methods (a Quest-bound block filter, then tokens), the best
   rank of a needle block among the blocks the filter ranks (0 = first; the filter keeps ranks
   below ``kb - 1``; the newest block is always kept), the worst over KV heads;
-* ``block_rank_max_heads``: the same rank under the per-head bound with the query group
-  reduced by max instead of the filter's sum (does one head want the needle's block);
+* ``block_rank_max_heads``: the same rank with the query group reduced by max
+  (``group_reduce="max"``: does one head want the needle's block);
 * ``in_selection``: the fraction of needle tokens in the method's final selection (its
   ``select``), the worst over KV heads.
 
@@ -65,21 +65,16 @@ class NeedleProbe(FidelityProbe):
             from sparse_jax.ops.scoring import quest_block_scores
 
             bs = inner.block_size
-            scores = quest_block_scores(q, st.boxes.upper, st.boxes.lower)  # [B, Hkv, NB]
             newest = (lengths - 1) // bs
-            blk = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-            scores = jnp.where(blk[None, None] >= newest[:, None, None], -jnp.inf, scores)
             needle_blocks = jnp.asarray(sorted({p // bs for p in self.needle}), jnp.int32)
-            rank = _rank(scores, needle_blocks)
-            # the same bound per query head, the group reduced by max instead of the filter's sum:
-            # a block any one head wants ranks high
-            b, hq, d = q.shape
-            hkv = st.boxes.upper.shape[1]
-            qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, 1, d)
-            per_head = (jnp.maximum(qg, 0) * st.boxes.upper[:, :, None].astype(jnp.float32)
-                        + jnp.minimum(qg, 0) * st.boxes.lower[:, :, None].astype(jnp.float32)).sum(-1)
-            per_head = jnp.where(blk >= newest[:, None, None, None], -jnp.inf, per_head)
-            rank_max = _rank(per_head.max(2), needle_blocks)
+
+            def bound_rank(reduce):  # the needle's rank under the filter's bound, the group reduced so
+                scores = quest_block_scores(q, st.boxes.upper, st.boxes.lower, group_reduce=reduce)  # [B, Hkv, NB]
+                blk = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+                return _rank(jnp.where(blk[None, None] >= newest[:, None, None], -jnp.inf, scores), needle_blocks)
+
+            rank = bound_rank(getattr(inner, "group_reduce", "sum"))
+            rank_max = bound_rank("max")  # a block any one head wants ranks high
         sel, _, _ = inner.select(q, kv, lengths, st, carry, layer)
         if sel.kind == "all":
             frac = jnp.ones(lengths.shape, jnp.float32)
@@ -164,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--method", default="asynctls")
     p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--set", action="append", default=[], help="KEY=VALUE method option (int)")
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE method option (e.g. kb=256, group_reduce=max)")
     p.add_argument("--task", default="niah_single_2")
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--indices", default="0", help="comma-separated sample indices")
@@ -173,12 +168,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="needle_probe")
     args = p.parse_args(argv)
+    from models.generate import parse_option_value
+
     opts = {}
     for kv in args.set:
         k, _, v = kv.partition("=")
         if not v:
             p.error(f"--set takes KEY=VALUE, got {kv!r}")
-        opts[k] = int(v)
+        opts[k] = parse_option_value(v)
     indices = [int(i) for i in args.indices.split(",")]
 
     import models

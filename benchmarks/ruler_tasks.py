@@ -501,9 +501,11 @@ def generate_sample(task: str, target_len: int, index: int, tokenizer: Tokenizer
 
 
 def generate_samples(tasks: Sequence[str], target_len: int, num_samples: int, tokenizer: TokenizerLike,
-                     *, seed: int = 0, progress: bool = False, chat: bool = True) -> list[Sample]:
-    """``num_samples`` samples of each task at ``target_len``, task-major."""
-    jobs = [(t, i) for t in tasks for i in range(num_samples)]
+                     *, seed: int = 0, progress: bool = False, chat: bool = True,
+                     indices: Sequence[int] | None = None) -> list[Sample]:
+    """``num_samples`` samples of each task at ``target_len``, task-major; ``indices``: those
+    samples of each task instead (e.g. the prompts a method lost in a larger run)."""
+    jobs = [(t, i) for t in tasks for i in (range(num_samples) if indices is None else indices)]
     if progress:
         from tqdm.auto import tqdm
 

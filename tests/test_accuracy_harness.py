@@ -57,6 +57,13 @@ def test_tasks_hit_target_length_and_are_deterministic(tokenizer, target):
         rt.generate_sample("niah_single_1", target, 0, tokenizer).answers
 
 
+def test_chosen_indices_are_those_samples(tokenizer):
+    """``indices`` (``--indices``): the same prompts as those positions of a full run."""
+    full = rt.generate_samples(["passkey", "vt"], 512, 3, tokenizer)
+    some = rt.generate_samples(["passkey", "vt"], 512, 0, tokenizer, indices=[2, 0])
+    assert some == [full[2], full[0], full[5], full[3]]
+
+
 def test_task_structure(tokenizer):
     mk = rt.generate_sample("niah_multikey", 1024, 3, tokenizer)
     assert len(mk.answers) == 1 and mk.prompt.count("One of the special magic numbers for") == 4
@@ -257,6 +264,7 @@ def test_cli_arguments():
                         "--set", "quest.block_size=8", "--set", "streaming.sink=2", "--fidelity"])
     assert a.methods == ["dense", "quest"] and a.budgets == [64, 128] and a.lengths == [512]
     assert a.method_options == {"quest": {"block_size": 8}, "streaming": {"sink": 2}}
+    assert a.indices is None and acc.parse_args(["--indices", "5,10,20"]).indices == [5, 10, 20]
     with pytest.raises(SystemExit):
         acc.parse_args(["--tasks", "nope"])
     with pytest.raises(SystemExit):

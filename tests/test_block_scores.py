@@ -187,6 +187,28 @@ def test_quest_scores_match_oracle(impl, hq, hkv, d, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hq,hkv,d,dtype", [QUEST_CASES[1], QUEST_CASES[4]])
+def test_quest_scores_reduced_by_max_over_the_group(impl, hq, hkv, d, dtype):
+    """``group_reduce="max"``: each query head's own bound, the largest of the group
+    (float64 oracle); with one head per group it is the sum's result."""
+    b, s, bs = 2, 150, 16
+    k = _keys(hq * d + 1, b, hkv, s, d, dtype)
+    lengths = jnp.asarray([150, 96], jnp.int32)
+    kmax, kmin = scoring.block_minmax(k, lengths, block_size=bs, impl="reference")
+    q = _randn(hq + d + 1, (b, hq, d), dtype)
+    got = scoring.quest_block_scores(q, kmax, kmin, group_reduce="max", impl=impl, block_n=4)
+    g = hq // hkv
+    per_head = np.stack([_oracle_quest(q[:, [h]], kmax[:, [h // g]], kmin[:, [h // g]])[:, 0] for h in range(hq)], 1)
+    want = per_head.reshape(b, hkv, g, -1).max(2)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not np.allclose(want, _oracle_quest(q, kmax, kmin))  # not the sum
+    one = scoring.quest_block_scores(q[:, ::g], kmax, kmin, group_reduce="max", impl=impl)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(scoring.quest_block_scores(q[:, ::g], kmax, kmin, impl=impl)))
+    with pytest.raises(ValueError, match="group_reduce"):
+        scoring.quest_block_scores(q, kmax, kmin, group_reduce="mean")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_quest_score_bounds_every_token(impl):
     """Random trials: the block score bounds sum_g q_g . k_j for each valid token j."""
     rng = np.random.default_rng(0)

@@ -239,3 +239,25 @@ def test_label_records_layout_selects_the_same(name):
     narrow = tuple(tuple(tuple(range(c, 24, 4)) for c in range(HKV)) for _ in range(LAYERS))  # r = 6
     with pytest.raises(ValueError, match="multiple of 8"):
         make_method(name, label_layout="records", channels=6, channels_per_layer=narrow)
+
+
+def test_block_bound_group_reduction():
+    """``group_reduce="max"``: a block one query head of the group wants ranks first, where
+    the sum lets the group's other heads outvote it (Gemma 3's needle at layer 11)."""
+    from sparse_jax.methods import get_method
+    from sparse_jax.methods.quest import BlockBoxes
+
+    upper = np.zeros((1, 1, 5, 4), np.float32)
+    upper[0, 0, 0, 0] = 10.0  # block 0: what head 0 reads
+    upper[0, 0, 1:, 1] = 4.0  # blocks 1-4: what heads 1-3 read, a little each
+    boxes = BlockBoxes(jnp.asarray(upper), jnp.zeros_like(jnp.asarray(upper)))
+    q = jnp.asarray([[[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]]], jnp.float32)
+    newest = jnp.asarray([4], jnp.int32)
+    for reduce, want_first in (("sum", False), ("max", True)):
+        tls = get_method("asynctls", budget=64, kb=2, group_reduce=reduce)
+        picked = np.asarray(tls.pick_blocks(q, boxes, newest))
+        assert (picked[0, 0, 0] == 0) == want_first, (reduce, picked)
+        quest = get_method("quest", budget=64, group_reduce=reduce)
+        assert (int(np.argmax(np.asarray(quest.block_scores(q, boxes))[0, 0])) == 0) == want_first, reduce
+    with pytest.raises(ValueError, match="group_reduce must be one of"):
+        get_method("quest", budget=64, group_reduce="mean")

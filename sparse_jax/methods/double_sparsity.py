@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.calibration import select_channels
-from sparse_jax.methods.quest import BlockBoxes
+from sparse_jax.methods.quest import BlockBoxes, check_group_reduce
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import SparseMethod
 from sparse_jax.ops.scoring import (
@@ -157,6 +157,12 @@ class AsyncTLS(DoubleSparsity):
     #: ``round(churn * (kb-1))`` blocks replaced, emulating a hit rate measured on real
     #: text; the filter still runs, so its cost is paid
     churn: float = 0.0
+    #: how the filter combines a KV head's query heads' block bounds: "sum" (default) or
+    #: "max" (a block any one head wants ranks high; see ``Quest.group_reduce``)
+    group_reduce: str = "sum"
+
+    def __post_init__(self):
+        check_group_reduce(self.name, self.group_reduce)
 
     @property
     def cache_multiple(self) -> int:
@@ -234,7 +240,7 @@ class AsyncTLS(DoubleSparsity):
         blocks ``< newest int32[B]`` (the newest block is attended anyway).
         Rows with ``newest <= n-1`` get ``arange(n-1)``: all their blocks (and
         some past the context, which :meth:`expand_blocks` counts out)."""
-        scores = quest_block_scores(q, boxes.upper, boxes.lower, impl=self.impl)
+        scores = quest_block_scores(q, boxes.upper, boxes.lower, group_reduce=self.group_reduce, impl=self.impl)
         b, hkv, nb = scores.shape
         n1 = min(self.kb, nb) - 1
         if n1 < 1:

@@ -17,7 +17,14 @@ import jax.numpy as jnp
 
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import BlockSparseMethod
-from sparse_jax.ops.scoring import block_cuboid, block_minmax, quest_block_scores, update_block_minmax
+from sparse_jax.ops.scoring import (GROUP_REDUCTIONS, block_cuboid, block_minmax, quest_block_scores,
+                                    update_block_minmax)
+
+
+def check_group_reduce(name: str, value: str) -> None:
+    """A clear error, at construction, for an unknown ``group_reduce``."""
+    if value not in GROUP_REDUCTIONS:
+        raise ValueError(f"{name}: group_reduce must be one of {GROUP_REDUCTIONS}, got {value!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +51,12 @@ class Quest(BlockSparseMethod):
     sink_blocks: int = 0
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = (0, 1)
+    #: how a KV head's query heads combine their block bounds: "sum" (default), or "max"
+    #: (a block any one head wants ranks high; Quest itself is per head, GQA forces a rule)
+    group_reduce: str = "sum"
+
+    def __post_init__(self):
+        check_group_reduce(self.name, self.group_reduce)
 
     def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         shape = (batch, num_kv_heads, -(-max_len // self.block_size), head_dim)
@@ -60,7 +73,7 @@ class Quest(BlockSparseMethod):
         return BlockBoxes(upper, lower)
 
     def block_scores(self, q, state):
-        return quest_block_scores(q, state.upper, state.lower, impl=self.impl)
+        return quest_block_scores(q, state.upper, state.lower, group_reduce=self.group_reduce, impl=self.impl)
 
 
 @register("arkvale")

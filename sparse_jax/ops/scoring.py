@@ -14,7 +14,7 @@ pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
 * ``block_cuboid(k, lengths, *, block_size)`` -> ``(upper, lower)``: ArkVale's
   box, centre ``(max+min)/2`` +- mean ``|centre - k|``; score it with
   ``quest_block_scores``.
-* ``quest_block_scores(q [B, Hq, D], k_max, k_min)`` -> ``float32[B, Hkv, NB]``.
+* ``quest_block_scores(q [B, Hq, D], k_max, k_min, group_reduce="sum"|"max")`` -> ``float32[B, Hkv, NB]``.
 * ``build_label_cache(k, channels [Hkv, r], *, bits=4)`` -> ``LabelCache``;
   ``update_label_cache(cache, k_new, channels, positions, *, bits=4)``;
   ``dequantize_labels(cache, *, bits=4)`` -> ``float32[B, Hkv, S, r]``.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import block_scores as _bs
 from pallas_kernels import labels as _lb
@@ -200,14 +201,25 @@ def block_cuboid(k, lengths, *, block_size, impl="auto", blocks_per_program=None
     return _block_summary(k, lengths, block_size, "cuboid", impl, blocks_per_program, num_warps, num_stages)
 
 
-def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=None, num_warps=None, num_stages=None):
-    """Quest upper bound per block, summed over the GQA group: ``float32[B, Hkv, NB]``.
+GROUP_REDUCTIONS = ("sum", "max")
 
-    ``score = sum_g max(q_g, 0) . k_max + min(q_g, 0) . k_min``. Tuning (kernel
+
+def quest_block_scores(q, k_max, k_min, *, group_reduce="sum", impl="auto", block_n=None, num_warps=None,
+                       num_stages=None):
+    """Quest upper bound per block, reduced over the GQA group: ``float32[B, Hkv, NB]``.
+
+    Each query head's bound is ``max(q_g, 0) . k_max + min(q_g, 0) . k_min``;
+    ``group_reduce="sum"`` (default) adds the group's (one kernel: the group's positive
+    and negative parts are summed first), ``"max"`` keeps the largest, so a block any
+    one head wants ranks high (on Gemma 3, four query heads per KV head, the sum let
+    three heads outvote the one reading a retrieval needle: ``docs/methods.md``); it
+    runs the same kernel with every query head as its own group. Tuning (kernel
     only; None = the tuned table's entry for this shape class on the GPU, else
     64 / 4 / 2): ``block_n`` (blocks per program, power of two), ``num_warps``,
     ``num_stages``.
     """
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
     check_rank("q", q, 3, "[B, Hq, D]")
     check_float("q", q)
     check_rank("k_max", k_max, 4, "[B, Hkv, NB, D]")
@@ -221,6 +233,11 @@ def quest_block_scores(q, k_max, k_min, *, impl="auto", block_n=None, num_warps=
     for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    g = q.shape[1] // hkv
+    if group_reduce == "max" and g > 1:  # every query head its own group, then the max
+        per_head = quest_block_scores(q, jnp.repeat(k_max, g, axis=1), jnp.repeat(k_min, g, axis=1), impl=impl,
+                                      block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        return per_head.reshape(b, hkv, g, -1).max(2)
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(head_dim=d, **({} if block_n is None else {"block_n": block_n})))
     if choice == "reference":
