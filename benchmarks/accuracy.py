@@ -514,6 +514,14 @@ def render_markdown(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save_figure(plt, fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _plot_tasks(plt, payload: dict, ok: list, path: Path) -> Path:
     """One budget: per length, each task's score (and the average) as grouped bars, one bar
     per method, dense first."""
@@ -543,11 +551,7 @@ def _plot_tasks(plt, payload: dict, ok: list, path: Path) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, path)
 
 
 def plot(payload: dict, path: Path) -> Path | None:
@@ -616,11 +620,7 @@ def plot(payload: dict, path: Path) -> Path | None:
         fig.tight_layout(rect=(0, 0.05 * legend_rows + 0.02, 1, 1))
     else:
         fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, path)
 
 
 def save(payload: dict, name: str, out_dir: Path | str | None) -> Path:

@@ -29,12 +29,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.fidelity import FidelityProbe, dense_probabilities
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE method option (e.g. kb=256, group_reduce=max)")
     p.add_argument("--task", default="niah_single_2")
     p.add_argument("--length", type=int, default=16384)
-    p.add_argument("--indices", default="0", help="comma-separated sample indices")
+    p.add_argument("--indices", type=parse_list, default=[0], help="comma-separated sample indices")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=None)
@@ -176,7 +175,6 @@ def main(argv=None) -> int:
         if not v:
             p.error(f"--set takes KEY=VALUE, got {kv!r}")
         opts[k] = parse_option_value(v)
-    indices = [int(i) for i in args.indices.split(",")]
 
     import models
     from benchmarks import ruler_tasks
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
     # named as the harness names it: the model's dense-layer rule applies (Gemma 3: every global layer)
     method = method_for_model(args.method, {"budget": args.budget, **opts}, model.config)
     rows = []
-    for i in indices:
+    for i in args.indices:
         sample = ruler_tasks.generate_sample(args.task, args.length, i, model.tokenizer, chat=False)
         needle = needle_positions(model.tokenizer, sample.prompt, sample.input_ids, sample.answers[0])
         rows += probe_prompt(model, method, sample.input_ids, needle, args.steps, index=i)

@@ -37,6 +37,9 @@ def test_probe_records_where_the_needle_stands(tiny):
     for r in rows:
         assert r["index"] == 7 and 0 < r["mass"] < 1 and 0 <= r["block_rank"] < 150 // 16
         assert r["in_selection"] in (0.0, 1 / 3, 2 / 3, 1.0) and 0 <= r["block_rank_max_heads"] < 150 // 16
+    # the needle's one block (40-42) ranked past the kb - 1 = 2 the filter keeps: none of it is selected
+    outside = [r for r in rows if r["block_rank"] >= 2]
+    assert outside and all(r["in_selection"] == 0.0 for r in outside)
     whole = get_method("asynctls", budget=256, block_size=16, kb=16, channels_per_layer=_CHANNELS)
     rows = npb.probe_prompt(tiny, whole, ids, needle, steps=2)
     assert all(r["in_selection"] == 1.0 for r in rows)

@@ -337,6 +337,24 @@ def test_runner_counts_a_prefills_temporaries():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
+def test_a_prefill_reuses_the_programs_measured_for_its_temporaries(caplog):
+    """With the weights placed on a device (as loaded models are), a prefill of the measured
+    length compiles no layer program again: the measured shapes carry that placement."""
+    import logging
+
+    from models.tiered import TieredRunner
+
+    model = _tiny_asynctls_model()
+    model.params = jax.device_put(model.params, jax.devices()[0])  # committed
+    runner = TieredRunner(model, "offload")
+    runner.prefill_temp_bytes(192, 256)
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, 192)).astype(np.int32)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
+        runner.prefill(tokens, np.asarray([191], np.int32), 256)
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert compiled and not [m for m in compiled if "jit(prefill_layer)" in m], compiled
+
+
 def test_runner_schedule_options():
     """Offloaded runs default to the concurrent CUDA-graph schedule with the strided
     copy (8 programs); resident ones to XLA's default; bad grids are refused before
