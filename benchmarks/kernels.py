@@ -29,6 +29,7 @@ from benchmarks.timing import (
     RESULTS_DIR,
     hbm_floor_ms,
     markdown_table,
+    rotation_sets,
     stamp,
     time_fn,
     write_results,
@@ -217,7 +218,7 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
             add(f"topk tokens 8192->K [{impl}]", t, ls.size * 4, budget, dense_ms)
         # several selections, cycled: the rows one selection reads (34 MB at B=8, K=1024) would
         # otherwise stay in the 50 MB L2 between runs and read faster than HBM allows
-        n_sets = max(1, min(8, -(-3 * 50 * 2**20 // (2 * b * HKV * budget * D * 2))))
+        n_sets = rotation_sets(2 * b * HKV * budget * D * 2)
         idx_sets = [jax.random.randint(jax.random.key(budget * 16 + i), (b, HKV, budget), 0, s, jnp.int32)
                     for i in range(n_sets)]
         counts = jnp.full((b, HKV), budget, jnp.int32)

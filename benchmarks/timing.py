@@ -130,6 +130,16 @@ def _cupti(fn, sets, runs):
         return None, None
 
 
+H100_L2_BYTES = 50 * 2**20
+
+
+def rotation_sets(nbytes_per_set: float, *, max_sets: int = 8) -> int:
+    """How many input sets a timed call must cycle through so that each call reads HBM,
+    not the L2 the previous call filled: together at least three L2s (the H100's is
+    50 MB), at most ``max_sets``. One set when a single set is already that large."""
+    return int(max(1, min(max_sets, -(-3 * H100_L2_BYTES // max(int(nbytes_per_set), 1)))))
+
+
 def hbm_floor_ms(nbytes: float, bandwidth: float = H100_HBM_BYTES_PER_S) -> float:
     """Time to move ``nbytes`` through HBM at ``bandwidth`` bytes/s, in ms."""
     return nbytes / bandwidth * 1e3

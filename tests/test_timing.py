@@ -69,3 +69,38 @@ def test_stamp_says_when_the_tree_is_not_its_commit(tmp_path, monkeypatch):
     assert timing.stamp("c")["git_commit"] == head + "+uncommitted"
     monkeypatch.setenv("GIT_COMMIT", "abc123")
     assert timing.stamp("c")["git_commit"] == "abc123"
+
+
+def test_rotation_sets_reach_three_l2s():
+    l2 = timing.H100_L2_BYTES
+    assert timing.rotation_sets(64 * 2**20) == 3  # B=8, K=2048 selections: 64 MB each
+    assert timing.rotation_sets(32 * 2**20) == 5
+    assert timing.rotation_sets(1) == 8  # capped
+    assert timing.rotation_sets(4 * l2) == 1  # one set already streams from HBM
+    for n in (2**20, 7 * 2**20, 40 * 2**20, 150 * 2**20):
+        k = timing.rotation_sets(n)
+        assert k == 8 or k * n >= 3 * l2
+
+
+def test_tune_sweep_checks_the_first_set_and_times_all(monkeypatch):
+    import jax.numpy as jnp
+
+    from benchmarks import tune
+
+    seen = []
+    real = tune.time_fn
+
+    def spy(f, args, **kw):
+        seen.append((len(args) if kw.get("rotate") else 1, kw.get("rotate", False)))
+        return real(f, args, **kw)
+
+    monkeypatch.setattr(tune, "time_fn", spy)
+    monkeypatch.setattr(tune, "DEADLINE", float("inf"))
+    x, y = jnp.arange(4.0), jnp.arange(4.0) + 10
+    rows = []
+    best = tune.sweep("double", lambda a, scale: a * scale, [(x,), (y,)], x * 2,
+                      [{"scale": 2.0}, {"scale": 3.0}], 16, 2, rows, "s")
+    assert best[0] == {"scale": 2.0}
+    assert seen == [(2, True)]  # only the right config is timed, over both sets
+    assert [r["config"] for r in rows] == ['{"scale": 2.0}', '{"scale": 3.0}']
+    assert rows[1]["ms"] != rows[1]["ms"]  # the wrong config is reported (NaN), not timed
