@@ -90,6 +90,27 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     return out
 
 
+def asynctls_method_step(budget, k, lengths, channels, **method_kw):
+    """``(jitted fn(q, k, v, lengths, state) -> out [B, Hq, D], state)``: one decode step
+    of ``sparse_jax.methods``' AsyncTLS on a sparse layer, as the model's driver calls it
+    (``method.decode``), with the state (block boxes, label cache) built from ``k``."""
+    from sparse_jax.kv import ResidentKV
+    from sparse_jax.methods import get_method
+    from sparse_jax.methods.base import single_layer
+
+    b, hkv, s, d = k.shape
+    cpl = (tuple(tuple(int(c) for c in row) for row in np.asarray(channels)),)  # one layer
+    method = get_method("asynctls", budget=budget, kb=KB, block_size=BLOCK, channels_per_layer=cpl, **method_kw)
+    method.check(num_q_heads=HQ, num_kv_heads=hkv, head_dim=d, max_len=s)
+    state = jax.jit(method.state_from_keys)(k, lengths, channels)
+
+    def step(q, k, v, lengths, state):
+        layer = single_layer(0, data={k_: jnp.asarray(v_) for k_, v_ in method.layer_data(0).items()})
+        return method.decode(q, ResidentKV(k, v), lengths, state, None, layer)[0]
+
+    return jax.jit(step), state
+
+
 def check_numerics(key) -> list[dict]:
     """Kernel vs reference on one mid-size input; prints and returns the errors."""
     b, s = 2, 16384 + 100
@@ -239,6 +260,12 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
         add("AsyncTLS operator (end to end)", t, op_bytes, budget, dense_ms)
         t = time_fn(op, (q, k, v, k_max, k_min, records, channels, lengths), runs=runs)
         add("AsyncTLS operator (end to end) [records]", t, meta_bytes + rec_bytes + sel_bytes, budget, dense_ms)
+        # the step as the model runs it: the method's selection (the filter over all blocks
+        # but the newest, its labels, the sink/window/fallback masks) and its attention
+        fn, state = asynctls_method_step(budget, k, lengths, channels)
+        t = time_fn(fn, (q, k, v, lengths, state), runs=runs)
+        add("AsyncTLS method step (model path)", t, op_bytes, budget, dense_ms)
+        del state
         if baselines and budget == max(budgets):
             sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)
             for impl in ("pallas", "reference"):

@@ -1,0 +1,36 @@
+"""benchmarks.kernels' model-path row: the AsyncTLS method step it times is the method's own
+decode (channels, state and layer plumbed as the model's driver does)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kernels as kb
+from sparse_jax.selection import dense_decode_attention
+
+
+def _inputs(b, s):
+    q, k, v = kb.make_inputs(jax.random.key(3), b, s)
+    channels = jnp.tile((jnp.arange(kb.CHANNELS, dtype=jnp.int32) * 3 % kb.D)[None], (kb.HKV, 1))
+    return q, k, v, channels
+
+
+def test_method_step_is_dense_when_the_budget_covers_the_context():
+    b, s = 2, 512
+    q, k, v, channels = _inputs(b, s)
+    lengths = jnp.array([s, s - 77], jnp.int32)
+    fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
+    got = np.asarray(fn(q, k, v, lengths, state), np.float32)
+    ref = np.asarray(dense_decode_attention(q, k, v, lengths), np.float32)
+    np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_method_step_selects_when_the_context_is_longer():
+    b, s = 1, 4096
+    q, k, v, channels = _inputs(b, s)
+    lengths = jnp.array([s], jnp.int32)
+    fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
+    got = np.asarray(fn(q, k, v, lengths, state), np.float32)
+    ref = np.asarray(dense_decode_attention(q, k, v, lengths), np.float32)
+    assert got.shape == (b, kb.HQ, kb.D) and np.all(np.isfinite(got))
+    assert np.abs(got - ref).max() > 1e-2  # 512 of 4,096 tokens: not the dense answer
