@@ -35,8 +35,8 @@ from benchmarks.timing import (
     write_results,
 )
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
-from sparse_jax.ops.scoring import (block_label_scores, block_minmax, build_label_cache, interleave_labels,
-                                    label_scores, quest_block_scores)
+from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, block_minmax, build_label_cache,
+                                    interleave_labels, label_scores, quest_block_scores)
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
@@ -65,12 +65,15 @@ def dense_cudnn(q, k_bshd, v_bshd):
     return out[:, 0]
 
 
-def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budget, impl="auto", return_parts=False):
+def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budget, impl="auto", return_parts=False,
+                      fused=True):
     """AsyncTLS two-level selection + sparse attention, one decode step.
 
     Quest GEMM block scores over 64-token blocks -> top-KB blocks -> label
     scores over their KB*64 tokens (over the block ids) -> top-``budget`` tokens
-    -> sparse attention.
+    -> sparse attention. ``fused``: the second level is ``block_label_topk`` (label
+    logits, then one kernel normalizing, selecting and mapping to tokens), as the
+    method runs it; else ``block_label_scores`` + ``topk_indices`` + a gather.
     """
     b = q.shape[0]
     nb = k_max.shape[2]
@@ -79,6 +82,11 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     block_counts = jnp.broadcast_to(nvalid[:, None], (b, HKV)).astype(jnp.int32)
     blocks = topk_indices(scores, KB, block_counts, impl=impl)  # [B, Hkv, KB]
     # the labels scored over the block ids (no candidate array), as the method does
+    if fused:
+        tokens, counts = block_label_topk(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,
+                                          block_size=BLOCK, k=budget, impl=impl)
+        out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
+        return (out, tokens) if return_parts else out
     ls = block_label_scores(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,
                             block_size=BLOCK, impl=impl)
     pick = topk_indices(ls, budget, impl=impl)  # slots of the KB * BLOCK candidates
@@ -155,6 +163,13 @@ def check_numerics(key) -> list[dict]:
     out_p = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="pallas")
     out_r = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="reference")
     rows.append({"kernel": "asynctls operator (pallas vs reference path)", "rel_err": rel_err(out_p, out_r)})
+    # the fused second level against the unfused kernels: the same token sets (fraction differing)
+    _, tok_f = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="pallas",
+                                 return_parts=True)
+    _, tok_u = asynctls_operator(q, k, v, kmax, kmin, lab_r, channels, lengths, budget=1024, impl="pallas",
+                                 return_parts=True, fused=False)
+    diff = np.mean(np.sort(np.asarray(tok_f), -1) != np.sort(np.asarray(tok_u), -1))
+    rows.append({"kernel": "asynctls selection (fused vs unfused kernels)", "rel_err": float(diff)})
     for r in rows:
         print(f"  check {r['kernel']:<48s} rel_err/mismatch = {r['rel_err']:.2e}")
     return rows
@@ -258,6 +273,9 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
         t = time_fn(op, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
         op_bytes = meta_bytes + lab_bytes + sel_bytes
         add("AsyncTLS operator (end to end)", t, op_bytes, budget, dense_ms)
+        unfused = jax.jit(functools.partial(asynctls_operator, budget=budget, fused=False))
+        t = time_fn(unfused, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
+        add("AsyncTLS operator (end to end) [unfused selection]", t, op_bytes, budget, dense_ms)
         t = time_fn(op, (q, k, v, k_max, k_min, records, channels, lengths), runs=runs)
         add("AsyncTLS operator (end to end) [records]", t, meta_bytes + rec_bytes + sel_bytes, budget, dense_ms)
         # the step as the model runs it: the method's selection (the filter over all blocks

@@ -287,6 +287,50 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok):
     return t
 
 
+def _compaction(key, t, k_sel: int, greater_first: bool = False):
+    """``(take bool[BR, C], slot int32[BR, C])``: the lanes of the top ``k_sel`` given the
+    threshold ``t`` (every key ``> t`` plus the first ``k_sel - #(key > t)`` keys ``== t``)
+    and each taken lane's output slot.
+
+    One prefix sum of ``gt << 16 | eq`` gives, at each lane, #gt and #eq up to it
+    (inclusive); a taken lane's slot is #gt + min(#eq, need) - 1 (the taken lanes in lane
+    order), or with ``greater_first`` #gt - 1 for a lane above ``t`` and
+    #(key > t) + #eq - 1 for one at it (the keys above the threshold first)."""
+    c = key.shape[1]
+    gt = key > t
+    eq = key == t
+    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1, keepdims=True)
+    need = k_sel - n_gt
+    if c <= 16384:  # both halves < 2**15: the packed sum cannot overflow
+        cs = jnp.cumsum((gt.astype(jnp.int32) << 16) | eq.astype(jnp.int32), axis=1)
+        gt_incl = lax.shift_right_logical(cs, np.int32(16))
+        eq_incl = cs & np.int32(0xFFFF)
+    else:
+        gt_incl = jnp.cumsum(gt.astype(jnp.int32), axis=1)
+        eq_incl = jnp.cumsum(eq.astype(jnp.int32), axis=1)
+    take = gt | (eq & (eq_incl <= need))
+    if greater_first:
+        slot = jnp.where(gt, gt_incl, n_gt + eq_incl) - 1
+    else:
+        slot = gt_incl + jnp.minimum(eq_incl, need) - 1
+    return take, slot
+
+
+def _store_final(out_ref, rows, lane, pos, fill_pos, take, slot, cnt, k_out: int, out_stride: int, row_ok, oob):
+    """The final level's store into the flat ``out_ref`` (row ``r`` at ``r * out_stride``):
+    ``pos`` at the taken lanes' slots. A row with fewer than ``k_out`` valid entries gets
+    all its valid positions plus invalid fill, i.e. exactly lanes ``0..k_out-1``, written
+    as ``fill_pos`` (the lane itself, or its image under a position map). Writing that
+    directly keeps fill positions < N at every level (a chunked level's fill may be
+    padding lanes >= N). Masked lanes get the index ``oob`` (see the module docstring)."""
+    short = cnt < k_out
+    dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
+    plgpu.store(out_ref.at[dst], pos, mask=take & ~short)
+    fill = row_ok & short & (lane < k_out)
+    dst2 = jnp.where(fill, rows * out_stride + lane, oob)
+    plgpu.store(out_ref.at[dst2], fill_pos, mask=fill)
+
+
 def _select_kernel(
     *refs,
     first: bool,
@@ -343,37 +387,13 @@ def _select_kernel(
         pos = plgpu.load(src_refs[1].at[src], mask=live, other=np.int32(0))
 
     t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
-
-    # Compaction. take = (key > T) | (key == T and tie rank <= need). One
-    # prefix sum of gt<<16 | eq gives, at each lane, #gt and #eq up to it
-    # (inclusive); a taken lane's slot is #gt + min(#eq, need) - 1.
-    gt = key > t
-    eq = key == t
-    n_gt = jnp.sum(gt.astype(jnp.int32), axis=1, keepdims=True)
-    need = k_sel - n_gt
-    if c <= 16384:  # both halves < 2**15: the packed sum cannot overflow
-        cs = jnp.cumsum((gt.astype(jnp.int32) << 16) | eq.astype(jnp.int32), axis=1)
-        gt_incl = lax.shift_right_logical(cs, np.int32(16))
-        eq_incl = cs & np.int32(0xFFFF)
-    else:
-        gt_incl = jnp.cumsum(gt.astype(jnp.int32), axis=1)
-        eq_incl = jnp.cumsum(eq.astype(jnp.int32), axis=1)
-    take = gt | (eq & (eq_incl <= need))
-    slot = gt_incl + jnp.minimum(eq_incl, need) - 1
+    take, slot = _compaction(key, t, k_sel)
     take = take & row_ok
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
     if final:
-        # Rows with fewer than k valid entries: the answer is all valid
-        # positions (0..cnt-1) plus invalid fill, i.e. exactly arange(k).
-        # Writing that directly keeps fill positions < N at every level
-        # (a chunked level's fill may be padding lanes >= N).
-        short = cnt < k_out
-        dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
-        plgpu.store(out_refs[0].at[dst], pos, mask=take & ~short)
-        fill = row_ok & short & (lane < k_out)
-        dst2 = jnp.where(fill, rows * out_stride + lane, oob)
-        plgpu.store(out_refs[0].at[dst2], jnp.broadcast_to(lane, (br, c)), mask=fill)
+        _store_final(out_refs[0], rows, lane, pos, jnp.broadcast_to(lane, (br, c)), take, slot, cnt, k_out,
+                     out_stride, row_ok, oob)
     else:
         dst = jnp.where(take, rows * out_stride + ci * k_sel + slot, oob)
         plgpu.store(out_refs[0].at[dst], key, mask=take)

@@ -19,9 +19,10 @@ import numpy as np
 from sparse_jax.calibration import select_channels
 from sparse_jax.methods.quest import BlockBoxes, check_group_reduce
 from sparse_jax.methods.registry import register
-from sparse_jax.methods.sparse_base import SparseMethod
+from sparse_jax.methods.sparse_base import SparseMethod, fallback_to_dense
 from sparse_jax.ops.scoring import (
     block_label_scores,
+    block_label_topk,
     block_minmax,
     build_label_cache,
     interleave_labels,
@@ -220,6 +221,17 @@ class AsyncTLS(DoubleSparsity):
         b, hkv, n1 = blocks.shape
         all_blocks, newest = self._with_newest(blocks, lengths)
         scored = jnp.broadcast_to(jnp.where(newest < n1, n1, n1 + 1)[:, None], (b, hkv)).astype(jnp.int32)
+        if not self.sink and not self.window:
+            # AsyncTLS as published: the top tokens of the candidates, scored, chosen and
+            # mapped to positions by one op (one kernel after the label logits). Its mask is
+            # the candidate mask of the path below, so the same tokens are chosen.
+            c = all_blocks.shape[-1] * self.block_size
+            budget = min(self.budget, capacity if capacity is not None else c)
+            top, taken = block_label_topk(q, state.labels, channels, all_blocks, scored, lengths,
+                                          block_size=self.block_size, k=min(budget, c), impl=self.impl)
+            indices, counts = fallback_to_dense(top, lengths, budget)
+            long = (lengths > budget)[:, None]
+            return indices, jnp.where(long, jnp.minimum(counts, taken), counts).astype(jnp.int32)
         scores = block_label_scores(q, state.labels, channels, all_blocks, scored, lengths,
                                     block_size=self.block_size, impl=self.impl)
         cand, cand_counts = self.expand_blocks(blocks, lengths)  # positions for the top-k's masks and gather

@@ -24,6 +24,9 @@ pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
 * ``block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size)``
   -> ``float32[B, Hkv, NBsel * block_size]``: the same over the tokens of
   selected blocks (in block-slot order), without a candidate array.
+* ``block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k)``
+  -> ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``: the k best of those tokens
+  (AsyncTLS's second level), normalization, selection and token map in one kernel.
 
 The kernels and their contracts are documented in ``pallas_kernels.block_scores``
 and ``pallas_kernels.labels``. The kernels need power-of-two ``block_size``,
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import block_scores as _bs
+from pallas_kernels import label_topk as _ltk
 from pallas_kernels import labels as _lb
 from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, LabelRecords, dequantize_labels, interleave_labels
 from pallas_kernels.tuning import with_tuned
@@ -58,6 +62,7 @@ __all__ = [
     "dequantize_labels",
     "label_scores",
     "block_label_scores",
+    "block_label_topk",
 ]
 
 
@@ -397,6 +402,21 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
         interpret=interpret, **tuning)
 
 
+def _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths, block_size, scale, bits,
+                            op: str):
+    b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
+    if lengths is None:
+        raise ValueError(f"{op} needs lengths")
+    _check_block_size(block_size)
+    check_rank("block_ids", block_ids, 3, "[B, Hkv, NBsel]")
+    check_int("block_ids", block_ids)
+    if tuple(block_ids.shape[:2]) != (b, hkv) or block_ids.shape[2] == 0:
+        raise ValueError(f"block_ids must have shape [B={b}, Hkv={hkv}, NBsel>=1], got "
+                         f"{tuple(block_ids.shape)}")
+    check_int_array("block_counts", block_counts, (b, hkv), "[B, Hkv]")
+    return b, hkv, w, scale
+
+
 def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                        scale=None, bits=4, impl="auto", mode=None, block_c=None, num_warps=None,
                        num_stages=None, splits=None, prefetch=None, hoist_q=None):
@@ -413,16 +433,8 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     block's labels as consecutive rows. Tuning as ``label_scores`` (modes
     "two_pass" and "logits").
     """
-    b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
-    if lengths is None:
-        raise ValueError("block_label_scores needs lengths")
-    _check_block_size(block_size)
-    check_rank("block_ids", block_ids, 3, "[B, Hkv, NBsel]")
-    check_int("block_ids", block_ids)
-    if tuple(block_ids.shape[:2]) != (b, hkv) or block_ids.shape[2] == 0:
-        raise ValueError(f"block_ids must have shape [B={b}, Hkv={hkv}, NBsel>=1], got "
-                         f"{tuple(block_ids.shape)}")
-    check_int_array("block_counts", block_counts, (b, hkv), "[B, Hkv]")
+    b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
+                                                block_size, scale, bits, "block_label_scores")
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
     if mode == "per_tile":
         raise ValueError("block_label_scores has no 'per_tile' mode")
@@ -440,6 +452,76 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     return _lb.block_label_scores_kernel(
         q, labels, channels, block_ids, block_counts, lengths, block_size=int(block_size),
         scale=scale, bits=bits, interpret=interpret, **tuning)
+
+
+def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
+                     scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
+                     splits=None, prefetch=None, hoist_q=None, select_num_warps=None, radix_bits=1):
+    """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
+    ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
+
+    The scores are ``block_label_scores``' (same arguments, same mask); a masked token
+    is never chosen while an unmasked one is left. ``counts = min(k, #unmasked)``; the
+    entries past it are other slots' tokens, to be ignored. Ties are broken in slot
+    order by the kernel, unspecified by the reference. ``1 <= k <= NBsel * block_size``.
+
+    The kernel path runs the label logits kernel, then one kernel that normalizes the
+    logits, selects the top ``k`` and maps slots to tokens (``pallas_kernels.label_topk``:
+    three steps and two HBM round trips of the scores fewer than ``block_label_scores``
+    + ``topk_indices`` + a gather). Rows longer than ``label_topk.MAX_CANDIDATES``
+    candidates use those unfused kernels. Label tuning as ``block_label_scores`` (its
+    "logits" mode is always used); ``select_num_warps`` and ``radix_bits`` tune the
+    selection (``topk_indices``' ``num_warps`` and ``radix_bits``).
+    """
+    b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
+                                                block_size, scale, bits, "block_label_topk")
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, None)
+    if select_num_warps is not None and (isinstance(select_num_warps, bool) or select_num_warps <= 0):
+        raise ValueError(f"select_num_warps must be a positive int or None, got {select_num_warps!r}")
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
+    c = block_ids.shape[2] * int(block_size)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= c:
+        raise ValueError(f"k must be a static int with 1 <= k <= NBsel * block_size = {c}, got {k!r}")
+    k = int(k)
+    choice, interpret = resolve_impl(
+        impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
+                                                                 {"block_c": block_c})))
+    bs = int(block_size)
+    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
+    if choice == "reference":
+        scores = _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths,
+                                                  block_size=bs, scale=scale, bits=bits)
+        valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
+        return _block_topk_from_scores(scores, valid, block_ids, k, bs, "reference", {})
+    tuning = _kernel_tuning("logits", block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    if not interpret:
+        tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
+    tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
+    select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
+    if c > _ltk.MAX_CANDIDATES:
+        scores = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, block_size=bs,
+                                               scale=scale, bits=bits, interpret=interpret, **tuning)
+        valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
+        return _block_topk_from_scores(scores, valid, block_ids, k, bs, "pallas", select)
+    logits, m, l = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths,
+                                                 block_size=bs, scale=scale, bits=bits, interpret=interpret,
+                                                 return_raw=True, **tuning)
+    g = logits.shape[2]
+    pos, cnt = _ltk.label_topk_pallas(logits.reshape(b * hkv, g, c), m.reshape(b * hkv, -1, g),
+                                      l.reshape(b * hkv, -1, g), block_ids.reshape(b * hkv, -1), k,
+                                      block_size=bs, interpret=interpret, **select)
+    return pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
+
+
+def _block_topk_from_scores(scores, valid, block_ids, k, block_size, impl, select):
+    """The unfused selection: top ``k`` of ``scores [B, Hkv, C]`` with masked slots below
+    every unmasked one, mapped to tokens through ``block_ids``."""
+    from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
+
+    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=impl, **select)
+    pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // block_size, axis=-1) * block_size + idx % block_size
+    return pos.astype(jnp.int32), jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), k)
 
 
 # ----------------------------------------------------------------------------
