@@ -27,8 +27,10 @@ import numpy as np
 from benchmarks.timing import (
     H100_HBM_BYTES_PER_S,
     RESULTS_DIR,
+    Timing,
     hbm_floor_ms,
     markdown_table,
+    per_step_wall_ms,
     rotation_sets,
     stamp,
     time_fn,
@@ -175,9 +177,12 @@ def check_numerics(key) -> list[dict]:
     return rows
 
 
-def bench_shape(b, s, budgets, key, runs, baselines=True):
+def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
     """``baselines``: also time the jnp references, XLA dense and full-context
-    top-k (done at one shape only, to keep the run inside the device limits)."""
+    top-k (done at one shape only, to keep the run inside the device limits).
+    ``one_program``: also time dense cuDNN, the AsyncTLS operator and the method's step
+    as the wall time of one step among many in one program (``per_step_wall_ms``: the
+    gaps between kernels count, which CUPTI's kernel sums leave out)."""
     q, k, v = make_inputs(key, b, s)
     lengths = jnp.full((b,), s, jnp.int32)
     k_bshd, v_bshd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -206,8 +211,14 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
               + (f"  x{row['speedup_vs_dense']:.2f} vs dense" if dense_ms else ""), flush=True)
         return row
 
+    def wall_row(kernel, step, args, nbytes, budget=None, dense_ms=None):
+        w = per_step_wall_ms(step, args, runs=runs)
+        return add(f"{kernel} [one program, wall/step]", Timing(kernel, w, w, w, None, None, runs), nbytes, budget,
+                   dense_ms)["ms"]
+
     t_dense = time_fn(jax.jit(dense_cudnn), (q, k_bshd, v_bshd), name="dense_cudnn", runs=runs)
     dense_ms = add("dense cuDNN", t_dense, kv_bytes)["ms"]
+    dense_wall = wall_row("dense cuDNN", dense_cudnn, (q, k_bshd, v_bshd), kv_bytes) if one_program else None
     if baselines:
         t_xla = time_fn(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="xla")[:, 0]),
                         (q, k_bshd, v_bshd), runs=runs)
@@ -283,6 +294,10 @@ def bench_shape(b, s, budgets, key, runs, baselines=True):
         fn, state = asynctls_method_step(budget, k, lengths, channels)
         t = time_fn(fn, (q, k, v, lengths, state), runs=runs)
         add("AsyncTLS method step (model path)", t, op_bytes, budget, dense_ms)
+        if one_program:
+            wall_row("AsyncTLS operator", functools.partial(asynctls_operator, budget=budget),
+                     (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)
+            wall_row("AsyncTLS method step (model path)", fn, (q, k, v, lengths, state), op_bytes, budget, dense_wall)
         del state
         if baselines and budget == max(budgets):
             sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)
@@ -329,6 +344,9 @@ def main(argv=None):
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--shapes", default=None, help="BxS list, e.g. 1x131072,8x131072 (default: the full grid)")
     p.add_argument("--name", default=None, help="output file stem")
+    p.add_argument("--one-program", action="store_true",
+                   help="also time dense, the operator and the method step as one step among many in one program "
+                        "(wall clock, gaps between kernels included)")
     p.add_argument("--merge", default=None, help="comma-separated result JSONs of one device to join (no run)")
     args = p.parse_args(argv)
     if args.merge:
@@ -356,7 +374,8 @@ def main(argv=None):
     rows = []
     name = args.name or ("kernels_quick" if args.quick else "kernels")
     for i, (b, s) in enumerate(grid):
-        rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs, baselines=(b, s) == grid[-1])
+        rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs, baselines=(b, s) == grid[-1],
+                            one_program=args.one_program)
         md = write_all(name, info, checks, rows, args.out)  # after every shape: a cut-off run keeps its rows
     if not args.quick:
         plot(rows, Path(args.out) / f"{name}.png")

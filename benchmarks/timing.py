@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -128,6 +129,37 @@ def _cupti(fn, sets, runs):
     except Exception as e:  # noqa: BLE001 - fall back to wall-clock only
         print(f"[timing] CUPTI unavailable: {e}", file=sys.stderr)
         return None, None
+
+
+def per_step_wall_ms(step: Callable, args: Sequence[Any], *, counts: tuple[int, int] = (8, 24), runs: int = 20,
+                     warmup: int = 3) -> float:
+    """Wall time of one ``step(q, *rest) -> out`` (``out`` shaped like ``q``) when the GPU runs
+    many back to back inside one program, as a model's decode step runs its layers: the
+    gaps between kernels count, the host's dispatch of the call does not.
+
+    Two programs unroll ``counts`` steps each, every query nudged by the previous output (so
+    nothing is hoisted or shared between steps); the slope of their median wall times over
+    the step count is the answer, which cancels the fixed cost of dispatching one call."""
+    def chain(n):
+        def run(q, *rest):
+            out = jnp.zeros_like(q)
+            for _ in range(n):
+                out = step(q + (1e-3 * out).astype(q.dtype), *rest)
+            return out
+        return jax.jit(run)
+
+    medians = []
+    for n in counts:
+        fn = chain(n)
+        for _ in range(warmup):
+            _block(fn(*args))
+        wall = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            _block(fn(*args))
+            wall.append((time.perf_counter() - t0) * 1e3)
+        medians.append(float(np.median(wall)))
+    return (medians[1] - medians[0]) / (counts[1] - counts[0])
 
 
 H100_L2_BYTES = 50 * 2**20

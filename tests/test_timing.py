@@ -104,3 +104,18 @@ def test_tune_sweep_checks_the_first_set_and_times_all(monkeypatch):
     assert seen == [(2, True)]  # only the right config is timed, over both sets
     assert [r["config"] for r in rows] == ['{"scale": 2.0}', '{"scale": 3.0}']
     assert rows[1]["ms"] != rows[1]["ms"]  # the wrong config is reported (NaN), not timed
+
+
+def test_per_step_wall_ms_chains_the_steps():
+    import jax.numpy as jnp
+
+    calls = []
+
+    def step(q, w):
+        calls.append(q.shape)  # traced once per unrolled step
+        return jnp.tanh(q @ w)
+
+    q, w = jnp.ones((4, 8)), jnp.eye(8) * 0.5
+    ms = timing.per_step_wall_ms(step, (q, w), counts=(2, 5), runs=3, warmup=1)
+    assert len(calls) == 2 + 5  # each program unrolls its count of steps
+    assert isinstance(ms, float) and ms == ms
