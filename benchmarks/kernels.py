@@ -235,6 +235,8 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
     meta_bytes = 2 * b * HKV * nb * D * 2
     t = time_fn(jax.jit(quest_block_scores), (q, k_max, k_min), runs=runs)
     add("quest_block_scores", t, meta_bytes, dense_ms=dense_ms)
+    t = time_fn(jax.jit(functools.partial(quest_block_scores, group_reduce="max")), (q, k_max, k_min), runs=runs)
+    add("quest_block_scores [group max]", t, meta_bytes, dense_ms=dense_ms)
     channels = jnp.tile((jnp.arange(CHANNELS, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
     labels = jax.jit(build_label_cache)(k, channels)
     scores = quest_block_scores(q, k_max, k_min)

@@ -130,6 +130,8 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--only", default="", help="comma list: sparse,block,quest,labels,topk")
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all), e.g. 0,1")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                   help="selected tokens K for the sparse and block decode sweeps (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     p.add_argument("--table", type=Path, default=None,
                    help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
@@ -150,7 +152,7 @@ def main(argv=None):
         v = jax.random.normal(kv, (b, hkv, s, d), jnp.bfloat16)
         lengths = jnp.full((b,), s, jnp.int32)
         g = hq // hkv
-        for K in BUDGETS:
+        for K in [int(x) for x in args.budgets.split(",")]:
             shape = f"B={b} S={s} H={hq}/{hkv} D={d} K={K}"
             counts = jnp.full((b, hkv), K, jnp.int32)
             nbytes = 2 * b * hkv * K * d * 2

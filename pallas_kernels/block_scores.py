@@ -254,9 +254,24 @@ def block_summary_kernel(k, lengths, *, block_size, mode="minmax", blocks_per_pr
 # ----------------------------------------------------------------------------
 
 
-def _quest_body(q_ref, kmax_ref, kmin_ref, o_ref, *, group, group_pad, block_n, num_blocks):
+def _quest_body(q_ref, kmax_ref, kmin_ref, o_ref, *, group, group_pad, block_n, num_blocks, reduce="sum"):
     # q_ref: [G, D]; kmax_ref/kmin_ref: [NB, D]; o_ref: [NB].
     t = pl.program_id(2)
+    if reduce == "max":
+        # each query head's bound over the same tiles, then the largest (the tiles are read
+        # once; the FMAs are G times the sum's, still under the bytes' time)
+        rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        rmask = rows < num_blocks
+        kmax = plgpu.load(kmax_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
+        kmin = plgpu.load(kmin_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
+        kmax, kmin = kmax.astype(jnp.float32), kmin.astype(jnp.float32)
+        s = None
+        for g in range(group):  # the real heads only: a zero pad row's bound (0) must not win
+            qg = q_ref[g, :].astype(jnp.float32)  # [D]
+            sg = jnp.sum(kmax * jnp.maximum(qg, 0.0)[None, :] + kmin * jnp.minimum(qg, 0.0)[None, :], axis=1)
+            s = sg if s is None else jnp.maximum(s, sg)
+        plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+        return
     if group_pad == group:
         q = q_ref[...].astype(jnp.float32)
     else:  # G = 3 (SmolLM2) etc.: pad the group to a power of two with zero rows.
@@ -279,15 +294,18 @@ def _quest_body(q_ref, kmax_ref, kmin_ref, o_ref, *, group, group_pad, block_n, 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret"))
+    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce"))
 def quest_block_scores_kernel(q, k_max, k_min, *, block_n=128, num_warps=4, num_stages=2,
-                              interpret=False):
+                              interpret=False, reduce="sum"):
     """Pallas kernel for ``quest_block_scores``.
 
     Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows
     (tiny, L2-resident across programs) and ``block_n`` rows of kmax and kmin.
-    ``block_n`` and ``D`` must be powers of two.
+    ``block_n`` and ``D`` must be powers of two. ``reduce``: "sum" of the group's
+    bounds (one folded q+/q- pair) or their "max" (per head, in registers).
     """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     b, hq, d = q.shape
     _, hkv, nb, _ = k_max.shape
     g = hq // hkv
@@ -295,7 +313,7 @@ def quest_block_scores_kernel(q, k_max, k_min, *, block_n=128, num_warps=4, num_
         raise ValueError("quest_block_scores_kernel needs power-of-two block_n and D")
     q4 = q.reshape(b, hkv, g, d)  # free: head i -> (i // G, i % G)
     body = functools.partial(_quest_body, group=g, group_pad=pl.next_power_of_2(g),
-                             block_n=block_n, num_blocks=nb)
+                             block_n=block_n, num_blocks=nb, reduce=reduce)
     meta_spec = pl.BlockSpec((None, None, nb, d), lambda i, j, t: (i, j, 0, 0))
     return pl.pallas_call(
         body,

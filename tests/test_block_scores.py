@@ -287,7 +287,25 @@ def test_kernels_lower_to_triton(abstract_h100):
         (lambda k, l: bs.block_summary_kernel(k, l, block_size=16, mode="minmax"), (k, lengths)),
         (lambda k, l: bs.block_summary_kernel(k, l, block_size=16, mode="cuboid"), (k, lengths)),
         (bs.quest_block_scores_kernel, (sd((2, 9, 128), jnp.bfloat16), meta, meta)),  # G = 3
+        (lambda q, a, b: bs.quest_block_scores_kernel(q, a, b, reduce="max"), (sd((2, 9, 128), jnp.bfloat16), meta, meta)),
+        (lambda q, a, b: bs.quest_block_scores_kernel(q, a, b, reduce="max"),
+         (sd((2, 12, 256), jnp.bfloat16), sd((2, 3, 5, 256), jnp.bfloat16), sd((2, 3, 5, 256), jnp.bfloat16))),
     ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_quest_max_ignores_the_padded_head(impl):
+    """G = 3 pads the group to 4 in the kernel: with every real bound negative, a zero pad
+    row would win the max; it must not."""
+    b, hq, hkv, s, d, bs = 1, 6, 2, 64, 64, 16
+    k = -10.0 - jnp.abs(_randn(3, (b, hkv, s, d), jnp.float32))  # every key below zero
+    kmax, kmin = scoring.block_minmax(k, jnp.asarray([s], jnp.int32), block_size=bs, impl="reference")
+    q = jnp.abs(_randn(4, (b, hq, d), jnp.float32))  # q+ only: every bound is q . k_max < 0
+    got = np.asarray(scoring.quest_block_scores(q, kmax, kmin, group_reduce="max", impl=impl))
+    per_head = np.stack([_oracle_quest(q[:, [h]], kmax[:, [h // 3]], kmin[:, [h // 3]])[:, 0] for h in range(hq)], 1)
+    want = per_head.reshape(b, hkv, 3, -1).max(2)
+    assert (want < 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5)

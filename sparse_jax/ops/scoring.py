@@ -217,8 +217,8 @@ def quest_block_scores(q, k_max, k_min, *, group_reduce="sum", impl="auto", bloc
     ``group_reduce="sum"`` (default) adds the group's (one kernel: the group's positive
     and negative parts are summed first), ``"max"`` keeps the largest, so a block any
     one head wants ranks high (on Gemma 3, four query heads per KV head, the sum let
-    three heads outvote the one reading a retrieval needle: ``docs/methods.md``); it
-    runs the same kernel with every query head as its own group. Tuning (kernel
+    three heads outvote the one reading a retrieval needle: ``docs/methods.md``); the
+    kernel forms each head's bound over the tiles it reads once. Tuning (kernel
     only; None = the tuned table's entry for this shape class on the GPU, else
     64 / 4 / 2): ``block_n`` (blocks per program, power of two), ``num_warps``,
     ``num_stages``.
@@ -239,19 +239,19 @@ def quest_block_scores(q, k_max, k_min, *, group_reduce="sum", impl="auto", bloc
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     g = q.shape[1] // hkv
-    if group_reduce == "max" and g > 1:  # every query head its own group, then the max
-        per_head = quest_block_scores(q, jnp.repeat(k_max, g, axis=1), jnp.repeat(k_min, g, axis=1), impl=impl,
-                                      block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-        return per_head.reshape(b, hkv, g, -1).max(2)
+    reduce = "max" if group_reduce == "max" and g > 1 else "sum"
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(head_dim=d, **({} if block_n is None else {"block_n": block_n})))
     if choice == "reference":
+        if reduce == "max":  # every query head its own group, then the max
+            per_head = _bs.quest_block_scores_reference(q, jnp.repeat(k_max, g, axis=1), jnp.repeat(k_min, g, axis=1))
+            return per_head.reshape(b, hkv, g, -1).max(2)
         return _bs.quest_block_scores_reference(q, k_max, k_min)
     tuning = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if not interpret:
         tuning = with_tuned(tuning, "quest_block_scores", rows=b * hkv, nb=k_max.shape[2], d=d, g=q.shape[1] // hkv)
     tuning = {"block_n": 64, "num_warps": 4, "num_stages": 2, **{k: v for k, v in tuning.items() if v is not None}}
-    return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, **tuning)
+    return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, reduce=reduce, **tuning)
 
 
 # ----------------------------------------------------------------------------
