@@ -346,6 +346,7 @@ def _select_kernel(
     block_rows: int,
     radix_bits: int,
     early_exit: bool,
+    greater_first: bool = False,
 ):
     """One (row block, chunk) program of one level.
 
@@ -387,7 +388,7 @@ def _select_kernel(
         pos = plgpu.load(src_refs[1].at[src], mask=live, other=np.int32(0))
 
     t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
-    take, slot = _compaction(key, t, k_sel)
+    take, slot = _compaction(key, t, k_sel, greater_first=greater_first and final)
     take = take & row_ok
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
@@ -412,9 +413,16 @@ def topk_pallas(
     num_stages: int = 1,
     radix_bits: int = 1,
     early_exit: bool = True,
+    greater_first: bool = False,
     interpret: bool = False,
 ):
     """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``.
+
+    ``greater_first``: for a row with at least ``k`` valid entries, the final level writes
+    the keys above the k-th largest first, then the ties at it (default: the taken
+    positions in ascending order). Early exit stops at a threshold that need not be the
+    k-th largest, which only matters where every lane is taken (``n_in <= k``): that
+    level then searches all 32 bits.
 
     Tuning: ``max_single`` (longest row one program selects on; longer rows go
     multi-level), ``chunk`` (keys per program on non-final levels; power of
@@ -460,7 +468,8 @@ def topk_pallas(
             out_stride=out_stride,
             block_rows=lvl.block_rows,
             radix_bits=radix_bits,
-            early_exit=early_exit,
+            early_exit=early_exit and not (greater_first and lvl.final and lvl.n_in <= k),
+            greater_first=greater_first,
         )
         outs = pl.pallas_call(
             kern,

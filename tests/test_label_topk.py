@@ -1,6 +1,7 @@
-"""AsyncTLS's second level in one op: block_label_topk (label logits kernel + the fused
-normalize / top-k / token-map kernel of pallas_kernels.label_topk) against the unfused
-definition (block_label_scores, top-k with masked slots last, the block-to-token map)."""
+"""AsyncTLS's second level in one op: block_label_topk (its unfused kernels, and with
+fused=True the label logits kernel + the normalize / top-k / token-map kernel of
+pallas_kernels.label_topk) against the definition (block_label_scores, top-k with masked
+slots last, the block-to-token map)."""
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +55,17 @@ def _selected_scores(args, bs, pos, cnt):
     return out
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("hq,hkv,d,r,bs,nb,k", [
     (8, 2, 64, 16, 16, 9, 40),     # G=4, C=144 (not a power of two)
     (9, 3, 64, 16, 64, 5, 320),    # G=3 (SmolLM2), k = C: every unmasked slot
     (4, 1, 256, 64, 64, 7, 100),   # Gemma 3: MQA, D=256
     (4, 4, 32, 8, 8, 3, 24),       # G=1, k = C
 ])
-def test_kernel_matches_the_unfused_definition(hq, hkv, d, r, bs, nb, k):
+def test_kernel_matches_the_unfused_definition(hq, hkv, d, r, bs, nb, k, fused):
     args = _case(hq * 7 + nb, 2, hq, hkv, d, r, bs, nb)
     ref_pos, ref_cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl="reference")
-    got_pos, got_cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl="pallas")
+    got_pos, got_cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl="pallas", fused=fused)
     assert got_pos.shape == ref_pos.shape == (2, hkv, k) and got_pos.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got_cnt), np.asarray(ref_cnt))
     assert np.asarray(ref_cnt).min() < k or k < nb * bs  # the cases cover short rows or a real choice
@@ -128,7 +130,7 @@ def test_long_rows_use_the_unfused_kernels():
     big = ltk.MAX_CANDIDATES
     try:
         ltk.MAX_CANDIDATES = 256  # 11 blocks of 64 = 704 candidates: past the (lowered) limit
-        got_pos, got_cnt = scoring.block_label_topk(*args, block_size=64, k=300, impl="pallas")
+        got_pos, got_cnt = scoring.block_label_topk(*args, block_size=64, k=300, impl="pallas", fused=True)
     finally:
         ltk.MAX_CANDIDATES = big
     ref_pos, ref_cnt = scoring.block_label_topk(*args, block_size=64, k=300, impl="reference")
@@ -168,13 +170,14 @@ def test_kernel_lowers_to_triton(abstract_h100, c, g, k):
     assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
-def test_asynctls_selects_what_the_unfused_path_selects(impl):
+@pytest.mark.parametrize("impl,fused", [("reference", False), ("pallas", False), ("pallas", True)])
+def test_asynctls_selects_what_the_unfused_path_selects(impl, fused, monkeypatch):
     """AsyncTLS (no sink or window) selects through block_label_topk; the scores + top-k +
     gather path it replaced (still DS's and AsyncTLS-with-sink's) must give the same tokens
     and counts: long rows, a row just past the budget, a row inside it (dense fallback)."""
     from sparse_jax.methods import get_method
 
+    monkeypatch.setattr(scoring, "FUSED_LABEL_TOPK", fused)
     b, hq, hkv, d, r, bs, kb, budget = 3, 8, 2, 64, 16, 16, 6, 48
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.normal(size=(b, hkv, S, d)), jnp.float32)

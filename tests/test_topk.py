@@ -336,3 +336,25 @@ def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):
 
     txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((r, n), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == calls
+
+
+@pytest.mark.parametrize("n,k,tuning", [(40, 12, {}), (3000, 700, {"max_single": 1024})])
+def test_greater_first_puts_the_ties_at_the_threshold_last(n, k, tuning):
+    """Fewer than k finite scores among -inf ones: with greater_first the finite ones come
+    first (what block_label_topk's counts rely on); without it the kernel's order is by
+    position, which mixes them. Also through the multi-level plan."""
+    rng = np.random.default_rng(n)
+    x = np.full((3, n), -np.inf, np.float32)
+    finite = [rng.choice(n, size=m, replace=False) for m in (k // 2, k - 1, k + 5)]
+    for r, idx in enumerate(finite):
+        x[r, idx] = rng.normal(size=len(idx))
+    for impl in ("pallas", "reference"):
+        out = np.asarray(topk_indices(jnp.asarray(x), k, impl=impl, greater_first=True,
+                                      **(tuning if impl == "pallas" else {})))
+        for r, idx in enumerate(finite):
+            m = min(len(idx), k)
+            head = out[r, :m]
+            assert np.isfinite(x[r, head]).all(), (impl, r)
+            assert len(set(out[r].tolist())) == k
+    mixed = np.asarray(topk_indices(jnp.asarray(x), k, impl="pallas", **tuning))
+    assert not np.isfinite(x[0, mixed[0, : k // 2]]).all()  # the default order is by position

@@ -26,7 +26,7 @@ pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
   selected blocks (in block-slot order), without a candidate array.
 * ``block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k)``
   -> ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``: the k best of those tokens
-  (AsyncTLS's second level), normalization, selection and token map in one kernel.
+  (AsyncTLS's second level; ``fused=True``: normalization, selection and token map in one kernel).
 
 The kernels and their contracts are documented in ``pallas_kernels.block_scores``
 and ``pallas_kernels.labels``. The kernels need power-of-two ``block_size``,
@@ -454,9 +454,19 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         scale=scale, bits=bits, interpret=interpret, **tuning)
 
 
+#: Whether block_label_topk's kernel path runs the fused selection kernel by default. Measured
+#: on the H100 (kernels_h100_v5_128k.md, 128K, K=2048): fused 17.7 us at B=1 and 20.2 us at B=8
+#: against 14.4 and 17.5 us for normalization + top-k + token map unfused. The fused program holds
+#: a row's whole load (G x C logits, their exponentials, the block-id gathers) before its
+#: latency-bound search, which the unfused normalization spreads over many programs. Off until
+#: tuned faster (its warps: ``select_num_warps``).
+FUSED_LABEL_TOPK = False
+
+
 def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
                      scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
-                     splits=None, prefetch=None, hoist_q=None, select_num_warps=None, radix_bits=1):
+                     splits=None, prefetch=None, hoist_q=None, select_num_warps=None, radix_bits=1,
+                     fused=None):
     """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
     ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
 
@@ -465,13 +475,14 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     entries past it are other slots' tokens, to be ignored. Ties are broken in slot
     order by the kernel, unspecified by the reference. ``1 <= k <= NBsel * block_size``.
 
-    The kernel path runs the label logits kernel, then one kernel that normalizes the
+    The kernel path runs ``block_label_scores``' kernels, ``topk_indices`` and a gather;
+    with ``fused=True`` the label logits kernel, then one kernel that normalizes the
     logits, selects the top ``k`` and maps slots to tokens (``pallas_kernels.label_topk``:
-    three steps and two HBM round trips of the scores fewer than ``block_label_scores``
-    + ``topk_indices`` + a gather). Rows longer than ``label_topk.MAX_CANDIDATES``
-    candidates use those unfused kernels. Label tuning as ``block_label_scores`` (its
-    "logits" mode is always used); ``select_num_warps`` and ``radix_bits`` tune the
-    selection (``topk_indices``' ``num_warps`` and ``radix_bits``).
+    three steps and two HBM round trips of the scores fewer, but slower as measured: see
+    ``FUSED_LABEL_TOPK``, the default for ``fused=None``). Rows longer than
+    ``label_topk.MAX_CANDIDATES`` candidates always run unfused. Label tuning as
+    ``block_label_scores``; ``select_num_warps`` and ``radix_bits`` tune the selection
+    (``topk_indices``' ``num_warps`` and ``radix_bits``).
     """
     b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
                                                 block_size, scale, bits, "block_label_topk")
@@ -494,16 +505,17 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
                                                   block_size=bs, scale=scale, bits=bits)
         valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
         return _block_topk_from_scores(scores, valid, block_ids, k, bs, "reference", {})
-    tuning = _kernel_tuning("logits", block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
+    tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
     if not interpret:
         tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
-    tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
     select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
-    if c > _ltk.MAX_CANDIDATES:
+    if not fused or c > _ltk.MAX_CANDIDATES:
         scores = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, block_size=bs,
                                                scale=scale, bits=bits, interpret=interpret, **tuning)
         valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
         return _block_topk_from_scores(scores, valid, block_ids, k, bs, "pallas", select)
+    tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
     logits, m, l = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths,
                                                  block_size=bs, scale=scale, bits=bits, interpret=interpret,
                                                  return_raw=True, **tuning)
@@ -519,7 +531,9 @@ def _block_topk_from_scores(scores, valid, block_ids, k, block_size, impl, selec
     every unmasked one, mapped to tokens through ``block_ids``."""
     from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
 
-    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=impl, **select)
+    # masked slots are -inf: with fewer than k others they are the ties at the threshold,
+    # and greater_first puts the unmasked ones first (the contract's "first counts entries")
+    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=impl, greater_first=True, **select)
     pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // block_size, axis=-1) * block_size + idx % block_size
     return pos.astype(jnp.int32), jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), k)
 

@@ -132,7 +132,7 @@ def _run(scores, counts, *, k, choice, interpret, tuning):
     return out.reshape(*lead, k)
 
 
-def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", **tuning):
+def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_first: bool = False, **tuning):
     """Positions of the ``k`` largest valid scores per row: ``int32[R..., k]``.
 
     Args:
@@ -140,6 +140,11 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", **tuning):
       k: static int, ``1 <= k <= N``.
       counts: optional ``int32[R...]``, valid leading entries per row.
       impl: "auto" | "pallas" | "reference".
+      greater_first: in a row with at least ``k`` valid entries, the entries strictly
+        above the k-th largest value come first, then the ties at it (the kernel otherwise
+        returns positions in ascending order; the reference's order is by value, so it
+        always satisfies this). A caller that marks entries with ``-inf`` and has fewer
+        than ``k`` others finds those others first.
       **tuning: kernel knobs (see module docstring).
 
     See the module docstring for the full contract (order, ties, short rows,
@@ -159,5 +164,7 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", **tuning):
     if impl != "reference" and _plan(n, k, tuning) is None:
         unsupported = f"no kernel plan for N={n}, k={k} with tuning {tuning}"
     choice, interpret = resolve_impl(impl, kernel_unsupported=unsupported)
+    if greater_first:
+        tuning = {**tuning, "greater_first": True}
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
     return _run(scores, counts, k=k, choice=choice, interpret=interpret, tuning=tuning_items)
