@@ -297,6 +297,8 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         t = time_fn(fn, (q, k, v, lengths, state), runs=runs)
         add("AsyncTLS method step (model path)", t, op_bytes, budget, dense_ms)
         if one_program and budget == max(budgets):  # each chain is a compile: the largest K only
+            wall_row("AsyncTLS operator [fused selection]", functools.partial(asynctls_operator, budget=budget, fused=True),
+                     (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)
             wall_row("AsyncTLS operator", functools.partial(asynctls_operator, budget=budget),
                      (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)
             wall_row("AsyncTLS method step (model path)", fn, (q, k, v, lengths, state), op_bytes, budget, dense_wall)
