@@ -259,9 +259,10 @@ class AsyncTLS(DoubleSparsity):
         n1 = min(self.kb, nb) - 1
         if n1 < 1:
             return jnp.zeros((b, hkv, 0), jnp.int32)
-        blk = jnp.arange(nb, dtype=jnp.int32)
-        scores = jnp.where(blk >= newest[:, None, None], -jnp.inf, scores)
-        top = topk_indices(scores, n1, jnp.broadcast_to(newest[:, None] + 1, (b, hkv)), impl=self.impl)
+        # blocks at or past the newest are not candidates: the top-k's count leaves them out
+        # (as an -inf mask did, without a pass over the scores); a row with fewer than n1 of
+        # them is replaced below
+        top = topk_indices(scores, n1, jnp.broadcast_to(newest[:, None], (b, hkv)), impl=self.impl)
         short = (newest <= n1)[:, None, None]
         return jnp.where(short, jnp.arange(n1, dtype=jnp.int32), top).astype(jnp.int32)
 
