@@ -81,8 +81,7 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     nb = k_max.shape[2]
     scores = quest_block_scores(q, k_max, k_min, impl=impl)
     nvalid = (lengths + BLOCK - 1) // BLOCK
-    block_counts = jnp.broadcast_to(nvalid[:, None], (b, HKV)).astype(jnp.int32)
-    blocks = topk_indices(scores, KB, block_counts, impl=impl)  # [B, Hkv, KB]
+    blocks = topk_indices(scores, KB, nvalid[:, None].astype(jnp.int32), impl=impl)  # [B, Hkv, KB]
     # the labels scored over the block ids (no candidate array), as the method does
     if fused:
         tokens, counts = block_label_topk(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,

@@ -347,6 +347,7 @@ def _select_kernel(
     radix_bits: int,
     early_exit: bool,
     greater_first: bool = False,
+    rows_per_count: int = 1,
 ):
     """One (row block, chunk) program of one level.
 
@@ -374,7 +375,10 @@ def _select_kernel(
     src = rows * n_in + col
 
     if has_counts:
-        cnt = plgpu.load(counts_ref.at[jnp.minimum(rows, n_rows - 1)])
+        cnt_row = jnp.minimum(rows, n_rows - 1)
+        if rows_per_count > 1:  # one count shared by consecutive rows (e.g. a row's KV heads)
+            cnt_row = lax.div(cnt_row, np.int32(rows_per_count))
+        cnt = plgpu.load(counts_ref.at[cnt_row])
         cnt = jnp.clip(cnt, 0, n_orig)
     else:
         cnt = jnp.full((br, 1), n_orig, jnp.int32)
@@ -414,9 +418,11 @@ def topk_pallas(
     radix_bits: int = 1,
     early_exit: bool = True,
     greater_first: bool = False,
+    rows_per_count: int = 1,
     interpret: bool = False,
 ):
-    """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``.
+    """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``
+    (``counts i32[R / rows_per_count]``: row ``r`` reads ``counts[r // rows_per_count]``).
 
     ``greater_first``: for a row with at least ``k`` valid entries, the final level writes
     the keys above the k-th largest first, then the ties at it (default: the taken
@@ -443,6 +449,8 @@ def topk_pallas(
     if r * max(n, plan.levels[0].n_chunks * plan.levels[0].chunk) >= 2**31:
         raise ValueError("R * N must be < 2**31 (int32 offsets)")
     has_counts = counts is not None
+    if has_counts and counts.shape[0] * rows_per_count != r:
+        raise ValueError(f"counts [{counts.shape[0]}] x rows_per_count {rows_per_count} != rows {r}")
     extra = (counts.astype(jnp.int32),) if has_counts else ()
 
     srcs = (scores.astype(jnp.float32).reshape(r * n),)
@@ -470,6 +478,7 @@ def topk_pallas(
             radix_bits=radix_bits,
             early_exit=early_exit and not (greater_first and lvl.final and lvl.n_in <= k),
             greater_first=greater_first,
+            rows_per_count=rows_per_count,
         )
         outs = pl.pallas_call(
             kern,

@@ -326,6 +326,8 @@ def _lower_for_h100(fn, *specs):
         (64, 2048, 128, dict(block_rows=4), 1),
         (64, 131072, 2048, {}, 3),
         (64, 32768, 512, {}, 2),
+        (64, 8192, 2048, dict(rows_per_count=8, greater_first=True), 1),
+        (64, 32768, 512, dict(rows_per_count=8), 2),
     ],
 )
 def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):
@@ -334,7 +336,8 @@ def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):
     def fn(x, c):
         return topk_k.topk_pallas(x, k, c, **tuning)
 
-    txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((r, n), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32))
+    nc = r // tuning.get("rows_per_count", 1)
+    txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((r, n), jnp.float32), jax.ShapeDtypeStruct((nc,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == calls
 
 
@@ -358,3 +361,22 @@ def test_greater_first_puts_the_ties_at_the_threshold_last(n, k, tuning):
             assert len(set(out[r].tolist())) == k
     mixed = np.asarray(topk_indices(jnp.asarray(x), k, impl="pallas", **tuning))
     assert not np.isfinite(x[0, mixed[0, : k // 2]]).all()  # the default order is by position
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+@pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (5000, 64, {"max_single": 1024})])
+def test_counts_shared_by_the_last_leading_axis(impl, n, k, tuning):
+    """counts [B, 1] for scores [B, H, N]: every head of a row uses the row's count (the
+    kernel reads it by row // H; nothing is broadcast in memory); the same result as the
+    broadcast counts, through one and several levels."""
+    b, h = 3, 5
+    x = jnp.asarray(distinct_scores((b * h, n)).reshape(b, h, n))
+    per_row = jnp.asarray([n, k - 3, n // 2], jnp.int32)
+    kw = tuning if impl == "pallas" else {}
+    got = np.asarray(topk_indices(x, k, per_row[:, None], impl=impl, **kw))
+    want = np.asarray(topk_indices(x, k, jnp.broadcast_to(per_row[:, None], (b, h)), impl=impl, **kw))
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
+    with pytest.raises(ValueError, match="last axis 1"):
+        topk_indices(x, k, per_row[:2, None], impl=impl)
+    with pytest.raises(ValueError, match="last axis 1"):
+        topk_indices(x, k, jnp.ones((1, h), jnp.int32), impl=impl)

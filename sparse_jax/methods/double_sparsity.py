@@ -262,7 +262,7 @@ class AsyncTLS(DoubleSparsity):
         # blocks at or past the newest are not candidates: the top-k's count leaves them out
         # (as an -inf mask did, without a pass over the scores); a row with fewer than n1 of
         # them is replaced below
-        top = topk_indices(scores, n1, jnp.broadcast_to(newest[:, None], (b, hkv)), impl=self.impl)
+        top = topk_indices(scores, n1, newest[:, None], impl=self.impl)
         short = (newest <= n1)[:, None, None]
         return jnp.where(short, jnp.arange(n1, dtype=jnp.int32), top).astype(jnp.int32)
 

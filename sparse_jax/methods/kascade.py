@@ -373,7 +373,7 @@ class Kascade(AttentionMethod):
         kk = self.carry_tokens(kv.capacity)
         scores = anchor_group_probabilities(q, kv.k, lengths, impl=self.impl)
         b, hkv, _ = scores.shape
-        top = topk_indices(scores, kk, jnp.broadcast_to(lengths[:, None], (b, hkv)), impl=self.impl)
+        top = topk_indices(scores, kk, lengths[:, None], impl=self.impl)
         if self.fixed_budget:
             counts = jnp.minimum(self.fixed_budget, lengths)
         else:

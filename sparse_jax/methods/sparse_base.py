@@ -157,7 +157,7 @@ class BlockSparseMethod(SparseMethod):
         parts = [jnp.broadcast_to(jnp.arange(self.sink_blocks, dtype=jnp.int32), (b, hkv, self.sink_blocks))]
         k_sel = n - self.sink_blocks - self.window_blocks
         if k_sel > 0:
-            parts.append(topk_indices(scores, k_sel, jnp.broadcast_to(last[:, None] + 1, (b, hkv)), impl=self.impl))
+            parts.append(topk_indices(scores, k_sel, (last + 1)[:, None], impl=self.impl))
         parts.append(jnp.broadcast_to(lo + jnp.arange(self.window_blocks, dtype=jnp.int32), (b, hkv, self.window_blocks)))
         blocks = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
         return fallback_to_dense(blocks, last + 1, n)

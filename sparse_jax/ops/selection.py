@@ -1,7 +1,9 @@
 """Top-k index selection: ``topk_indices``.
 
 Shapes: ``scores: float[R..., N]`` (any number of leading dims, e.g.
-``[B, Hkv, N]``), ``counts: int32[R...] | None`` -> ``int32[R..., k]``.
+``[B, Hkv, N]``), ``counts: int32[R...] | None`` -> ``int32[R..., k]``. ``counts``
+may also have its last axis 1 (``[B, 1]``: one count for every KV head of a row),
+which the kernel reads in place (no broadcast is written).
 
 Contract (both implementations):
 
@@ -106,7 +108,10 @@ def _check_args(scores, k, counts, tuning):
         if not hasattr(counts, "dtype"):
             raise TypeError(f"counts must be an int32 array or None, got {type(counts).__name__}")
         _checks.check_int("counts", counts)
-        _checks.check_shape("counts", counts, scores.shape[:-1], "scores.shape[:-1]")
+        lead = tuple(scores.shape[:-1])
+        if not (tuple(counts.shape) == lead or (len(lead) >= 1 and tuple(counts.shape) == lead[:-1] + (1,))):
+            raise ValueError(f"counts must have shape scores.shape[:-1] = {lead}, or that with its last axis 1 "
+                             f"({lead[:-1] + (1,)}: one count for the rows of that axis), got {tuple(counts.shape)}")
     unknown = set(tuning) - TUNING_KEYS
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
@@ -124,11 +129,14 @@ def _run(scores, counts, *, k, choice, interpret, tuning):
     n = scores.shape[-1]
     r = math.prod(lead)
     x = scores.reshape(r, n).astype(jnp.float32)
-    c = None if counts is None else counts.reshape(r).astype(jnp.int32)
+    shared = counts is not None and counts.size != r  # one count for each group of lead[-1] rows
     if choice == "reference":
+        c = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
         out = _topk.topk_reference(x, k, c)
     else:
-        out = _topk.topk_pallas(x, k, c, interpret=interpret, **dict(tuning))
+        c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
+        out = _topk.topk_pallas(x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
+                                **dict(tuning))
     return out.reshape(*lead, k)
 
 
