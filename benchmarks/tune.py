@@ -23,7 +23,8 @@ import numpy as np
 
 from benchmarks.timing import RESULTS_DIR, hbm_floor_ms, markdown_table, rotation_sets, stamp, time_fn, write_results
 from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
-from sparse_jax.ops.scoring import block_label_scores, build_label_cache, label_scores, quest_block_scores
+from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, build_label_cache, label_scores,
+                                    quest_block_scores)
 from sparse_jax.ops.selection import topk_indices
 
 DEADLINE = float("inf")
@@ -128,7 +129,8 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--only", default="", help="comma list: sparse,block,quest,labels,topk")
+    p.add_argument("--only", default="",
+                   help="comma list: sparse,block,quest,labels,topk,labeltopk (labeltopk only when named)")
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all), e.g. 0,1")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
                    help="selected tokens K for the sparse and block decode sweeps (default %(default)s)")
@@ -232,6 +234,28 @@ def main(argv=None):
             if r:
                 best[("block_labels", shape)] = r
                 classes[shape_class("block_label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g, block=64)] = (r, shape)
+        if "labeltopk" in only and d // 4 * 4 // 8 in (4, 8, 16, 32):
+            # AsyncTLS's second level: unfused kernels against the fused selection kernel,
+            # its warps and radix (not in the table: FUSED_LABEL_TOPK says which one runs)
+            r_ch = d // 4
+            channels = jnp.tile((jnp.arange(r_ch, dtype=jnp.int32) * 3 % d)[None], (hkv, 1))
+            labels = build_label_cache(k, channels)
+            nsel = min(128, s // 64)
+            blocks = jax.random.randint(jax.random.key(4), (b, hkv, nsel), 0, s // 64, jnp.int32)
+            bcount = jnp.full((b, hkv), nsel, jnp.int32)
+            for K in [int(x) for x in args.budgets.split(",")]:
+                kk = min(K, nsel * 64)
+                ref = block_label_topk(q, labels, channels, blocks, bcount, lengths, block_size=64, k=kk,
+                                       impl="reference")[0]
+                cfgs = [dict(fused=False)] + [dict(fused=True, select_num_warps=nw, radix_bits=rb)
+                                              for nw, rb in itertools.product((4, 8, 16), (1, 2))]
+                r = sweep("block_label_topk",
+                          lambda *a, **c: block_label_topk(*a, block_size=64, k=kk, impl="pallas", **c)[0],
+                          (q, labels, channels, blocks, bcount, lengths), ref, cfgs,
+                          b * hkv * nsel * 64 * (r_ch // 2 + 8), args.runs, rows, f"{shape} K={kk}", exact=True,
+                          tol=1e-3)
+                if r:
+                    best[("labeltopk", f"{shape} K={kk}")] = r
         del q, k, v
     if not only or "topk" in only:
         for rows_, n, kk in ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048), (64, 8192, 1024),
