@@ -949,9 +949,10 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record)
     qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
+    shared_cnt = cnt.shape[1] == 1 and hkv > 1  # [B, 1]: one count for a row's KV heads, read in place
     in_specs = [
         pl.BlockSpec((None,), lambda i, j, t: (i,)),
-        pl.BlockSpec((None, None), lambda i, j, t: (i, j)),
+        pl.BlockSpec((None, None), (lambda i, j, t: (i, 0)) if shared_cnt else (lambda i, j, t: (i, j))),
         pl.BlockSpec((None, None, src.shape[-1]), lambda i, j, t: (i, j, 0)),
         pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0)),
     ]

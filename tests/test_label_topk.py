@@ -204,3 +204,22 @@ def test_asynctls_selects_what_the_unfused_path_selects(impl, fused, monkeypatch
             n = int(got_cnt[bi, h])
             assert n == min(budget, int(lengths[bi]))
             assert sorted(got_idx[bi, h, :n].tolist()) == sorted(ref_idx[bi, h, :n].tolist())
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_block_counts_shared_by_a_rows_heads(impl):
+    """block_counts [B, 1] (what AsyncTLS passes: one count for every KV head) gives what the
+    broadcast [B, Hkv] gives, for the scores and the top-k."""
+    q, labels, channels, ids, counts, lengths = _case(9, 2, 8, 2, 64, 16, 16, 6, short_row=False)
+    per_row = jnp.asarray([6, 4], jnp.int32)
+    wide = jnp.broadcast_to(per_row[:, None], (2, 2))
+    args = (q, labels, channels, ids)
+    np.testing.assert_array_equal(
+        np.asarray(scoring.block_label_scores(*args, per_row[:, None], lengths, block_size=16, impl=impl)),
+        np.asarray(scoring.block_label_scores(*args, wide, lengths, block_size=16, impl=impl)))
+    got = scoring.block_label_topk(*args, per_row[:, None], lengths, block_size=16, k=30, impl=impl)
+    want = scoring.block_label_topk(*args, wide, lengths, block_size=16, k=30, impl=impl)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
+    with pytest.raises(ValueError, match="block_counts"):
+        scoring.block_label_scores(*args, jnp.ones((2, 3), jnp.int32), lengths, block_size=16)

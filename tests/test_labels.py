@@ -523,6 +523,9 @@ def test_kernels_lower_to_triton(abstract_h100):
                 (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
                                                                                      block_size=64, mode=mode),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
+                                                                                     block_size=64, mode=mode),
+                 (q, labels, ch32, sd((2, 3, 5), jnp.int32), sd((2, 1), jnp.int32), lens)),  # [B, 1] counts
             ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -222,7 +222,7 @@ class AsyncTLS(DoubleSparsity):
         score 0."""
         b, hkv, n1 = blocks.shape
         all_blocks, newest = self._with_newest(blocks, lengths)
-        scored = jnp.broadcast_to(jnp.where(newest < n1, n1, n1 + 1)[:, None], (b, hkv)).astype(jnp.int32)
+        scored = jnp.where(newest < n1, n1, n1 + 1)[:, None].astype(jnp.int32)  # [B, 1]: every KV head
         if not self.sink and not self.window:
             # AsyncTLS as published: the top tokens of the candidates, scored, chosen and
             # mapped to positions by one op (one kernel after the label logits). Its mask is

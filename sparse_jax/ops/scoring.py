@@ -413,7 +413,11 @@ def _check_block_label_args(q, labels, channels, block_ids, block_counts, length
     if tuple(block_ids.shape[:2]) != (b, hkv) or block_ids.shape[2] == 0:
         raise ValueError(f"block_ids must have shape [B={b}, Hkv={hkv}, NBsel>=1], got "
                          f"{tuple(block_ids.shape)}")
-    check_int_array("block_counts", block_counts, (b, hkv), "[B, Hkv]")
+    check_rank("block_counts", block_counts, 2, "[B, Hkv]")
+    check_int("block_counts", block_counts)
+    if tuple(block_counts.shape) not in ((b, hkv), (b, 1)):
+        raise ValueError(f"block_counts must have shape [B={b}, Hkv={hkv}] or [B={b}, 1] (one count for a "
+                         f"row's KV heads), got {tuple(block_counts.shape)}")
     return b, hkv, w, scale
 
 
@@ -426,7 +430,8 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     ``block_ids[..., j] * block_size + arange(block_size)``, and the output is
     in that order (the same as ``label_scores`` with those positions as
     candidates). Masked (score exactly 0, excluded from the softmax): slots at
-    or past ``block_counts int32[B, Hkv]`` (clamped to ``[0, NBsel]``), block
+    or past ``block_counts int32[B, Hkv]`` (or ``[B, 1]``, one count for a row's
+    KV heads, read in place; clamped to ``[0, NBsel]``), block
     ids outside ``[0, ceil(S / block_size))``, and tokens at or past
     ``min(lengths[b], S)`` (so a partial last block is handled). The kernel
     makes the positions in registers (no candidate array) and reads each
