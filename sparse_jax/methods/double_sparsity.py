@@ -220,13 +220,13 @@ class AsyncTLS(DoubleSparsity):
         ``arange`` blocks already hold its newest block unless that is block
         ``n-1``, so the appended copy is counted out; tokens at or past ``lengths``
         score 0."""
-        b, hkv, n1 = blocks.shape
+        n1 = blocks.shape[-1]
         all_blocks, newest = self._with_newest(blocks, lengths)
         scored = jnp.where(newest < n1, n1, n1 + 1)[:, None].astype(jnp.int32)  # [B, 1]: every KV head
         if not self.sink and not self.window:
             # AsyncTLS as published: the top tokens of the candidates, scored, chosen and
-            # mapped to positions by one op (one kernel after the label logits). Its mask is
-            # the candidate mask of the path below, so the same tokens are chosen.
+            # mapped to positions by one op (block_label_topk), without the candidate array
+            # and masks of the path below; its mask is that path's, so the same tokens are chosen.
             c = all_blocks.shape[-1] * self.block_size
             budget = min(self.budget, capacity if capacity is not None else c)
             top, taken = block_label_topk(q, state.labels, channels, all_blocks, scored, lengths,
