@@ -83,16 +83,15 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     nvalid = (lengths + BLOCK - 1) // BLOCK
     blocks = topk_indices(scores, KB, nvalid[:, None].astype(jnp.int32), impl=impl)  # [B, Hkv, KB]
     # the labels scored over the block ids (no candidate array), as the method does
+    kept = jnp.full((b, HKV), KB, jnp.int32)
     if fused:
-        tokens, counts = block_label_topk(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,
-                                          block_size=BLOCK, k=budget, impl=impl, fused=True)
-        out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
-        return (out, tokens) if return_parts else out
-    ls = block_label_scores(q, labels, channels, blocks, jnp.full((b, HKV), KB, jnp.int32), lengths,
-                            block_size=BLOCK, impl=impl)
-    pick = topk_indices(ls, budget, impl=impl)  # slots of the KB * BLOCK candidates
-    tokens = jnp.take_along_axis(blocks, pick // BLOCK, axis=-1) * BLOCK + pick % BLOCK
-    counts = jnp.full((b, HKV), budget, jnp.int32)
+        tokens, counts = block_label_topk(q, labels, channels, blocks, kept, lengths, block_size=BLOCK, k=budget,
+                                          impl=impl, fused=True)
+    else:
+        ls = block_label_scores(q, labels, channels, blocks, kept, lengths, block_size=BLOCK, impl=impl)
+        pick = topk_indices(ls, budget, impl=impl)  # slots of the KB * BLOCK candidates
+        tokens = jnp.take_along_axis(blocks, pick // BLOCK, axis=-1) * BLOCK + pick % BLOCK
+        counts = jnp.full((b, HKV), budget, jnp.int32)
     out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
     if return_parts:
         return out, tokens

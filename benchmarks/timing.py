@@ -148,18 +148,8 @@ def per_step_wall_ms(step: Callable, args: Sequence[Any], *, counts: tuple[int, 
             return out
         return jax.jit(run)
 
-    medians = []
-    for n in counts:
-        fn = chain(n)
-        for _ in range(warmup):
-            _block(fn(*args))
-        wall = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            _block(fn(*args))
-            wall.append((time.perf_counter() - t0) * 1e3)
-        medians.append(float(np.median(wall)))
-    return (medians[1] - medians[0]) / (counts[1] - counts[0])
+    short, long = (time_fn(chain(n), args, warmup=warmup, runs=runs, cupti=False).wall_ms for n in counts)
+    return (long - short) / (counts[1] - counts[0])
 
 
 H100_L2_BYTES = 50 * 2**20

@@ -257,39 +257,34 @@ def block_summary_kernel(k, lengths, *, block_size, mode="minmax", blocks_per_pr
 def _quest_body(q_ref, kmax_ref, kmin_ref, o_ref, *, group, group_pad, block_n, num_blocks, reduce="sum"):
     # q_ref: [G, D]; kmax_ref/kmin_ref: [NB, D]; o_ref: [NB].
     t = pl.program_id(2)
-    if reduce == "max":
-        # each query head's bound over the same tiles, then the largest (the tiles are read
-        # once; the FMAs are G times the sum's, still under the bytes' time)
-        rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        rmask = rows < num_blocks
-        kmax = plgpu.load(kmax_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
-        kmin = plgpu.load(kmin_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
-        kmax, kmin = kmax.astype(jnp.float32), kmin.astype(jnp.float32)
-        s = None
-        for g in range(group):  # the real heads only: a zero pad row's bound (0) must not win
-            qg = q_ref[g, :].astype(jnp.float32)  # [D]
-            sg = jnp.sum(kmax * jnp.maximum(qg, 0.0)[None, :] + kmin * jnp.minimum(qg, 0.0)[None, :], axis=1)
-            s = sg if s is None else jnp.maximum(s, sg)
-        plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
-        return
-    if group_pad == group:
-        q = q_ref[...].astype(jnp.float32)
-    else:  # G = 3 (SmolLM2) etc.: pad the group to a power of two with zero rows.
-        gmask = (jnp.arange(group_pad) < group)[:, None]
-        q = plgpu.load(q_ref.at[pl.ds(0, group_pad), :], mask=gmask, other=0.0)
-        q = q.astype(jnp.float32)
-    # Linear in q: fold the group into one q+ and one q- row (f32).
-    qpos = jnp.sum(jnp.maximum(q, 0.0), axis=0)  # [D]
-    qneg = jnp.sum(jnp.minimum(q, 0.0), axis=0)
-
     rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
     rmask = rows < num_blocks
     kmax = plgpu.load(kmax_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
     kmin = plgpu.load(kmin_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0.0)
-    # A 1-row GEMV: tensor cores would idle on M=1, so this is an FMA + row
-    # reduction; the op is bound by reading kmax/kmin anyway.
-    s = jnp.sum(kmax.astype(jnp.float32) * qpos[None, :] + kmin.astype(jnp.float32) * qneg[None, :],
-                axis=1)
+    kmax, kmin = kmax.astype(jnp.float32), kmin.astype(jnp.float32)
+
+    def bound(qpos, qneg):
+        # A 1-row GEMV: tensor cores would idle on M=1, so this is an FMA + row
+        # reduction; the op is bound by reading kmax/kmin anyway.
+        return jnp.sum(kmax * qpos[None, :] + kmin * qneg[None, :], axis=1)
+
+    if reduce == "max":
+        # each query head's bound over the same tiles, then the largest (the tiles are read
+        # once; the FMAs are G times the sum's, still under the bytes' time)
+        s = None
+        for g in range(group):  # the real heads only: a zero pad row's bound (0) must not win
+            qg = q_ref[g, :].astype(jnp.float32)  # [D]
+            sg = bound(jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0))
+            s = sg if s is None else jnp.maximum(s, sg)
+    else:
+        if group_pad == group:
+            q = q_ref[...].astype(jnp.float32)
+        else:  # G = 3 (SmolLM2) etc.: pad the group to a power of two with zero rows.
+            gmask = (jnp.arange(group_pad) < group)[:, None]
+            q = plgpu.load(q_ref.at[pl.ds(0, group_pad), :], mask=gmask, other=0.0)
+            q = q.astype(jnp.float32)
+        # Linear in q: fold the group into one q+ and one q- row (f32).
+        s = bound(jnp.sum(jnp.maximum(q, 0.0), axis=0), jnp.sum(jnp.minimum(q, 0.0), axis=0))
     plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
 
 

@@ -7,8 +7,8 @@ the group's query heads), the top-k kernel, and an XLA fusion mapping each chose
 to its token (``block_ids[slot // bs] * bs + slot % bs``); the scores round-trip
 through HBM in between. Here one program per (row, KV head) reads the raw logits and
 the per-program softmax statistics of ``labels.block_label_scores_kernel(...,
-mode="logits", return_raw=True)``, forms the scores in registers (the same arithmetic
-as the normalization kernel, so the same numbers), selects with the radix search of
+mode="logits", return_raw=True)``, forms the scores in registers (the normalization
+kernel's arithmetic and its ``_combine_stats``, so the same numbers), selects with the radix search of
 :mod:`pallas_kernels.topk`, and writes token positions.
 
 Shapes (R = B * Hkv rows, G query heads per KV head, C = NBsel * block_size candidates,
@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._util import next_pow2
+from pallas_kernels.labels import _combine_stats, label_scores_epilogue
 from pallas_kernels.topk import (
     DEFAULT_MAX_SINGLE,
     INT32_MIN,
@@ -48,26 +49,9 @@ from pallas_kernels.topk import (
     topk_reference,
 )
 
-__all__ = ["label_topk_reference", "label_topk_pallas", "normalized_scores", "MAX_CANDIDATES"]
+__all__ = ["label_topk_reference", "label_topk_pallas", "MAX_CANDIDATES"]
 
 MAX_CANDIDATES = DEFAULT_MAX_SINGLE  # one program holds a row's candidates in registers
-
-
-def normalized_scores(logits, m, l):
-    """``f32[R, C]``: the mean over G of each head's softmax over C, ``-inf`` where masked.
-
-    The same arithmetic as ``labels._normalize_body`` (max over the partitions, 0 when
-    empty; weight ``1 / (G * sum)``, 0 when empty)."""
-    g = logits.shape[1]
-    big = jnp.max(m, axis=1)  # [R, G]
-    big = jnp.where(big == -jnp.inf, 0.0, big)
-    tot = jnp.sum(l * jnp.exp(m - big[:, None, :]), axis=1)
-    w = jnp.where(tot > 0, (1.0 / g) / jnp.where(tot > 0, tot, 1.0), 0.0)
-    acc = None
-    for h in range(g):  # in head order, as the kernels sum
-        e = jnp.exp(logits[:, h] - big[:, h:h + 1]) * w[:, h:h + 1]
-        acc = e if acc is None else acc + e
-    return jnp.where(logits[:, 0] == -jnp.inf, -jnp.inf, acc)
 
 
 def _token_of_slot(block_ids, slots, block_size: int):
@@ -75,9 +59,10 @@ def _token_of_slot(block_ids, slots, block_size: int):
 
 
 def label_topk_reference(logits, m, l, block_ids, k: int, *, block_size: int):
-    """Pure-jnp path: ``normalized_scores``, ``lax.top_k`` on order keys (masked
-    candidates below every unmasked one), the block-to-token map."""
-    scores = normalized_scores(logits, m, l)
+    """Pure-jnp path: the label scores' normalization (``labels.label_scores_epilogue``),
+    ``lax.top_k`` on order keys (masked candidates below every unmasked one), the
+    block-to-token map."""
+    scores = label_scores_epilogue(logits[:, None], m[:, None], l[:, None])[:, 0]
     valid = logits[:, 0] > -jnp.inf
     idx = topk_reference(jnp.where(valid, scores, -jnp.inf), k)
     counts = jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), k)
@@ -85,26 +70,19 @@ def label_topk_reference(logits, m, l, block_ids, k: int, *, block_size: int):
 
 
 def _label_topk_kernel(logit_ref, m_ref, l_ref, blk_ref, pos_ref, cnt_ref, *, group: int, n_cand: int,
-                       lanes: int, n_part: int, n_blocks: int, block_size: int, k: int, n_rows: int,
+                       lanes: int, n_blocks: int, block_size: int, k: int, n_rows: int,
                        radix_bits: int, early_exit: bool):
-    """One row: flat refs addressed with computed offsets (as the top-k kernel)."""
+    """One row: the row's statistics as ``[P, G]`` blocks, the rest flat refs addressed with
+    computed offsets (as the top-k kernel)."""
     row = pl.program_id(0)
     rows = row + lax.broadcasted_iota(jnp.int32, (1, 1), 0)  # [1, 1]
     lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)  # [1, C']
     live = lane < n_cand
-    ppad = next_pow2(n_part)
-    part = jnp.arange(ppad, dtype=jnp.int32)
-    pok = part < n_part
+    maxes, weights = _combine_stats(m_ref, l_ref, group)  # the normalization kernel's own
     acc, first = None, None
     for g in range(group):
-        mg = plgpu.load(m_ref.at[(row * n_part + part) * group + g], mask=pok, other=-jnp.inf)
-        lg = plgpu.load(l_ref.at[(row * n_part + part) * group + g], mask=pok, other=0.0)
-        big = jnp.max(mg)
-        big = jnp.where(big == -jnp.inf, 0.0, big)
-        tot = jnp.sum(lg * jnp.exp(mg - big))
-        w = jnp.where(tot > 0, (1.0 / group) / jnp.where(tot > 0, tot, 1.0), 0.0)
         x = plgpu.load(logit_ref.at[(row * group + g) * n_cand + lane], mask=live, other=-jnp.inf)
-        e = jnp.exp(x - big) * w  # exactly 0 where the logit is -inf
+        e = jnp.exp(x - maxes[g]) * weights[g]  # exactly 0 where the logit is -inf
         acc = e if acc is None else acc + e
         first = x if first is None else first
     valid = live & (first > -jnp.inf)
@@ -141,15 +119,19 @@ def label_topk_pallas(logits, m, l, block_ids, k: int, *, block_size: int, num_w
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
     lanes = next_pow2(c)
     kern = functools.partial(
-        _label_topk_kernel, group=g, n_cand=c, lanes=lanes, n_part=p, n_blocks=nb, block_size=block_size,
+        _label_topk_kernel, group=g, n_cand=c, lanes=lanes, n_blocks=nb, block_size=block_size,
         k=k, n_rows=r, radix_bits=radix_bits, early_exit=early_exit)
+    whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))  # noqa: E731 - a flat array, every program
+    stat = pl.BlockSpec((None, p, g), lambda i: (i, 0, 0))
     pos, cnt = pl.pallas_call(
         kern,
+        in_specs=[whole(r * g * c), stat, stat, whole(r * nb)],
+        out_specs=[whole(r * k), whole(r)],
         out_shape=(jax.ShapeDtypeStruct((r * k,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.int32)),
         grid=(r,),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or _default_warps(lanes), num_stages=1),
         interpret=interpret,
         name=f"label_topk_c{lanes}",
-    )(logits.astype(jnp.float32).reshape(-1), m.astype(jnp.float32).reshape(-1),
-      l.astype(jnp.float32).reshape(-1), block_ids.astype(jnp.int32).reshape(-1))
+    )(logits.astype(jnp.float32).reshape(-1), m.astype(jnp.float32), l.astype(jnp.float32),
+      block_ids.astype(jnp.int32).reshape(-1))
     return pos.reshape(r, k), cnt

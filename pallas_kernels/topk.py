@@ -316,21 +316,6 @@ def _compaction(key, t, k_sel: int, greater_first: bool = False):
     return take, slot
 
 
-def _store_final(out_ref, rows, lane, pos, fill_pos, take, slot, cnt, k_out: int, out_stride: int, row_ok, oob):
-    """The final level's store into the flat ``out_ref`` (row ``r`` at ``r * out_stride``):
-    ``pos`` at the taken lanes' slots. A row with fewer than ``k_out`` valid entries gets
-    all its valid positions plus invalid fill, i.e. exactly lanes ``0..k_out-1``, written
-    as ``fill_pos`` (the lane itself, or its image under a position map). Writing that
-    directly keeps fill positions < N at every level (a chunked level's fill may be
-    padding lanes >= N). Masked lanes get the index ``oob`` (see the module docstring)."""
-    short = cnt < k_out
-    dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
-    plgpu.store(out_ref.at[dst], pos, mask=take & ~short)
-    fill = row_ok & short & (lane < k_out)
-    dst2 = jnp.where(fill, rows * out_stride + lane, oob)
-    plgpu.store(out_ref.at[dst2], fill_pos, mask=fill)
-
-
 def _select_kernel(
     *refs,
     first: bool,
@@ -397,8 +382,16 @@ def _select_kernel(
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
     if final:
-        _store_final(out_refs[0], rows, lane, pos, jnp.broadcast_to(lane, (br, c)), take, slot, cnt, k_out,
-                     out_stride, row_ok, oob)
+        # Rows with fewer than k valid entries: the answer is all valid
+        # positions (0..cnt-1) plus invalid fill, i.e. exactly arange(k).
+        # Writing that directly keeps fill positions < N at every level
+        # (a chunked level's fill may be padding lanes >= N).
+        short = cnt < k_out
+        dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
+        plgpu.store(out_refs[0].at[dst], pos, mask=take & ~short)
+        fill = row_ok & short & (lane < k_out)
+        dst2 = jnp.where(fill, rows * out_stride + lane, oob)
+        plgpu.store(out_refs[0].at[dst2], jnp.broadcast_to(lane, (br, c)), mask=fill)
     else:
         dst = jnp.where(take, rows * out_stride + ci * k_sel + slot, oob)
         plgpu.store(out_refs[0].at[dst], key, mask=take)

@@ -503,43 +503,37 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
                                                                  {"block_c": block_c})))
+    from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
+
     bs = int(block_size)
-    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
+    select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
     if choice == "reference":
         scores = _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths,
                                                   block_size=bs, scale=scale, bits=bits)
-        valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
-        return _block_topk_from_scores(scores, valid, block_ids, k, bs, "reference", {})
-    fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
-    tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
-    if not interpret:
-        tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
-    select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
-    if not fused or c > _ltk.MAX_CANDIDATES:
+        select = {}
+    else:
+        fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
+        tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+        if not interpret:
+            tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
+        if fused and c <= _ltk.MAX_CANDIDATES:
+            tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
+            logits, m, l = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths,
+                                                         block_size=bs, scale=scale, bits=bits, interpret=interpret,
+                                                         return_raw=True, **tuning)
+            g = logits.shape[2]
+            pos, cnt = _ltk.label_topk_pallas(logits.reshape(b * hkv, g, c), m.reshape(b * hkv, -1, g),
+                                              l.reshape(b * hkv, -1, g), block_ids.reshape(b * hkv, -1), k,
+                                              block_size=bs, interpret=interpret, **select)
+            return pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
         scores = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, block_size=bs,
                                                scale=scale, bits=bits, interpret=interpret, **tuning)
-        valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
-        return _block_topk_from_scores(scores, valid, block_ids, k, bs, "pallas", select)
-    tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
-    logits, m, l = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths,
-                                                 block_size=bs, scale=scale, bits=bits, interpret=interpret,
-                                                 return_raw=True, **tuning)
-    g = logits.shape[2]
-    pos, cnt = _ltk.label_topk_pallas(logits.reshape(b * hkv, g, c), m.reshape(b * hkv, -1, g),
-                                      l.reshape(b * hkv, -1, g), block_ids.reshape(b * hkv, -1), k,
-                                      block_size=bs, interpret=interpret, **select)
-    return pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
-
-
-def _block_topk_from_scores(scores, valid, block_ids, k, block_size, impl, select):
-    """The unfused selection: top ``k`` of ``scores [B, Hkv, C]`` with masked slots below
-    every unmasked one, mapped to tokens through ``block_ids``."""
-    from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
-
-    # masked slots are -inf: with fewer than k others they are the ties at the threshold,
-    # and greater_first puts the unmasked ones first (the contract's "first counts entries")
-    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=impl, greater_first=True, **select)
-    pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // block_size, axis=-1) * block_size + idx % block_size
+    # unfused: masked slots are -inf; with fewer than k others they are the ties at the
+    # threshold, and greater_first puts the unmasked ones first (the "first counts entries")
+    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
+    valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
+    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=choice, greater_first=True, **select)
+    pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // bs, axis=-1) * bs + idx % bs
     return pos.astype(jnp.int32), jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), k)
 
 
