@@ -100,6 +100,23 @@ def topk_candidates(n: int, k: int) -> list[dict]:
 SHAPES = [(1, 131072, 32, 8, 128), (8, 131072, 32, 8, 128), (32, 32768, 32, 8, 128),
           (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64)]
 BUDGETS = (1024, 2048)
+# (rows, N, k) of the top-k sweep: block top-k over 2048 or 512 block scores, the token
+# selection over 8192 candidates, and a full 128K row (oracle top-k); rows = B * Hkv
+TOPK_SHAPES = ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048), (64, 8192, 1024),
+               (64, 8192, 2048), (256, 8192, 2048), (64, 131072, 2048))
+
+
+def parse_topk_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"8x8192:2048,64x2048:127"`` -> ``[(8, 8192, 2048), (64, 2048, 127)]``."""
+    out = []
+    for part in filter(None, text.split(",")):
+        try:
+            rn, k = part.split(":")
+            r, n = rn.split("x")
+            out.append((int(r), int(n), int(k)))
+        except ValueError:
+            raise SystemExit(f"--topk-shapes: expected ROWSxN:K entries, got {part!r}") from None
+    return out
 
 
 def split_candidates(rows: int, work_tiles: int) -> list:
@@ -134,6 +151,8 @@ def main(argv=None):
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all), e.g. 0,1")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
                    help="selected tokens K for the sparse and block decode sweeps (default %(default)s)")
+    p.add_argument("--topk-shapes", default=",".join(f"{r}x{n}:{k}" for r, n, k in TOPK_SHAPES),
+                   help="the top-k sweep's ROWSxN:K shapes (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     p.add_argument("--table", type=Path, default=None,
                    help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
@@ -147,7 +166,7 @@ def main(argv=None):
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     rows, best, classes = [], {}, {}
     key = jax.random.key(0)
-    for b, s, hq, hkv, d in shapes:
+    for b, s, hq, hkv, d in (shapes if not only or only - {"topk"} else []):
         kq, kk, kv = jax.random.split(jax.random.fold_in(key, b * 1000 + d), 3)
         q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
         k = jax.random.normal(kk, (b, hkv, s, d), jnp.bfloat16)
@@ -258,14 +277,16 @@ def main(argv=None):
                     best[("labeltopk", f"{shape} K={kk}")] = r
         del q, k, v
     if not only or "topk" in only:
-        for rows_, n, kk in ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048), (64, 8192, 1024),
-                             (64, 8192, 2048), (256, 8192, 2048), (64, 131072, 2048)):
+        for rows_, n, kk in parse_topk_shapes(args.topk_shapes):
             shape = f"{rows_}x{n} k={kk}"
             sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
             ref = jax.lax.top_k(sc, kk)[1]
             cfgs = [dict()] + topk_candidates(n, kk)
-            best[("topk", shape)] = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
-                                          sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
+            r = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
+                      sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
+            if r:
+                best[("topk", shape)] = r
+                classes[shape_class("topk", rows=rows_, n=n, k=kk)] = (r, shape)
             t = time_fn(jax.jit(lambda x: jax.lax.top_k(x, kk)[1]), (sc,), runs=args.runs)
             rows.append({"kernel": "lax.top_k", "shape": shape, "config": "{}", "ms": t.best_ms, "err": 0.0})
             print(f"  lax.top_k {shape}: {t.best_ms:.4f} ms", flush=True)

@@ -30,9 +30,10 @@ CLASS_DIMS = {
     "label_scores": ("rows", "c", "w", "g"),
     "block_label_scores": ("rows", "c", "w", "g", "block"),
     "quest_block_scores": ("rows", "nb", "d", "g"),
+    "topk": ("rows", "n", "k"),
 }
 #: dimensions rounded up to a power of two (the rest are exact)
-_ROUNDED = {"rows", "k", "c", "nb"}
+_ROUNDED = {"rows", "k", "c", "nb", "n"}
 
 
 def shape_class(kernel: str, **dims: int) -> str:
@@ -40,7 +41,8 @@ def shape_class(kernel: str, **dims: int) -> str:
 
     ``rows`` is ``B * Hkv``; ``k`` selected tokens; ``c`` candidates; ``nb``
     blocks; ``d`` head_dim; ``g`` query heads per KV head; ``w`` packed label
-    bytes per token; ``block`` tokens per block."""
+    bytes per token; ``block`` tokens per block; ``n`` keys per row of a top-k
+    (``rows`` its rows)."""
     names = CLASS_DIMS[kernel]
     if set(dims) != set(names):
         raise ValueError(f"{kernel}: a shape class needs exactly {names}, got {sorted(dims)}")

@@ -380,3 +380,20 @@ def test_counts_shared_by_the_last_leading_axis(impl, n, k, tuning):
         topk_indices(x, k, per_row[:2, None], impl=impl)
     with pytest.raises(ValueError, match="last axis 1"):
         topk_indices(x, k, jnp.ones((1, h), jnp.int32), impl=impl)
+
+
+def test_auto_reads_the_tuned_table(monkeypatch):
+    """A measured class's knobs reach "auto" (rows, N, k rounded as the table keys them);
+    a tuned plan the kernel cannot run is ignored, and an unmeasured class keeps the defaults."""
+    from pallas_kernels import tuning
+
+    key = tuning.shape_class("topk", rows=8, n=8192, k=2048)
+    assert key == "topk|rows=8|n=8192|k=2048"
+    entries = {key: {"config": {"num_warps": 16, "radix_bits": 2, "early_exit": False}},
+               tuning.shape_class("topk", rows=64, n=8192, k=2048): {"config": {"max_single": 1024}}}
+    monkeypatch.setattr(tuning, "_table", lambda: entries)
+    assert topk_auto_choice(8192, 2048, rows=8) == ("pallas", {"num_warps": 16, "radix_bits": 2, "early_exit": False})
+    assert topk_auto_choice(8192, 2048, rows=7)[1]["radix_bits"] == 2  # 7 rows: the class of 8
+    assert topk_auto_choice(8192, 2048, rows=64) == ("pallas", {})  # max_single 1024 < k: no plan
+    assert topk_auto_choice(8192, 2048, rows=256) == ("pallas", {})
+    assert topk_auto_choice(8192, 2048) == ("pallas", {})

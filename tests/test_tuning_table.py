@@ -12,6 +12,8 @@ from pallas_kernels import tuning
 from pallas_kernels.block_sparse_decode import TUNING_KEYS as BLOCK_KEYS, resolve_block_tuning
 from pallas_kernels.labels import TUNING_KEYS as LABEL_KEYS
 from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
+from pallas_kernels.topk import plan_topk
+from sparse_jax.ops.selection import TUNING_KEYS as TOPK_KEYS
 
 
 def test_shape_class_rounds_rows_and_lengths_but_not_head_dim():
@@ -37,7 +39,8 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
     table = json.loads(tuning.TABLE_PATH.read_text())["configs"]
     assert table, "the shipped table is empty"
     allowed = {"sparse_decode": SPARSE_KEYS, "block_sparse_decode": BLOCK_KEYS, "label_scores": LABEL_KEYS,
-               "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages")}
+               "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages"),
+               "topk": TOPK_KEYS}
     for key, entry in table.items():
         kernel, *dims = key.split("|")
         dims = {n: int(v) for n, v in (d.split("=") for d in dims)}
@@ -51,3 +54,15 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
         if kernel == "block_sparse_decode":
             resolve_block_tuning(dims["rows"] // 8 or 1, 8, dims["k"] // dims["block"], dims["d"], dims["block"],
                                  block_k=cfg.get("block_k"), num_splits=cfg.get("num_splits"))
+        if kernel == "topk":
+            plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
+            assert plan_topk(dims["n"], dims["k"], **plan_args) is not None, (key, cfg)
+
+
+def test_topk_sweep_shapes_parse():
+    from benchmarks.tune import TOPK_SHAPES, parse_topk_shapes
+
+    assert parse_topk_shapes("8x8192:2048,64x2048:127") == [(8, 8192, 2048), (64, 2048, 127)]
+    assert parse_topk_shapes(",".join(f"{r}x{n}:{k}" for r, n, k in TOPK_SHAPES)) == list(TOPK_SHAPES)
+    with pytest.raises(SystemExit, match="ROWSxN:K"):
+        parse_topk_shapes("8x8192")

@@ -28,8 +28,11 @@ Implementations (``impl``):
   scores (invalid positions -> INT32_MIN); exact, a full sort on GPU.
 * ``"pallas"``: the radix-select kernel of ``pallas_kernels/topk.py``
   (interpret mode without a GPU).
-* ``"auto"``: on GPU, the first matching row of ``TOPK_AUTO_TABLE``; the
-  reference elsewhere.
+* ``"auto"``: on GPU, the first matching row of ``TOPK_AUTO_TABLE``, with the
+  knobs measured best for the shape class (rows, N, k) in the tuned table
+  (``pallas_kernels.tuning``, written by ``benchmarks/tune.py --only topk``;
+  ``"pallas"`` on GPU reads it too when no knob is given); the reference
+  elsewhere.
 
 Tuning keywords (``**tuning``) go to the Pallas kernel: ``max_single``,
 ``chunk``, ``block_rows``, ``num_warps``, ``num_stages``, ``radix_bits``,
@@ -47,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import topk as _topk
+from pallas_kernels.tuning import tuned
 from sparse_jax.ops import _checks
 from sparse_jax.ops._dispatch import on_gpu, resolve_impl
 
@@ -70,14 +74,27 @@ TOPK_AUTO_TABLE: list[tuple[int | None, int | None, str, dict]] = [
 ]
 
 
-def topk_auto_choice(n: int, k: int) -> tuple[str, dict]:
-    """``(impl, tuning)`` that "auto" uses on GPU for rows of ``n``, top ``k``."""
+def topk_auto_choice(n: int, k: int, rows: int | None = None) -> tuple[str, dict]:
+    """``(impl, tuning)`` that "auto" uses on GPU for ``rows`` rows of ``n``, top ``k``.
+
+    The kernel's knobs come from the tuned table when ``rows`` is given and its
+    class was measured (a tuned plan the kernel cannot run is ignored), else from
+    ``TOPK_AUTO_TABLE``."""
     for max_n, max_k, impl, tuning in TOPK_AUTO_TABLE:
         if (max_n is None or n <= max_n) and (max_k is None or k <= max_k):
-            if impl == "pallas" and _plan(n, k, tuning) is None:
-                return "reference", {}
+            if impl == "pallas":
+                tuning = {**tuning, **_measured(n, k, rows)}
+                if _plan(n, k, tuning) is None:
+                    return "reference", {}
             return impl, dict(tuning)
     return "reference", {}
+
+
+def _measured(n: int, k: int, rows: int | None) -> dict:
+    """The tuned table's knobs for ``rows`` rows of ``n``, top ``k`` (``{}`` when the class
+    was never measured, or its plan is one the kernel cannot run)."""
+    measured = tuned("topk", rows=rows, n=n, k=k) if rows else {}
+    return measured if measured and _plan(n, k, measured) is not None else {}
 
 
 def _plan(n, k, tuning):
@@ -164,10 +181,12 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     if math.prod(lead) == 0:
         return jnp.zeros((*lead, k), jnp.int32)
     if impl == "auto" and on_gpu():
-        auto_impl, auto_tuning = topk_auto_choice(n, k)
+        auto_impl, auto_tuning = topk_auto_choice(n, k, math.prod(lead))
         tuning = {**auto_tuning, **tuning}
         if auto_impl == "reference":
             return _run(scores, counts, k=k, choice="reference", interpret=False, tuning=())
+    elif impl == "pallas" and on_gpu() and not tuning:  # the measured best, unless the caller tuned
+        tuning = _measured(n, k, math.prod(lead))
     unsupported = None
     if impl != "reference" and _plan(n, k, tuning) is None:
         unsupported = f"no kernel plan for N={n}, k={k} with tuning {tuning}"
