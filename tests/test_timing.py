@@ -32,7 +32,28 @@ def _fake_profiler(monkeypatch):
     return calls
 
 
-def test_cupti_rotating_sets_one_call_each(monkeypatch):
+def _fake_extension(monkeypatch, log):
+    """jax's CUPTI extension as the one-call timer drives it: init, the call, timings."""
+    ext = types.SimpleNamespace(_cupti_init=lambda: log.append("init"),
+                                _cupti_get_timings=lambda finalize: [("kernel_a", 0.25), ("kernel_b", 0.5)])
+    mod = sys.modules["jax.experimental.mosaic.gpu.profiler"]
+    mod.mosaic_gpu_lib = types.SimpleNamespace(_mosaic_gpu_ext=ext)
+
+
+def test_cupti_rotating_sets_one_cold_call_each(monkeypatch):
+    """Each timed call is the only call on its set since the previous set's: no warm-up on
+    the same arguments (measure's would leave a set under 50 MB in the L2)."""
+    calls = _fake_profiler(monkeypatch)
+    log = []
+    _fake_extension(monkeypatch, log)
+    sets = [(i,) for i in range(3)]
+    ms, kernels = timing._cupti(lambda x: log.append(x) or x, sets, runs=5)
+    assert ms == 0.75 and kernels == [("kernel_a", 0.25), ("kernel_b", 0.5)]
+    assert calls == []  # measure() is not used
+    assert log == ["init", 0, "init", 1, "init", 2, "init", 0, "init", 1]
+
+
+def test_cupti_rotating_falls_back_to_measure_without_the_extension(monkeypatch):
     calls = _fake_profiler(monkeypatch)
     sets = [(i,) for i in range(3)]
     ms, kernels = timing._cupti(lambda x: x, sets, runs=5)
