@@ -28,6 +28,7 @@ from benchmarks.timing import (
     H100_HBM_BYTES_PER_S,
     RESULTS_DIR,
     Timing,
+    cold_sets,
     hbm_floor_ms,
     markdown_table,
     per_step_wall_ms,
@@ -209,59 +210,64 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
               + (f"  x{row['speedup_vs_dense']:.2f} vs dense" if dense_ms else ""), flush=True)
         return row
 
+    def timed(fn, args, nbytes, **kw):
+        # every timed call reads another copy of its inputs (timing.cold_sets): HBM, as a
+        # model's layer reads its own cache, not the L2 the previous call filled
+        return time_fn(fn, cold_sets(args, nbytes), runs=runs, rotate=True, **kw)
+
     def wall_row(kernel, step, args, nbytes, budget=None, dense_ms=None):
-        w = per_step_wall_ms(step, args, counts=(4, 12), runs=runs)
+        w = per_step_wall_ms(step, cold_sets(args, nbytes), counts=(4, 12), runs=runs)
         return add(f"{kernel} [one program, wall/step]", Timing(kernel, w, w, w, None, None, runs), nbytes, budget,
                    dense_ms)["ms"]
 
-    t_dense = time_fn(jax.jit(dense_cudnn), (q, k_bshd, v_bshd), name="dense_cudnn", runs=runs)
+    t_dense = timed(jax.jit(dense_cudnn), (q, k_bshd, v_bshd), kv_bytes, name="dense_cudnn")
     dense_ms = add("dense cuDNN", t_dense, kv_bytes)["ms"]
     dense_wall = wall_row("dense cuDNN", dense_cudnn, (q, k_bshd, v_bshd), kv_bytes) if one_program else None
     if baselines:
-        t_xla = time_fn(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="xla")[:, 0]),
-                        (q, k_bshd, v_bshd), runs=runs)
+        t_xla = timed(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="xla")[:, 0]),
+                      (q, k_bshd, v_bshd), kv_bytes)
         add("dense XLA", t_xla, kv_bytes, dense_ms=dense_ms)
     del k_bshd, v_bshd
     # exact decode on our head-major cache: the masked einsum the model runs today, and the
     # block kernel over every block (sparse_jax.dense_decode_attention, impl="pallas")
     for name, impl in (("dense head-major XLA", "reference"), ("dense head-major Pallas", "pallas")):
         fn = jax.jit(functools.partial(dense_decode_attention, impl=impl))
-        add(name, time_fn(fn, (q, k, v, lengths), name=name, runs=runs), kv_bytes, dense_ms=dense_ms)
+        add(name, timed(fn, (q, k, v, lengths), kv_bytes, name=name), kv_bytes, dense_ms=dense_ms)
 
     k_max, k_min = jax.jit(functools.partial(block_minmax, block_size=BLOCK))(k, lengths)
     nb = k_max.shape[2]
     meta_bytes = 2 * b * HKV * nb * D * 2
-    t = time_fn(jax.jit(quest_block_scores), (q, k_max, k_min), runs=runs)
+    t = timed(jax.jit(quest_block_scores), (q, k_max, k_min), meta_bytes)
     add("quest_block_scores", t, meta_bytes, dense_ms=dense_ms)
-    t = time_fn(jax.jit(functools.partial(quest_block_scores, group_reduce="max")), (q, k_max, k_min), runs=runs)
+    t = timed(jax.jit(functools.partial(quest_block_scores, group_reduce="max")), (q, k_max, k_min), meta_bytes)
     add("quest_block_scores [group max]", t, meta_bytes, dense_ms=dense_ms)
     channels = jnp.tile((jnp.arange(CHANNELS, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
     labels = jax.jit(build_label_cache)(k, channels)
     scores = quest_block_scores(q, k_max, k_min)
     impls = ("pallas", "reference") if baselines else ("pallas",)
     for impl in impls:
-        t = time_fn(jax.jit(functools.partial(topk_indices, k=KB, impl=impl)), (scores,), runs=runs)
+        t = timed(jax.jit(functools.partial(topk_indices, k=KB, impl=impl)), (scores,), scores.size * 4)
         add(f"topk blocks {nb}->{KB} [{impl}]", t, scores.size * 4, dense_ms=dense_ms)
     blocks = topk_indices(scores, KB)
     cand = (blocks[..., None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).reshape(b, HKV, -1)
     cc = jnp.full((b, HKV), cand.shape[-1], jnp.int32)
     lab_bytes = b * HKV * cand.shape[-1] * (CHANNELS // 2 + 8) + cand.size * 4 * 2
-    t = time_fn(jax.jit(label_scores), (q, labels, channels, cand, cc), runs=runs)
+    t = timed(jax.jit(label_scores), (q, labels, channels, cand, cc), lab_bytes)
     add("label_scores 8192 cand", t, lab_bytes, dense_ms=dense_ms)
     # the interleaved records (one int32 record per token: codes, scale, offset, padding), on the
     # block candidates and on scattered ones (where three arrays cost three sectors a candidate)
     records = jax.jit(functools.partial(interleave_labels, bits=4))(labels)
     rec_bytes = b * HKV * cand.shape[-1] * records.words.shape[-1] * 4 + cand.size * 4 * 2
-    t = time_fn(jax.jit(label_scores), (q, records, channels, cand, cc), runs=runs)
+    t = timed(jax.jit(label_scores), (q, records, channels, cand, cc), rec_bytes)
     add("label_scores 8192 cand [records]", t, rec_bytes, dense_ms=dense_ms)
     scattered = jax.random.randint(jax.random.key(11), cand.shape, 0, s, jnp.int32)
     for layout, lab, nbytes in (("cache", labels, lab_bytes), ("records", records, rec_bytes)):
-        t = time_fn(jax.jit(label_scores), (q, lab, channels, scattered, cc), runs=runs)
+        t = timed(jax.jit(label_scores), (q, lab, channels, scattered, cc), nbytes)
         add(f"label_scores 8192 scattered [{layout}]", t, nbytes, dense_ms=dense_ms)
     ls = label_scores(q, labels, channels, cand, cc)
     for budget in budgets:
         for impl in impls:
-            t = time_fn(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (ls,), runs=runs)
+            t = timed(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (ls,), ls.size * 4)
             add(f"topk tokens 8192->K [{impl}]", t, ls.size * 4, budget, dense_ms)
         # several selections, cycled: the rows one selection reads (34 MB at B=8, K=1024) would
         # otherwise stay in the 50 MB L2 between runs and read faster than HBM allows
@@ -281,18 +287,18 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
                     [(q, k, v, bi, bcounts, lengths) for bi in bidx_sets], runs=runs, rotate=True)
         add("block_sparse_decode_attention", t, sel_bytes, budget, dense_ms)
         op = jax.jit(functools.partial(asynctls_operator, budget=budget))
-        t = time_fn(op, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
         op_bytes = meta_bytes + lab_bytes + sel_bytes
+        t = timed(op, (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes)
         add("AsyncTLS operator (end to end)", t, op_bytes, budget, dense_ms)
         fused = jax.jit(functools.partial(asynctls_operator, budget=budget, fused=True))
-        t = time_fn(fused, (q, k, v, k_max, k_min, labels, channels, lengths), runs=runs)
+        t = timed(fused, (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes)
         add("AsyncTLS operator (end to end) [fused selection]", t, op_bytes, budget, dense_ms)
-        t = time_fn(op, (q, k, v, k_max, k_min, records, channels, lengths), runs=runs)
+        t = timed(op, (q, k, v, k_max, k_min, records, channels, lengths), meta_bytes + rec_bytes + sel_bytes)
         add("AsyncTLS operator (end to end) [records]", t, meta_bytes + rec_bytes + sel_bytes, budget, dense_ms)
         # the step as the model runs it: the method's selection (the filter over all blocks
         # but the newest, its labels, the sink/window/fallback masks) and its attention
         fn, state = asynctls_method_step(budget, k, lengths, channels)
-        t = time_fn(fn, (q, k, v, lengths, state), runs=runs)
+        t = timed(fn, (q, k, v, lengths, state), op_bytes)
         add("AsyncTLS method step (model path)", t, op_bytes, budget, dense_ms)
         if one_program and budget == max(budgets):  # each chain is a compile: the largest K only
             wall_row("AsyncTLS operator [fused selection]", functools.partial(asynctls_operator, budget=budget, fused=True),
@@ -304,7 +310,7 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         if baselines and budget == max(budgets):
             sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)
             for impl in ("pallas", "reference"):
-                t = time_fn(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (sfull,), runs=runs)
+                t = timed(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (sfull,), sfull.size * 4)
                 add(f"topk full context S->K [{impl}]", t, sfull.size * 4, budget, dense_ms)
     return rows
 

@@ -171,16 +171,22 @@ def per_step_wall_ms(step: Callable, args: Sequence[Any], *, counts: tuple[int, 
 
     Two programs unroll ``counts`` steps each, every query nudged by the previous output (so
     nothing is hoisted or shared between steps); the slope of their median wall times over
-    the step count is the answer, which cancels the fixed cost of dispatching one call."""
+    the step count is the answer, which cancels the fixed cost of dispatching one call.
+    ``args`` may be a list of argument tuples (:func:`cold_sets`): step ``i`` reads set
+    ``i % len``, so consecutive steps do not find their inputs in the L2, as a model's
+    layers (each with its own cache) do not."""
+    sets = list(args) if isinstance(args, list) else [tuple(args)]
+
     def chain(n):
-        def run(q, *rest):
-            out = jnp.zeros_like(q)
-            for _ in range(n):
+        def run(all_sets):
+            out = jnp.zeros_like(all_sets[0][0])
+            for i in range(n):
+                q, *rest = all_sets[i % len(all_sets)]
                 out = step(q + (1e-3 * out).astype(q.dtype), *rest)
             return out
         return jax.jit(run)
 
-    short, long = (time_fn(chain(n), args, warmup=warmup, runs=runs, cupti=False).wall_ms for n in counts)
+    short, long = (time_fn(chain(n), (sets,), warmup=warmup, runs=runs, cupti=False).wall_ms for n in counts)
     return (long - short) / (counts[1] - counts[0])
 
 
@@ -192,6 +198,19 @@ def rotation_sets(nbytes_per_set: float, *, max_sets: int = 8) -> int:
     not the L2 the previous call filled: together at least three L2s (the H100's is
     50 MB), at most ``max_sets``. One set when a single set is already that large."""
     return int(max(1, min(max_sets, -(-3 * H100_L2_BYTES // max(int(nbytes_per_set), 1)))))
+
+
+def cold_sets(args: Sequence[Any], nbytes: float, *, max_sets: int = 8) -> list[tuple]:
+    """``args`` and copies of it (every array leaf in its own new buffer, same values) to
+    cycle through with ``time_fn(..., rotate=True)``, so that each timed call reads its
+    ``nbytes`` from HBM as a model's layer does, not from the L2 that the previous calls
+    filled: :func:`rotation_sets` of them (one, ``args`` itself, when ``nbytes`` is
+    already three L2s)."""
+    def copy(x):
+        return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
+
+    n = rotation_sets(nbytes, max_sets=max_sets)
+    return [tuple(args)] + [tuple(jax.tree.map(copy, a) for a in args) for _ in range(n - 1)]
 
 
 def hbm_floor_ms(nbytes: float, bandwidth: float = H100_HBM_BYTES_PER_S) -> float:

@@ -140,3 +140,36 @@ def test_per_step_wall_ms_chains_the_steps():
     ms = timing.per_step_wall_ms(step, (q, w), counts=(2, 5), runs=3, warmup=1)
     assert len(calls) == 2 + 5  # each program unrolls its count of steps
     assert isinstance(ms, float) and ms == ms
+
+
+def test_per_step_wall_ms_cycles_the_sets():
+    import jax.numpy as jnp
+
+    seen = []
+
+    def step(q, w):
+        seen.append(id(w))  # one tracer per distinct argument of the traced chain
+        return jnp.tanh(q @ w)
+
+    sets = timing.cold_sets((jnp.ones((4, 8)), jnp.eye(8)), 20 * 2**20)  # 3 sets of distinct buffers
+    assert len(sets) == 8 and len(seen) == 0
+    timing.per_step_wall_ms(step, sets[:3], counts=(2, 5), runs=2, warmup=1)
+    # the 5-step chain reads sets 0, 1, 2, 0, 1: three distinct traced arguments in turn
+    five = seen[2:]
+    assert five[0] != five[1] != five[2] and five[3] == five[0] and five[4] == five[1]
+
+
+def test_cold_sets_copy_every_array_into_new_buffers():
+    import jax.numpy as jnp
+    import numpy as np
+
+    q, k = jnp.arange(6.0).reshape(2, 3), jnp.ones((3, 4), jnp.bfloat16)
+    sets = timing.cold_sets((q, {"k": k, "n": 3}, None), 40 * 2**20)
+    assert len(sets) == timing.rotation_sets(40 * 2**20) == 4
+    assert sets[0][0] is q
+    for s in sets[1:]:
+        assert s[0] is not q and s[1]["k"] is not k
+        assert s[0].unsafe_buffer_pointer() != q.unsafe_buffer_pointer()
+        np.testing.assert_array_equal(s[0], q)
+        assert s[1]["k"].dtype == jnp.bfloat16 and s[1]["n"] == 3 and s[2] is None
+    assert len(timing.cold_sets((q,), 10 * timing.H100_L2_BYTES)) == 1
