@@ -216,7 +216,7 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         return time_fn(fn, cold_sets(args, nbytes), runs=runs, rotate=True, **kw)
 
     def wall_row(kernel, step, args, nbytes, budget=None, dense_ms=None):
-        w = per_step_wall_ms(step, cold_sets(args, nbytes), counts=(4, 12), runs=runs)
+        w = per_step_wall_ms(step, cold_sets(args, nbytes), counts=(6, 30), runs=runs)
         return add(f"{kernel} [one program, wall/step]", Timing(kernel, w, w, w, None, None, runs), nbytes, budget,
                    dense_ms)["ms"]
 
