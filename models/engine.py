@@ -376,7 +376,9 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     model's sliding-window rings counted as rings), plus ``prefill_temp_bytes``: the
     temporaries of the longest prompt's prefill as XLA's buffer assignment reports them
     (:func:`compile_longest_prefill`). Without them the check passed 11 slots of 33,280
-    tokens that then ran out of memory compiling a 32K prefill (H100, Qwen3-8B)."""
+    tokens that then ran out of memory compiling a 32K prefill (H100, Qwen3-8B). And the
+    GEMM autotuner's scratch when it compiles a program after the cache exists
+    (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`: the largest weight)."""
     from sparse_jax.offload import capacity
 
     limit = capacity.device_budget() if device_limit is None else device_limit
@@ -385,9 +387,12 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     row = jax.eval_shape(lambda: model.init_cache(1, max_len)).nbytes()  # shapes only: nothing allocated
     weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
 
+    scratch = capacity.autotune_scratch_bytes(model.params)
+
     def fp(rows):
         return capacity.Footprint({"weights": weights, "kv": rows * row,
-                                   "prefill_temporaries": int(prefill_temp_bytes)}, {})
+                                   "prefill_temporaries": int(prefill_temp_bytes),
+                                   "autotune_scratch": scratch}, {})
 
     try:
         capacity.check_fits(fp(slots + 1), device_limit=limit, host_limit=None,
@@ -582,8 +587,10 @@ class OffloadedSlots:
         from sparse_jax.offload.capacity import device_budget
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
+            from sparse_jax.offload.capacity import autotune_scratch_bytes
+
             self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
-                self.prompt_tokens(max_len - 1), max_len))
+                self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params))
 
         def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
             shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)

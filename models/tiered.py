@@ -257,18 +257,21 @@ class TieredRunner:
         return capacity.Footprint(device=fp(self.local_cfg, -(-batch // self.par.data)).device, host=whole.host)
 
     def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None,
-                       prefill_temp_bytes: int = 0):
+                       prefill_temp_bytes: int = 0, autotune_scratch: int = 0):
         """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
         when the batch does not fit (limits: the runner's unless given here).
         ``prefill_temp_bytes``: a prompt's prefill temporaries on top of the batch
-        (:meth:`prefill_temp_bytes`; a serving engine prefills beside its batch)."""
+        (:meth:`prefill_temp_bytes`; a serving engine prefills beside its batch).
+        ``autotune_scratch``: what XLA's GEMM autotuner claims compiling a program after the
+        batch exists (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`)."""
         device_limit = self.device_limit if device_limit is None else device_limit
         host_limit = self.host_limit if host_limit is None else host_limit
         dl = capacity.device_budget() if device_limit == "auto" else device_limit
         hl = capacity.host_budget() if host_limit == "auto" else host_limit
         fp = self.footprint(batch, max_len)
-        if prefill_temp_bytes:
-            fp = capacity.Footprint({**fp.device, "prefill_temporaries": int(prefill_temp_bytes)}, fp.host)
+        extra = {"prefill_temporaries": int(prefill_temp_bytes), "autotune_scratch": int(autotune_scratch)}
+        if any(extra.values()):
+            fp = capacity.Footprint({**fp.device, **{k: v for k, v in extra.items() if v}}, fp.host)
         capacity.check_fits(fp, device_limit=dl, host_limit=hl, what=f"{self.mode} batch of {batch} x {max_len} tokens")
 
     def prefill_temp_bytes(self, tokens: int, max_len: int) -> int:

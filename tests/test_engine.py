@@ -421,14 +421,20 @@ def test_resident_capacity_is_checked_before_allocating(tiny):
     from models.engine import check_resident_fits
     from sparse_jax.offload.capacity import CapacityError
 
+    from sparse_jax.offload.capacity import autotune_scratch_bytes
+
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
     row = nbytes(tiny.init_cache(1, 256))
-    limit = nbytes(tiny.params) + 3 * row  # two slots and the prefill row
+    scratch = autotune_scratch_bytes(tiny.params)  # the largest weight: the GEMM autotuner's copies
+    assert scratch == max(x.size * x.dtype.itemsize for x in jax.tree.leaves(tiny.params)) > 0
+    limit = nbytes(tiny.params) + 3 * row + scratch  # two slots and the prefill row
     check_resident_fits(tiny, 2, 256, device_limit=limit)
+    with pytest.raises(CapacityError, match=r"autotune_scratch .* 1 slots fit"):
+        check_resident_fits(tiny, 2, 256, device_limit=limit - scratch)
     with pytest.raises(CapacityError, match=r"resident engine of 3 slots x 256 tokens .* 2 slots fit"):
         check_resident_fits(tiny, 3, 256, device_limit=limit)
     with pytest.raises(CapacityError, match="Not even one slot fits"):
-        check_resident_fits(tiny, 1, 256, device_limit=nbytes(tiny.params) + row)
+        check_resident_fits(tiny, 1, 256, device_limit=nbytes(tiny.params) + row + scratch)
 
 
 def test_resident_capacity_counts_the_longest_prefill(tiny):
@@ -440,9 +446,12 @@ def test_resident_capacity_counts_the_longest_prefill(tiny):
 
     bucket, compiled, temps = compile_longest_prefill(tiny, 256)
     assert bucket == 256 and temps > 0
+    from sparse_jax.offload.capacity import autotune_scratch_bytes
+
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
     row = nbytes(tiny.init_cache(1, 256))
-    limit = nbytes(tiny.params) + 3 * row  # two slots and the prefill row, no room for temporaries
+    # two slots, the prefill row and the autotuner's scratch, no room for temporaries
+    limit = nbytes(tiny.params) + 3 * row + autotune_scratch_bytes(tiny.params)
     check_resident_fits(tiny, 2, 256, device_limit=limit)
     with pytest.raises(CapacityError, match=r"prefill_temporaries .* 1 slots fit"):
         check_resident_fits(tiny, 2, 256, device_limit=limit + row // 2, prefill_temp_bytes=row)

@@ -309,6 +309,12 @@ def test_runner_refuses_before_allocating():
         runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
     fp = runner.footprint(2, 4096)
     assert fp.host["kv_blocks"] == 2 * 2 * 2 * 4096 * 16 * 4 * 2  # 2 sparse layers, f32
+    # a serving engine adds its prefill's temporaries and the GEMM autotuner's scratch
+    runner.check_capacity(2, 4096, device_limit=fp.device_bytes + 30, host_limit=None,
+                          prefill_temp_bytes=10, autotune_scratch=20)
+    with pytest.raises(capacity.CapacityError, match=r"prefill_temporaries .*autotune_scratch"):
+        runner.check_capacity(2, 4096, device_limit=fp.device_bytes + 29, host_limit=None,
+                              prefill_temp_bytes=10, autotune_scratch=20)
     with pytest.raises(ValueError, match="reads every key"):
         TieredRunner(model.with_method("oracle_topk", budget=32), "offload")
     with pytest.raises(ValueError, match="cannot run offloaded"):

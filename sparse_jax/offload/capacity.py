@@ -106,6 +106,17 @@ def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
+def autotune_scratch_bytes(params) -> int:
+    """Device bytes XLA's GEMM autotuner may claim while it compiles a program over
+    ``params`` after the caches are allocated: it runs each candidate on redzone copies of
+    the fusion's operands, and a fusion that slices one layer out of a stacked weight takes
+    the whole stack as its operand, so the largest leaf bounds it. Measured on the H100
+    (2026-11-28): an offloaded Qwen3-8B engine of 16 slots passed the capacity check without
+    this term, then compiling its decode step failed to allocate 3.39 GiB, the stacked MLP
+    weight ``bf16[36, 12288, 4096]``."""
+    return max((int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params)), default=0)
+
+
 def device_budget(reserve: int = 2 * GiB) -> int | None:
     """Usable device bytes (None when the backend reports no limit, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
