@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import RESULTS_DIR, hbm_floor_ms, markdown_table, rotation_sets, stamp, time_fn, write_results
+from benchmarks.timing import (RESULTS_DIR, cold_sets, hbm_floor_ms, markdown_table, rotation_sets, stamp, time_fn,
+                               write_results)
 from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, build_label_cache, label_scores,
                                     quest_block_scores)
@@ -41,8 +42,9 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
 
     ``args``: one argument tuple, or a list of them that the timed calls cycle
     through (``time_fn(rotate=True)``) so that a kernel whose inputs fit in the L2
-    is timed at HBM speed, as in a model; ``ref`` is the output for the first."""
-    sets = list(args) if isinstance(args, list) else [tuple(args)]
+    is timed at HBM speed, as in a model; one tuple is cycled with copies of itself
+    (``timing.cold_sets`` of ``nbytes``). ``ref`` is the output for the first."""
+    sets = list(args) if isinstance(args, list) else cold_sets(args, nbytes)
     best = None
     for cfg in configs:
         if time.time() > DEADLINE:
