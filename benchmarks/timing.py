@@ -110,8 +110,9 @@ def _cupti(fn, sets, runs):
         one_call = _one_call_timer(profiler) if len(sets) > 1 else None
         if len(sets) > 1:
             # rotating: one call per set in turn, so a call never finds its own inputs in L2
-            # (measure's iterations repeat the same arguments back to back)
-            calls = [(sets[j % len(sets)], 1) for j in range(max(iters, len(sets)))]
+            # (measure's iterations repeat the same arguments back to back); the turn goes on
+            # from time_fn's last wall-clock call (set (runs - 1) % n), not back to set 0
+            calls = [(sets[(runs + j) % len(sets)], 1) for j in range(max(iters, len(sets)))]
         else:
             calls = [(sets[0], iters)]
         for a, n in calls:
@@ -144,7 +145,8 @@ def _one_call_timer(profiler):
     the H100) was timed warm, at L2 speed. Here nothing runs between the previous call of
     the rotation (another set) and the timed one. Measured on the H100, 2026-11-28: with
     ``measure``, B=8 sparse decode read 3.09 TB/s at K=1024 (34 MB) and 2.3 TB/s at K=1536
-    (50 MB), a step at the L2's size (``benchmarks/results/sparse_scaling_h100.md``)."""
+    (50 MB), a step at the L2's size; cold, 1.86 and 2.14 TB/s
+    (``benchmarks/results/sparse_scaling_{warm,cold}_h100.md``)."""
     lib = getattr(profiler, "mosaic_gpu_lib", None)
     ext = getattr(lib, "_mosaic_gpu_ext", None)
     if ext is None or not hasattr(ext, "_cupti_init") or not hasattr(ext, "_cupti_get_timings"):

@@ -50,7 +50,8 @@ def test_cupti_rotating_sets_one_cold_call_each(monkeypatch):
     ms, kernels = timing._cupti(lambda x: log.append(x) or x, sets, runs=5)
     assert ms == 0.75 and kernels == [("kernel_a", 0.25), ("kernel_b", 0.5)]
     assert calls == []  # measure() is not used
-    assert log == ["init", 0, "init", 1, "init", 2, "init", 0, "init", 1]
+    # the turn goes on after time_fn's last wall-clock call (runs=5: set 1), from set 2
+    assert log == ["init", 2, "init", 0, "init", 1, "init", 2, "init", 0]
 
 
 def test_cupti_rotating_falls_back_to_measure_without_the_extension(monkeypatch):
@@ -58,7 +59,7 @@ def test_cupti_rotating_falls_back_to_measure_without_the_extension(monkeypatch)
     sets = [(i,) for i in range(3)]
     ms, kernels = timing._cupti(lambda x: x, sets, runs=5)
     assert ms == 0.75 and kernels == [("kernel_a", 0.25), ("kernel_b", 0.5)]
-    assert [c[1] for c in calls] == [1] * 5 and [c[0][0] for c in calls] == [0, 1, 2, 0, 1]
+    assert [c[1] for c in calls] == [1] * 5 and [c[0][0] for c in calls] == [2, 0, 1, 2, 0]
 
 
 def test_cupti_one_set_many_iterations(monkeypatch):
