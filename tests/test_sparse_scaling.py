@@ -42,7 +42,7 @@ def test_report_and_plot(tmp_path):
     rows = [{"K": "", "layout": "", "tiling": "dense cuDNN", "ms": 1.39, "GB/s": 3083.0}]
     for kk in (1024, 2048):
         for layout in ss.LAYOUTS:
-            for tiling in ("op default", "block_k=64"):
+            for tiling in ("op default", "block_k=64", "block_k=64, prefetch=2"):
                 rows.append({"K": kk, "layout": layout, "tiling": tiling, "ms": 0.01 * kk / 1024, "kernel_ms": 0.009,
                              "GB/s": 3000.0, "frac_cudnn_bw": 0.97})
     payload = {"stamp": {"device": "cpu", "jax": jax.__version__, "date": "today", "git_commit": "x", "command": "c"},
