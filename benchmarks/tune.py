@@ -284,7 +284,10 @@ def main(argv=None):
             shape = f"{rows_}x{n} k={kk}"
             sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
             ref = jax.lax.top_k(sc, kk)[1]
-            cfgs = [dict()] + topk_candidates(n, kk)
+            # every candidate names its knobs: an empty config would read the tuned table
+            # (topk_indices does on the GPU), and a win for it would be written back as the
+            # kernel's defaults; the defaults are among the candidates
+            cfgs = topk_candidates(n, kk)
             r = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
                       sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
             if r:

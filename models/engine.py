@@ -584,11 +584,9 @@ class OffloadedSlots:
         self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
                                else self.runner)
 
-        from sparse_jax.offload.capacity import device_budget
+        from sparse_jax.offload.capacity import autotune_scratch_bytes, device_budget
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
-            from sparse_jax.offload.capacity import autotune_scratch_bytes
-
             self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
                 self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params))
 

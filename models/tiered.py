@@ -269,9 +269,10 @@ class TieredRunner:
         dl = capacity.device_budget() if device_limit == "auto" else device_limit
         hl = capacity.host_budget() if host_limit == "auto" else host_limit
         fp = self.footprint(batch, max_len)
-        extra = {"prefill_temporaries": int(prefill_temp_bytes), "autotune_scratch": int(autotune_scratch)}
-        if any(extra.values()):
-            fp = capacity.Footprint({**fp.device, **{k: v for k, v in extra.items() if v}}, fp.host)
+        extra = {k: int(v) for k, v in (("prefill_temporaries", prefill_temp_bytes),
+                                         ("autotune_scratch", autotune_scratch)) if v}
+        if extra:
+            fp = capacity.Footprint({**fp.device, **extra}, fp.host)
         capacity.check_fits(fp, device_limit=dl, host_limit=hl, what=f"{self.mode} batch of {batch} x {max_len} tokens")
 
     def prefill_temp_bytes(self, tokens: int, max_len: int) -> int:
