@@ -132,6 +132,18 @@ def split_candidates(rows: int, work_tiles: int) -> list:
     return out
 
 
+def label_grid_candidates(rows: int, num_cand: int) -> list[dict]:
+    """Second-stage knobs of the label kernels: programs per row (``splits``: about 2, 4 and 8
+    waves' worth on 132 SMs, at most one per 64 candidates), the candidates a tile holds, and
+    how many tiles ahead the gathers are issued (default 2)."""
+    out = []
+    for programs in (528, 1056, 2112):
+        sp = max(1, min(num_cand // 64, -(-programs // rows)))
+        if dict(splits=sp) not in out:
+            out.append(dict(splits=sp))
+    return out + [dict(block_c=64), dict(block_c=256), dict(prefetch=1), dict(prefetch=3)]
+
+
 def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **kw):
     """Sweep ``first``, then ``second`` (dicts merged into the best of the first)."""
     best = sweep(name, fn, args, ref, first, nbytes, runs, rows, shape, **kw)
@@ -241,18 +253,22 @@ def main(argv=None):
             w = r_ch // 2
             cfgs = [dict(mode=m, hoist_q=hq_, num_warps=nw)
                     for m, hq_, nw in itertools.product(("logits", "two_pass"), (True, False), (2, 4, 8))]
-            r = sweep("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
-                      (q, labels, channels, cand, cc), ref, cfgs, b * hkv * cand.shape[-1] * (w + 8 + 4),
-                      args.runs, rows, shape, tol=1e-3)
+            # then the grid and the tile on the best: a program walks its share of the candidates
+            # one dependent gather at a time, so more programs (splits) hide more of the latency
+            more = label_grid_candidates(b * hkv, cand.shape[-1])
+            r = two_stage("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
+                          (q, labels, channels, cand, cc), ref, cfgs, more, b * hkv * cand.shape[-1] * (w + 8 + 4),
+                          args.runs, rows, shape, tol=1e-3)
             if r:
                 best[("labels", shape)] = r
                 classes[shape_class("label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g)] = (r, shape)
             # over block ids, as AsyncTLS scores them (no candidate array)
             bcount = jnp.full((b, hkv), nsel, jnp.int32)
             ref = block_label_scores(q, labels, channels, blocks, bcount, lengths, block_size=64, impl="reference")
-            r = sweep("block_label_scores", lambda *a, **c: block_label_scores(*a, block_size=64, impl="pallas", **c),
-                      (q, labels, channels, blocks, bcount, lengths), ref, cfgs, b * hkv * cand.shape[-1] * (w + 8),
-                      args.runs, rows, shape, tol=1e-3)
+            r = two_stage("block_label_scores",
+                          lambda *a, **c: block_label_scores(*a, block_size=64, impl="pallas", **c),
+                          (q, labels, channels, blocks, bcount, lengths), ref, cfgs, more,
+                          b * hkv * cand.shape[-1] * (w + 8), args.runs, rows, shape, tol=1e-3)
             if r:
                 best[("block_labels", shape)] = r
                 classes[shape_class("block_label_scores", rows=b * hkv, c=cand.shape[-1], w=w, g=g, block=64)] = (r, shape)
