@@ -52,8 +52,9 @@ Each split writes unnormalised ``(o, m, l)`` of the G real heads (masked
 stores); a small jnp epilogue (``merge.combine_splits``) merges the splits.
 Tiling comes from the tuned table (``pallas_kernels.tuning``) on the GPU when
 the caller gives none. ``prefetch=1`` double-buffers tile t+1's rows in
-registers while tile t computes; ``prefetch=2`` only its indices (the gather of
-tile t+1 then waits on one memory round trip, not two).
+registers while tile t computes. (Loading only tile t+1's indices ahead was
+tried and removed: cold on the H100 it was 0.7-2.7 us (3-9%) slower than none at
+every K from 512 to 4096, at B=1 and B=8; ``sparse_scaling_b{1,8}_v7_h100.md``.)
 """
 
 from __future__ import annotations
@@ -267,17 +268,6 @@ def _sparse_decode_kernel(counts_ref, q_ref, idx_ref, k_ref, v_ref,
                                        interpret=interpret)
 
         o, m, l = lax.fori_loop(0, n_tiles, body, init)
-    elif prefetch == 2:
-        # Indices one tile ahead: tile t+1's index load is issued before tile t's gathers,
-        # so each gather waits on one memory round trip, not two (index, then rows), for
-        # block_k registers of indices rather than prefetch=1's rows.
-        def body(t, carry):
-            acc, (valid, idx) = carry
-            nxt = load_indices(t + 1)
-            return online_softmax_step(q, k_ref[idx], v_ref[idx], valid, acc, scale=scale,
-                                       precision=precision, interpret=interpret), nxt
-
-        (o, m, l), _ = lax.fori_loop(0, n_tiles, body, (init, load_indices(0)))
     else:
         # Register double buffering: tile t+1's indices and rows are loaded before tile
         # t is computed, so the gather latency overlaps the math (the loop is too short
@@ -329,8 +319,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     Tuning: ``block_k`` (tokens per tile, power of two >= 16; default 64 for
     D <= 128 else 32, capped by K), ``num_splits`` (default from
     ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``prefetch``
-    (default 0; 1 loads tile t+1's indices and rows while tile t computes; 2 only
-    its indices). k's batch may
+    (default 0; 1 loads tile t+1's indices and rows while tile t computes). k's batch may
     divide q's (``kv_batch_share = q batch // k batch``, read off the shapes).
     """
     B, Hq, D = q.shape
@@ -338,8 +327,8 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
     assert B % Bk == 0, (q.shape, k.shape)
     K = indices.shape[-1]
     prefetch = 0 if prefetch is None else int(prefetch)
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch}")
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch must be 0 or 1, got {prefetch}")
     scale = default_scale(D) if scale is None else float(scale)
     block_k, ns, k_split = resolve_sparse_tuning(B, Hkv, K, D, block_k=block_k,
                                                  num_splits=num_splits)

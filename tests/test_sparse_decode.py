@@ -78,11 +78,6 @@ CASES = [
                  id="gqa3-bf16-d128-prefetch"),
     pytest.param(1, 4, 1, 400, 256, 97, jnp.float32, dict(block_k=16, num_splits=2, prefetch=1),
                  id="mqa4-f32-d256-prefetch-split2"),
-    # indices one tile ahead only
-    pytest.param(2, 12, 4, 333, 128, 150, jnp.bfloat16, dict(block_k=32, num_splits=1, prefetch=2),
-                 id="gqa3-bf16-d128-prefetch-indices"),
-    pytest.param(1, 4, 1, 400, 256, 97, jnp.float32, dict(block_k=16, num_splits=3, prefetch=2),
-                 id="mqa4-f32-d256-prefetch-indices-split3"),
 ]
 
 
@@ -267,7 +262,7 @@ def _good():
     ({}, dict(block_kk=64), TypeError),                                     # unknown knob
     ({}, dict(block_k=48, impl="pallas"), ValueError),                      # not a power of 2
     ({}, dict(num_splits=0), ValueError),
-    ({}, dict(prefetch=3, impl="pallas"), ValueError),                      # 0, 1 or 2
+    ({}, dict(prefetch=2, impl="pallas"), ValueError),                      # 0 or 1
     ({}, dict(scale=jnp.float32(0.1)), TypeError),                          # traced-able scale
 ])
 def test_bad_inputs(change, kwargs, exc):
@@ -306,7 +301,7 @@ class TestSparseDecodeKernel(DecodeKernelTestBase):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100, d):
     """Both decode kernels lower for CUDA (an abstract H100, no GPU; the gather kernel with
-    its index prefetch too), and their online
+    its register prefetch too), and their online
     softmax uses the MUFU ex2.approx (pallas_kernels._util.exp_fast), not libdevice."""
     from pallas_kernels.block_sparse_decode import block_sparse_decode_attention_pallas
     from pallas_kernels.sparse_decode import sparse_decode_attention_pallas
@@ -316,7 +311,7 @@ def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100,
     idx, cnt, lens = sd((2, 2, 256), jnp.int32), sd((2, 2), jnp.int32), sd((2,), jnp.int32)
     bidx = sd((2, 2, 8), jnp.int32)
     for fn, args in ((sparse_decode_attention_pallas, (q, kv, kv, idx, cnt)),
-                     (functools.partial(sparse_decode_attention_pallas, prefetch=2), (q, kv, kv, idx, cnt)),
+                     (functools.partial(sparse_decode_attention_pallas, prefetch=1), (q, kv, kv, idx, cnt)),
                      (functools.partial(block_sparse_decode_attention_pallas, block_size=64),
                       (q, kv, kv, bidx, cnt, lens))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
