@@ -261,3 +261,28 @@ def test_block_bound_group_reduction():
         assert (int(np.argmax(np.asarray(quest.block_scores(q, boxes))[0, 0])) == 0) == want_first, reduce
     with pytest.raises(ValueError, match="group_reduce must be one of"):
         get_method("quest", budget=64, group_reduce="mean")
+
+
+def test_asynctls_fused_selection_selects_the_same(monkeypatch):
+    """``fused_selection=True`` (one kernel normalizes, selects and maps the labels' top
+    tokens) picks the tokens the unfused kernels do, through the kernel path (Pallas
+    interpret mode here), and only then runs the fused kernel; anything but True, False or
+    None is refused."""
+    from sparse_jax.ops import scoring
+
+    calls = []
+    fused_kernel = scoring._ltk.label_topk_pallas
+    monkeypatch.setattr(scoring._ltk, "label_topk_pallas", lambda *a, **kw: calls.append(1) or fused_kernel(*a, **kw))
+    q, k, v, _ = peaked_inputs(7)
+    lengths = jnp.array([600, 333], jnp.int32)
+    got = {}
+    for fused in (False, True):
+        m = make_method("asynctls", budget=64, impl="pallas", fused_selection=fused)
+        idx, cnt, _, _ = run(m, q, k, v, lengths)
+        got[fused] = [sorted(idx[b, h, :cnt[b, h]].tolist()) for b in range(B) for h in range(HKV)], cnt
+        assert bool(calls) == fused
+    assert got[False][0] == got[True][0]
+    np.testing.assert_array_equal(got[False][1], got[True][1])
+    assert (got[True][1] == 64).all()  # both rows are longer than the budget: a sparse selection
+    with pytest.raises(ValueError, match="fused_selection must be"):
+        make_method("asynctls", fused_selection="yes")

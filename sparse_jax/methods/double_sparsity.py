@@ -163,9 +163,16 @@ class AsyncTLS(DoubleSparsity):
     #: Measured on Gemma 3 (4 query heads per KV head, H100, 100 prompts a task): "sum" loses
     #: 7.4 points at 16K and 13.5 at 32K where "max" loses 1.7 and 2.5 (docs/methods.md)
     group_reduce: str = "max"
+    #: the second level's kernels without a sink or window (``block_label_topk(fused=...)``):
+    #: True runs one kernel that normalizes, selects and maps to tokens; False the label
+    #: normalization, the top-k and XLA's masks, count and gather; None (default) the op's
+    #: default (``sparse_jax.ops.scoring.FUSED_LABEL_TOPK``)
+    fused_selection: bool | None = None
 
     def __post_init__(self):
         check_group_reduce(self.name, self.group_reduce)
+        if self.fused_selection not in (None, True, False):
+            raise ValueError(f"{self.name}: fused_selection must be True, False or None, got {self.fused_selection!r}")
 
     @property
     def cache_multiple(self) -> int:
@@ -230,7 +237,8 @@ class AsyncTLS(DoubleSparsity):
             c = all_blocks.shape[-1] * self.block_size
             budget = min(self.budget, capacity if capacity is not None else c)
             top, taken = block_label_topk(q, state.labels, channels, all_blocks, scored, lengths,
-                                          block_size=self.block_size, k=min(budget, c), impl=self.impl)
+                                          block_size=self.block_size, k=min(budget, c), impl=self.impl,
+                                          fused=self.fused_selection)
             indices, counts = fallback_to_dense(top, lengths, budget)
             long = (lengths > budget)[:, None]
             return indices, jnp.where(long, jnp.minimum(counts, taken), counts).astype(jnp.int32)
