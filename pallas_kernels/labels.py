@@ -657,7 +657,7 @@ def _combine_stats(m_in, l_in, group):
 
 def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
                  tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
-                 prefetch, record=False):
+                 prefetch, record=False, masked_score=0.0):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
@@ -807,7 +807,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             for g in range(group):
                 e = jnp.exp(logits[g] - maxes[g]) * weights[g]
                 acc = e if acc is None else acc + e
-            plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid, acc, 0.0), mask=in_c)
+            plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid, acc, masked_score), mask=in_c)
             return stats
         if phase == "logits":
             for g in range(group):
@@ -870,7 +870,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
 
     if phase != "stats":
         # Tiles past the count: masked entries only.
-        fill = 0.0 if phase == "scores" else -jnp.inf
+        fill = masked_score if phase == "scores" else -jnp.inf
 
         def fill_body(t, c):
             in_c = t * tc + lanes < num_cand
@@ -893,17 +893,21 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             l_ref[p, jnp.int32(g)] = tot
 
 
-def _normalize_body(logit_ref, m_in, l_in, out_ref, *, num_cand, block_c, group):
+def _normalize_body(logit_ref, m_in, l_in, out_ref, *, num_cand, block_c, group, masked_score=0.0):
     # logit_ref: [G, C] raw logits (-inf where masked); m_in, l_in: [P, G]; out_ref: [C].
     maxes, weights = _combine_stats(m_in, l_in, group)
     t = pl.program_id(2)
     in_c = t * block_c + jnp.arange(block_c, dtype=jnp.int32) < num_cand
-    acc = None
+    acc = masked = None
     for g in range(group):
         x = plgpu.load(logit_ref.at[jnp.int32(g), pl.ds(t * block_c, block_c)], mask=in_c,
                        other=-jnp.inf)
         e = jnp.exp(x - maxes[g]) * weights[g]  # exactly 0 where the logit is -inf
         acc = e if acc is None else acc + e
+        if masked is None:
+            masked = x == -jnp.inf  # a slot is masked for every head at once
+    if masked_score != 0.0:
+        acc = jnp.where(masked, masked_score, acc)
     plgpu.store(out_ref.at[pl.ds(t * block_c, block_c)], acc, mask=in_c)
 
 
@@ -924,7 +928,7 @@ def _prepare_query(q, channels, hkv, sm_scale, bits, words):
 
 def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, block_size,
                    sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
-                   hoist_q, interpret, return_raw):
+                   hoist_q, interpret, return_raw, masked_score=0.0):
     b, hq, _ = q.shape
     r = channels.shape[-1]
     record = isinstance(labels, LabelRecords)
@@ -986,7 +990,8 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         nbc = min(4 * 32 * num_warps, next_pow2(num_cand))
         ntn = pl.cdiv(num_cand, nbc)
         return pl.pallas_call(
-            functools.partial(_normalize_body, num_cand=num_cand, block_c=nbc, group=g),
+            functools.partial(_normalize_body, num_cand=num_cand, block_c=nbc, group=g,
+                              masked_score=masked_score),
             grid=(b, hkv, ntn),
             in_specs=[pl.BlockSpec((None, None, g, num_cand), lambda i, j, t: (i, j, 0, 0)),
                       stat_spec, stat_spec],
@@ -1000,7 +1005,7 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         compiler_params=params, interpret=interpret, name=f"label_stats_{tag}",
     )(*args)
     out = pl.pallas_call(
-        functools.partial(_looped_body, phase="scores", **common),
+        functools.partial(_looped_body, phase="scores", masked_score=masked_score, **common),
         grid=grid, in_specs=in_specs + [stat_spec, stat_spec], out_specs=out_spec,
         out_shape=out_shape, compiler_params=params, interpret=interpret,
         name=f"label_scores_{tag}",
@@ -1107,15 +1112,16 @@ def block_label_scores_reference(q, labels, channels, block_ids, block_counts, l
                                   bits=bits)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",) + _KERNEL_STATIC)
+@functools.partial(jax.jit, static_argnames=("block_size", "masked_score") + _KERNEL_STATIC)
 def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                               scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
                               num_stages=None, splits=None, prefetch=None, hoist_q=None,
-                              interpret=False, return_raw=False):
+                              interpret=False, return_raw=False, masked_score=0.0):
     """Pallas path of ``block_label_scores``: candidate positions are made in
     registers from the block ids (no candidate array is read), and a block's
     rows are consecutive. Modes "two_pass" and "logits"; tuning as
-    ``label_scores_kernel``."""
+    ``label_scores_kernel``. ``masked_score`` (static, default 0): what a masked
+    slot scores; ``-inf`` lets a top-k take the scores as they are (no masking pass)."""
     _check_mode(mode)
     if mode == "per_tile":
         raise ValueError("block_label_scores_kernel has no 'per_tile' mode")
@@ -1127,4 +1133,5 @@ def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, leng
         q, labels, channels, block_ids, block_counts, lengths, source="blocks",
         num_cand=block_ids.shape[-1] * block_size, block_size=block_size, sm_scale=sm_scale,
         bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, interpret=interpret,
-        return_raw=return_raw, **_looped_tuning(block_c, num_warps, num_stages, prefetch))
+        return_raw=return_raw, masked_score=float(masked_score),
+        **_looped_tuning(block_c, num_warps, num_stages, prefetch))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import labels as lb
 from sparse_jax.ops import scoring
 from sparse_jax.ops.scoring import LabelCache
 
@@ -404,6 +405,13 @@ def test_block_label_scores_match_oracle(impl, hq, hkv, d, r, bs, nb, tuning):
     got = np.asarray(got)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
     assert np.all(got[~valid] == 0.0)
+    if impl == "pallas":
+        # masked_score=-inf (block_label_topk's path: its top-k reads the scores as they are):
+        # the same scores, -inf exactly where masked
+        neg = np.asarray(lb.block_label_scores_kernel(*args, block_size=bs, interpret=True, masked_score=-np.inf,
+                                                      **tuning))
+        np.testing.assert_array_equal(neg[valid], got[valid])
+        assert np.all(neg[~valid] == -np.inf)
     # Same as label_scores over the expanded positions.
     same = scoring.label_scores(q, cache, channels, jnp.asarray(pos, jnp.int32),
                                 lengths=jnp.asarray(lengths, jnp.int32), impl="reference")
@@ -526,6 +534,9 @@ def test_kernels_lower_to_triton(abstract_h100):
                 (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
                                                                                      block_size=64, mode=mode),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), sd((2, 1), jnp.int32), lens)),  # [B, 1] counts
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(
+                    q, c, ch, bid, n, l, block_size=64, mode=mode, masked_score=-np.inf),
+                 (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),  # masked slots as -inf
             ]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -507,9 +507,12 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
 
     bs = int(block_size)
     select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
+    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
     if choice == "reference":
         scores = _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths,
                                                   block_size=bs, scale=scale, bits=bits)
+        valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
+        scores = jnp.where(valid, scores, -jnp.inf)
         select = {}
     else:
         fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
@@ -526,15 +529,16 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
                                               l.reshape(b * hkv, -1, g), block_ids.reshape(b * hkv, -1), k,
                                               block_size=bs, interpret=interpret, **select)
             return pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
+        # masked slots come out of the kernel as -inf: no masking pass over the scores
         scores = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, block_size=bs,
-                                               scale=scale, bits=bits, interpret=interpret, **tuning)
-    # unfused: masked slots are -inf; with fewer than k others they are the ties at the
-    # threshold, and greater_first puts the unmasked ones first (the "first counts entries")
-    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
-    valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
-    idx = topk_indices(jnp.where(valid, scores, -jnp.inf), k, impl=choice, greater_first=True, **select)
+                                               scale=scale, bits=bits, interpret=interpret,
+                                               masked_score=-jnp.inf, **tuning)
+    # unfused: masked slots are -inf (a valid score is >= 0); with fewer than k others they
+    # are the ties at the threshold, and greater_first puts the unmasked ones first (the
+    # "first counts entries")
+    idx = topk_indices(scores, k, impl=choice, greater_first=True, **select)
     pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // bs, axis=-1) * bs + idx % bs
-    return pos.astype(jnp.int32), jnp.minimum(jnp.sum(valid, axis=-1, dtype=jnp.int32), k)
+    return pos.astype(jnp.int32), jnp.minimum(jnp.sum(scores > -jnp.inf, axis=-1, dtype=jnp.int32), k)
 
 
 # ----------------------------------------------------------------------------
