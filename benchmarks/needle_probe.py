@@ -14,7 +14,14 @@ needle (the prompt tokens of the expected answer, found by the tokenizer's chara
 * ``block_rank_max_heads``: the same rank with the query group reduced by max
   (``group_reduce="max"``: does one head want the needle's block);
 * ``in_selection``: the fraction of needle tokens in the method's final selection (its
-  ``select``), the worst over KV heads.
+  ``select``), the worst over KV heads;
+* ``block_rank_q`` and ``filter_overlap_q`` (``--box-bits``, default 8; 0 leaves them out):
+  what 8-bit block boxes would change. Each box channel is stored as a code over the
+  (batch, KV head, channel) range of all blocks, the maximum rounded up and the minimum down,
+  so the Quest bound stays a bound and the boxes take half the bytes of bf16 (the block bound
+  is the largest stage of the AsyncTLS step at B=8: ``breakdown_h100_v7_128k.md``). The needle's
+  rank under that bound, and the fraction of the filter's ``kb - 1`` blocks it keeps (worst KV
+  head).
 
 Only decode is probed (prefill is dense, as in the harness). The first answer token comes from
 the prefill, so step 0 here is the query of the first generated token producing the second.
@@ -44,6 +51,7 @@ class NeedleProbe(FidelityProbe):
     one prompt per compiled probe; row 0 of the batch is the one measured)."""
 
     needle: tuple[int, ...] = ()
+    box_bits: int = 8
 
     def init_state(self, spec, *, batch, num_kv_heads, max_len, head_dim, dtype, num_q_heads=None):
         st = super().init_state(spec, batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim,
@@ -51,7 +59,9 @@ class NeedleProbe(FidelityProbe):
         return {**st, "needle_mass": jnp.zeros((batch,), jnp.float32),
                 "block_rank": jnp.full((batch,), -1, jnp.int32),
                 "block_rank_max_heads": jnp.full((batch,), -1, jnp.int32),
-                "in_selection": jnp.zeros((batch,), jnp.float32)}
+                "in_selection": jnp.zeros((batch,), jnp.float32),
+                "block_rank_q": jnp.full((batch,), -1, jnp.int32),
+                "filter_overlap_q": jnp.ones((batch,), jnp.float32)}
 
     def decode(self, q, kv, lengths, state, carry, layer):
         dense, new, new_carry = super().decode(q, kv, lengths, state, carry, layer)
@@ -59,7 +69,8 @@ class NeedleProbe(FidelityProbe):
         pos = jnp.asarray(self.needle, jnp.int32)
         probs = dense_probabilities(q, kv.k, lengths)  # [B, Hkv, G, S]
         mass = probs[..., pos].sum(-1).mean((1, 2))
-        rank = rank_max = jnp.full(lengths.shape, -1, jnp.int32)
+        rank = rank_max = rank_q = jnp.full(lengths.shape, -1, jnp.int32)
+        overlap_q = jnp.ones(lengths.shape, jnp.float32)
         if hasattr(inner, "pick_blocks") and hasattr(st, "boxes"):
             from sparse_jax.ops.scoring import quest_block_scores
 
@@ -67,13 +78,19 @@ class NeedleProbe(FidelityProbe):
             newest = (lengths - 1) // bs
             needle_blocks = jnp.asarray(sorted({p // bs for p in self.needle}), jnp.int32)
 
-            def bound_rank(reduce):  # the needle's rank under the filter's bound, the group reduced so
-                scores = quest_block_scores(q, st.boxes.upper, st.boxes.lower, group_reduce=reduce)  # [B, Hkv, NB]
+            def bound(reduce, upper, lower):  # the filter's bound over the blocks before the newest
+                scores = quest_block_scores(q, upper, lower, group_reduce=reduce)  # [B, Hkv, NB]
                 blk = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-                return _rank(jnp.where(blk[None, None] >= newest[:, None, None], -jnp.inf, scores), needle_blocks)
+                return jnp.where(blk[None, None] >= newest[:, None, None], -jnp.inf, scores)
 
-            rank = bound_rank(getattr(inner, "group_reduce", "sum"))
-            rank_max = bound_rank("max")  # a block any one head wants ranks high
+            reduce = getattr(inner, "group_reduce", "sum")
+            exact = bound(reduce, st.boxes.upper, st.boxes.lower)
+            rank = _rank(exact, needle_blocks)
+            rank_max = _rank(bound("max", st.boxes.upper, st.boxes.lower), needle_blocks)  # one head's want
+            if self.box_bits:
+                quant = bound(reduce, *quantized_boxes(st.boxes.upper, st.boxes.lower, self.box_bits))
+                rank_q = _rank(quant, needle_blocks)
+                overlap_q = filter_overlap(exact, quant, getattr(inner, "kb", exact.shape[-1]) - 1)
         sel, _, _ = inner.select(q, kv, lengths, st, carry, layer)
         if sel.kind == "all":
             frac = jnp.ones(lengths.shape, jnp.float32)
@@ -83,7 +100,38 @@ class NeedleProbe(FidelityProbe):
             hit = ((idx[..., None] == pos) & live[..., None]).any(-2)  # [B, Hkv, N]
             frac = hit.mean(-1).min(-1)
         return dense, {**new, "needle_mass": mass, "block_rank": rank, "block_rank_max_heads": rank_max,
-                       "in_selection": frac}, new_carry
+                       "in_selection": frac, "block_rank_q": rank_q, "filter_overlap_q": overlap_q}, new_carry
+
+
+def quantized_boxes(upper, lower, bits: int):
+    """``(upper, lower)`` boxes ``[B, Hkv, NB, D]`` after a round trip through ``bits``-bit codes
+    over each (batch, KV head, channel)'s range across the blocks, f32: the maximum rounded up,
+    the minimum down, so every dequantized box contains the original (the Quest bound stays an
+    upper bound, only looser)."""
+    up, lo = upper.astype(jnp.float32), lower.astype(jnp.float32)
+    base = jnp.min(lo, axis=2, keepdims=True)
+    step = (jnp.max(up, axis=2, keepdims=True) - base) / ((1 << bits) - 1)
+    step = jnp.where(step > 0, step, 1.0)
+    levels = (1 << bits) - 1
+    code_up = jnp.clip(jnp.ceil((up - base) / step), 0, levels)
+    code_lo = jnp.clip(jnp.floor((lo - base) / step), 0, levels)
+    # f32 rounding may put a dequantized edge an ulp inside the box: widen to keep the bound
+    return (jnp.maximum(base + code_up * step, up), jnp.minimum(base + code_lo * step, lo))
+
+
+def filter_overlap(exact, approx, n: int):
+    """``float32[B]``: the fraction of the ``n`` best blocks under ``exact [B, Hkv, NB]`` that are
+    also among the ``n`` best under ``approx``, the worst KV head (1 where a row has at most ``n``
+    candidates: the filter keeps them all either way)."""
+    import jax
+
+    n = max(1, min(n, exact.shape[-1]))
+    top_e = jax.lax.top_k(exact, n)[1]
+    top_a = jax.lax.top_k(approx, n)[1]
+    live = jnp.take_along_axis(exact, top_e, -1) > -jnp.inf  # blocks before the newest only
+    kept = ((top_e[..., :, None] == top_a[..., None, :]).any(-1) & live).sum(-1)
+    frac = kept / jnp.maximum(live.sum(-1), 1)
+    return jnp.where(live.sum(-1) < n, 1.0, frac).min(-1).astype(jnp.float32)
 
 
 def _rank(scores, blocks):
@@ -110,12 +158,13 @@ def needle_positions(tokenizer, prompt: str, ids, answer: str) -> tuple[int, ...
     return pos
 
 
-def probe_prompt(model, method, ids, needle: tuple[int, ...], steps: int, index: int = 0) -> list[dict]:
+def probe_prompt(model, method, ids, needle: tuple[int, ...], steps: int, index: int = 0,
+                 box_bits: int = 8) -> list[dict]:
     """Per step and sparse layer: mass, block rank and selection recall of the ``needle``
-    positions of the prompt ``ids``."""
+    positions of the prompt ``ids``; with ``box_bits``, what boxes of that many bits change."""
     cfg = model.config
     ids = list(ids)
-    probe = NeedleProbe(inner=method, num_q_heads=cfg.num_heads, needle=tuple(needle))
+    probe = NeedleProbe(inner=method, num_q_heads=cfg.num_heads, needle=tuple(needle), box_bits=box_bits)
     pm = model.with_method(probe)
     n = len(ids)
     cap = -(-(n + steps + 1) // 64) * 64
@@ -131,7 +180,9 @@ def probe_prompt(model, method, ids, needle: tuple[int, ...], steps: int, index:
             rows.append({"index": index, "step": t, "layer": i, "needle_tokens": len(needle),
                          "mass": float(s["needle_mass"][0]), "block_rank": int(s["block_rank"][0]),
                          "block_rank_max_heads": int(s["block_rank_max_heads"][0]),
-                         "in_selection": float(s["in_selection"][0])})
+                         "in_selection": float(s["in_selection"][0]),
+                         **({"block_rank_q": int(s["block_rank_q"][0]),
+                             "filter_overlap_q": float(s["filter_overlap_q"][0])} if box_bits else {})})
         tok = jnp.argmax(logits, -1).astype(jnp.int32)  # dense's greedy token (the probe's output is dense)
     return rows
 
@@ -149,7 +200,10 @@ def summarize(rows: list[dict], kept_ranks: int | None) -> list[dict]:
                     "worst_rank_max_heads": max(r.get("block_rank_max_heads", -1) for r in rs),
                     "steps_outside_filter": (sum(rk >= kept_ranks for rk in ranks) if kept_ranks is not None
                                              and min(ranks) >= 0 else "-"),
-                    "mean_in_selection": float(np.mean([r["in_selection"] for r in rs]))})
+                    "mean_in_selection": float(np.mean([r["in_selection"] for r in rs])),
+                    **({"worst_rank_q": max(r["block_rank_q"] for r in rs),
+                        "min_filter_overlap_q": min(r["filter_overlap_q"] for r in rs)}
+                       if "block_rank_q" in rs[0] else {})})
     return out
 
 
@@ -166,6 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="needle_probe")
+    p.add_argument("--box-bits", type=int, default=8,
+                   help="also rank the blocks under boxes of this many bits (0: off; default %(default)s)")
     args = p.parse_args(argv)
     from models.generate import parse_option_value
 
@@ -187,7 +243,7 @@ def main(argv=None) -> int:
     for i in args.indices:
         sample = ruler_tasks.generate_sample(args.task, args.length, i, model.tokenizer, chat=False)
         needle = needle_positions(model.tokenizer, sample.prompt, sample.input_ids, sample.answers[0])
-        rows += probe_prompt(model, method, sample.input_ids, needle, args.steps, index=i)
+        rows += probe_prompt(model, method, sample.input_ids, needle, args.steps, index=i, box_bits=args.box_bits)
         print(f"[needle_probe] prompt {i}: {len(sample.input_ids)} tokens done", file=sys.stderr, flush=True)
     kb = getattr(method, "kb", None)
     summary = summarize(rows, kb - 1 if kb else None)
@@ -196,7 +252,9 @@ def main(argv=None) -> int:
     md = [f"# Needle probe: {args.method} on {args.model}, {args.task} at {args.length}", "",
           f"- {payload['stamp']['device']}, jax {payload['stamp']['jax']}, {payload['stamp']['date']}, "
           f"commit {payload['stamp']['git_commit']}", f"- command: `{payload['stamp']['command']}`",
-          f"- method: `{payload['method']}`; the filter keeps block ranks below {kb - 1 if kb else '-'}", "",
+          f"- method: `{payload['method']}`; the filter keeps block ranks below {kb - 1 if kb else '-'}",
+          f"- `_q` columns: the same bound on boxes of {args.box_bits} bits (max rounded up, min down)"
+          if args.box_bits else "- boxes kept at full precision only", "",
           markdown_table(summary, list(summary[0])), ""]
     write_results(args.name, payload, "\n".join(md), Path(args.out) if args.out else None)
     print("\n".join(md))

@@ -44,10 +44,42 @@ def test_probe_records_where_the_needle_stands(tiny):
     rows = npb.probe_prompt(tiny, whole, ids, needle, steps=2)
     assert all(r["in_selection"] == 1.0 for r in rows)
     summary = npb.summarize(rows, kept_ranks=15)
+    # kb=16 keeps every one of the 9 blocks: 8-bit boxes cannot change the filter's set
+    assert all(r["filter_overlap_q"] == 1.0 and 0 <= r["block_rank_q"] < 150 // 16 for r in rows)
     assert summary == [{"index": 0, "layer": 2, "steps": 2, "mean_mass": pytest.approx(np.mean([r["mass"] for r in rows])),
                         "worst_block_rank": max(r["block_rank"] for r in rows),
                         "worst_rank_max_heads": max(r["block_rank_max_heads"] for r in rows), "steps_outside_filter": 0,
-                        "mean_in_selection": 1.0}]
+                        "mean_in_selection": 1.0, "worst_rank_q": max(r["block_rank_q"] for r in rows),
+                        "min_filter_overlap_q": 1.0}]
+    rows = npb.probe_prompt(tiny, small, ids, needle, steps=1, box_bits=0)
+    assert "block_rank_q" not in rows[0] and "worst_rank_q" not in npb.summarize(rows, kept_ranks=2)[0]
+
+
+def test_quantized_boxes_contain_the_originals_and_keep_the_bound():
+    """Codes over each (batch, head, channel)'s range: every dequantized box contains its original
+    (max rounded up, min down), so the Quest bound of any query only grows; at 8 bits the boxes
+    move by at most one code step; a channel constant over the blocks survives exactly."""
+    from sparse_jax.ops.scoring import quest_block_scores
+
+    rng = np.random.default_rng(3)
+    lower = (rng.normal(size=(2, 3, 40, 16)) * rng.uniform(0.1, 30, size=(1, 1, 1, 16))).astype(np.float32)
+    upper = (lower + rng.uniform(0, 5, size=lower.shape)).astype(np.float32)
+    lower[..., 5] = upper[..., 5] = 2.5  # a constant channel
+    up_q, lo_q = (np.asarray(x) for x in npb.quantized_boxes(jnp.asarray(upper), jnp.asarray(lower), 8))
+    assert (up_q >= upper).all() and (lo_q <= lower).all()
+    step = (upper.max(2, keepdims=True) - lower.min(2, keepdims=True)) / 255
+    assert (up_q - upper <= step * 1.0001 + 1e-6).all() and (lower - lo_q <= step * 1.0001 + 1e-6).all()
+    np.testing.assert_array_equal(up_q[..., 5], upper[..., 5])
+    q = jnp.asarray(rng.normal(size=(2, 6, 16)).astype(np.float32))
+    exact = np.asarray(quest_block_scores(q, jnp.asarray(upper), jnp.asarray(lower), impl="reference"))
+    loose = np.asarray(quest_block_scores(q, jnp.asarray(up_q), jnp.asarray(lo_q), impl="reference"))
+    assert (loose >= exact - 1e-4 * np.abs(exact).max()).all()
+    # the filter overlap: identical bounds keep every block, a reversed ranking keeps none
+    e = jnp.asarray(exact)
+    assert (np.asarray(npb.filter_overlap(e, e, 10)) == 1.0).all()
+    assert (np.asarray(npb.filter_overlap(e, -e, 10)) == 0.0).all()
+    masked = e.at[..., 5:].set(-jnp.inf)  # 5 live blocks, fewer than the filter keeps: all kept
+    assert (np.asarray(npb.filter_overlap(masked, -e, 10)) == 1.0).all()
 
 
 def test_needle_positions_follow_the_offsets():
