@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.timing import RESULTS_DIR, markdown_table, write_results
+from benchmarks.timing import RESULTS_DIR, markdown_table, write_final_results
 
 #: (stage, test on the kernel name), first match wins; XLA names its fusions "loop_*" /
 #: "input_*", our Pallas kernels carry their own names
@@ -144,11 +144,7 @@ def main(argv=None):
     out_rows = [{k: r[k] for k in ("B", "S", "K", "kernel", "ms")} | {"stages": breakdown(r)} for r in rows]
     payload = {"stamp": src["stamp"], "source": args.results.name, "rows": out_rows,
                "derived_by": "python -m benchmarks.breakdown " + shlex.join(sys.argv[1:] if argv is None else argv)}
-    name = args.name or f"breakdown_{args.results.stem}"
-    md = render(payload)
-    path = write_results(name, payload, md, args.out)
-    plot(payload, path / f"{name}.png")
-    print(md)
+    write_final_results(args.name or f"breakdown_{args.results.stem}", payload, render, plot, args.out)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from benchmarks.fidelity import FidelityProbe, dense_probabilities
 from benchmarks.timing import markdown_table, parse_list, stamp, write_results
@@ -109,10 +110,10 @@ def quantized_boxes(upper, lower, bits: int):
     the minimum down, so every dequantized box contains the original (the Quest bound stays an
     upper bound, only looser)."""
     up, lo = upper.astype(jnp.float32), lower.astype(jnp.float32)
-    base = jnp.min(lo, axis=2, keepdims=True)
-    step = (jnp.max(up, axis=2, keepdims=True) - base) / ((1 << bits) - 1)
-    step = jnp.where(step > 0, step, 1.0)
     levels = (1 << bits) - 1
+    base = jnp.min(lo, axis=2, keepdims=True)
+    step = (jnp.max(up, axis=2, keepdims=True) - base) / levels
+    step = jnp.where(step > 0, step, 1.0)
     code_up = jnp.clip(jnp.ceil((up - base) / step), 0, levels)
     code_lo = jnp.clip(jnp.floor((lo - base) / step), 0, levels)
     # f32 rounding may put a dequantized edge an ulp inside the box: widen to keep the bound
@@ -123,15 +124,13 @@ def filter_overlap(exact, approx, n: int):
     """``float32[B]``: the fraction of the ``n`` best blocks under ``exact [B, Hkv, NB]`` that are
     also among the ``n`` best under ``approx``, the worst KV head (1 where a row has at most ``n``
     candidates: the filter keeps them all either way)."""
-    import jax
-
     n = max(1, min(n, exact.shape[-1]))
-    top_e = jax.lax.top_k(exact, n)[1]
-    top_a = jax.lax.top_k(approx, n)[1]
+    top_e = lax.top_k(exact, n)[1]
+    top_a = lax.top_k(approx, n)[1]
     live = jnp.take_along_axis(exact, top_e, -1) > -jnp.inf  # blocks before the newest only
     kept = ((top_e[..., :, None] == top_a[..., None, :]).any(-1) & live).sum(-1)
-    frac = kept / jnp.maximum(live.sum(-1), 1)
-    return jnp.where(live.sum(-1) < n, 1.0, frac).min(-1).astype(jnp.float32)
+    n_live = live.sum(-1)
+    return jnp.where(n_live < n, 1.0, kept / jnp.maximum(n_live, 1)).min(-1).astype(jnp.float32)
 
 
 def _rank(scores, blocks):

@@ -147,9 +147,9 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    # the tilings the file holds, in order (older files have a third)
+    tilings = list(dict.fromkeys(r["tiling"] for r in payload["rows"][1:]))
     for layout, color in zip(LAYOUTS, ("C0", "C1", "C2")):
-        # the tilings the file holds, in order (older files have a third)
-        tilings = list(dict.fromkeys(r["tiling"] for r in payload["rows"][1:]))
         for tiling, style in zip(tilings, ("o-", "s--", "^:", "d-.")):
             pts = sorted((r["K"], r["GB/s"]) for r in payload["rows"][1:]
                          if r["layout"] == layout and r["tiling"] == tiling)

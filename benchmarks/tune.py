@@ -253,7 +253,8 @@ def main(argv=None):
             cfgs = [dict(mode=m, hoist_q=hq_, num_warps=nw)
                     for m, hq_, nw in itertools.product(("logits", "two_pass"), (True, False), (2, 4, 8))]
             # then the grid and the tile on the best: a program walks its share of the candidates
-            # one dependent gather at a time, so more programs (splits) hide more of the latency
+            # one dependent gather at a time, so more programs might hide more of the latency
+            # (on the H100 at 128K they did not: tune_labels_quest_h100.md)
             more = label_grid_candidates(b * hkv, cand.shape[-1])
             r = two_stage("label_scores", lambda *a, **c: label_scores(*a, impl="pallas", **c),
                           (q, labels, channels, cand, cc), ref, cfgs, more, b * hkv * cand.shape[-1] * (w + 8 + 4),

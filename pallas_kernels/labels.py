@@ -898,16 +898,14 @@ def _normalize_body(logit_ref, m_in, l_in, out_ref, *, num_cand, block_c, group,
     maxes, weights = _combine_stats(m_in, l_in, group)
     t = pl.program_id(2)
     in_c = t * block_c + jnp.arange(block_c, dtype=jnp.int32) < num_cand
-    acc = masked = None
+    acc = first = None
     for g in range(group):
         x = plgpu.load(logit_ref.at[jnp.int32(g), pl.ds(t * block_c, block_c)], mask=in_c,
                        other=-jnp.inf)
         e = jnp.exp(x - maxes[g]) * weights[g]  # exactly 0 where the logit is -inf
-        acc = e if acc is None else acc + e
-        if masked is None:
-            masked = x == -jnp.inf  # a slot is masked for every head at once
-    if masked_score != 0.0:
-        acc = jnp.where(masked, masked_score, acc)
+        acc, first = (e, x) if acc is None else (acc + e, first)
+    if masked_score != 0.0:  # a slot is masked for every head at once: the first head's -inf says so
+        acc = jnp.where(first == -jnp.inf, masked_score, acc)
     plgpu.store(out_ref.at[pl.ds(t * block_c, block_c)], acc, mask=in_c)
 
 

@@ -507,10 +507,10 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
 
     bs = int(block_size)
     select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
-    s = _lb.label_dims(labels, channels.shape[1], bits)[2]
     if choice == "reference":
         scores = _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths,
                                                   block_size=bs, scale=scale, bits=bits)
+        s = _lb.label_dims(labels, channels.shape[1], bits)[2]
         valid = _lb.expand_blocks(block_ids, block_counts, lengths, block_size=bs, seq_len=s) >= 0
         scores = jnp.where(valid, scores, -jnp.inf)
         select = {}
