@@ -39,7 +39,8 @@ from benchmarks.timing import (
 )
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, block_minmax, build_label_cache,
-                                    interleave_labels, label_scores, quest_block_scores)
+                                    interleave_labels, label_scores, quantize_block_boxes, quest_block_scores,
+                                    quest_block_scores_quantized)
 from sparse_jax.ops.selection import topk_indices
 
 HQ, HKV, D = 32, 8, 128
@@ -144,6 +145,18 @@ def check_numerics(key) -> list[dict]:
         "kernel": "quest_block_scores",
         "rel_err": rel_err(quest_block_scores(q, kmax, kmin, impl="pallas"), quest_block_scores(q, kmax, kmin, impl="reference")),
     })
+    boxes8 = quantize_block_boxes(kmax, kmin, lengths, block_size=BLOCK)
+    for reduce in ("sum", "max"):
+        rows.append({
+            "kernel": f"quest_block_scores_quantized [{reduce}]",
+            "rel_err": rel_err(quest_block_scores_quantized(q, boxes8, group_reduce=reduce, impl="pallas"),
+                               quest_block_scores_quantized(q, boxes8, group_reduce=reduce, impl="reference")),
+        })
+    # the 8-bit bound is a bound: its least margin over the exact boxes' bound (>= 0 up to f32 rounding)
+    nvalid = int((int(lengths.min()) + BLOCK - 1) // BLOCK)
+    margin = (quest_block_scores_quantized(q, boxes8, group_reduce="max", impl="pallas")
+              - quest_block_scores(q, kmax, kmin, group_reduce="max", impl="pallas"))[..., :nvalid]
+    rows.append({"kernel": "8-bit bound minus exact bound (min, should be >= -1e-3)", "rel_err": float(margin.min())})
     channels = jnp.tile(jnp.arange(CHANNELS, dtype=jnp.int32)[None] * 3 % D, (HKV, 1))
     lab_p = build_label_cache(k, channels, impl="pallas")
     lab_r = build_label_cache(k, channels, impl="reference")
@@ -241,6 +254,14 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
     add("quest_block_scores", t, meta_bytes, dense_ms=dense_ms)
     t = timed(jax.jit(functools.partial(quest_block_scores, group_reduce="max")), (q, k_max, k_min), meta_bytes)
     add("quest_block_scores [group max]", t, meta_bytes, dense_ms=dense_ms)
+    # the 8-bit boxes (AsyncTLS(box_bits=8)): codes, plus a slack pair per block and a range per channel
+    boxes8 = jax.jit(functools.partial(quantize_block_boxes, block_size=BLOCK))(k_max, k_min, lengths)
+    q8_bytes = 2 * b * HKV * nb * D + 2 * b * HKV * nb * 4 + 2 * b * HKV * D * 4
+    for reduce in ("sum", "max"):
+        t = timed(jax.jit(functools.partial(quest_block_scores_quantized, group_reduce=reduce)), (q, boxes8), q8_bytes)
+        add(f"quest_block_scores [8-bit boxes{', group max' if reduce == 'max' else ''}]", t, q8_bytes,
+            dense_ms=dense_ms)
+    del boxes8
     channels = jnp.tile((jnp.arange(CHANNELS, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
     labels = jax.jit(build_label_cache)(k, channels)
     scores = quest_block_scores(q, k_max, k_min)
@@ -306,6 +327,15 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         t = timed(fn_f, (q, k, v, lengths, state_f), op_bytes)
         add("AsyncTLS method step (model path) [fused selection]", t, op_bytes, budget, dense_ms)
         del state_f
+        # the same with 8-bit block boxes: the filter reads half the bytes
+        fn_8, state_8 = asynctls_method_step(budget, k, lengths, channels, box_bits=8)
+        op8_bytes = op_bytes - meta_bytes + q8_bytes
+        t = timed(fn_8, (q, k, v, lengths, state_8), op8_bytes)
+        add("AsyncTLS method step (model path) [8-bit boxes]", t, op8_bytes, budget, dense_ms)
+        if one_program and budget == max(budgets):
+            wall_row("AsyncTLS method step (model path) [8-bit boxes]", fn_8, (q, k, v, lengths, state_8), op8_bytes,
+                     budget, dense_wall)
+        del state_8
         if one_program and budget == max(budgets):  # each chain is a compile: the largest K only
             wall_row("AsyncTLS operator [fused selection]", functools.partial(asynctls_operator, budget=budget, fused=True),
                      (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)

@@ -360,7 +360,8 @@ def bytes_per_step(runner, batch: int, context: int) -> float:
         budget = getattr(m, "budget", context)
         total += batch * min(budget, context) * kv_token
         bs = getattr(m, "block_size", 64)
-        total += batch * 2 * hkv * (context // bs) * d * e  # the boxes (Quest bound)
+        box_e = 1 if getattr(m, "box_bits", None) == 8 else e  # 8-bit codes or boxes in the model's dtype
+        total += batch * 2 * hkv * (context // bs) * d * box_e  # the boxes (Quest bound)
         if hasattr(m, "kb"):
             r = m.num_channels(d)
             total += batch * hkv * min(m.kb * bs, context) * (r // 2 + 4)  # INT4 labels + scale/offset

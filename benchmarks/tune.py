@@ -25,7 +25,7 @@ from benchmarks.timing import (RESULTS_DIR, cold_sets, hbm_floor_ms, markdown_ta
                                write_results)
 from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, build_label_cache, label_scores,
-                                    quest_block_scores)
+                                    quantize_block_boxes, quest_block_scores, quest_block_scores_quantized)
 from sparse_jax.ops.selection import topk_indices
 
 DEADLINE = float("inf")
@@ -161,7 +161,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--only", default="",
-                   help="comma list: sparse,block,quest,labels,topk,labeltopk (labeltopk only when named)")
+                   help="comma list: sparse,block,quest,labels,topk,labeltopk,quest8 (the last two only when named)")
     p.add_argument("--shapes", default="", help="indices into SHAPES (default all), e.g. 0,1")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
                    help="selected tokens K for the sparse and block decode sweeps (default %(default)s)")
@@ -240,6 +240,19 @@ def main(argv=None):
             if r:
                 best[("quest", shape)] = r
                 classes[shape_class("quest_block_scores", rows=b * hkv, nb=nb, d=d, g=g)] = (r, shape)
+        if only and "quest8" in only:  # the 8-bit boxes, in the model path's group-max form
+            nb = s // 64
+            kmax = jax.random.normal(jax.random.key(3), (b, hkv, nb, d), jnp.bfloat16)
+            boxes = quantize_block_boxes(kmax, kmax - 1, jnp.full((b,), s, jnp.int32), block_size=64)
+            ref = quest_block_scores_quantized(q, boxes, group_reduce="max", impl="reference")
+            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=st)
+                    for bn, nw, st in itertools.product((32, 64, 128, 256), (4, 8), (2, 3))]
+            r = sweep("quest_block_scores_q8",
+                      lambda *a, **c: quest_block_scores_quantized(*a, group_reduce="max", impl="pallas", **c),
+                      (q, boxes), ref, cfgs, 2 * kmax.size + 2 * b * hkv * nb * 4, args.runs, rows, shape, tol=1e-3)
+            if r:
+                best[("quest8", shape)] = r
+                classes[shape_class("quest_block_scores_q8", rows=b * hkv, nb=nb, d=d, g=g)] = (r, shape)
         if (not only or "labels" in only) and d // 4 * 4 // 8 in (4, 8, 16, 32):
             r_ch = d // 4
             channels = jnp.tile((jnp.arange(r_ch, dtype=jnp.int32) * 3 % d)[None], (hkv, 1))

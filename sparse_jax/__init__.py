@@ -26,9 +26,12 @@ from sparse_jax.ops.scoring import (
     block_minmax,
     build_label_cache,
     label_scores,
+    quantize_block_boxes,
     quest_block_scores,
+    quest_block_scores_quantized,
     update_block_minmax,
     update_label_cache,
+    update_quantized_block_boxes,
 )
 from sparse_jax.ops.selection import topk_indices
 from sparse_jax.ops.slot_pool import assign_pool_slots, assign_shared_pool_slots
@@ -55,6 +58,9 @@ __all__ = [
     "label_scores",
     "merge_attention",
     "quest_block_scores",
+    "quest_block_scores_quantized",
+    "quantize_block_boxes",
+    "update_quantized_block_boxes",
     "register",
     "sparse_decode_attention",
     "topk_indices",

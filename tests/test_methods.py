@@ -286,3 +286,40 @@ def test_asynctls_fused_selection_selects_the_same(monkeypatch):
     assert (got[True][1] == 64).all()  # both rows are longer than the budget: a sparse selection
     with pytest.raises(ValueError, match="fused_selection must be"):
         make_method("asynctls", fused_selection="yes")
+
+
+def test_asynctls_8bit_boxes_find_what_the_exact_boxes_find():
+    """``box_bits=8``: the filter reads 8-bit codes (half bf16's bytes). On peaked inputs with a
+    filter that must choose (7 of 9 blocks) it finds the hot tokens as the exact boxes do;
+    after appends, the codes still contain the exact boxes of the longer cache (a bound); a
+    width other than 8 is refused."""
+    from pallas_kernels.quantized_boxes import QuantizedBoxes, dequantize_boxes
+    from sparse_jax.ops.scoring import block_minmax
+
+    q, k, v, hot = peaked_inputs(1)
+    lengths = jnp.array([640, 577], jnp.int32)
+    exact, q8 = make_method("asynctls", budget=256), make_method("asynctls", budget=256, box_bits=8)
+    i0, c0, o0, _ = run(exact, q, k, v, lengths)
+    i8, c8, o8, st = run(q8, q, k, v, lengths)
+    assert isinstance(st.boxes, QuantizedBoxes) and st.boxes.upper.dtype == jnp.uint8
+    for b in range(B):
+        for h in range(HKV):
+            assert np.isin(hot[b, h], i8[b, h, : c8[b, h]]).mean() >= 0.9
+            same = np.isin(i8[b, h, : c8[b, h]], i0[b, h, : c0[b, h]]).mean()
+            assert same >= 0.9, same
+    dense = dense_decode_attention(q, k, v, lengths)
+    assert np.linalg.norm(o8 - dense) / np.linalg.norm(dense) < 0.1
+    start = jnp.array([500, 333], jnp.int32)
+    st = q8.prefill_state(q8.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype),
+                          k, v, start, ctx(q8))
+    for step in range(70):  # across a block boundary in both rows
+        st = q8.append_state(st, ResidentKV(k, v), start + step, ctx(q8))
+    e_max, e_min = block_minmax(k, start + 70, block_size=64, impl="reference")
+    up, lo = dequantize_boxes(st.boxes)
+    for b, n in enumerate([570, 403]):
+        nb = -(-n // 64)
+        tol = 1e-6 * float(jnp.abs(e_max).max())
+        assert (np.asarray(up[b, :, :nb]) >= np.asarray(e_max[b, :, :nb]) - tol).all()
+        assert (np.asarray(lo[b, :, :nb]) <= np.asarray(e_min[b, :, :nb]) + tol).all()
+    with pytest.raises(ValueError, match="box_bits"):
+        make_method("asynctls", box_bits=4)

@@ -202,6 +202,18 @@ def test_offloaded_asynctls_equals_resident_with_either_pool():
     _check_offloaded_equals_resident(model, tokens, lengths, 24, 256, (7, None), atol=1e-5)
 
 
+def test_offloaded_asynctls_with_8bit_boxes_equals_resident():
+    """``box_bits=8``: the codes, their range and slack are per-layer state like the exact
+    boxes; the offloaded cache builds, appends and scores them with the same functions."""
+    from sparse_jax.methods import get_method
+
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    model = _tiny_model(get_method("asynctls", channels_per_layer=chans, budget=32, block_size=8, kb=8, lag=True,
+                                   dense_layers=(0,), box_bits=8))
+    tokens, lengths = _ragged_tokens(7)
+    _check_offloaded_equals_resident(model, tokens, lengths, 24, 256, (None,), atol=1e-5)
+
+
 def test_capacity_planning():
     from models.config import get_config
     from sparse_jax.methods import get_method

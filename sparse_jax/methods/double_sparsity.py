@@ -21,15 +21,19 @@ from sparse_jax.methods.quest import BlockBoxes, check_group_reduce
 from sparse_jax.methods.registry import register
 from sparse_jax.methods.sparse_base import SparseMethod, fallback_to_dense
 from sparse_jax.ops.scoring import (
+    QuantizedBoxes,
     block_label_scores,
     block_label_topk,
     block_minmax,
     build_label_cache,
     interleave_labels,
     label_scores,
+    quantize_block_boxes,
     quest_block_scores,
+    quest_block_scores_quantized,
     update_block_minmax,
     update_label_cache,
+    update_quantized_block_boxes,
 )
 from sparse_jax.ops.selection import topk_indices
 from sparse_jax.selection import Selection
@@ -122,7 +126,7 @@ class TwoLevelState:
     """AsyncTLS's per-layer state. ``prev_blocks int32[B, Hkv, n-1]`` (``lag=True``
     only, else None): the blocks the previous step's query chose for this step."""
 
-    boxes: BlockBoxes
+    boxes: BlockBoxes | QuantizedBoxes
     labels: object
     prev_blocks: object = None
 
@@ -170,11 +174,17 @@ class AsyncTLS(DoubleSparsity):
     #: K=2048, 2026-11-28): a tie in the model path, 52.0 against 52.2 us at B=1
     #: (``kernels_h100_v7b_128k.md``)
     fused_selection: bool | None = None
+    #: the filter's block boxes: None (default) in the cache's dtype, or 8 (8-bit codes over each
+    #: channel's range, the max rounded up and the min down: half the bytes for the filter to
+    #: read, and the Quest bound stays a bound; ``pallas_kernels.quantized_boxes``)
+    box_bits: int | None = None
 
     def __post_init__(self):
         check_group_reduce(self.name, self.group_reduce)
         if self.fused_selection not in (None, True, False):
             raise ValueError(f"{self.name}: fused_selection must be True, False or None, got {self.fused_selection!r}")
+        if self.box_bits not in (None, 8):
+            raise ValueError(f"{self.name}: box_bits must be None (boxes in the cache's dtype) or 8, got {self.box_bits!r}")
 
     @property
     def cache_multiple(self) -> int:
@@ -198,7 +208,11 @@ class AsyncTLS(DoubleSparsity):
         prev = None
         if self.lag:
             prev = jnp.zeros((batch, num_kv_heads, self.filter_blocks(max_len)), jnp.int32)
-        return TwoLevelState(BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), labels, prev)
+        if self.box_bits == 8:
+            boxes = QuantizedBoxes.zeros(*shape)
+        else:
+            boxes = BlockBoxes(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return TwoLevelState(boxes, labels, prev)
 
     def prefill_state(self, state, k, v, lengths, layer):
         return self.state_from_keys(k, lengths, layer.data["channels"], state.prev_blocks)
@@ -209,15 +223,22 @@ class AsyncTLS(DoubleSparsity):
     def state_from_keys(self, k, lengths, channels, prev_blocks=None) -> TwoLevelState:
         """Boxes and labels of a whole layer cache ``k [B,Hkv,S,D]``."""
         upper, lower = block_minmax(k, lengths, block_size=self.block_size, impl=self.impl)
+        if self.box_bits == 8:
+            boxes = quantize_block_boxes(upper, lower, lengths, block_size=self.block_size)
+        else:
+            boxes = BlockBoxes(upper, lower)
         labels = self._laid_out(build_label_cache(k, channels, impl=self.impl))
-        return TwoLevelState(BlockBoxes(upper, lower), labels, prev_blocks)
+        return TwoLevelState(boxes, labels, prev_blocks)
 
     def append_key(self, state, k_new, positions, channels) -> TwoLevelState:
         """``state`` with one appended key per row, ``k_new [B,Hkv,D]`` at ``positions``."""
-        upper, lower = update_block_minmax(state.boxes.upper, state.boxes.lower, k_new, positions,
-                                           block_size=self.block_size)
+        if isinstance(state.boxes, QuantizedBoxes):
+            boxes = update_quantized_block_boxes(state.boxes, k_new, positions, block_size=self.block_size)
+        else:
+            boxes = BlockBoxes(*update_block_minmax(state.boxes.upper, state.boxes.lower, k_new, positions,
+                                                    block_size=self.block_size))
         labels = update_label_cache(state.labels, k_new, channels, positions)
-        return TwoLevelState(BlockBoxes(upper, lower), labels, state.prev_blocks)
+        return TwoLevelState(boxes, labels, state.prev_blocks)
 
     def select_tokens(self, q, state, blocks, lengths, channels, capacity):
         """Top tokens by label score inside ``blocks [B,Hkv,n-1]`` and the newest
@@ -264,7 +285,10 @@ class AsyncTLS(DoubleSparsity):
         blocks ``< newest int32[B]`` (the newest block is attended anyway).
         Rows with ``newest <= n-1`` get ``arange(n-1)``: all their blocks (and
         some past the context, which :meth:`expand_blocks` counts out)."""
-        scores = quest_block_scores(q, boxes.upper, boxes.lower, group_reduce=self.group_reduce, impl=self.impl)
+        if isinstance(boxes, QuantizedBoxes):
+            scores = quest_block_scores_quantized(q, boxes, group_reduce=self.group_reduce, impl=self.impl)
+        else:
+            scores = quest_block_scores(q, boxes.upper, boxes.lower, group_reduce=self.group_reduce, impl=self.impl)
         b, hkv, nb = scores.shape
         n1 = min(self.kb, nb) - 1
         if n1 < 1:

@@ -15,6 +15,10 @@ pure-jnp reference through ``impl`` ("auto" | "pallas" | "reference", see
   box, centre ``(max+min)/2`` +- mean ``|centre - k|``; score it with
   ``quest_block_scores``.
 * ``quest_block_scores(q [B, Hq, D], k_max, k_min, group_reduce="sum"|"max")`` -> ``float32[B, Hkv, NB]``.
+* ``quantize_block_boxes(k_max, k_min, lengths, *, block_size)`` -> ``QuantizedBoxes`` (8-bit
+  codes over each channel's range, half bf16's bytes; still a bound);
+  ``update_quantized_block_boxes(boxes, k_new, positions, *, block_size)``;
+  ``quest_block_scores_quantized(q, boxes, group_reduce=...)`` -> ``float32[B, Hkv, NB]``.
 * ``build_label_cache(k, channels [Hkv, r], *, bits=4)`` -> ``LabelCache``;
   ``update_label_cache(cache, k_new, channels, positions, *, bits=4)``;
   ``dequantize_labels(cache, *, bits=4)`` -> ``float32[B, Hkv, S, r]``.
@@ -44,7 +48,9 @@ import jax.numpy as jnp
 from pallas_kernels import block_scores as _bs
 from pallas_kernels import label_topk as _ltk
 from pallas_kernels import labels as _lb
+from pallas_kernels import quantized_boxes as _qb
 from pallas_kernels.labels import SUPPORTED_BITS, LabelCache, LabelRecords, dequantize_labels, interleave_labels
+from pallas_kernels.quantized_boxes import QuantizedBoxes
 from pallas_kernels.tuning import with_tuned
 from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_int_array, check_rank, check_shape
 from sparse_jax.ops._dispatch import resolve_impl
@@ -57,6 +63,10 @@ __all__ = [
     "update_block_minmax",
     "block_cuboid",
     "quest_block_scores",
+    "QuantizedBoxes",
+    "quantize_block_boxes",
+    "update_quantized_block_boxes",
+    "quest_block_scores_quantized",
     "build_label_cache",
     "update_label_cache",
     "dequantize_labels",
@@ -223,35 +233,108 @@ def quest_block_scores(q, k_max, k_min, *, group_reduce="sum", impl="auto", bloc
     64 / 4 / 2): ``block_n`` (blocks per program, power of two), ``num_warps``,
     ``num_stages``.
     """
-    if group_reduce not in GROUP_REDUCTIONS:
-        raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
-    check_rank("q", q, 3, "[B, Hq, D]")
-    check_float("q", q)
     check_rank("k_max", k_max, 4, "[B, Hkv, NB, D]")
     check_float("k_max", k_max)
     check_shape("k_min", k_min, k_max.shape, "[B, Hkv, NB, D]")
     check_float("k_min", k_min)
     b, hkv, _, d = k_max.shape
+    reduce, choice, interpret = _check_quest_args(q, k_max.shape, group_reduce, impl, block_n, num_warps, num_stages)
+    g = q.shape[1] // hkv
+    if choice == "reference":
+        if reduce == "max":  # every query head its own group, then the max
+            per_head = _bs.quest_block_scores_reference(q, jnp.repeat(k_max, g, axis=1), jnp.repeat(k_min, g, axis=1))
+            return per_head.reshape(b, hkv, g, -1).max(2)
+        return _bs.quest_block_scores_reference(q, k_max, k_min)
+    tuning = _quest_tuning("quest_block_scores", q, k_max.shape, interpret, block_n, num_warps, num_stages)
+    return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, reduce=reduce, **tuning)
+
+
+def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_stages):
+    """Checks shared by the Quest scores on exact and on 8-bit boxes ``box_shape (B, Hkv, NB, D)``:
+    ``(reduce, choice, interpret)``. A group of one reduces by "sum" (the same thing, one kernel)."""
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
+    check_rank("q", q, 3, "[B, Hq, D]")
+    check_float("q", q)
+    b, hkv, _, d = box_shape
     if q.shape[0] != b or q.shape[2] != d:
         raise ValueError(f"q must have shape [B={b}, Hq, D={d}], got {tuple(q.shape)}")
     check_gqa(q.shape[1], hkv)
     for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-    g = q.shape[1] // hkv
-    reduce = "max" if group_reduce == "max" and g > 1 else "sum"
+    reduce = "max" if group_reduce == "max" and q.shape[1] // hkv > 1 else "sum"
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(head_dim=d, **({} if block_n is None else {"block_n": block_n})))
-    if choice == "reference":
-        if reduce == "max":  # every query head its own group, then the max
-            per_head = _bs.quest_block_scores_reference(q, jnp.repeat(k_max, g, axis=1), jnp.repeat(k_min, g, axis=1))
-            return per_head.reshape(b, hkv, g, -1).max(2)
-        return _bs.quest_block_scores_reference(q, k_max, k_min)
+    return reduce, choice, interpret
+
+
+def _quest_tuning(kernel, q, box_shape, interpret, block_n, num_warps, num_stages) -> dict:
+    """The caller's knobs over the tuned table's entry (GPU only) over the defaults 64 / 4 / 2."""
+    b, hkv, nb, d = box_shape
     tuning = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if not interpret:
-        tuning = with_tuned(tuning, "quest_block_scores", rows=b * hkv, nb=k_max.shape[2], d=d, g=q.shape[1] // hkv)
-    tuning = {"block_n": 64, "num_warps": 4, "num_stages": 2, **{k: v for k, v in tuning.items() if v is not None}}
-    return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, reduce=reduce, **tuning)
+        tuning = with_tuned(tuning, kernel, rows=b * hkv, nb=nb, d=d, g=q.shape[1] // hkv)
+    return {"block_n": 64, "num_warps": 4, "num_stages": 2, **{k: v for k, v in tuning.items() if v is not None}}
+
+
+def _check_quantized_boxes(boxes) -> tuple:
+    """``(B, Hkv, NB, D)`` of a :class:`QuantizedBoxes`, or a clear error."""
+    if not isinstance(boxes, QuantizedBoxes):
+        raise TypeError(f"boxes must be a QuantizedBoxes (quantize_block_boxes), got {type(boxes).__name__}")
+    check_rank("boxes.upper", boxes.upper, 4, "[B, Hkv, NB, D]")
+    if boxes.upper.dtype != jnp.uint8 or boxes.lower.dtype != jnp.uint8:
+        raise TypeError(f"boxes.upper/lower must be uint8 codes, got {boxes.upper.dtype}/{boxes.lower.dtype}")
+    b, hkv, nb, d = boxes.upper.shape
+    check_shape("boxes.lower", boxes.lower, (b, hkv, nb, d), "[B, Hkv, NB, D]")
+    for name in ("base", "step"):
+        check_shape(f"boxes.{name}", getattr(boxes, name), (b, hkv, d), "[B, Hkv, D]")
+    for name in ("upper_slack", "lower_slack"):
+        check_shape(f"boxes.{name}", getattr(boxes, name), (b, hkv, nb), "[B, Hkv, NB]")
+    return b, hkv, nb, d
+
+
+def quantize_block_boxes(k_max, k_min, lengths, *, block_size):
+    """Exact block boxes ``k_max, k_min [B, Hkv, NB, D]`` (``block_minmax``'s, rows holding
+    ``lengths int32[B]`` tokens) as 8-bit :class:`QuantizedBoxes`: codes over each
+    (b, kv head, channel)'s range across the row's blocks, the max rounded up and the min
+    down, plus a per-block slack, so Quest's bound on them is still a bound (looser by
+    about one step a channel). Half the bytes of bf16 boxes for the filter to read.
+    The range is fixed here; :func:`update_quantized_block_boxes` clips a key past it
+    into the slack. Pure jnp (it runs once per prompt)."""
+    check_rank("k_max", k_max, 4, "[B, Hkv, NB, D]")
+    check_float("k_max", k_max)
+    check_shape("k_min", k_min, k_max.shape, "[B, Hkv, NB, D]")
+    check_float("k_min", k_min)
+    check_int_array("lengths", lengths, (k_max.shape[0],), "[B]")
+    _check_block_size(block_size)
+    return _qb.quantize_boxes_reference(k_max, k_min, lengths, block_size=block_size)
+
+
+def update_quantized_block_boxes(boxes, k_new, positions, *, block_size):
+    """Fold one appended key per row (``k_new [B, Hkv, D]`` written at ``positions[b]``)
+    into 8-bit boxes: the integer max/min of the codes, so the result is what quantizing
+    the updated exact boxes over the same range gives. Pure jnp."""
+    b, hkv, _, d = _check_quantized_boxes(boxes)
+    check_rank("k_new", k_new, 3, "[B, Hkv, D]")
+    check_float("k_new", k_new)
+    check_shape("k_new", k_new, (b, hkv, d), "[B, Hkv, D]")
+    check_int_array("positions", positions, (b,), "[B]")
+    _check_block_size(block_size)
+    return _qb.update_quantized_boxes_reference(boxes, k_new, positions, block_size=block_size)
+
+
+def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", block_n=None, num_warps=None,
+                                 num_stages=None):
+    """:func:`quest_block_scores` on 8-bit :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``,
+    each at least the exact boxes' bound (``pallas_kernels.quantized_boxes``). Same
+    ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``)."""
+    shape = _check_quantized_boxes(boxes)
+    reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages)
+    if choice == "reference":
+        return _qb.quest_block_scores_quantized_reference(q, boxes, reduce=reduce)
+    tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages)
+    return _qb.quest_block_scores_quantized_kernel(q, boxes, interpret=interpret, reduce=reduce, **tuning)
 
 
 # ----------------------------------------------------------------------------

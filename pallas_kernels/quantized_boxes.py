@@ -1,0 +1,277 @@
+"""8-bit Quest block boxes: half the bytes of bf16 boxes, and still an upper bound.
+
+The Quest filter of AsyncTLS reads every block's key box (channel-wise max and min,
+``[B, Hkv, NB, D]`` each) on every decode step: at B=8, 128K tokens, 8 KV heads and
+D=128 that is 67 MB of bf16, the largest read of the selection. Here each box edge is
+an 8-bit code over its (batch, KV head, channel)'s range:
+
+* ``base, step  float32[B, Hkv, D]``: the range's low end and its step, from the
+  prompt's blocks (``step = (max - min) / 255``);
+* ``upper, lower  uint8[B, Hkv, NB, D]``: ``ceil((max - base) / step)`` and
+  ``floor((min - base) / step)``, clipped to ``[0, 255]``: the dequantized box
+  ``base + code * step`` contains the exact one;
+* ``upper_slack, lower_slack  float32[B, Hkv, NB]``: how far the exact box still
+  reaches past the dequantized one in any channel (0 unless a key left the range
+  after it was fixed, or f32 rounding put an edge an ulp inside).
+
+Quest's bound per query head ``q`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``) on these:
+
+    s_n = q+ . (base + step * upper_n) + |q+|_1 * upper_slack_n
+        + q- . (base + step * lower_n) + |q-|_1 * lower_slack_n
+
+which is at least ``q+ . max_n + q- . min_n`` (the exact boxes' bound) for every
+block: the filter ranks by a looser bound, never by a wrong one. The kernel folds the
+step into the query (``q * step``: one multiply per channel, not per block) and the
+base into one scalar, so a block costs its 2 * D bytes of codes and two floats.
+
+Appends stay in the integer domain: the codes of a key are monotone in it, so a
+block's code is the max (upper) or min (lower) of its tokens' codes and an append is
+``max(code, code(k_new))``, exactly what quantizing the exact box would give. A key
+past the range clips to the end code and its excess goes to the slack. The range
+itself is fixed when the boxes are built (the prompt); it is not widened.
+
+``quest_block_scores_quantized_reference`` is the f32 oracle; the Pallas-Triton
+kernel runs one program per ``(b, kv head, block_n blocks)`` like
+``block_scores.quest_block_scores_kernel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.block_scores import is_pow2
+
+__all__ = [
+    "BOX_BITS",
+    "QuantizedBoxes",
+    "quantize_boxes_reference",
+    "update_quantized_boxes_reference",
+    "dequantize_boxes",
+    "quest_block_scores_quantized_reference",
+    "quest_block_scores_quantized_kernel",
+]
+
+BOX_BITS = 8
+LEVELS = (1 << BOX_BITS) - 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedBoxes:
+    """Per-block key boxes as 8-bit codes (module docstring). Shapes:
+    ``upper, lower uint8[B, Hkv, NB, D]``, ``base, step float32[B, Hkv, D]``,
+    ``upper_slack, lower_slack float32[B, Hkv, NB]``."""
+
+    upper: jax.Array
+    lower: jax.Array
+    base: jax.Array
+    step: jax.Array
+    upper_slack: jax.Array
+    lower_slack: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        """``(B, Hkv, NB, D)``, the shape of the boxes these codes stand for."""
+        return tuple(self.upper.shape)
+
+    @classmethod
+    def zeros(cls, batch: int, num_kv_heads: int, num_blocks: int, head_dim: int) -> "QuantizedBoxes":
+        # one buffer per field: a donated state must not hold the same array twice
+        def codes():
+            return jnp.zeros((batch, num_kv_heads, num_blocks, head_dim), jnp.uint8)
+
+        def slack():
+            return jnp.zeros((batch, num_kv_heads, num_blocks), jnp.float32)
+
+        return cls(codes(), codes(), jnp.zeros((batch, num_kv_heads, head_dim), jnp.float32),
+                   jnp.ones((batch, num_kv_heads, head_dim), jnp.float32), slack(), slack())
+
+
+# ----------------------------------------------------------------------------
+# Codes (pure jnp): monotone in the key, so block codes are max / min of token codes
+# ----------------------------------------------------------------------------
+
+
+def _codes_up(x, base, step):
+    """``(uint8 codes, slack)`` of upper edges ``x [..., D]`` (f32) over ``base, step`` broadcast
+    to it: the smallest code whose edge is at or above ``x`` (the end code if none) and how far
+    ``x`` still exceeds that edge in the worst channel (``[...]``)."""
+    code = jnp.clip(jnp.ceil((x - base) / step), 0, LEVELS)
+    slack = jnp.max(jnp.maximum(x - (base + code * step), 0.0), axis=-1)
+    return code.astype(jnp.uint8), slack
+
+
+def _codes_lo(x, base, step):
+    """As :func:`_codes_up` for lower edges: the largest code at or below ``x``."""
+    code = jnp.clip(jnp.floor((x - base) / step), 0, LEVELS)
+    slack = jnp.max(jnp.maximum((base + code * step) - x, 0.0), axis=-1)
+    return code.astype(jnp.uint8), slack
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def quantize_boxes_reference(k_max, k_min, lengths, *, block_size):
+    """:class:`QuantizedBoxes` of exact boxes ``k_max, k_min [B, Hkv, NB, D]`` (e.g.
+    ``block_minmax``'s) whose rows hold ``lengths int32[B]`` tokens: each (b, kv head,
+    channel)'s range is taken over the row's non-empty blocks (``ceil(length / block_size)``),
+    so the zero boxes past the length do not stretch it. A row with no token gets
+    ``base 0, step 1``."""
+    b, hkv, nb, d = k_max.shape
+    up, lo = k_max.astype(jnp.float32), k_min.astype(jnp.float32)
+    nvalid = (jnp.clip(lengths.astype(jnp.int32), 0, nb * block_size) + block_size - 1) // block_size
+    live = (jnp.arange(nb, dtype=jnp.int32)[None] < nvalid[:, None])[:, None, :, None]  # [B, 1, NB, 1]
+    base = jnp.min(jnp.where(live, lo, jnp.inf), axis=2)  # [B, Hkv, D]
+    top = jnp.max(jnp.where(live, up, -jnp.inf), axis=2)
+    empty = (nvalid == 0)[:, None, None]
+    base = jnp.where(empty, 0.0, base)
+    step = jnp.where(empty, 1.0, (top - base) / LEVELS)
+    step = jnp.where(step > 0, step, 1.0)  # a constant channel: any positive step
+    cu, su = _codes_up(up, base[:, :, None], step[:, :, None])
+    cl, sl = _codes_lo(lo, base[:, :, None], step[:, :, None])
+    return QuantizedBoxes(cu, cl, base, step, su, sl)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def update_quantized_boxes_reference(boxes, k_new, positions, *, block_size):
+    """Fold one appended key per row into the codes: ``k_new [B, Hkv, D]`` was written at
+    ``positions[b]`` (the row's length before the append). A position that opens a block
+    sets the block's codes and slack to the key's own; otherwise they take the max (upper)
+    or min (lower) with it. Positions outside ``[0, NB * block_size)`` change nothing."""
+    b, _, nb, _ = boxes.upper.shape
+    positions = positions.astype(jnp.int32)
+    blk = positions // block_size
+    opens = (positions % block_size == 0)[:, None]  # [B, 1]
+    in_range = ((positions >= 0) & (blk < nb))[:, None]
+    blk_c = jnp.clip(blk, 0, nb - 1)
+    rows = jnp.arange(b)
+    x = k_new.astype(jnp.float32)
+    cu_new, su_new = _codes_up(x, boxes.base, boxes.step)  # [B, Hkv, D], [B, Hkv]
+    cl_new, sl_new = _codes_lo(x, boxes.base, boxes.step)
+    cu_old, cl_old = boxes.upper[rows, :, blk_c], boxes.lower[rows, :, blk_c]
+    su_old, sl_old = boxes.upper_slack[rows, :, blk_c], boxes.lower_slack[rows, :, blk_c]
+    cu = jnp.where(opens[..., None], cu_new, jnp.maximum(cu_old, cu_new))
+    cl = jnp.where(opens[..., None], cl_new, jnp.minimum(cl_old, cl_new))
+    # the key's excess over its own code's edge bounds its excess over the block's edge
+    su = jnp.where(opens, su_new, jnp.maximum(su_old, su_new))
+    sl = jnp.where(opens, sl_new, jnp.maximum(sl_old, sl_new))
+    keep = in_range[..., None]
+    return dataclasses.replace(
+        boxes,
+        upper=boxes.upper.at[rows, :, blk_c].set(jnp.where(keep, cu, cu_old)),
+        lower=boxes.lower.at[rows, :, blk_c].set(jnp.where(keep, cl, cl_old)),
+        upper_slack=boxes.upper_slack.at[rows, :, blk_c].set(jnp.where(in_range, su, su_old)),
+        lower_slack=boxes.lower_slack.at[rows, :, blk_c].set(jnp.where(in_range, sl, sl_old)),
+    )
+
+
+def dequantize_boxes(boxes):
+    """``(upper, lower) float32[B, Hkv, NB, D]``: the boxes the codes stand for, each edge
+    widened by its block's slack in every channel (so they contain the exact boxes)."""
+    base, step = boxes.base[:, :, None], boxes.step[:, :, None]
+    up = base + boxes.upper.astype(jnp.float32) * step + boxes.upper_slack[..., None]
+    lo = base + boxes.lower.astype(jnp.float32) * step - boxes.lower_slack[..., None]
+    return up, lo
+
+
+@functools.partial(jax.jit, static_argnames=("reduce",))
+def quest_block_scores_quantized_reference(q, boxes, *, reduce="sum"):
+    """``float32[B, Hkv, NB]``: each query head's bound on the codes (module docstring),
+    summed over the GQA group (``reduce="sum"``) or its max (``"max"``)."""
+    b, hq, d = q.shape
+    hkv = boxes.upper.shape[1]
+    g = hq // hkv
+    hi = jax.lax.Precision.HIGHEST
+    qf = q.astype(jnp.float32).reshape(b, hkv, g, d)
+    qpos, qneg = jnp.maximum(qf, 0.0), jnp.minimum(qf, 0.0)
+    base, step = boxes.base[:, :, None], boxes.step[:, :, None]  # [B, Hkv, 1, D]
+    const = jnp.sum(qf * base, axis=-1)  # [B, Hkv, G]: q+ . base + q- . base
+    s = jnp.einsum("bhgd,bhnd->bhgn", qpos * step, boxes.upper.astype(jnp.float32), precision=hi)
+    s = s + jnp.einsum("bhgd,bhnd->bhgn", qneg * step, boxes.lower.astype(jnp.float32), precision=hi)
+    s = s + const[..., None]
+    s = s + jnp.sum(qpos, -1)[..., None] * boxes.upper_slack[:, :, None] - jnp.sum(qneg, -1)[..., None] * boxes.lower_slack[:, :, None]
+    return s.max(2) if reduce == "max" else s.sum(2)
+
+
+# ----------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------
+
+
+def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, group_pad,
+                   block_n, num_blocks, reduce):
+    # q_ref: [G, D]; up_ref/lo_ref: uint8 [NB, D]; base_ref/step_ref: [D]; su_ref/sl_ref/o_ref: [NB].
+    t = pl.program_id(2)
+    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    rmask = rows < num_blocks
+    cu = plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0).astype(jnp.float32)
+    cl = plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0).astype(jnp.float32)
+    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    base = base_ref[...]
+    step = step_ref[...]
+
+    def bound(qpos, qneg):
+        # the step folded into the query row, the base into one scalar: per block, a
+        # 2-row GEMV on the codes (FMA + row reduction; the bytes bind, not the math)
+        wpos, wneg = qpos * step, qneg * step
+        const = jnp.sum((qpos + qneg) * base)
+        s = jnp.sum(cu * wpos[None, :] + cl * wneg[None, :], axis=1)
+        return s + const + jnp.sum(qpos) * su - jnp.sum(qneg) * sl
+
+    if reduce == "max":
+        s = None
+        for g in range(group):  # the real heads only (a zero pad row's bound must not win)
+            qg = q_ref[g, :].astype(jnp.float32)
+            sg = bound(jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0))
+            s = sg if s is None else jnp.maximum(s, sg)
+    else:
+        if group_pad == group:
+            q = q_ref[...].astype(jnp.float32)
+        else:  # pad the group to a power of two with zero rows (they add nothing to a sum)
+            gmask = (jnp.arange(group_pad) < group)[:, None]
+            q = plgpu.load(q_ref.at[pl.ds(0, group_pad), :], mask=gmask, other=0.0).astype(jnp.float32)
+        # linear in q (the slack terms too: |.|_1 of same-signed parts adds): fold the group
+        s = bound(jnp.sum(jnp.maximum(q, 0.0), axis=0), jnp.sum(jnp.minimum(q, 0.0), axis=0))
+    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce"))
+def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, num_stages=2, interpret=False,
+                                        reduce="sum"):
+    """Pallas kernel for Quest's bound on :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``.
+
+    Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows, the
+    (b, kv head)'s base and step rows, and ``block_n`` blocks' codes and slacks.
+    ``block_n`` and ``D`` must be powers of two; ``reduce`` is "sum" or "max" over the group.
+    """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+    b, hq, d = q.shape
+    _, hkv, nb, _ = boxes.upper.shape
+    g = hq // hkv
+    if not (is_pow2(block_n) and is_pow2(d)):
+        raise ValueError("quest_block_scores_quantized_kernel needs power-of-two block_n and D")
+    q4 = q.reshape(b, hkv, g, d)
+    body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
+                             num_blocks=nb, reduce=reduce)
+    codes = pl.BlockSpec((None, None, nb, d), lambda i, j, t: (i, j, 0, 0))
+    row = pl.BlockSpec((None, None, d), lambda i, j, t: (i, j, 0))
+    per_block = pl.BlockSpec((None, None, nb), lambda i, j, t: (i, j, 0))
+    return pl.pallas_call(
+        body,
+        grid=(b, hkv, pl.cdiv(nb, block_n)),
+        in_specs=[pl.BlockSpec((None, None, g, d), lambda i, j, t: (i, j, 0, 0)), codes, codes, row, row,
+                  per_block, per_block],
+        out_specs=per_block,
+        out_shape=jax.ShapeDtypeStruct((b, hkv, nb), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="quest_block_scores_q8",
+    )(q4, boxes.upper, boxes.lower, boxes.base.astype(jnp.float32), boxes.step.astype(jnp.float32),
+      boxes.upper_slack, boxes.lower_slack)

@@ -1,0 +1,205 @@
+"""8-bit Quest block boxes (``pallas_kernels.quantized_boxes`` through ``sparse_jax.ops.scoring``).
+
+What must hold, checked against float64 NumPy on awkward sizes (NB not a multiple of the
+kernel's tile, ragged rows with an empty one, G = 1 / 3 / 4 / 8, D = 64 / 128 / 256):
+
+* the dequantized boxes contain the exact ones, within one code step (plus the slack);
+* the kernel (interpret mode) and the reference equal the float64 bound on the codes;
+* that bound is at least ``q . k_j`` for every valid token of the block, also after appends
+  that leave the range fixed at the prompt (the slack takes the excess);
+* appends in range give exactly the codes of the rebuilt exact boxes over the same range.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quantized_boxes as qbx
+from sparse_jax.ops import scoring
+
+IMPLS = ["reference", "pallas"]
+
+
+def _randn(seed, shape, dtype, scale=1.0, shift=0.0):
+    x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
+    return jnp.asarray(x.astype(np.float32), dtype=dtype)
+
+
+def _boxes(seed, b, hkv, s, d, bs, lengths, dtype=jnp.bfloat16):
+    k = _randn(seed, (b, hkv, s, d), dtype, 2.0, 0.3)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    kmax, kmin = scoring.block_minmax(k, lengths, block_size=bs, impl="reference")
+    return k, lengths, kmax, kmin, scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=bs)
+
+
+def _dequantized64(boxes):
+    """float64 ``(upper, lower)`` the codes stand for, slack included."""
+    base = np.asarray(boxes.base, np.float64)[:, :, None]
+    step = np.asarray(boxes.step, np.float64)[:, :, None]
+    up = base + np.asarray(boxes.upper, np.float64) * step + np.asarray(boxes.upper_slack, np.float64)[..., None]
+    lo = base + np.asarray(boxes.lower, np.float64) * step - np.asarray(boxes.lower_slack, np.float64)[..., None]
+    return up, lo
+
+
+def _oracle(q, up, lo, reduce):
+    """float64 Quest bound of each query head on boxes ``up, lo``, summed or maxed over the group."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    b, hq, d = q.shape
+    hkv = up.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g, d)
+    s = np.einsum("bhgd,bhnd->bhgn", np.maximum(qg, 0), up) + np.einsum("bhgd,bhnd->bhgn", np.minimum(qg, 0), lo)
+    return s.max(2) if reduce == "max" else s.sum(2)
+
+
+# (Hq, Hkv, D, cache dtype)
+CASES = [
+    (4, 4, 64, jnp.float32),  # G = 1
+    (9, 3, 64, jnp.bfloat16),  # G = 3 (SmolLM2): the kernel pads the group
+    (16, 2, 128, jnp.bfloat16),  # G = 8
+    (4, 1, 256, jnp.bfloat16),  # Gemma 3 270M: one KV head, D = 256
+]
+
+
+def test_codes_contain_the_exact_boxes_within_a_step():
+    _, lengths, kmax, kmin, boxes = _boxes(1, 3, 2, 150, 64, 16, [150, 70, 0])
+    assert boxes.upper.dtype == jnp.uint8 and boxes.base.dtype == jnp.float32
+    up, lo = _dequantized64(boxes)
+    step = np.asarray(boxes.step, np.float64)[:, :, None]
+    ex_up, ex_lo = (np.asarray(x.astype(jnp.float32), np.float64) for x in (kmax, kmin))
+    for b, n in enumerate(np.asarray(lengths)):
+        nb = -(-int(n) // 16)
+        ulp = 2e-7 * np.abs(ex_up[b]).max()  # the codes' edges are f32 sums: contained up to their rounding
+        assert (up[b, :, :nb] >= ex_up[b, :, :nb] - ulp).all() and (lo[b, :, :nb] <= ex_lo[b, :, :nb] + ulp).all()
+        assert (up[b, :, :nb] - ex_up[b, :, :nb] <= step[b] * (1 + 1e-5)).all()  # no looser than a code
+        assert (ex_lo[b, :, :nb] - lo[b, :, :nb] <= step[b] * (1 + 1e-5)).all()
+        if nb:  # the range is the row's: its end codes are used, and nothing slips past them
+            assert int(np.asarray(boxes.upper[b, :, :nb]).max()) == 255 and int(np.asarray(boxes.lower[b, :, :nb]).min()) == 0
+            assert float(np.asarray(boxes.upper_slack[b, :, :nb]).max()) < 1e-4 * float(step[b].max())
+    # the empty row: no range to take, a neutral one
+    np.testing.assert_array_equal(np.asarray(boxes.base[2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(boxes.step[2]), 1.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("hq,hkv,d,dtype", CASES)
+def test_scores_match_the_float64_bound_on_the_codes(impl, reduce, hq, hkv, d, dtype):
+    b, s, bs = 2, 150, 16  # NB = 10: not a multiple of block_n=4
+    _, _, _, _, boxes = _boxes(hq * d, b, hkv, s, d, bs, [150, 61], dtype)
+    q = _randn(hq + d, (b, hq, d), dtype)
+    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, block_n=4)
+    assert got.shape == (b, hkv, -(-s // bs)) and got.dtype == jnp.float32
+    want = _oracle(q, *_dequantized64(boxes), reduce if hq > hkv else "sum")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl):
+    """The range is the prompt's; keys appended three times larger clip to the end codes and
+    their excess goes to the slack: every block's score still bounds q_g . k_j (each head's,
+    for the max; their sum, for the sum) for each valid token."""
+    rng = np.random.default_rng(0)
+    b, hq, hkv, s, d, bs = 2, 8, 2, 96, 64, 16
+    k = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    start = np.array([50, 33])
+    for bi, n in enumerate(start):
+        k[bi, :, n:] *= 3.0  # everything after the prompt leaves its range
+    k = jnp.asarray(k).astype(jnp.bfloat16)
+    lengths = jnp.asarray(start, jnp.int32)
+    kmax, kmin = scoring.block_minmax(k, lengths, block_size=bs, impl="reference")
+    boxes = scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=bs)
+    for step in range(30):
+        pos = lengths + step
+        boxes = scoring.update_quantized_block_boxes(boxes, k[jnp.arange(b), :, pos], pos, block_size=bs)
+    final = np.asarray(lengths) + 30
+    assert float(np.asarray(boxes.upper_slack).max()) > 0 and float(np.asarray(boxes.lower_slack).max()) > 0
+    q = jnp.asarray(rng.standard_normal((b, hq, d)) * 2, jnp.bfloat16)
+    kf = np.asarray(k.astype(jnp.float32), np.float64)
+    qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, hkv, hq // hkv, d)
+    for reduce in ("sum", "max"):
+        score = np.asarray(scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl), np.float64)
+        per_head = np.einsum("bhgd,bhsd->bhgs", qf, kf)
+        true = per_head.max(2) if reduce == "max" else per_head.sum(2)
+        for bi in range(b):
+            n = int(final[bi])
+            blk = np.arange(n) // bs
+            tol = 1e-5 * np.abs(score[bi]).max()
+            assert np.all(score[bi][:, blk] >= true[bi, :, :n] - tol), (reduce, bi)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_appends_in_range_equal_quantizing_the_rebuilt_boxes(dtype):
+    """Tokens appended one by one across block boundaries (inside the prompt's range) give the
+    codes that quantizing the longer cache's exact boxes over the same base and step gives."""
+    b, hkv, s, d, bs = 2, 2, 100, 64, 16
+    k = _randn(7, (b, hkv, s, d), dtype)
+    start = jnp.asarray([40, 63], jnp.int32)
+    kmax, kmin = scoring.block_minmax(k * 2.0, jnp.asarray([s, s], jnp.int32), block_size=bs, impl="reference")
+    # a range wide enough for every later key: built from twice the keys, then refilled
+    wide = scoring.quantize_block_boxes(kmax, kmin, jnp.asarray([s, s], jnp.int32), block_size=bs)
+    e_max, e_min = scoring.block_minmax(k, start, block_size=bs, impl="reference")
+    cu, su = qbx._codes_up(e_max.astype(jnp.float32), wide.base[:, :, None], wide.step[:, :, None])
+    cl, sl = qbx._codes_lo(e_min.astype(jnp.float32), wide.base[:, :, None], wide.step[:, :, None])
+    boxes = qbx.QuantizedBoxes(cu, cl, wide.base, wide.step, su, sl)
+    for step in range(30):
+        pos = start + step
+        boxes = scoring.update_quantized_block_boxes(boxes, k[jnp.arange(b), :, pos], pos, block_size=bs)
+    r_max, r_min = scoring.block_minmax(k, start + 30, block_size=bs, impl="reference")
+    ru, rsu = qbx._codes_up(r_max.astype(jnp.float32), wide.base[:, :, None], wide.step[:, :, None])
+    rl, rsl = qbx._codes_lo(r_min.astype(jnp.float32), wide.base[:, :, None], wide.step[:, :, None])
+    for bi, n in enumerate([70, 93]):
+        nb = -(-n // bs)
+        np.testing.assert_array_equal(np.asarray(boxes.upper[bi, :, :nb]), np.asarray(ru[bi, :, :nb]))
+        np.testing.assert_array_equal(np.asarray(boxes.lower[bi, :, :nb]), np.asarray(rl[bi, :, :nb]))
+        # slack: rounding-sized, an append's no smaller than the rebuild's
+        step = float(np.asarray(wide.step).max())
+        assert float(np.asarray(boxes.upper_slack[bi, :, :nb]).max()) < 1e-4 * step
+        assert (np.asarray(boxes.upper_slack[bi, :, :nb]) >= np.asarray(rsu[bi, :, :nb])).all()
+    # a position past the capacity changes nothing
+    same = scoring.update_quantized_block_boxes(boxes, k[:, :, 0], jnp.asarray([s + 12, -1], jnp.int32), block_size=bs)
+    for a, r in zip(jax.tree.leaves(same), jax.tree.leaves(boxes)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_bad_inputs_fail_before_compilation():
+    _, lengths, kmax, kmin, boxes = _boxes(2, 2, 2, 64, 64, 16, [64, 7])
+    q = jnp.ones((2, 4, 64), jnp.float32)
+    import dataclasses
+
+    bad = [
+        (TypeError, lambda: scoring.quest_block_scores_quantized(q, (kmax, kmin))),  # exact boxes
+        (TypeError, lambda: scoring.quest_block_scores_quantized(
+            q, dataclasses.replace(boxes, upper=boxes.upper.astype(jnp.int32)))),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, dataclasses.replace(boxes, step=boxes.step[:, :1]))),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(
+            q, dataclasses.replace(boxes, lower_slack=boxes.lower_slack[..., :2]))),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(jnp.ones((2, 3, 64)), boxes)),  # GQA
+        (ValueError, lambda: scoring.quest_block_scores_quantized(jnp.ones((2, 4, 32)), boxes)),  # D
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, group_reduce="mean")),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, block_n=0)),
+        (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin[:, :1], lengths, block_size=16)),
+        (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths[:1], block_size=16)),
+        (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=0)),
+        (ValueError, lambda: scoring.update_quantized_block_boxes(boxes, q[:, :2, :32], lengths, block_size=16)),
+        (TypeError, lambda: scoring.update_quantized_block_boxes(boxes, q[:, :2], lengths * 1.0, block_size=16)),
+    ]
+    for err, fn in bad:
+        with pytest.raises(err):
+            fn()
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_kernel_lowers_to_triton(abstract_h100):
+    sd = jax.ShapeDtypeStruct
+
+    def boxes(hkv, nb, d):
+        codes, row, blk = sd((2, hkv, nb, d), jnp.uint8), sd((2, hkv, d), jnp.float32), sd((2, hkv, nb), jnp.float32)
+        return qbx.QuantizedBoxes(codes, codes, row, row, blk, blk)
+
+    for q, bx, reduce in ((sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "sum"),  # G = 3
+                          (sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "max"),
+                          (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
+        fn = jax.jit(lambda q, b, r=reduce: qbx.quest_block_scores_quantized_kernel(q, b, reduce=r))
+        assert "__gpu$xla.gpu.triton" in fn.trace(q, bx).lower(lowering_platforms=("cuda",)).as_text()
