@@ -30,6 +30,7 @@ CLASS_DIMS = {
     "label_scores": ("rows", "c", "w", "g"),
     "block_label_scores": ("rows", "c", "w", "g", "block"),
     "quest_block_scores": ("rows", "nb", "d", "g"),
+    "quest_block_scores_q8": ("rows", "nb", "d", "g"),
     "topk": ("rows", "n", "k"),
 }
 #: dimensions rounded up to a power of two (the rest are exact)

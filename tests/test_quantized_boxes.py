@@ -203,3 +203,12 @@ def test_kernel_lowers_to_triton(abstract_h100):
                           (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
         fn = jax.jit(lambda q, b, r=reduce: qbx.quest_block_scores_quantized_kernel(q, b, reduce=r))
         assert "__gpu$xla.gpu.triton" in fn.trace(q, bx).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_gpu_path_reads_its_tuned_table_class():
+    """On the GPU the op looks its knobs up under ``quest_block_scores_q8`` (a class the
+    table knows), the caller's knobs first."""
+    q = jnp.ones((8, 32, 128), jnp.bfloat16)
+    got = scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, None, None, None)
+    assert set(got) == {"block_n", "num_warps", "num_stages"}
+    assert scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, 32, None, None)["block_n"] == 32
