@@ -261,6 +261,10 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         t = timed(jax.jit(functools.partial(quest_block_scores_quantized, group_reduce=reduce)), (q, boxes8), q8_bytes)
         add(f"quest_block_scores [8-bit boxes{', group max' if reduce == 'max' else ''}]", t, q8_bytes,
             dense_ms=dense_ms)
+    # the FMA form (each head's row reduction on the CUDA cores), which the tensor-core form replaced
+    t = timed(jax.jit(functools.partial(quest_block_scores_quantized, group_reduce="max", mode="fma")), (q, boxes8),
+              q8_bytes)
+    add("quest_block_scores [8-bit boxes, group max, fma]", t, q8_bytes, dense_ms=dense_ms)
     del boxes8
     channels = jnp.tile((jnp.arange(CHANNELS, dtype=jnp.int32) * 3 % D)[None], (HKV, 1))
     labels = jax.jit(build_label_cache)(k, channels)

@@ -240,26 +240,98 @@ def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_
     plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
 
 
+DOT_COLS = 16  # a tensor-core dot needs N >= 16: the group's heads (or the folded sum), zero-padded
+
+
+def _codes_as_bf16(codes):
+    """uint8 codes as exact bf16 (a code has at most 8 significant bits): the f32 ``2^23 + c`` made
+    from its bits and ``2^23`` taken off, integer and add ops instead of int-to-float conversions."""
+    f = jax.lax.bitcast_convert_type(codes.astype(jnp.int32) | 0x4B000000, jnp.float32) - 8388608.0
+    return f.astype(jnp.bfloat16)
+
+
+def _bf16_at_least(w):
+    """f32 ``w`` rounded up to a bf16 value (returned as f32, exactly representable): the top
+    16 bits kept, plus one unit of the last when a positive ``w`` had more (a negative
+    one truncated moves up)."""
+    bits = jax.lax.bitcast_convert_type(w, jnp.int32)
+    bits = jnp.where(w > 0, bits + 0xFFFF, bits) & jnp.int32(-65536)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _split_up(w):
+    """``(hi, lo)`` bf16 with ``hi + lo >= w`` within 2^-16 of it: ``hi`` the truncation, ``lo``
+    the rest rounded up. Codes are >= 0, so a dot with them is at least the f32 one."""
+    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(w, jnp.int32) & jnp.int32(-65536), jnp.float32)
+    return hi.astype(jnp.bfloat16), _bf16_at_least(w - hi).astype(jnp.bfloat16)
+
+
+def _quest_q8_dot_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
+                       num_blocks, reduce):
+    # As _quest_q8_body, the reductions over D on the tensor cores: the codes [block_n, D] (bf16,
+    # exact) times the query rows scaled by the step [D, 16] (one column per head, or the folded
+    # group's sum in column 0), each weight split into two bf16 terms rounded up.
+    t = pl.program_id(2)
+    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    rmask = rows < num_blocks
+    cu = _codes_as_bf16(plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
+    cl = _codes_as_bf16(plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
+    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    base, step = base_ref[...], step_ref[...]
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
+    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
+    qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)  # [16, D]
+    if reduce == "sum":  # linear in q: the group folded into column 0
+        qpos = jnp.where(col[:, None] == 0, jnp.sum(qpos, axis=0)[None, :], 0.0)
+        qneg = jnp.where(col[:, None] == 0, jnp.sum(qneg, axis=0)[None, :], 0.0)
+    const = jnp.sum((qpos + qneg) * base[None, :], axis=1)  # [16]
+    dims = (((1,), (1,)), ((), ()))
+
+    def dot(codes, w):  # codes [block_n, D] . w [16, D]^T -> [block_n, 16], at least the f32 product
+        hi, lo = _split_up(w * step[None, :])
+        return (jax.lax.dot_general(codes, hi, dims, preferred_element_type=jnp.float32)
+                + jax.lax.dot_general(codes, lo, dims, preferred_element_type=jnp.float32))
+
+    s = dot(cu, qpos) + dot(cl, qneg) + const[None, :]
+    s = s + su[:, None] * jnp.sum(qpos, axis=1)[None, :] - sl[:, None] * jnp.sum(qneg, axis=1)[None, :]
+    if reduce == "max":  # the real heads only (a zero pad column's bound must not win)
+        s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
+    else:
+        s = jnp.sum(jnp.where(col[None, :] == 0, s, 0.0), axis=1)
+    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce"))
+    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode"))
 def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, num_stages=2, interpret=False,
-                                        reduce="sum"):
+                                        reduce="sum", mode="fma"):
     """Pallas kernel for Quest's bound on :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``.
 
     Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows, the
     (b, kv head)'s base and step rows, and ``block_n`` blocks' codes and slacks.
     ``block_n`` and ``D`` must be powers of two; ``reduce`` is "sum" or "max" over the group.
+    ``mode``: "fma" (each head's bound as FMAs and a row reduction) or "dot" (the codes times
+    the heads' scaled queries on the tensor cores, the weights rounded up so the result is
+    still at least the bound; ``block_n >= 16``, at most 16 heads a group).
     """
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+    if mode not in ("fma", "dot"):
+        raise ValueError(f"mode must be 'fma' or 'dot', got {mode!r}")
     b, hq, d = q.shape
     _, hkv, nb, _ = boxes.upper.shape
     g = hq // hkv
     if not (is_pow2(block_n) and is_pow2(d)):
         raise ValueError("quest_block_scores_quantized_kernel needs power-of-two block_n and D")
     q4 = q.reshape(b, hkv, g, d)
-    body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
-                             num_blocks=nb, reduce=reduce)
+    if mode == "dot":
+        if g > DOT_COLS or block_n < 16 or d < 16:
+            raise ValueError(f"mode='dot' needs at most {DOT_COLS} heads a group and block_n, D >= 16")
+        body = functools.partial(_quest_q8_dot_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce)
+    else:
+        body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
+                                 num_blocks=nb, reduce=reduce)
     codes = pl.BlockSpec((None, None, nb, d), lambda i, j, t: (i, j, 0, 0))
     row = pl.BlockSpec((None, None, d), lambda i, j, t: (i, j, 0))
     per_block = pl.BlockSpec((None, None, nb), lambda i, j, t: (i, j, 0))

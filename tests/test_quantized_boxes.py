@@ -82,21 +82,29 @@ def test_codes_contain_the_exact_boxes_within_a_step():
     np.testing.assert_array_equal(np.asarray(boxes.step[2]), 1.0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# (impl, kernel mode, block_n): the reference; the FMA kernel on a tile that leaves NB = 10 ragged;
+# the tensor-core kernel at its smallest tile (16: one partial tile)
+VARIANTS = [("reference", None, None), ("pallas", "fma", 4), ("pallas", "dot", 16)]
+
+
+@pytest.mark.parametrize("impl,mode,block_n", VARIANTS)
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("hq,hkv,d,dtype", CASES)
-def test_scores_match_the_float64_bound_on_the_codes(impl, reduce, hq, hkv, d, dtype):
-    b, s, bs = 2, 150, 16  # NB = 10: not a multiple of block_n=4
+def test_scores_match_the_float64_bound_on_the_codes(impl, mode, block_n, reduce, hq, hkv, d, dtype):
+    b, s, bs = 2, 150, 16  # NB = 10
     _, _, _, _, boxes = _boxes(hq * d, b, hkv, s, d, bs, [150, 61], dtype)
     q = _randn(hq + d, (b, hq, d), dtype)
-    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, block_n=4)
+    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, block_n=block_n, mode=mode)
     assert got.shape == (b, hkv, -(-s // bs)) and got.dtype == jnp.float32
     want = _oracle(q, *_dequantized64(boxes), reduce if hq > hkv else "sum")
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5 * scale)
+    if mode == "dot":  # its weights are rounded up: never below the bound (but f32 accumulation)
+        assert (np.asarray(got, np.float64) >= want - 1e-6 * scale).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl):
+@pytest.mark.parametrize("impl,mode", [("reference", None), ("pallas", "fma"), ("pallas", "dot")])
+def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl, mode):
     """The range is the prompt's; keys appended three times larger clip to the end codes and
     their excess goes to the slack: every block's score still bounds q_g . k_j (each head's,
     for the max; their sum, for the sum) for each valid token."""
@@ -119,7 +127,8 @@ def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl):
     kf = np.asarray(k.astype(jnp.float32), np.float64)
     qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, hkv, hq // hkv, d)
     for reduce in ("sum", "max"):
-        score = np.asarray(scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl), np.float64)
+        score = np.asarray(scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, mode=mode),
+                           np.float64)
         per_head = np.einsum("bhgd,bhsd->bhgs", qf, kf)
         true = per_head.max(2) if reduce == "max" else per_head.sum(2)
         for bi in range(b):
@@ -179,6 +188,7 @@ def test_bad_inputs_fail_before_compilation():
         (ValueError, lambda: scoring.quest_block_scores_quantized(jnp.ones((2, 4, 32)), boxes)),  # D
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, group_reduce="mean")),
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, block_n=0)),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, mode="wgmma")),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin[:, :1], lengths, block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths[:1], block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=0)),
@@ -198,17 +208,21 @@ def test_kernel_lowers_to_triton(abstract_h100):
         codes, row, blk = sd((2, hkv, nb, d), jnp.uint8), sd((2, hkv, d), jnp.float32), sd((2, hkv, nb), jnp.float32)
         return qbx.QuantizedBoxes(codes, codes, row, row, blk, blk)
 
-    for q, bx, reduce in ((sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "sum"),  # G = 3
-                          (sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "max"),
-                          (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
-        fn = jax.jit(lambda q, b, r=reduce: qbx.quest_block_scores_quantized_kernel(q, b, reduce=r))
-        assert "__gpu$xla.gpu.triton" in fn.trace(q, bx).lower(lowering_platforms=("cuda",)).as_text()
+    for mode in ("fma", "dot"):
+        for q, bx, reduce in ((sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "sum"),  # G = 3
+                              (sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "max"),
+                              (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
+            fn = jax.jit(lambda q, b, r=reduce, m=mode: qbx.quest_block_scores_quantized_kernel(q, b, reduce=r, mode=m))
+            assert "__gpu$xla.gpu.triton" in fn.trace(q, bx).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_the_gpu_path_reads_its_tuned_table_class():
     """On the GPU the op looks its knobs up under ``quest_block_scores_q8`` (a class the
     table knows), the caller's knobs first."""
     q = jnp.ones((8, 32, 128), jnp.bfloat16)
-    got = scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, None, None, None)
-    assert set(got) == {"block_n", "num_warps", "num_stages"}
-    assert scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, 32, None, None)["block_n"] == 32
+    def tuning(block_n=None, mode=None):
+        return scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, block_n, None, None,
+                                     mode=mode, default_mode="dot")
+
+    assert set(tuning()) == {"block_n", "num_warps", "num_stages", "mode"}
+    assert tuning(block_n=32)["block_n"] == 32 and tuning(mode="fma")["mode"] == "fma"

@@ -269,13 +269,18 @@ def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_
     return reduce, choice, interpret
 
 
-def _quest_tuning(kernel, q, box_shape, interpret, block_n, num_warps, num_stages) -> dict:
-    """The caller's knobs over the tuned table's entry (GPU only) over the defaults 64 / 4 / 2."""
+def _quest_tuning(kernel, q, box_shape, interpret, block_n, num_warps, num_stages, **modes) -> dict:
+    """The caller's knobs over the tuned table's entry (GPU only) over the defaults 64 / 4 / 2
+    (and, for the 8-bit kernel, ``mode`` over ``default_mode``)."""
     b, hkv, nb, d = box_shape
+    defaults = {"block_n": 64, "num_warps": 4, "num_stages": 2}
     tuning = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if modes:
+        defaults["mode"] = modes["default_mode"]
+        tuning["mode"] = modes["mode"]
     if not interpret:
         tuning = with_tuned(tuning, kernel, rows=b * hkv, nb=nb, d=d, g=q.shape[1] // hkv)
-    return {"block_n": 64, "num_warps": 4, "num_stages": 2, **{k: v for k, v in tuning.items() if v is not None}}
+    return {**defaults, **{k: v for k, v in tuning.items() if v is not None}}
 
 
 def _check_quantized_boxes(boxes) -> tuple:
@@ -325,16 +330,27 @@ def update_quantized_block_boxes(boxes, k_new, positions, *, block_size):
 
 
 def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", block_n=None, num_warps=None,
-                                 num_stages=None):
+                                 num_stages=None, mode=None):
     """:func:`quest_block_scores` on 8-bit :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``,
     each at least the exact boxes' bound (``pallas_kernels.quantized_boxes``). Same
-    ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``)."""
+    ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``), and
+    ``mode``: "fma" or "dot" (the reductions on the tensor cores; default: the table's, else
+    "dot"; a group of more than 16 heads or a tile under 16 runs "fma")."""
     shape = _check_quantized_boxes(boxes)
+    if mode not in (None, "fma", "dot"):
+        raise ValueError(f"mode must be 'fma', 'dot' or None, got {mode!r}")
     reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages)
     if choice == "reference":
         return _qb.quest_block_scores_quantized_reference(q, boxes, reduce=reduce)
-    tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages)
+    tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages,
+                           mode=mode, default_mode=Q8_DEFAULT_MODE)
+    if q.shape[1] // shape[1] > _qb.DOT_COLS or tuning["block_n"] < 16 or shape[3] < 16:
+        tuning["mode"] = "fma"
     return _qb.quest_block_scores_quantized_kernel(q, boxes, interpret=interpret, reduce=reduce, **tuning)
+
+
+#: the 8-bit Quest kernel's mode where the tuned table names none
+Q8_DEFAULT_MODE = "dot"
 
 
 # ----------------------------------------------------------------------------
