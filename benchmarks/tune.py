@@ -246,7 +246,8 @@ def main(argv=None):
             boxes = quantize_block_boxes(kmax, kmax - 1, jnp.full((b,), s, jnp.int32), block_size=64)
             ref = quest_block_scores_quantized(q, boxes, group_reduce="max", impl="reference")
             cfgs = [dict(block_n=bn, num_warps=nw, num_stages=2, mode=m)  # one tile a program: no stages to pipeline
-                    for m, bn, nw in itertools.product(("dot", "fma"), (32, 64, 128), (4, 8))]
+                    for m, bn, nw in itertools.product(("imma", "dot"), (64, 128, 256), (4, 8))]
+            cfgs += [dict(block_n=64, num_warps=4, num_stages=2, mode="fma")]  # the CUDA-core form, for reference
             r = sweep("quest_block_scores_q8",
                       lambda *a, **c: quest_block_scores_quantized(*a, group_reduce="max", impl="pallas", **c),
                       (q, boxes), ref, cfgs, 2 * kmax.size + 2 * b * hkv * nb * 4, args.runs, rows, shape, tol=1e-3)

@@ -7,9 +7,10 @@ an 8-bit code over its (batch, KV head, channel)'s range:
 
 * ``base, step  float32[B, Hkv, D]``: the range's low end and its step, from the
   prompt's blocks (``step = (max - min) / 255``);
-* ``upper, lower  uint8[B, Hkv, NB, D]``: ``ceil((max - base) / step)`` and
-  ``floor((min - base) / step)``, clipped to ``[0, 255]``: the dequantized box
-  ``base + code * step`` contains the exact one;
+* ``upper, lower  int8[B, Hkv, NB, D]``: the codes ``c = ceil((max - base) / step)`` and
+  ``floor((min - base) / step)``, clipped to ``[0, 255]`` and stored as ``c - 128`` (signed
+  bytes: the integer tensor cores take them as they are): the dequantized box
+  ``base + c * step`` contains the exact one;
 * ``upper_slack, lower_slack  float32[B, Hkv, NB]``: how far the exact box still
   reaches past the dequantized one in any channel (0 unless a key left the range
   after it was fixed, or f32 rounding put an edge an ulp inside).
@@ -59,13 +60,19 @@ __all__ = [
 
 BOX_BITS = 8
 LEVELS = (1 << BOX_BITS) - 1
+OFFSET = 1 << (BOX_BITS - 1)  # codes are stored as code - 128: signed bytes
+
+
+def code_values(stored):
+    """The codes ``c`` in ``[0, 255]`` (float32) of stored signed bytes ``c - 128``."""
+    return stored.astype(jnp.float32) + OFFSET
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedBoxes:
     """Per-block key boxes as 8-bit codes (module docstring). Shapes:
-    ``upper, lower uint8[B, Hkv, NB, D]``, ``base, step float32[B, Hkv, D]``,
+    ``upper, lower int8[B, Hkv, NB, D]`` (code - 128), ``base, step float32[B, Hkv, D]``,
     ``upper_slack, lower_slack float32[B, Hkv, NB]``."""
 
     upper: jax.Array
@@ -84,7 +91,7 @@ class QuantizedBoxes:
     def zeros(cls, batch: int, num_kv_heads: int, num_blocks: int, head_dim: int) -> "QuantizedBoxes":
         # one buffer per field: a donated state must not hold the same array twice
         def codes():
-            return jnp.zeros((batch, num_kv_heads, num_blocks, head_dim), jnp.uint8)
+            return jnp.zeros((batch, num_kv_heads, num_blocks, head_dim), jnp.int8)
 
         def slack():
             return jnp.zeros((batch, num_kv_heads, num_blocks), jnp.float32)
@@ -99,19 +106,19 @@ class QuantizedBoxes:
 
 
 def _codes_up(x, base, step):
-    """``(uint8 codes, slack)`` of upper edges ``x [..., D]`` (f32) over ``base, step`` broadcast
+    """``(int8 codes - 128, slack)`` of upper edges ``x [..., D]`` (f32) over ``base, step`` broadcast
     to it: the smallest code whose edge is at or above ``x`` (the end code if none) and how far
     ``x`` still exceeds that edge in the worst channel (``[...]``)."""
     code = jnp.clip(jnp.ceil((x - base) / step), 0, LEVELS)
     slack = jnp.max(jnp.maximum(x - (base + code * step), 0.0), axis=-1)
-    return code.astype(jnp.uint8), slack
+    return (code - OFFSET).astype(jnp.int8), slack
 
 
 def _codes_lo(x, base, step):
     """As :func:`_codes_up` for lower edges: the largest code at or below ``x``."""
     code = jnp.clip(jnp.floor((x - base) / step), 0, LEVELS)
     slack = jnp.max(jnp.maximum((base + code * step) - x, 0.0), axis=-1)
-    return code.astype(jnp.uint8), slack
+    return (code - OFFSET).astype(jnp.int8), slack
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
@@ -173,8 +180,8 @@ def dequantize_boxes(boxes):
     """``(upper, lower) float32[B, Hkv, NB, D]``: the boxes the codes stand for, each edge
     widened by its block's slack in every channel (so they contain the exact boxes)."""
     base, step = boxes.base[:, :, None], boxes.step[:, :, None]
-    up = base + boxes.upper.astype(jnp.float32) * step + boxes.upper_slack[..., None]
-    lo = base + boxes.lower.astype(jnp.float32) * step - boxes.lower_slack[..., None]
+    up = base + code_values(boxes.upper) * step + boxes.upper_slack[..., None]
+    lo = base + code_values(boxes.lower) * step - boxes.lower_slack[..., None]
     return up, lo
 
 
@@ -190,8 +197,8 @@ def quest_block_scores_quantized_reference(q, boxes, *, reduce="sum"):
     qpos, qneg = jnp.maximum(qf, 0.0), jnp.minimum(qf, 0.0)
     base, step = boxes.base[:, :, None], boxes.step[:, :, None]  # [B, Hkv, 1, D]
     const = jnp.sum(qf * base, axis=-1)  # [B, Hkv, G]: q+ . base + q- . base
-    s = jnp.einsum("bhgd,bhnd->bhgn", qpos * step, boxes.upper.astype(jnp.float32), precision=hi)
-    s = s + jnp.einsum("bhgd,bhnd->bhgn", qneg * step, boxes.lower.astype(jnp.float32), precision=hi)
+    s = jnp.einsum("bhgd,bhnd->bhgn", qpos * step, code_values(boxes.upper), precision=hi)
+    s = s + jnp.einsum("bhgd,bhnd->bhgn", qneg * step, code_values(boxes.lower), precision=hi)
     s = s + const[..., None]
     s = s + jnp.sum(qpos, -1)[..., None] * boxes.upper_slack[:, :, None] - jnp.sum(qneg, -1)[..., None] * boxes.lower_slack[:, :, None]
     return s.max(2) if reduce == "max" else s.sum(2)
@@ -204,12 +211,12 @@ def quest_block_scores_quantized_reference(q, boxes, *, reduce="sum"):
 
 def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, group_pad,
                    block_n, num_blocks, reduce):
-    # q_ref: [G, D]; up_ref/lo_ref: uint8 [NB, D]; base_ref/step_ref: [D]; su_ref/sl_ref/o_ref: [NB].
+    # q_ref: [G, D]; up_ref/lo_ref: int8 [NB, D] (code - 128); base_ref/step_ref: [D]; su_ref/sl_ref/o_ref: [NB].
     t = pl.program_id(2)
     rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
     rmask = rows < num_blocks
-    cu = plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0).astype(jnp.float32)
-    cl = plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0).astype(jnp.float32)
+    cu = code_values(plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
+    cl = code_values(plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
     su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
     sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
     base = base_ref[...]
@@ -243,10 +250,11 @@ def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_
 DOT_COLS = 16  # a tensor-core dot needs N >= 16: the group's heads (or the folded sum), zero-padded
 
 
-def _codes_as_bf16(codes):
-    """uint8 codes as exact bf16 (a code has at most 8 significant bits): the f32 ``2^23 + c`` made
-    from its bits and ``2^23`` taken off, integer and add ops instead of int-to-float conversions."""
-    f = jax.lax.bitcast_convert_type(codes.astype(jnp.int32) | 0x4B000000, jnp.float32) - 8388608.0
+def _codes_as_bf16(stored):
+    """Stored codes (``c - 128``) as exact bf16 ``c`` (a code has at most 8 significant bits): the
+    f32 ``2^23 + c`` made from its bits and ``2^23`` taken off, integer and add ops instead of
+    int-to-float conversions."""
+    f = jax.lax.bitcast_convert_type((stored.astype(jnp.int32) + OFFSET) | 0x4B000000, jnp.float32) - 8388608.0
     return f.astype(jnp.bfloat16)
 
 
@@ -302,6 +310,59 @@ def _quest_q8_dot_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref
     plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
 
 
+def _int8_at_least(w):
+    """``(scale [16], hi, lo)`` for weight rows ``w [16, D]`` (f32): int8 ``hi, lo`` with
+    ``scale * (hi + lo / 127) >= w`` elementwise, within ``scale / 127`` (``scale`` = the row's
+    max |w| / 127): ``hi`` the floor in units of ``scale``, ``lo`` the rest rounded up in
+    127ths. The dot of nonnegative codes with them is then at least the one with ``w``."""
+    scale = jnp.max(jnp.abs(w), axis=1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    x = w / scale[:, None]
+    hi = jnp.clip(jnp.floor(x), -127.0, 127.0)
+    lo = jnp.clip(jnp.ceil((x - hi) * 127.0), 0.0, 127.0)
+    return scale, hi.astype(jnp.int8), lo.astype(jnp.int8)
+
+
+def _quest_q8_imma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
+                        num_blocks, reduce):
+    # As _quest_q8_dot_body on the integer tensor cores: the stored codes s = c - 128 go in as
+    # they are (no conversion a byte); the weights become two int8 terms rounded up
+    # (_int8_at_least); with c = s + 128 >= 0, sum_d c.w <= scale * (sum_d s.hi + 128 sum hi
+    # + (sum_d s.lo + 128 sum lo) / 127), every sum exact in int32.
+    t = pl.program_id(2)
+    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    rmask = rows < num_blocks
+    su_codes = plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0)
+    sl_codes = plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0)
+    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    base, step = base_ref[...], step_ref[...]
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
+    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
+    qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)  # [16, D]
+    if reduce == "sum":
+        qpos = jnp.where(col[:, None] == 0, jnp.sum(qpos, axis=0)[None, :], 0.0)
+        qneg = jnp.where(col[:, None] == 0, jnp.sum(qneg, axis=0)[None, :], 0.0)
+    const = jnp.sum((qpos + qneg) * base[None, :], axis=1)  # [16]
+    dims = (((1,), (1,)), ((), ()))
+
+    def dot(stored, w):  # sum_d (stored + 128) * w  [block_n, 16], at least the exact one
+        scale, hi, lo = _int8_at_least(w * step[None, :])
+        ih = jax.lax.dot_general(stored, hi, dims, preferred_element_type=jnp.int32)
+        il = jax.lax.dot_general(stored, lo, dims, preferred_element_type=jnp.int32)
+        ih = ih + OFFSET * jnp.sum(hi.astype(jnp.int32), axis=1)[None, :]
+        il = il + OFFSET * jnp.sum(lo.astype(jnp.int32), axis=1)[None, :]
+        return scale[None, :] * (ih.astype(jnp.float32) + il.astype(jnp.float32) / 127.0)
+
+    s = dot(su_codes, qpos) + dot(sl_codes, qneg) + const[None, :]
+    s = s + su[:, None] * jnp.sum(qpos, axis=1)[None, :] - sl[:, None] * jnp.sum(qneg, axis=1)[None, :]
+    if reduce == "max":
+        s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
+    else:
+        s = jnp.sum(jnp.where(col[None, :] == 0, s, 0.0), axis=1)
+    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+
+
 @functools.partial(
     jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode"))
 def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, num_stages=2, interpret=False,
@@ -311,24 +372,28 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
     Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows, the
     (b, kv head)'s base and step rows, and ``block_n`` blocks' codes and slacks.
     ``block_n`` and ``D`` must be powers of two; ``reduce`` is "sum" or "max" over the group.
-    ``mode``: "fma" (each head's bound as FMAs and a row reduction) or "dot" (the codes times
-    the heads' scaled queries on the tensor cores, the weights rounded up so the result is
-    still at least the bound; ``block_n >= 16``, at most 16 heads a group).
+    ``mode``: "fma" (each head's bound as FMAs and a row reduction), "dot" (the codes as bf16
+    times the heads' scaled queries on the tensor cores, the weights rounded up so the result
+    is still at least the bound) or "imma" (the stored signed bytes as they are, on the integer
+    tensor cores, the weights as two int8 terms rounded up); "dot" and "imma" need
+    ``block_n >= 16`` (and 32 a multiple of D for "imma") and at most 16 heads a group.
     """
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
-    if mode not in ("fma", "dot"):
-        raise ValueError(f"mode must be 'fma' or 'dot', got {mode!r}")
+    if mode not in ("fma", "dot", "imma"):
+        raise ValueError(f"mode must be 'fma', 'dot' or 'imma', got {mode!r}")
     b, hq, d = q.shape
     _, hkv, nb, _ = boxes.upper.shape
     g = hq // hkv
     if not (is_pow2(block_n) and is_pow2(d)):
         raise ValueError("quest_block_scores_quantized_kernel needs power-of-two block_n and D")
     q4 = q.reshape(b, hkv, g, d)
-    if mode == "dot":
-        if g > DOT_COLS or block_n < 16 or d < 16:
-            raise ValueError(f"mode='dot' needs at most {DOT_COLS} heads a group and block_n, D >= 16")
-        body = functools.partial(_quest_q8_dot_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce)
+    if mode in ("dot", "imma"):
+        if g > DOT_COLS or block_n < 16 or d < 16 or (mode == "imma" and d % 32):
+            raise ValueError(f"mode={mode!r} needs at most {DOT_COLS} heads a group, block_n >= 16 and D >= 16 "
+                             "(a multiple of 32 for 'imma')")
+        tensor_body = _quest_q8_dot_body if mode == "dot" else _quest_q8_imma_body
+        body = functools.partial(tensor_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce)
     else:
         body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
                                  num_blocks=nb, reduce=reduce)

@@ -301,7 +301,7 @@ def test_asynctls_8bit_boxes_find_what_the_exact_boxes_find():
     exact, q8 = make_method("asynctls", budget=256), make_method("asynctls", budget=256, box_bits=8)
     i0, c0, o0, _ = run(exact, q, k, v, lengths)
     i8, c8, o8, st = run(q8, q, k, v, lengths)
-    assert isinstance(st.boxes, QuantizedBoxes) and st.boxes.upper.dtype == jnp.uint8
+    assert isinstance(st.boxes, QuantizedBoxes) and st.boxes.upper.dtype == jnp.int8
     for b in range(B):
         for h in range(HKV):
             assert np.isin(hot[b, h], i8[b, h, : c8[b, h]]).mean() >= 0.9

@@ -55,7 +55,7 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
             resolve_block_tuning(dims["rows"] // 8 or 1, 8, dims["k"] // dims["block"], dims["d"], dims["block"],
                                  block_k=cfg.get("block_k"), num_splits=cfg.get("num_splits"))
         if kernel == "quest_block_scores_q8":
-            assert cfg.get("mode", "dot") in ("fma", "dot") and cfg.get("block_n", 64) >= 16, (key, cfg)
+            assert cfg.get("mode", "dot") in ("fma", "dot", "imma") and cfg.get("block_n", 64) >= 16, (key, cfg)
         if kernel == "topk":
             plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
             assert plan_topk(dims["n"], dims["k"], **plan_args) is not None, (key, cfg)

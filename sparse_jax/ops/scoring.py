@@ -288,8 +288,8 @@ def _check_quantized_boxes(boxes) -> tuple:
     if not isinstance(boxes, QuantizedBoxes):
         raise TypeError(f"boxes must be a QuantizedBoxes (quantize_block_boxes), got {type(boxes).__name__}")
     check_rank("boxes.upper", boxes.upper, 4, "[B, Hkv, NB, D]")
-    if boxes.upper.dtype != jnp.uint8 or boxes.lower.dtype != jnp.uint8:
-        raise TypeError(f"boxes.upper/lower must be uint8 codes, got {boxes.upper.dtype}/{boxes.lower.dtype}")
+    if boxes.upper.dtype != jnp.int8 or boxes.lower.dtype != jnp.int8:
+        raise TypeError(f"boxes.upper/lower must be int8 codes (code - 128), got {boxes.upper.dtype}/{boxes.lower.dtype}")
     b, hkv, nb, d = boxes.upper.shape
     check_shape("boxes.lower", boxes.lower, (b, hkv, nb, d), "[B, Hkv, NB, D]")
     for name in ("base", "step"):
@@ -334,18 +334,20 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
     """:func:`quest_block_scores` on 8-bit :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``,
     each at least the exact boxes' bound (``pallas_kernels.quantized_boxes``). Same
     ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``), and
-    ``mode``: "fma" or "dot" (the reductions on the tensor cores; default: the table's, else
-    "dot"; a group of more than 16 heads or a tile under 16 runs "fma")."""
+    ``mode``: "fma", "dot" (bf16 tensor cores) or "imma" (int8 tensor cores; default: the
+    table's, else "dot"; a group of more than 16 heads or a tile under 16 runs "fma")."""
     shape = _check_quantized_boxes(boxes)
-    if mode not in (None, "fma", "dot"):
-        raise ValueError(f"mode must be 'fma', 'dot' or None, got {mode!r}")
+    if mode not in (None, "fma", "dot", "imma"):
+        raise ValueError(f"mode must be 'fma', 'dot', 'imma' or None, got {mode!r}")
     reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages)
     if choice == "reference":
         return _qb.quest_block_scores_quantized_reference(q, boxes, reduce=reduce)
     tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages,
                            mode=mode, default_mode=Q8_DEFAULT_MODE)
     if q.shape[1] // shape[1] > _qb.DOT_COLS or tuning["block_n"] < 16 or shape[3] < 16:
-        tuning["mode"] = "fma"
+        tuning["mode"] = "fma"  # the tensor-core forms need N = 16 columns and 16-row tiles
+    elif tuning["mode"] == "imma" and shape[3] % 32:
+        tuning["mode"] = "dot"  # int8 MMA steps D by 32
     return _qb.quest_block_scores_quantized_kernel(q, boxes, interpret=interpret, reduce=reduce, **tuning)
 
 
