@@ -335,7 +335,7 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
     each at least the exact boxes' bound (``pallas_kernels.quantized_boxes``). Same
     ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``), and
     ``mode``: "fma", "dot" (bf16 tensor cores) or "imma" (int8 tensor cores; default: the
-    table's, else "dot"; a group of more than 16 heads or a tile under 16 runs "fma")."""
+    table's, else "imma"; a group of more than 16 heads or a tile under 16 runs "fma")."""
     shape = _check_quantized_boxes(boxes)
     if mode not in (None, "fma", "dot", "imma"):
         raise ValueError(f"mode must be 'fma', 'dot', 'imma' or None, got {mode!r}")
@@ -352,7 +352,7 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
 
 
 #: the 8-bit Quest kernel's mode where the tuned table names none
-Q8_DEFAULT_MODE = "dot"
+Q8_DEFAULT_MODE = "imma"
 
 
 # ----------------------------------------------------------------------------
