@@ -212,22 +212,30 @@ def quest_block_scores_quantized_reference(q, boxes, *, reduce="sum"):
 # ----------------------------------------------------------------------------
 
 
+def _load_tile(up_ref, lo_ref, su_ref, sl_ref, *, block_n, num_blocks):
+    """This program's ``block_n`` blocks: ``(rmask [block_n], upper, lower int8 [block_n, D] as
+    stored, upper_slack, lower_slack [block_n])``; rows past ``num_blocks`` read as zeros."""
+    t = pl.program_id(2)
+    rmask = t * block_n + jnp.arange(block_n, dtype=jnp.int32) < num_blocks
+    tile = pl.ds(t * block_n, block_n)
+    up = plgpu.load(up_ref.at[tile, :], mask=rmask[:, None], other=0)
+    lo = plgpu.load(lo_ref.at[tile, :], mask=rmask[:, None], other=0)
+    su = plgpu.load(su_ref.at[tile], mask=rmask, other=0.0)
+    sl = plgpu.load(sl_ref.at[tile], mask=rmask, other=0.0)
+    return rmask, up, lo, su, sl
+
+
 def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, group_pad,
                    block_n, num_blocks, reduce):
     # q_ref: [G, D]; up_ref/lo_ref: int8 [NB, D] (code - 128); base_ref/step_ref: [D]; su_ref/sl_ref/o_ref: [NB].
-    t = pl.program_id(2)
-    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    rmask = rows < num_blocks
-    cu = code_values(plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
-    cl = code_values(plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
-    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
-    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
+    cu, cl = code_values(up), code_values(lo)
     base = base_ref[...]
     step = step_ref[...]
 
     def bound(qpos, qneg):
         # the step folded into the query row, the base into one scalar: per block, a
-        # 2-row GEMV on the codes (FMA + row reduction; the bytes bind, not the math)
+        # 2-row GEMV on the codes (FMA + row reduction)
         wpos, wneg = qpos * step, qneg * step
         const = jnp.sum((qpos + qneg) * base)
         s = jnp.sum(cu * wpos[None, :] + cl * wneg[None, :], axis=1)
@@ -247,10 +255,11 @@ def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_
             q = plgpu.load(q_ref.at[pl.ds(0, group_pad), :], mask=gmask, other=0.0).astype(jnp.float32)
         # linear in q (the slack terms too: |.|_1 of same-signed parts adds): fold the group
         s = bound(jnp.sum(jnp.maximum(q, 0.0), axis=0), jnp.sum(jnp.minimum(q, 0.0), axis=0))
-    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+    plgpu.store(o_ref.at[pl.ds(pl.program_id(2) * block_n, block_n)], s, mask=rmask)
 
 
 DOT_COLS = 16  # a tensor-core dot needs N >= 16: the group's heads (or the folded sum), zero-padded
+_ROWS_BY_ROWS = (((1,), (1,)), ((), ()))  # [M, D] . [N, D]^T
 
 
 def _codes_as_bf16(stored):
@@ -277,42 +286,6 @@ def _split_up(w):
     return hi.astype(jnp.bfloat16), _bf16_at_least(w - hi).astype(jnp.bfloat16)
 
 
-def _quest_q8_dot_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
-                       num_blocks, reduce):
-    # As _quest_q8_body, the reductions over D on the tensor cores: the codes [block_n, D] (bf16,
-    # exact) times the query rows scaled by the step [D, 16] (one column per head, or the folded
-    # group's sum in column 0), each weight split into two bf16 terms rounded up.
-    t = pl.program_id(2)
-    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    rmask = rows < num_blocks
-    cu = _codes_as_bf16(plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
-    cl = _codes_as_bf16(plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0))
-    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
-    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
-    base, step = base_ref[...], step_ref[...]
-    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
-    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
-    qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)  # [16, D]
-    if reduce == "sum":  # linear in q: the group folded into column 0
-        qpos = jnp.where(col[:, None] == 0, jnp.sum(qpos, axis=0)[None, :], 0.0)
-        qneg = jnp.where(col[:, None] == 0, jnp.sum(qneg, axis=0)[None, :], 0.0)
-    const = jnp.sum((qpos + qneg) * base[None, :], axis=1)  # [16]
-    dims = (((1,), (1,)), ((), ()))
-
-    def dot(codes, w):  # codes [block_n, D] . w [16, D]^T -> [block_n, 16], at least the f32 product
-        hi, lo = _split_up(w * step[None, :])
-        return (jax.lax.dot_general(codes, hi, dims, preferred_element_type=jnp.float32)
-                + jax.lax.dot_general(codes, lo, dims, preferred_element_type=jnp.float32))
-
-    s = dot(cu, qpos) + dot(cl, qneg) + const[None, :]
-    s = s + su[:, None] * jnp.sum(qpos, axis=1)[None, :] - sl[:, None] * jnp.sum(qneg, axis=1)[None, :]
-    if reduce == "max":  # the real heads only (a zero pad column's bound must not win)
-        s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
-    else:
-        s = jnp.sum(jnp.where(col[None, :] == 0, s, 0.0), axis=1)
-    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
-
-
 def _int8_at_least(w):
     """``(scale [16], hi, lo)`` for weight rows ``w [16, D]`` (f32): int8 ``hi, lo`` with
     ``scale * (hi + lo / 127) >= w`` elementwise, within ``scale / 127`` (``scale`` = the row's
@@ -326,44 +299,54 @@ def _int8_at_least(w):
     return scale, hi.astype(jnp.int8), lo.astype(jnp.int8)
 
 
-def _quest_q8_imma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
-                        num_blocks, reduce):
-    # As _quest_q8_dot_body on the integer tensor cores: the stored codes s = c - 128 go in as
-    # they are (no conversion a byte); the weights become two int8 terms rounded up
-    # (_int8_at_least); with c = s + 128 >= 0, sum_d c.w <= scale * (sum_d s.hi + 128 sum hi
-    # + (sum_d s.lo + 128 sum lo) / 127), every sum exact in int32.
-    t = pl.program_id(2)
-    rows = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    rmask = rows < num_blocks
-    su_codes = plgpu.load(up_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0)
-    sl_codes = plgpu.load(lo_ref.at[pl.ds(t * block_n, block_n), :], mask=rmask[:, None], other=0)
-    su = plgpu.load(su_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
-    sl = plgpu.load(sl_ref.at[pl.ds(t * block_n, block_n)], mask=rmask, other=0.0)
+def _codes_dot_bf16(stored, w):
+    """``sum_d c_d * w[:, d]`` ``[block_n, 16]`` for stored codes ``[block_n, D]`` and weights
+    ``w [16, D]``, at least the f32 product: the codes as exact bf16, each weight split into
+    two bf16 terms rounded up (bf16 tensor cores)."""
+    codes = _codes_as_bf16(stored)
+    hi, lo = _split_up(w)
+    return (jax.lax.dot_general(codes, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(codes, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.float32))
+
+
+def _codes_dot_int8(stored, w):
+    """As :func:`_codes_dot_bf16` on the integer tensor cores: the stored bytes ``s = c - 128``
+    go in as they are (no conversion a byte), the weights as two int8 terms rounded up
+    (:func:`_int8_at_least`); with ``c = s + 128 >= 0``, ``sum_d c.w <= scale * (sum_d s.hi +
+    128 sum hi + (sum_d s.lo + 128 sum lo) / 127)``, every sum exact in int32."""
+    scale, hi, lo = _int8_at_least(w)
+    ih = jax.lax.dot_general(stored, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
+    il = jax.lax.dot_general(stored, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
+    ih = ih + OFFSET * jnp.sum(hi.astype(jnp.int32), axis=1)[None, :]
+    il = il + OFFSET * jnp.sum(lo.astype(jnp.int32), axis=1)[None, :]
+    return scale[None, :] * (ih.astype(jnp.float32) + il.astype(jnp.float32) / 127.0)
+
+
+_CODES_DOTS = {"dot": _codes_dot_bf16, "imma": _codes_dot_int8}
+
+
+def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
+                       num_blocks, reduce, mode):
+    # As _quest_q8_body, the reductions over D on the tensor cores (``mode``: "dot" bf16, "imma"
+    # int8, _CODES_DOTS): the codes [block_n, D] times the query rows scaled by the step
+    # [16, D] (one row per head, or the folded group's sum in row 0), rounded up.
+    codes_dot = _CODES_DOTS[mode]
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
     base, step = base_ref[...], step_ref[...]
     col = jnp.arange(DOT_COLS, dtype=jnp.int32)
     q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
     qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)  # [16, D]
-    if reduce == "sum":
+    if reduce == "sum":  # linear in q: the group folded into row 0
         qpos = jnp.where(col[:, None] == 0, jnp.sum(qpos, axis=0)[None, :], 0.0)
         qneg = jnp.where(col[:, None] == 0, jnp.sum(qneg, axis=0)[None, :], 0.0)
     const = jnp.sum((qpos + qneg) * base[None, :], axis=1)  # [16]
-    dims = (((1,), (1,)), ((), ()))
-
-    def dot(stored, w):  # sum_d (stored + 128) * w  [block_n, 16], at least the exact one
-        scale, hi, lo = _int8_at_least(w * step[None, :])
-        ih = jax.lax.dot_general(stored, hi, dims, preferred_element_type=jnp.int32)
-        il = jax.lax.dot_general(stored, lo, dims, preferred_element_type=jnp.int32)
-        ih = ih + OFFSET * jnp.sum(hi.astype(jnp.int32), axis=1)[None, :]
-        il = il + OFFSET * jnp.sum(lo.astype(jnp.int32), axis=1)[None, :]
-        return scale[None, :] * (ih.astype(jnp.float32) + il.astype(jnp.float32) / 127.0)
-
-    s = dot(su_codes, qpos) + dot(sl_codes, qneg) + const[None, :]
+    s = codes_dot(up, qpos * step[None, :]) + codes_dot(lo, qneg * step[None, :]) + const[None, :]
     s = s + su[:, None] * jnp.sum(qpos, axis=1)[None, :] - sl[:, None] * jnp.sum(qneg, axis=1)[None, :]
-    if reduce == "max":
+    if reduce == "max":  # the real heads only (a zero pad column's bound must not win)
         s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
     else:
         s = jnp.sum(jnp.where(col[None, :] == 0, s, 0.0), axis=1)
-    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
+    plgpu.store(o_ref.at[pl.ds(pl.program_id(2) * block_n, block_n)], s, mask=rmask)
 
 
 @functools.partial(
@@ -395,8 +378,8 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
         if g > DOT_COLS or block_n < 16 or d < 16 or (mode == "imma" and d % 32):
             raise ValueError(f"mode={mode!r} needs at most {DOT_COLS} heads a group, block_n >= 16 and D >= 16 "
                              "(a multiple of 32 for 'imma')")
-        tensor_body = _quest_q8_dot_body if mode == "dot" else _quest_q8_imma_body
-        body = functools.partial(tensor_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce)
+        body = functools.partial(_quest_q8_mma_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce,
+                                 mode=mode)
     else:
         body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
                                  num_blocks=nb, reduce=reduce)

@@ -329,6 +329,10 @@ def update_quantized_block_boxes(boxes, k_new, positions, *, block_size):
     return _qb.update_quantized_boxes_reference(boxes, k_new, positions, block_size=block_size)
 
 
+#: the 8-bit Quest kernel's mode where the tuned table names none (the H200's fastest, 2026-11-28)
+Q8_DEFAULT_MODE = "imma"
+
+
 def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", block_n=None, num_warps=None,
                                  num_stages=None, mode=None):
     """:func:`quest_block_scores` on 8-bit :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``,
@@ -350,9 +354,6 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
         tuning["mode"] = "dot"  # int8 MMA steps D by 32
     return _qb.quest_block_scores_quantized_kernel(q, boxes, interpret=interpret, reduce=reduce, **tuning)
 
-
-#: the 8-bit Quest kernel's mode where the tuned table names none
-Q8_DEFAULT_MODE = "imma"
 
 
 # ----------------------------------------------------------------------------
