@@ -744,8 +744,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         # The query's three int8 terms stay in registers (3 x NP x r bytes); its step and
         # channel sum per head are scalars.
         qterms = [q_ref[jnp.int32(i)] for i in range(3)]
-        qstep = [qmeta_ref[0, jnp.int32(g)] for g in range(group)]
-        qsum = [qmeta_ref[1, jnp.int32(g)] for g in range(group)]
+        qstep, qsum = qmeta_ref[0, :], qmeta_ref[1, :]  # [NP]
+        hcol = jnp.arange(qstep.shape[0], dtype=jnp.int32)[None, :]
+        real = hcol < group
     elif hoist_q:
         # The query lives in registers across the loop; its channel sums come
         # from the same registers (in-thread: every thread holds all of it).
@@ -783,16 +784,10 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             d = lax.dot_general(codes, term, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.int32).astype(jnp.float32)
             acc = d if acc is None else acc * 256.0 + d
-        col = jnp.arange(acc.shape[1], dtype=jnp.int32)
-        out = []
-        for g in range(group):
-            dot = jnp.sum(jnp.where(col[None, :] == g, acc, 0.0), axis=1)
-            out.append(dot * qstep[g] * lsc + qsum[g] * loff)  # dequantization folded in
-        return out
+        # [TC, NP]: the heads stay side by side, in the product's layout (rows past G are junk)
+        return acc * qstep[None, :] * lsc[:, None] + qsum[None, :] * loff[:, None]
 
     def logits_of(t, rows, lsc, loff):
-        if mma:
-            return logits_mma(rows, lsc, loff)
         x = rows.astype(jnp.int32)
         if words:  # field k of word a is channel a * (32 // bits) + k
             codes = [((x >> (bits * k)) & levels if k else x & levels).astype(jnp.float32)
@@ -827,11 +822,43 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             logit_ref, m_ref, l_ref = rest
         else:
             m_ref, l_ref = rest
-        floor = jnp.full((tc,), _STAT_FLOOR, jnp.float32)
-        zero = jnp.zeros((tc,), jnp.float32)
-        stats0 = tuple(floor for _ in range(group)) + tuple(zero for _ in range(group))
+        if mma:  # side by side, as the product leaves them: [TC, NP]
+            stats0 = (jnp.full((tc, hcol.shape[1]), _STAT_FLOOR, jnp.float32),
+                      jnp.zeros((tc, hcol.shape[1]), jnp.float32))
+        else:
+            floor = jnp.full((tc,), _STAT_FLOOR, jnp.float32)
+            zero = jnp.zeros((tc,), jnp.float32)
+            stats0 = tuple(floor for _ in range(group)) + tuple(zero for _ in range(group))
+
+    def compute_mma(t, pos, rows, lsc, loff, stats):
+        # compute() with the heads side by side [TC, NP]: no per-head column picks (each a
+        # cross-thread reduction in the product's layout) and no layout change a head
+        valid = (pos >= 0)[:, None]
+        logits = logits_mma(rows, lsc, loff)
+        in_c = t * tc + lanes < num_cand
+        if phase == "scores":
+            mx = functools.reduce(lambda a, g: jnp.where(hcol == g, maxes[g], a), range(group),
+                                  jnp.zeros_like(hcol, jnp.float32))
+            wt = functools.reduce(lambda a, g: jnp.where(hcol == g, weights[g], a), range(group),
+                                  jnp.zeros_like(hcol, jnp.float32))
+            acc = jnp.sum(jnp.where(real, jnp.exp(logits - mx) * wt, 0.0), axis=1)
+            plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid[:, 0], acc, masked_score), mask=in_c)
+            return stats
+        if phase == "logits":
+            ok = real & in_c[:, None]
+            # masked lanes get out-of-bounds indices (see the top-k module on interpret mode)
+            plgpu.store(logit_ref.at[jnp.where(ok, hcol, group), jnp.where(ok, t * tc + lanes[:, None], num_cand)],
+                        jnp.where(valid, logits, -jnp.inf), mask=ok)
+        ms, ls = stats
+        d = logits - ms
+        e = jnp.exp(-jnp.abs(d))
+        up = d > 0
+        return (jnp.where(valid & up, logits, ms),
+                jnp.where(valid, jnp.where(up, ls * e + 1.0, ls + e), ls))
 
     def compute(t, pos, rows, lsc, loff, stats):
+        if mma:
+            return compute_mma(t, pos, rows, lsc, loff, stats)
         valid = pos >= 0
         logits = logits_of(t, rows, lsc, loff)
         in_c = t * tc + lanes < num_cand
@@ -917,7 +944,32 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
 
         lax.fori_loop(t_work, t_last, fill_body, 0)
 
-    if phase != "scores":
+    if phase != "scores" and mma:
+        ms, ls = stats
+        big = jnp.max(jnp.where(real, ms, _STAT_FLOOR), axis=0)
+        tot = jnp.sum(jnp.where(real, ls * jnp.exp(ms - big[None, :]), 0.0), axis=0)
+        heads = jnp.where(real[0], hcol[0], group)  # rows past G: out of bounds, masked
+        plgpu.store(m_ref.at[p, heads], jnp.where(tot > 0, big, -jnp.inf), mask=real[0])
+        plgpu.store(l_ref.at[p, heads], tot, mask=real[0])
+    elif phase != "scores" and _is_pow2(group):
+        # The heads side by side ``[TC, G]``: one cross-lane max and one sum for all of
+        # them (each a shared-memory round trip and a barrier, which 2 G scalar reductions
+        # paid once a head: the program's tail, as long as a few tiles of its loop).
+        hcol = jnp.arange(group, dtype=jnp.int32)[None, :]
+
+        def side_by_side(xs, fill):
+            out = jnp.full((tc, group), fill, jnp.float32)
+            for g, x in enumerate(xs):
+                out = jnp.where(hcol == g, x[:, None], out)
+            return out
+
+        mg, lg = side_by_side(stats[:group], _STAT_FLOOR), side_by_side(stats[group:], 0.0)
+        big = jnp.max(mg, axis=0)
+        tot = jnp.sum(lg * jnp.exp(mg - big[None, :]), axis=0)
+        heads = pl.ds(0, group)
+        plgpu.store(m_ref.at[p, heads], jnp.where(tot > 0, big, -jnp.inf))
+        plgpu.store(l_ref.at[p, heads], tot)
+    elif phase != "scores":
         for g in range(group):
             mg, lg = stats[g], stats[group + g]
             big = jnp.max(mg)
