@@ -322,30 +322,29 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
         add("AsyncTLS operator (end to end) [records]", t, meta_bytes + rec_bytes + sel_bytes, budget, dense_ms)
         # the step as the model runs it: the method's selection (the filter over all blocks
         # but the newest, its labels, the sink/window/fallback masks) and its attention
+        # (the method's default boxes: 8-bit codes since 2026-11-28)
         fn, state = asynctls_method_step(budget, k, lengths, channels)
-        t = timed(fn, (q, k, v, lengths, state), op_bytes)
-        add("AsyncTLS method step (model path)", t, op_bytes, budget, dense_ms)
+        step_bytes = op_bytes - meta_bytes + q8_bytes
+        t = timed(fn, (q, k, v, lengths, state), step_bytes)
+        add("AsyncTLS method step (model path)", t, step_bytes, budget, dense_ms)
         # the same with the fused second level: in the model path the unfused kernels come with
         # XLA's mask, count and gather around the top-k, which the benchmark operator leaves out
         fn_f, state_f = asynctls_method_step(budget, k, lengths, channels, fused_selection=True)
-        t = timed(fn_f, (q, k, v, lengths, state_f), op_bytes)
-        add("AsyncTLS method step (model path) [fused selection]", t, op_bytes, budget, dense_ms)
+        t = timed(fn_f, (q, k, v, lengths, state_f), step_bytes)
+        add("AsyncTLS method step (model path) [fused selection]", t, step_bytes, budget, dense_ms)
         del state_f
-        # the same with 8-bit block boxes: the filter reads half the bytes
-        fn_8, state_8 = asynctls_method_step(budget, k, lengths, channels, box_bits=8)
-        op8_bytes = op_bytes - meta_bytes + q8_bytes
-        t = timed(fn_8, (q, k, v, lengths, state_8), op8_bytes)
-        add("AsyncTLS method step (model path) [8-bit boxes]", t, op8_bytes, budget, dense_ms)
-        if one_program and budget == max(budgets):
-            wall_row("AsyncTLS method step (model path) [8-bit boxes]", fn_8, (q, k, v, lengths, state_8), op8_bytes,
-                     budget, dense_wall)
-        del state_8
+        # the same with block boxes in the cache's dtype (box_bits=None): twice the filter's bytes
+        fn_b, state_b = asynctls_method_step(budget, k, lengths, channels, box_bits=None)
+        t = timed(fn_b, (q, k, v, lengths, state_b), op_bytes)
+        add("AsyncTLS method step (model path) [bf16 boxes]", t, op_bytes, budget, dense_ms)
+        del state_b
         if one_program and budget == max(budgets):  # each chain is a compile: the largest K only
             wall_row("AsyncTLS operator [fused selection]", functools.partial(asynctls_operator, budget=budget, fused=True),
                      (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)
             wall_row("AsyncTLS operator", functools.partial(asynctls_operator, budget=budget),
                      (q, k, v, k_max, k_min, labels, channels, lengths), op_bytes, budget, dense_wall)
-            wall_row("AsyncTLS method step (model path)", fn, (q, k, v, lengths, state), op_bytes, budget, dense_wall)
+            wall_row("AsyncTLS method step (model path)", fn, (q, k, v, lengths, state), step_bytes, budget,
+                     dense_wall)
         del state
         if baselines and budget == max(budgets):
             sfull = jax.random.normal(jax.random.key(7), (b, HKV, s), jnp.float32)

@@ -163,6 +163,10 @@ def probe_prompt(model, method, ids, needle: tuple[int, ...], steps: int, index:
     positions of the prompt ``ids``; with ``box_bits``, what boxes of that many bits change."""
     cfg = model.config
     ids = list(ids)
+    if getattr(method, "box_bits", None) is not None:
+        # the probe ranks blocks by the exact boxes and studies quantized ones itself (``box_bits``):
+        # the inner method keeps its boxes in the cache's dtype (AsyncTLS's default is 8-bit codes)
+        method = dataclasses.replace(method, box_bits=None)
     probe = NeedleProbe(inner=method, num_q_heads=cfg.num_heads, needle=tuple(needle), box_bits=box_bits)
     pm = model.with_method(probe)
     n = len(ids)

@@ -23,7 +23,6 @@ import numpy as np
 
 from benchmarks.timing import (RESULTS_DIR, cold_sets, hbm_floor_ms, markdown_table, rotation_sets, stamp, time_fn,
                                write_results)
-from pallas_kernels.labels import mma_unsupported
 from sparse_jax.ops.attention import block_sparse_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, build_label_cache, label_scores,
                                     quantize_block_boxes, quest_block_scores, quest_block_scores_quantized)
@@ -267,9 +266,6 @@ def main(argv=None):
             w = r_ch // 2
             cfgs = [dict(mode=m, hoist_q=hq_, num_warps=nw)
                     for m, hq_, nw in itertools.product(("logits", "two_pass"), (True, False), (2, 4, 8))]
-            if not mma_unsupported(r_ch, 4):  # the integer tensor-core product (the query in registers anyway)
-                cfgs += [dict(mode=m, mma=True, num_warps=nw)
-                         for m, nw in itertools.product(("logits", "two_pass"), (2, 4, 8))]
             # then the grid and the tile on the best: a program walks its share of the candidates
             # one dependent gather at a time, so more programs might hide more of the latency
             # (on the H100 at 128K they did not: tune_labels_quest_h100.md)

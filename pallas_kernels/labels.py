@@ -657,23 +657,19 @@ def _combine_stats(m_in, l_in, group):
 
 def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
                  tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
-                 prefetch, record=False, masked_score=0.0, mma=False, record_words=0):
+                 prefetch, record=False, masked_score=0.0):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
     # field (see _prepare_query); then the labels: packed_ref [S, W] uint8,
     # scale_ref, offset_ref [S] f32; or with ``record`` rec_ref [S, Wr] int32
-    # (LabelRecords: N code words, scale and offset bits, padding). With ``mma`` q_ref is
-    # instead the query's int8 terms [3, NP, r] and qmeta_ref [2, NP] (step, channel sum)
-    # comes before the labels (_prepare_query_terms). rest by phase:
+    # (LabelRecords: N code words, scale and offset bits, padding). rest by phase:
     #   "stats":  m_ref, l_ref [P, G]                  (outputs)
     #   "logits": logit_ref [G, C], m_ref, l_ref [P, G] (outputs)
     #   "scores": m_in, l_in [P, G] (inputs), out_ref [C] (output)
-    if mma:
-        qmeta_ref, refs = refs[0], refs[1:]
     if record:
         rec_ref, rest = refs[0], refs[1:]
-        width = record_words  # code words a token
+        width = q_ref.shape[-1]  # code words a token
     else:
         packed_ref, scale_ref, offset_ref = refs[:3]
         rest = refs[3:]
@@ -740,14 +736,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         return rows, lsc, loff
 
     nper = q_ref.shape[-1]  # words (bytes) per row
-    if mma:
-        # The query's three int8 terms stay in registers (3 x NP x r bytes); its step and
-        # channel sum per head are scalars.
-        qterms = [q_ref[jnp.int32(i)] for i in range(3)]
-        qstep, qsum = qmeta_ref[0, :], qmeta_ref[1, :]  # [NP]
-        hcol = jnp.arange(qstep.shape[0], dtype=jnp.int32)[None, :]
-        real = hcol < group
-    elif hoist_q:
+    if hoist_q:
         # The query lives in registers across the loop; its channel sums come
         # from the same registers (in-thread: every thread holds all of it).
         qv = [[q_ref[jnp.int32(f), jnp.int32(g), :] for g in range(group)]
@@ -769,23 +758,6 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         qsum = [functools.reduce(lambda a, b: a + b, [jnp.sum(q_ref[jnp.int32(f), jnp.int32(g), :])
                                                      for f in range(q_ref.shape[0])])
                 for g in range(group)]
-
-    def logits_mma(rows, lsc, loff):
-        # The codes [TC, r] as int8 (channel a * F + k is field k of word a, so the fields
-        # laid out after their word are the channels in order), times the query's int8
-        # terms on the integer tensor cores: every product and sum exact in int32.
-        f = 32 // bits
-        x = rows.astype(jnp.int32)
-        shifts = bits * jnp.arange(f, dtype=jnp.int32)
-        codes = ((x[:, :, None] >> shifts[None, None, :]) & levels).reshape(tc, x.shape[1] * f)
-        codes = codes.astype(jnp.int8)
-        acc = None
-        for term in qterms:  # most significant first: acc = (d2 * 256 + d1) * 256 + d0
-            d = lax.dot_general(codes, term, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.int32).astype(jnp.float32)
-            acc = d if acc is None else acc * 256.0 + d
-        # [TC, NP]: the heads stay side by side, in the product's layout (rows past G are junk)
-        return acc * qstep[None, :] * lsc[:, None] + qsum[None, :] * loff[:, None]
 
     def logits_of(t, rows, lsc, loff):
         x = rows.astype(jnp.int32)
@@ -822,43 +794,11 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             logit_ref, m_ref, l_ref = rest
         else:
             m_ref, l_ref = rest
-        if mma:  # side by side, as the product leaves them: [TC, NP]
-            stats0 = (jnp.full((tc, hcol.shape[1]), _STAT_FLOOR, jnp.float32),
-                      jnp.zeros((tc, hcol.shape[1]), jnp.float32))
-        else:
-            floor = jnp.full((tc,), _STAT_FLOOR, jnp.float32)
-            zero = jnp.zeros((tc,), jnp.float32)
-            stats0 = tuple(floor for _ in range(group)) + tuple(zero for _ in range(group))
-
-    def compute_mma(t, pos, rows, lsc, loff, stats):
-        # compute() with the heads side by side [TC, NP]: no per-head column picks (each a
-        # cross-thread reduction in the product's layout) and no layout change a head
-        valid = (pos >= 0)[:, None]
-        logits = logits_mma(rows, lsc, loff)
-        in_c = t * tc + lanes < num_cand
-        if phase == "scores":
-            mx = functools.reduce(lambda a, g: jnp.where(hcol == g, maxes[g], a), range(group),
-                                  jnp.zeros_like(hcol, jnp.float32))
-            wt = functools.reduce(lambda a, g: jnp.where(hcol == g, weights[g], a), range(group),
-                                  jnp.zeros_like(hcol, jnp.float32))
-            acc = jnp.sum(jnp.where(real, jnp.exp(logits - mx) * wt, 0.0), axis=1)
-            plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid[:, 0], acc, masked_score), mask=in_c)
-            return stats
-        if phase == "logits":
-            ok = real & in_c[:, None]
-            # masked lanes get out-of-bounds indices (see the top-k module on interpret mode)
-            plgpu.store(logit_ref.at[jnp.where(ok, hcol, group), jnp.where(ok, t * tc + lanes[:, None], num_cand)],
-                        jnp.where(valid, logits, -jnp.inf), mask=ok)
-        ms, ls = stats
-        d = logits - ms
-        e = jnp.exp(-jnp.abs(d))
-        up = d > 0
-        return (jnp.where(valid & up, logits, ms),
-                jnp.where(valid, jnp.where(up, ls * e + 1.0, ls + e), ls))
+        floor = jnp.full((tc,), _STAT_FLOOR, jnp.float32)
+        zero = jnp.zeros((tc,), jnp.float32)
+        stats0 = tuple(floor for _ in range(group)) + tuple(zero for _ in range(group))
 
     def compute(t, pos, rows, lsc, loff, stats):
-        if mma:
-            return compute_mma(t, pos, rows, lsc, loff, stats)
         valid = pos >= 0
         logits = logits_of(t, rows, lsc, loff)
         in_c = t * tc + lanes < num_cand
@@ -944,17 +884,11 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
 
         lax.fori_loop(t_work, t_last, fill_body, 0)
 
-    if phase != "scores" and mma:
-        ms, ls = stats
-        big = jnp.max(jnp.where(real, ms, _STAT_FLOOR), axis=0)
-        tot = jnp.sum(jnp.where(real, ls * jnp.exp(ms - big[None, :]), 0.0), axis=0)
-        heads = jnp.where(real[0], hcol[0], group)  # rows past G: out of bounds, masked
-        plgpu.store(m_ref.at[p, heads], jnp.where(tot > 0, big, -jnp.inf), mask=real[0])
-        plgpu.store(l_ref.at[p, heads], tot, mask=real[0])
-    elif phase != "scores" and _is_pow2(group):
+    if phase != "scores" and _is_pow2(group):
         # The heads side by side ``[TC, G]``: one cross-lane max and one sum for all of
-        # them (each a shared-memory round trip and a barrier, which 2 G scalar reductions
-        # paid once a head: the program's tail, as long as a few tiles of its loop).
+        # them, each a shared-memory round trip and a barrier that 2 G scalar reductions
+        # paid once a head. This tail is on every program's critical path: on the H200 at
+        # 128K it took the B=1 logits kernel from 5.7 to 4.4 us.
         hcol = jnp.arange(group, dtype=jnp.int32)[None, :]
 
         def side_by_side(xs, fill):
@@ -1009,56 +943,9 @@ def _prepare_query(q, channels, hkv, sm_scale, bits, words):
     return qc.reshape(b, hkv, g, r // nf, nf).transpose(0, 1, 4, 2, 3)
 
 
-#: query rows of the integer tensor-core product (Triton's dot needs every dimension >= 16)
-MMA_COLS = 16
-#: the query's int8 terms: |q / step| <= 127 * 2**16, so its three base-256 digits are in [-128, 127]
-_MMA_TERMS = 3
-_MMA_RANGE = 127.0 * 65536.0
-
-
-def _prepare_query_terms(q, channels, hkv, sm_scale):
-    """The channel-gathered, pre-scaled query as int8 terms for the tensor cores:
-    ``(terms int8[B, Hkv, 3, NP, r], meta f32[B, Hkv, 2, NP])``, ``NP = 16 * ceil(G / 16)``.
-
-    Per head ``g``: ``step = max_c |q_gc| / (127 * 2**16)``, ``n = round(q / step)`` (24 bits,
-    within 2**-23 of the head's largest channel: the f32 division q / step rounds too),
-    written in base 256 with digits in [-128, 127], most significant first (``terms``);
-    ``meta[0] = step``, ``meta[1] = sum_c q_gc`` (the offset's weight, from the f32 query).
-    Rows past G are zero."""
-    b, hq, d = q.shape
-    g = hq // hkv
-    qc = _gather_channels(q.reshape(b, hkv, g, d), channels).astype(jnp.float32) * sm_scale  # [B, Hkv, G, r]
-    big = jnp.max(jnp.abs(qc), axis=-1, keepdims=True)
-    step = jnp.where(big > 0, big / _MMA_RANGE, 1.0)
-    n = jnp.round(qc / step)
-    digits = []
-    for _ in range(_MMA_TERMS):
-        low = n - 256.0 * jnp.floor((n + 128.0) / 256.0)  # in [-128, 127], n - low divisible by 256
-        digits.append(low)
-        n = (n - low) / 256.0
-    terms = jnp.stack(digits[::-1], axis=2).astype(jnp.int8)  # [B, Hkv, 3, G, r]
-    meta = jnp.stack([step[..., 0], jnp.sum(qc, axis=-1)], axis=2)  # [B, Hkv, 2, G]
-    gp = -(-g // MMA_COLS) * MMA_COLS
-    terms = jnp.pad(terms, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
-    meta = jnp.pad(meta, ((0, 0), (0, 0), (0, 0), (0, gp - g)))
-    return terms, meta
-
-
-def mma_unsupported(r: int, bits: int, record_or_words: bool = True) -> str | None:
-    """Why the tensor-core label product cannot run (None if it can): the codes must fit
-    int8 (bits <= 4), fill whole 32-bit words, and give Triton's dot at least 32 channels."""
-    if bits > 4:
-        return f"mma needs bits <= 4 (int8 codes), got bits={bits}"
-    if (r * bits) % 32 or not record_or_words:
-        return f"mma needs whole 32-bit code words, got r={r}, bits={bits}"
-    if r < 32 or not _is_pow2(r):
-        return f"mma needs a power-of-two r >= 32 (the tensor cores' K), got r={r}"
-    return None
-
-
 def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, block_size,
                    sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
-                   hoist_q, interpret, return_raw, masked_score=0.0, mma=False):
+                   hoist_q, interpret, return_raw, masked_score=0.0):
     b, hq, _ = q.shape
     r = channels.shape[-1]
     record = isinstance(labels, LabelRecords)
@@ -1069,37 +956,28 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     words = w % 4 == 0  # whole 32-bit words per row (r*bits >= 32)
-    if mma and (why := mma_unsupported(r, bits, words)):
-        raise ValueError(why)
     if hoist_q is None:
         # G*r registers of query + ~16 a head of accumulators and statistics:
         # G=4, r=32 fits (~230 registers), G=8, r=16 would spill (offline sm_90 compile).
         hoist_q = g * (r + 16) <= 192
     num_tiles = pl.cdiv(num_cand, block_c)
-    nsplit = choose_splits(b * hkv, num_tiles, programs_per_sm(g, r, num_warps, hoist_q and not mma), splits)
+    nsplit = choose_splits(b * hkv, num_tiles, programs_per_sm(g, r, num_warps, hoist_q), splits)
     tpp = pl.cdiv(num_tiles, nsplit)
     nsplit = pl.cdiv(num_tiles, tpp)  # no program without a tile
     common = dict(
         source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
         num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
-        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record,
-        mma=mma, record_words=w // 4)
-    if mma:
-        qp, qmeta = _prepare_query_terms(q, channels, hkv, sm_scale)  # one small XLA fusion
-    else:
-        qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
+        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record)
+    qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
     shared_cnt = cnt.shape[1] == 1 and hkv > 1  # [B, 1]: one count for a row's KV heads, read in place
     in_specs = [
         pl.BlockSpec((None,), lambda i, j, t: (i,)),
         pl.BlockSpec((None, None), (lambda i, j, t: (i, 0)) if shared_cnt else (lambda i, j, t: (i, j))),
         pl.BlockSpec((None, None, src.shape[-1]), lambda i, j, t: (i, j, 0)),
-        pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j) + (0,) * (qp.ndim - 2)),
+        pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0)),
     ]
     args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), qp)
-    if mma:
-        in_specs.append(pl.BlockSpec((None, None) + qmeta.shape[2:], lambda i, j, t: (i, j, 0, 0)))
-        args += (qmeta,)
     if record:
         in_specs.append(pl.BlockSpec((None, None, s, labels.words.shape[-1]), lambda i, j, t: (i, j, 0, 0)))
         args += (labels.words,)
@@ -1110,7 +988,7 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     stat = jax.ShapeDtypeStruct((b, hkv, nsplit, g), jnp.float32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     grid = (b, hkv, nsplit)
-    tag = f"{source}_c{block_c}_p{nsplit}" + ("_rec" if record else "") + ("_mma" if mma else "")
+    tag = f"{source}_c{block_c}_p{nsplit}" + ("_rec" if record else "")
     out_spec = pl.BlockSpec((None, None, num_cand), lambda i, j, t: (i, j, 0))
     out_shape = jax.ShapeDtypeStruct((b, hkv, num_cand), jnp.float32)
     if mode == "logits":
@@ -1163,7 +1041,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 DEFAULT_PREFETCH = 2
 
-TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q", "mma")
+TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q")
 _KERNEL_STATIC = ("scale", "bits", "interpret", "return_raw") + TUNING_KEYS
 
 
@@ -1184,7 +1062,7 @@ def _looped_tuning(block_c, num_warps, num_stages, prefetch):
 @functools.partial(jax.jit, static_argnames=_KERNEL_STATIC)
 def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, lengths=None,
                         scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
-                        num_stages=None, splits=None, prefetch=None, hoist_q=None, mma=False,
+                        num_stages=None, splits=None, prefetch=None, hoist_q=None,
                         interpret=False, return_raw=False):
     """Pallas path of ``label_scores`` (modes and tuning: see the module docstring).
 
@@ -1199,8 +1077,6 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     check_packed_width(w, channels.shape[-1], bits)
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
     if mode == "per_tile":
-        if mma:
-            raise ValueError("mode 'per_tile' has no tensor-core product (mma=True)")
         return _per_tile_scores(
             q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths,
             scale=scale, bits=bits,
@@ -1220,7 +1096,7 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     return _looped_scores(
         q, labels, channels, src, cnt, lengths, source=source, num_cand=num_cand, block_size=1,
         sm_scale=sm_scale, bits=bits, mode=mode, splits=splits, hoist_q=hoist_q,
-        interpret=interpret, return_raw=return_raw, mma=bool(mma),
+        interpret=interpret, return_raw=return_raw,
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))
 
 
@@ -1256,7 +1132,7 @@ def block_label_scores_reference(q, labels, channels, block_ids, block_counts, l
 @functools.partial(jax.jit, static_argnames=("block_size", "masked_score") + _KERNEL_STATIC)
 def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                               scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
-                              num_stages=None, splits=None, prefetch=None, hoist_q=None, mma=False,
+                              num_stages=None, splits=None, prefetch=None, hoist_q=None,
                               interpret=False, return_raw=False, masked_score=0.0):
     """Pallas path of ``block_label_scores``: candidate positions are made in
     registers from the block ids (no candidate array is read), and a block's
@@ -1274,5 +1150,5 @@ def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, leng
         q, labels, channels, block_ids, block_counts, lengths, source="blocks",
         num_cand=block_ids.shape[-1] * block_size, block_size=block_size, sm_scale=sm_scale,
         bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, interpret=interpret,
-        return_raw=return_raw, masked_score=float(masked_score), mma=bool(mma),
+        return_raw=return_raw, masked_score=float(masked_score),
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))

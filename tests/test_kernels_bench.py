@@ -36,17 +36,20 @@ def test_method_step_selects_when_the_context_is_longer():
     assert np.abs(got - ref).max() > 1e-2  # 512 of 4,096 tokens: not the dense answer
 
 
-def test_method_step_with_8bit_boxes_runs_the_quantized_filter():
-    """The benchmark's ``[8-bit boxes]`` row: the state holds codes; 4,096 tokens are 64 blocks,
-    fewer than the filter keeps (128), so the step selects what the exact-box step selects."""
+def test_method_step_runs_the_8bit_filter_by_default():
+    """The benchmark's model-path row runs the method's default, 8-bit boxes (the state holds
+    codes), and its ``[bf16 boxes]`` row the exact boxes; 4,096 tokens are 64 blocks, fewer
+    than the filter keeps (128), so both steps select the same tokens."""
     from pallas_kernels.quantized_boxes import QuantizedBoxes
+    from sparse_jax.methods.quest import BlockBoxes
 
     b, s = 1, 4096
     q, k, v, channels = _inputs(b, s)
     lengths = jnp.array([s], jnp.int32)
-    fn8, state8 = kb.asynctls_method_step(512, k, lengths, channels, impl="reference", box_bits=8)
+    fn8, state8 = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
     assert isinstance(state8.boxes, QuantizedBoxes)
-    fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
+    fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference", box_bits=None)
+    assert isinstance(state.boxes, BlockBoxes)
     got8 = np.asarray(fn8(q, k, v, lengths, state8), np.float32)
     got = np.asarray(fn(q, k, v, lengths, state), np.float32)
     np.testing.assert_allclose(got8, got, rtol=1e-6, atol=1e-6)

@@ -10,7 +10,6 @@ and prefetch depths; block-structured candidates (block_label_scores) with
 partial and out-of-range blocks.
 """
 
-import itertools
 import math
 
 import jax
@@ -291,10 +290,6 @@ LOOPED_CASES = [
     (4, 2, 64, 16, 4, 45, dict(mode="two_pass", block_c=16, hoist_q=False, prefetch=2)),
     (3, 1, 64, 32, 2, 40, dict(mode="logits", block_c=16, splits=2)),
     (9, 3, 64, 16, 8, 33, dict(mode="two_pass", block_c=16, splits=2)),
-    # the integer tensor-core product: G = 4 and 8, r = 32 and 64, INT4 and INT2
-    (8, 2, 128, 32, 4, 77, dict(mode="two_pass", block_c=16, splits=3, mma=True)),
-    (16, 2, 128, 64, 4, 50, dict(mode="logits", block_c=32, splits=2, mma=True)),
-    (3, 1, 64, 32, 2, 40, dict(mode="logits", block_c=16, splits=2, prefetch=0, mma=True)),
 ]
 
 
@@ -370,8 +365,6 @@ BLOCK_CASES = [
     (3, 1, 64, 32, 48, 3, dict(mode="two_pass", block_c=16, splits=2, prefetch=1)),  # block not pow2
     (4, 4, 64, 16, 8, 5, dict(mode="logits", block_c=16, prefetch=3)),
     (16, 2, 64, 32, 16, 4, dict(mode="two_pass", block_c=32, splits=1)),  # G=8
-    (8, 2, 128, 32, 16, 7, dict(mode="logits", block_c=32, splits=2, mma=True)),
-    (3, 1, 64, 32, 48, 3, dict(mode="two_pass", block_c=16, splits=2, prefetch=1, mma=True)),
 ]
 
 
@@ -451,11 +444,6 @@ def test_block_label_scores_bad_inputs():
         (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, prefetch=-1)),
         (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, impl="pallas",
                                block_c=24)),
-        # the tensor-core product needs r >= 32 (here r = 16), and a bool
-        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, mma=True)),
-        (ValueError, lambda: f(q, cache, channels, ids, cnt, lengths, block_size=16, mma="yes")),
-        (ValueError, lambda: scoring.block_label_topk(q, cache, channels, ids, cnt, lengths, block_size=16, k=4,
-                                                      mma=True)),
     ]
     for i, (err, fn) in enumerate(bad):
         with pytest.raises(err):
@@ -534,20 +522,20 @@ def test_kernels_lower_to_triton(abstract_h100):
              (q, cache, ch, lens)),
         ]
     rec32 = lb.LabelRecords(sd((2, 3, 300, 8), jnp.int32))  # r = 32: 4 code words, scale, offset, padding
-    for labels, mode, mma in itertools.product((cache32, rec32), ("two_pass", "logits"), (False, True)):
-        if True:
+    for labels in (cache32, rec32):
+        for mode in ("two_pass", "logits"):
             fns += [
-                (lambda q, c, ch, cand, n, l, mode=mode, mma=mma: lb.label_scores_kernel(
-                    q, c, ch, cand, n, lengths=l, mode=mode, mma=mma),
+                (lambda q, c, ch, cand, n, l, mode=mode: lb.label_scores_kernel(q, c, ch, cand, n, lengths=l,
+                                                                                mode=mode),
                  (q8, labels, ch32, cand, cnt, lens)),
-                (lambda q, c, ch, bid, n, l, mode=mode, mma=mma: lb.block_label_scores_kernel(
-                    q, c, ch, bid, n, l, block_size=64, mode=mode, mma=mma),
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
+                                                                                     block_size=64, mode=mode),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
-                (lambda q, c, ch, bid, n, l, mode=mode, mma=mma: lb.block_label_scores_kernel(
-                    q, c, ch, bid, n, l, block_size=64, mode=mode, mma=mma),
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(q, c, ch, bid, n, l,
+                                                                                     block_size=64, mode=mode),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), sd((2, 1), jnp.int32), lens)),  # [B, 1] counts
-                (lambda q, c, ch, bid, n, l, mode=mode, mma=mma: lb.block_label_scores_kernel(
-                    q, c, ch, bid, n, l, block_size=64, mode=mode, masked_score=-np.inf, mma=mma),
+                (lambda q, c, ch, bid, n, l, mode=mode: lb.block_label_scores_kernel(
+                    q, c, ch, bid, n, l, block_size=64, mode=mode, masked_score=-np.inf),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),  # masked slots as -inf
             ]
     for fn, args in fns:
@@ -585,8 +573,7 @@ def test_label_records_refuse_partial_words():
 
 
 @pytest.mark.parametrize("hq,hkv,d,r,bits,c,tuning", [LOOPED_CASES[i] for i in (0, 1, 3, 5)] + [
-    (4, 2, 64, 16, 8, 29, dict(mode="logits", block_c=16, splits=2)),
-    (8, 2, 128, 32, 4, 41, dict(mode="logits", block_c=16, splits=3, mma=True))])
+    (4, 2, 64, 16, 8, 29, dict(mode="logits", block_c=16, splits=2))])
 def test_label_scores_records_equal_the_cache(hq, hkv, d, r, bits, c, tuning):
     """The kernel over interleaved records gives the cache's numbers: scattered
     candidates with junk past the count and past the length, an empty row."""
@@ -624,29 +611,6 @@ def test_label_scores_records_equal_the_cache(hq, hkv, d, r, bits, c, tuning):
         np.asarray(blk), np.asarray(scoring.block_label_scores(q, cache, channels, bid, bcnt, lengths, block_size=8,
                                                                bits=bits, impl="pallas", **tun)))
     assert lb.label_dims(rec, r, bits) == cache.packed.shape
-
-
-def test_query_terms_hold_the_query_to_24_bits():
-    """The tensor-core product's query (``_prepare_query_terms``): int8 digits, most
-    significant first, rebuild each head's scaled channels to within 2**-23 of its largest
-    (f32's own rounding), whatever its range; the padded rows and an all-zero head are 0."""
-    from pallas_kernels import labels as lb
-
-    b, hq, hkv, d, r = 2, 12, 2, 64, 32  # G = 6: padded to 16 rows
-    rng = np.random.default_rng(7)
-    q = rng.standard_normal((b, hq, d)) * np.exp(rng.uniform(-12, 12, size=(b, hq, 1)))
-    q[0, 1] = 0.0  # an all-zero head
-    q[1, 2, 5] = 1e6  # one channel far above the rest (channel 5 is gathered below)
-    channels = jnp.asarray(np.tile(np.arange(r) * 2 % d, (hkv, 1)), jnp.int32)
-    terms, meta = lb._prepare_query_terms(jnp.asarray(q, jnp.float32), channels, hkv, 0.125)
-    assert terms.shape == (b, hkv, 3, 16, r) and terms.dtype == jnp.int8 and meta.shape == (b, hkv, 2, 16)
-    t = np.asarray(terms, np.float64)
-    rebuilt = ((t[:, :, 0] * 256 + t[:, :, 1]) * 256 + t[:, :, 2]) * np.asarray(meta[:, :, 0])[..., None]
-    want = (np.asarray(jnp.asarray(q, jnp.float32), np.float64) * 0.125).reshape(b, hkv, 6, d)[..., np.asarray(channels[0])]
-    big = np.abs(want).max(-1, keepdims=True)
-    assert np.all(np.abs(rebuilt[:, :, :6] - want) <= big * 2.0 ** -23 + 1e-300)
-    assert np.all(t[:, :, :, 6:] == 0) and np.all(rebuilt[0, 0, 1] == 0)
-    np.testing.assert_allclose(np.asarray(meta[:, :, 1, :6]), want.sum(-1), rtol=1e-5, atol=1e-30)
 
 
 def test_label_records_bad_inputs():

@@ -437,35 +437,16 @@ def _check_scores_args(q, labels, channels, lengths, scale, bits):
     return b, hkv, w, scale
 
 
-def _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, mma=None) -> dict:
+def _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q) -> dict:
     """Tuning kwargs for the kernel, leaving its defaults where None."""
     kw = dict(mode=mode, block_c=block_c, num_warps=num_warps, num_stages=num_stages,
-              splits=splits, prefetch=prefetch, hoist_q=hoist_q, mma=mma)
+              splits=splits, prefetch=prefetch, hoist_q=hoist_q)
     return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in kw.items() if v is not None}
-
-
-def _check_mma(mma, channels, bits) -> None:
-    """``mma=True`` where the tensor-core label product cannot run: a clear error now."""
-    if mma not in (None, True, False):
-        raise ValueError(f"mma must be True, False or None, got {mma!r}")
-    if mma and (why := _lb.mma_unsupported(channels.shape[-1], bits)):
-        raise ValueError(why)
-
-
-def _label_tuning(tuning: dict, channels, bits, kernel: str, interpret: bool, **dims) -> dict:
-    """The caller's knobs, else (on the GPU) the tuned table's, without a table ``mma``
-    this shape cannot run."""
-    if interpret:
-        return tuning
-    tuning = dict(with_tuned(tuning, kernel, **dims))
-    if tuning.get("mma") and _lb.mma_unsupported(channels.shape[-1], bits):
-        tuning.pop("mma")
-    return tuning
 
 
 def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None,
                  bits=4, impl="auto", mode=None, block_c=None, num_warps=None, num_stages=None,
-                 splits=None, prefetch=None, hoist_q=None, mma=None):
+                 splits=None, prefetch=None, hoist_q=None):
     """Approximate attention probabilities from the label cache: ``float32[B, Hkv, C]``.
 
     For each query head of the group, softmax over the candidates of
@@ -491,10 +472,7 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
     candidates per tile (power of two; default ``32 * num_warps``),
     ``num_warps``, ``num_stages``, ``splits`` programs per (b, kv-head),
     ``prefetch`` tiles loaded ahead, ``hoist_q`` (keep the query in registers:
-    fewer instructions, half the occupancy; None = when G * (r + 16) <= 192), ``mma``
-    (the codes times the query on the integer tensor cores, the query as three int8
-    terms: as exact as the f32 form, a tenth of its instructions; needs bits <= 4 and a
-    power-of-two r >= 32; None = the tuned table's choice, else off).
+    fewer instructions, half the occupancy; None = when G * (r + 16) <= 192).
     """
     b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
     if candidates is None:
@@ -511,19 +489,16 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
         if counts is not None:
             check_int_array("counts", counts, (b, hkv), "[B, Hkv]")
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
-    _check_mma(mma, channels, bits)
-    if mma and mode == "per_tile":
-        raise ValueError("mode 'per_tile' has no tensor-core product (mma=True)")
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
                                                                  {"block_c": block_c})))
     if choice == "reference":
         return _lb.label_scores_reference(q, labels, channels, candidates, counts, lengths=lengths,
                                           scale=scale, bits=bits)
-    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, mma)
-    c = _lb.label_dims(labels, channels.shape[1], bits)[2] if candidates is None else candidates.shape[2]
-    tuning = _label_tuning(tuning, channels, bits, "label_scores", interpret, rows=b * hkv, c=c, w=w,
-                           g=q.shape[1] // hkv)
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    if not interpret:
+        c = _lb.label_dims(labels, channels.shape[1], bits)[2] if candidates is None else candidates.shape[2]
+        tuning = with_tuned(tuning, "label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv)
     return _lb.label_scores_kernel(
         q, labels, channels, candidates, counts, lengths=lengths, scale=scale, bits=bits,
         interpret=interpret, **tuning)
@@ -550,7 +525,7 @@ def _check_block_label_args(q, labels, channels, block_ids, block_counts, length
 
 def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                        scale=None, bits=4, impl="auto", mode=None, block_c=None, num_warps=None,
-                       num_stages=None, splits=None, prefetch=None, hoist_q=None, mma=None):
+                       num_stages=None, splits=None, prefetch=None, hoist_q=None):
     """``label_scores`` over the tokens of selected blocks: ``float32[B, Hkv, NBsel * block_size]``.
 
     Block slot ``j`` of ``block_ids int32[B, Hkv, NBsel]`` stands for the tokens
@@ -570,7 +545,6 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode)
     if mode == "per_tile":
         raise ValueError("block_label_scores has no 'per_tile' mode")
-    _check_mma(mma, channels, bits)
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
                                                                  {"block_c": block_c})))
@@ -578,9 +552,10 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         return _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts,
                                                 lengths, block_size=int(block_size), scale=scale,
                                                 bits=bits)
-    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, mma)
-    tuning = _label_tuning(tuning, channels, bits, "block_label_scores", interpret, rows=b * hkv,
-                           c=block_ids.shape[2] * int(block_size), w=w, g=q.shape[1] // hkv, block=int(block_size))
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+    if not interpret:
+        tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=block_ids.shape[2] * int(block_size),
+                            w=w, g=q.shape[1] // hkv, block=int(block_size))
     return _lb.block_label_scores_kernel(
         q, labels, channels, block_ids, block_counts, lengths, block_size=int(block_size),
         scale=scale, bits=bits, interpret=interpret, **tuning)
@@ -598,7 +573,7 @@ FUSED_LABEL_TOPK = False
 def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
                      scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
                      splits=None, prefetch=None, hoist_q=None, select_num_warps=None, radix_bits=1,
-                     fused=None, mma=None):
+                     fused=None):
     """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
     ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
 
@@ -619,7 +594,6 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
                                                 block_size, scale, bits, "block_label_topk")
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, None)
-    _check_mma(mma, channels, bits)
     if select_num_warps is not None and (isinstance(select_num_warps, bool) or select_num_warps <= 0):
         raise ValueError(f"select_num_warps must be a positive int or None, got {select_num_warps!r}")
     if radix_bits not in (1, 2, 4):
@@ -644,9 +618,9 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
         select = {}
     else:
         fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
-        tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q, mma)
-        tuning = _label_tuning(tuning, channels, bits, "block_label_scores", interpret, rows=b * hkv, c=c, w=w,
-                               g=q.shape[1] // hkv, block=bs)
+        tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q)
+        if not interpret:
+            tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
         if fused and c <= _ltk.MAX_CANDIDATES:
             tuning["mode"] = "logits"  # the fused selection reads the raw logits and statistics
             logits, m, l = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths,
