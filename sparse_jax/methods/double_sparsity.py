@@ -177,7 +177,7 @@ class AsyncTLS(DoubleSparsity):
     #: the filter's block boxes: 8 (default) as 8-bit codes over each channel's range, the max
     #: rounded up and the min down (half the bytes for the filter to read, and the Quest bound
     #: stays a bound; ``pallas_kernels.quantized_boxes``), or None in the cache's dtype. Measured
-    #: on the H200 (2026-11-28): the method step at B=8, 128K, K=2048 in 88.1 against 98.0 us;
+    #: on the H200 (2026-11-28): the method step at B=8, 128K, K=2048 in 88.4 against 98.1 us;
     #: on Gemma 3, RULER at 100 prompts a task, 74.0 against 74.0 at 16K (287 of 300 outputs
     #: identical) and 41.0 against 41.7 at 32K (6 prompts flipped: 2 won, 4 lost)
     box_bits: int | None = 8
