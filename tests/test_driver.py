@@ -62,10 +62,12 @@ NEAR_TIE_STEP, NEAR_TIE_ATOL = 2, 0.5
 
 def fixture_options(fixture, name):
     """The method options the fixture was recorded with. AsyncTLS's filter summed its query
-    heads' bounds then (its default is now "max"), and these fixtures pin that path."""
+    heads' bounds then (its default is now "max") and read boxes in the cache's dtype (its
+    default is now 8-bit codes), and these fixtures pin that path."""
     opts = dict(ast.literal_eval(str(fixture["options"]))[name])
     if name.startswith("asynctls"):
         opts.setdefault("group_reduce", "sum")
+        opts.setdefault("box_bits", None)
     return opts
 
 
