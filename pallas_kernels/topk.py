@@ -333,12 +333,14 @@ def _select_kernel(
     early_exit: bool,
     greater_first: bool = False,
     rows_per_count: int = 1,
+    count_above: float | None = None,
 ):
     """One (row block, chunk) program of one level.
 
     Inputs (flat): level 1: ``scores f32[R*N]``; later levels:
     ``keys i32[R*M], pos i32[R*M]``; plus ``counts i32[R]`` if given.
-    Outputs (flat): final: ``idx i32[R*k]``; else ``keys, pos i32[R*M']``.
+    Outputs (flat): final: ``idx i32[R*k]``; else ``keys, pos i32[R*M']``; with ``count_above``
+    (single level only) also ``n i32[R]``: ``min(k, #(valid scores > count_above))``.
     """
     if first:
         src_refs, rest = refs[:1], refs[1:]
@@ -381,6 +383,13 @@ def _select_kernel(
     take = take & row_ok
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
+    if count_above is not None:
+        # the caller's count of scores above a floor (e.g. not -inf): one more reduction over the
+        # row this program holds anyway, instead of another pass over the scores in XLA
+        above = live & (col < cnt) & (x > np.float32(count_above))
+        n_above = jnp.minimum(jnp.sum(above.astype(jnp.int32), axis=1), np.int32(k_out))  # [BR]
+        row_flat = rows[:, 0]
+        plgpu.store(out_refs[1].at[jnp.where(row_ok[:, 0], row_flat, n_rows)], n_above, mask=row_ok[:, 0])
     if final:
         # Rows with fewer than k valid entries: the answer is all valid
         # positions (0..cnt-1) plus invalid fill, i.e. exactly arange(k).
@@ -412,6 +421,7 @@ def topk_pallas(
     early_exit: bool = True,
     greater_first: bool = False,
     rows_per_count: int = 1,
+    count_above: float | None = None,
     interpret: bool = False,
 ):
     """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``
@@ -430,6 +440,10 @@ def topk_pallas(
     (Triton pipelining; there is no loop over memory, 1 is right),
     ``radix_bits`` (1, 2 or 4 key bits fixed per search round: 32/r rounds of
     2**r-1 counts each), ``early_exit`` (stop the search once #(key >= T) == k).
+
+    ``count_above`` (a float; single-level plans only, ``n <= max_single``): also return
+    ``int32[R]``, ``min(k, #(valid entries > count_above))`` (NaN is not above anything),
+    counted by the selecting program: ``(idx, n)``.
     """
     r, n = scores.shape
     if radix_bits not in (1, 2, 4):
@@ -442,6 +456,8 @@ def topk_pallas(
     if r * max(n, plan.levels[0].n_chunks * plan.levels[0].chunk) >= 2**31:
         raise ValueError("R * N must be < 2**31 (int32 offsets)")
     has_counts = counts is not None
+    if count_above is not None and len(plan.levels) > 1:
+        raise ValueError(f"count_above needs a single-level plan (N={n} <= max_single={max_single})")
     if has_counts and counts.shape[0] * rows_per_count != r:
         raise ValueError(f"counts [{counts.shape[0]}] x rows_per_count {rows_per_count} != rows {r}")
     extra = (counts.astype(jnp.int32),) if has_counts else ()
@@ -452,6 +468,8 @@ def topk_pallas(
         if lvl.final:
             out_stride = k
             out_shape = (jax.ShapeDtypeStruct((r * k,), jnp.int32),)
+            if count_above is not None:
+                out_shape += (jax.ShapeDtypeStruct((r,), jnp.int32),)
         else:
             out_stride = lvl.n_chunks * lvl.k_sel
             out_shape = (jax.ShapeDtypeStruct((r * out_stride,), jnp.int32),) * 2
@@ -472,6 +490,7 @@ def topk_pallas(
             early_exit=early_exit and not (greater_first and lvl.final and lvl.n_in <= k),
             greater_first=greater_first,
             rows_per_count=rows_per_count,
+            count_above=None if count_above is None else float(count_above),
         )
         outs = pl.pallas_call(
             kern,
@@ -482,4 +501,6 @@ def topk_pallas(
             name=f"topk_select_l{lvl_i}",
         )(*srcs, *extra)
         srcs = tuple(outs)
+    if count_above is not None:
+        return srcs[0].reshape(r, k), srcs[1]
     return srcs[0].reshape(r, k)

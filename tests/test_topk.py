@@ -397,3 +397,44 @@ def test_auto_reads_the_tuned_table(monkeypatch):
     assert topk_auto_choice(8192, 2048, rows=64) == ("pallas", {})  # max_single 1024 < k: no plan
     assert topk_auto_choice(8192, 2048, rows=256) == ("pallas", {})
     assert topk_auto_choice(8192, 2048) == ("pallas", {})
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+@pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (100, 64, dict(block_rows=2)),
+                                        (5000, 64, {"max_single": 1024})])  # two levels: counted in XLA
+def test_count_above_counts_the_valid_entries_over_the_floor(impl, n, k, tuning):
+    """``count_above``: ``min(k, #(valid > floor))`` beside the positions (the same positions
+    as without it), rows of -inf marks, NaN, counts cutting rows short, counts shared by the
+    heads of a row, and a floor that is not -inf."""
+    b, h = 3, 2
+    x = distinct_scores((b * h, n)).reshape(b, h, n)
+    rng = np.random.default_rng(n)
+    x[rng.random(x.shape) < 0.3] = -np.inf  # masked slots, as block_label_topk marks them
+    x[0, 0, 5] = np.nan
+    x[1, 1] = -np.inf  # nothing above the floor
+    x[2, 0, : n - 3] = -np.inf  # 3 above it: fewer than k
+    kw = tuning if impl == "pallas" else {}
+    xj = jnp.asarray(x, jnp.float32)
+    for counts in (None, jnp.asarray([[n], [k - 3], [n // 2]], jnp.int32)):
+        for floor in (-np.inf, 0.25):
+            pos, cnt = topk_indices(xj, k, counts, impl=impl, count_above=floor, **kw)
+            valid = np.arange(n) < (n if counts is None else np.asarray(counts)[:, :, None])
+            want = np.minimum(((x > floor) & valid).sum(-1), k)
+            np.testing.assert_array_equal(np.asarray(cnt), want)
+            assert cnt.dtype == jnp.int32 and cnt.shape == (b, h)
+            plain = topk_indices(xj, k, counts, impl=impl, **kw)
+            np.testing.assert_array_equal(np.sort(np.asarray(pos), -1), np.sort(np.asarray(plain), -1))
+    with pytest.raises(TypeError, match="count_above"):
+        topk_indices(xj, k, impl=impl, count_above="-inf")
+    with pytest.raises(ValueError, match="single-level"):
+        topk_k.topk_pallas(jnp.zeros((2, 300)), 20, count_above=0.0, max_single=64, interpret=True)
+
+
+def test_count_above_lowers_to_triton_for_h100():
+    pytest.importorskip("jax._src.lib.triton")
+
+    def fn(x, c):
+        return topk_k.topk_pallas(x, 2048, c, rows_per_count=8, greater_first=True, count_above=-np.inf)
+
+    txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((64, 8192), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1

@@ -169,8 +169,8 @@ class AsyncTLS(DoubleSparsity):
     group_reduce: str = "max"
     #: the second level's kernels without a sink or window (``block_label_topk(fused=...)``):
     #: True runs one kernel that normalizes, selects and maps to tokens; False the label
-    #: normalization, the top-k and XLA's count and token map; None (default) the op's
-    #: default (``sparse_jax.ops.scoring.FUSED_LABEL_TOPK``). Measured on the H100 (128K,
+    #: normalization, the top-k (which also counts the unmasked slots) and XLA's token map;
+    #: None (default) the op's default (``sparse_jax.ops.scoring.FUSED_LABEL_TOPK``). Measured on the H100 (128K,
     #: K=2048, 2026-11-28): a tie in the model path, 52.0 against 52.2 us at B=1
     #: (``kernels_h100_v7b_128k.md``)
     fused_selection: bool | None = None

@@ -638,9 +638,10 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     # unfused: masked slots are -inf (a valid score is >= 0); with fewer than k others they
     # are the ties at the threshold, and greater_first puts the unmasked ones first (the
     # "first counts entries")
-    idx = topk_indices(scores, k, impl=choice, greater_first=True, **select)
+    # the count of unmasked slots (> -inf) comes from the selecting kernel: no pass over the scores
+    idx, count = topk_indices(scores, k, impl=choice, greater_first=True, count_above=-np.inf, **select)
     pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // bs, axis=-1) * bs + idx % bs
-    return pos.astype(jnp.int32), jnp.minimum(jnp.sum(scores > -jnp.inf, axis=-1, dtype=jnp.int32), k)
+    return pos.astype(jnp.int32), count
 
 
 # ----------------------------------------------------------------------------

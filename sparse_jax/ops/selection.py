@@ -48,6 +48,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import topk as _topk
 from pallas_kernels.tuning import tuned
@@ -140,24 +141,36 @@ def _check_args(scores, k, counts, tuning):
     return k
 
 
-@functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning"))
-def _run(scores, counts, *, k, choice, interpret, tuning):
+@functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above"))
+def _run(scores, counts, *, k, choice, interpret, tuning, count_above=None):
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     r = math.prod(lead)
     x = scores.reshape(r, n).astype(jnp.float32)
     shared = counts is not None and counts.size != r  # one count for each group of lead[-1] rows
+    in_kernel = choice == "pallas" and count_above is not None and _plan(n, k, dict(tuning)).levels[1:] == ()
     if choice == "reference":
         c = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
         out = _topk.topk_reference(x, k, c)
     else:
         c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
         out = _topk.topk_pallas(x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
-                                **dict(tuning))
-    return out.reshape(*lead, k)
+                                count_above=count_above if in_kernel else None, **dict(tuning))
+    if count_above is None:
+        return out.reshape(*lead, k)
+    if in_kernel:  # the selecting program counted them
+        out, n_above = out
+    else:
+        above = x > np.float32(count_above)
+        if counts is not None:
+            c = jnp.broadcast_to(counts, lead).reshape(r, 1).astype(jnp.int32)
+            above &= jnp.arange(n, dtype=jnp.int32)[None, :] < c
+        n_above = jnp.minimum(jnp.sum(above, axis=-1, dtype=jnp.int32), k)
+    return out.reshape(*lead, k), n_above.reshape(lead)
 
 
-def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_first: bool = False, **tuning):
+def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_first: bool = False,
+                 count_above: float | None = None, **tuning):
     """Positions of the ``k`` largest valid scores per row: ``int32[R..., k]``.
 
     Args:
@@ -170,21 +183,31 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
         returns positions in ascending order; the reference's order is by value, so it
         always satisfies this). A caller that marks entries with ``-inf`` and has fewer
         than ``k`` others finds those others first.
+      count_above: optional float: also return ``int32[R...]``, ``min(k, #(valid scores >
+        count_above))`` (NaN is not above anything), as ``(positions, count)``. The kernel
+        counts them in the selecting program (single-level plans; else one XLA reduction):
+        a caller that marks entries with ``-inf`` gets its count without another pass.
       **tuning: kernel knobs (see module docstring).
 
     See the module docstring for the full contract (order, ties, short rows,
     -inf and NaN).
     """
     k = _check_args(scores, k, counts, tuning)
+    if count_above is not None:
+        if isinstance(count_above, bool) or not isinstance(count_above, (int, float, np.floating, np.integer)):
+            raise TypeError(f"count_above must be a static float or None, got {count_above!r}")
+        count_above = float(count_above)
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     if math.prod(lead) == 0:
-        return jnp.zeros((*lead, k), jnp.int32)
+        empty = jnp.zeros((*lead, k), jnp.int32)
+        return empty if count_above is None else (empty, jnp.zeros(lead, jnp.int32))
     if impl == "auto" and on_gpu():
         auto_impl, auto_tuning = topk_auto_choice(n, k, math.prod(lead))
         tuning = {**auto_tuning, **tuning}
         if auto_impl == "reference":
-            return _run(scores, counts, k=k, choice="reference", interpret=False, tuning=())
+            return _run(scores, counts, k=k, choice="reference", interpret=False, tuning=(),
+                        count_above=count_above)
     elif impl == "pallas" and on_gpu() and not tuning:  # the measured best, unless the caller tuned
         tuning = _measured(n, k, math.prod(lead))
     unsupported = None
@@ -194,4 +217,5 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     if greater_first:
         tuning = {**tuning, "greater_first": True}
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
-    return _run(scores, counts, k=k, choice=choice, interpret=interpret, tuning=tuning_items)
+    return _run(scores, counts, k=k, choice=choice, interpret=interpret, tuning=tuning_items,
+                count_above=count_above)
