@@ -884,16 +884,18 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
 
         lax.fori_loop(t_work, t_last, fill_body, 0)
 
-    if phase != "scores" and _is_pow2(group):
-        # The heads side by side ``[TC, G]``: one cross-lane max and one sum for all of
-        # them, each a shared-memory round trip and a barrier that 2 G scalar reductions
-        # paid once a head. This tail is on every program's critical path: on the H200 at
-        # 128K it took the operator's logits kernel from 5.7 to 4.7 us at B=1 and from 15.1
-        # to 13.6 us at B=8 (breakdown_h200_v8_128k.md against breakdown_h200_v9_128k.md).
-        hcol = jnp.arange(group, dtype=jnp.int32)[None, :]
+    if phase != "scores":
+        # The heads side by side ``[TC, Gp]`` (Gp = G rounded up to a power of two, the
+        # padding columns neutral): one cross-lane max and one sum for all of them, each a
+        # shared-memory round trip and a barrier that 2 G scalar reductions paid once a head.
+        # This tail is on every program's critical path: on the H200 at 128K it took the
+        # operator's logits kernel from 5.7 to 4.7 us at B=1 and from 15.1 to 13.6 us at B=8
+        # (breakdown_h200_v8_128k.md against breakdown_h200_v9_128k.md).
+        gp = next_pow2(group)
+        hcol = jnp.arange(gp, dtype=jnp.int32)[None, :]
 
         def side_by_side(xs, fill):
-            out = jnp.full((tc, group), fill, jnp.float32)
+            out = jnp.full((tc, gp), fill, jnp.float32)
             for g, x in enumerate(xs):
                 out = jnp.where(hcol == g, x[:, None], out)
             return out
@@ -901,16 +903,13 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         mg, lg = side_by_side(stats[:group], _STAT_FLOOR), side_by_side(stats[group:], 0.0)
         big = jnp.max(mg, axis=0)
         tot = jnp.sum(lg * jnp.exp(mg - big[None, :]), axis=0)
-        heads = pl.ds(0, group)
-        plgpu.store(m_ref.at[p, heads], jnp.where(tot > 0, big, -jnp.inf))
-        plgpu.store(l_ref.at[p, heads], tot)
-    elif phase != "scores":
-        for g in range(group):
-            mg, lg = stats[g], stats[group + g]
-            big = jnp.max(mg)
-            tot = jnp.sum(lg * jnp.exp(mg - big))
-            m_ref[p, jnp.int32(g)] = jnp.where(tot > 0, big, -jnp.inf)
-            l_ref[p, jnp.int32(g)] = tot
+        if gp == group:
+            heads, real = pl.ds(0, group), None
+        else:  # padding columns: an out-of-bounds index, masked (see the top-k module on interpret mode)
+            real = hcol[0] < group
+            heads = jnp.where(real, hcol[0], group)
+        plgpu.store(m_ref.at[p, heads], jnp.where(tot > 0, big, -jnp.inf), mask=real)
+        plgpu.store(l_ref.at[p, heads], tot, mask=real)
 
 
 def _normalize_body(logit_ref, m_in, l_in, out_ref, *, num_cand, block_c, group, masked_score=0.0):

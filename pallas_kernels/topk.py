@@ -372,7 +372,8 @@ def _select_kernel(
 
     if first:
         x = plgpu.load(src_refs[0].at[src], mask=live, other=0.0)
-        key = jnp.where(live & (col < cnt), float_to_key(x), np.int32(INT32_MIN))
+        valid = live & (col < cnt)
+        key = jnp.where(valid, float_to_key(x), np.int32(INT32_MIN))
         pos = jnp.broadcast_to(col, (br, c))
     else:
         key = plgpu.load(src_refs[0].at[src], mask=live, other=np.int32(INT32_MIN))
@@ -386,7 +387,7 @@ def _select_kernel(
     if count_above is not None:
         # the caller's count of scores above a floor (e.g. not -inf): one more reduction over the
         # row this program holds anyway, instead of another pass over the scores in XLA
-        above = live & (col < cnt) & (x > np.float32(count_above))
+        above = valid & (x > np.float32(count_above))
         n_above = jnp.minimum(jnp.sum(above.astype(jnp.int32), axis=1), np.int32(k_out))  # [BR]
         row_flat = rows[:, 0]
         plgpu.store(out_refs[1].at[jnp.where(row_ok[:, 0], row_flat, n_rows)], n_above, mask=row_ok[:, 0])

@@ -148,10 +148,10 @@ def _run(scores, counts, *, k, choice, interpret, tuning, count_above=None):
     r = math.prod(lead)
     x = scores.reshape(r, n).astype(jnp.float32)
     shared = counts is not None and counts.size != r  # one count for each group of lead[-1] rows
+    per_row = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
     in_kernel = choice == "pallas" and count_above is not None and _plan(n, k, dict(tuning)).levels[1:] == ()
     if choice == "reference":
-        c = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
-        out = _topk.topk_reference(x, k, c)
+        out = _topk.topk_reference(x, k, per_row)
     else:
         c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
         out = _topk.topk_pallas(x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
@@ -162,9 +162,8 @@ def _run(scores, counts, *, k, choice, interpret, tuning, count_above=None):
         out, n_above = out
     else:
         above = x > np.float32(count_above)
-        if counts is not None:
-            c = jnp.broadcast_to(counts, lead).reshape(r, 1).astype(jnp.int32)
-            above &= jnp.arange(n, dtype=jnp.int32)[None, :] < c
+        if per_row is not None:
+            above &= jnp.arange(n, dtype=jnp.int32)[None, :] < per_row[:, None]
         n_above = jnp.minimum(jnp.sum(above, axis=-1, dtype=jnp.int32), k)
     return out.reshape(*lead, k), n_above.reshape(lead)
 
