@@ -245,8 +245,10 @@ def main(argv=None):
             kmax = jax.random.normal(jax.random.key(3), (b, hkv, nb, d), jnp.bfloat16)
             boxes = quantize_block_boxes(kmax, kmax - 1, jnp.full((b,), s, jnp.int32), block_size=64)
             ref = quest_block_scores_quantized(q, boxes, group_reduce="max", impl="reference")
-            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=2, mode=m)  # one tile a program: no stages to pipeline
-                    for m, bn, nw in itertools.product(("imma", "dot"), (64, 128, 256), (4, 8))]
+            # one tile a program: no stages to pipeline; the tensor-core forms with their query side
+            # made in every program or once by XLA
+            cfgs = [dict(block_n=bn, num_warps=nw, num_stages=2, mode=m, prep=pr)
+                    for m, pr, bn, nw in itertools.product(("imma", "dot"), ("program", "xla"), (64, 128, 256), (4, 8))]
             cfgs += [dict(block_n=64, num_warps=4, num_stages=2, mode="fma")]  # the CUDA-core form, for reference
             r = sweep("quest_block_scores_q8",
                       lambda *a, **c: quest_block_scores_quantized(*a, group_reduce="max", impl="pallas", **c),

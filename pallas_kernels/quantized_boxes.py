@@ -287,61 +287,88 @@ def _split_up(w):
 
 
 def _int8_at_least(w):
-    """``(scale [16], hi, lo)`` for weight rows ``w [16, D]`` (f32): int8 ``hi, lo`` with
-    ``scale * (hi + lo / 127) >= w`` elementwise, within ``scale / 127`` (``scale`` = the row's
-    max |w| / 127): ``hi`` the floor in units of ``scale``, ``lo`` the rest rounded up in
+    """``(scale [..., 16], hi, lo)`` for weight rows ``w [..., 16, D]`` (f32): int8 ``hi, lo``
+    with ``scale * (hi + lo / 127) >= w`` elementwise, within ``scale / 127`` (``scale`` = the
+    row's max |w| / 127): ``hi`` the floor in units of ``scale``, ``lo`` the rest rounded up in
     127ths. The dot of nonnegative codes with them is then at least the one with ``w``."""
-    scale = jnp.max(jnp.abs(w), axis=1) / 127.0
+    scale = jnp.max(jnp.abs(w), axis=-1) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
-    x = w / scale[:, None]
+    x = w / scale[..., None]
     hi = jnp.clip(jnp.floor(x), -127.0, 127.0)
     lo = jnp.clip(jnp.ceil((x - hi) * 127.0), 0.0, 127.0)
     return scale, hi.astype(jnp.int8), lo.astype(jnp.int8)
 
 
-def _codes_dot_bf16(stored, w):
-    """``sum_d c_d * w[:, d]`` ``[block_n, 16]`` for stored codes ``[block_n, D]`` and weights
-    ``w [16, D]``, at least the f32 product: the codes as exact bf16, each weight split into
-    two bf16 terms rounded up (bf16 tensor cores)."""
-    codes = _codes_as_bf16(stored)
-    hi, lo = _split_up(w)
-    return (jax.lax.dot_general(codes, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.float32)
-            + jax.lax.dot_general(codes, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.float32))
+#: rows of the per-column constants ``mma_operands`` returns (a power of two, for the kernel's load)
+CONST_ROWS = 16
+_SCALE_POS, _SCALE_NEG, _BASE_TERM, _L1_POS, _L1_NEG, _CORR = 0, 1, 2, 3, 4, 5  # _CORR.._CORR+3: hi+, lo+, hi-, lo-
 
 
-def _codes_dot_int8(stored, w):
-    """As :func:`_codes_dot_bf16` on the integer tensor cores: the stored bytes ``s = c - 128``
-    go in as they are (no conversion a byte), the weights as two int8 terms rounded up
-    (:func:`_int8_at_least`); with ``c = s + 128 >= 0``, ``sum_d c.w <= scale * (sum_d s.hi +
-    128 sum hi + (sum_d s.lo + 128 sum lo) / 127)``, every sum exact in int32."""
-    scale, hi, lo = _int8_at_least(w)
-    ih = jax.lax.dot_general(stored, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
-    il = jax.lax.dot_general(stored, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
-    ih = ih + OFFSET * jnp.sum(hi.astype(jnp.int32), axis=1)[None, :]
-    il = il + OFFSET * jnp.sum(lo.astype(jnp.int32), axis=1)[None, :]
-    return scale[None, :] * (ih.astype(jnp.float32) + il.astype(jnp.float32) / 127.0)
+def mma_operands(q, base, step, *, group, reduce, mode):
+    """The tensor-core forms' query side, for query rows ``q [..., 16, D]`` f32 (rows past the
+    group zero) and the boxes' ``base, step [..., D]``: ``(weights, consts)``.
 
+    * ``weights``: four ``[..., 16, D]`` in the dot's input type: the step-scaled positive
+      query parts ``q+ * step`` as two terms rounded up (``hi+, lo+``), then the negative
+      parts' (``hi-, lo-``); "imma": int8 in units of a per-row scale (:func:`_int8_at_least`),
+      "dot": bf16 (:func:`_split_up`).
+    * ``consts``: ``CONST_ROWS`` rows of ``[..., 16]`` f32, one column a head: the scales of
+      the + and - terms (1 for "dot"), the base term ``(q+ + q-) . base``, ``|q+|_1`` and
+      ``|q-|_1`` (the slacks' factors), then for "imma" the stored bytes' offset corrections
+      ``128 * sum_d`` of each weight term (integers below 2**24: exact in f32), zero rows after.
 
-_CODES_DOTS = {"dot": _codes_dot_bf16, "imma": _codes_dot_int8}
-
-
-def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
-                       num_blocks, reduce, mode):
-    # As _quest_q8_body, the reductions over D on the tensor cores (``mode``: "dot" bf16, "imma"
-    # int8, _CODES_DOTS): the codes [block_n, D] times the query rows scaled by the step
-    # [16, D] (one row per head, or the folded group's sum in row 0), rounded up.
-    codes_dot = _CODES_DOTS[mode]
-    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
-    base, step = base_ref[...], step_ref[...]
-    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
-    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
-    qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)  # [16, D]
+    ``reduce="sum"`` folds the group into row 0 first (the bound is linear in q). Plain jnp
+    on the trailing axes: the kernel runs it per program (``prep="program"``), or XLA runs it
+    once for every (batch, KV head) before the kernel (``prep="xla"``)."""
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)[:, None]
+    qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)
     if reduce == "sum":  # linear in q: the group folded into row 0
-        qpos = jnp.where(col[:, None] == 0, jnp.sum(qpos, axis=0)[None, :], 0.0)
-        qneg = jnp.where(col[:, None] == 0, jnp.sum(qneg, axis=0)[None, :], 0.0)
-    const = jnp.sum((qpos + qneg) * base[None, :], axis=1)  # [16]
-    s = codes_dot(up, qpos * step[None, :]) + codes_dot(lo, qneg * step[None, :]) + const[None, :]
-    s = s + su[:, None] * jnp.sum(qpos, axis=1)[None, :] - sl[:, None] * jnp.sum(qneg, axis=1)[None, :]
+        qpos = jnp.where(col == 0, jnp.sum(qpos, axis=-2, keepdims=True), 0.0)
+        qneg = jnp.where(col == 0, jnp.sum(qneg, axis=-2, keepdims=True), 0.0)
+    base_term = jnp.sum((qpos + qneg) * base[..., None, :], axis=-1)
+    wpos, wneg = qpos * step[..., None, :], qneg * step[..., None, :]
+    if mode == "imma":
+        scale_pos, hi_pos, lo_pos = _int8_at_least(wpos)
+        scale_neg, hi_neg, lo_neg = _int8_at_least(wneg)
+        weights = (hi_pos, lo_pos, hi_neg, lo_neg)
+        corr = [OFFSET * jnp.sum(t.astype(jnp.int32), axis=-1).astype(jnp.float32) for t in weights]
+    else:
+        weights = (*_split_up(wpos), *_split_up(wneg))
+        scale_pos = scale_neg = jnp.ones_like(base_term)
+        corr = [jnp.zeros_like(base_term)] * 4
+    consts = [scale_pos, scale_neg, base_term, jnp.sum(qpos, axis=-1), jnp.sum(qneg, axis=-1), *corr]
+    return weights, consts
+
+
+def _codes_bound(up, lo, weights, consts, su, sl, *, mode):
+    """Each head's bound ``[block_n, 16]`` from stored codes ``up, lo [block_n, D]``,
+    :func:`mma_operands`' weights and constants and the slacks ``su, sl [block_n]``: four
+    dots on the tensor cores, each at least its f32 product.
+
+    "imma": the stored bytes ``s = c - 128`` go in unconverted; with ``c = s + 128 >= 0``,
+    ``sum_d c.w <= scale * (sum_d s.hi + 128 sum hi + (sum_d s.lo + 128 sum lo) / 127)``, every
+    sum exact in int32 (and in f32, below 2**24). "dot": the codes as exact bf16 (at most 8
+    significant bits) times the two bf16 terms."""
+    hi_pos, lo_pos, hi_neg, lo_neg = weights
+    if mode == "imma":
+        def part(codes, hi, lo, scale, c_hi, c_lo):
+            ih = jax.lax.dot_general(codes, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
+            il = jax.lax.dot_general(codes, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.int32)
+            return scale[None, :] * ((ih.astype(jnp.float32) + c_hi[None, :])
+                                     + (il.astype(jnp.float32) + c_lo[None, :]) / 127.0)
+    else:
+        def part(codes, hi, lo, scale, c_hi, c_lo):
+            cb = _codes_as_bf16(codes)
+            return (jax.lax.dot_general(cb, hi, _ROWS_BY_ROWS, preferred_element_type=jnp.float32)
+                    + jax.lax.dot_general(cb, lo, _ROWS_BY_ROWS, preferred_element_type=jnp.float32))
+    c = consts
+    s = (part(up, hi_pos, lo_pos, c[_SCALE_POS], c[_CORR], c[_CORR + 1])
+         + part(lo, hi_neg, lo_neg, c[_SCALE_NEG], c[_CORR + 2], c[_CORR + 3]) + c[_BASE_TERM][None, :])
+    return s + su[:, None] * c[_L1_POS][None, :] - sl[:, None] * c[_L1_NEG][None, :]
+
+
+def _store_group_bound(o_ref, s, rmask, *, group, block_n, reduce):
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
     if reduce == "max":  # the real heads only (a zero pad column's bound must not win)
         s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
     else:
@@ -349,10 +376,39 @@ def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref
     plgpu.store(o_ref.at[pl.ds(pl.program_id(2) * block_n, block_n)], s, mask=rmask)
 
 
+def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
+                       num_blocks, reduce, mode):
+    # As _quest_q8_body, the reductions over D on the tensor cores (``mode``: "dot" bf16, "imma"
+    # int8): the codes [block_n, D] times the query rows scaled by the step [16, D] (one row per
+    # head, or the folded group's sum in row 0), rounded up. The query side is made here, in
+    # every program (prep="program").
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
+    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
+    weights, consts = mma_operands(q, base_ref[...], step_ref[...], group=group, reduce=reduce, mode=mode)
+    s = _codes_bound(up, lo, weights, consts, su, sl, mode=mode)
+    _store_group_bound(o_ref, s, rmask, group=group, block_n=block_n, reduce=reduce)
+
+
+def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_ref, *, group, block_n,
+                                num_blocks, reduce, mode):
+    # prep="xla": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
+    # [CONST_ROWS, 16]; at B=8, 128K it cost every one of the 512 programs about a third of its time
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
+    weights = tuple(w_ref[i, :, :] for i in range(4))
+    consts = [c_ref[i, :] for i in range(_CORR + 4)]
+    s = _codes_bound(up, lo, weights, consts, su, sl, mode=mode)
+    _store_group_bound(o_ref, s, rmask, group=group, block_n=block_n, reduce=reduce)
+
+
+#: where the tensor-core forms make their query side (``mma_operands``)
+PREPS = ("program", "xla")
+
+
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode"))
+    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode", "prep"))
 def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, num_stages=2, interpret=False,
-                                        reduce="sum", mode="fma"):
+                                        reduce="sum", mode="fma", prep="program"):
     """Pallas kernel for Quest's bound on :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``.
 
     Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows, the
@@ -363,38 +419,58 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
     is still at least the bound) or "imma" (the stored signed bytes as they are, on the integer
     tensor cores, the weights as two int8 terms rounded up); "dot" and "imma" need
     ``block_n >= 16`` (and 32 a multiple of D for "imma") and at most 16 heads a group.
+    ``prep`` (tensor-core modes): "program" makes the query side (:func:`mma_operands`) in
+    every program; "xla" makes it once per (batch, KV head) in XLA before the kernel, and the
+    programs load it (the same operations; only the order of the sums over D may differ).
     """
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     if mode not in ("fma", "dot", "imma"):
         raise ValueError(f"mode must be 'fma', 'dot' or 'imma', got {mode!r}")
+    if prep not in PREPS:
+        raise ValueError(f"prep must be one of {PREPS}, got {prep!r}")
     b, hq, d = q.shape
     _, hkv, nb, _ = boxes.upper.shape
     g = hq // hkv
     if not (is_pow2(block_n) and is_pow2(d)):
         raise ValueError("quest_block_scores_quantized_kernel needs power-of-two block_n and D")
     q4 = q.reshape(b, hkv, g, d)
-    if mode in ("dot", "imma"):
-        if g > DOT_COLS or block_n < 16 or d < 16 or (mode == "imma" and d % 32):
-            raise ValueError(f"mode={mode!r} needs at most {DOT_COLS} heads a group, block_n >= 16 and D >= 16 "
-                             "(a multiple of 32 for 'imma')")
-        body = functools.partial(_quest_q8_mma_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce,
-                                 mode=mode)
-    else:
-        body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
-                                 num_blocks=nb, reduce=reduce)
     codes = pl.BlockSpec((None, None, nb, d), lambda i, j, t: (i, j, 0, 0))
     row = pl.BlockSpec((None, None, d), lambda i, j, t: (i, j, 0))
     per_block = pl.BlockSpec((None, None, nb), lambda i, j, t: (i, j, 0))
+    mma = mode in ("dot", "imma")
+    if mma and (g > DOT_COLS or block_n < 16 or d < 16 or (mode == "imma" and d % 32)):
+        raise ValueError(f"mode={mode!r} needs at most {DOT_COLS} heads a group, block_n >= 16 and D >= 16 "
+                         "(a multiple of 32 for 'imma')")
+    base, step = boxes.base.astype(jnp.float32), boxes.step.astype(jnp.float32)
+    if mma and prep == "xla":
+        qp = jnp.zeros((b, hkv, DOT_COLS, d), jnp.float32).at[:, :, :g].set(q4.astype(jnp.float32))
+        weights, consts = mma_operands(qp, base, step, group=g, reduce=reduce, mode=mode)
+        w = jnp.stack(weights, axis=2)  # [B, Hkv, 4, 16, D]
+        c = jnp.stack(consts + [jnp.zeros_like(consts[0])] * (CONST_ROWS - len(consts)), axis=2)  # [B, Hkv, 16, 16]
+        body = functools.partial(_quest_q8_mma_prepared_body, group=g, block_n=block_n, num_blocks=nb,
+                                 reduce=reduce, mode=mode)
+        in_specs = [pl.BlockSpec((None, None, 4, DOT_COLS, d), lambda i, j, t: (i, j, 0, 0, 0)),
+                    pl.BlockSpec((None, None, CONST_ROWS, DOT_COLS), lambda i, j, t: (i, j, 0, 0)),
+                    codes, codes, per_block, per_block]
+        args = (w, c, boxes.upper, boxes.lower, boxes.upper_slack, boxes.lower_slack)
+    else:
+        if mma:
+            body = functools.partial(_quest_q8_mma_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce,
+                                     mode=mode)
+        else:
+            body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
+                                     num_blocks=nb, reduce=reduce)
+        in_specs = [pl.BlockSpec((None, None, g, d), lambda i, j, t: (i, j, 0, 0)), codes, codes, row, row,
+                    per_block, per_block]
+        args = (q4, boxes.upper, boxes.lower, base, step, boxes.upper_slack, boxes.lower_slack)
     return pl.pallas_call(
         body,
         grid=(b, hkv, pl.cdiv(nb, block_n)),
-        in_specs=[pl.BlockSpec((None, None, g, d), lambda i, j, t: (i, j, 0, 0)), codes, codes, row, row,
-                  per_block, per_block],
+        in_specs=in_specs,
         out_specs=per_block,
         out_shape=jax.ShapeDtypeStruct((b, hkv, nb), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="quest_block_scores_q8",
-    )(q4, boxes.upper, boxes.lower, boxes.base.astype(jnp.float32), boxes.step.astype(jnp.float32),
-      boxes.upper_slack, boxes.lower_slack)
+    )(*args)

@@ -10,6 +10,8 @@ kernel's tile, ragged rows with an empty one, G = 1 / 3 / 4 / 8, D = 64 / 128 / 
 * appends in range give exactly the codes of the rebuilt exact boxes over the same range.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,19 +84,22 @@ def test_codes_contain_the_exact_boxes_within_a_step():
     np.testing.assert_array_equal(np.asarray(boxes.step[2]), 1.0)
 
 
-# (impl, kernel mode, block_n): the reference; the FMA kernel on a tile that leaves NB = 10 ragged;
-# the tensor-core kernel at its smallest tile (16: one partial tile)
-VARIANTS = [("reference", None, None), ("pallas", "fma", 4), ("pallas", "dot", 16), ("pallas", "imma", 16)]
+# (impl, kernel mode, block_n, prep): the reference; the FMA kernel on a tile that leaves NB = 10
+# ragged; the tensor-core kernels at their smallest tile (16: one partial tile), their query side
+# made in each program and made by XLA before the kernel
+VARIANTS = [("reference", None, None, None), ("pallas", "fma", 4, None), ("pallas", "dot", 16, "program"),
+            ("pallas", "imma", 16, "program"), ("pallas", "dot", 16, "xla"), ("pallas", "imma", 16, "xla")]
 
 
-@pytest.mark.parametrize("impl,mode,block_n", VARIANTS)
+@pytest.mark.parametrize("impl,mode,block_n,prep", VARIANTS)
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("hq,hkv,d,dtype", CASES)
-def test_scores_match_the_float64_bound_on_the_codes(impl, mode, block_n, reduce, hq, hkv, d, dtype):
+def test_scores_match_the_float64_bound_on_the_codes(impl, mode, block_n, prep, reduce, hq, hkv, d, dtype):
     b, s, bs = 2, 150, 16  # NB = 10
     _, _, _, _, boxes = _boxes(hq * d, b, hkv, s, d, bs, [150, 61], dtype)
     q = _randn(hq + d, (b, hq, d), dtype)
-    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, block_n=block_n, mode=mode)
+    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, block_n=block_n, mode=mode,
+                                               prep=prep)
     assert got.shape == (b, hkv, -(-s // bs)) and got.dtype == jnp.float32
     want = _oracle(q, *_dequantized64(boxes), reduce if hq > hkv else "sum")
     scale = np.abs(want).max()
@@ -105,8 +110,9 @@ def test_scores_match_the_float64_bound_on_the_codes(impl, mode, block_n, reduce
         assert (np.asarray(got, np.float64) >= want - 1e-6 * scale).all()
 
 
-@pytest.mark.parametrize("impl,mode", [("reference", None), ("pallas", "fma"), ("pallas", "dot"), ("pallas", "imma")])
-def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl, mode):
+@pytest.mark.parametrize("impl,mode,prep", [("reference", None, None), ("pallas", "fma", None), ("pallas", "dot", None),
+                                            ("pallas", "imma", None), ("pallas", "imma", "xla")])
+def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl, mode, prep):
     """The range is the prompt's; keys appended three times larger clip to the end codes and
     their excess goes to the slack: every block's score still bounds q_g . k_j (each head's,
     for the max; their sum, for the sum) for each valid token."""
@@ -129,8 +135,8 @@ def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl, mode
     kf = np.asarray(k.astype(jnp.float32), np.float64)
     qf = np.asarray(q.astype(jnp.float32), np.float64).reshape(b, hkv, hq // hkv, d)
     for reduce in ("sum", "max"):
-        score = np.asarray(scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, mode=mode),
-                           np.float64)
+        score = np.asarray(scoring.quest_block_scores_quantized(q, boxes, group_reduce=reduce, impl=impl, mode=mode,
+                                                                prep=prep), np.float64)
         per_head = np.einsum("bhgd,bhsd->bhgs", qf, kf)
         true = per_head.max(2) if reduce == "max" else per_head.sum(2)
         for bi in range(b):
@@ -191,6 +197,7 @@ def test_bad_inputs_fail_before_compilation():
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, group_reduce="mean")),
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, block_n=0)),
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, mode="wgmma")),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, prep="host")),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin[:, :1], lengths, block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths[:1], block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=0)),
@@ -210,11 +217,12 @@ def test_kernel_lowers_to_triton(abstract_h100):
         codes, row, blk = sd((2, hkv, nb, d), jnp.int8), sd((2, hkv, d), jnp.float32), sd((2, hkv, nb), jnp.float32)
         return qbx.QuantizedBoxes(codes, codes, row, row, blk, blk)
 
-    for mode in ("fma", "dot", "imma"):
+    for mode, prep in (("fma", "program"), ("dot", "program"), ("imma", "program"), ("dot", "xla"), ("imma", "xla")):
         for q, bx, reduce in ((sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "sum"),  # G = 3
                               (sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "max"),
                               (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
-            fn = jax.jit(lambda q, b, r=reduce, m=mode: qbx.quest_block_scores_quantized_kernel(q, b, reduce=r, mode=m))
+            fn = jax.jit(lambda q, b, r=reduce, m=mode, p=prep: qbx.quest_block_scores_quantized_kernel(
+                q, b, reduce=r, mode=m, prep=p))
             assert "__gpu$xla.gpu.triton" in fn.trace(q, bx).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -222,9 +230,25 @@ def test_the_gpu_path_reads_its_tuned_table_class():
     """On the GPU the op looks its knobs up under ``quest_block_scores_q8`` (a class the
     table knows), the caller's knobs first."""
     q = jnp.ones((8, 32, 128), jnp.bfloat16)
-    def tuning(block_n=None, mode=None):
+    def tuning(block_n=None, mode=None, prep=None):
         return scoring._quest_tuning("quest_block_scores_q8", q, (8, 8, 2048, 128), False, block_n, None, None,
-                                     mode=mode, default_mode="dot")
+                                     mode=mode, default_mode="dot", prep=prep, default_prep="program")
 
-    assert set(tuning()) == {"block_n", "num_warps", "num_stages", "mode"}
+    assert set(tuning()) == {"block_n", "num_warps", "num_stages", "mode", "prep"}
     assert tuning(block_n=32)["block_n"] == 32 and tuning(mode="fma")["mode"] == "fma"
+    assert tuning(prep="xla")["prep"] == "xla"
+
+
+@pytest.mark.parametrize("mode", ["dot", "imma"])
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_the_query_side_made_by_xla_matches_the_one_made_per_program(mode, reduce):
+    """prep="xla" makes :func:`mma_operands` once per (batch, KV head) before the kernel: the
+    same operations as each program's, so the scores agree to float rounding (the sums over D
+    may add in another order), G = 3 padded to 16 columns."""
+    b, hq, hkv, s, d, bs = 2, 9, 3, 150, 64, 16
+    _, _, _, _, boxes = _boxes(7, b, hkv, s, d, bs, [150, 61], jnp.float32)
+    q = _randn(8, (b, hq, d), jnp.bfloat16)
+    run = functools.partial(qbx.quest_block_scores_quantized_kernel, q, boxes, block_n=16, reduce=reduce, mode=mode,
+                            interpret=True)
+    per_program, by_xla = np.asarray(run(prep="program")), np.asarray(run(prep="xla"))
+    np.testing.assert_allclose(by_xla, per_program, rtol=1e-6, atol=1e-6 * np.abs(per_program).max())
