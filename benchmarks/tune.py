@@ -246,9 +246,9 @@ def main(argv=None):
             boxes = quantize_block_boxes(kmax, kmax - 1, jnp.full((b,), s, jnp.int32), block_size=64)
             ref = quest_block_scores_quantized(q, boxes, group_reduce="max", impl="reference")
             # one tile a program: no stages to pipeline; the tensor-core forms with their query side
-            # made in every program or once by XLA
+            # made in every program or once by a small kernel
             cfgs = [dict(block_n=bn, num_warps=nw, num_stages=2, mode=m, prep=pr)
-                    for m, pr, bn, nw in itertools.product(("imma", "dot"), ("program", "xla"), (64, 128, 256), (4, 8))]
+                    for m, pr, bn, nw in itertools.product(("imma", "dot"), ("program", "kernel"), (64, 128, 256), (4, 8))]
             cfgs += [dict(block_n=64, num_warps=4, num_stages=2, mode="fma")]  # the CUDA-core form, for reference
             r = sweep("quest_block_scores_q8",
                       lambda *a, **c: quest_block_scores_quantized(*a, group_reduce="max", impl="pallas", **c),

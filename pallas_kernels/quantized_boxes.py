@@ -318,8 +318,8 @@ def mma_operands(q, base, step, *, group, reduce, mode):
       ``128 * sum_d`` of each weight term (integers below 2**24: exact in f32), zero rows after.
 
     ``reduce="sum"`` folds the group into row 0 first (the bound is linear in q). Plain jnp
-    on the trailing axes: the kernel runs it per program (``prep="program"``), or XLA runs it
-    once for every (batch, KV head) before the kernel (``prep="xla"``)."""
+    on the trailing axes: every program of the bound runs it (``prep="program"``), or a small
+    kernel runs it once for every (batch, KV head) before the bound's (``prep="kernel"``)."""
     col = jnp.arange(DOT_COLS, dtype=jnp.int32)[:, None]
     qpos, qneg = jnp.maximum(q, 0.0), jnp.minimum(q, 0.0)
     if reduce == "sum":  # linear in q: the group folded into row 0
@@ -392,8 +392,8 @@ def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref
 
 def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_ref, *, group, block_n,
                                 num_blocks, reduce, mode):
-    # prep="xla": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
-    # [CONST_ROWS, 16]; at B=8, 128K it cost every one of the 512 programs about a third of its time
+    # prep="kernel": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
+    # [CONST_ROWS, 16]: at B=8, 128K making it cost each of the 512 programs a quarter of its time
     rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
     weights = tuple(w_ref[i, :, :] for i in range(4))
     consts = [c_ref[i, :] for i in range(_CORR + 4)]
@@ -401,8 +401,21 @@ def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_
     _store_group_bound(o_ref, s, rmask, group=group, block_n=block_n, reduce=reduce)
 
 
+def _mma_prep_body(q_ref, base_ref, step_ref, w_ref, c_ref, *, group, reduce, mode):
+    # one program per (batch row, KV head): mma_operands once, for every program of the bound
+    col = jnp.arange(DOT_COLS, dtype=jnp.int32)
+    q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
+    weights, consts = mma_operands(q, base_ref[...], step_ref[...], group=group, reduce=reduce, mode=mode)
+    for i, w in enumerate(weights):
+        w_ref[i, :, :] = w
+    for i, c in enumerate(consts):
+        c_ref[i, :] = c
+    for i in range(len(consts), CONST_ROWS):
+        c_ref[i, :] = jnp.zeros((DOT_COLS,), jnp.float32)
+
+
 #: where the tensor-core forms make their query side (``mma_operands``)
-PREPS = ("program", "xla")
+PREPS = ("program", "kernel")
 
 
 @functools.partial(
@@ -420,8 +433,9 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
     tensor cores, the weights as two int8 terms rounded up); "dot" and "imma" need
     ``block_n >= 16`` (and 32 a multiple of D for "imma") and at most 16 heads a group.
     ``prep`` (tensor-core modes): "program" makes the query side (:func:`mma_operands`) in
-    every program; "xla" makes it once per (batch, KV head) in XLA before the kernel, and the
-    programs load it (the same operations; only the order of the sums over D may differ).
+    every program; "kernel" makes it once per (batch, KV head) in a small kernel before the
+    bound's, whose programs load it (the same operations; the sums over D may add in another
+    order).
     """
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
@@ -443,11 +457,23 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
         raise ValueError(f"mode={mode!r} needs at most {DOT_COLS} heads a group, block_n >= 16 and D >= 16 "
                          "(a multiple of 32 for 'imma')")
     base, step = boxes.base.astype(jnp.float32), boxes.step.astype(jnp.float32)
-    if mma and prep == "xla":
-        qp = jnp.zeros((b, hkv, DOT_COLS, d), jnp.float32).at[:, :, :g].set(q4.astype(jnp.float32))
-        weights, consts = mma_operands(qp, base, step, group=g, reduce=reduce, mode=mode)
-        w = jnp.stack(weights, axis=2)  # [B, Hkv, 4, 16, D]
-        c = jnp.stack(consts + [jnp.zeros_like(consts[0])] * (CONST_ROWS - len(consts)), axis=2)  # [B, Hkv, 16, 16]
+    if mma and prep == "kernel":
+        # the query side in its own small kernel, one program per (batch row, KV head)
+        wdt = jnp.int8 if mode == "imma" else jnp.bfloat16
+        w, c = pl.pallas_call(
+            functools.partial(_mma_prep_body, group=g, reduce=reduce, mode=mode),
+            grid=(b, hkv),
+            in_specs=[pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0)),
+                      pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0))],
+            out_specs=[pl.BlockSpec((None, None, 4, DOT_COLS, d), lambda i, j: (i, j, 0, 0, 0)),
+                       pl.BlockSpec((None, None, CONST_ROWS, DOT_COLS), lambda i, j: (i, j, 0, 0))],
+            out_shape=[jax.ShapeDtypeStruct((b, hkv, 4, DOT_COLS, d), wdt),
+                       jax.ShapeDtypeStruct((b, hkv, CONST_ROWS, DOT_COLS), jnp.float32)],
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="quest_q8_query_prep",
+        )(q4, base, step)
         body = functools.partial(_quest_q8_mma_prepared_body, group=g, block_n=block_n, num_blocks=nb,
                                  reduce=reduce, mode=mode)
         in_specs = [pl.BlockSpec((None, None, 4, DOT_COLS, d), lambda i, j, t: (i, j, 0, 0, 0)),

@@ -88,7 +88,7 @@ def test_codes_contain_the_exact_boxes_within_a_step():
 # ragged; the tensor-core kernels at their smallest tile (16: one partial tile), their query side
 # made in each program and made by XLA before the kernel
 VARIANTS = [("reference", None, None, None), ("pallas", "fma", 4, None), ("pallas", "dot", 16, "program"),
-            ("pallas", "imma", 16, "program"), ("pallas", "dot", 16, "xla"), ("pallas", "imma", 16, "xla")]
+            ("pallas", "imma", 16, "program"), ("pallas", "dot", 16, "kernel"), ("pallas", "imma", 16, "kernel")]
 
 
 @pytest.mark.parametrize("impl,mode,block_n,prep", VARIANTS)
@@ -111,7 +111,7 @@ def test_scores_match_the_float64_bound_on_the_codes(impl, mode, block_n, prep, 
 
 
 @pytest.mark.parametrize("impl,mode,prep", [("reference", None, None), ("pallas", "fma", None), ("pallas", "dot", None),
-                                            ("pallas", "imma", None), ("pallas", "imma", "xla")])
+                                            ("pallas", "imma", None), ("pallas", "imma", "kernel")])
 def test_the_bound_holds_for_every_token_after_appends_past_the_range(impl, mode, prep):
     """The range is the prompt's; keys appended three times larger clip to the end codes and
     their excess goes to the slack: every block's score still bounds q_g . k_j (each head's,
@@ -217,7 +217,7 @@ def test_kernel_lowers_to_triton(abstract_h100):
         codes, row, blk = sd((2, hkv, nb, d), jnp.int8), sd((2, hkv, d), jnp.float32), sd((2, hkv, nb), jnp.float32)
         return qbx.QuantizedBoxes(codes, codes, row, row, blk, blk)
 
-    for mode, prep in (("fma", "program"), ("dot", "program"), ("imma", "program"), ("dot", "xla"), ("imma", "xla")):
+    for mode, prep in (("fma", "program"), ("dot", "program"), ("imma", "program"), ("dot", "kernel"), ("imma", "kernel")):
         for q, bx, reduce in ((sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "sum"),  # G = 3
                               (sd((2, 9, 128), jnp.bfloat16), boxes(3, 5, 128), "max"),
                               (sd((2, 4, 256), jnp.bfloat16), boxes(1, 2048, 256), "max")):
@@ -236,19 +236,23 @@ def test_the_gpu_path_reads_its_tuned_table_class():
 
     assert set(tuning()) == {"block_n", "num_warps", "num_stages", "mode", "prep"}
     assert tuning(block_n=32)["block_n"] == 32 and tuning(mode="fma")["mode"] == "fma"
-    assert tuning(prep="xla")["prep"] == "xla"
+    assert tuning(prep="kernel")["prep"] == "kernel"
 
 
 @pytest.mark.parametrize("mode", ["dot", "imma"])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
-def test_the_query_side_made_by_xla_matches_the_one_made_per_program(mode, reduce):
-    """prep="xla" makes :func:`mma_operands` once per (batch, KV head) before the kernel: the
+def test_the_query_side_made_by_kernel_matches_the_one_made_per_program(mode, reduce):
+    """prep="kernel" makes :func:`mma_operands` once per (batch, KV head) in its own kernel: the
     same operations as each program's, so the scores agree to float rounding (the sums over D
-    may add in another order), G = 3 padded to 16 columns."""
+    may add in another order), G = 3 padded to 16 columns, slacks nonzero."""
+    import dataclasses
+
     b, hq, hkv, s, d, bs = 2, 9, 3, 150, 64, 16
     _, _, _, _, boxes = _boxes(7, b, hkv, s, d, bs, [150, 61], jnp.float32)
+    boxes = dataclasses.replace(boxes, upper_slack=jnp.abs(_randn(9, boxes.upper_slack.shape, jnp.float32)),
+                                lower_slack=2 * jnp.abs(_randn(10, boxes.lower_slack.shape, jnp.float32)))
     q = _randn(8, (b, hq, d), jnp.bfloat16)
     run = functools.partial(qbx.quest_block_scores_quantized_kernel, q, boxes, block_n=16, reduce=reduce, mode=mode,
                             interpret=True)
-    per_program, by_xla = np.asarray(run(prep="program")), np.asarray(run(prep="xla"))
-    np.testing.assert_allclose(by_xla, per_program, rtol=1e-6, atol=1e-6 * np.abs(per_program).max())
+    per_program, by_kernel = np.asarray(run(prep="program")), np.asarray(run(prep="kernel"))
+    np.testing.assert_allclose(by_kernel, per_program, rtol=1e-6, atol=1e-6 * np.abs(per_program).max())

@@ -342,7 +342,7 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
     ``mode``: "fma", "dot" (bf16 tensor cores) or "imma" (int8 tensor cores; default: the
     table's, else "imma"; a group of more than 16 heads or a tile under 16 runs "fma"), and for
     the tensor-core modes ``prep``: where the query side is made, "program" (in every program)
-    or "xla" (once per batch row and KV head, before the kernel; default: the table's, else
+    or "kernel" (once per batch row and KV head, in a small kernel before; default: the table's, else
     "program")."""
     shape = _check_quantized_boxes(boxes)
     if mode not in (None, "fma", "dot", "imma"):
