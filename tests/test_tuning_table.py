@@ -11,6 +11,7 @@ import pytest
 from pallas_kernels import tuning
 from pallas_kernels.block_sparse_decode import TUNING_KEYS as BLOCK_KEYS, resolve_block_tuning
 from pallas_kernels.labels import TUNING_KEYS as LABEL_KEYS
+from pallas_kernels.quantized_boxes import PREPS
 from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
 from pallas_kernels.topk import plan_topk
 from sparse_jax.ops.selection import TUNING_KEYS as TOPK_KEYS
@@ -40,7 +41,7 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
     assert table, "the shipped table is empty"
     allowed = {"sparse_decode": SPARSE_KEYS, "block_sparse_decode": BLOCK_KEYS, "label_scores": LABEL_KEYS,
                "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages"),
-               "quest_block_scores_q8": ("block_n", "num_warps", "num_stages", "mode"), "topk": TOPK_KEYS}
+               "quest_block_scores_q8": ("block_n", "num_warps", "num_stages", "mode", "prep"), "topk": TOPK_KEYS}
     for key, entry in table.items():
         kernel, *dims = key.split("|")
         dims = {n: int(v) for n, v in (d.split("=") for d in dims)}
@@ -56,6 +57,7 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
                                  block_k=cfg.get("block_k"), num_splits=cfg.get("num_splits"))
         if kernel == "quest_block_scores_q8":
             assert cfg.get("mode", "dot") in ("fma", "dot", "imma") and cfg.get("block_n", 64) >= 16, (key, cfg)
+            assert cfg.get("prep", "program") in PREPS, (key, cfg)
         if kernel == "topk":
             plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
             assert plan_topk(dims["n"], dims["k"], **plan_args) is not None, (key, cfg)
