@@ -77,7 +77,8 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
     scores over their KB*64 tokens (over the block ids) -> top-``budget`` tokens
     -> sparse attention. ``fused``: the second level is ``block_label_topk(fused=True)``
     (label logits, then one kernel normalizing, selecting and mapping to tokens); else
-    ``block_label_scores`` + ``topk_indices`` + a gather (what the method runs by default).
+    ``block_label_scores`` + ``topk_indices`` mapping the slots to tokens (what the method runs by
+    default).
     """
     b = q.shape[0]
     nb = k_max.shape[2]
@@ -91,8 +92,8 @@ def asynctls_operator(q, k, v, k_max, k_min, labels, channels, lengths, *, budge
                                           impl=impl, fused=True)
     else:
         ls = block_label_scores(q, labels, channels, blocks, kept, lengths, block_size=BLOCK, impl=impl)
-        pick = topk_indices(ls, budget, impl=impl)  # slots of the KB * BLOCK candidates
-        tokens = jnp.take_along_axis(blocks, pick // BLOCK, axis=-1) * BLOCK + pick % BLOCK
+        # the top slots of the KB * BLOCK candidates, written as tokens through the block ids
+        tokens = topk_indices(ls, budget, impl=impl, block_table=blocks, block_size=BLOCK)
         counts = jnp.full((b, HKV), budget, jnp.int32)
     out = sparse_decode_attention(q, k, v, tokens, counts, impl=impl)
     if return_parts:

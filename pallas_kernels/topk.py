@@ -334,22 +334,35 @@ def _select_kernel(
     greater_first: bool = False,
     rows_per_count: int = 1,
     count_above: float | None = None,
+    table_block: int = 0,
+    table_width: int = 0,
+    dense_limit: int | None = None,
+    rows_per_dense: int = 1,
 ):
     """One (row block, chunk) program of one level.
 
     Inputs (flat): level 1: ``scores f32[R*N]``; later levels:
-    ``keys i32[R*M], pos i32[R*M]``; plus ``counts i32[R]`` if given.
+    ``keys i32[R*M], pos i32[R*M]``; plus ``counts i32[R]`` if given; on the final level,
+    ``table i32[R*table_width]`` if ``table_block`` and ``dense i32[R / rows_per_dense]`` if
+    ``dense_limit`` is set.
     Outputs (flat): final: ``idx i32[R*k]``; else ``keys, pos i32[R*M']``; with ``count_above``
-    (single level only) also ``n i32[R]``: ``min(k, #(valid scores > count_above))``.
+    (single level only) also ``n i32[R]``: ``min(k, #(valid scores > count_above))``, or a
+    dense row's length.
     """
     if first:
         src_refs, rest = refs[:1], refs[1:]
     else:
         src_refs, rest = refs[:2], refs[2:]
     if has_counts:
-        counts_ref, out_refs = rest[0], rest[1:]
+        counts_ref, rest = rest[0], rest[1:]
     else:
-        counts_ref, out_refs = None, rest
+        counts_ref = None
+    table_ref = dense_ref = None
+    if final and table_block:
+        table_ref, rest = rest[0], rest[1:]
+    if final and dense_limit is not None:
+        dense_ref, rest = rest[0], rest[1:]
+    out_refs = rest
 
     br, c = block_rows, chunk
     row0 = pl.program_id(0) * br
@@ -384,11 +397,19 @@ def _select_kernel(
     take = take & row_ok
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
+    dense = None
+    if dense_ref is not None:
+        # the dense fallback: a row whose context is at most dense_limit long attends to all of
+        # it, positions arange(k) and its length as the count
+        dense_len = plgpu.load(dense_ref.at[lax.div(jnp.minimum(rows, n_rows - 1), np.int32(rows_per_dense))])
+        dense = row_ok & (dense_len <= dense_limit)  # [BR, 1]
     if count_above is not None:
         # the caller's count of scores above a floor (e.g. not -inf): one more reduction over the
         # row this program holds anyway, instead of another pass over the scores in XLA
         above = valid & (x > np.float32(count_above))
         n_above = jnp.minimum(jnp.sum(above.astype(jnp.int32), axis=1), np.int32(k_out))  # [BR]
+        if dense is not None:
+            n_above = jnp.where(dense[:, 0], dense_len[:, 0], n_above)
         row_flat = rows[:, 0]
         plgpu.store(out_refs[1].at[jnp.where(row_ok[:, 0], row_flat, n_rows)], n_above, mask=row_ok[:, 0])
     if final:
@@ -397,11 +418,28 @@ def _select_kernel(
         # Writing that directly keeps fill positions < N at every level
         # (a chunked level's fill may be padding lanes >= N).
         short = cnt < k_out
+        if dense is not None:
+            short = short | dense
+        out = pos
+        if table_ref is not None:
+            # positions through the caller's block table: entry pos // block of the row, times
+            # the block, plus pos % block (one L1-resident gather a taken lane), in place of
+            # an XLA pass over the selection after the kernel
+            tcol = lax.div(pos, np.int32(table_block))
+            blk = plgpu.load(table_ref.at[jnp.where(take, rows * table_width + tcol, 0)], mask=take, other=0)
+            out = blk * table_block + lax.rem(pos, np.int32(table_block))
         dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
-        plgpu.store(out_refs[0].at[dst], pos, mask=take & ~short)
+        plgpu.store(out_refs[0].at[dst], out, mask=take & ~short)
         fill = row_ok & short & (lane < k_out)
         dst2 = jnp.where(fill, rows * out_stride + lane, oob)
-        plgpu.store(out_refs[0].at[dst2], jnp.broadcast_to(lane, (br, c)), mask=fill)
+        fill_pos = jnp.broadcast_to(lane, (br, c))
+        if table_ref is not None:
+            # a short row's arange goes through the table too; a dense row's stays positions
+            t2 = jnp.where(fill, rows * table_width + lax.div(fill_pos, np.int32(table_block)), 0)
+            mapped = plgpu.load(table_ref.at[t2], mask=fill, other=0) * table_block + lax.rem(
+                fill_pos, np.int32(table_block))
+            fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
+        plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
     else:
         dst = jnp.where(take, rows * out_stride + ci * k_sel + slot, oob)
         plgpu.store(out_refs[0].at[dst], key, mask=take)
@@ -423,6 +461,11 @@ def topk_pallas(
     greater_first: bool = False,
     rows_per_count: int = 1,
     count_above: float | None = None,
+    block_table=None,
+    block_size: int | None = None,
+    dense_lengths=None,
+    dense_limit: int | None = None,
+    rows_per_dense: int = 1,
     interpret: bool = False,
 ):
     """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``
@@ -445,6 +488,14 @@ def topk_pallas(
     ``count_above`` (a float; single-level plans only, ``n <= max_single``): also return
     ``int32[R]``, ``min(k, #(valid entries > count_above))`` (NaN is not above anything),
     counted by the selecting program: ``(idx, n)``.
+
+    ``block_table`` (``int32[R, W]`` with ``W * block_size >= N``) and ``block_size``: the final
+    level writes each position ``p`` as ``block_table[row, p // block_size] * block_size +
+    p % block_size`` (the token of slot ``p`` when the row's candidates are whole blocks), a
+    short row's ``arange(k)`` included. ``dense_lengths`` (``int32[R / rows_per_dense]``) and
+    ``dense_limit``: a row whose length is at most ``dense_limit`` (a context short enough to
+    attend whole) gets positions ``arange(k)``, not mapped, and, with ``count_above``, its
+    length as the count.
     """
     r, n = scores.shape
     if radix_bits not in (1, 2, 4):
@@ -462,6 +513,20 @@ def topk_pallas(
     if has_counts and counts.shape[0] * rows_per_count != r:
         raise ValueError(f"counts [{counts.shape[0]}] x rows_per_count {rows_per_count} != rows {r}")
     extra = (counts.astype(jnp.int32),) if has_counts else ()
+    final_extra = ()
+    if block_table is not None:
+        if block_size is None or isinstance(block_size, bool) or int(block_size) < 1:
+            raise ValueError(f"block_table needs a positive int block_size, got {block_size!r}")
+        if block_table.ndim != 2 or block_table.shape[0] != r or block_table.shape[1] * int(block_size) < n:
+            raise ValueError(f"block_table must be [R={r}, W] with W * block_size >= N={n}, got "
+                             f"{tuple(block_table.shape)} and block_size {block_size}")
+        final_extra += (block_table.astype(jnp.int32).reshape(-1),)
+    if (dense_lengths is None) != (dense_limit is None):
+        raise ValueError("dense_lengths and dense_limit come together")
+    if dense_lengths is not None:
+        if dense_lengths.ndim != 1 or dense_lengths.shape[0] * rows_per_dense != r:
+            raise ValueError(f"dense_lengths [{dense_lengths.shape}] x rows_per_dense {rows_per_dense} != rows {r}")
+        final_extra += (dense_lengths.astype(jnp.int32),)
 
     srcs = (scores.astype(jnp.float32).reshape(r * n),)
     for lvl_i, lvl in enumerate(plan.levels):
@@ -492,6 +557,10 @@ def topk_pallas(
             greater_first=greater_first,
             rows_per_count=rows_per_count,
             count_above=None if count_above is None else float(count_above),
+            table_block=int(block_size) if block_table is not None else 0,
+            table_width=block_table.shape[1] if block_table is not None else 0,
+            dense_limit=None if dense_limit is None else int(dense_limit),
+            rows_per_dense=rows_per_dense,
         )
         outs = pl.pallas_call(
             kern,
@@ -500,7 +569,7 @@ def topk_pallas(
             compiler_params=plgpu.CompilerParams(num_warps=lvl.num_warps, num_stages=num_stages),
             interpret=interpret,
             name=f"topk_select_l{lvl_i}",
-        )(*srcs, *extra)
+        )(*srcs, *extra, *(final_extra if lvl.final else ()))
         srcs = tuple(outs)
     if count_above is not None:
         return srcs[0].reshape(r, k), srcs[1]

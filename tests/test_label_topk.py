@@ -224,3 +224,27 @@ def test_block_counts_shared_by_a_rows_heads(impl):
     np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
     with pytest.raises(ValueError, match="block_counts"):
         scoring.block_label_scores(*args, jnp.ones((2, 3), jnp.int32), lengths, block_size=16)
+
+
+@pytest.mark.parametrize("impl,fused", [("reference", None), ("pallas", False), ("pallas", True)])
+def test_dense_budget_is_the_dense_fallback(impl, fused):
+    """``dense_budget``: a row no longer than it attends its whole context, ``arange(k)`` with
+    its length as the count (``sparse_base.fallback_to_dense``'s rule: what AsyncTLS did after
+    the op); longer rows keep the op's selection and count."""
+    from sparse_jax.methods.sparse_base import fallback_to_dense
+
+    bs, nb, k, budget = 16, 9, 40, 600
+    args = _case(5, 3, 8, 2, 64, 16, bs, nb)
+    q, labels, channels, ids, counts, lengths = args
+    lengths = jnp.asarray([S, 200, 600], jnp.int32)  # rows 1 and 2 at most the budget
+    args = (q, labels, channels, ids, counts, lengths)
+    kw = {} if fused is None else {"fused": fused}
+    pos, cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl=impl, **kw)
+    dpos, dcnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl=impl, dense_budget=budget, **kw)
+    want_pos, want_cnt = fallback_to_dense(pos, lengths, budget)
+    long = np.asarray(lengths > budget)[:, None]
+    np.testing.assert_array_equal(np.asarray(dpos), np.asarray(want_pos))
+    np.testing.assert_array_equal(np.asarray(dcnt), np.where(long, np.minimum(want_cnt, cnt), want_cnt))
+    assert dcnt.dtype == jnp.int32
+    with pytest.raises(ValueError, match="dense_budget"):
+        scoring.block_label_topk(*args, block_size=bs, k=k, impl=impl, dense_budget=600.0)

@@ -7,6 +7,7 @@ small: every distinct (shape, k, tuning) is one interpret-mode compile.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -438,3 +439,84 @@ def test_count_above_lowers_to_triton_for_h100():
 
     txt = _lower_for_h100(fn, jax.ShapeDtypeStruct((64, 8192), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (100, 64, dict(block_rows=2, greater_first=True)),
+                                        (5000, 64, {"max_single": 1024})])  # the table on a second level
+def test_block_table_and_dense_rows(n, k, tuning):
+    """``block_table``: the kernel writes ``table[row, p // bs] * bs + p % bs`` for each position
+    ``p`` it would have written (the same positions, a short row's ``arange`` included);
+    ``dense_lengths``/``dense_limit``: a row whose length is at most the limit gets
+    ``arange(k)`` unmapped and, with ``count_above``, its length as the count."""
+    b, h, bs = 3, 2, 7
+    r = b * h
+    x = distinct_scores((r, n))
+    rng = np.random.default_rng(k)
+    x[rng.random(x.shape) < 0.2] = -np.inf
+    width = -(-n // bs) + 2
+    table = np.stack([rng.permutation(10 * width)[:width] for _ in range(r)]).astype(np.int32)
+    counts = np.array([n, k - 5, n, n, n // 2, n], np.int32)  # row 1 short: fewer than k valid
+    xj, cj, tj = jnp.asarray(x, jnp.float32), jnp.asarray(counts), jnp.asarray(table)
+    run = functools.partial(topk_k.topk_pallas, xj, k, cj, interpret=True, **tuning)
+    plain = np.asarray(run())
+    mapped = np.asarray(run(block_table=tj, block_size=bs))
+    np.testing.assert_array_equal(mapped, np.take_along_axis(table, plain // bs, 1) * bs + plain % bs)
+    np.testing.assert_array_equal(plain[1], np.arange(k))  # the short row's fill, mapped above
+    lengths = np.array([5, 900, 40], np.int32)  # per batch row, shared by its h heads
+    dense = np.repeat(lengths <= 64, h)
+    kw = dict(block_table=tj, block_size=bs, dense_lengths=jnp.asarray(lengths), dense_limit=64, rows_per_dense=h)
+    if "max_single" not in tuning:  # count_above: single-level plans only
+        pos, cnt = run(count_above=-np.inf, **kw)
+        _, plain_cnt = run(count_above=-np.inf)
+        np.testing.assert_array_equal(np.asarray(cnt), np.where(dense, np.repeat(lengths, h), np.asarray(plain_cnt)))
+    else:
+        pos = run(**kw)
+    pos = np.asarray(pos)
+    np.testing.assert_array_equal(pos[dense], np.broadcast_to(np.arange(k), (dense.sum(), k)))
+    np.testing.assert_array_equal(pos[~dense], mapped[~dense])
+    bad = [dict(block_table=tj), dict(block_table=tj[:, :2], block_size=bs), dict(block_table=tj[:3], block_size=bs),
+           dict(dense_lengths=jnp.asarray(lengths)), dict(dense_lengths=jnp.asarray(lengths), dense_limit=64)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            run(**kw)
+
+
+def test_block_table_and_dense_rows_lower_to_triton_for_h100():
+    pytest.importorskip("jax._src.lib.triton")
+
+    def fn(x, t, d):
+        return topk_k.topk_pallas(x, 2048, greater_first=True, count_above=-np.inf, block_table=t, block_size=64,
+                                  dense_lengths=d, dense_limit=2048, rows_per_dense=8)
+
+    sd = jax.ShapeDtypeStruct
+    txt = _lower_for_h100(fn, sd((64, 8192), jnp.float32), sd((64, 128), jnp.int32), sd((8,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_topk_indices_maps_through_a_block_table_with_dense_rows(impl):
+    """The op's ``block_table``/``dense_lengths``: both implementations give the same mapped
+    sets (and counts), dense rows ``arange(k)`` with their length as the count; bad
+    arguments fail before any work."""
+    b, h, n, k, bs = 3, 2, 200, 24, 8
+    x = distinct_scores((b * h, n)).reshape(b, h, n)
+    x[0, 1, :50] = -np.inf
+    rng = np.random.default_rng(1)
+    table = np.stack([np.stack([rng.permutation(100)[:n // bs] for _ in range(h)]) for _ in range(b)]).astype(np.int32)
+    lengths = np.array([[500], [30], [24]], np.int32)
+    xj, tj, lj = jnp.asarray(x, jnp.float32), jnp.asarray(table), jnp.asarray(lengths)
+    pos, cnt = topk_indices(xj, k, impl=impl, count_above=-np.inf, block_table=tj, block_size=bs,
+                            dense_lengths=lj, dense_limit=k)
+    plain, plain_cnt = topk_indices(xj, k, impl="reference", count_above=-np.inf)
+    want = np.take_along_axis(table, np.asarray(plain) // bs, -1) * bs + np.asarray(plain) % bs
+    dense = np.broadcast_to(lengths <= k, (b, h))
+    pos = np.asarray(pos)
+    np.testing.assert_array_equal(np.sort(pos[~dense], -1), np.sort(want[~dense], -1))
+    np.testing.assert_array_equal(pos[dense], np.broadcast_to(np.arange(k), (dense.sum(), k)))
+    np.testing.assert_array_equal(np.asarray(cnt), np.where(dense, np.broadcast_to(lengths, (b, h)), plain_cnt))
+    bad = [dict(block_table=tj), dict(block_size=bs), dict(block_table=tj[..., :3], block_size=bs),
+           dict(block_table=tj, block_size=0), dict(block_table=tj.astype(jnp.float32), block_size=bs),
+           dict(dense_lengths=lj), dict(dense_limit=4), dict(dense_lengths=lj[:2], dense_limit=4)]
+    for kw in bad:
+        with pytest.raises((ValueError, TypeError)):
+            topk_indices(xj, k, impl=impl, **kw)

@@ -19,7 +19,7 @@ import numpy as np
 from sparse_jax.calibration import select_channels
 from sparse_jax.methods.quest import BlockBoxes, check_group_reduce
 from sparse_jax.methods.registry import register
-from sparse_jax.methods.sparse_base import SparseMethod, fallback_to_dense
+from sparse_jax.methods.sparse_base import SparseMethod
 from sparse_jax.ops.scoring import (
     QuantizedBoxes,
     block_label_scores,
@@ -262,12 +262,11 @@ class AsyncTLS(DoubleSparsity):
             # and masks of the path below; its mask is that path's, so the same tokens are chosen.
             c = all_blocks.shape[-1] * self.block_size
             budget = min(self.budget, capacity if capacity is not None else c)
-            top, taken = block_label_topk(q, state.labels, channels, all_blocks, scored, lengths,
-                                          block_size=self.block_size, k=min(budget, c), impl=self.impl,
-                                          fused=self.fused_selection)
-            indices, counts = fallback_to_dense(top, lengths, budget)
-            long = (lengths > budget)[:, None]
-            return indices, jnp.where(long, jnp.minimum(counts, taken), counts).astype(jnp.int32)
+            # a row no longer than the budget attends its whole context (fallback_to_dense's
+            # rule), decided by the selecting kernel as it writes the tokens
+            return block_label_topk(q, state.labels, channels, all_blocks, scored, lengths,
+                                    block_size=self.block_size, k=min(budget, c), impl=self.impl,
+                                    fused=self.fused_selection, dense_budget=budget)
         scores = block_label_scores(q, state.labels, channels, all_blocks, scored, lengths,
                                     block_size=self.block_size, impl=self.impl)
         cand, cand_counts = self.expand_blocks(blocks, lengths)  # positions for the top-k's masks and gather

@@ -579,7 +579,7 @@ FUSED_LABEL_TOPK = False
 def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
                      scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
                      splits=None, prefetch=None, hoist_q=None, select_num_warps=None, radix_bits=1,
-                     fused=None):
+                     fused=None, dense_budget=None):
     """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
     ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
 
@@ -596,6 +596,10 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     ``label_topk.MAX_CANDIDATES`` candidates always run unfused. Label tuning as
     ``block_label_scores``; ``select_num_warps`` and ``radix_bits`` tune the selection
     (``topk_indices``' ``num_warps`` and ``radix_bits``).
+
+    ``dense_budget`` (a static int, optional): a row whose length is at most it attends its
+    whole context: positions ``arange(k)`` and its length as the count (``sparse_base.
+    fallback_to_dense``'s rule, made by the selecting kernel with the token map).
     """
     b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
                                                 block_size, scale, bits, "block_label_topk")
@@ -604,6 +608,8 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
         raise ValueError(f"select_num_warps must be a positive int or None, got {select_num_warps!r}")
     if radix_bits not in (1, 2, 4):
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
+    if dense_budget is not None and (isinstance(dense_budget, bool) or not isinstance(dense_budget, (int, np.integer))):
+        raise ValueError(f"dense_budget must be a static int or None, got {dense_budget!r}")
     c = block_ids.shape[2] * int(block_size)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= c:
         raise ValueError(f"k must be a static int with 1 <= k <= NBsel * block_size = {c}, got {k!r}")
@@ -636,7 +642,12 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
             pos, cnt = _ltk.label_topk_pallas(logits.reshape(b * hkv, g, c), m.reshape(b * hkv, -1, g),
                                               l.reshape(b * hkv, -1, g), block_ids.reshape(b * hkv, -1), k,
                                               block_size=bs, interpret=interpret, **select)
-            return pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
+            pos, cnt = pos.reshape(b, hkv, k), cnt.reshape(b, hkv)
+            if dense_budget is not None:
+                dense = (lengths <= dense_budget)[:, None]
+                pos = jnp.where(dense[..., None], jnp.arange(k, dtype=jnp.int32), pos)
+                cnt = jnp.where(dense, lengths[:, None], cnt).astype(jnp.int32)
+            return pos, cnt
         # masked slots come out of the kernel as -inf: no masking pass over the scores
         scores = _lb.block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, block_size=bs,
                                                scale=scale, bits=bits, interpret=interpret,
@@ -645,9 +656,11 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     # are the ties at the threshold, and greater_first puts the unmasked ones first (the
     # "first counts entries")
     # the count of unmasked slots (> -inf) comes from the selecting kernel: no pass over the scores
-    idx, count = topk_indices(scores, k, impl=choice, greater_first=True, count_above=-np.inf, **select)
-    pos = jnp.take_along_axis(block_ids.astype(jnp.int32), idx // bs, axis=-1) * bs + idx % bs
-    return pos.astype(jnp.int32), count
+    # and the slots become tokens through the block ids as the kernel writes them (no XLA pass
+    # over the selection), the dense fallback too
+    dense = {} if dense_budget is None else {"dense_lengths": lengths[:, None], "dense_limit": int(dense_budget)}
+    return topk_indices(scores, k, impl=choice, greater_first=True, count_above=-np.inf,
+                        block_table=block_ids.astype(jnp.int32), block_size=bs, **dense, **select)
 
 
 # ----------------------------------------------------------------------------

@@ -141,35 +141,80 @@ def _check_args(scores, k, counts, tuning):
     return k
 
 
-@functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above"))
-def _run(scores, counts, *, k, choice, interpret, tuning, count_above=None):
+def _int_or_none(v):
+    return None if v is None else int(v)
+
+
+def _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit):
+    lead, n = tuple(scores.shape[:-1]), scores.shape[-1]
+    if (block_table is None) != (block_size is None):
+        raise ValueError("block_table and block_size come together")
+    if block_table is not None:
+        _checks.check_int("block_table", block_table)
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ValueError(f"block_size must be a positive static int, got {block_size!r}")
+        if tuple(block_table.shape[:-1]) != lead or block_table.ndim != len(lead) + 1 \
+                or block_table.shape[-1] * int(block_size) < n:
+            raise ValueError(f"block_table must have shape {lead} + (W,) with W * block_size >= N = {n}, got "
+                             f"{tuple(block_table.shape)} with block_size {block_size}")
+    if (dense_lengths is None) != (dense_limit is None):
+        raise ValueError("dense_lengths and dense_limit come together")
+    if dense_lengths is not None:
+        _checks.check_int("dense_lengths", dense_lengths)
+        if isinstance(dense_limit, bool) or not isinstance(dense_limit, (int, np.integer)):
+            raise ValueError(f"dense_limit must be a static int, got {dense_limit!r}")
+        if not (tuple(dense_lengths.shape) == lead or (len(lead) >= 1 and tuple(dense_lengths.shape) == lead[:-1] + (1,))):
+            raise ValueError(f"dense_lengths must have shape {lead} or {lead[:-1] + (1,)}, got "
+                             f"{tuple(dense_lengths.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above", "block_size",
+                                             "dense_limit"))
+def _run(scores, counts, block_table=None, dense_lengths=None, *, k, choice, interpret, tuning, count_above=None,
+         block_size=None, dense_limit=None):
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     r = math.prod(lead)
     x = scores.reshape(r, n).astype(jnp.float32)
     shared = counts is not None and counts.size != r  # one count for each group of lead[-1] rows
     per_row = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
+    table = None if block_table is None else block_table.reshape(r, -1).astype(jnp.int32)
+    dense = None
+    if dense_lengths is not None:
+        dense_len = jnp.broadcast_to(dense_lengths, lead).reshape(r).astype(jnp.int32)
+        dense = dense_len <= dense_limit
     in_kernel = choice == "pallas" and count_above is not None and _plan(n, k, dict(tuning)).levels[1:] == ()
     if choice == "reference":
         out = _topk.topk_reference(x, k, per_row)
+        if table is not None:
+            out = jnp.take_along_axis(table, out // block_size, axis=-1) * block_size + out % block_size
+        if dense is not None:
+            out = jnp.where(dense[:, None], jnp.arange(k, dtype=jnp.int32)[None, :], out)
     else:
         c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
-        out = _topk.topk_pallas(x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
-                                count_above=count_above if in_kernel else None, **dict(tuning))
+        d_shared = dense_lengths is not None and dense_lengths.size != r
+        out = _topk.topk_pallas(
+            x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
+            count_above=count_above if in_kernel else None, block_table=table, block_size=block_size,
+            dense_lengths=None if dense_lengths is None else dense_lengths.reshape(-1).astype(jnp.int32),
+            dense_limit=dense_limit, rows_per_dense=lead[-1] if d_shared else 1, **dict(tuning))
     if count_above is None:
         return out.reshape(*lead, k)
-    if in_kernel:  # the selecting program counted them
+    if in_kernel:  # the selecting program counted them (a dense row's count is its length)
         out, n_above = out
     else:
         above = x > np.float32(count_above)
         if per_row is not None:
             above &= jnp.arange(n, dtype=jnp.int32)[None, :] < per_row[:, None]
         n_above = jnp.minimum(jnp.sum(above, axis=-1, dtype=jnp.int32), k)
+        if dense is not None:
+            n_above = jnp.where(dense, dense_len, n_above)
     return out.reshape(*lead, k), n_above.reshape(lead)
 
 
 def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_first: bool = False,
-                 count_above: float | None = None, **tuning):
+                 count_above: float | None = None, block_table=None, block_size: int | None = None,
+                 dense_lengths=None, dense_limit: int | None = None, **tuning):
     """Positions of the ``k`` largest valid scores per row: ``int32[R..., k]``.
 
     Args:
@@ -186,12 +231,21 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
         count_above))`` (NaN is not above anything), as ``(positions, count)``. The kernel
         counts them in the selecting program (single-level plans; else one XLA reduction):
         a caller that marks entries with ``-inf`` gets its count without another pass.
+      block_table, block_size: optional ``int32[R..., W]`` (``W * block_size >= N``) and a
+        static int: return ``block_table[..., p // block_size] * block_size + p % block_size``
+        for each position ``p`` (the token of slot ``p`` when a row's entries are the tokens
+        of whole blocks), made by the kernel as it writes the positions.
+      dense_lengths, dense_limit: optional ``int32[R...]`` (or with its last axis 1, as
+        ``counts``) and a static int: a row whose length is at most ``dense_limit`` (a context
+        short enough to attend whole) gets ``arange(k)``, not mapped, and, with
+        ``count_above``, its length as the count.
       **tuning: kernel knobs (see module docstring).
 
     See the module docstring for the full contract (order, ties, short rows,
     -inf and NaN).
     """
     k = _check_args(scores, k, counts, tuning)
+    _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit)
     if count_above is not None:
         if isinstance(count_above, bool) or not isinstance(count_above, (int, float, np.floating, np.integer)):
             raise TypeError(f"count_above must be a static float or None, got {count_above!r}")
@@ -205,8 +259,9 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
         auto_impl, auto_tuning = topk_auto_choice(n, k, math.prod(lead))
         tuning = {**auto_tuning, **tuning}
         if auto_impl == "reference":
-            return _run(scores, counts, k=k, choice="reference", interpret=False, tuning=(),
-                        count_above=count_above)
+            return _run(scores, counts, block_table, dense_lengths, k=k, choice="reference", interpret=False,
+                        tuning=(), count_above=count_above, block_size=_int_or_none(block_size),
+                        dense_limit=_int_or_none(dense_limit))
     elif impl == "pallas" and on_gpu() and not tuning:  # the measured best, unless the caller tuned
         tuning = _measured(n, k, math.prod(lead))
     unsupported = None
@@ -216,5 +271,6 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     if greater_first:
         tuning = {**tuning, "greater_first": True}
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
-    return _run(scores, counts, k=k, choice=choice, interpret=interpret, tuning=tuning_items,
-                count_above=count_above)
+    return _run(scores, counts, block_table, dense_lengths, k=k, choice=choice, interpret=interpret,
+                tuning=tuning_items, count_above=count_above, block_size=_int_or_none(block_size),
+                dense_limit=_int_or_none(dense_limit))
