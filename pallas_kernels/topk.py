@@ -391,18 +391,24 @@ def _select_kernel(
     else:
         key = plgpu.load(src_refs[0].at[src], mask=live, other=np.int32(INT32_MIN))
         pos = plgpu.load(src_refs[1].at[src], mask=live, other=np.int32(0))
-
-    t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
-    take, slot = _compaction(key, t, k_sel, greater_first=greater_first and final)
-    take = take & row_ok
-
-    oob = n_rows * out_stride  # masked lanes: see module docstring
+    tokens = None
+    if table_ref is not None and first:
+        # one level: every lane's token through the table, loaded now so that the gather's
+        # latency hides under the search (after it, the store would wait for it)
+        tokens = plgpu.load(table_ref.at[jnp.where(live, rows * table_width + lax.div(col, np.int32(table_block)), 0)],
+                            mask=live, other=0) * table_block + lax.rem(col, np.int32(table_block))
     dense = None
     if dense_ref is not None:
         # the dense fallback: a row whose context is at most dense_limit long attends to all of
         # it, positions arange(k) and its length as the count
         dense_len = plgpu.load(dense_ref.at[lax.div(jnp.minimum(rows, n_rows - 1), np.int32(rows_per_dense))])
         dense = row_ok & (dense_len <= dense_limit)  # [BR, 1]
+
+    t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
+    take, slot = _compaction(key, t, k_sel, greater_first=greater_first and final)
+    take = take & row_ok
+
+    oob = n_rows * out_stride  # masked lanes: see module docstring
     if count_above is not None:
         # the caller's count of scores above a floor (e.g. not -inf): one more reduction over the
         # row this program holds anyway, instead of another pass over the scores in XLA
@@ -421,10 +427,12 @@ def _select_kernel(
         if dense is not None:
             short = short | dense
         out = pos
-        if table_ref is not None:
+        if tokens is not None:
+            out = tokens
+        elif table_ref is not None:
             # positions through the caller's block table: entry pos // block of the row, times
-            # the block, plus pos % block (one L1-resident gather a taken lane), in place of
-            # an XLA pass over the selection after the kernel
+            # the block, plus pos % block, in place of an XLA pass over the selection after the
+            # kernel (a later level's positions are known only now)
             tcol = lax.div(pos, np.int32(table_block))
             blk = plgpu.load(table_ref.at[jnp.where(take, rows * table_width + tcol, 0)], mask=take, other=0)
             out = blk * table_block + lax.rem(pos, np.int32(table_block))
@@ -434,10 +442,14 @@ def _select_kernel(
         dst2 = jnp.where(fill, rows * out_stride + lane, oob)
         fill_pos = jnp.broadcast_to(lane, (br, c))
         if table_ref is not None:
-            # a short row's arange goes through the table too; a dense row's stays positions
-            t2 = jnp.where(fill, rows * table_width + lax.div(fill_pos, np.int32(table_block)), 0)
-            mapped = plgpu.load(table_ref.at[t2], mask=fill, other=0) * table_block + lax.rem(
-                fill_pos, np.int32(table_block))
+            # a short row's arange goes through the table too (on one level, lane == position);
+            # a dense row's stays positions
+            if tokens is not None:
+                mapped = tokens
+            else:
+                t2 = jnp.where(fill, rows * table_width + lax.div(fill_pos, np.int32(table_block)), 0)
+                mapped = plgpu.load(table_ref.at[t2], mask=fill, other=0) * table_block + lax.rem(
+                    fill_pos, np.int32(table_block))
             fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
         plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
     else:
