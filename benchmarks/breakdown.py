@@ -28,7 +28,7 @@ from benchmarks.timing import RESULTS_DIR, markdown_table, write_final_results
 #: (stage, test on the kernel name), first match wins; XLA names its fusions "loop_*" /
 #: "input_*", our Pallas kernels carry their own names
 STAGES = (
-    ("block bound (Quest)", lambda n: n.startswith("quest_block_scores")),
+    ("block bound (Quest)", lambda n: n.startswith(("quest_block_scores", "quest_q8_query_prep"))),
     ("label logits", lambda n: n.startswith(("label_logits", "label_stats", "label_scores_"))),
     ("label normalize", lambda n: n.startswith("label_normalize")),
     ("fused label top-k", lambda n: n.startswith("label_topk")),
