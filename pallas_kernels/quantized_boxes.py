@@ -36,7 +36,9 @@ kernel runs one program per ``(b, kv head, block_n blocks)`` like
 ``block_scores.quest_block_scores_kernel``, in one of three modes: "fma" (CUDA cores),
 "dot" (bf16 tensor cores) or "imma" (int8 tensor cores, the stored bytes unconverted;
 the default). Measured on the H200 at B=8, 128K, group max: 31.0 / 22.2 / 18.1 us,
-against 27.2 us for bf16 boxes (``benchmarks/results/kernels_h200_v8{,b}_*``).
+against 27.2 us for bf16 boxes (``benchmarks/results/kernels_h200_v8{,b}_*``); "imma" with its
+query side made once per (batch, KV head) by a small kernel (``prep="kernel"``): 3.3 + 13.6 us
+(``kernels_h200_v13_128k.md``).
 """
 
 from __future__ import annotations
@@ -393,7 +395,8 @@ def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref
 def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_ref, *, group, block_n,
                                 num_blocks, reduce, mode):
     # prep="kernel": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
-    # [CONST_ROWS, 16]: at B=8, 128K making it cost each of the 512 programs a quarter of its time
+    # [CONST_ROWS, 16]: at B=8, 128K making it in every program cost the kernel a quarter of
+    # its time (18.3 against 13.6 us, tune_quest8_prep_h200.md)
     rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
     weights = tuple(w_ref[i, :, :] for i in range(4))
     consts = [c_ref[i, :] for i in range(_CORR + 4)]
