@@ -316,6 +316,23 @@ def _compaction(key, t, k_sel: int, greater_first: bool = False):
     return take, slot
 
 
+def _per_row(ref, rows, n_rows: int, rows_per: int):
+    """``ref[row // rows_per]`` for each row ``[BR, 1]`` (padding rows read the last row's):
+    one value shared by ``rows_per`` consecutive rows (e.g. a row's KV heads)."""
+    r = jnp.minimum(rows, n_rows - 1)
+    if rows_per > 1:
+        r = lax.div(r, np.int32(rows_per))
+    return plgpu.load(ref.at[r])
+
+
+def _through_table(table_ref, rows, pos, mask, *, width: int, block: int):
+    """``table[row, pos // block] * block + pos % block`` where ``mask`` (0 elsewhere): the token
+    of slot ``pos`` of a row whose slots are whole blocks, ``table_ref`` flat ``[R * width]``."""
+    entry = plgpu.load(table_ref.at[jnp.where(mask, rows * width + lax.div(pos, np.int32(block)), 0)],
+                       mask=mask, other=0)
+    return entry * block + lax.rem(pos, np.int32(block))
+
+
 def _select_kernel(
     *refs,
     first: bool,
@@ -375,10 +392,7 @@ def _select_kernel(
     src = rows * n_in + col
 
     if has_counts:
-        cnt_row = jnp.minimum(rows, n_rows - 1)
-        if rows_per_count > 1:  # one count shared by consecutive rows (e.g. a row's KV heads)
-            cnt_row = lax.div(cnt_row, np.int32(rows_per_count))
-        cnt = plgpu.load(counts_ref.at[cnt_row])
+        cnt = _per_row(counts_ref, rows, n_rows, rows_per_count)
         cnt = jnp.clip(cnt, 0, n_orig)
     else:
         cnt = jnp.full((br, 1), n_orig, jnp.int32)
@@ -395,13 +409,12 @@ def _select_kernel(
     if table_ref is not None and first:
         # one level: every lane's token through the table, loaded now so that the gather's
         # latency hides under the search (after it, the store would wait for it)
-        tokens = plgpu.load(table_ref.at[jnp.where(live, rows * table_width + lax.div(col, np.int32(table_block)), 0)],
-                            mask=live, other=0) * table_block + lax.rem(col, np.int32(table_block))
+        tokens = _through_table(table_ref, rows, col, live, width=table_width, block=table_block)
     dense = None
     if dense_ref is not None:
         # the dense fallback: a row whose context is at most dense_limit long attends to all of
         # it, positions arange(k) and its length as the count
-        dense_len = plgpu.load(dense_ref.at[lax.div(jnp.minimum(rows, n_rows - 1), np.int32(rows_per_dense))])
+        dense_len = _per_row(dense_ref, rows, n_rows, rows_per_dense)
         dense = row_ok & (dense_len <= dense_limit)  # [BR, 1]
 
     t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok)
@@ -433,9 +446,7 @@ def _select_kernel(
             # positions through the caller's block table: entry pos // block of the row, times
             # the block, plus pos % block, in place of an XLA pass over the selection after the
             # kernel (a later level's positions are known only now)
-            tcol = lax.div(pos, np.int32(table_block))
-            blk = plgpu.load(table_ref.at[jnp.where(take, rows * table_width + tcol, 0)], mask=take, other=0)
-            out = blk * table_block + lax.rem(pos, np.int32(table_block))
+            out = _through_table(table_ref, rows, pos, take, width=table_width, block=table_block)
         dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
         plgpu.store(out_refs[0].at[dst], out, mask=take & ~short)
         fill = row_ok & short & (lane < k_out)
@@ -444,12 +455,8 @@ def _select_kernel(
         if table_ref is not None:
             # a short row's arange goes through the table too (on one level, lane == position);
             # a dense row's stays positions
-            if tokens is not None:
-                mapped = tokens
-            else:
-                t2 = jnp.where(fill, rows * table_width + lax.div(fill_pos, np.int32(table_block)), 0)
-                mapped = plgpu.load(table_ref.at[t2], mask=fill, other=0) * table_block + lax.rem(
-                    fill_pos, np.int32(table_block))
+            mapped = tokens if tokens is not None else _through_table(
+                table_ref, rows, fill_pos, fill, width=table_width, block=table_block)
             fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
         plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
     else:

@@ -126,10 +126,7 @@ def _check_args(scores, k, counts, tuning):
         if not hasattr(counts, "dtype"):
             raise TypeError(f"counts must be an int32 array or None, got {type(counts).__name__}")
         _checks.check_int("counts", counts)
-        lead = tuple(scores.shape[:-1])
-        if not (tuple(counts.shape) == lead or (len(lead) >= 1 and tuple(counts.shape) == lead[:-1] + (1,))):
-            raise ValueError(f"counts must have shape scores.shape[:-1] = {lead}, or that with its last axis 1 "
-                             f"({lead[:-1] + (1,)}: one count for the rows of that axis), got {tuple(counts.shape)}")
+        _check_per_row("counts", counts, tuple(scores.shape[:-1]))
     unknown = set(tuning) - TUNING_KEYS
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
@@ -139,6 +136,14 @@ def _check_args(scores, k, counts, tuning):
     if not isinstance(br, int) or br < 1 or br & (br - 1):
         raise ValueError(f"block_rows must be a power-of-two int, got {br!r}")
     return k
+
+
+def _check_per_row(name, arr, lead):
+    """``arr`` holds one value per row (``lead``), or one per group of ``lead[-1]`` rows (its last
+    axis 1, read in place by the kernel)."""
+    if not (tuple(arr.shape) == lead or (len(lead) >= 1 and tuple(arr.shape) == lead[:-1] + (1,))):
+        raise ValueError(f"{name} must have shape scores.shape[:-1] = {lead}, or that with its last axis 1 "
+                         f"({lead[:-1] + (1,)}: one value for the rows of that axis), got {tuple(arr.shape)}")
 
 
 def _int_or_none(v):
@@ -163,9 +168,7 @@ def _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit)
         _checks.check_int("dense_lengths", dense_lengths)
         if isinstance(dense_limit, bool) or not isinstance(dense_limit, (int, np.integer)):
             raise ValueError(f"dense_limit must be a static int, got {dense_limit!r}")
-        if not (tuple(dense_lengths.shape) == lead or (len(lead) >= 1 and tuple(dense_lengths.shape) == lead[:-1] + (1,))):
-            raise ValueError(f"dense_lengths must have shape {lead} or {lead[:-1] + (1,)}, got "
-                             f"{tuple(dense_lengths.shape)}")
+        _check_per_row("dense_lengths", dense_lengths, lead)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above", "block_size",
