@@ -123,11 +123,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._util import next_pow2, prev_pow2
+from pallas_kernels._util import exp_fast, fma_f32, next_pow2, prev_pow2
 
 __all__ = [
     "LabelCache",
@@ -655,9 +656,39 @@ def _combine_stats(m_in, l_in, group):
     return maxes, weights
 
 
+_MAGIC = np.int32(0x4B000000)  # the f32 2**23: OR-ed into 23 low bits v, it reads as 2**23 + v
+_MAGIC_SHIFT = 12  # fields ending above bit 23 are read from the word shifted right this much
+
+
+def _field_exponents(bits: int) -> list[int]:
+    """``e_k`` per code field ``k`` of a 32-bit word: ``_scaled_codes`` returns code * 2**e_k."""
+    return [bits * k - (0 if bits * k + bits <= 23 else _MAGIC_SHIFT) for k in range(32 // bits)]
+
+
+def _scaled_codes(x, bits: int):
+    """The ``32 // bits`` code fields of int32 words ``x``, as f32 ``code * 2**e_k``
+    (``_field_exponents``), without an int-to-float conversion.
+
+    Field k is masked where it lies (shifted right by ``_MAGIC_SHIFT`` first if it ends
+    above bit 23), OR-ed into the f32 2**23, and 2**23 is subtracted: one LOP3 and one
+    FADD a code, against a shift, a sign extension and a conversion (I2FP) in the SASS
+    of the plain unpack. The label kernel is bound by instruction issue (ncu on the
+    H200, 2026-11-28: 509 instructions a candidate, two thirds of the issue slots busy
+    at 8 warps an SM).
+    """
+    levels = (1 << bits) - 1
+    high = lax.shift_right_logical(x, np.int32(_MAGIC_SHIFT))
+    out = []
+    for k, e in enumerate(_field_exponents(bits)):
+        src = x if e == bits * k else high
+        v = (src & np.int32(levels << e)) | _MAGIC
+        out.append(lax.bitcast_convert_type(v, jnp.float32) - np.float32(2.0 ** 23))
+    return out
+
+
 def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
                  tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
-                 prefetch, record=False, masked_score=0.0):
+                 prefetch, record=False, masked_score=0.0, interpret=False):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
@@ -675,6 +706,8 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         rest = refs[3:]
         width = packed_ref.shape[-1]
     tc = block_c
+    fma = functools.partial(fma_f32, interpret=interpret)
+    exp = functools.partial(exp_fast, interpret=interpret)  # MUFU ex2 on the GPU, jnp.exp on the CPU
     levels = (1 << bits) - 1
     vpb = 8 // bits
     lanes = jnp.arange(tc, dtype=jnp.int32)
@@ -747,6 +780,11 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         qsum = [jnp.sum(functools.reduce(lambda a, b: a + b, [ones * qv[f][g][None, :]
                                                              for f in range(len(qv))]), axis=1)
                 for g in range(group)]
+        if words:
+            # Codes unpacked in place (``_scaled_codes``): field f comes out times
+            # 2**e_f, so its query weights carry 2**-e_f (exact: powers of two), once.
+            qv = [[qv[f][g] * np.float32(2.0 ** -e) for g in range(group)]
+                  for f, e in enumerate(_field_exponents(bits))]
         load_q = lambda f, g, t: qv[f][g]  # noqa: E731
     else:
         # Reloaded (L1 hits) every tile: the loop-variant mask keeps LLVM from
@@ -761,7 +799,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
 
     def logits_of(t, rows, lsc, loff):
         x = rows.astype(jnp.int32)
-        if words:  # field k of word a is channel a * (32 // bits) + k
+        if words and hoist_q:  # field k of word a is channel a * (32 // bits) + k
+            codes = _scaled_codes(x, bits)
+        elif words:
             codes = [((x >> (bits * k)) & levels if k else x & levels).astype(jnp.float32)
                      for k in range(32 // bits)]
         else:  # slot i of byte j is channel j * vpb + i
@@ -770,11 +810,12 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         out = []
         for g in range(group):
             if words:
-                # Many short fields: elementwise FMA chains over the fields, then one row sum.
+                # Many short fields: elementwise FMA chains over the fields (one FFMA a
+                # code: fma_f32), then one row sum.
                 acc = None
                 for f, c in enumerate(codes):
-                    prod = c * load_q(f, g, t)[None, :]
-                    acc = prod if acc is None else acc + prod
+                    qf = load_q(f, g, t)[None, :]
+                    acc = c * qf if acc is None else fma(c, qf, acc)
                 dot = jnp.sum(acc, axis=1)
             else:
                 # Few wide fields: one in-thread row reduction (an FMA chain) per field.
@@ -782,7 +823,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
                 for f, c in enumerate(codes):
                     part = jnp.sum(c * load_q(f, g, t)[None, :], axis=1)
                     dot = part if dot is None else dot + part
-            out.append(dot * lsc + qsum[g] * loff)  # dequantization folded in
+            out.append(fma(dot, lsc, qsum[g] * loff))  # dequantization folded in
         return out
 
     if phase == "scores":
@@ -805,7 +846,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         if phase == "scores":
             acc = None
             for g in range(group):
-                e = jnp.exp(logits[g] - maxes[g]) * weights[g]
+                e = exp(logits[g] - maxes[g]) * weights[g]
                 acc = e if acc is None else acc + e
             plgpu.store(out_ref.at[pl.ds(t * tc, tc)], jnp.where(valid, acc, masked_score), mask=in_c)
             return stats
@@ -818,10 +859,10 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         ms, ls = list(stats[:group]), list(stats[group:])
         for g in range(group):
             d = logits[g] - ms[g]
-            e = jnp.exp(-jnp.abs(d))
+            e = exp(-jnp.abs(d))
             up = d > 0
             ms[g] = jnp.where(valid & up, logits[g], ms[g])
-            ls[g] = jnp.where(valid, jnp.where(up, ls[g] * e + 1.0, ls[g] + e), ls[g])
+            ls[g] = jnp.where(valid, jnp.where(up, fma(ls[g], e, 1.0), ls[g] + e), ls[g])
         return tuple(ms) + tuple(ls)
 
     n_work = t_work - t_first
@@ -967,7 +1008,8 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     common = dict(
         source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
         num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
-        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record)
+        num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record,
+        interpret=interpret)
     qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
     shared_cnt = cnt.shape[1] == 1 and hkv > 1  # [B, 1]: one count for a row's KV heads, read in place

@@ -543,6 +543,23 @@ def test_kernels_lower_to_triton(abstract_h100):
         assert "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_scaled_codes_are_the_fields_times_their_powers_of_two(bits):
+    """The label kernels' unpack without conversions (an OR into the f32 2**23, minus
+    2**23) gives every field exactly, times 2**e_k, on words with every bit pattern:
+    the sign bit, all ones, all zeros and random words."""
+    rng = np.random.default_rng(bits)
+    words = np.concatenate([rng.integers(-2**31, 2**31, size=4000, dtype=np.int64),
+                            [0, -1, -2**31, 2**31 - 1, 0x0F0F0F0F, -0x0F0F0F10]]).astype(np.int32)
+    exps = lb._field_exponents(bits)
+    assert len(exps) == 32 // bits and all(e >= 0 and e + bits <= 23 for e in exps)
+    got = lb._scaled_codes(jnp.asarray(words), bits)
+    u = words.view(np.uint32).astype(np.int64)
+    for k, (g, e) in enumerate(zip(got, exps)):
+        want = ((u >> (bits * k)) & ((1 << bits) - 1)).astype(np.float64) * 2.0 ** e
+        np.testing.assert_array_equal(np.asarray(g, np.float64), want)
+
+
 # ----------------------------------------------------------------------------
 # Interleaved label records: one record per token, the same numbers
 # ----------------------------------------------------------------------------
