@@ -395,8 +395,19 @@ def main(argv=None):
     p.add_argument("--one-program", action="store_true",
                    help="also time dense, the operator and the method step as one step among many in one program "
                         "(wall clock, gaps between kernels included)")
+    p.add_argument("--budgets", default=None, help="comma-separated K list (default 512,1024,2048)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the jnp references, XLA dense and full-context top-k at the last shape "
+                        "(dense cuDNN still runs at every shape)")
     p.add_argument("--merge", default=None, help="comma-separated result JSONs of one device to join (no run)")
     args = p.parse_args(argv)
+    if args.budgets:  # checked before any device work
+        try:
+            parsed_budgets = [int(x) for x in args.budgets.split(",")]
+        except ValueError:
+            sys.exit(f"--budgets: expected comma-separated integers, got {args.budgets!r}")
+        if any(k < 1 for k in parsed_budgets):
+            sys.exit(f"--budgets: every K must be >= 1, got {args.budgets!r}")
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
         devices = {r["stamp"]["device"] for r in runs}
@@ -419,10 +430,13 @@ def main(argv=None):
     if args.shapes:
         grid = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
     budgets = [2048] if args.quick else [512, 1024, 2048]
+    if args.budgets:
+        budgets = parsed_budgets
     rows = []
     name = args.name or ("kernels_quick" if args.quick else "kernels")
     for i, (b, s) in enumerate(grid):
-        rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs, baselines=(b, s) == grid[-1],
+        rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs,
+                            baselines=(b, s) == grid[-1] and not args.no_baselines,
                             one_program=args.one_program)
         md = write_all(name, info, checks, rows, args.out)  # after every shape: a cut-off run keeps its rows
     if not args.quick:

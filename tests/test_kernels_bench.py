@@ -53,3 +53,17 @@ def test_method_step_runs_the_8bit_filter_by_default():
     got8 = np.asarray(fn8(q, k, v, lengths, state8), np.float32)
     got = np.asarray(fn(q, k, v, lengths, state), np.float32)
     np.testing.assert_allclose(got8, got, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_budgets_are_refused_before_any_device_work():
+    """``--budgets`` is checked first: on this CPU machine a good list would stop at the
+    GPU check instead, so the messages below can only come from the argument check."""
+    import pytest
+
+    from benchmarks import kernels
+
+    for bad, msg in (("0,512", "every K must be >= 1"), ("512,x", "comma-separated integers")):
+        with pytest.raises(SystemExit, match=msg):
+            kernels.main(["--budgets", bad])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        kernels.main(["--budgets", "2048", "--shapes", "8x131072"])
