@@ -37,6 +37,7 @@ from benchmarks.timing import (
     time_fn,
     write_results,
 )
+from pallas_kernels.tuning import tuned
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, block_minmax, build_label_cache,
                                     interleave_labels, label_scores, quantize_block_boxes, quest_block_scores,
@@ -306,6 +307,12 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
             t = time_fn(jax.jit(functools.partial(sparse_decode_attention, impl=impl)),
                         [(q, k, v, i, counts) for i in idx_sets], runs=runs, rotate=True)
             add(f"sparse_decode_attention [{impl}]", t, sel_bytes, budget, dense_ms)
+        # the same kernel with its splits merged by one Pallas kernel, not XLA's fusions: the
+        # table's knobs plus the merge (a caller's knob would otherwise replace the table's)
+        knobs = {**tuned("sparse_decode", rows=b * HKV, k=budget, d=D, g=HQ // HKV), "merge": "pallas"}
+        t = time_fn(jax.jit(functools.partial(sparse_decode_attention, impl="pallas", **knobs)),
+                    [(q, k, v, i, counts) for i in idx_sets], runs=runs, rotate=True)
+        add("sparse_decode_attention [pallas merge]", t, sel_bytes, budget, dense_ms)
         bidx_sets = [jax.random.randint(jax.random.key(budget * 16 + 8 + i), (b, HKV, budget // BLOCK), 0, nb, jnp.int32)
                      for i in range(n_sets)]
         bcounts = jnp.full((b, HKV), budget // BLOCK, jnp.int32)

@@ -204,7 +204,8 @@ def main(argv=None):
                          for ns in split_candidates(b * hkv, -(-K // bk))]
                 second = [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2), dict(num_warps=2, num_stages=2),
                           dict(prefetch=1), dict(prefetch=1, num_warps=8), dict(prefetch=1, block_k=64),
-                          dict(prefetch=1, block_k=64, num_warps=8), dict(prefetch=1, block_k=32)]
+                          dict(prefetch=1, block_k=64, num_warps=8), dict(prefetch=1, block_k=32),
+                          dict(merge="pallas")]  # the splits merged by one kernel, not XLA's fusions
                 r = two_stage("sparse_decode_attention", lambda *a, **c: sparse_decode_attention(*a, impl="pallas", **c),
                               [(q, k, v, i, counts) for i in idx_sets], ref, first, second, nbytes, args.runs,
                               rows, shape)
@@ -219,7 +220,8 @@ def main(argv=None):
                 ref = block_sparse_decode_attention(q, k, v, bidx, bc, lengths, block_size=64, impl="reference")
                 first = [dict(block_k=bk, num_splits=ns) for bk in (64, 128)
                          for ns in split_candidates(b * hkv, -(-K // bk))]
-                second = [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2), dict(num_warps=8, num_stages=3)]
+                second = [dict(num_warps=4, num_stages=3), dict(num_warps=8, num_stages=2), dict(num_warps=8, num_stages=3),
+                          dict(merge="pallas")]
                 r = two_stage("block_sparse_decode_attention",
                               lambda *a, **c: block_sparse_decode_attention(*a, block_size=64, impl="pallas", **c),
                               [(q, k, v, bi, bc, lengths) for bi in bidx_sets], ref, first, second, nbytes,

@@ -70,7 +70,7 @@ from pallas_kernels.sparse_decode import (
     unsupported_reason,  # noqa: F401  (re-exported for the dispatcher)
 )
 
-TUNING_KEYS = ("block_k", "blocks_per_iter", "num_splits", "num_warps", "num_stages")
+TUNING_KEYS = ("block_k", "blocks_per_iter", "num_splits", "num_warps", "num_stages", "merge")
 
 
 # --------------------------------------------------------------------------
@@ -223,21 +223,22 @@ def resolve_block_tuning(B: int, Hkv: int, NB: int, D: int, block_size: int, *,
     jax.jit,
     static_argnames=("block_size", "scale", "return_residuals", "block_k",
                      "blocks_per_iter", "num_splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "merge", "interpret"),
 )
 def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, lengths,
                                          *, block_size: int, scale=None,
                                          return_residuals=False, block_k=None,
                                          blocks_per_iter=None, num_splits=None,
                                          num_warps=None, num_stages=None,
-                                         interpret=False):
+                                         merge=None, interpret=False):
     """Pallas-Triton block-sparse decode attention (see module docstring).
 
     Tuning: ``block_k`` (max tokens per inner iteration, power of two >= 16;
     default 64 for D <= 128 else 32), ``blocks_per_iter`` (default
     ``block_k // block_size`` for power-of-two block sizes below block_k,
     else 1 = contiguous slices), ``num_splits`` (default from
-    ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2).
+    ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``merge`` (how the
+    splits merge: "xla", the default, or "pallas"; ``sparse_decode.finish_splits``).
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -254,4 +255,4 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
         name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals)
+        num_stages=num_stages, interpret=interpret, return_residuals=return_residuals, merge=merge)

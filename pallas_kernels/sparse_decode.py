@@ -69,6 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.merge import MASK_VALUE, combine_splits
+from pallas_kernels.split_merge import MERGES, merge_splits_pallas
 from pallas_kernels._util import exp_fast, next_pow2
 
 # Tuning defaults (the lead sweeps these on the H100).
@@ -79,7 +80,7 @@ MIN_TOKENS_PER_SPLIT = 256    # below this a split's fixed cost dominates
 TARGET_PROGRAMS = 264         # ~2 waves of programs on 132 SMs (H100 SXM)
 MIN_GROUP_ROWS = 16           # tl.dot needs M >= 16
 
-TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages", "prefetch")
+TUNING_KEYS = ("block_k", "num_splits", "num_warps", "num_stages", "prefetch", "merge")
 
 
 
@@ -308,19 +309,20 @@ def resolve_sparse_tuning(B: int, Hkv: int, K: int, D: int, *, block_k=None,
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "return_residuals", "block_k", "num_splits",
-                     "num_warps", "num_stages", "prefetch", "interpret"),
+                     "num_warps", "num_stages", "prefetch", "merge", "interpret"),
 )
 def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
                                    return_residuals=False, block_k=None,
                                    num_splits=None, num_warps=None,
-                                   num_stages=None, prefetch=None, interpret=False):
+                                   num_stages=None, prefetch=None, merge=None, interpret=False):
     """Pallas-Triton token-gather decode attention (see module docstring).
 
     Tuning: ``block_k`` (tokens per tile, power of two >= 16; default 64 for
     D <= 128 else 32, capped by K), ``num_splits`` (default from
     ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``prefetch``
-    (default 0; 1 loads tile t+1's indices and rows while tile t computes). k's batch may
-    divide q's (``kv_batch_share = q batch // k batch``, read off the shapes).
+    (default 0; 1 loads tile t+1's indices and rows while tile t computes), ``merge``
+    (how the splits merge: "xla", the default, or "pallas"; see :func:`finish_splits`).
+    k's batch may divide q's (``kv_batch_share = q batch // k batch``, read off the shapes).
     """
     B, Hq, D = q.shape
     Bk, Hkv, S, _ = k.shape
@@ -340,7 +342,7 @@ def sparse_decode_attention_pallas(q, k, v, indices, counts, *, scale=None,
         kernel, q, k, v, indices, k_split, ns, head_scalars=(counts,),
         name=f"sparse_decode_bk{block_k}_ns{ns}", num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, return_residuals=return_residuals,
-        kv_batch_share=B // Bk)
+        kv_batch_share=B // Bk, merge=merge)
 
 
 def group_rows(G: int) -> int:
@@ -352,7 +354,7 @@ def group_rows(G: int) -> int:
 def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
                       head_scalars=(), row_scalars=(), name: str, num_warps=None,
                       num_stages=None, interpret=False, return_residuals=False,
-                      kv_batch_share: int = 1):
+                      kv_batch_share: int = 1, merge=None):
     """The scaffolding the decode kernels share: GQA grouping, the ``pallas_call``
     over grid ``(B, Hkv, ns)`` and the merge of the splits.
 
@@ -363,7 +365,7 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
     of which split ``s`` owns entries ``[s * per_split, (s + 1) * per_split)``
     (read with masked loads: nothing is padded); the whole ``k, v [S, D]`` of its
     KV head; and writes the split's partial ``o [G, D]``, ``m, l [G]`` (f32,
-    with :func:`store_group`), merged here (:func:`finish_splits`). No XLA
+    with :func:`store_group`), merged here (:func:`finish_splits`, ``merge``). No XLA
     copies surround the kernel: q and the list go in as they are, and the
     outputs hold real heads only. ``kv_batch_share = r``: k, v hold ``B / r``
     rows and program ``(b, h)`` reads row ``b // r`` (the rest is per q row).
@@ -400,7 +402,7 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
         interpret=interpret,
         name=name,
     )(*(x.astype(jnp.int32) for x in head_scalars), *(x.astype(jnp.int32) for x in row_scalars), qg, lst, k, v)
-    return finish_splits(o, m, l, G, q.dtype, return_residuals)
+    return finish_splits(o, m, l, G, q.dtype, return_residuals, merge=merge, interpret=interpret)
 
 
 def split_outputs(B: int, Hkv: int, ns: int, G: int, D: int) -> dict:
@@ -420,10 +422,23 @@ def split_outputs(B: int, Hkv: int, ns: int, G: int, D: int) -> dict:
     )
 
 
-def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool):
-    """Merge the kernel's per-split partials ``[B, Hkv, NS, G, ...]``."""
+def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool, *, merge=None, interpret=False):
+    """Merge the kernel's per-split partials ``[B, Hkv, NS, G, ...]``.
+
+    ``merge``: "xla" (default; ``combine_splits`` in jnp, one or two XLA fusions) or
+    "pallas" (``pallas_kernels.split_merge``, one kernel launch).
+    """
+    merge = "xla" if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     B, Hkv = o.shape[:2]
     D = o.shape[-1]
+    if merge == "pallas":
+        out, m_all, l_all = merge_splits_pallas(o, m, l, jnp.dtype(out_dtype), interpret=interpret)
+        out = out.reshape(B, Hkv * G, D)
+        if return_residuals:
+            return out, (m_all.reshape(B, Hkv * G), l_all.reshape(B, Hkv * G))
+        return out
     # JAX's own decode kernel notes NaNs after jit without a barrier here;
     # it costs nothing, so keep the max from being fused into the kernel inputs.
     m = lax.optimization_barrier(m)

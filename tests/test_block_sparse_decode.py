@@ -81,6 +81,9 @@ CASES = [
     # Tiny blocks: 8 blocks gathered per iteration.
     pytest.param(1, 4, 1, 130, 64, 11, 8, jnp.float32, dict(),
                  id="gather-bs8-gqa4-f32"),
+    # the splits merged by the Pallas kernel (split_merge)
+    pytest.param(2, 12, 4, 450, 128, 5, 64, jnp.bfloat16, dict(block_k=32, num_splits=3, merge="pallas"),
+                 id="subtiles-bs64-gqa3-bf16-pallas-merge"),
 ]
 
 

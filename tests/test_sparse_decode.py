@@ -78,6 +78,11 @@ CASES = [
                  id="gqa3-bf16-d128-prefetch"),
     pytest.param(1, 4, 1, 400, 256, 97, jnp.float32, dict(block_k=16, num_splits=2, prefetch=1),
                  id="mqa4-f32-d256-prefetch-split2"),
+    # the splits merged by the Pallas kernel (split_merge), with empty rows and splits
+    pytest.param(1, 16, 2, 650, 64, 300, jnp.float32, dict(block_k=64, num_splits=3, merge="pallas"),
+                 id="gqa8-f32-d64-split3-pallas-merge"),
+    pytest.param(2, 12, 4, 333, 128, 150, jnp.bfloat16, dict(block_k=16, num_splits=5, merge="pallas"),
+                 id="gqa3-bf16-d128-split5-pallas-merge"),
 ]
 
 
@@ -297,6 +302,47 @@ class TestSparseDecodeKernel(DecodeKernelTestBase):
         return dict(indices=jnp.zeros((B, Hkv, 8), jnp.int32), counts=jnp.asarray(counts))
 
 
+@pytest.mark.parametrize("b,hkv,ns,g,d", [(2, 3, 5, 3, 64), (1, 2, 16, 4, 128), (3, 1, 1, 8, 256), (1, 1, 3, 1, 96)])
+def test_split_merge_kernel_equals_the_jnp_merge(b, hkv, ns, g, d):
+    """``split_merge.merge_splits_pallas`` (interpret mode) against ``combine_splits``: NS, G
+    and D not powers of two, splits that are empty (m = MASK_VALUE, l = 0, o = 0), one
+    (b, h) row with every split empty (its output 0, never NaN), and bf16 output."""
+    from pallas_kernels.split_merge import merge_splits_pallas, merge_splits_reference
+
+    rng = np.random.default_rng(ns * 100 + g * 10 + d)
+    o = rng.normal(size=(b, hkv, ns, g, d)).astype(np.float32) * 3
+    m = rng.normal(size=(b, hkv, ns, g)).astype(np.float32) * 4
+    l = rng.uniform(0.5, 20, size=(b, hkv, ns, g)).astype(np.float32)
+    empty = rng.random((b, hkv, ns, g)) < 0.3
+    empty[0, 0] = True  # every split of the first (b, h) row
+    m = np.where(empty, MASK_VALUE, m)
+    l = np.where(empty, 0.0, l)
+    o = np.where(empty[..., None], 0.0, o)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = merge_splits_pallas(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), dtype, interpret=True)
+        want = merge_splits_reference(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), dtype)
+        assert got[0].dtype == dtype and got[0].shape == (b, hkv, g, d)
+        tol = 1e-6 if dtype == jnp.float32 else 1e-2
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol)
+        assert np.all(np.asarray(got[0], np.float32)[0, 0] == 0.0) and np.all(np.asarray(got[2])[0, 0] == 0.0)
+
+
+def test_split_merge_refuses_bad_shapes_and_names():
+    from pallas_kernels.split_merge import merge_splits_pallas
+    from pallas_kernels.sparse_decode import finish_splits
+
+    o = jnp.zeros((1, 2, 3, 4, 8))
+    with pytest.raises(ValueError, match="partials"):
+        merge_splits_pallas(o, jnp.zeros((1, 2, 3, 5)), jnp.zeros((1, 2, 3, 4)), jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        finish_splits(o, jnp.zeros((1, 2, 3, 4)), jnp.zeros((1, 2, 3, 4)), 4, jnp.float32, False, merge="cuda")
+    q, kv = jnp.zeros((1, 4, 64)), jnp.zeros((1, 2, 16, 64))
+    with pytest.raises(ValueError, match="tuning argument merge must be one of"):
+        sparse_decode_attention(q, kv, kv, jnp.zeros((1, 2, 4), jnp.int32), jnp.ones((1, 2), jnp.int32),
+                                impl="pallas", merge="fast")
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100, d):
@@ -312,6 +358,7 @@ def test_decode_kernels_lower_to_triton_with_the_fast_exponential(abstract_h100,
     bidx = sd((2, 2, 8), jnp.int32)
     for fn, args in ((sparse_decode_attention_pallas, (q, kv, kv, idx, cnt)),
                      (functools.partial(sparse_decode_attention_pallas, prefetch=1), (q, kv, kv, idx, cnt)),
+                     (functools.partial(sparse_decode_attention_pallas, merge="pallas"), (q, kv, kv, idx, cnt)),
                      (functools.partial(block_sparse_decode_attention_pallas, block_size=64),
                       (q, kv, kv, bidx, cnt, lens))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -13,6 +13,7 @@ from pallas_kernels.block_sparse_decode import TUNING_KEYS as BLOCK_KEYS, resolv
 from pallas_kernels.labels import TUNING_KEYS as LABEL_KEYS
 from pallas_kernels.quantized_boxes import PREPS
 from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
+from pallas_kernels.split_merge import MERGES
 from pallas_kernels.topk import plan_topk
 from sparse_jax.ops.selection import TUNING_KEYS as TOPK_KEYS
 
@@ -49,6 +50,8 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
         cfg = entry["config"]
         assert set(cfg) <= set(allowed[kernel]), (key, cfg)
         assert entry["device"] and entry["measured_at"], key
+        if kernel in ("sparse_decode", "block_sparse_decode"):
+            assert cfg.get("merge", "xla") in MERGES, (key, cfg)
         if kernel == "sparse_decode":
             resolve_sparse_tuning(dims["rows"] // 8 or 1, 8, dims["k"], dims["d"], block_k=cfg.get("block_k"),
                                   num_splits=cfg.get("num_splits"))

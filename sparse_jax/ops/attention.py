@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import block_sparse_decode as _bsd
 from pallas_kernels import sparse_decode as _sd
 from pallas_kernels.merge import MASK_VALUE, merge_normalized
+from pallas_kernels.split_merge import MERGES
 from sparse_jax.ops._checks import (
     check_float,
     check_gqa,
@@ -116,12 +117,20 @@ def _check_scale(scale) -> None:
         raise TypeError(f"scale must be None or a finite Python number, got {scale!r}")
 
 
+#: tuning knobs that take a name, not a number, and the names they take
+_NAMED_KNOBS = {"merge": MERGES}
+
+
 def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
     unknown = sorted(set(tuning) - set(allowed))
     if unknown:
         raise TypeError(f"{op}: unknown tuning argument(s) {unknown}; allowed: {list(allowed)}")
     for key, val in tuning.items():
         if val is None:
+            continue
+        if key in _NAMED_KNOBS:
+            if val not in _NAMED_KNOBS[key]:
+                raise ValueError(f"{op}: tuning argument {key} must be one of {_NAMED_KNOBS[key]}, got {val!r}")
             continue
         if isinstance(val, bool) or not isinstance(val, numbers.Integral):
             raise TypeError(f"{op}: tuning argument {key} must be an int or None, got {val!r}")
