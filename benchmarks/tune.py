@@ -135,13 +135,15 @@ def split_candidates(rows: int, work_tiles: int) -> list:
 def label_grid_candidates(rows: int, num_cand: int) -> list[dict]:
     """Second-stage knobs of the label kernels: programs per row (``splits``: about 2, 4 and 8
     waves' worth on 132 SMs, at most one per 64 candidates), the candidates a tile holds, and
-    how many tiles ahead the gathers are issued (default 2)."""
+    how many tiles ahead the gathers are issued (default 2), and the query side gathered in the
+    kernel (``q_prep="kernel"``, hoisted) instead of an XLA fusion before it."""
     out = []
     for programs in (528, 1056, 2112):
         sp = max(1, min(num_cand // 64, -(-programs // rows)))
         if dict(splits=sp) not in out:
             out.append(dict(splits=sp))
-    return out + [dict(block_c=64), dict(block_c=256), dict(prefetch=1), dict(prefetch=3)]
+    return out + [dict(block_c=64), dict(block_c=256), dict(prefetch=1), dict(prefetch=3),
+                  dict(q_prep="kernel", hoist_q=True)]
 
 
 def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **kw):

@@ -600,6 +600,9 @@ def _per_tile_scores(q, labels, channels, candidates=None, counts=None, *, lengt
 _STAT_FLOOR = -1e30
 
 MODES = ("two_pass", "logits", "per_tile")
+#: where the looped kernels' query side is made: "xla" (``_prepare_query``, a fusion before
+#: the kernel) or "kernel" (gathered by each program into registers; needs ``hoist_q``)
+Q_PREPS = ("xla", "kernel")
 
 
 
@@ -688,19 +691,24 @@ def _scaled_codes(x, bits: int):
 
 def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
                  tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
-                 prefetch, record=False, masked_score=0.0, interpret=False):
+                 prefetch, fields, nper, record=False, masked_score=0.0, interpret=False, q_prep="xla",
+                 sm_scale=1.0):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
-    # field (see _prepare_query); then the labels: packed_ref [S, W] uint8,
+    # field (see _prepare_query), or with q_prep="kernel" the raw query [G, D] and
+    # then chan_ref [r] (this KV head's channels); then the labels: packed_ref [S, W] uint8,
     # scale_ref, offset_ref [S] f32; or with ``record`` rec_ref [S, Wr] int32
     # (LabelRecords: N code words, scale and offset bits, padding). rest by phase:
     #   "stats":  m_ref, l_ref [P, G]                  (outputs)
     #   "logits": logit_ref [G, C], m_ref, l_ref [P, G] (outputs)
     #   "scores": m_in, l_in [P, G] (inputs), out_ref [C] (output)
+    chan_ref = None
+    if q_prep == "kernel":
+        chan_ref, refs = refs[0], refs[1:]
     if record:
         rec_ref, rest = refs[0], refs[1:]
-        width = q_ref.shape[-1]  # code words a token
+        width = nper  # code words a token
     else:
         packed_ref, scale_ref, offset_ref = refs[:3]
         rest = refs[3:]
@@ -768,12 +776,22 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             rows = jnp.sum(x << (8 * jnp.arange(4, dtype=jnp.int32))[None, None, :], axis=2)
         return rows, lsc, loff
 
-    nper = q_ref.shape[-1]  # words (bytes) per row
     if hoist_q:
         # The query lives in registers across the loop; its channel sums come
         # from the same registers (in-thread: every thread holds all of it).
-        qv = [[q_ref[jnp.int32(f), jnp.int32(g), :] for g in range(group)]
-              for f in range(q_ref.shape[0])]
+        if q_prep == "kernel":
+            # _prepare_query's gather made here, once a program, in place of an XLA fusion
+            # before the kernel: field f's word a is channel channels[a * F + f]. These
+            # loads do not wait on the first tiles' loads, issued before them.
+            lane = jnp.arange(nper, dtype=jnp.int32)
+            qv = []
+            for f in range(fields):
+                chan = plgpu.load(chan_ref.at[lane * fields + f])  # [N]
+                qv.append([plgpu.load(q_ref.at[jnp.int32(g), chan]).astype(jnp.float32) * np.float32(sm_scale)
+                           for g in range(group)])
+        else:
+            qv = [[q_ref[jnp.int32(f), jnp.int32(g), :] for g in range(group)]
+                  for f in range(fields)]
         # [TC] (every lane the same) rather than a scalar: reduced like the
         # products, inside each thread, with no cross-lane reduction.
         ones = jnp.ones((tc, nper), jnp.float32)
@@ -794,7 +812,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
                               mask=jnp.full((nper,), t >= 0), other=0.0)
 
         qsum = [functools.reduce(lambda a, b: a + b, [jnp.sum(q_ref[jnp.int32(f), jnp.int32(g), :])
-                                                     for f in range(q_ref.shape[0])])
+                                                     for f in range(fields)])
                 for g in range(group)]
 
     def logits_of(t, rows, lsc, loff):
@@ -986,7 +1004,7 @@ def _prepare_query(q, channels, hkv, sm_scale, bits, words):
 
 def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, block_size,
                    sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
-                   hoist_q, interpret, return_raw, masked_score=0.0):
+                   hoist_q, interpret, return_raw, masked_score=0.0, q_prep=None):
     b, hq, _ = q.shape
     r = channels.shape[-1]
     record = isinstance(labels, LabelRecords)
@@ -997,6 +1015,13 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     words = w % 4 == 0  # whole 32-bit words per row (r*bits >= 32)
+    q_prep = "xla" if q_prep is None else q_prep
+    if q_prep not in Q_PREPS:
+        raise ValueError(f"q_prep must be one of {Q_PREPS}, got {q_prep!r}")
+    if q_prep == "kernel":
+        if hoist_q is False:
+            raise ValueError("q_prep='kernel' gathers the query once into registers: it needs hoist_q")
+        hoist_q = True
     if hoist_q is None:
         # G*r registers of query + ~16 a head of accumulators and statistics:
         # G=4, r=32 fits (~230 registers), G=8, r=16 would spill (offline sm_90 compile).
@@ -1009,17 +1034,26 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
         num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
         num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record,
-        interpret=interpret)
-    qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
+        interpret=interpret, q_prep=q_prep, sm_scale=float(sm_scale),
+        fields=(32 if words else 8) // bits, nper=r * bits // (32 if words else 8))
+    if q_prep == "kernel":  # the raw query and the channels, gathered in the kernel
+        qp = q.reshape(b, hkv, g, q.shape[-1])
+        q_specs = [pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0)),
+                   pl.BlockSpec((None, r), lambda i, j, t: (j, 0))]
+        q_args = (qp, channels.astype(jnp.int32))
+    else:
+        qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
+        q_specs = [pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0))]
+        q_args = (qp,)
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
     shared_cnt = cnt.shape[1] == 1 and hkv > 1  # [B, 1]: one count for a row's KV heads, read in place
     in_specs = [
         pl.BlockSpec((None,), lambda i, j, t: (i,)),
         pl.BlockSpec((None, None), (lambda i, j, t: (i, 0)) if shared_cnt else (lambda i, j, t: (i, j))),
         pl.BlockSpec((None, None, src.shape[-1]), lambda i, j, t: (i, j, 0)),
-        pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0)),
+        *q_specs,
     ]
-    args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), qp)
+    args = (lengths.astype(jnp.int32), cnt.astype(jnp.int32), src.astype(jnp.int32), *q_args)
     if record:
         in_specs.append(pl.BlockSpec((None, None, s, labels.words.shape[-1]), lambda i, j, t: (i, j, 0, 0)))
         args += (labels.words,)
@@ -1083,7 +1117,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 DEFAULT_PREFETCH = 2
 
-TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q")
+TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q", "q_prep")
 _KERNEL_STATIC = ("scale", "bits", "interpret", "return_raw") + TUNING_KEYS
 
 
@@ -1104,7 +1138,7 @@ def _looped_tuning(block_c, num_warps, num_stages, prefetch):
 @functools.partial(jax.jit, static_argnames=_KERNEL_STATIC)
 def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, lengths=None,
                         scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
-                        num_stages=None, splits=None, prefetch=None, hoist_q=None,
+                        num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None,
                         interpret=False, return_raw=False):
     """Pallas path of ``label_scores`` (modes and tuning: see the module docstring).
 
@@ -1119,6 +1153,8 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     check_packed_width(w, channels.shape[-1], bits)
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else scale
     if mode == "per_tile":
+        if q_prep not in (None, "xla"):
+            raise ValueError("mode 'per_tile' makes its query side in XLA only (q_prep='xla')")
         return _per_tile_scores(
             q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths,
             scale=scale, bits=bits,
@@ -1137,7 +1173,7 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
         cnt = jnp.full((b, hkv), num_cand, jnp.int32) if counts is None else counts
     return _looped_scores(
         q, labels, channels, src, cnt, lengths, source=source, num_cand=num_cand, block_size=1,
-        sm_scale=sm_scale, bits=bits, mode=mode, splits=splits, hoist_q=hoist_q,
+        sm_scale=sm_scale, bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, q_prep=q_prep,
         interpret=interpret, return_raw=return_raw,
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))
 
@@ -1174,7 +1210,7 @@ def block_label_scores_reference(q, labels, channels, block_ids, block_counts, l
 @functools.partial(jax.jit, static_argnames=("block_size", "masked_score") + _KERNEL_STATIC)
 def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                               scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
-                              num_stages=None, splits=None, prefetch=None, hoist_q=None,
+                              num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None,
                               interpret=False, return_raw=False, masked_score=0.0):
     """Pallas path of ``block_label_scores``: candidate positions are made in
     registers from the block ids (no candidate array is read), and a block's
@@ -1191,6 +1227,6 @@ def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, leng
     return _looped_scores(
         q, labels, channels, block_ids, block_counts, lengths, source="blocks",
         num_cand=block_ids.shape[-1] * block_size, block_size=block_size, sm_scale=sm_scale,
-        bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, interpret=interpret,
+        bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, q_prep=q_prep, interpret=interpret,
         return_raw=return_raw, masked_score=float(masked_score),
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))

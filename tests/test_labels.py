@@ -290,6 +290,10 @@ LOOPED_CASES = [
     (4, 2, 64, 16, 4, 45, dict(mode="two_pass", block_c=16, hoist_q=False, prefetch=2)),
     (3, 1, 64, 32, 2, 40, dict(mode="logits", block_c=16, splits=2)),
     (9, 3, 64, 16, 8, 33, dict(mode="two_pass", block_c=16, splits=2)),
+    # the query side gathered by each program (q_prep="kernel") instead of an XLA fusion
+    (12, 4, 128, 32, 4, 77, dict(mode="logits", block_c=16, splits=3, prefetch=1, q_prep="kernel")),
+    (9, 3, 64, 16, 2, 45, dict(mode="two_pass", block_c=16, splits=2, q_prep="kernel")),
+    (8, 1, 256, 64, 4, 40, dict(mode="logits", block_c=16, splits=2, q_prep="kernel")),  # MQA, D=256, r=64
 ]
 
 
@@ -538,9 +542,37 @@ def test_kernels_lower_to_triton(abstract_h100):
                     q, c, ch, bid, n, l, block_size=64, mode=mode, masked_score=-np.inf),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),  # masked slots as -inf
             ]
+    for labels in (cache32, rec32):  # the query side gathered in the kernel
+        fns += [(lambda q, c, ch, bid, n, l: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
+                                                                          q_prep="kernel"),
+                 (sd((2, 12, 128), jnp.bfloat16), labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens))]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+
+
+def test_query_side_in_the_kernel_equals_the_xla_one_and_refuses_conflicts():
+    """``q_prep="kernel"`` (the channel gather and scale made by each program) gives the
+    ``q_prep="xla"`` scores, over cache and records; with the query not hoisted, or in the
+    per-tile mode, it is refused before any tracing of the kernel."""
+    b, hq, hkv, s, d, r = 2, 12, 4, 150, 128, 32
+    k = _keys(5, b, hkv, s, d, jnp.bfloat16)
+    channels = _channels(7, hkv, d, r)
+    q = _randn(3, (b, hq, d), jnp.bfloat16, 2.0)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    blocks = jnp.asarray([[[0, 1, 2], [2, 0, 9], [1, 1, 0], [0, 2, 1]]] * 2, jnp.int32)
+    counts = jnp.asarray([[3, 2, 1, 0], [3, 3, 3, 3]], jnp.int32)
+    lengths = jnp.asarray([150, 100], jnp.int32)
+    for labels in (cache, lb.interleave_labels(cache)):
+        for mode in ("logits", "two_pass"):
+            kw = dict(block_size=64, impl="pallas", mode=mode, block_c=32, splits=2)
+            xla = scoring.block_label_scores(q, labels, channels, blocks, counts, lengths, **kw)
+            ker = scoring.block_label_scores(q, labels, channels, blocks, counts, lengths, q_prep="kernel", **kw)
+            np.testing.assert_allclose(np.asarray(ker), np.asarray(xla), rtol=1e-5, atol=1e-7)
+    cand = jnp.zeros((b, hkv, 8), jnp.int32)
+    for bad in (dict(q_prep="kernel", hoist_q=False), dict(q_prep="kernel", mode="per_tile"), dict(q_prep="cuda")):
+        with pytest.raises(ValueError, match="q_prep"):
+            scoring.label_scores(q, cache, channels, cand, impl="pallas", **bad)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

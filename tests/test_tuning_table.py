@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels import tuning
 from pallas_kernels.block_sparse_decode import TUNING_KEYS as BLOCK_KEYS, resolve_block_tuning
-from pallas_kernels.labels import TUNING_KEYS as LABEL_KEYS
+from pallas_kernels.labels import Q_PREPS, TUNING_KEYS as LABEL_KEYS
 from pallas_kernels.quantized_boxes import PREPS
 from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
 from pallas_kernels.split_merge import MERGES
@@ -50,6 +50,9 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
         cfg = entry["config"]
         assert set(cfg) <= set(allowed[kernel]), (key, cfg)
         assert entry["device"] and entry["measured_at"], key
+        if kernel in ("label_scores", "block_label_scores"):
+            assert cfg.get("q_prep", "xla") in Q_PREPS and not (cfg.get("q_prep") == "kernel"
+                                                               and cfg.get("hoist_q") is False), (key, cfg)
         if kernel in ("sparse_decode", "block_sparse_decode"):
             assert cfg.get("merge", "xla") in MERGES, (key, cfg)
         if kernel == "sparse_decode":
