@@ -87,7 +87,10 @@ def topk_candidates(n: int, k: int) -> list[dict]:
     elif n <= 4096:
         extra = [dict(), dict(block_rows=2)]
     out = []
-    for nw, rb, ee in itertools.product((None, 4, 8, 16), (1, 2, 4), (True, False)):
+    # 32 warps for long rows: 8 keys a thread, so each round's count chain is a quarter of
+    # 8 warps' (the chain binds the single-row search at B=1: ncu_step_h200_v13.md)
+    warps = (None, 4, 8, 16, 32) if n >= 8192 else (None, 4, 8, 16)
+    for nw, rb, ee in itertools.product(warps, (1, 2, 4), (True, False)):
         for ex in extra:
             cfg = {"num_warps": nw, "radix_bits": rb, "early_exit": ee, **ex}
             plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}

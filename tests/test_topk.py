@@ -329,6 +329,7 @@ def _lower_for_h100(fn, *specs):
         (64, 32768, 512, {}, 2),
         (64, 8192, 2048, dict(rows_per_count=8, greater_first=True), 1),
         (64, 32768, 512, dict(rows_per_count=8), 2),
+        (8, 8192, 2048, dict(num_warps=32), 1),  # 1,024 threads a row: the tune's B=1 candidate
     ],
 )
 def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):
