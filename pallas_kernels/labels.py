@@ -675,9 +675,9 @@ def _scaled_codes(x, bits: int):
     Field k is masked where it lies (shifted right by ``_MAGIC_SHIFT`` first if it ends
     above bit 23), OR-ed into the f32 2**23, and 2**23 is subtracted: one LOP3 and one
     FADD a code, against a shift, a sign extension and a conversion (I2FP) in the SASS
-    of the plain unpack. The label kernel is bound by instruction issue (ncu on the
-    H200, 2026-11-28: 509 instructions a candidate, two thirds of the issue slots busy
-    at 8 warps an SM).
+    of the plain unpack. At v13 the label kernel was bound by instruction issue (ncu on
+    the H200: 509 instructions a candidate, two thirds of the issue slots busy at 8 warps
+    an SM); with this and ``fma_f32``, 382 (``ncu_step_h200_v13.md``, ``_v14.md``).
     """
     levels = (1 << bits) - 1
     high = lax.shift_right_logical(x, np.int32(_MAGIC_SHIFT))
@@ -776,13 +776,14 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             rows = jnp.sum(x << (8 * jnp.arange(4, dtype=jnp.int32))[None, None, :], axis=2)
         return rows, lsc, loff
 
-    if hoist_q:
+    query = {}  # "qv" (hoisted: [F][G] of [N]) and "qsum" ([G]), read by logits_of when it is traced
+
+    def hoist_query():
         # The query lives in registers across the loop; its channel sums come
         # from the same registers (in-thread: every thread holds all of it).
         if q_prep == "kernel":
             # _prepare_query's gather made here, once a program, in place of an XLA fusion
-            # before the kernel: field f's word a is channel channels[a * F + f]. These
-            # loads do not wait on the first tiles' loads, issued before them.
+            # before the kernel: field f's word a is channel channels[a * F + f]
             lane = jnp.arange(nper, dtype=jnp.int32)
             qv = []
             for f in range(fields):
@@ -795,15 +796,23 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         # [TC] (every lane the same) rather than a scalar: reduced like the
         # products, inside each thread, with no cross-lane reduction.
         ones = jnp.ones((tc, nper), jnp.float32)
-        qsum = [jnp.sum(functools.reduce(lambda a, b: a + b, [ones * qv[f][g][None, :]
-                                                             for f in range(len(qv))]), axis=1)
-                for g in range(group)]
+        query["qsum"] = [jnp.sum(functools.reduce(lambda a, b: a + b, [ones * qv[f][g][None, :]
+                                                                      for f in range(len(qv))]), axis=1)
+                         for g in range(group)]
         if words:
             # Codes unpacked in place (``_scaled_codes``): field f comes out times
             # 2**e_f, so its query weights carry 2**-e_f (exact: powers of two), once.
             qv = [[qv[f][g] * np.float32(2.0 ** -e) for g in range(group)]
                   for f, e in enumerate(_field_exponents(bits))]
-        load_q = lambda f, g, t: qv[f][g]  # noqa: E731
+        query["qv"] = qv
+
+    # The gathered query (q_prep="kernel") is two dependent loads and a sum: made after the
+    # first tiles' loads are issued (below), so that its latency overlaps theirs.
+    defer_query = hoist_q and q_prep == "kernel"
+    if hoist_q:
+        if not defer_query:
+            hoist_query()
+        load_q = lambda f, g, t: query["qv"][f][g]  # noqa: E731
     else:
         # Reloaded (L1 hits) every tile: the loop-variant mask keeps LLVM from
         # hoisting the loads and keeping them in registers anyway.
@@ -811,9 +820,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             return plgpu.load(q_ref.at[jnp.int32(f), jnp.int32(g), pl.ds(0, nper)],
                               mask=jnp.full((nper,), t >= 0), other=0.0)
 
-        qsum = [functools.reduce(lambda a, b: a + b, [jnp.sum(q_ref[jnp.int32(f), jnp.int32(g), :])
-                                                     for f in range(fields)])
-                for g in range(group)]
+        query["qsum"] = [functools.reduce(lambda a, b: a + b, [jnp.sum(q_ref[jnp.int32(f), jnp.int32(g), :])
+                                                              for f in range(fields)])
+                         for g in range(group)]
 
     def logits_of(t, rows, lsc, loff):
         x = rows.astype(jnp.int32)
@@ -841,7 +850,7 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
                 for f, c in enumerate(codes):
                     part = jnp.sum(c * load_q(f, g, t)[None, :], axis=1)
                     dot = part if dot is None else dot + part
-            out.append(fma(dot, lsc, qsum[g] * loff))  # dequantization folded in
+            out.append(fma(dot, lsc, query["qsum"][g] * loff))  # dequantization folded in
         return out
 
     if phase == "scores":
@@ -905,6 +914,8 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             pos_k = fetch_pos(t_first + k)
             rowq.append((pos_k, *fetch_rows(pos_k)))
             posq.append(fetch_pos(t_first + d + k))
+        if defer_query:
+            hoist_query()
 
         def body(j, carry):
             rowq, posq, stats = carry
@@ -925,6 +936,8 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             pos = fetch_pos(t)
             return compute(t, pos, *fetch_rows(pos), stats)
 
+        if defer_query:
+            hoist_query()
         stats = lax.fori_loop(0, n_work, body, stats0)
 
     if phase != "stats":
