@@ -1,10 +1,13 @@
-"""benchmarks.breakdown: stages of a decode step from a kernels results file (no GPU)."""
+"""The tools that read a decode step's measurements (no GPU): benchmarks.breakdown (stages from a
+kernels results file), benchmarks.ncu_summary (Nsight Compute exports, here small ones in its CSV
+formats) and benchmarks.ncu_step's argument checks (they come before any device work)."""
 
 import json
 
 import pytest
 
 from benchmarks import breakdown as bd
+from benchmarks import ncu_step, ncu_summary
 
 STAMP = {"device": "cpu", "jax": "x", "date": "today", "git_commit": "abc", "command": "python -m benchmarks.kernels"}
 KERNELS = [["loop_select_fusion_2", 0.001], ["quest_block_scores", 0.030], ["topk_select_l0", 0.007],
@@ -52,3 +55,68 @@ def test_cli_errors_name_what_is_there(tmp_path):
         bd.main([str(src), "--rows", "AsyncTLS operator (end to end)", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no such results file"):
         bd.main([str(tmp_path / "missing.json")])
+
+
+# ---- benchmarks.ncu_summary and benchmarks.ncu_step
+
+RAW = (
+    '"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread",'
+    '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+    '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"\n'
+    '"","","us","register/thread","ratio","ratio"\n'
+    '"0","label_logits_x","14.27","225","1.16","0.17"\n'
+    '"1","sparse_decode_y","1,023.50","158","0.50","2.25"\n'
+)
+
+SASS = (
+    '"Kernel Name","label_logits_x",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",\n'
+    '"0x1","      FFMA R1, R2, R3, R1","5","96",\n'
+    '"0x2","@!P0  FFMA R4, R2, R3, R4","1","32",\n'
+    '"0x3","      LOP3.LUT R5, R6, 0xf, RZ, 0xc0, !PT","4","64",\n'
+    '"0x4","      EXIT","0","",\n'
+    '"Kernel Name","sparse_decode_y",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",\n'
+    '"0x1","      BAR.SYNC.DEFER_BLOCKING 0x0","9","10",\n'
+)
+
+
+def test_raw_export_gives_each_launch_its_metrics_and_stalls():
+    raw = ncu_summary.read_raw(RAW)
+    assert [r["kernel"] for r in raw] == ["label_logits_x", "sparse_decode_y"]
+    assert raw[0]["us"] == 14.27 and raw[0]["regs"] == 225 and raw[1]["us"] == 1023.5
+    assert raw[0]["occ_theory_%"] is None  # not in this export: left blank
+    assert raw[0]["stalls"] == [("long_scoreboard", 1.16), ("barrier", 0.17)]
+    assert raw[1]["stalls"][0] == ("barrier", 2.25)  # largest first
+
+
+def test_sass_export_counts_opcodes_with_predicates_and_modifiers_dropped():
+    sass = ncu_summary.read_sass(SASS)
+    mix = sass["label_logits_x"]
+    assert mix["total"] == 192 and mix["ops"] == {"FFMA": 128, "LOP3": 64}
+    assert mix["stalls"] == {"FFMA": 6, "LOP3": 4}
+    assert sass["sparse_decode_y"]["ops"] == {"BAR": 10}
+
+
+def test_summary_divides_by_the_work_items():
+    md = ncu_summary.summarize(ncu_summary.read_raw(RAW), ncu_summary.read_sass(SASS), {"label_logits": 64})
+    assert "| label_logits_x | 14.27 | 225 |" in md
+    assert "192 warp instructions = 96 a work item (64 items)" in md  # 192 * 32 threads / 64
+    assert "| FFMA | 128 | 66.7% | 60.0% |" in md
+
+
+def test_bad_exports_and_arguments_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="Kernel Name"):
+        ncu_summary.read_raw("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="Kernel Name"):
+        ncu_summary.read_sass("nothing here")
+    with pytest.raises(ValueError, match="KERNEL_PREFIX=COUNT"):
+        ncu_summary.parse_work(["label_logits=0"])
+    bad = tmp_path / "raw.csv"
+    bad.write_text("x\n")
+    with pytest.raises(SystemExit, match="ncu_summary"):
+        ncu_summary.main([str(bad)])
+    for argv in (["--seq", "100"], ["--budget", "0"], ["--batch", "0"], ["--seq", "128", "--budget", "256"]):
+        with pytest.raises(SystemExit):
+            ncu_step.parse_args(argv)
+    assert ncu_step.parse_args(["--batch", "1", "--seq", "4096", "--budget", "512"]).budget == 512
