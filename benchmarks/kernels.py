@@ -409,12 +409,13 @@ def main(argv=None):
                         "(dense cuDNN still runs at every shape)")
     p.add_argument("--merge", default=None, help="comma-separated result JSONs of one device to join (no run)")
     args = p.parse_args(argv)
+    budgets = [2048] if args.quick else [512, 1024, 2048]
     if args.budgets:  # checked before any device work
         try:
-            parsed_budgets = [int(x) for x in args.budgets.split(",")]
+            budgets = [int(x) for x in args.budgets.split(",")]
         except ValueError:
             sys.exit(f"--budgets: expected comma-separated integers, got {args.budgets!r}")
-        if any(k < 1 for k in parsed_budgets):
+        if any(k < 1 for k in budgets):
             sys.exit(f"--budgets: every K must be >= 1, got {args.budgets!r}")
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
@@ -437,9 +438,6 @@ def main(argv=None):
     grid = [(8, 32768)] if args.quick else [(b, s) for b in (1, 8, 32) for s in (32768, 131072)]
     if args.shapes:
         grid = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
-    budgets = [2048] if args.quick else [512, 1024, 2048]
-    if args.budgets:
-        budgets = parsed_budgets
     rows = []
     name = args.name or ("kernels_quick" if args.quick else "kernels")
     for i, (b, s) in enumerate(grid):

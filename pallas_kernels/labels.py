@@ -806,9 +806,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
                   for f, e in enumerate(_field_exponents(bits))]
         query["qv"] = qv
 
-    # The gathered query (q_prep="kernel") is two dependent loads and a sum: made after the
-    # first tiles' loads are issued (below), so that its latency overlaps theirs.
-    defer_query = hoist_q and q_prep == "kernel"
+    # The gathered query (q_prep="kernel") is two dependent loads and a sum: with prefetch, made
+    # after the first tiles' loads are issued (below), so that its latency overlaps theirs.
+    defer_query = bool(hoist_q and q_prep == "kernel" and prefetch)
     if hoist_q:
         if not defer_query:
             hoist_query()
@@ -936,8 +936,6 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
             pos = fetch_pos(t)
             return compute(t, pos, *fetch_rows(pos), stats)
 
-        if defer_query:
-            hoist_query()
         stats = lax.fori_loop(0, n_work, body, stats0)
 
     if phase != "stats":

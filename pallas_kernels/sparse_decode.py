@@ -68,8 +68,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.merge import MASK_VALUE, combine_splits
-from pallas_kernels.split_merge import MERGES, merge_splits_pallas
+from pallas_kernels.merge import MASK_VALUE
+from pallas_kernels.split_merge import MERGES, merge_splits_pallas, merge_splits_reference
 from pallas_kernels._util import exp_fast, next_pow2
 
 # Tuning defaults (the lead sweeps these on the H100).
@@ -435,15 +435,12 @@ def finish_splits(o, m, l, G: int, out_dtype, return_residuals: bool, *, merge=N
     D = o.shape[-1]
     if merge == "pallas":
         out, m_all, l_all = merge_splits_pallas(o, m, l, jnp.dtype(out_dtype), interpret=interpret)
-        out = out.reshape(B, Hkv * G, D)
-        if return_residuals:
-            return out, (m_all.reshape(B, Hkv * G), l_all.reshape(B, Hkv * G))
-        return out
-    # JAX's own decode kernel notes NaNs after jit without a barrier here;
-    # it costs nothing, so keep the max from being fused into the kernel inputs.
-    m = lax.optimization_barrier(m)
-    out, m_all, l_all = combine_splits(o, m, l, axis=2)
-    out = out.reshape(B, Hkv * G, D).astype(out_dtype)
+    else:
+        # JAX's own decode kernel notes NaNs after jit without a barrier here;
+        # it costs nothing, so keep the max from being fused into the kernel inputs.
+        m = lax.optimization_barrier(m)
+        out, m_all, l_all = merge_splits_reference(o, m, l, out_dtype)
+    out = out.reshape(B, Hkv * G, D)
     if return_residuals:
         return out, (m_all.reshape(B, Hkv * G), l_all.reshape(B, Hkv * G))
     return out
