@@ -355,14 +355,17 @@ def _select_kernel(
     table_width: int = 0,
     dense_limit: int | None = None,
     rows_per_dense: int = 1,
+    has_append: bool = False,
+    rows_per_append: int = 1,
 ):
     """One (row block, chunk) program of one level.
 
     Inputs (flat): level 1: ``scores f32[R*N]``; later levels:
     ``keys i32[R*M], pos i32[R*M]``; plus ``counts i32[R]`` if given; on the final level,
-    ``table i32[R*table_width]`` if ``table_block`` and ``dense i32[R / rows_per_dense]`` if
-    ``dense_limit`` is set.
-    Outputs (flat): final: ``idx i32[R*k]``; else ``keys, pos i32[R*M']``; with ``count_above``
+    ``table i32[R*table_width]`` if ``table_block``, ``dense i32[R / rows_per_dense]`` if
+    ``dense_limit`` is set and ``append i32[R / rows_per_append]`` if ``has_append``.
+    Outputs (flat): final: ``idx i32[R*out_stride]`` (``out_stride`` is k, or k + 1 with
+    ``has_append``: the appended value in column k); else ``keys, pos i32[R*M']``; with ``count_above``
     (single level only) also ``n i32[R]``: ``min(k, #(valid scores > count_above))``, or a
     dense row's length.
     """
@@ -374,11 +377,13 @@ def _select_kernel(
         counts_ref, rest = rest[0], rest[1:]
     else:
         counts_ref = None
-    table_ref = dense_ref = None
+    table_ref = dense_ref = append_ref = None
     if final and table_block:
         table_ref, rest = rest[0], rest[1:]
     if final and dense_limit is not None:
         dense_ref, rest = rest[0], rest[1:]
+    if final and has_append:
+        append_ref, rest = rest[0], rest[1:]
     out_refs = rest
 
     br, c = block_rows, chunk
@@ -459,6 +464,13 @@ def _select_kernel(
                 table_ref, rows, fill_pos, fill, width=table_width, block=table_block)
             fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
         plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
+        if append_ref is not None:
+            # the caller's value after the k positions (e.g. the newest block, which every row
+            # attends): one store here in place of an XLA concatenate, a launch, after the kernel
+            row_flat = rows[:, 0]
+            last = _per_row(append_ref, rows, n_rows, rows_per_append)[:, 0]
+            plgpu.store(out_refs[0].at[jnp.where(row_ok[:, 0], row_flat * out_stride + k_out, oob)], last,
+                        mask=row_ok[:, 0])
     else:
         dst = jnp.where(take, rows * out_stride + ci * k_sel + slot, oob)
         plgpu.store(out_refs[0].at[dst], key, mask=take)
@@ -485,6 +497,8 @@ def topk_pallas(
     dense_lengths=None,
     dense_limit: int | None = None,
     rows_per_dense: int = 1,
+    append=None,
+    rows_per_append: int = 1,
     interpret: bool = False,
 ):
     """Kernel path: ``scores f32[R, N]``, ``counts i32[R] | None`` -> ``i32[R, k]``
@@ -514,7 +528,8 @@ def topk_pallas(
     short row's ``arange(k)`` included. ``dense_lengths`` (``int32[R / rows_per_dense]``) and
     ``dense_limit``: a row whose length is at most ``dense_limit`` (a context short enough to
     attend whole) gets positions ``arange(k)``, not mapped, and, with ``count_above``, its
-    length as the count.
+    length as the count. ``append`` (``int32[R / rows_per_append]``): the result is
+    ``i32[R, k + 1]``, each row's value in its last column (stored by the final level).
     """
     r, n = scores.shape
     if radix_bits not in (1, 2, 4):
@@ -546,13 +561,18 @@ def topk_pallas(
         if dense_lengths.ndim != 1 or dense_lengths.shape[0] * rows_per_dense != r:
             raise ValueError(f"dense_lengths [{dense_lengths.shape}] x rows_per_dense {rows_per_dense} != rows {r}")
         final_extra += (dense_lengths.astype(jnp.int32),)
+    if append is not None:
+        if append.ndim != 1 or append.shape[0] * rows_per_append != r:
+            raise ValueError(f"append [{append.shape}] x rows_per_append {rows_per_append} != rows {r}")
+        final_extra += (append.astype(jnp.int32),)
+    k_cols = k + (append is not None)
 
     srcs = (scores.astype(jnp.float32).reshape(r * n),)
     for lvl_i, lvl in enumerate(plan.levels):
         first = lvl_i == 0
         if lvl.final:
-            out_stride = k
-            out_shape = (jax.ShapeDtypeStruct((r * k,), jnp.int32),)
+            out_stride = k_cols
+            out_shape = (jax.ShapeDtypeStruct((r * k_cols,), jnp.int32),)
             if count_above is not None:
                 out_shape += (jax.ShapeDtypeStruct((r,), jnp.int32),)
         else:
@@ -580,6 +600,8 @@ def topk_pallas(
             table_width=block_table.shape[1] if block_table is not None else 0,
             dense_limit=None if dense_limit is None else int(dense_limit),
             rows_per_dense=rows_per_dense,
+            has_append=append is not None,
+            rows_per_append=rows_per_append,
         )
         outs = pl.pallas_call(
             kern,
@@ -591,5 +613,5 @@ def topk_pallas(
         )(*srcs, *extra, *(final_extra if lvl.final else ()))
         srcs = tuple(outs)
     if count_above is not None:
-        return srcs[0].reshape(r, k), srcs[1]
-    return srcs[0].reshape(r, k)
+        return srcs[0].reshape(r, k_cols), srcs[1]
+    return srcs[0].reshape(r, k_cols)

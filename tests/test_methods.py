@@ -265,6 +265,39 @@ def test_block_bound_group_reduction():
         get_method("quest", budget=64, group_reduce="mean")
 
 
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_filter_writes_short_rows_and_the_newest_block_in_its_top_k(impl):
+    """The filter's fallback and the newest block come out of its top-k kernel (``dense_lengths``,
+    ``append``), not an XLA select and concatenate after it: the same blocks as that old form,
+    ``where(newest <= n-1, arange(n-1), top)`` with the newest appended, for a long row, a row
+    exactly at n-1 blocks and a short one; and the one-block filter (n-1 = 0)."""
+    from sparse_jax.methods.quest import BlockBoxes
+    from sparse_jax.ops.scoring import quest_block_scores
+    from sparse_jax.ops.selection import topk_indices
+
+    rng = np.random.default_rng(4)
+    nb, bs = 20, 32
+    upper = jnp.asarray(rng.normal(size=(3, HKV, nb, D)).astype(np.float32))
+    boxes = BlockBoxes(upper, upper - jnp.asarray(rng.random(upper.shape).astype(np.float32)))
+    q = jnp.asarray(rng.normal(size=(3, HQ, D)).astype(np.float32))
+    for kb in (6, 1):
+        m = get_method("asynctls", budget=64, kb=kb, block_size=bs, impl=impl)
+        n1 = kb - 1
+        newest = jnp.asarray([17, n1, 2], jnp.int32)  # long, at the limit, short
+        got = np.asarray(m.pick_blocks(q, boxes, newest, with_newest=True))
+        plain = np.asarray(m.pick_blocks(q, boxes, newest))
+        assert got.shape == (3, HKV, n1 + 1) and plain.shape == (3, HKV, n1)
+        if n1:  # the old form
+            scores = quest_block_scores(q, boxes.upper, boxes.lower, group_reduce=m.group_reduce, impl="reference")
+            top = np.asarray(topk_indices(scores, n1, newest[:, None], impl="reference"))
+            want = np.where((np.asarray(newest) <= n1)[:, None, None], np.arange(n1), top)
+            np.testing.assert_array_equal(np.sort(plain, -1), np.sort(want, -1))  # the kernel's order: ascending
+            # in order: a short row's candidates are its tokens 0..L-1 first (expand_blocks)
+            np.testing.assert_array_equal(plain[1:], np.broadcast_to(np.arange(n1), (2, HKV, n1)))
+        np.testing.assert_array_equal(got[..., :n1], plain)
+        np.testing.assert_array_equal(got[..., n1], np.broadcast_to(np.asarray(newest)[:, None], (3, HKV)))
+
+
 def test_asynctls_fused_selection_selects_the_same(monkeypatch):
     """``fused_selection=True`` (one kernel normalizes, selects and maps the labels' top
     tokens) picks the tokens the unfused kernels do, through the kernel path (Pallas

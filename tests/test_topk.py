@@ -521,3 +521,71 @@ def test_topk_indices_maps_through_a_block_table_with_dense_rows(impl):
     for kw in bad:
         with pytest.raises((ValueError, TypeError)):
             topk_indices(xj, k, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (100, 64, dict(block_rows=2)),
+                                        (5000, 64, {"max_single": 1024})])  # appended by a second level
+def test_append_writes_one_more_column(n, k, tuning):
+    """``append``: ``[R, k + 1]``, the first k columns exactly the plain result (table, dense
+    rows, short rows and counts unchanged) and each row's value (shared by its heads with
+    ``rows_per_append``) in the last."""
+    b, h = 3, 2
+    r = b * h
+    x = distinct_scores((r, n))
+    rng = np.random.default_rng(k + 1)
+    x[rng.random(x.shape) < 0.2] = -np.inf
+    counts = jnp.asarray(np.array([n, k - 5, n, n, n // 2, n], np.int32))
+    lengths = jnp.asarray(np.array([5, 900, 40], np.int32))
+    extra = np.array([70, -3, 2**31 - 1], np.int32)
+    run = functools.partial(topk_k.topk_pallas, jnp.asarray(x, jnp.float32), k, counts, interpret=True,
+                            dense_lengths=lengths, dense_limit=64, rows_per_dense=h, **tuning)
+    kw = {} if "max_single" in tuning else dict(count_above=-np.inf)
+    plain = run(**kw)
+    got = run(append=jnp.asarray(extra), rows_per_append=h, **kw)
+    if kw:
+        (plain, plain_cnt), (got, cnt) = plain, got
+        np.testing.assert_array_equal(np.asarray(cnt), np.asarray(plain_cnt))
+    got = np.asarray(got)
+    assert got.shape == (r, k + 1)
+    np.testing.assert_array_equal(got[:, :k], np.asarray(plain))
+    np.testing.assert_array_equal(got[:, k], np.repeat(extra, h))
+    per_row = np.arange(r, dtype=np.int32) * 11  # one value a row
+    got = np.asarray(run(append=jnp.asarray(per_row), **kw)[0] if kw else run(append=jnp.asarray(per_row)))
+    np.testing.assert_array_equal(got[:, k], per_row)
+    with pytest.raises(ValueError, match="append"):
+        run(append=jnp.asarray(extra))  # 3 values for 6 rows, rows_per_append 1
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_topk_indices_append_as_the_filter_uses_it(impl):
+    """The op's ``append`` with the filter's arguments (counts, dense rows and the appended
+    value all one per batch row, ``[B, 1]``): the plain result with the value as the last
+    column, in both implementations; a bad ``append`` fails before any work."""
+    b, h, n, k = 3, 4, 128, 15
+    x = jnp.asarray(distinct_scores((b * h, n)).reshape(b, h, n), jnp.float32)
+    newest = jnp.asarray([[100], [9], [15]], jnp.int32)  # row 1 dense (9 <= k), row 2 at the limit
+    kw = dict(impl=impl, dense_lengths=newest, dense_limit=k)
+    plain = np.asarray(topk_indices(x, k, newest, **kw))
+    got = np.asarray(topk_indices(x, k, newest, append=newest, **kw))
+    assert got.shape == (b, h, k + 1)
+    np.testing.assert_array_equal(got[..., :k], plain)
+    np.testing.assert_array_equal(got[..., k], np.broadcast_to(np.asarray(newest), (b, h)))
+    np.testing.assert_array_equal(got[1:, :, :k], np.broadcast_to(np.arange(k), (2, h, k)))  # dense: all blocks
+    empty = topk_indices(x[:0], k, append=newest[:0], impl=impl)
+    assert empty.shape == (0, h, k + 1)
+    for bad in (newest[:2], newest.astype(jnp.float32), jnp.zeros((b, h, 1), jnp.int32)):
+        with pytest.raises((ValueError, TypeError), match="append"):
+            topk_indices(x, k, newest, append=bad, **kw)
+
+
+def test_append_lowers_to_triton_for_h100():
+    """The filter's call at 128K: 2,048 block scores a row, k = 127, the newest block appended."""
+    pytest.importorskip("jax._src.lib.triton")
+
+    def fn(x, c):
+        return topk_k.topk_pallas(x, 127, c, rows_per_count=8, dense_lengths=c, dense_limit=127, rows_per_dense=8,
+                                  append=c, rows_per_append=8)
+
+    sd = jax.ShapeDtypeStruct
+    txt = _lower_for_h100(fn, sd((64, 2048), jnp.float32), sd((8,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1

@@ -243,9 +243,10 @@ class AsyncTLS(DoubleSparsity):
         labels = update_label_cache(state.labels, k_new, channels, positions)
         return TwoLevelState(boxes, labels, state.prev_blocks)
 
-    def select_tokens(self, q, state, blocks, lengths, channels, capacity):
+    def select_tokens(self, q, state, blocks, lengths, channels, capacity, *, with_newest=False):
         """Top tokens by label score inside ``blocks [B,Hkv,n-1]`` and the newest
-        block: ``(positions int32[B,Hkv,K], counts int32[B,Hkv])``.
+        block: ``(positions int32[B,Hkv,K], counts int32[B,Hkv])``. ``with_newest``:
+        ``blocks [B,Hkv,n]`` already end with the newest (``pick_blocks(with_newest=True)``).
 
         The labels are scored over the block ids (``block_label_scores``: the
         kernel makes the positions in registers, so no candidate array is written
@@ -253,8 +254,12 @@ class AsyncTLS(DoubleSparsity):
         ``arange`` blocks already hold its newest block unless that is block
         ``n-1``, so the appended copy is counted out; tokens at or past ``lengths``
         score 0."""
+        if with_newest:
+            all_blocks, newest = blocks, (lengths - 1) // self.block_size
+            blocks = blocks[..., :-1]
+        else:
+            all_blocks, newest = self._with_newest(blocks, lengths)
         n1 = blocks.shape[-1]
-        all_blocks, newest = self._with_newest(blocks, lengths)
         scored = jnp.where(newest < n1, n1, n1 + 1)[:, None].astype(jnp.int32)  # [B, 1]: every KV head
         if not self.sink and not self.window:
             # AsyncTLS as published: the top tokens of the candidates, scored, chosen and
@@ -282,25 +287,30 @@ class AsyncTLS(DoubleSparsity):
     def append_state(self, state, kv, positions, layer):
         return self.append_key(state, kv.newest_keys(positions), positions, layer.data["channels"])
 
-    def pick_blocks(self, q, boxes, newest):
+    def pick_blocks(self, q, boxes, newest, *, with_newest=False):
         """The filter: ``int32[B, Hkv, n-1]`` best blocks by the Quest bound among
         blocks ``< newest int32[B]`` (the newest block is attended anyway).
         Rows with ``newest <= n-1`` get ``arange(n-1)``: all their blocks (and
-        some past the context, which :meth:`expand_blocks` counts out)."""
+        some past the context, which :meth:`expand_blocks` counts out).
+        ``with_newest``: ``int32[B, Hkv, n]``, ``newest`` appended (by the top-k kernel as it
+        stores, not by a concatenate after it)."""
         if isinstance(boxes, QuantizedBoxes):
             scores = quest_block_scores_quantized(q, boxes, group_reduce=self.group_reduce, impl=self.impl)
         else:
             scores = quest_block_scores(q, boxes.upper, boxes.lower, group_reduce=self.group_reduce, impl=self.impl)
         b, hkv, nb = scores.shape
         n1 = min(self.kb, nb) - 1
+        last = newest.astype(jnp.int32)[:, None]  # [B, 1]: every KV head of the row
         if n1 < 1:
-            return jnp.zeros((b, hkv, 0), jnp.int32)
+            empty = jnp.zeros((b, hkv, 0), jnp.int32)
+            return jnp.concatenate([empty, jnp.broadcast_to(last[..., None], (b, hkv, 1))], -1) if with_newest \
+                else empty
         # blocks at or past the newest are not candidates: the top-k's count leaves them out
-        # (as an -inf mask did, without a pass over the scores); a row with fewer than n1 of
-        # them is replaced below
-        top = topk_indices(scores, n1, newest[:, None], impl=self.impl)
-        short = (newest <= n1)[:, None, None]
-        return jnp.where(short, jnp.arange(n1, dtype=jnp.int32), top).astype(jnp.int32)
+        # (as an -inf mask did, without a pass over the scores); a row with at most n1 blocks
+        # before its newest gets arange(n1), written by the kernel (its dense fallback) rather
+        # than by a select after it
+        return topk_indices(scores, n1, last, impl=self.impl, dense_lengths=last, dense_limit=n1,
+                            append=last if with_newest else None)
 
     def _with_newest(self, blocks, lengths):
         """``(blocks [B,Hkv,n-1]`` with each row's newest block appended ``[B,Hkv,n]``,
@@ -325,10 +335,11 @@ class AsyncTLS(DoubleSparsity):
     def select(self, q, kv, lengths, state, carry, layer):
         channels = layer.data["channels"]
         if self.lag:
-            blocks = state.prev_blocks
-        else:
-            blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size)
-        indices, counts = self.select_tokens(q, state, blocks, lengths, channels, kv.capacity)
+            indices, counts = self.select_tokens(q, state, state.prev_blocks, lengths, channels, kv.capacity)
+        else:  # the filter's blocks with the newest appended, as the label kernels read them
+            blocks = self.pick_blocks(q, state.boxes, (lengths - 1) // self.block_size, with_newest=True)
+            indices, counts = self.select_tokens(q, state, blocks, lengths, channels, kv.capacity,
+                                                 with_newest=True)
         if not self.lag:
             return Selection.tokens(indices, counts), state, carry
         # this query picks the next step's blocks (its newest block is lengths // bs): the

@@ -173,8 +173,8 @@ def _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit)
 
 @functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above", "block_size",
                                              "dense_limit"))
-def _run(scores, counts, block_table=None, dense_lengths=None, *, k, choice, interpret, tuning, count_above=None,
-         block_size=None, dense_limit=None):
+def _run(scores, counts, block_table=None, dense_lengths=None, append=None, *, k, choice, interpret, tuning,
+         count_above=None, block_size=None, dense_limit=None):
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     r = math.prod(lead)
@@ -193,6 +193,9 @@ def _run(scores, counts, block_table=None, dense_lengths=None, *, k, choice, int
             out = jnp.take_along_axis(table, out // block_size, axis=-1) * block_size + out % block_size
         if dense is not None:
             out = jnp.where(dense[:, None], jnp.arange(k, dtype=jnp.int32)[None, :], out)
+        if append is not None:
+            last = jnp.broadcast_to(append, lead).reshape(r, 1).astype(jnp.int32)
+            out = jnp.concatenate([out, last], axis=-1)
     else:
         c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
         d_shared = dense_lengths is not None and dense_lengths.size != r
@@ -200,9 +203,12 @@ def _run(scores, counts, block_table=None, dense_lengths=None, *, k, choice, int
             x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
             count_above=count_above if in_kernel else None, block_table=table, block_size=block_size,
             dense_lengths=None if dense_lengths is None else dense_lengths.reshape(-1).astype(jnp.int32),
-            dense_limit=dense_limit, rows_per_dense=lead[-1] if d_shared else 1, **dict(tuning))
+            dense_limit=dense_limit, rows_per_dense=lead[-1] if d_shared else 1,
+            append=None if append is None else append.reshape(-1).astype(jnp.int32),
+            rows_per_append=lead[-1] if append is not None and append.size != r else 1, **dict(tuning))
+    k_cols = k + (append is not None)
     if count_above is None:
-        return out.reshape(*lead, k)
+        return out.reshape(*lead, k_cols)
     if in_kernel:  # the selecting program counted them (a dense row's count is its length)
         out, n_above = out
     else:
@@ -212,12 +218,12 @@ def _run(scores, counts, block_table=None, dense_lengths=None, *, k, choice, int
         n_above = jnp.minimum(jnp.sum(above, axis=-1, dtype=jnp.int32), k)
         if dense is not None:
             n_above = jnp.where(dense, dense_len, n_above)
-    return out.reshape(*lead, k), n_above.reshape(lead)
+    return out.reshape(*lead, k_cols), n_above.reshape(lead)
 
 
 def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_first: bool = False,
                  count_above: float | None = None, block_table=None, block_size: int | None = None,
-                 dense_lengths=None, dense_limit: int | None = None, **tuning):
+                 dense_lengths=None, dense_limit: int | None = None, append=None, **tuning):
     """Positions of the ``k`` largest valid scores per row: ``int32[R..., k]``.
 
     Args:
@@ -242,6 +248,9 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
         ``counts``) and a static int: a row whose length is at most ``dense_limit`` (a context
         short enough to attend whole) gets ``arange(k)``, not mapped, and, with
         ``count_above``, its length as the count.
+      append: optional ``int32[R...]`` (or with its last axis 1, as ``counts``): the result is
+        ``int32[R..., k + 1]``, each row's value in its last column, stored by the kernel (a
+        caller that appends a fixed entry, e.g. the newest block, saves a concatenate).
       **tuning: kernel knobs (see module docstring).
 
     See the module docstring for the full contract (order, ties, short rows,
@@ -249,6 +258,9 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     """
     k = _check_args(scores, k, counts, tuning)
     _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit)
+    if append is not None:
+        _checks.check_int("append", append)
+        _check_per_row("append", append, tuple(scores.shape[:-1]))
     if count_above is not None:
         if isinstance(count_above, bool) or not isinstance(count_above, (int, float, np.floating, np.integer)):
             raise TypeError(f"count_above must be a static float or None, got {count_above!r}")
@@ -256,13 +268,13 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     n = scores.shape[-1]
     lead = scores.shape[:-1]
     if math.prod(lead) == 0:
-        empty = jnp.zeros((*lead, k), jnp.int32)
+        empty = jnp.zeros((*lead, k + (append is not None)), jnp.int32)
         return empty if count_above is None else (empty, jnp.zeros(lead, jnp.int32))
     if impl == "auto" and on_gpu():
         auto_impl, auto_tuning = topk_auto_choice(n, k, math.prod(lead))
         tuning = {**auto_tuning, **tuning}
         if auto_impl == "reference":
-            return _run(scores, counts, block_table, dense_lengths, k=k, choice="reference", interpret=False,
+            return _run(scores, counts, block_table, dense_lengths, append, k=k, choice="reference", interpret=False,
                         tuning=(), count_above=count_above, block_size=_int_or_none(block_size),
                         dense_limit=_int_or_none(dense_limit))
     elif impl == "pallas" and on_gpu() and not tuning:  # the measured best, unless the caller tuned
@@ -274,6 +286,6 @@ def topk_indices(scores, k: int, counts=None, *, impl: str = "auto", greater_fir
     if greater_first:
         tuning = {**tuning, "greater_first": True}
     tuning_items = tuple(sorted(tuning.items())) if choice == "pallas" else ()
-    return _run(scores, counts, block_table, dense_lengths, k=k, choice=choice, interpret=interpret,
+    return _run(scores, counts, block_table, dense_lengths, append, k=k, choice=choice, interpret=interpret,
                 tuning=tuning_items, count_above=count_above, block_size=_int_or_none(block_size),
                 dense_limit=_int_or_none(dense_limit))
