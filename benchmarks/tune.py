@@ -252,11 +252,16 @@ def main(argv=None):
             kmax = jax.random.normal(jax.random.key(3), (b, hkv, nb, d), jnp.bfloat16)
             boxes = quantize_block_boxes(kmax, kmax - 1, jnp.full((b,), s, jnp.int32), block_size=64)
             ref = quest_block_scores_quantized(q, boxes, group_reduce="max", impl="reference")
-            # one tile a program: no stages to pipeline; the tensor-core forms with their query side
-            # made in every program or once by a small kernel
+            # one tile a program (no stages to pipeline), then looping programs; the tensor-core
+            # forms with their query side made in every program or once by a small kernel
             cfgs = [dict(block_n=bn, num_warps=nw, num_stages=2, mode=m, prep=pr)
                     for m, pr, bn, nw in itertools.product(("imma", "dot"), ("program", "kernel"), (64, 128, 256), (4, 8))]
             cfgs += [dict(block_n=64, num_warps=4, num_stages=2, mode="fma")]  # the CUDA-core form, for reference
+            # programs looping over 2 or 4 tiles: the query side once, the next tile's loads
+            # pipelined under this one's dots (ncu: one-shot programs left DRAM at 50% at B=8)
+            cfgs += [dict(block_n=bn, num_warps=nw, num_stages=ns, mode="imma", prep=pr, tiles=t)
+                     for pr, bn, nw, ns, t in itertools.product(("program", "kernel"), (64, 128), (4, 8), (2, 3), (2, 4))
+                     if bn == 128 or (nw, ns, t) == (4, 3, 4)]
             r = sweep("quest_block_scores_q8",
                       lambda *a, **c: quest_block_scores_quantized(*a, group_reduce="max", impl="pallas", **c),
                       (q, boxes), ref, cfgs, 2 * kmax.size + 2 * b * hkv * nb * 4, args.runs, rows, shape, tol=1e-3)

@@ -214,10 +214,9 @@ def quest_block_scores_quantized_reference(q, boxes, *, reduce="sum"):
 # ----------------------------------------------------------------------------
 
 
-def _load_tile(up_ref, lo_ref, su_ref, sl_ref, *, block_n, num_blocks):
-    """This program's ``block_n`` blocks: ``(rmask [block_n], upper, lower int8 [block_n, D] as
+def _load_tile(up_ref, lo_ref, su_ref, sl_ref, t, *, block_n, num_blocks):
+    """Tile ``t``'s ``block_n`` blocks: ``(rmask [block_n], upper, lower int8 [block_n, D] as
     stored, upper_slack, lower_slack [block_n])``; rows past ``num_blocks`` read as zeros."""
-    t = pl.program_id(2)
     rmask = t * block_n + jnp.arange(block_n, dtype=jnp.int32) < num_blocks
     tile = pl.ds(t * block_n, block_n)
     up = plgpu.load(up_ref.at[tile, :], mask=rmask[:, None], other=0)
@@ -227,10 +226,33 @@ def _load_tile(up_ref, lo_ref, su_ref, sl_ref, *, block_n, num_blocks):
     return rmask, up, lo, su, sl
 
 
+def _over_tiles(tile_fn, tiles: int):
+    """``tile_fn(t)`` for this program's ``tiles`` consecutive tiles: one (``tiles=1``, the
+    program's own), or a loop, whose loads Triton's pipeliner (``num_stages``) can issue ahead
+    of the tensor-core work on the tile before, with the query side made or loaded once."""
+    if tiles == 1:
+        tile_fn(pl.program_id(2))
+        return
+    first = pl.program_id(2) * tiles
+
+    def body(i, carry):
+        tile_fn(first + i)
+        return carry
+
+    jax.lax.fori_loop(0, tiles, body, 0)
+
+
 def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, group_pad,
-                   block_n, num_blocks, reduce):
+                   block_n, num_blocks, reduce, tiles=1):
     # q_ref: [G, D]; up_ref/lo_ref: int8 [NB, D] (code - 128); base_ref/step_ref: [D]; su_ref/sl_ref/o_ref: [NB].
-    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
+    _over_tiles(lambda t: _quest_q8_tile(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, t,
+                                         group=group, group_pad=group_pad, block_n=block_n, num_blocks=num_blocks,
+                                         reduce=reduce), tiles)
+
+
+def _quest_q8_tile(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, t, *, group, group_pad,
+                   block_n, num_blocks, reduce):
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, t, block_n=block_n, num_blocks=num_blocks)
     cu, cl = code_values(up), code_values(lo)
     base = base_ref[...]
     step = step_ref[...]
@@ -257,7 +279,7 @@ def _quest_q8_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_
             q = plgpu.load(q_ref.at[pl.ds(0, group_pad), :], mask=gmask, other=0.0).astype(jnp.float32)
         # linear in q (the slack terms too: |.|_1 of same-signed parts adds): fold the group
         s = bound(jnp.sum(jnp.maximum(q, 0.0), axis=0), jnp.sum(jnp.minimum(q, 0.0), axis=0))
-    plgpu.store(o_ref.at[pl.ds(pl.program_id(2) * block_n, block_n)], s, mask=rmask)
+    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
 
 
 DOT_COLS = 16  # a tensor-core dot needs N >= 16: the group's heads (or the folded sum), zero-padded
@@ -369,39 +391,44 @@ def _codes_bound(up, lo, weights, consts, su, sl, *, mode):
     return s + su[:, None] * c[_L1_POS][None, :] - sl[:, None] * c[_L1_NEG][None, :]
 
 
-def _store_group_bound(o_ref, s, rmask, *, group, block_n, reduce):
+def _store_group_bound(o_ref, s, rmask, t, *, group, block_n, reduce):
     col = jnp.arange(DOT_COLS, dtype=jnp.int32)
     if reduce == "max":  # the real heads only (a zero pad column's bound must not win)
         s = jnp.max(jnp.where(col[None, :] < group, s, -jnp.inf), axis=1)
     else:
         s = jnp.sum(jnp.where(col[None, :] == 0, s, 0.0), axis=1)
-    plgpu.store(o_ref.at[pl.ds(pl.program_id(2) * block_n, block_n)], s, mask=rmask)
+    plgpu.store(o_ref.at[pl.ds(t * block_n, block_n)], s, mask=rmask)
 
 
 def _quest_q8_mma_body(q_ref, up_ref, lo_ref, base_ref, step_ref, su_ref, sl_ref, o_ref, *, group, block_n,
-                       num_blocks, reduce, mode):
+                       num_blocks, reduce, mode, tiles=1):
     # As _quest_q8_body, the reductions over D on the tensor cores (``mode``: "dot" bf16, "imma"
     # int8): the codes [block_n, D] times the query rows scaled by the step [16, D] (one row per
     # head, or the folded group's sum in row 0), rounded up. The query side is made here, in
-    # every program (prep="program").
-    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
+    # every program (prep="program"), once for its tiles.
     col = jnp.arange(DOT_COLS, dtype=jnp.int32)
     q = plgpu.load(q_ref.at[pl.ds(0, DOT_COLS), :], mask=(col < group)[:, None], other=0.0).astype(jnp.float32)
     weights, consts = mma_operands(q, base_ref[...], step_ref[...], group=group, reduce=reduce, mode=mode)
+    _over_tiles(lambda t: _mma_tile(up_ref, lo_ref, su_ref, sl_ref, o_ref, t, weights, consts, group=group,
+                                    block_n=block_n, num_blocks=num_blocks, reduce=reduce, mode=mode), tiles)
+
+
+def _mma_tile(up_ref, lo_ref, su_ref, sl_ref, o_ref, t, weights, consts, *, group, block_n, num_blocks, reduce,
+              mode):
+    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, t, block_n=block_n, num_blocks=num_blocks)
     s = _codes_bound(up, lo, weights, consts, su, sl, mode=mode)
-    _store_group_bound(o_ref, s, rmask, group=group, block_n=block_n, reduce=reduce)
+    _store_group_bound(o_ref, s, rmask, t, group=group, block_n=block_n, reduce=reduce)
 
 
 def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_ref, *, group, block_n,
-                                num_blocks, reduce, mode):
+                                num_blocks, reduce, mode, tiles=1):
     # prep="kernel": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
     # [CONST_ROWS, 16]: at B=8, 128K making it in every program cost the kernel a quarter of
     # its time (18.3 against 13.6 us, tune_quest8_prep_h200.md)
-    rmask, up, lo, su, sl = _load_tile(up_ref, lo_ref, su_ref, sl_ref, block_n=block_n, num_blocks=num_blocks)
     weights = tuple(w_ref[i, :, :] for i in range(4))
     consts = [c_ref[i, :] for i in range(_CORR + 4)]
-    s = _codes_bound(up, lo, weights, consts, su, sl, mode=mode)
-    _store_group_bound(o_ref, s, rmask, group=group, block_n=block_n, reduce=reduce)
+    _over_tiles(lambda t: _mma_tile(up_ref, lo_ref, su_ref, sl_ref, o_ref, t, weights, consts, group=group,
+                                    block_n=block_n, num_blocks=num_blocks, reduce=reduce, mode=mode), tiles)
 
 
 def _mma_prep_body(q_ref, base_ref, step_ref, w_ref, c_ref, *, group, reduce, mode):
@@ -422,9 +449,9 @@ PREPS = ("program", "kernel")
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode", "prep"))
+    jax.jit, static_argnames=("block_n", "num_warps", "num_stages", "interpret", "reduce", "mode", "prep", "tiles"))
 def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, num_stages=2, interpret=False,
-                                        reduce="sum", mode="fma", prep="program"):
+                                        reduce="sum", mode="fma", prep="program", tiles=1):
     """Pallas kernel for Quest's bound on :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``.
 
     Grid ``(B, Hkv, ceil(NB / block_n))``: each program reads its G query rows, the
@@ -438,8 +465,12 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
     ``prep`` (tensor-core modes): "program" makes the query side (:func:`mma_operands`) in
     every program; "kernel" makes it once per (batch, KV head) in a small kernel before the
     bound's, whose programs load it (the same operations; the sums over D may add in another
-    order).
+    order). ``tiles``: tiles of ``block_n`` blocks a program, in a loop (default 1, one tile
+    a program: the grid's last axis ``ceil(NB / (block_n * tiles))``); the query side is made or
+    loaded once for them, and ``num_stages`` lets Triton issue a tile's loads ahead.
     """
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be a positive int, got {tiles!r}")
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     if mode not in ("fma", "dot", "imma"):
@@ -478,7 +509,7 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
             name="quest_q8_query_prep",
         )(q4, base, step)
         body = functools.partial(_quest_q8_mma_prepared_body, group=g, block_n=block_n, num_blocks=nb,
-                                 reduce=reduce, mode=mode)
+                                 reduce=reduce, mode=mode, tiles=tiles)
         in_specs = [pl.BlockSpec((None, None, 4, DOT_COLS, d), lambda i, j, t: (i, j, 0, 0, 0)),
                     pl.BlockSpec((None, None, CONST_ROWS, DOT_COLS), lambda i, j, t: (i, j, 0, 0)),
                     codes, codes, per_block, per_block]
@@ -486,16 +517,16 @@ def quest_block_scores_quantized_kernel(q, boxes, *, block_n=128, num_warps=4, n
     else:
         if mma:
             body = functools.partial(_quest_q8_mma_body, group=g, block_n=block_n, num_blocks=nb, reduce=reduce,
-                                     mode=mode)
+                                     mode=mode, tiles=tiles)
         else:
             body = functools.partial(_quest_q8_body, group=g, group_pad=pl.next_power_of_2(g), block_n=block_n,
-                                     num_blocks=nb, reduce=reduce)
+                                     num_blocks=nb, reduce=reduce, tiles=tiles)
         in_specs = [pl.BlockSpec((None, None, g, d), lambda i, j, t: (i, j, 0, 0)), codes, codes, row, row,
                     per_block, per_block]
         args = (q4, boxes.upper, boxes.lower, base, step, boxes.upper_slack, boxes.lower_slack)
     return pl.pallas_call(
         body,
-        grid=(b, hkv, pl.cdiv(nb, block_n)),
+        grid=(b, hkv, pl.cdiv(nb, block_n * tiles)),
         in_specs=in_specs,
         out_specs=per_block,
         out_shape=jax.ShapeDtypeStruct((b, hkv, nb), jnp.float32),

@@ -198,6 +198,9 @@ def test_bad_inputs_fail_before_compilation():
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, block_n=0)),
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, mode="wgmma")),
         (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, prep="host")),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, tiles=0)),
+        (ValueError, lambda: scoring.quest_block_scores_quantized(q, boxes, tiles=True)),
+        (ValueError, lambda: qbx.quest_block_scores_quantized_kernel(q, boxes, tiles=1.5)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin[:, :1], lengths, block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths[:1], block_size=16)),
         (ValueError, lambda: scoring.quantize_block_boxes(kmax, kmin, lengths, block_size=0)),
@@ -256,3 +259,39 @@ def test_the_query_side_made_by_kernel_matches_the_one_made_per_program(mode, re
                             interpret=True)
     per_program, by_kernel = np.asarray(run(prep="program")), np.asarray(run(prep="kernel"))
     np.testing.assert_allclose(by_kernel, per_program, rtol=1e-6, atol=1e-6 * np.abs(per_program).max())
+
+
+@pytest.mark.parametrize("mode,prep", [("fma", "program"), ("dot", "program"), ("imma", "program"), ("imma", "kernel")])
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_programs_looping_over_tiles_give_the_one_tile_scores(mode, prep, tiles):
+    """``tiles``: each program loops over that many tiles (the query side made or loaded once);
+    NB = 149 in tiles of 16 leaves a partial tenth tile, and a program whose last tiles lie past
+    NB: the same scores as one tile a program, to the bit (the same operations on each tile)."""
+    import dataclasses
+
+    b, hq, hkv, s, d, bs = 2, 8, 2, 16 * 149, 64, 16
+    _, _, _, _, boxes = _boxes(11, b, hkv, s, d, bs, [s, 300], jnp.float32)
+    boxes = dataclasses.replace(boxes, upper_slack=jnp.abs(_randn(12, boxes.upper_slack.shape, jnp.float32)))
+    q = _randn(13, (b, hq, d), jnp.bfloat16)
+    run = functools.partial(qbx.quest_block_scores_quantized_kernel, q, boxes, block_n=16, reduce="max", mode=mode,
+                            prep=prep, interpret=True)
+    one = np.asarray(run())
+    assert one.shape == (b, hkv, 149)
+    np.testing.assert_array_equal(np.asarray(run(tiles=tiles)), one)
+    # through the op, as the tuned table would pass it
+    got = scoring.quest_block_scores_quantized(q, boxes, group_reduce="max", impl="pallas", block_n=16, mode=mode,
+                                               prep=prep, tiles=tiles)
+    np.testing.assert_array_equal(np.asarray(got), one)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_looping_programs_lower_to_triton(abstract_h100):
+    """The B=8, 128K class's tensor-core form with 4 tiles a program (the tune's candidates)."""
+    sd = jax.ShapeDtypeStruct
+    codes, row, blk = sd((8, 8, 2048, 128), jnp.int8), sd((8, 8, 128), jnp.float32), sd((8, 8, 2048), jnp.float32)
+    bx = qbx.QuantizedBoxes(codes, codes, row, row, blk, blk)
+    for prep in ("program", "kernel"):
+        fn = jax.jit(lambda q, b, p=prep: qbx.quest_block_scores_quantized_kernel(
+            q, b, block_n=128, num_warps=8, num_stages=3, reduce="max", mode="imma", prep=p, tiles=4))
+        assert "__gpu$xla.gpu.triton" in fn.trace(sd((8, 32, 128), jnp.bfloat16), bx).lower(
+            lowering_platforms=("cuda",)).as_text()

@@ -42,7 +42,8 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
     assert table, "the shipped table is empty"
     allowed = {"sparse_decode": SPARSE_KEYS, "block_sparse_decode": BLOCK_KEYS, "label_scores": LABEL_KEYS,
                "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages"),
-               "quest_block_scores_q8": ("block_n", "num_warps", "num_stages", "mode", "prep"), "topk": TOPK_KEYS}
+               "quest_block_scores_q8": ("block_n", "num_warps", "num_stages", "mode", "prep", "tiles"),
+               "topk": TOPK_KEYS}
     for key, entry in table.items():
         kernel, *dims = key.split("|")
         dims = {n: int(v) for n, v in (d.split("=") for d in dims)}
@@ -64,6 +65,7 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
         if kernel == "quest_block_scores_q8":
             assert cfg.get("mode", "dot") in ("fma", "dot", "imma") and cfg.get("block_n", 64) >= 16, (key, cfg)
             assert cfg.get("prep", "program") in PREPS, (key, cfg)
+            assert isinstance(cfg.get("tiles", 1), int) and cfg.get("tiles", 1) >= 1, (key, cfg)
         if kernel == "topk":
             plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
             assert plan_topk(dims["n"], dims["k"], **plan_args) is not None, (key, cfg)

@@ -271,11 +271,11 @@ def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_
 
 def _quest_tuning(kernel, q, box_shape, interpret, block_n, num_warps, num_stages, **modes) -> dict:
     """The caller's knobs over the tuned table's entry (GPU only) over the defaults 64 / 4 / 2
-    (and, for the 8-bit kernel, ``mode`` and ``prep`` over ``default_mode`` and ``default_prep``)."""
+    (and, for the 8-bit kernel, ``mode``, ``prep`` and ``tiles`` over their ``default_*``)."""
     b, hkv, nb, d = box_shape
     defaults = {"block_n": 64, "num_warps": 4, "num_stages": 2}
     tuning = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    for knob in ("mode", "prep"):
+    for knob in ("mode", "prep", "tiles"):
         if knob in modes:
             defaults[knob] = modes[f"default_{knob}"]
             tuning[knob] = modes[knob]
@@ -335,7 +335,7 @@ Q8_DEFAULT_MODE = "imma"
 
 
 def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", block_n=None, num_warps=None,
-                                 num_stages=None, mode=None, prep=None):
+                                 num_stages=None, mode=None, prep=None, tiles=None):
     """:func:`quest_block_scores` on 8-bit :class:`QuantizedBoxes`: ``float32[B, Hkv, NB]``,
     each at least the exact boxes' bound (``pallas_kernels.quantized_boxes``). Same
     ``group_reduce`` and tuning knobs (tuned-table class ``quest_block_scores_q8``), and
@@ -343,17 +343,21 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
     table's, else "imma"; a group of more than 16 heads or a tile under 16 runs "fma"), and for
     the tensor-core modes ``prep``: where the query side is made, "program" (in every program)
     or "kernel" (once per batch row and KV head, in a small kernel before; default: the table's, else
-    "program")."""
+    "program"), and ``tiles``: tiles of ``block_n`` blocks each program loops over (default: the
+    table's, else 1)."""
     shape = _check_quantized_boxes(boxes)
     if mode not in (None, "fma", "dot", "imma"):
         raise ValueError(f"mode must be 'fma', 'dot', 'imma' or None, got {mode!r}")
     if prep is not None and prep not in _qb.PREPS:
         raise ValueError(f"prep must be one of {_qb.PREPS} or None, got {prep!r}")
+    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+        raise ValueError(f"tiles must be a positive int or None, got {tiles!r}")
     reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages)
     if choice == "reference":
         return _qb.quest_block_scores_quantized_reference(q, boxes, reduce=reduce)
     tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages,
-                           mode=mode, default_mode=Q8_DEFAULT_MODE, prep=prep, default_prep="program")
+                           mode=mode, default_mode=Q8_DEFAULT_MODE, prep=prep, default_prep="program",
+                           tiles=tiles, default_tiles=1)
     if q.shape[1] // shape[1] > _qb.DOT_COLS or tuning["block_n"] < 16 or shape[3] < 16:
         tuning["mode"] = "fma"  # the tensor-core forms need N = 16 columns and 16-row tiles
     elif tuning["mode"] == "imma" and shape[3] % 32:
