@@ -301,10 +301,8 @@ class AsyncTLS(DoubleSparsity):
         b, hkv, nb = scores.shape
         n1 = min(self.kb, nb) - 1
         last = newest.astype(jnp.int32)[:, None]  # [B, 1]: every KV head of the row
-        if n1 < 1:
-            empty = jnp.zeros((b, hkv, 0), jnp.int32)
-            return jnp.concatenate([empty, jnp.broadcast_to(last[..., None], (b, hkv, 1))], -1) if with_newest \
-                else empty
+        if n1 < 1:  # a one-block filter: the newest block alone
+            return jnp.broadcast_to(last[..., None], (b, hkv, 1)) if with_newest else jnp.zeros((b, hkv, 0), jnp.int32)
         # blocks at or past the newest are not candidates: the top-k's count leaves them out
         # (as an -inf mask did, without a pass over the scores); a row with at most n1 blocks
         # before its newest gets arange(n1), written by the kernel (its dense fallback) rather
