@@ -33,6 +33,7 @@ STAGES = (
     ("label normalize", lambda n: n.startswith("label_normalize")),
     ("fused label top-k", lambda n: n.startswith("label_topk")),
     ("sparse attention", lambda n: n.startswith(("sparse_decode", "block_sparse_decode"))),
+    ("split merge", lambda n: n.startswith("split_merge")),  # merge="pallas": one kernel
     ("XLA glue", lambda n: n.startswith(("loop_", "input_"))),
 )
 ORDER = ("block bound (Quest)", "block top-k", "label logits", "label normalize", "token top-k",

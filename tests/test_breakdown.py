@@ -23,6 +23,13 @@ def payload():
     return {"stamp": STAMP, "rows": [other, row, {"B": 8, "S": 131072, "K": 2048, "kernel": "dense cuDNN", "ms": 1.4}]}
 
 
+def test_the_pallas_merge_is_the_split_merge():
+    """merge="pallas" launches one kernel, ``split_merge_ns16``: the split merge, not "other"."""
+    assert bd.stage_of("split_merge_ns16", 2, True) == "split merge"
+    assert bd.stage_of("loop_convert_fusion", 2, True) == "split merge"  # XLA's merge
+    assert bd.stage_of("loop_convert_fusion", 2, False) == "XLA glue"
+
+
 def test_stages_follow_launch_order_and_keep_every_kernel():
     st = bd.breakdown(payload()["rows"][1])
     # the first top-k picks blocks, the second tokens; XLA fusions after the attention merge its splits
