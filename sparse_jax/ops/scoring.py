@@ -249,7 +249,7 @@ def quest_block_scores(q, k_max, k_min, *, group_reduce="sum", impl="auto", bloc
     return _bs.quest_block_scores_kernel(q, k_max, k_min, interpret=interpret, reduce=reduce, **tuning)
 
 
-def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_stages):
+def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_stages, tiles=None):
     """Checks shared by the Quest scores on exact and on 8-bit boxes ``box_shape (B, Hkv, NB, D)``:
     ``(reduce, choice, interpret)``. A group of one reduces by "sum" (the same thing, one kernel)."""
     if group_reduce not in GROUP_REDUCTIONS:
@@ -260,7 +260,7 @@ def _check_quest_args(q, box_shape, group_reduce, impl, block_n, num_warps, num_
     if q.shape[0] != b or q.shape[2] != d:
         raise ValueError(f"q must have shape [B={b}, Hq, D={d}], got {tuple(q.shape)}")
     check_gqa(q.shape[1], hkv)
-    for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+    for name, v in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("tiles", tiles)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     reduce = "max" if group_reduce == "max" and q.shape[1] // hkv > 1 else "sum"
@@ -350,9 +350,8 @@ def quest_block_scores_quantized(q, boxes, *, group_reduce="sum", impl="auto", b
         raise ValueError(f"mode must be 'fma', 'dot', 'imma' or None, got {mode!r}")
     if prep is not None and prep not in _qb.PREPS:
         raise ValueError(f"prep must be one of {_qb.PREPS} or None, got {prep!r}")
-    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
-        raise ValueError(f"tiles must be a positive int or None, got {tiles!r}")
-    reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages)
+    reduce, choice, interpret = _check_quest_args(q, shape, group_reduce, impl, block_n, num_warps, num_stages,
+                                                  tiles)
     if choice == "reference":
         return _qb.quest_block_scores_quantized_reference(q, boxes, reduce=reduce)
     tuning = _quest_tuning("quest_block_scores_q8", q, shape, interpret, block_n, num_warps, num_stages,

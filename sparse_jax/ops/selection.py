@@ -171,6 +171,20 @@ def _check_map_args(scores, block_table, block_size, dense_lengths, dense_limit)
         _check_per_row("dense_lengths", dense_lengths, lead)
 
 
+def _each_row(arr, lead):
+    """``int32[R]``: a per-row argument's value for every row (``arr`` as ``lead``, or one
+    value for each group of ``lead[-1]`` rows with its last axis 1), or None."""
+    return None if arr is None else jnp.broadcast_to(arr, lead).reshape(-1).astype(jnp.int32)
+
+
+def _kernel_rows(arr, lead):
+    """``(int32[R] or int32[R / lead[-1]], rows sharing each value)`` of a per-row argument, as
+    the kernel reads it in place (no broadcast), or ``(None, 1)``."""
+    if arr is None:
+        return None, 1
+    return arr.reshape(-1).astype(jnp.int32), 1 if arr.size == math.prod(lead) else lead[-1]
+
+
 @functools.partial(jax.jit, static_argnames=("k", "choice", "interpret", "tuning", "count_above", "block_size",
                                              "dense_limit"))
 def _run(scores, counts, block_table=None, dense_lengths=None, append=None, *, k, choice, interpret, tuning,
@@ -179,12 +193,11 @@ def _run(scores, counts, block_table=None, dense_lengths=None, append=None, *, k
     n = scores.shape[-1]
     r = math.prod(lead)
     x = scores.reshape(r, n).astype(jnp.float32)
-    shared = counts is not None and counts.size != r  # one count for each group of lead[-1] rows
-    per_row = None if counts is None else jnp.broadcast_to(counts, lead).reshape(r).astype(jnp.int32)
+    per_row = _each_row(counts, lead)
     table = None if block_table is None else block_table.reshape(r, -1).astype(jnp.int32)
     dense = None
     if dense_lengths is not None:
-        dense_len = jnp.broadcast_to(dense_lengths, lead).reshape(r).astype(jnp.int32)
+        dense_len = _each_row(dense_lengths, lead)
         dense = dense_len <= dense_limit
     in_kernel = choice == "pallas" and count_above is not None and _plan(n, k, dict(tuning)).levels[1:] == ()
     if choice == "reference":
@@ -194,18 +207,16 @@ def _run(scores, counts, block_table=None, dense_lengths=None, append=None, *, k
         if dense is not None:
             out = jnp.where(dense[:, None], jnp.arange(k, dtype=jnp.int32)[None, :], out)
         if append is not None:
-            last = jnp.broadcast_to(append, lead).reshape(r, 1).astype(jnp.int32)
-            out = jnp.concatenate([out, last], axis=-1)
+            out = jnp.concatenate([out, _each_row(append, lead)[:, None]], axis=-1)
     else:
-        c = None if counts is None else counts.reshape(-1).astype(jnp.int32)
-        d_shared = dense_lengths is not None and dense_lengths.size != r
+        c, per_count = _kernel_rows(counts, lead)
+        dense_in, per_dense = _kernel_rows(dense_lengths, lead)
+        last, per_last = _kernel_rows(append, lead)
         out = _topk.topk_pallas(
-            x, k, c, interpret=interpret, rows_per_count=lead[-1] if shared else 1,
+            x, k, c, interpret=interpret, rows_per_count=per_count,
             count_above=count_above if in_kernel else None, block_table=table, block_size=block_size,
-            dense_lengths=None if dense_lengths is None else dense_lengths.reshape(-1).astype(jnp.int32),
-            dense_limit=dense_limit, rows_per_dense=lead[-1] if d_shared else 1,
-            append=None if append is None else append.reshape(-1).astype(jnp.int32),
-            rows_per_append=lead[-1] if append is not None and append.size != r else 1, **dict(tuning))
+            dense_lengths=dense_in, dense_limit=dense_limit, rows_per_dense=per_dense,
+            append=last, rows_per_append=per_last, **dict(tuning))
     k_cols = k + (append is not None)
     if count_above is None:
         return out.reshape(*lead, k_cols)
