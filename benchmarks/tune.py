@@ -75,11 +75,15 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
     return best
 
 
-def topk_candidates(n: int, k: int) -> list[dict]:
-    """The radix-select kernel's knobs for one shape (``pallas_kernels.topk.topk_pallas``):
-    warps x radix bits x early exit, and for long rows the chunking; only plans the
-    kernel accepts (``plan_topk``)."""
+def topk_candidates(n: int, k: int, searches=("radix", "bracket"), rows: int | None = None) -> list[dict]:
+    """The select kernel's knobs for one shape (``pallas_kernels.topk.topk_pallas``): for the
+    radix search warps x radix bits x early exit, for the bracketing search warps (it has no
+    radix bits), and for long rows the chunking; only plans the kernel accepts
+    (``plan_topk``). Without ``"radix"`` in ``searches``, the tuned table's entry for
+    ``rows`` rows (when there is one) stays a candidate, so a sweep of the other search is
+    still a comparison in one run."""
     from pallas_kernels.topk import DEFAULT_MAX_SINGLE, plan_topk
+    from pallas_kernels.tuning import tuned
 
     extra = [dict()]
     if n > DEFAULT_MAX_SINGLE:
@@ -90,12 +94,18 @@ def topk_candidates(n: int, k: int) -> list[dict]:
     # 32 warps for long rows: 8 keys a thread, so each round's count chain is a quarter of
     # 8 warps' (the chain binds the single-row search at B=1: ncu_step_h200_v13.md)
     warps = (None, 4, 8, 16, 32) if n >= 8192 else (None, 4, 8, 16)
-    for nw, rb, ee in itertools.product(warps, (1, 2, 4), (True, False)):
-        for ex in extra:
-            cfg = {"num_warps": nw, "radix_bits": rb, "early_exit": ee, **ex}
-            plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
-            if plan_topk(n, k, **plan_args) is not None:
-                out.append(cfg)
+    cfgs = []
+    if "radix" in searches:
+        cfgs += [{"num_warps": nw, "radix_bits": rb, "early_exit": ee, **ex}
+                 for nw, rb, ee in itertools.product(warps, (1, 2, 4), (True, False)) for ex in extra]
+    elif rows and (current := tuned("topk", rows=rows, n=n, k=k)):
+        cfgs.append(dict(current))
+    if "bracket" in searches:
+        cfgs += [{"num_warps": nw, "search": "bracket", "early_exit": True, **ex} for nw in warps for ex in extra]
+    for cfg in cfgs:
+        plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
+        if plan_topk(n, k, **plan_args) is not None:
+            out.append(cfg)
     return out
 
 
@@ -172,11 +182,16 @@ def main(argv=None):
                    help="selected tokens K for the sparse and block decode sweeps (default %(default)s)")
     p.add_argument("--topk-shapes", default=",".join(f"{r}x{n}:{k}" for r, n, k in TOPK_SHAPES),
                    help="the top-k sweep's ROWSxN:K shapes (default %(default)s)")
+    p.add_argument("--topk-search", default="radix,bracket",
+                   help="the top-k sweep's searches (radix, bracket; default both). Without radix the "
+                        "tuned table's current entry is timed beside the bracket candidates")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     p.add_argument("--table", type=Path, default=None,
                    help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
                         "an existing file, so a sweep split over several calls builds one table")
     args = p.parse_args(argv)
+    if set(args.topk_search.split(",")) - {"radix", "bracket"}:
+        p.error(f"--topk-search: radix and/or bracket, got {args.topk_search!r}")
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks.tune needs a GPU")
     global DEADLINE
@@ -331,7 +346,7 @@ def main(argv=None):
             # every candidate names its knobs: an empty config would read the tuned table
             # (topk_indices does on the GPU), and a win for it would be written back as the
             # kernel's defaults; the defaults are among the candidates
-            cfgs = topk_candidates(n, kk)
+            cfgs = topk_candidates(n, kk, tuple(args.topk_search.split(",")), rows=rows_)
             r = sweep("topk_indices", lambda x, **c: topk_indices(x, kk, impl="pallas", **c), (sc,), ref, cfgs,
                       sc.size * 4, args.runs, rows, shape, exact=True, tol=0.0)
             if r:

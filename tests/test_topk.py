@@ -98,14 +98,16 @@ def test_reference_matches_sort(shape, k):
     check_contract(run(x, k, impl="reference"), x, k)
 
 
-def test_counts_below_k_zero_and_beyond():
+@pytest.mark.parametrize("search", topk_k.SEARCHES)
+def test_counts_below_k_zero_and_beyond(search):
     n, k = 100, 10
     counts = np.array([0, 1, 5, 9, 10, 11, 57, 100, 150, -3], np.int32)
     x = distinct_scores((len(counts), n))
     for impl in ("pallas", "reference"):
-        check_contract(run(x, k, counts, impl=impl), x, k, counts)
+        check_contract(run(x, k, counts, impl=impl, **({"search": search} if impl == "pallas" else {})),
+                       x, k, counts)
     # the kernel fills short rows with exactly arange(k)
-    out = np.asarray(run(x, k, counts))
+    out = np.asarray(run(x, k, counts, search=search))
     for r, c in enumerate(counts):
         if c < k:
             np.testing.assert_array_equal(out[r], np.arange(k))
@@ -127,7 +129,8 @@ def test_neg_inf_valid_beats_invalid():
             assert all(v < cnt for v in got), f"{impl}: picked an invalid position over a valid -inf"
 
 
-def test_all_neg_inf_row_and_nan_as_neg_inf():
+@pytest.mark.parametrize("search", topk_k.SEARCHES)
+def test_all_neg_inf_row_and_nan_as_neg_inf(search):
     n, k = 40, 6
     x = distinct_scores((3, n))
     x[0] = -np.inf  # every entry -inf: any k distinct valid positions
@@ -135,7 +138,7 @@ def test_all_neg_inf_row_and_nan_as_neg_inf():
     x[2, :] = np.nan
     x[2, [3, 9]] = [-1e30, 0.0]
     for impl in ("pallas", "reference"):
-        out = np.asarray(run(x, k, impl=impl))
+        out = np.asarray(run(x, k, impl=impl, **({"search": search} if impl == "pallas" else {})))
         assert len(set(out[0].tolist())) == k
         finite1 = np.where(~np.isnan(x[1]))[0]
         best1 = set(finite1[np.argsort(-x[1, finite1])][:k].tolist())
@@ -143,28 +146,77 @@ def test_all_neg_inf_row_and_nan_as_neg_inf():
         assert {3, 9} <= set(out[2].tolist()) and len(set(out[2].tolist())) == k
 
 
-def test_ties_value_multiset():
+@pytest.mark.parametrize("search", topk_k.SEARCHES)
+def test_ties_value_multiset(search):
     # values from a 4-element set: many ties at the threshold
     n, k = 200, 50
     x = RNG.integers(0, 4, size=(4, n)).astype(np.float32)
     x[3] = 1.0  # a row that is one big tie
     for impl in ("pallas", "reference"):
-        out = np.asarray(run(x, k, impl=impl))
+        out = np.asarray(run(x, k, impl=impl, **({"search": search} if impl == "pallas" else {})))
         for r in range(4):
             assert len(set(out[r].tolist())) == k
             want = np.sort(x[r])[::-1][:k]
             np.testing.assert_array_equal(np.sort(x[r, out[r]])[::-1], want)
 
 
-def test_signed_zero_and_extremes():
+@pytest.mark.parametrize("search", topk_k.SEARCHES)
+def test_signed_zero_and_extremes(search):
     fmax = np.finfo(np.float32).max
     tiny = np.finfo(np.float32).tiny
     row = np.array([0.0, -0.0, fmax, -fmax, np.inf, -np.inf, tiny, -tiny, 1.0, -1.0], np.float32)
     x = row[None]
     for k in (1, 6, 9):
-        out = np.asarray(run(x, k))[0]
+        out = np.asarray(run(x, k, search=search))[0]
         want = np.sort(row)[::-1][:k]
         np.testing.assert_array_equal(np.sort(row[out])[::-1], want)
+
+
+def _softmax_sums(rng, rows, n, sigma, heads=4):
+    """Label-like scores: each row the sum over ``heads`` of a softmax of normal logits."""
+    lg = rng.normal(0, sigma, (rows, heads, n))
+    e = np.exp(lg - lg.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).sum(1).astype(np.float32)
+
+
+@pytest.mark.parametrize("early_exit", [True, False])
+def test_bracket_search_threshold_contract(early_exit):
+    """The bracketing search's threshold, run as plain jnp (it is the kernel's code) on rows
+    whose keys span the whole int32 range (the wrap-around arithmetic), heavy ties, and rows
+    with fewer than, exactly and more than k valid keys."""
+    rng = np.random.default_rng(7)
+    n, k = 512, 100
+    fmax = np.finfo(np.float32).max
+    x = np.concatenate([
+        rng.normal(0, 1, (2, n)),
+        np.exp(np.clip(rng.normal(0, 30, (2, n)), -85, 85)) * rng.choice([-1, 1], (2, n)),  # most of the exponent range
+        rng.integers(0, 4, (2, n)).astype(float),  # ties at the threshold
+        rng.choice([fmax, -fmax, np.inf, -np.inf, 0.0, -0.0, 1e-45], (2, n)),
+        rng.normal(0, 1, (2, n)) * 1e-40,  # subnormals
+        _softmax_sums(rng, 2, n, 2.0),
+    ]).astype(np.float32)
+    key = np.array(topk_k.float_to_key(jnp.asarray(x)))
+    key[-1, k // 2:] = topk_k.INT32_MIN  # fewer than k valid keys
+    key[-2, k:] = topk_k.INT32_MIN  # exactly k
+    rows = key.shape[0]
+    t, rounds = jax.jit(lambda kk: topk_k._bracket_search(kk, k, early_exit, jnp.ones((rows, 1), bool)))(key)
+    t = np.asarray(t)[:, 0]
+    ge, gt = (key >= t[:, None]).sum(1), (key > t[:, None]).sum(1)
+    assert (ge >= k).all() and (gt <= k).all(), (ge, gt)
+    if not early_exit:  # exactly the k-th largest key (INT32_MIN where fewer than k are valid)
+        np.testing.assert_array_equal(t, np.sort(key, axis=1)[:, ::-1][:, k - 1])
+    assert int(rounds) <= 33  # bisection alone ends by then
+
+
+def test_bracket_search_needs_few_rounds_on_label_scores():
+    """The point of the bracketing search: on label-like scores (8,192 candidates, k = 2048 and
+    512) it ends in about 7 rounds where the radix search needs about 20 (one packed count a
+    round each); without the interpolated candidate it would need about 20 too."""
+    rng = np.random.default_rng(3)
+    for k, sigma in ((2048, 1.0), (512, 3.0)):
+        key = topk_k.float_to_key(jnp.asarray(_softmax_sums(rng, 8, 8192, sigma)))
+        rounds = [int(topk_k._bracket_search(key[r:r + 1], k, True, jnp.ones((1, 1), bool))[1]) for r in range(8)]
+        assert np.mean(rounds) <= 10, rounds
 
 
 def test_bf16_input():
@@ -188,6 +240,9 @@ def test_bf16_input():
         dict(radix_bits=4, early_exit=False),
         dict(block_rows=4),  # 5 rows: a partial row block
         dict(num_warps=8, num_stages=2),  # accepted, no effect in interpret mode
+        dict(search="bracket"),
+        dict(search="bracket", early_exit=False),
+        dict(search="bracket", block_rows=4),
     ],
 )
 def test_tuning_variants(tuning):
@@ -203,6 +258,7 @@ def test_tuning_variants(tuning):
         (1000, 16, dict(max_single=128, chunk=64), 3),
         (700, 5, dict(max_single=256, chunk=64), 2),
         (300, 30, dict(max_single=128, chunk=64, radix_bits=2), 3),
+        (300, 30, dict(max_single=128, chunk=64, search="bracket"), 3),
     ],
 )
 def test_multilevel(n, k, tuning, levels):
@@ -219,10 +275,11 @@ def test_multilevel(n, k, tuning, levels):
             np.testing.assert_array_equal(o[r], np.arange(k))
 
 
-def test_multilevel_ties():
+@pytest.mark.parametrize("search", topk_k.SEARCHES)
+def test_multilevel_ties(search):
     n, k = 500, 40
     x = RNG.integers(0, 3, size=(3, n)).astype(np.float32)
-    out = np.asarray(run(x, k, max_single=128, chunk=64))
+    out = np.asarray(run(x, k, max_single=128, chunk=64, search=search))
     for r in range(3):
         assert len(set(out[r].tolist())) == k
         np.testing.assert_array_equal(np.sort(x[r, out[r]])[::-1], np.sort(x[r])[::-1][:k])
@@ -282,6 +339,7 @@ def test_jit_and_empty_rows():
         ((np.zeros((2, 5), np.float32), 2), {"impl": "bogus"}, ValueError, "impl must be"),
         ((np.zeros((2, 5), np.float32), 2), {"bogus_knob": 1}, TypeError, "unknown tuning"),
         ((np.zeros((2, 5), np.float32), 2), {"radix_bits": 3}, ValueError, "radix_bits"),
+        ((np.zeros((2, 5), np.float32), 2), {"search": "sort"}, ValueError, "search must be one of"),
         ((np.zeros((2, 5), np.float32), 2), {"block_rows": 3}, ValueError, "block_rows"),
         ((np.zeros((2, 50), np.float32), 10), {"impl": "pallas", "max_single": 16, "chunk": 8}, ValueError, "cannot run"),
     ],
@@ -330,6 +388,8 @@ def _lower_for_h100(fn, *specs):
         (64, 8192, 2048, dict(rows_per_count=8, greater_first=True), 1),
         (64, 32768, 512, dict(rows_per_count=8), 2),
         (8, 8192, 2048, dict(num_warps=32), 1),  # 1,024 threads a row: the tune's B=1 candidate
+        (64, 8192, 2048, dict(search="bracket", rows_per_count=8, greater_first=True), 1),
+        (64, 2048, 128, dict(search="bracket", block_rows=4, early_exit=False), 1),
     ],
 )
 def test_lowers_to_triton_for_h100(r, n, k, tuning, calls):

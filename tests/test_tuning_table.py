@@ -14,7 +14,8 @@ from pallas_kernels.labels import Q_PREPS, TUNING_KEYS as LABEL_KEYS
 from pallas_kernels.quantized_boxes import PREPS
 from pallas_kernels.sparse_decode import TUNING_KEYS as SPARSE_KEYS, resolve_sparse_tuning
 from pallas_kernels.split_merge import MERGES
-from pallas_kernels.topk import plan_topk
+from pallas_kernels.topk import SEARCHES, plan_topk
+from pallas_kernels.tuning import tuned
 from sparse_jax.ops.selection import TUNING_KEYS as TOPK_KEYS
 
 
@@ -69,6 +70,7 @@ def test_every_shipped_entry_is_accepted_by_its_kernel():
         if kernel == "topk":
             plan_args = {a: cfg[a] for a in ("max_single", "chunk", "block_rows", "num_warps") if a in cfg}
             assert plan_topk(dims["n"], dims["k"], **plan_args) is not None, (key, cfg)
+            assert cfg.get("search", "radix") in SEARCHES, (key, cfg)
 
 
 def test_topk_sweep_shapes_parse():
@@ -78,3 +80,17 @@ def test_topk_sweep_shapes_parse():
     assert parse_topk_shapes(",".join(f"{r}x{n}:{k}" for r, n, k in TOPK_SHAPES)) == list(TOPK_SHAPES)
     with pytest.raises(SystemExit, match="ROWSxN:K"):
         parse_topk_shapes("8x8192")
+
+
+def test_topk_sweep_candidates_by_search():
+    """Both searches by default; a bracket-only sweep keeps the table's entry (when the class
+    has one) as its comparison, and every candidate names its knobs."""
+    from benchmarks.tune import topk_candidates
+
+    both = topk_candidates(8192, 2048)
+    assert {c.get("search", "radix") for c in both} == {"radix", "bracket"}
+    assert all("radix_bits" not in c for c in both if c.get("search") == "bracket")
+    only = topk_candidates(8192, 2048, ("bracket",), rows=8)
+    current = tuned("topk", rows=8, n=8192, k=2048)
+    assert current and only[0] == current and all(c["search"] == "bracket" for c in only[1:])
+    assert topk_candidates(8192, 2048, ("bracket",)) == only[1:]  # no class: nothing to add

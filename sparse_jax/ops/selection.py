@@ -36,7 +36,7 @@ Implementations (``impl``):
 
 Tuning keywords (``**tuning``) go to the Pallas kernel: ``max_single``,
 ``chunk``, ``block_rows``, ``num_warps``, ``num_stages``, ``radix_bits``,
-``early_exit`` (see ``pallas_kernels.topk.topk_pallas``). With ``impl="auto"``
+``early_exit``, ``search`` (see ``pallas_kernels.topk.topk_pallas``). With ``impl="auto"``
 they override the table's entries for the kernel rows.
 """
 
@@ -58,7 +58,7 @@ from sparse_jax.ops._dispatch import on_gpu, resolve_impl
 __all__ = ["topk_indices", "TOPK_AUTO_TABLE", "topk_auto_choice", "TUNING_KEYS"]
 
 TUNING_KEYS = frozenset(
-    {"max_single", "chunk", "block_rows", "num_warps", "num_stages", "radix_bits", "early_exit"}
+    {"max_single", "chunk", "block_rows", "num_warps", "num_stages", "radix_bits", "early_exit", "search"}
 )
 
 # The "auto" choice on GPU, in one place so it can be re-tuned after measuring
@@ -132,6 +132,8 @@ def _check_args(scores, k, counts, tuning):
         raise TypeError(f"unknown tuning keyword(s) {sorted(unknown)}; allowed: {sorted(TUNING_KEYS)}")
     if "radix_bits" in tuning and tuning["radix_bits"] not in (1, 2, 4):
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {tuning['radix_bits']}")
+    if "search" in tuning and tuning["search"] not in _topk.SEARCHES:
+        raise ValueError(f"search must be one of {_topk.SEARCHES}, got {tuning['search']!r}")
     br = tuning.get("block_rows", 1)
     if not isinstance(br, int) or br < 1 or br & (br - 1):
         raise ValueError(f"block_rows must be a power-of-two int, got {br!r}")
