@@ -75,6 +75,29 @@ def test_kernel_matches_the_unfused_definition(hq, hkv, d, r, bs, nb, k, fused):
         np.testing.assert_allclose(g, rr, rtol=1e-6, atol=1e-12)
 
 
+def test_unfused_selection_reads_the_tuned_table(monkeypatch):
+    """With no selection knob from the caller, the unfused path's top-k takes the tuned
+    table's knobs for its class (on the GPU; here the GPU check and the table are stubbed and
+    the kernel runs in interpret mode). It used to pass radix_bits=1 always, which kept
+    topk_indices from reading the table; a caller's knob still wins over the table."""
+    from sparse_jax.ops import selection
+
+    seen = []
+    monkeypatch.setattr(selection, "on_gpu", lambda: True)
+    monkeypatch.setattr(selection, "_measured", lambda n, k, rows: seen.append((rows, n, k)) or {"search": "bracket"})
+    bs, nb, k = 16, 9, 40
+    args = _case(5, 2, 8, 2, 64, 16, bs, nb)
+    got_pos, got_cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl="pallas", fused=False)
+    assert seen == [(2 * 2, nb * bs, k)]
+    ref_pos, ref_cnt = scoring.block_label_topk(*args, block_size=bs, k=k, impl="reference")
+    np.testing.assert_array_equal(np.asarray(got_cnt), np.asarray(ref_cnt))
+    for g, rr in zip(_selected_scores(args, bs, got_pos, got_cnt), _selected_scores(args, bs, ref_pos, ref_cnt)):
+        np.testing.assert_allclose(g, rr, rtol=1e-6, atol=1e-12)
+    seen.clear()
+    scoring.block_label_topk(*args, block_size=bs, k=k, impl="pallas", fused=False, radix_bits=2)
+    assert seen == []
+
+
 def test_fused_scores_equal_the_normalization_kernel():
     """The fused kernel forms the scores with the normalization kernel's arithmetic: the
     same numbers (interpret mode), so the same selection as block_label_scores + top-k."""

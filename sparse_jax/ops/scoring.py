@@ -588,7 +588,7 @@ FUSED_LABEL_TOPK = False
 
 def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
                      scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
-                     splits=None, prefetch=None, hoist_q=None, q_prep=None, select_num_warps=None, radix_bits=1,
+                     splits=None, prefetch=None, hoist_q=None, q_prep=None, select_num_warps=None, radix_bits=None,
                      fused=None, dense_budget=None):
     """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
     ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
@@ -605,7 +605,9 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     ``FUSED_LABEL_TOPK``, the default for ``fused=None``). Rows longer than
     ``label_topk.MAX_CANDIDATES`` candidates always run unfused. Label tuning as
     ``block_label_scores``; ``select_num_warps`` and ``radix_bits`` tune the selection
-    (``topk_indices``' ``num_warps`` and ``radix_bits``).
+    (``topk_indices``' ``num_warps`` and ``radix_bits``). Left at None, the unfused
+    selection's knobs come from the tuned table (``topk_indices`` reads it only when the
+    caller names no knob: a fixed ``radix_bits=1`` here used to keep it from the table).
 
     ``dense_budget`` (a static int, optional): a row whose length is at most it attends its
     whole context: positions ``arange(k)`` and its length as the count (``sparse_base.
@@ -616,8 +618,8 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     _check_tuning(block_c, num_warps, num_stages, splits, prefetch, None, q_prep, hoist_q)
     if select_num_warps is not None and (isinstance(select_num_warps, bool) or select_num_warps <= 0):
         raise ValueError(f"select_num_warps must be a positive int or None, got {select_num_warps!r}")
-    if radix_bits not in (1, 2, 4):
-        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
+    if radix_bits not in (None, 1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or None, got {radix_bits!r}")
     if dense_budget is not None and (isinstance(dense_budget, bool) or not isinstance(dense_budget, (int, np.integer))):
         raise ValueError(f"dense_budget must be a static int or None, got {dense_budget!r}")
     c = block_ids.shape[2] * int(block_size)
@@ -630,7 +632,8 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
 
     bs = int(block_size)
-    select = {"radix_bits": radix_bits, **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
+    select = {**({} if radix_bits is None else {"radix_bits": radix_bits}),
+              **({} if select_num_warps is None else {"num_warps": int(select_num_warps)})}
     if choice == "reference":
         scores = _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts, lengths,
                                                   block_size=bs, scale=scale, bits=bits)
