@@ -121,6 +121,23 @@ TOPK_SHAPES = ((8, 2048, 127), (64, 2048, 127), (256, 512, 127), (8, 8192, 2048)
                (64, 8192, 2048), (256, 8192, 2048), (64, 131072, 2048))
 
 
+def topk_sweep_scores(key, rows: int, n: int, kind: str = "auto"):
+    """``(float32[rows, n] scores, kind)`` for the top-k sweep. The searches' round counts depend on
+    the scores' distribution (the bracketing search interpolates on the values), so the sweep
+    times each class on the kind of scores it selects from in the step: ``"labels"``, sums of
+    4 softmaxes over the row (AsyncTLS's normalized label scores, 4 query heads a KV head),
+    or ``"normal"`` (block bounds are sums of many products). ``"auto"``: labels for rows of
+    at least 4,096 (the token selection over a filter's candidates), normal below (the block
+    filter)."""
+    if kind == "auto":
+        kind = "labels" if n >= 4096 else "normal"
+    if kind == "normal":
+        return jax.random.normal(key, (rows, n), jnp.float32), kind
+    if kind == "labels":
+        return jax.nn.softmax(jax.random.normal(key, (rows, 4, n), jnp.float32) * 2.0, axis=-1).sum(1), kind
+    raise ValueError(f"topk scores: auto, labels or normal, got {kind!r}")
+
+
 def parse_topk_shapes(text: str) -> list[tuple[int, int, int]]:
     """``"8x8192:2048,64x2048:127"`` -> ``[(8, 8192, 2048), (64, 2048, 127)]``."""
     out = []
@@ -185,6 +202,9 @@ def main(argv=None):
     p.add_argument("--topk-search", default="radix,bracket",
                    help="the top-k sweep's searches (radix, bracket; default both). Without radix the "
                         "tuned table's current entry is timed beside the bracket candidates")
+    p.add_argument("--topk-scores", default="auto", choices=("auto", "labels", "normal"),
+                   help="the top-k sweep's scores (topk_sweep_scores; default: label-like for rows of "
+                        ">= 4,096, normal below)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     p.add_argument("--table", type=Path, default=None,
                    help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
@@ -340,8 +360,8 @@ def main(argv=None):
         del q, k, v
     if not only or "topk" in only:
         for rows_, n, kk in parse_topk_shapes(args.topk_shapes):
-            shape = f"{rows_}x{n} k={kk}"
-            sc = jax.random.normal(jax.random.key(n + kk), (rows_, n), jnp.float32)
+            sc, kind = topk_sweep_scores(jax.random.key(n + kk), rows_, n, args.topk_scores)
+            shape = f"{rows_}x{n} k={kk} ({kind} scores)"
             ref = jax.lax.top_k(sc, kk)[1]
             # every candidate names its knobs: an empty config would read the tuned table
             # (topk_indices does on the GPU), and a win for it would be written back as the

@@ -94,3 +94,21 @@ def test_topk_sweep_candidates_by_search():
     current = tuned("topk", rows=8, n=8192, k=2048)
     assert current and only[0] == current and all(c["search"] == "bracket" for c in only[1:])
     assert topk_candidates(8192, 2048, ("bracket",)) == only[1:]  # no class: nothing to add
+
+
+def test_topk_sweep_scores_by_class():
+    """The top-k sweep times the token selection on label-like scores (sums of 4 softmaxes:
+    non-negative, each row summing to 4) and the block filter on normal ones."""
+    import jax
+    import numpy as np
+    from benchmarks.tune import topk_sweep_scores
+
+    labels, kind = topk_sweep_scores(jax.random.key(0), 3, 8192)
+    assert kind == "labels" and labels.shape == (3, 8192)
+    np.testing.assert_allclose(np.asarray(labels).sum(-1), 4.0, rtol=1e-4)
+    assert float(labels.min()) >= 0.0
+    normal, kind = topk_sweep_scores(jax.random.key(0), 3, 2048)
+    assert kind == "normal" and float(normal.min()) < 0.0
+    assert topk_sweep_scores(jax.random.key(0), 2, 2048, "labels")[1] == "labels"
+    with pytest.raises(ValueError, match="auto, labels or normal"):
+        topk_sweep_scores(jax.random.key(0), 2, 64, "uniform")
