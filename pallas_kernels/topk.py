@@ -22,7 +22,9 @@ Why no sort: ``lax.top_k`` on a GPU sorts the row (0.15 ms for 64 x 2048
 already), while the data is tiny (64 x 8192 x 4 B = 2 MB). The kernel maps each
 score to an order-preserving int32 key (invalid -> INT32_MIN), finds the exact
 k-th largest key ``T`` by a bitwise binary search on the key (each step is a
-count ``#(key >= candidate)``: one reduction over the row held in registers),
+count ``#(key >= candidate)``: one reduction over the row held in registers;
+with ``search="bracket"``, by a bracket of keys narrowed by bisection and
+interpolation, two counts a round in one reduction: ``_bracket_search``),
 then compacts: every key ``> T`` plus the first ``k - #(key > T)`` keys ``== T``
 (one prefix sum gives both the tie rank and the output slot), written by a
 masked scatter store.
@@ -301,18 +303,22 @@ def _bracket_threshold(key, k: int, early_exit: bool, row_ok):
 
 
 def _bracket_search(key, k: int, early_exit: bool, row_ok):
-    """``(T int32[BR, 1], rounds)``: ``_search_threshold``'s contract by a bracketing search on the keys' values.
+    """``(T int32[BR, 1], rounds)`` for ``key int32[BR, C]``: ``_search_threshold``'s contract by a
+    bracketing search on the keys' values (``rounds``: the loop's trips, for tests).
 
-    ``key: int32[BR, C]`` -> ``int32[BR, 1]``. Each row keeps a bracket ``lo < hi`` with
+    Each row keeps a bracket ``lo < hi`` with
     ``#(key >= lo) >= k > #(key >= hi)``, starting at its smallest valid key and its largest
     key plus one. A round counts two candidates strictly inside the bracket in one packed
     reduction (``_count_ge``): the bisection point, which at least halves the bracket, and
     the point where a straight line through the two ends' counts reaches ``k`` (regula
     falsi in key space). The radix search fixes one key bit a round from the top bit
     down; bits every key shares (the sign, most of the exponent) cost rounds there, and
-    here the interpolation lands near the k-th key once the bracket is tight: about 8
-    rounds instead of about 20 on 8,192 softmax-like scores (k = 127 .. 2048, a numpy model
-    of both searches). The bracket ends at ``hi = lo + 1`` (``lo`` is then the k-th largest
+    here the interpolation lands near the k-th key once the bracket is tight: about 7
+    rounds instead of about 24 on ``benchmarks.kernels``' 8,192 label scores a row (k =
+    2048, counted on the CPU), and at most 33 (bisection alone). On the H200 that took 8
+    rows of label-like scores from 9.7 to 8.1 µs, but 64 rows of normal scores from 10.9
+    to 12.7 µs (three reductions before the loop, float math in it): the tuned table picks
+    the search per class (``benchmarks/results/topk_search_ab_h200.log``). The bracket ends at ``hi = lo + 1`` (``lo`` is then the k-th largest
     key) or, with early exit, at ``#(key >= lo) == k``; it returns ``lo``.
 
     All arithmetic is int32 with wrap-around: ``hi - lo`` is the unsigned width (keys are
