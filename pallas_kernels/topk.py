@@ -229,6 +229,8 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, se
     is the k-th largest key (the largest ``T`` with ``#(key >= T) >= k``);
     with it, the search may stop at any ``T`` with ``#(key >= T) == k``.
 
+    ``search="radix"`` (below); ``"bracket"``: :func:`_bracket_search`.
+
     Built MSB-first in the unsigned image ``u = key ^ 0x80000000`` of the key
     (so the top bit is searched like any other): with ``T_u`` fixed above bit
     ``s + r``, the ``2**r - 1`` candidates ``T_u + (j << s)`` have
@@ -237,7 +239,7 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, se
     with wrap-around, so everything stays int32.
     """
     if search == "bracket":
-        return _bracket_threshold(key, k, early_exit, row_ok)
+        return _bracket_search(key, k, early_exit, row_ok)[0]
     br, c = key.shape
     n_rounds = 32 // radix_bits
     n_cand = (1 << radix_bits) - 1
@@ -297,11 +299,6 @@ def _umin(a, b):
     return jnp.where((a ^ np.int32(INT32_MIN)) < (b ^ np.int32(INT32_MIN)), a, b)
 
 
-def _bracket_threshold(key, k: int, early_exit: bool, row_ok):
-    """``_search_threshold``'s contract by a bracketing search (``_bracket_search``)."""
-    return _bracket_search(key, k, early_exit, row_ok)[0]
-
-
 def _bracket_search(key, k: int, early_exit: bool, row_ok):
     """``(T int32[BR, 1], rounds)`` for ``key int32[BR, C]``: ``_search_threshold``'s contract by a
     bracketing search on the keys' values (``rounds``: the loop's trips, for tests).
@@ -329,7 +326,6 @@ def _bracket_search(key, k: int, early_exit: bool, row_ok):
     ``INT32_MIN`` (fewer than ``k``) or their smallest valid key (exactly ``k``), which is
     the k-th largest key either way.
     """
-    br, c = key.shape
     valid = key > np.int32(INT32_MIN)
     n_valid = jnp.sum(valid.astype(jnp.int32), axis=1, keepdims=True)
     lo = jnp.min(jnp.where(valid, key, np.int32(2**31 - 1)), axis=1, keepdims=True)
@@ -615,7 +611,7 @@ def topk_pallas(
     ``radix_bits`` (1, 2 or 4 key bits fixed per search round: 32/r rounds of
     2**r-1 counts each), ``early_exit`` (stop the search once #(key >= T) == k),
     ``search`` (``"radix"``: the bitwise search; ``"bracket"``: bisection plus
-    interpolation on the key values, ``_bracket_threshold``; ``radix_bits`` is then unused).
+    interpolation on the key values, ``_bracket_search``; ``radix_bits`` is then unused).
 
     ``count_above`` (a float; single-level plans only, ``n <= max_single``): also return
     ``int32[R]``, ``min(k, #(valid entries > count_above))`` (NaN is not above anything),
