@@ -222,14 +222,17 @@ def _count_ge(key, cands):
     return out
 
 
-def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, search: str = "radix"):
+def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, search: str = "radix",
+                      n_valid=None):
     """An int32 ``T`` with ``#(key >= T) >= k`` and ``#(key > T) <= k`` per row.
 
     ``key: int32[BR, C]``; returns ``int32[BR, 1]``. Without early exit ``T``
     is the k-th largest key (the largest ``T`` with ``#(key >= T) >= k``);
     with it, the search may stop at any ``T`` with ``#(key >= T) == k``.
 
-    ``search="radix"`` (below); ``"bracket"``: :func:`_bracket_search`.
+    ``search="radix"`` (below); ``"bracket"``: :func:`_bracket_search`. ``n_valid``
+    (``int32[BR, 1]``, optional): ``#(key > INT32_MIN)`` when the caller has counted it (the
+    kernel counts it with ``count_above``'s count in one packed reduction).
 
     Built MSB-first in the unsigned image ``u = key ^ 0x80000000`` of the key
     (so the top bit is searched like any other): with ``T_u`` fixed above bit
@@ -239,7 +242,7 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, se
     with wrap-around, so everything stays int32.
     """
     if search == "bracket":
-        return _bracket_search(key, k, early_exit, row_ok)[0]
+        return _bracket_search(key, k, early_exit, row_ok, n_valid)[0]
     br, c = key.shape
     n_rounds = 32 // radix_bits
     n_cand = (1 << radix_bits) - 1
@@ -273,7 +276,8 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, se
     # the contract (all valid keys are > T; the fill comes from ties at T).
     # Later rounds keep a done row valid: T only moves up while
     # #(key >= T) >= k, and that count cannot grow.
-    n_valid = jnp.sum((key > np.int32(INT32_MIN)).astype(jnp.int32), axis=1, keepdims=True)
+    if n_valid is None:
+        n_valid = _count_valid(key)
     settled = (n_valid <= k) | ~row_ok
 
     def all_done(cnt):
@@ -294,12 +298,43 @@ def _search_threshold(key, k: int, radix_bits: int, early_exit: bool, row_ok, se
     return t
 
 
+def _count_valid(key):
+    """``#(key > INT32_MIN)`` per row, ``int32[BR, 1]``: the valid keys."""
+    return jnp.sum((key > np.int32(INT32_MIN)).astype(jnp.int32), axis=1, keepdims=True)
+
+
+def _float_key(v: float) -> int | None:
+    """``float_to_key`` of a Python float taken as float32, for a static floor: ``x > v`` is
+    ``float_to_key(x) > _float_key(v)`` for every float32 ``x`` (NaN too: its key is -inf's,
+    never above a floor's); ``None`` for a NaN floor (nothing is above it). Zero is taken as
+    ``+0.0``: ``-0.0``'s key sits just below ``+0.0``'s, and ``+0.0 > -0.0`` is false."""
+    f = np.float32(v)
+    if f != f:
+        return None
+    if f == 0:
+        f = np.float32(0.0)
+    bits = int(f.view(np.int32))
+    return bits ^ 0x7FFFFFFF if bits < 0 else bits
+
+
+def _count_valid_and_above(key, floor_key: int | None):
+    """``(#(key > INT32_MIN), #(key > floor_key))`` per row, each ``int32[BR, 1]``, in one
+    packed reduction (low / high 16 bits: rows of at most 32768 keys; the high half may reach
+    bit 31, read back by a logical shift). ``floor_key`` None: nothing is above it."""
+    valid = (key > np.int32(INT32_MIN)).astype(jnp.int32)
+    if floor_key is None:
+        n_valid = jnp.sum(valid, axis=1, keepdims=True)
+        return n_valid, jnp.zeros_like(n_valid)
+    s = jnp.sum(valid + ((key > np.int32(floor_key)).astype(jnp.int32) << 16), axis=1, keepdims=True)
+    return s & np.int32(0xFFFF), lax.shift_right_logical(s, np.int32(16))
+
+
 def _umin(a, b):
     """Unsigned min of int32 bit patterns (compare with the sign bit flipped)."""
     return jnp.where((a ^ np.int32(INT32_MIN)) < (b ^ np.int32(INT32_MIN)), a, b)
 
 
-def _bracket_search(key, k: int, early_exit: bool, row_ok):
+def _bracket_search(key, k: int, early_exit: bool, row_ok, n_valid=None):
     """``(T int32[BR, 1], rounds)`` for ``key int32[BR, C]``: ``_search_threshold``'s contract by a
     bracketing search on the keys' values (``rounds``: the loop's trips, for tests).
 
@@ -327,7 +362,8 @@ def _bracket_search(key, k: int, early_exit: bool, row_ok):
     the k-th largest key either way.
     """
     valid = key > np.int32(INT32_MIN)
-    n_valid = jnp.sum(valid.astype(jnp.int32), axis=1, keepdims=True)
+    if n_valid is None:
+        n_valid = _count_valid(key)
     lo = jnp.min(jnp.where(valid, key, np.int32(2**31 - 1)), axis=1, keepdims=True)
     # no key is INT32_MAX (+inf's key is 0x7F800000, NaN's is -inf's), so max + 1 cannot wrap
     hi = jnp.max(key, axis=1, keepdims=True) + np.int32(1)
@@ -419,9 +455,14 @@ def _per_row(ref, rows, n_rows: int, rows_per: int):
 def _through_table(table_ref, rows, pos, mask, *, width: int, block: int):
     """``table[row, pos // block] * block + pos % block`` where ``mask`` (0 elsewhere): the token
     of slot ``pos`` of a row whose slots are whole blocks, ``table_ref`` flat ``[R * width]``."""
-    entry = plgpu.load(table_ref.at[jnp.where(mask, rows * width + lax.div(pos, np.int32(block)), 0)],
-                       mask=mask, other=0)
-    return entry * block + lax.rem(pos, np.int32(block))
+    if block & (block - 1) == 0:
+        # positions are >= 0: a shift and a mask, not a signed division's fix-ups
+        shift = block.bit_length() - 1
+        slot, within = lax.shift_right_logical(pos, np.int32(shift)), pos & np.int32(block - 1)
+    else:
+        slot, within = lax.div(pos, np.int32(block)), lax.rem(pos, np.int32(block))
+    entry = plgpu.load(table_ref.at[jnp.where(mask, rows * width + slot, 0)], mask=mask, other=0)
+    return entry * block + within
 
 
 def _select_kernel(
@@ -514,16 +555,25 @@ def _select_kernel(
         dense_len = _per_row(dense_ref, rows, n_rows, rows_per_dense)
         dense = row_ok & (dense_len <= dense_limit)  # [BR, 1]
 
-    t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok, search)
+    n_valid = n_above = None
+    if early_exit or search == "bracket":
+        # the search counts the valid keys before it starts; count_above's count shares that
+        # reduction (two 16-bit halves of one sum) rather than paying one of its own
+        if count_above is not None:
+            n_valid, n_above = _count_valid_and_above(key, _float_key(count_above))
+        else:
+            n_valid = _count_valid(key)
+    t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok, search, n_valid)
     take, slot = _compaction(key, t, k_sel, greater_first=greater_first and final)
     take = take & row_ok
 
     oob = n_rows * out_stride  # masked lanes: see module docstring
     if count_above is not None:
-        # the caller's count of scores above a floor (e.g. not -inf): one more reduction over the
-        # row this program holds anyway, instead of another pass over the scores in XLA
-        above = valid & (x > np.float32(count_above))
-        n_above = jnp.minimum(jnp.sum(above.astype(jnp.int32), axis=1), np.int32(k_out))  # [BR]
+        # the caller's count of scores above a floor (e.g. not -inf), from the row this program
+        # holds anyway, instead of another pass over the scores in XLA
+        if n_above is None:
+            n_above = jnp.sum((valid & (x > np.float32(count_above))).astype(jnp.int32), axis=1, keepdims=True)
+        n_above = jnp.minimum(n_above[:, 0], np.int32(k_out))  # [BR]
         if dense is not None:
             n_above = jnp.where(dense[:, 0], dense_len[:, 0], n_above)
         row_flat = rows[:, 0]
@@ -546,16 +596,21 @@ def _select_kernel(
             out = _through_table(table_ref, rows, pos, take, width=table_width, block=table_block)
         dst = jnp.where(take & ~short, rows * out_stride + slot, oob)
         plgpu.store(out_refs[0].at[dst], out, mask=take & ~short)
-        fill = row_ok & short & (lane < k_out)
-        dst2 = jnp.where(fill, rows * out_stride + lane, oob)
-        fill_pos = jnp.broadcast_to(lane, (br, c))
-        if table_ref is not None:
-            # a short row's arange goes through the table too (on one level, lane == position);
-            # a dense row's stays positions
-            mapped = tokens if tokens is not None else _through_table(
-                table_ref, rows, fill_pos, fill, width=table_width, block=table_block)
-            fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
-        plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
+
+        @pl.when(jnp.max(short.astype(jnp.int32)) > 0)
+        def _fill_short_rows():
+            # a branch, not only a mask: a masked store still costs every lane its address and
+            # a predicated instruction, and rows are rarely short
+            fill = row_ok & short & (lane < k_out)
+            dst2 = jnp.where(fill, rows * out_stride + lane, oob)
+            fill_pos = jnp.broadcast_to(lane, (br, c))
+            if table_ref is not None:
+                # a short row's arange goes through the table too (on one level, lane ==
+                # position); a dense row's stays positions
+                mapped = tokens if tokens is not None else _through_table(
+                    table_ref, rows, fill_pos, fill, width=table_width, block=table_block)
+                fill_pos = mapped if dense is None else jnp.where(dense, fill_pos, mapped)
+            plgpu.store(out_refs[0].at[dst2], fill_pos, mask=fill)
         if append_ref is not None:
             # the caller's value after the k positions (e.g. the newest block, which every row
             # attends): one store here in place of an XLA concatenate, a launch, after the kernel

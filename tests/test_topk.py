@@ -463,11 +463,15 @@ def test_auto_reads_the_tuned_table(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
 @pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (100, 64, dict(block_rows=2)),
+                                        (300, 20, {"search": "bracket"}),  # counted with n_valid
+                                        (300, 20, {"early_exit": False}),  # counted alone
                                         (5000, 64, {"max_single": 1024})])  # two levels: counted in XLA
 def test_count_above_counts_the_valid_entries_over_the_floor(impl, n, k, tuning):
     """``count_above``: ``min(k, #(valid > floor))`` beside the positions (the same positions
     as without it), rows of -inf marks, NaN, counts cutting rows short, counts shared by the
-    heads of a row, and a floor that is not -inf."""
+    heads of a row, and floors that are not -inf: 0.25, both zeros (with +-0.0 scores, which
+    are not above either; -0.0 first: the jit cache takes 0.0 for it), +inf and NaN (nothing
+    is above them)."""
     b, h = 3, 2
     x = distinct_scores((b * h, n)).reshape(b, h, n)
     rng = np.random.default_rng(n)
@@ -475,10 +479,12 @@ def test_count_above_counts_the_valid_entries_over_the_floor(impl, n, k, tuning)
     x[0, 0, 5] = np.nan
     x[1, 1] = -np.inf  # nothing above the floor
     x[2, 0, : n - 3] = -np.inf  # 3 above it: fewer than k
+    x[2, 0, 1:4] = [0.0, -0.0, np.inf]  # in a row counted below k, so the min(k, .) cannot hide them
     kw = tuning if impl == "pallas" else {}
     xj = jnp.asarray(x, jnp.float32)
     for counts in (None, jnp.asarray([[n], [k - 3], [n // 2]], jnp.int32)):
-        for floor in (-np.inf, 0.25):
+        floors = (-np.inf, 0.25, -0.0, 0.0, np.inf, np.nan) if counts is None else (-np.inf, 0.25)
+        for floor in floors:
             pos, cnt = topk_indices(xj, k, counts, impl=impl, count_above=floor, **kw)
             valid = np.arange(n) < (n if counts is None else np.asarray(counts)[:, :, None])
             want = np.minimum(((x > floor) & valid).sum(-1), k)
