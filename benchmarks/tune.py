@@ -111,9 +111,9 @@ def topk_candidates(n: int, k: int, searches=("radix", "bracket"), rows: int | N
 
 # (B, S, Hq, Hkv, D): the decode shape classes the table covers. Qwen3-8B heads at
 # batch 1 / 8 / 32 (the issue's grid), Gemma 3 270M's global layers (MQA, D=256)
-# and SmolLM2's (9/3 heads, D=64).
+# and SmolLM2's (9/3 heads, D=64); then B=32 at 128K (index 5), the grid's largest.
 SHAPES = [(1, 131072, 32, 8, 128), (8, 131072, 32, 8, 128), (32, 32768, 32, 8, 128),
-          (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64)]
+          (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64), (32, 131072, 32, 8, 128)]
 BUDGETS = (1024, 2048)
 # (rows, N, k) of the top-k sweep: block top-k over 2048 or 512 block scores, the token
 # selection over 8192 candidates, and a full 128K row (oracle top-k); rows = B * Hkv
