@@ -111,9 +111,11 @@ def topk_candidates(n: int, k: int, searches=("radix", "bracket"), rows: int | N
 
 # (B, S, Hq, Hkv, D): the decode shape classes the table covers. Qwen3-8B heads at
 # batch 1 / 8 / 32 (the issue's grid), Gemma 3 270M's global layers (MQA, D=256)
-# and SmolLM2's (9/3 heads, D=64); then B=32 at 128K (index 5), the grid's largest.
+# and SmolLM2's (9/3 heads, D=64); then the rest of the issue's grid: B=32 at 128K (index 5),
+# B=1 and B=8 at 32K (6, 7). Only the block filter's classes depend on S (blocks a row).
 SHAPES = [(1, 131072, 32, 8, 128), (8, 131072, 32, 8, 128), (32, 32768, 32, 8, 128),
-          (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64), (32, 131072, 32, 8, 128)]
+          (8, 32768, 4, 1, 256), (8, 8192, 9, 3, 64), (32, 131072, 32, 8, 128),
+          (1, 32768, 32, 8, 128), (8, 32768, 32, 8, 128)]
 BUDGETS = (1024, 2048)
 # (rows, N, k) of the top-k sweep: block top-k over 2048 or 512 block scores, the token
 # selection over 8192 candidates, and a full 128K row (oracle top-k); rows = B * Hkv
@@ -165,15 +167,18 @@ def split_candidates(rows: int, work_tiles: int) -> list:
 def label_grid_candidates(rows: int, num_cand: int) -> list[dict]:
     """Second-stage knobs of the label kernels: programs per row (``splits``: about 2, 4 and 8
     waves' worth on 132 SMs, at most one per 64 candidates), the candidates a tile holds, and
-    how many tiles ahead the gathers are issued (default 2), and the query side gathered in the
-    kernel (``q_prep="kernel"``, hoisted) instead of an XLA fusion before it."""
+    how many tiles ahead the gathers are issued (default 2), the query side gathered in the
+    kernel (``q_prep="kernel"``, hoisted) instead of an XLA fusion before it, and the heads split
+    over two programs (``head_split=2``, the "logits" mode: half the query's registers; ncu saw
+    the kernel at 225 registers, 8 warps an SM, waiting on its gathers)."""
     out = []
     for programs in (528, 1056, 2112):
         sp = max(1, min(num_cand // 64, -(-programs // rows)))
         if dict(splits=sp) not in out:
             out.append(dict(splits=sp))
     return out + [dict(block_c=64), dict(block_c=256), dict(prefetch=1), dict(prefetch=3),
-                  dict(q_prep="kernel", hoist_q=True)]
+                  dict(q_prep="kernel", hoist_q=True), dict(mode="logits", head_split=2),
+                  dict(mode="logits", head_split=2, q_prep="kernel", hoist_q=True)]
 
 
 def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **kw):

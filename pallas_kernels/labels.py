@@ -100,7 +100,11 @@ registers, 3 programs per SM, ~10% more instructions) may trade better.
 Tuning (all static): ``mode`` (default "logits"), ``block_c`` (power of two;
 keep it ``32 * num_warps``: other values need layout conversions), ``num_warps``
 (default 4), ``num_stages`` (default 1: the pipelining is explicit),
-``splits``, ``prefetch`` (0-3), ``hoist_q`` (None = auto).
+``splits``, ``prefetch`` (0-3), ``hoist_q`` (None = auto), ``q_prep`` ("xla" or "kernel":
+where the channel-gathered query is made), ``head_split`` (default 1; "logits" only): the
+G heads split over that many programs per tile range, each holding G / head_split heads'
+query in registers (half the registers at 2, so more warps an SM to hide the gathers), the
+labels of a tile read by each of them (adjacent programs: mostly from the L2).
 
 ``build_label_cache_kernel``: grid ``(B, Hkv, ceil(S / block_s))``; for each of
 the ``8 // bits`` code slots of a byte one 2-D pointer gather
@@ -641,6 +645,18 @@ def choose_splits(rows: int, num_tiles: int, per_sm: int = 2, splits=None) -> in
     return max(1, min(splits, num_tiles))
 
 
+def check_head_split(head_split, group: int | None = None, mode: str | None = None) -> None:
+    """``head_split`` (programs a tile range's heads are split over) must be a positive int
+    dividing the group, and above 1 only in the "logits" mode: the other modes sum the heads'
+    probabilities inside a program."""
+    if isinstance(head_split, bool) or not isinstance(head_split, (int, np.integer)) or head_split < 1:
+        raise ValueError(f"head_split must be a positive int or None, got {head_split!r}")
+    if head_split > 1 and mode not in (None, "logits"):
+        raise ValueError(f"head_split > 1 needs mode 'logits' (mode {mode!r} sums the heads in one program)")
+    if group is not None and group % head_split:
+        raise ValueError(f"head_split {head_split} must divide the GQA group of {group} query heads")
+
+
 def _combine_stats(m_in, l_in, group):
     """Per head: the global max (0 when empty) and ``1 / (G * sum)`` (0 when empty)
     from the per-program ``(max, sum-exp)`` refs ``[P, G]``."""
@@ -692,7 +708,7 @@ def _scaled_codes(x, bits: int):
 def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len, num_cand, block_c,
                  tiles_per_prog, num_tiles, group, bits, block_size, num_block_slots, words, hoist_q,
                  prefetch, fields, nper, record=False, masked_score=0.0, interpret=False, q_prep="xla",
-                 sm_scale=1.0):
+                 sm_scale=1.0, head_split=1):
     # len_ref: []; cnt_ref: [] (candidate count, or block count for "blocks");
     # src_ref: [C] candidate ids ("array"), [NBsel] block ids ("blocks"), unused
     # ("dense"); q_ref: [F, G, N] f32, the channel-gathered pre-scaled query by
@@ -719,7 +735,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
     levels = (1 << bits) - 1
     vpb = 8 // bits
     lanes = jnp.arange(tc, dtype=jnp.int32)
-    p = pl.program_id(2)
+    # with head_split > 1, programs p * head_split + h share tile range p, each with its own
+    # ``group`` heads (its blocks of the query, the logits and the statistics)
+    p = pl.program_id(2) if head_split == 1 else lax.div(pl.program_id(2), np.int32(head_split))
     t_first = p * tiles_per_prog
     t_last = jnp.minimum(t_first + tiles_per_prog, num_tiles)  # this program's tiles: [t_first, t_last)
     length = jnp.clip(len_ref[()], 0, seq_len)
@@ -1015,7 +1033,7 @@ def _prepare_query(q, channels, hkv, sm_scale, bits, words):
 
 def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, block_size,
                    sm_scale, bits, mode, block_c, num_warps, num_stages, splits, prefetch,
-                   hoist_q, interpret, return_raw, masked_score=0.0, q_prep=None):
+                   hoist_q, interpret, return_raw, masked_score=0.0, q_prep=None, head_split=None):
     b, hq, _ = q.shape
     r = channels.shape[-1]
     record = isinstance(labels, LabelRecords)
@@ -1025,6 +1043,9 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         raise ValueError("label_scores_kernel needs power-of-two r*bits//8 and block_c")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    hs = 1 if head_split is None else int(head_split)
+    check_head_split(hs, g, mode)
+    gh = g // hs  # heads a program scores
     words = w % 4 == 0  # whole 32-bit words per row (r*bits >= 32)
     q_prep = "xla" if q_prep is None else q_prep
     if q_prep not in Q_PREPS:
@@ -1036,25 +1057,26 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
     if hoist_q is None:
         # G*r registers of query + ~16 a head of accumulators and statistics:
         # G=4, r=32 fits (~230 registers), G=8, r=16 would spill (offline sm_90 compile).
-        hoist_q = g * (r + 16) <= 192
+        hoist_q = gh * (r + 16) <= 192
     num_tiles = pl.cdiv(num_cand, block_c)
-    nsplit = choose_splits(b * hkv, num_tiles, programs_per_sm(g, r, num_warps, hoist_q), splits)
+    nsplit = choose_splits(b * hkv * hs, num_tiles, programs_per_sm(gh, r, num_warps, hoist_q), splits)
     tpp = pl.cdiv(num_tiles, nsplit)
     nsplit = pl.cdiv(num_tiles, tpp)  # no program without a tile
     common = dict(
         source=source, seq_len=s, num_cand=num_cand, block_c=block_c, tiles_per_prog=tpp,
-        num_tiles=num_tiles, group=g, bits=bits, block_size=block_size,
+        num_tiles=num_tiles, group=gh, bits=bits, block_size=block_size, head_split=hs,
         num_block_slots=src.shape[-1], words=words, hoist_q=hoist_q, prefetch=prefetch, record=record,
         interpret=interpret, q_prep=q_prep, sm_scale=float(sm_scale),
         fields=(32 if words else 8) // bits, nper=r * bits // (32 if words else 8))
+    hsel = (lambda t: t % hs) if hs > 1 else (lambda t: 0)  # a program's block of heads
     if q_prep == "kernel":  # the raw query and the channels, gathered in the kernel
         qp = q.reshape(b, hkv, g, q.shape[-1])
-        q_specs = [pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0)),
+        q_specs = [pl.BlockSpec((None, None, gh, qp.shape[3]), lambda i, j, t: (i, j, hsel(t), 0)),
                    pl.BlockSpec((None, r), lambda i, j, t: (j, 0))]
         q_args = (qp, channels.astype(jnp.int32))
     else:
         qp = _prepare_query(q, channels, hkv, sm_scale, bits, words)  # one small XLA fusion
-        q_specs = [pl.BlockSpec((None, None) + qp.shape[2:], lambda i, j, t: (i, j, 0, 0, 0))]
+        q_specs = [pl.BlockSpec((None, None, qp.shape[2], gh, qp.shape[4]), lambda i, j, t: (i, j, 0, hsel(t), 0))]
         q_args = (qp,)
     meta_spec = pl.BlockSpec((None, None, s), lambda i, j, t: (i, j, 0))
     shared_cnt = cnt.shape[1] == 1 and hkv > 1  # [B, 1]: one count for a row's KV heads, read in place
@@ -1072,18 +1094,19 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         in_specs += [pl.BlockSpec((None, None, s, w), lambda i, j, t: (i, j, 0, 0)), meta_spec, meta_spec]
         args += (labels.packed, labels.scale, labels.offset)
     stat_spec = pl.BlockSpec((None, None, nsplit, g), lambda i, j, t: (i, j, 0, 0))
+    stat_out_spec = stat_spec if hs == 1 else pl.BlockSpec((None, None, nsplit, gh), lambda i, j, t: (i, j, 0, hsel(t)))
     stat = jax.ShapeDtypeStruct((b, hkv, nsplit, g), jnp.float32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    grid = (b, hkv, nsplit)
-    tag = f"{source}_c{block_c}_p{nsplit}" + ("_rec" if record else "")
+    grid = (b, hkv, nsplit * hs)
+    tag = f"{source}_c{block_c}_p{nsplit}" + (f"_h{hs}" if hs > 1 else "") + ("_rec" if record else "")
     out_spec = pl.BlockSpec((None, None, num_cand), lambda i, j, t: (i, j, 0))
     out_shape = jax.ShapeDtypeStruct((b, hkv, num_cand), jnp.float32)
     if mode == "logits":
         logits, m, l = pl.pallas_call(
             functools.partial(_looped_body, phase="logits", **common),
             grid=grid, in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, g, num_cand), lambda i, j, t: (i, j, 0, 0)),
-                       stat_spec, stat_spec],
+            out_specs=[pl.BlockSpec((None, None, gh, num_cand), lambda i, j, t: (i, j, hsel(t), 0)),
+                       stat_out_spec, stat_out_spec],
             out_shape=[jax.ShapeDtypeStruct((b, hkv, g, num_cand), jnp.float32), stat, stat],
             compiler_params=params, interpret=interpret, name=f"label_logits_{tag}",
         )(*args)
@@ -1128,7 +1151,8 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 DEFAULT_PREFETCH = 2
 
-TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q", "q_prep")
+TUNING_KEYS = ("mode", "block_c", "num_warps", "num_stages", "splits", "prefetch", "hoist_q", "q_prep",
+               "head_split")
 _KERNEL_STATIC = ("scale", "bits", "interpret", "return_raw") + TUNING_KEYS
 
 
@@ -1150,7 +1174,7 @@ def _looped_tuning(block_c, num_warps, num_stages, prefetch):
 def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, lengths=None,
                         scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
                         num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None,
-                        interpret=False, return_raw=False):
+                        head_split=None, interpret=False, return_raw=False):
     """Pallas path of ``label_scores`` (modes and tuning: see the module docstring).
 
     ``return_raw=True`` returns the kernels' intermediate results:
@@ -1166,6 +1190,8 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     if mode == "per_tile":
         if q_prep not in (None, "xla"):
             raise ValueError("mode 'per_tile' makes its query side in XLA only (q_prep='xla')")
+        if head_split not in (None, 1):
+            raise ValueError("head_split > 1 needs mode 'logits' (mode 'per_tile' sums the heads in one program)")
         return _per_tile_scores(
             q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths,
             scale=scale, bits=bits,
@@ -1185,7 +1211,7 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     return _looped_scores(
         q, labels, channels, src, cnt, lengths, source=source, num_cand=num_cand, block_size=1,
         sm_scale=sm_scale, bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, q_prep=q_prep,
-        interpret=interpret, return_raw=return_raw,
+        head_split=head_split, interpret=interpret, return_raw=return_raw,
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))
 
 
@@ -1222,7 +1248,7 @@ def block_label_scores_reference(q, labels, channels, block_ids, block_counts, l
 def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                               scale=None, bits=4, mode=DEFAULT_MODE, block_c=None, num_warps=None,
                               num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None,
-                              interpret=False, return_raw=False, masked_score=0.0):
+                              head_split=None, interpret=False, return_raw=False, masked_score=0.0):
     """Pallas path of ``block_label_scores``: candidate positions are made in
     registers from the block ids (no candidate array is read), and a block's
     rows are consecutive. Modes "two_pass" and "logits"; tuning as
@@ -1238,6 +1264,6 @@ def block_label_scores_kernel(q, labels, channels, block_ids, block_counts, leng
     return _looped_scores(
         q, labels, channels, block_ids, block_counts, lengths, source="blocks",
         num_cand=block_ids.shape[-1] * block_size, block_size=block_size, sm_scale=sm_scale,
-        bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, q_prep=q_prep, interpret=interpret,
-        return_raw=return_raw, masked_score=float(masked_score),
+        bits=bits, mode=mode, splits=splits, hoist_q=hoist_q, q_prep=q_prep, head_split=head_split,
+        interpret=interpret, return_raw=return_raw, masked_score=float(masked_score),
         **_looped_tuning(block_c, num_warps, num_stages, prefetch))

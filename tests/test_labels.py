@@ -294,6 +294,10 @@ LOOPED_CASES = [
     (12, 4, 128, 32, 4, 77, dict(mode="logits", block_c=16, splits=3, prefetch=1, q_prep="kernel")),
     (9, 3, 64, 16, 2, 45, dict(mode="two_pass", block_c=16, splits=2, q_prep="kernel")),
     (8, 1, 256, 64, 4, 40, dict(mode="logits", block_c=16, splits=2, q_prep="kernel")),  # MQA, D=256, r=64
+    # the heads split over programs (each holds G / head_split heads' query)
+    (8, 2, 128, 32, 4, 77, dict(mode="logits", block_c=16, splits=3, prefetch=1, head_split=2)),
+    (9, 3, 64, 16, 2, 45, dict(mode="logits", block_c=16, splits=2, q_prep="kernel", head_split=3)),  # 1 head each
+    (16, 2, 128, 32, 4, 50, dict(block_c=32, splits=1, head_split=4)),  # G=8, the default mode
 ]
 
 
@@ -542,9 +546,15 @@ def test_kernels_lower_to_triton(abstract_h100):
                     q, c, ch, bid, n, l, block_size=64, mode=mode, masked_score=-np.inf),
                  (q, labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),  # masked slots as -inf
             ]
-    for labels in (cache32, rec32):  # the query side gathered in the kernel
+    for labels in (cache32, rec32):  # the query side gathered in the kernel, and with the heads split
         fns += [(lambda q, c, ch, bid, n, l: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
                                                                           q_prep="kernel"),
+                 (sd((2, 12, 128), jnp.bfloat16), labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+                (lambda q, c, ch, bid, n, l: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
+                                                                          q_prep="kernel", head_split=2),
+                 (sd((2, 12, 128), jnp.bfloat16), labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens)),
+                (lambda q, c, ch, bid, n, l: lb.block_label_scores_kernel(q, c, ch, bid, n, l, block_size=64,
+                                                                          head_split=2),
                  (sd((2, 12, 128), jnp.bfloat16), labels, ch32, sd((2, 3, 5), jnp.int32), cnt, lens))]
     for fn, args in fns:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -573,6 +583,46 @@ def test_query_side_in_the_kernel_equals_the_xla_one_and_refuses_conflicts():
     for bad in (dict(q_prep="kernel", hoist_q=False), dict(q_prep="kernel", mode="per_tile"), dict(q_prep="cuda")):
         with pytest.raises(ValueError, match="q_prep"):
             scoring.label_scores(q, cache, channels, cand, impl="pallas", **bad)
+
+
+def test_heads_split_over_programs_give_the_same_scores_and_selection():
+    """``head_split``: the G heads of a tile range scored by G / head_split programs give the
+    one-program scores (the raw logits to the bit, the statistics to rounding), over cache and records, with the
+    query side from XLA or the kernel, and the same tokens from ``block_label_topk`` (fused
+    and not); a split that does not divide G, or one outside the "logits" mode, is refused
+    before any tracing of the kernel."""
+    b, hq, hkv, s, d, r = 2, 16, 4, 150, 128, 32  # G = 4
+    k = _keys(11, b, hkv, s, d, jnp.bfloat16)
+    channels = _channels(13, hkv, d, r)
+    q = _randn(17, (b, hq, d), jnp.bfloat16, 2.0)
+    cache = scoring.build_label_cache(k, channels, impl="reference")
+    blocks = jnp.asarray([[[0, 1, 2], [2, 0, 9], [1, 1, 0], [0, 2, 1]]] * 2, jnp.int32)
+    counts = jnp.asarray([[3, 2, 1, 0], [3, 3, 3, 3]], jnp.int32)
+    lengths = jnp.asarray([150, 100], jnp.int32)
+    kw = dict(block_size=64, block_c=32, splits=2, interpret=True)
+    for labels, q_prep in ((cache, None), (lb.interleave_labels(cache), "kernel")):
+        one = lb.block_label_scores_kernel(q, labels, channels, blocks, counts, lengths, q_prep=q_prep,
+                                           return_raw=True, **kw)
+        for hs in (2, 4):
+            split = lb.block_label_scores_kernel(q, labels, channels, blocks, counts, lengths, q_prep=q_prep,
+                                                 head_split=hs, return_raw=True, **kw)
+            np.testing.assert_array_equal(np.asarray(split[0]), np.asarray(one[0]))  # the logits, to the bit
+            for a, w in zip(split[1:], one[1:]):  # the statistics: summed over fewer heads side by side
+                np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-6)
+        for fused in (False, True):
+            sel = dict(block_size=64, k=40, impl="pallas", block_c=32, splits=2, fused=fused)
+            want = scoring.block_label_topk(q, labels, channels, blocks, counts, lengths, **sel)
+            got = scoring.block_label_topk(q, labels, channels, blocks, counts, lengths, head_split=2, **sel)
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+            np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
+    cand = jnp.zeros((b, hkv, 8), jnp.int32)
+    for bad, match in ((dict(head_split=3), "divide"), (dict(head_split=0), "positive"),
+                       (dict(head_split=2, mode="two_pass"), "logits"), (dict(head_split=2, mode="per_tile"), "logits"),
+                       (dict(head_split=True), "positive")):
+        with pytest.raises(ValueError, match=match):
+            scoring.label_scores(q, cache, channels, cand, impl="pallas", **bad)
+        with pytest.raises(ValueError, match=match):
+            scoring.block_label_scores(q, cache, channels, blocks, counts, lengths, block_size=64, impl="pallas", **bad)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

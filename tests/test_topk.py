@@ -479,7 +479,7 @@ def test_count_above_counts_the_valid_entries_over_the_floor(impl, n, k, tuning)
     x[0, 0, 5] = np.nan
     x[1, 1] = -np.inf  # nothing above the floor
     x[2, 0, : n - 3] = -np.inf  # 3 above it: fewer than k
-    x[2, 0, 1:4] = [0.0, -0.0, np.inf]  # in a row counted below k, so the min(k, .) cannot hide them
+    x[2, 0, 1:4] = [0.0, -0.0, np.inf]  # +-0 and +inf in that row: a count below k, so min(k, .) hides nothing
     kw = tuning if impl == "pallas" else {}
     xj = jnp.asarray(x, jnp.float32)
     for counts in (None, jnp.asarray([[n], [k - 3], [n // 2]], jnp.int32)):

@@ -411,7 +411,8 @@ def update_label_cache(cache, k_new, channels, positions, *, bits=4):
     return _lb.update_label_cache_reference(cache, k_new, channels, positions, bits=bits)
 
 
-def _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep=None, hoist_q=None) -> None:
+def _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep=None, hoist_q=None,
+                  head_split=None, group=None) -> None:
     for name, v in (("block_c", block_c), ("num_warps", num_warps), ("num_stages", num_stages),
                     ("splits", splits)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
@@ -426,6 +427,8 @@ def _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep
     if q_prep == "kernel" and (hoist_q is False or mode == "per_tile"):
         raise ValueError("q_prep='kernel' gathers the query into registers once a program: it needs "
                          "hoist_q (not False) and a looped mode (not 'per_tile')")
+    if head_split is not None:
+        _lb.check_head_split(head_split, group, mode)
 
 
 def _check_scores_args(q, labels, channels, lengths, scale, bits):
@@ -451,16 +454,17 @@ def _check_scores_args(q, labels, channels, lengths, scale, bits):
     return b, hkv, w, scale
 
 
-def _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep=None) -> dict:
+def _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep=None,
+                   head_split=None) -> dict:
     """Tuning kwargs for the kernel, leaving its defaults where None."""
     kw = dict(mode=mode, block_c=block_c, num_warps=num_warps, num_stages=num_stages,
-              splits=splits, prefetch=prefetch, hoist_q=hoist_q, q_prep=q_prep)
+              splits=splits, prefetch=prefetch, hoist_q=hoist_q, q_prep=q_prep, head_split=head_split)
     return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in kw.items() if v is not None}
 
 
 def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=None, scale=None,
                  bits=4, impl="auto", mode=None, block_c=None, num_warps=None, num_stages=None,
-                 splits=None, prefetch=None, hoist_q=None, q_prep=None):
+                 splits=None, prefetch=None, hoist_q=None, q_prep=None, head_split=None):
     """Approximate attention probabilities from the label cache: ``float32[B, Hkv, C]``.
 
     For each query head of the group, softmax over the candidates of
@@ -488,7 +492,9 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
     ``prefetch`` tiles loaded ahead, ``hoist_q`` (keep the query in registers:
     fewer instructions, half the occupancy; None = when G * (r + 16) <= 192), ``q_prep``
     (where the channel-gathered, scaled query is made: "xla", the default, a fusion before
-    the kernel; "kernel", gathered by each program, which needs the hoisted query).
+    the kernel; "kernel", gathered by each program, which needs the hoisted query),
+    ``head_split`` (the "logits" mode's G heads split over that many programs a tile range,
+    each holding its share of the query: fewer registers, more warps an SM; a divisor of G).
     """
     b, hkv, w, scale = _check_scores_args(q, labels, channels, lengths, scale, bits)
     if candidates is None:
@@ -504,14 +510,15 @@ def label_scores(q, labels, channels, candidates=None, counts=None, *, lengths=N
                              f"{tuple(candidates.shape)}")
         if counts is not None:
             check_int_array("counts", counts, (b, hkv), "[B, Hkv]")
-    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep, hoist_q)
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep, hoist_q, head_split,
+                  q.shape[1] // hkv)
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
                                                                  {"block_c": block_c})))
     if choice == "reference":
         return _lb.label_scores_reference(q, labels, channels, candidates, counts, lengths=lengths,
                                           scale=scale, bits=bits)
-    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep)
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep, head_split)
     if not interpret:
         c = _lb.label_dims(labels, channels.shape[1], bits)[2] if candidates is None else candidates.shape[2]
         tuning = with_tuned(tuning, "label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv)
@@ -541,7 +548,7 @@ def _check_block_label_args(q, labels, channels, block_ids, block_counts, length
 
 def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *, block_size,
                        scale=None, bits=4, impl="auto", mode=None, block_c=None, num_warps=None,
-                       num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None):
+                       num_stages=None, splits=None, prefetch=None, hoist_q=None, q_prep=None, head_split=None):
     """``label_scores`` over the tokens of selected blocks: ``float32[B, Hkv, NBsel * block_size]``.
 
     Block slot ``j`` of ``block_ids int32[B, Hkv, NBsel]`` stands for the tokens
@@ -558,7 +565,8 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
     """
     b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
                                                 block_size, scale, bits, "block_label_scores")
-    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep, hoist_q)
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, mode, q_prep, hoist_q, head_split,
+                  q.shape[1] // hkv)
     if mode == "per_tile":
         raise ValueError("block_label_scores has no 'per_tile' mode")
     choice, interpret = resolve_impl(
@@ -568,7 +576,7 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         return _lb.block_label_scores_reference(q, labels, channels, block_ids, block_counts,
                                                 lengths, block_size=int(block_size), scale=scale,
                                                 bits=bits)
-    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep)
+    tuning = _kernel_tuning(mode, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep, head_split)
     if not interpret:
         tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=block_ids.shape[2] * int(block_size),
                             w=w, g=q.shape[1] // hkv, block=int(block_size))
@@ -588,8 +596,8 @@ FUSED_LABEL_TOPK = False
 
 def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, block_size, k,
                      scale=None, bits=4, impl="auto", block_c=None, num_warps=None, num_stages=None,
-                     splits=None, prefetch=None, hoist_q=None, q_prep=None, select_num_warps=None, radix_bits=None,
-                     fused=None, dense_budget=None):
+                     splits=None, prefetch=None, hoist_q=None, q_prep=None, head_split=None, select_num_warps=None,
+                     radix_bits=None, fused=None, dense_budget=None):
     """The ``k`` best tokens of the selected blocks by label score (AsyncTLS's second level):
     ``(positions int32[B, Hkv, k], counts int32[B, Hkv])``.
 
@@ -615,7 +623,8 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     """
     b, hkv, w, scale = _check_block_label_args(q, labels, channels, block_ids, block_counts, lengths,
                                                 block_size, scale, bits, "block_label_topk")
-    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, None, q_prep, hoist_q)
+    _check_tuning(block_c, num_warps, num_stages, splits, prefetch, None, q_prep, hoist_q, head_split,
+                  q.shape[1] // hkv)
     if select_num_warps is not None and (isinstance(select_num_warps, bool) or select_num_warps <= 0):
         raise ValueError(f"select_num_warps must be a positive int or None, got {select_num_warps!r}")
     if radix_bits not in (None, 1, 2, 4):
@@ -643,7 +652,7 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
         select = {}
     else:
         fused = FUSED_LABEL_TOPK if fused is None else bool(fused)
-        tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep)
+        tuning = _kernel_tuning(None, block_c, num_warps, num_stages, splits, prefetch, hoist_q, q_prep, head_split)
         if not interpret:
             tuning = with_tuned(tuning, "block_label_scores", rows=b * hkv, c=c, w=w, g=q.shape[1] // hkv, block=bs)
         if fused and c <= _ltk.MAX_CANDIDATES:
