@@ -1043,8 +1043,9 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         raise ValueError("label_scores_kernel needs power-of-two r*bits//8 and block_c")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    hs = 1 if head_split is None else int(head_split)
+    hs = 1 if head_split is None else head_split
     check_head_split(hs, g, mode)
+    hs = int(hs)
     gh = g // hs  # heads a program scores
     words = w % 4 == 0  # whole 32-bit words per row (r*bits >= 32)
     q_prep = "xla" if q_prep is None else q_prep
@@ -1094,7 +1095,7 @@ def _looped_scores(q, labels, channels, src, cnt, lengths, *, source, num_cand, 
         in_specs += [pl.BlockSpec((None, None, s, w), lambda i, j, t: (i, j, 0, 0)), meta_spec, meta_spec]
         args += (labels.packed, labels.scale, labels.offset)
     stat_spec = pl.BlockSpec((None, None, nsplit, g), lambda i, j, t: (i, j, 0, 0))
-    stat_out_spec = stat_spec if hs == 1 else pl.BlockSpec((None, None, nsplit, gh), lambda i, j, t: (i, j, 0, hsel(t)))
+    stat_out_spec = pl.BlockSpec((None, None, nsplit, gh), lambda i, j, t: (i, j, 0, hsel(t)))  # stat_spec at hs=1
     stat = jax.ShapeDtypeStruct((b, hkv, nsplit, g), jnp.float32)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     grid = (b, hkv, nsplit * hs)
@@ -1190,8 +1191,8 @@ def label_scores_kernel(q, labels, channels, candidates=None, counts=None, *, le
     if mode == "per_tile":
         if q_prep not in (None, "xla"):
             raise ValueError("mode 'per_tile' makes its query side in XLA only (q_prep='xla')")
-        if head_split not in (None, 1):
-            raise ValueError("head_split > 1 needs mode 'logits' (mode 'per_tile' sums the heads in one program)")
+        if head_split is not None:
+            check_head_split(head_split, mode=mode)
         return _per_tile_scores(
             q, as_label_cache(labels, channels.shape[-1], bits), channels, candidates, counts, lengths=lengths,
             scale=scale, bits=bits,

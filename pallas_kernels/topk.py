@@ -555,14 +555,11 @@ def _select_kernel(
         dense_len = _per_row(dense_ref, rows, n_rows, rows_per_dense)
         dense = row_ok & (dense_len <= dense_limit)  # [BR, 1]
 
-    n_valid = n_above = None
-    if early_exit or search == "bracket":
-        # the search counts the valid keys before it starts; count_above's count shares that
-        # reduction (two 16-bit halves of one sum) rather than paying one of its own
-        if count_above is not None:
-            n_valid, n_above = _count_valid_and_above(key, _float_key(count_above))
-        else:
-            n_valid = _count_valid(key)
+    n_valid = n_above = None  # None: the search counts the valid keys itself (if it needs them)
+    if count_above is not None:
+        # count_above's count and the search's count of valid keys in one reduction (two 16-bit
+        # halves of one sum); a search that needs no count (radix, no early exit) ignores it
+        n_valid, n_above = _count_valid_and_above(key, _float_key(count_above))
     t = _search_threshold(key, k_sel, radix_bits, early_exit, row_ok, search, n_valid)
     take, slot = _compaction(key, t, k_sel, greater_first=greater_first and final)
     take = take & row_ok
@@ -571,8 +568,6 @@ def _select_kernel(
     if count_above is not None:
         # the caller's count of scores above a floor (e.g. not -inf), from the row this program
         # holds anyway, instead of another pass over the scores in XLA
-        if n_above is None:
-            n_above = jnp.sum((valid & (x > np.float32(count_above))).astype(jnp.int32), axis=1, keepdims=True)
         n_above = jnp.minimum(n_above[:, 0], np.int32(k_out))  # [BR]
         if dense is not None:
             n_above = jnp.where(dense[:, 0], dense_len[:, 0], n_above)

@@ -561,18 +561,27 @@ def test_kernels_lower_to_triton(abstract_h100):
         assert "__gpu$xla.gpu.triton" in text
 
 
-def test_query_side_in_the_kernel_equals_the_xla_one_and_refuses_conflicts():
-    """``q_prep="kernel"`` (the channel gather and scale made by each program) gives the
-    ``q_prep="xla"`` scores, over cache and records; with the query not hoisted, or in the
-    per-tile mode, it is refused before any tracing of the kernel."""
-    b, hq, hkv, s, d, r = 2, 12, 4, 150, 128, 32
-    k = _keys(5, b, hkv, s, d, jnp.bfloat16)
-    channels = _channels(7, hkv, d, r)
-    q = _randn(3, (b, hq, d), jnp.bfloat16, 2.0)
+def _block_label_case(hq, seeds):
+    """``(q, cache, channels, blocks, counts, lengths)`` for the block label kernels: B=2, Hkv=4,
+    S=150, D=128, r=32, bf16; three block slots a row (an out-of-range id, repeats, counts 0-3)
+    and a second row shorter than the cache. ``seeds``: the keys', the channels', the query's."""
+    b, hkv, s, d, r = 2, 4, 150, 128, 32
+    k = _keys(seeds[0], b, hkv, s, d, jnp.bfloat16)
+    channels = _channels(seeds[1], hkv, d, r)
+    q = _randn(seeds[2], (b, hq, d), jnp.bfloat16, 2.0)
     cache = scoring.build_label_cache(k, channels, impl="reference")
     blocks = jnp.asarray([[[0, 1, 2], [2, 0, 9], [1, 1, 0], [0, 2, 1]]] * 2, jnp.int32)
     counts = jnp.asarray([[3, 2, 1, 0], [3, 3, 3, 3]], jnp.int32)
     lengths = jnp.asarray([150, 100], jnp.int32)
+    return q, cache, channels, blocks, counts, lengths
+
+
+def test_query_side_in_the_kernel_equals_the_xla_one_and_refuses_conflicts():
+    """``q_prep="kernel"`` (the channel gather and scale made by each program) gives the
+    ``q_prep="xla"`` scores, over cache and records; with the query not hoisted, or in the
+    per-tile mode, it is refused before any tracing of the kernel."""
+    b, hkv = 2, 4
+    q, cache, channels, blocks, counts, lengths = _block_label_case(12, seeds=(5, 7, 3))
     for labels in (cache, lb.interleave_labels(cache)):
         for mode in ("logits", "two_pass"):
             kw = dict(block_size=64, impl="pallas", mode=mode, block_c=32, splits=2)
@@ -591,14 +600,8 @@ def test_heads_split_over_programs_give_the_same_scores_and_selection():
     query side from XLA or the kernel, and the same tokens from ``block_label_topk`` (fused
     and not); a split that does not divide G, or one outside the "logits" mode, is refused
     before any tracing of the kernel."""
-    b, hq, hkv, s, d, r = 2, 16, 4, 150, 128, 32  # G = 4
-    k = _keys(11, b, hkv, s, d, jnp.bfloat16)
-    channels = _channels(13, hkv, d, r)
-    q = _randn(17, (b, hq, d), jnp.bfloat16, 2.0)
-    cache = scoring.build_label_cache(k, channels, impl="reference")
-    blocks = jnp.asarray([[[0, 1, 2], [2, 0, 9], [1, 1, 0], [0, 2, 1]]] * 2, jnp.int32)
-    counts = jnp.asarray([[3, 2, 1, 0], [3, 3, 3, 3]], jnp.int32)
-    lengths = jnp.asarray([150, 100], jnp.int32)
+    b, hkv = 2, 4
+    q, cache, channels, blocks, counts, lengths = _block_label_case(16, seeds=(11, 13, 17))  # G = 4
     kw = dict(block_size=64, block_c=32, splits=2, interpret=True)
     for labels, q_prep in ((cache, None), (lb.interleave_labels(cache), "kernel")):
         one = lb.block_label_scores_kernel(q, labels, channels, blocks, counts, lengths, q_prep=q_prep,

@@ -463,8 +463,8 @@ def test_auto_reads_the_tuned_table(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
 @pytest.mark.parametrize("n,k,tuning", [(300, 20, {}), (100, 64, dict(block_rows=2)),
-                                        (300, 20, {"search": "bracket"}),  # counted with n_valid
-                                        (300, 20, {"early_exit": False}),  # counted alone
+                                        (300, 20, {"search": "bracket"}),  # the search reads n_valid
+                                        (300, 20, {"early_exit": False}),  # the search needs no count
                                         (5000, 64, {"max_single": 1024})])  # two levels: counted in XLA
 def test_count_above_counts_the_valid_entries_over_the_floor(impl, n, k, tuning):
     """``count_above``: ``min(k, #(valid > floor))`` beside the positions (the same positions
