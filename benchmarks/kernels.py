@@ -191,12 +191,14 @@ def check_numerics(key) -> list[dict]:
     return rows
 
 
-def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
+def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False, flush=None):
     """``baselines``: also time the jnp references, XLA dense and full-context
     top-k (done at one shape only, to keep the run inside the device limits).
     ``one_program``: also time dense cuDNN, the AsyncTLS operator and the method's step
     as the wall time of one step among many in one program (``per_step_wall_ms``: the
-    gaps between kernels count, which CUPTI's kernel sums leave out)."""
+    gaps between kernels count, which CUPTI's kernel sums leave out). ``flush(rows)``
+    is called after each budget with this shape's rows so far (a run cut off by its
+    time limit keeps them)."""
     q, k, v = make_inputs(key, b, s)
     lengths = jnp.full((b,), s, jnp.int32)
     k_bshd, v_bshd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -360,6 +362,8 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False):
             for impl in ("pallas", "reference"):
                 t = timed(jax.jit(functools.partial(topk_indices, k=budget, impl=impl)), (sfull,), sfull.size * 4)
                 add(f"topk full context S->K [{impl}]", t, sfull.size * 4, budget, dense_ms)
+        if flush is not None:
+            flush(rows)
     return rows
 
 
@@ -441,10 +445,12 @@ def main(argv=None):
     rows = []
     name = args.name or ("kernels_quick" if args.quick else "kernels")
     for i, (b, s) in enumerate(grid):
+        # written after every K of every shape: a run cut off by its time limit keeps its rows
         rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs,
                             baselines=(b, s) == grid[-1] and not args.no_baselines,
-                            one_program=args.one_program)
-        md = write_all(name, info, checks, rows, args.out)  # after every shape: a cut-off run keeps its rows
+                            one_program=args.one_program,
+                            flush=lambda shape_rows: write_all(name, info, checks, rows + shape_rows, args.out))
+        md = write_all(name, info, checks, rows, args.out)
     if not args.quick:
         plot(rows, Path(args.out) / f"{name}.png")
     print(md)

@@ -10,6 +10,7 @@ this sweep's output (committed under benchmarks/results/tune.*).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -36,6 +37,34 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def config_key(cfg: dict) -> str:
+    """One config as the table stores it (knobs set to None left out), as a comparable string."""
+    return json.dumps({k: v for k, v in cfg.items() if v is not None}, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepBest:
+    """The fastest correct config of a sweep (falsy when none was timed), whether every
+    candidate got its turn (``complete``: none skipped by ``--budget-s``), and the configs that
+    were timed (``tried``, as ``config_key``s). ``best[0]``, ``best[1]``: config and ms."""
+
+    config: dict | None
+    ms: float = float("inf")
+    complete: bool = True
+    tried: frozenset = frozenset()
+
+    def __bool__(self):
+        return self.config is not None
+
+    def __getitem__(self, i):
+        return (self.config, self.ms)[i]
+
+    def join(self, other: "SweepBest") -> "SweepBest":
+        """The faster of two sweeps of one shape, whole only if both were."""
+        win = self if not other or (self and self.ms <= other.ms) else other
+        return dataclasses.replace(win, complete=self.complete and other.complete, tried=self.tried | other.tried)
+
+
 def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exact=False):
     """``fn(*args, **cfg)`` for each cfg. The arrays are passed as arguments:
     closing over them would embed gigabytes of constants in the program.
@@ -44,11 +73,16 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
     through (``time_fn(rotate=True)``) so that a kernel whose inputs fit in the L2
     is timed at HBM speed, as in a model; one tuple is cycled with copies of itself
     (``timing.cold_sets`` of ``nbytes``). ``ref`` is the output for the first."""
+    if time.time() > DEADLINE:  # nothing will run: no inputs to build
+        for cfg in configs:
+            print(f"  {name} {cfg}: skipped (time budget)", flush=True)
+        return SweepBest(None, complete=not configs)
     sets = list(args) if isinstance(args, list) else cold_sets(args, nbytes)
-    best = None
+    best, skipped, tried = None, False, set()
     for cfg in configs:
         if time.time() > DEADLINE:
             print(f"  {name} {cfg}: skipped (time budget)", flush=True)
+            skipped = True
             continue
         try:
             f = jax.jit(functools.partial(fn, **cfg))
@@ -68,11 +102,12 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
                      "x_floor": t.best_ms / hbm_floor_ms(nbytes), "err": err, "kernels": t.kernels})
         print(f"  {name} {shape} {cfg}: {t.best_ms:.4f} ms {gbs:.0f} GB/s err {err:.1e}  kernels: "
               + ", ".join(f"{n[:40]}={ms * 1e3:.1f}us" for n, ms in (t.kernels or [])), flush=True)
+        tried.add(config_key(cfg))
         if best is None or t.best_ms < best[1]:
             best = (cfg, t.best_ms)
     if best:
         print(f"BEST {name} {shape}: {best[0]} {best[1]:.4f} ms", flush=True)
-    return best
+    return SweepBest(*(best or (None, float("inf"))), complete=not skipped, tried=frozenset(tried))
 
 
 def topk_candidates(n: int, k: int, searches=("radix", "bracket"), rows: int | None = None) -> list[dict]:
@@ -184,11 +219,10 @@ def label_grid_candidates(rows: int, num_cand: int) -> list[dict]:
 def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **kw):
     """Sweep ``first``, then ``second`` (dicts merged into the best of the first)."""
     best = sweep(name, fn, args, ref, first, nbytes, runs, rows, shape, **kw)
-    if best is None or not second:
+    if not best or not second:
         return best
     more = [{**best[0], **extra} for extra in second]
-    best2 = sweep(name, fn, args, ref, more, nbytes, runs, rows, shape, **kw)
-    return best if best2 is None or best[1] <= best2[1] else best2
+    return best.join(sweep(name, fn, args, ref, more, nbytes, runs, rows, shape, **kw))
 
 
 def main(argv=None):
@@ -381,7 +415,7 @@ def main(argv=None):
             rows.append({"kernel": "lax.top_k", "shape": shape, "config": "{}", "ms": t.best_ms, "err": 0.0})
             print(f"  lax.top_k {shape}: {t.best_ms:.4f} ms", flush=True)
     info = stamp()
-    payload = {"stamp": info, "rows": rows, "best": {f"{k[0]} {k[1]}": v for k, v in best.items()}}
+    payload = {"stamp": info, "rows": rows, "best": {f"{k[0]} {k[1]}": (v.config, v.ms) for k, v in best.items()}}
     md = (f"# Kernel tuning sweep\n\n{info['device']}, jax {info['jax']}, {info['date']}\n\nCommand: `{info['command']}`\n\n"
           + markdown_table([r for r in rows if r["ms"] == r["ms"]], ["kernel", "shape", "config", "ms", "GB/s", "x_floor", "err"],
                            {"ms": ".4f", "GB/s": ".0f", "x_floor": ".2f", "err": ".1e"}))
@@ -392,17 +426,29 @@ def main(argv=None):
 
 
 def write_table(path: Path, classes: dict, info: dict) -> None:
-    """Merge the measured best per shape class into the tuned table (``pallas_kernels.tuning``)."""
+    """Merge the measured best per shape class (``{class: (SweepBest, shape)}``) into the tuned
+    table (``pallas_kernels.tuning``).
+
+    A sweep cut short by ``--budget-s`` replaces a class's entry only if it timed that entry's
+    config too: otherwise the entry, which may be the faster one, was never compared (and the
+    label classes are shared across context lengths, so a short sweep at 32K could undo a full
+    one at 128K)."""
     path = Path(path)
     table = json.loads(path.read_text()) if path.exists() else {"configs": {}}
-    for cls, ((cfg, ms), shape) in sorted(classes.items()):
-        table["configs"][cls] = {"config": {k: v for k, v in cfg.items() if v is not None}, "ms": ms,
+    written = 0
+    for cls, (best, shape) in sorted(classes.items()):
+        old = table["configs"].get(cls)
+        if old and not best.complete and config_key(old["config"]) not in best.tried:
+            print(f"kept {cls}: {old['config']} (the sweep at {shape} was cut short before timing it)")
+            continue
+        table["configs"][cls] = {"config": {k: v for k, v in best.config.items() if v is not None}, "ms": best.ms,
                                  "measured_at": shape, "device": info["device"], "date": info["date"]}
+        written += 1
     table["about"] = ("Best kernel tuning per shape class, written by benchmarks/tune.py --table "
                       "(see pallas_kernels/tuning.py). Each entry names the shape it was measured at.")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(classes)} classes to {path}")
+    print(f"wrote {written} of {len(classes)} classes to {path}")
 
 
 if __name__ == "__main__":

@@ -112,3 +112,55 @@ def test_topk_sweep_scores_by_class():
     assert topk_sweep_scores(jax.random.key(0), 2, 2048, "labels")[1] == "labels"
     with pytest.raises(ValueError, match="auto, labels or normal"):
         topk_sweep_scores(jax.random.key(0), 2, 64, "uniform")
+
+
+def test_tune_sweep_reports_what_it_timed_and_a_cut_short_sweep_keeps_the_table_entry(tmp_path, monkeypatch):
+    """``benchmarks.tune.sweep`` says which configs it timed and whether its time budget cut it
+    short; ``write_table`` lets such a sweep replace a class's entry only when it timed that
+    entry too (a 32K label sweep cut short once overwrote a full 128K one)."""
+    import jax.numpy as jnp
+    from benchmarks import tune
+    from benchmarks.tune import SweepBest, config_key, sweep, write_table
+
+    x = jnp.arange(8.0)
+
+    def fn(a, *, shift, pad=None):
+        return a + shift
+
+    rows = []
+    best = sweep("toy", fn, (x,), x, [dict(shift=0.0), dict(shift=1.0), dict(shift=0.0, pad=None)], 32, 2, rows, "toy")
+    assert best and best.complete and best.config["shift"] == 0.0
+    # the wrong config (shift=1) is a row but not "tried"; None knobs key as absent
+    assert best.tried == {config_key(dict(shift=0.0))} and len(rows) == 3
+
+    def runs_out(a, *, shift):  # the budget runs out while the first config is traced
+        monkeypatch.setattr(tune, "DEADLINE", 0.0)
+        return a + shift
+
+    cut = sweep("toy", runs_out, (x,), x, [dict(shift=0.0), dict(shift=0.5)], 32, 2, rows, "toy")
+    assert cut and not cut.complete and cut.tried == {config_key(dict(shift=0.0))} and len(rows) == 4
+    cut = sweep("toy", fn, (x,), x, [dict(shift=0.0)], 32, 2, rows, "toy")  # past the deadline: no inputs built
+    assert not cut and not cut.complete and len(rows) == 4
+    assert sweep("toy", fn, (x,), x, [], 32, 2, rows, "toy").complete  # nothing to skip
+
+    # join: the faster config, whole only if both halves were, the union of what was timed
+    a = SweepBest({"w": 2}, 2.0, True, frozenset({"a"}))
+    b = SweepBest({"w": 4}, 1.0, False, frozenset({"b"}))
+    assert a.join(b) == SweepBest({"w": 4}, 1.0, False, frozenset({"a", "b"}))
+    assert a.join(SweepBest(None)) == a and a[0] == {"w": 2} and a[1] == 2.0
+
+    path = tmp_path / "table.json"
+    entry = {"config": {"w": 2, "mode": "x"}, "ms": 0.5, "measured_at": "S=128K", "device": "d", "date": "t"}
+    path.write_text(json.dumps({"configs": {"c1": entry, "c2": entry, "c3": entry}}))
+    info = {"device": "d", "date": "now"}
+    new = {"w": 8, "mode": "x", "unset": None}
+    write_table(path, {
+        "c1": (SweepBest(new, 0.4, False, frozenset({config_key(new)})), "S=32K"),  # never timed c1's entry: kept
+        "c2": (SweepBest(new, 0.4, False, frozenset({config_key(new), config_key(entry["config"])})), "S=32K"),
+        "c3": (SweepBest(new, 0.6, True, frozenset({config_key(new)})), "S=32K"),  # a whole sweep is the word
+        "c4": (SweepBest(new, 0.4, False, frozenset({config_key(new)})), "S=32K"),  # a new class
+    }, info)
+    configs = json.loads(path.read_text())["configs"]
+    assert configs["c1"] == entry
+    for c in ("c2", "c3", "c4"):
+        assert configs[c]["config"] == {"w": 8, "mode": "x"} and configs[c]["measured_at"] == "S=32K"
