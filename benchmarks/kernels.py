@@ -37,7 +37,7 @@ from benchmarks.timing import (
     time_fn,
     write_results,
 )
-from pallas_kernels.tuning import tuned
+from pallas_kernels.tuning import tuned, untuned_classes
 from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention, sparse_decode_attention
 from sparse_jax.ops.scoring import (block_label_scores, block_label_topk, block_minmax, build_label_cache,
                                     interleave_labels, label_scores, quantize_block_boxes, quest_block_scores,
@@ -429,7 +429,9 @@ def main(argv=None):
         info = dict(runs[0]["stamp"], command=" + ".join(r["stamp"]["command"] for r in runs))
         rows = [row for r in runs for row in r["rows"]]
         name = args.name or "kernels_merged"
-        md = write_all(name, info, runs[0].get("checks", []), rows, args.out)
+        untuned = ([c for c in sorted({c for r in runs for c in r.get("untuned_classes", [])})]
+                   if any("untuned_classes" in r for r in runs) else None)
+        md = write_all(name, info, runs[0].get("checks", []), rows, args.out, untuned)
         plot(rows, Path(args.out) / f"{name}.png")
         print(md)
         return
@@ -449,15 +451,20 @@ def main(argv=None):
         rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs,
                             baselines=(b, s) == grid[-1] and not args.no_baselines,
                             one_program=args.one_program,
-                            flush=lambda shape_rows: write_all(name, info, checks, rows + shape_rows, args.out))
-        md = write_all(name, info, checks, rows, args.out)
+                            flush=lambda shape_rows: write_all(name, info, checks, rows + shape_rows, args.out,
+                                                               untuned_classes()))
+        md = write_all(name, info, checks, rows, args.out, untuned_classes())
     if not args.quick:
         plot(rows, Path(args.out) / f"{name}.png")
     print(md)
 
 
-def write_all(name, info, checks, rows, out):
+def write_all(name, info, checks, rows, out, untuned=None):
+    """``untuned``: the tuned table's shape classes this run looked up and found no entry for
+    (``pallas_kernels.tuning.untuned_classes``; those kernels ran their defaults)."""
     payload = {"stamp": info, "hbm_bytes_per_s": H100_HBM_BYTES_PER_S, "checks": checks, "rows": rows}
+    if untuned is not None:
+        payload["untuned_classes"] = untuned
     cols = ["B", "S", "K", "kernel", "ms", "GB/s", "frac_cudnn_bw", "x_floor_cudnn", "speedup_vs_dense"]
     md = (f"# Decode kernels vs dense cuDNN\n\n{info['device']}, jax {info['jax']}, {info['date']}\n\n"
           f"Command: `{info['command']}`\n\nTimes are CUPTI kernel time (median) where available; "
@@ -468,6 +475,10 @@ def write_all(name, info, checks, rows, out):
                                         "speedup_vs_dense": ".2f"}))
     if checks:
         md += "\n## Numerics (kernel vs reference)\n\n" + markdown_table(checks, ["kernel", "rel_err"], {"rel_err": ".2e"})
+    if untuned:
+        md += ("\n## Shape classes without a tuned entry\n\nLooked up in this run (the numerics checks' shapes "
+               "included) and run with the kernels' defaults; `python -m benchmarks.tune --table` measures "
+               "them.\n\n" + "".join(f"- `{c}`\n" for c in untuned))
     write_results(name, payload, md, out)
     return md
 

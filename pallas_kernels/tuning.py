@@ -61,11 +61,27 @@ def _table() -> dict:
     return json.loads(TABLE_PATH.read_text()).get("configs", {})
 
 
+#: the classes ``tuned`` was asked for in this process that the table has no entry for
+_MISSED: set[str] = set()
+
+
 def tuned(kernel: str, **dims: int) -> dict:
     """The measured best tuning of ``kernel`` for this shape's class (``{}`` when
-    the class was never measured: the kernel's defaults apply)."""
-    entry = _table().get(shape_class(kernel, **dims))
+    the class was never measured: the kernel's defaults apply, and the class is
+    remembered for :func:`untuned_classes`)."""
+    cls = shape_class(kernel, **dims)
+    entry = _table().get(cls)
+    if not entry:
+        _MISSED.add(cls)
     return dict(entry["config"]) if entry else {}
+
+
+def untuned_classes() -> list[str]:
+    """The shape classes looked up in this process that ran the kernels' defaults (no table
+    entry). ``benchmarks.kernels`` reports them: an unswept class is otherwise silent, and
+    untuned classes were the largest single lever found on the H200 (B=32's 8-bit bound ran
+    B=1's defaults: 80.5 µs in the step, 44.4 tuned)."""
+    return sorted(_MISSED)
 
 
 def with_tuned(user: dict, kernel: str, **dims: int) -> dict:

@@ -67,3 +67,30 @@ def test_bad_budgets_are_refused_before_any_device_work():
             kernels.main(["--budgets", bad])
     with pytest.raises(SystemExit, match="needs a GPU"):
         kernels.main(["--budgets", "2048", "--shapes", "8x131072"])
+
+
+def test_untuned_classes_are_reported_and_merged(tmp_path):
+    """A class the tuned table has no entry for runs the kernels' defaults silently;
+    ``tuning.untuned_classes`` remembers each one looked up, and the kernels results (and a
+    ``--merge`` of them) list them."""
+    import json
+
+    from benchmarks import kernels
+    from pallas_kernels import tuning
+
+    assert tuning.tuned("sparse_decode", rows=64, k=2048, d=128, g=4)  # in the table: not missed
+    assert "sparse_decode|rows=64|k=2048|d=128|g=4" not in tuning.untuned_classes()
+    assert tuning.tuned("sparse_decode", rows=3, k=5, d=48, g=7) == {}
+    missed = "sparse_decode|rows=4|k=8|d=48|g=7"
+    assert missed in tuning.untuned_classes()
+
+    info = {"device": "cpu", "jax": jax.__version__, "date": "today", "command": "test"}
+    row = {"B": 1, "S": 64, "K": 8, "kernel": "k", "ms": 1.0}
+    for name, untuned in (("a", [missed]), ("b", ["topk|rows=8|n=512|k=128", missed])):
+        md = kernels.write_all(name, info, [], [row], tmp_path, untuned)
+        assert f"- `{missed}`" in md
+    kernels.main(["--merge", f"{tmp_path}/a.json,{tmp_path}/b.json", "--name", "ab", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert merged["untuned_classes"] == ["sparse_decode|rows=4|k=8|d=48|g=7", "topk|rows=8|n=512|k=128"]
+    assert "- `topk|rows=8|n=512|k=128`" in (tmp_path / "ab.md").read_text()
+    assert "without a tuned entry" not in kernels.write_all("c", info, [], [row], tmp_path)  # none given: no section
