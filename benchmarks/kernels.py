@@ -429,7 +429,7 @@ def main(argv=None):
         info = dict(runs[0]["stamp"], command=" + ".join(r["stamp"]["command"] for r in runs))
         rows = [row for r in runs for row in r["rows"]]
         name = args.name or "kernels_merged"
-        untuned = ([c for c in sorted({c for r in runs for c in r.get("untuned_classes", [])})]
+        untuned = (sorted({c for r in runs for c in r.get("untuned_classes", [])})
                    if any("untuned_classes" in r for r in runs) else None)
         md = write_all(name, info, runs[0].get("checks", []), rows, args.out, untuned)
         plot(rows, Path(args.out) / f"{name}.png")
@@ -447,13 +447,14 @@ def main(argv=None):
     rows = []
     name = args.name or ("kernels_quick" if args.quick else "kernels")
     for i, (b, s) in enumerate(grid):
-        # written after every K of every shape: a run cut off by its time limit keeps its rows
+        # written after every K of every shape (bench_shape's flush): a run cut off by its time
+        # limit keeps its rows
         rows += bench_shape(b, s, budgets, jax.random.key(100 + i), args.runs,
                             baselines=(b, s) == grid[-1] and not args.no_baselines,
                             one_program=args.one_program,
                             flush=lambda shape_rows: write_all(name, info, checks, rows + shape_rows, args.out,
                                                                untuned_classes()))
-        md = write_all(name, info, checks, rows, args.out, untuned_classes())
+    md = write_all(name, info, checks, rows, args.out, untuned_classes())
     if not args.quick:
         plot(rows, Path(args.out) / f"{name}.png")
     print(md)

@@ -46,7 +46,7 @@ def config_key(cfg: dict) -> str:
 class SweepBest:
     """The fastest correct config of a sweep (falsy when none was timed), whether every
     candidate got its turn (``complete``: none skipped by ``--budget-s``), and the configs that
-    were timed (``tried``, as ``config_key``s). ``best[0]``, ``best[1]``: config and ms."""
+    were timed (``tried``, as ``config_key``s)."""
 
     config: dict | None
     ms: float = float("inf")
@@ -55,9 +55,6 @@ class SweepBest:
 
     def __bool__(self):
         return self.config is not None
-
-    def __getitem__(self, i):
-        return (self.config, self.ms)[i]
 
     def join(self, other: "SweepBest") -> "SweepBest":
         """The faster of two sweeps of one shape, whole only if both were."""
@@ -73,17 +70,14 @@ def sweep(name, fn, args, ref, configs, nbytes, runs, rows, shape, tol=2e-2, exa
     through (``time_fn(rotate=True)``) so that a kernel whose inputs fit in the L2
     is timed at HBM speed, as in a model; one tuple is cycled with copies of itself
     (``timing.cold_sets`` of ``nbytes``). ``ref`` is the output for the first."""
-    if time.time() > DEADLINE:  # nothing will run: no inputs to build
-        for cfg in configs:
-            print(f"  {name} {cfg}: skipped (time budget)", flush=True)
-        return SweepBest(None, complete=not configs)
-    sets = list(args) if isinstance(args, list) else cold_sets(args, nbytes)
-    best, skipped, tried = None, False, set()
+    best, skipped, tried, sets = None, False, set(), None
     for cfg in configs:
         if time.time() > DEADLINE:
             print(f"  {name} {cfg}: skipped (time budget)", flush=True)
             skipped = True
             continue
+        if sets is None:  # built for the first config that runs: none when the budget is spent
+            sets = list(args) if isinstance(args, list) else cold_sets(args, nbytes)
         try:
             f = jax.jit(functools.partial(fn, **cfg))
             out = f(*sets[0])
@@ -221,7 +215,7 @@ def two_stage(name, fn, args, ref, first, second, nbytes, runs, rows, shape, **k
     best = sweep(name, fn, args, ref, first, nbytes, runs, rows, shape, **kw)
     if not best or not second:
         return best
-    more = [{**best[0], **extra} for extra in second]
+    more = [{**best.config, **extra} for extra in second]
     return best.join(sweep(name, fn, args, ref, more, nbytes, runs, rows, shape, **kw))
 
 
