@@ -56,6 +56,9 @@ class SweepBest:
     def __bool__(self):
         return self.config is not None
 
+    def __getitem__(self, i):  # ``best[0]``, ``best[1]``: what sweep returned before, a (config, ms) tuple
+        return (self.config, self.ms)[i]
+
     def join(self, other: "SweepBest") -> "SweepBest":
         """The faster of two sweeps of one shape, whole only if both were."""
         win = self if not other or (self and self.ms <= other.ms) else other
