@@ -8,7 +8,7 @@ at B=8, and 128K at B=2), all resident:
 * ``quest`` on one GPU (the paper's comparison: "more than 20% below Quest");
 * ``asyncspade`` (Quest selector, W=16) on one GPU: the one-device schedule, the
   selection for step t+1 computed inside step t's program;
-* ``asyncspade`` with its cache rank on GPU 1 (:mod:`models.cache_rank`), in packs of
+* ``asyncspade`` with its cache rank on GPU 1 (:mod:`models.runtime.cache_rank`), in packs of
   ``--packs`` layers.
 
 Each row: median ms per decode step over rounds of back-to-back greedy steps (one
@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks.multi_gpu import fill_function, run_config, timed_rounds
 from benchmarks.timing import logit_agreement, markdown_table, stamp, write_final_results, write_results
+from models.runtime.cache_rank import with_cache_rank
 
 
 def spade_method(budget: int, window: int):
@@ -45,14 +46,14 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
                    transfer: str = "device_put", threads: bool = True, wait_copies: bool = False,
                    profile: Path | None = None, log=print):
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
-    from models import sharding as sh
+    from models.runtime import sharding as sh
     from models.api import round_up
-    from models.transformer import init_cache
+    from models.programs import init_cache
 
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)
     t0 = time.perf_counter()
-    cr = model.with_method(method).with_cache_rank(pack_layers=pack_layers, transfer=transfer, threads=threads,
+    cr = with_cache_rank(model.with_method(method), pack_layers=pack_layers, transfer=transfer, threads=threads,
                                                    wait_copies=wait_copies)
     mesh = sh.Parallelism(1, 1).mesh()  # the fill runs on device 0, as for the one-GPU rows
     fill = fill_function(cfg, cr.method, mesh, batch=batch, max_len=max_len, context=context, dtype=jnp.bfloat16)

@@ -40,12 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.methods.base import (
-    AttentionMethod,
-    DenseAttention,
-    dense_prefill_attention,
-    masked_decode_attention,
-)
+from sparse_jax.methods.base import AttentionMethod, DenseAttention
+from sparse_jax.ops.dense import dense_prefill_attention, masked_decode_attention
 from sparse_jax.methods.sparse_base import decode_probabilities
 
 __all__ = [

@@ -140,6 +140,7 @@ def e2e_rows(a) -> list[dict]:
     from benchmarks.driver_probe import kernel_profile, time_steps
     from benchmarks.offload import qwen3_8b, random_model
     from models import transformer as tfm
+    from models import programs
     from models.driver import init_cache
 
     cap = a.context + 256
@@ -148,7 +149,7 @@ def e2e_rows(a) -> list[dict]:
     for name in a.methods.split(","):
         method = method_for(name, cfg).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
         model = random_model(cfg, method, cap)
-        fns = tfm.build_functions(model.graphdef, cfg, method, True)
+        fns = programs.build_functions(model.graphdef, cfg, method, True)
         step = lambda t, c, f=fns: f.decode_step(model.params, t, c)  # noqa: E731
         tokens = jnp.zeros((a.batch,), jnp.int32)
         cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
@@ -286,6 +287,7 @@ def prefill_rows(a) -> list[dict]:
     from benchmarks.offload import random_model
     from benchmarks.prefill_bench import peak_flops
     from models import transformer as tfm
+    from models import programs
     from models.driver import init_cache
 
     cap = a.context
@@ -301,7 +303,7 @@ def prefill_rows(a) -> list[dict]:
     for name in names:
         method = make(name).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
         model = random_model(cfg, method, cap)
-        fns = tfm.build_functions(model.graphdef, cfg, method, True)
+        fns = programs.build_functions(model.graphdef, cfg, method, True)
         prompt = jax.random.randint(jax.random.PRNGKey(0), (a.batch, a.context), 0, cfg.vocab_size, jnp.int32)
         lengths = jnp.full((a.batch,), a.context, jnp.int32)
         cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""Decode throughput on several GPUs against one (:mod:`models.sharding`).
+"""Decode throughput on several GPUs against one (:mod:`models.runtime.sharding`).
 
 ``python -m benchmarks.multi_gpu`` (on a machine with two or more GPUs) times a
 Qwen3-8B-shaped model with random bf16 weights (36 layers, 32/8 heads, D=128)
@@ -6,7 +6,7 @@ at each context (default 128K, 64K) and method (default dense, AsyncTLS and
 Quest, all resident):
 
 * one GPU at ``--batch`` rows per GPU (the unsharded program the rest of the
-  project runs, ``models.transformer.build_functions``);
+  project runs, ``models.programs.build_functions``);
 * ``n`` GPUs with tensor parallelism over KV heads (``model=n``) at ``n``
   times the batch: the same KV bytes per GPU, so the throughput ratio is what
   a second GPU buys;
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import logit_agreement, markdown_table, stamp, write_final_results, write_results
+from models.runtime.sharding import shard
 
 # HBM read rate per GPU for the floors: the H100's is cuDNN dense decode's measured rate
 # (issue 18); the H200's is its nominal peak (4.8 TB/s; not measured here), so H200
@@ -85,7 +86,7 @@ def fill_function(cfg, method, mesh, *, batch: int, max_len: int, context: int, 
     layer built from its K/V on each device (``shard_map``)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from models import sharding as sh
+    from models.runtime import sharding as sh
     from models.driver import Driver, prompt_state
     from models.transformer import layer_graphdef
     from sparse_jax.cache import KVCache, LayerCache
@@ -150,9 +151,9 @@ def timed_rounds(step, tok, *, steps: int, rounds: int, warmup: int = 2) -> list
 def run_config(model, method, *, devices: int, data: int, batch: int, context: int, steps: int, rounds: int,
                plain: bool, log=print):
     """One configuration: time per decode step (median over rounds) and the first step's logits."""
-    from models import sharding as sh
+    from models.runtime import sharding as sh
     from models.api import round_up
-    from models.transformer import build_functions, init_cache
+    from models.programs import build_functions, init_cache
 
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)
@@ -201,19 +202,19 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
 
 def run_offload_config(model, method, *, devices: int, batch: int, context: int, steps: int, rounds: int,
                        plain: bool, log=print):
-    """One offloaded configuration (:class:`models.tiered.TieredRunner`, ``mode="offload"``):
+    """One offloaded configuration (:class:`models.runtime.tiered.TieredRunner`, ``mode="offload"``):
     the KV in pinned host memory, split by KV head over ``devices`` GPUs (``model=devices``;
     one GPU when ``plain``), each GPU gathering its heads' blocks. Same row as
     :func:`run_config`, plus the block hit rate."""
     from models.api import round_up
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     cfg = model.config
     m = model.with_method(method)
     bs = m.method.for_offload().offload_block_size
     max_len = round_up(context + steps * (rounds + 2) + 64, max(64, bs))
     t0 = time.perf_counter()
-    runner = TieredRunner(m if plain else m.shard(model=devices), "offload")
+    runner = TieredRunner(m if plain else shard(m, model=devices), "offload")
     hkv, d = cfg.num_kv_heads, cfg.head_dim
 
     @jax.jit
@@ -291,7 +292,7 @@ def render(payload) -> str:
     lines = ["# Decode on several GPUs (Qwen3-8B shape, random weights)", "",
              f"{s['device']} x {payload['gpus']}, jax {s['jax']}, {s['date']}, commit {s.get('git_commit', '')}", "",
              f"`{s['command']}`", "",
-             "Tensor parallelism over KV heads (`models.sharding`) at n x the one-GPU batch (same KV bytes per "
+             "Tensor parallelism over KV heads (`models.runtime.sharding`) at n x the one-GPU batch (same KV bytes per "
              "GPU). ms/step: median of rounds of back-to-back steps. floor_ms: per GPU, its share of the layer "
              "weights, the LM head, and the K/V the method attends (all tokens on dense layers, the budget's "
              f"on sparse ones; block metadata not counted) at {hbm_rate(s['device'])[0] / 1e12:.2f} TB/s "

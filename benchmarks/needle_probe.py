@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--box-bits", type=int, default=8,
                    help="also rank the blocks under boxes of this many bits (0: off; default %(default)s)")
     args = p.parse_args(argv)
-    from models.generate import parse_option_value
+    from models.cli.options import parse_option_value
 
     opts = {}
     for kv in args.set:

@@ -4,7 +4,7 @@
 model with random bf16 weights (36 layers, 32/8 heads, D=128) at each context
 (default 32K, 64K, 96K):
 
-* three configurations, all run by :class:`models.tiered.TieredRunner` (one jitted
+* three configurations, all run by :class:`models.runtime.tiered.TieredRunner` (one jitted
   program per decode step):
   ``dense`` (all KV on the device, cuDNN-class exact decode), ``sparse``
   (AsyncTLS, everything resident) and ``offload`` (AsyncTLS, KV blocks in
@@ -163,7 +163,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
     if loop == "device" and (mode != "offload" or pool != "per_row"):
         raise ValueError('loop="device" runs offloaded per-row pools')
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
                           concurrent=concurrent, pool=pool, save=save)
@@ -390,7 +390,7 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
     of ``mib_per_step`` MiB from pinned host memory issued just before it, against
     the step alone and the copy alone. The CPU gather that would assemble the
     contiguous buffer is timed separately (NumPy fancy indexing of 32 KiB blocks)."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.offload.tiers import device_sharding, pinned_host_sharding
 
     runner = TieredRunner(model, "resident")
@@ -437,7 +437,7 @@ def device_put_alternative(model, *, context, batch, mib_per_step, steps=8):
 
 def prefill_compare(model, *, length, log=print):
     """Prefill time and peak device memory, KV resident vs offloaded (one row)."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     out = []
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (1, length)), jnp.int32)
@@ -471,7 +471,7 @@ def smollm2_locality(*, length=8000, batch=4, steps=64, kb=32, budget=1024, log=
     and the check that offloaded bf16 decoding matches the resident method."""
     import models
     from benchmarks.fidelity import fidelity_text_ids
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     cap = cache_capacity(length, steps)
     base = models.load_model(model_name, dtype=jnp.bfloat16, max_len=cap)

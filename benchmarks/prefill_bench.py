@@ -204,7 +204,7 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
 def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fractions, dtype, runs: int,
                    check: bool, parts=("tsa", "kascade"), kascade_tunings=None, anchor_impls=("reference", "pallas"),
                    scores_tunings=(), log=print) -> list[dict]:
-    from sparse_jax.methods.base import dense_prefill_attention
+    from sparse_jax.ops.dense import dense_prefill_attention
 
     kq, kk, kv, kr = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(kq, (b, t, hq, d), dtype)

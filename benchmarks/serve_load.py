@@ -1,6 +1,6 @@
 """Serving under load: Poisson arrivals at a sweep of rates through the engine.
 
-``python -m benchmarks.serve_load`` drives :class:`models.engine.Engine` (no
+``python -m benchmarks.serve_load`` drives :class:`models.serving.engine.Engine` (no
 HTTP: the engine is what is measured) on a Qwen3-8B-shaped model with random
 bf16 weights (content does not change decode time; requests run to their
 output length, ``ignore_eos``). For each attention method (``--methods``;
@@ -121,7 +121,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
              mix_lengths: tuple[int, ...] = ()) -> dict:
     """Submit ``wl`` in real time to the running engine; metrics of this rate.
     ``mix_lengths``: the prompt mix's lengths, to report prefill times per length."""
-    from models.engine import SamplingParams
+    from models.serving.engine import SamplingParams
 
     rng = np.random.default_rng(seed + 1)
     reqs = []
@@ -190,7 +190,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
 def warm_up(engine, mix, vocab: int) -> float:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
     (ms): the median step with every slot decoding a prompt of the smallest mix length."""
-    from models.engine import SamplingParams
+    from models.serving.engine import SamplingParams
 
     rng = np.random.default_rng(0)
     for n, _ in mix:
@@ -269,7 +269,7 @@ def run(args) -> dict:
 
 def run_method(args, label: str, mix, rates, slots: int) -> dict:
     """One method's warm-up and rate sweep on its own engine (stopped at the end)."""
-    from models.engine import Engine
+    from models.serving.engine import Engine
 
     method_name, _, where = label.partition(":")
     check_label(label)

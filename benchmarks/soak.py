@@ -56,7 +56,8 @@ ENGINE_KINDS = ("complete", "stream", "abandon", "chat")
 def serving(serve_argv: list[str]):
     """A server from ``python -m models.serve`` arguments on a uvicorn thread (a free
     loopback port; ``--host``/``--port`` are ignored): yields ``(base_url, model_name)``."""
-    from models.serve import build_parser, make_engine, serve_in_thread
+    from models.cli.serve import build_parser, make_engine
+    from models.serving.server import serve_in_thread
 
     engine, name = make_engine(build_parser().parse_args(serve_argv))
     with serve_in_thread(engine.start(), name) as base:

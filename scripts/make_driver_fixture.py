@@ -47,7 +47,7 @@ NUM_COLUMNS = 1024
 
 
 def prompt_tokens(tokenizer) -> np.ndarray:
-    from models.demo_prompt import build_demo_prompt
+    from models.cli.demo_prompt import build_demo_prompt
 
     ids = tokenizer.encode(build_demo_prompt().text)
     toks = np.full((len(LENGTHS), T_PAD), 2, np.int32)

@@ -11,7 +11,7 @@ not copy):
 * ``maxabs``: ``mean_h max|q_h[i]| * max|k[i]|``, AsyncTLS's rule (Sec. 4.1).
 
 They are saved with orbax under ``CALIBRATION_ROOT/<model>/channels`` by
-``python -m models.calibrate --model <model> --method double_sparsity``.
+``python -m models.cli.calibrate --model <model> --method double_sparsity``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def load_channel_orders(model_name: str, root: str | None = None) -> dict[str, n
     if not path.exists():
         raise FileNotFoundError(
             f"no channel calibration for model {model_name!r} at {path}; create it with:\n"
-            f"  python -m models.calibrate --model {model_name} --method double_sparsity"
+            f"  python -m models.cli.calibrate --model {model_name} --method double_sparsity"
         )
     import orbax.checkpoint as ocp
 

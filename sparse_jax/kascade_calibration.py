@@ -18,7 +18,7 @@ the reuse layer, ``1 - cos(h_in, h_in + attn_out)`` on the residual stream.
 The anchors come from the paper's dynamic programme (:func:`choose_anchors`,
 the first layer forced), the head map from the argmax over anchor heads.
 
-The numbers are computed by ``python -m models.kascade_calibrate`` (it runs a
+The numbers are computed by ``python -m models.cli.kascade_calibrate`` (it runs a
 model) and stored as JSON under ``CALIBRATION_ROOT/<model>/kascade.json``;
 this module never imports ``models``.
 """
@@ -194,7 +194,7 @@ def anchors_from_calibration(cal: dict, num_anchors: int) -> tuple[tuple[int, ..
     calibration (its layer scores and best heads: the DP rerun, no model needed)."""
     if "layer_score" not in cal or "heads" not in cal:
         raise ValueError("this Kascade calibration stores no layer scores and heads: rerun "
-                         "python -m models.kascade_calibrate to choose another number of anchors")
+                         "python -m models.cli.kascade_calibrate to choose another number of anchors")
     layers = list(cal["layers"])
     pos = choose_anchors(np.asarray(cal["layer_score"], np.float64), num_anchors)
     anchors = [layers[i] for i in pos]

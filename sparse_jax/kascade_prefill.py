@@ -48,6 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import tile_scores as _ts
+from sparse_jax.ops._dispatch import resolve_impl
+from sparse_jax.ops.attention import merge_attention, sparse_decode_attention
 from sparse_jax.prefill import _group  # k [B, T, Hkv, D] -> [B, Hq, T, D]
 
 NEG = -1e30
@@ -212,9 +215,6 @@ def anchor_selection_chunked(q, k, lengths, *, tile: int, budget: int, fraction:
     The kernel's dot runs on the tensor cores (bf16 inputs, f32 accumulation), so
     near-ties may order differently from the f32 reference.
     """
-    from pallas_kernels import tile_scores as _ts
-    from sparse_jax.ops._dispatch import resolve_impl
-
     choice, interpret = resolve_impl(scores_impl, kernel_unsupported=_ts.unsupported_reason(
         q.shape[3], tile, q.dtype, k.dtype))
     b, t, hq, d = q.shape
@@ -332,8 +332,6 @@ def tiled_attention_composed(q, k, v, indices, counts, tile: int, *, impl: str =
     rows exceed ``max_rows`` (default ``MAX_ROW_ELEMENTS // D``, at least 16) runs as
     several calls over equal slices of its queries (the same lists, read again).
     """
-    from sparse_jax.ops.attention import merge_attention, sparse_decode_attention
-
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv

@@ -49,7 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import window_scores as _ws
 from sparse_jax.calibration import CALIBRATION_ROOT
+from sparse_jax.ops._checks import check_float, check_gqa, check_int_array, check_rank
+from sparse_jax.ops._dispatch import on_gpu, resolve_impl
+from sparse_jax.ops.dense import dense_prefill_attention
 
 PREFILLS = ("dense", "token_sparse")
 PROFILE_FILE = "token_sparse.json"
@@ -79,7 +83,7 @@ def save_prefill_profile(model_name: str, drift, layers, meta: dict, root=None) 
 
 
 def load_prefill_profile(model_name: str, root=None) -> dict | None:
-    """The shipped drift profile of a model (``python -m models.prefill_profile``), or None."""
+    """The shipped drift profile of a model (``python -m models.cli.prefill_profile``), or None."""
     path = profile_path(model_name, root)
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -224,8 +228,6 @@ def window_scores_reference(q, k, lengths, window: int):
 def _check_window_scores_args(q, k, lengths, window):
     """Shapes and dtypes only (nothing traced): ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``,
     ``lengths int[B]``, ``window`` a positive int."""
-    from sparse_jax.ops._checks import check_float, check_gqa, check_int_array, check_rank
-
     check_rank("q", q, 4, "[B, T, Hq, D]")
     check_float("q", q)
     check_rank("k", k, 4, "[B, T, Hkv, D]")
@@ -252,9 +254,6 @@ def window_scores(q, k, lengths, window: int, *, impl: str = "auto", **tuning):
     needs ``D`` in {64, 128, 256} and q, k of one dtype; "auto" falls back to the
     reference otherwise (and on CPU), "pallas" raises. Tuning (kernel only):
     ``block_q``, ``block_k``, ``num_splits``, ``num_warps``, ``num_stages``."""
-    from pallas_kernels import window_scores as _ws
-    from sparse_jax.ops._dispatch import resolve_impl
-
     _check_window_scores_args(q, k, lengths, window)
     bad = set(tuning) - set(_ws.TUNING_KEYS)
     if bad:
@@ -477,9 +476,6 @@ def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", bucket
     :func:`bucket_lengths` that holds the batch's largest kept count (one
     ``lax.switch`` branch per length, each compiled once), so the attention's work
     scales with the square of the kept fraction; 1 keeps the full length."""
-    from sparse_jax.methods.base import dense_prefill_attention
-    from sparse_jax.ops._dispatch import on_gpu
-
     if gather not in GATHER_MODES:
         raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {gather!r}")
     b, t, hq, d = q.shape

@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sparse_jax.ops import attention as ops
+
 KINDS = ("all", "tokens", "blocks")
 
 
@@ -95,39 +97,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sel: Se
     """Decode attention of ``q [B,Hq,D]`` over the tokens ``sel`` names in ``k, v
     [B,Hkv,S,D]`` whose first ``lengths int32[B]`` positions are valid (a local
     layer's ring: the first ``min(lengths, S)`` slots) -> ``[B,Hq,D]``."""
-    from sparse_jax.ops import attention as ops
-
     if sel.kind == "all":  # the Pallas kernel on a GPU (cuDNN speed), the masked einsum elsewhere
         return ops.dense_decode_attention(q, k, v, jnp.minimum(lengths, k.shape[2]), impl=impl)
     if sel.kind == "tokens":
         return ops.sparse_decode_attention(q, k, v, sel.indices, sel.counts, impl=impl)
     return ops.block_sparse_decode_attention(q, k, v, sel.indices, sel.counts, lengths, block_size=sel.block_size,
                                          impl=impl)
-
-
-def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Exact decode attention over the first ``lengths[b]`` slots of ``k, v [B,Hkv,S,D]``."""
-    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, S]
-    return masked_decode_attention(q, k, v, valid[:, None, :])
-
-
-def masked_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.Array:
-    """Exact decode attention over the tokens where ``keep`` is true.
-
-    ``q [B,Hq,D]``, ``k, v [B,Hkv,S,D]``, ``keep`` bool broadcastable to
-    ``[B,Hkv,S]``. f32 softmax; a row with nothing kept returns zeros.
-    """
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g, d)
-    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    keep = jnp.broadcast_to(keep, (b, hkv, k.shape[2]))[:, :, None, :]
-    logits = jnp.where(keep, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(keep, jnp.exp(logits - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    return out.reshape(b, hq, d).astype(q.dtype)

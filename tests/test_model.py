@@ -13,7 +13,8 @@ import pytest
 import models
 from models import transformer as tfm
 from models.config import ModelConfig, RopeScaling
-from sparse_jax.methods import AttentionMethod, DenseAttention, masked_decode_attention
+from sparse_jax.methods import AttentionMethod, DenseAttention
+from sparse_jax.ops.dense import masked_decode_attention
 from sparse_jax.selection import Selection
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -417,7 +418,7 @@ def test_generate_ids_greedy_matches_manual(small):
 @pytest.mark.parametrize("t,hq,hkv,d,block", [(1, 4, 1, 16, 256), (37, 8, 2, 32, 16), (300, 6, 3, 64, 64), (513, 4, 4, 8, 256)])
 def test_blockwise_causal_attention(t, hq, hkv, d, block):
     """The CPU prefill attention (sparse_jax.methods.base) equals XLA's causal attention."""
-    from sparse_jax.methods.base import blockwise_causal_attention
+    from sparse_jax.ops.dense import blockwise_causal_attention
 
     kq, kk, kv = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(kq, (2, t, hq, d))
@@ -436,7 +437,7 @@ def test_chunk_prefill_attention(impl, split, t, c, hq, hkv, window):
     by log-sum-exp) and padded queries; keys past the chunk are garbage it must not read."""
     if split and window is not None:
         pytest.skip("the split form has no window (tested to refuse below)")
-    from sparse_jax.methods.base import chunk_prefill_attention
+    from sparse_jax.ops.dense import chunk_prefill_attention
 
     kq, kk, kv = jax.random.split(jax.random.key(t + c), 3)
     q = jax.random.normal(kq, (2, t, hq, 16))

@@ -1,4 +1,4 @@
-"""Offloaded decoding (sparse_jax.offload + models.tiered): the offloaded output
+"""Offloaded decoding (sparse_jax.offload + models.runtime.tiered): the offloaded output
 of AsyncTLS, Quest and a carry-using method defined only here equals the
 resident one, also when the smallest slot pool forces evictions every step;
 the slot policy; bad configurations."""
@@ -122,7 +122,7 @@ def test_offload_config_errors():
 
 
 def test_host_view_writes_reach_the_array():
-    from models.tiered import _host_view
+    from models.runtime.tiered import _host_view
 
     x = jax.device_put(jnp.arange(24, dtype=jnp.bfloat16).reshape(2, 3, 4), pinned_host_sharding())
     view = _host_view(x)
@@ -148,7 +148,7 @@ def _resident_run(model, tokens, lengths, steps, max_len):
 def _check_offloaded_equals_resident(model, tokens, lengths, steps, max_len, pools, atol):
     """Offloaded greedy decoding with each pool size equals the resident model's; blocks
     moved; dropping the saves of completed blocks breaks it (the test can fail)."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     ref_ids, ref_logits = _resident_run(model, tokens, lengths, steps, max_len)
     for pool in pools:
@@ -312,7 +312,7 @@ def test_a_method_using_the_carry_runs_resident_and_offloaded():
 
 
 def test_runner_refuses_before_allocating():
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.offload import capacity
 
     model = _tiny_asynctls_model()
@@ -337,7 +337,7 @@ def test_runner_counts_a_prefills_temporaries():
     """The capacity check can add a prompt's prefill temporaries, measured from the compiled
     layer programs (H100: 16 offloaded slots passed the check without them and ran out of
     memory in their first prefill); the prefill then runs as before."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.offload import capacity
 
     model = _tiny_asynctls_model()
@@ -360,7 +360,7 @@ def test_a_prefill_reuses_the_programs_measured_for_its_temporaries(caplog):
     length compiles no layer program again: the measured shapes carry that placement."""
     import logging
 
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     model = _tiny_asynctls_model()
     model.params = jax.device_put(model.params, jax.devices()[0])  # committed
@@ -377,7 +377,7 @@ def test_runner_schedule_options():
     """Offloaded runs default to the concurrent CUDA-graph schedule with the strided
     copy (8 programs); resident ones to XLA's default; bad grids are refused before
     any compilation."""
-    from models import tiered
+    from models.runtime import tiered
 
     model = _tiny_asynctls_model()
     off_ = tiered.TieredRunner(model, "offload")
@@ -401,7 +401,7 @@ def test_runner_schedule_options():
 def test_resident_runner_equals_the_model(unroll):
     """The runner's resident mode (layer-by-layer prefill, one decode program, scanned
     or unrolled) decodes exactly like the model's own programs."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     model = _tiny_asynctls_model()
     tokens, lengths = _ragged_tokens(3)
@@ -415,7 +415,7 @@ def test_decode_compiles_once_and_saving_is_precompiled():
     """The state built by prefill has the placement of the decode program's outputs:
     it compiles once, and the block extraction compiled when the state was built is
     the one the block saves use (no compilation mid-decode)."""
-    from models import tiered
+    from models.runtime import tiered
 
     model = _tiny_asynctls_model()
     # the tiers are placed from the sharding given (its memory kind replaced)
@@ -441,7 +441,7 @@ def test_synchronous_save_gives_the_same_tokens_and_host_tier():
     """``save="sync"`` (the completed blocks waited for and stored within the step: the
     baseline FlashD2H is measured against) decodes the same tokens and leaves the same
     host tier as the default deferred save; a bad mode is refused."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
 
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
@@ -471,7 +471,7 @@ def test_greedy_steps_on_the_device_equal_decode_steps():
     """``TieredRunner.greedy_steps`` (tokens and logits in donated buffers, fed back on the
     device: the same addresses every step) gives ``decode_step``'s tokens, logits and host
     tier, saves of completed blocks included; the caller's token array survives the donation."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
 
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3

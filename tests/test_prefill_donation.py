@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from models import transformer as tfm
+from models import programs
 from models.config import get_config
 from models.driver import init_cache
 from sparse_jax.methods import get_method
@@ -23,7 +24,7 @@ def test_prefill_donates_the_cache(unroll):
     method = get_method("dense").for_model(cfg.name, num_layers=2, head_dim=cfg.head_dim)
     graphdef, abstract = tfm.abstract_model(cfg, jnp.float32)
     params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
-    fns = tfm.build_functions(graphdef, cfg, method, unroll)
+    fns = programs.build_functions(graphdef, cfg, method, unroll)
     cache = init_cache(cfg, method, 1, 64, jnp.float32)
     args = (params, jnp.zeros((1, 64), jnp.int32), jnp.array([64], jnp.int32), cache)
     leaves = jax.tree.leaves(cache)

@@ -1,4 +1,4 @@
-"""Data-parallel serving (models.replicas): one engine per device group behind one
+"""Data-parallel serving (models.serving.replicas): one engine per device group behind one
 engine interface, and ``python -m models.serve --data-parallel 2`` behind the OpenAI
 API. Two forced CPU devices: the multi-device cases run in subprocesses (the device
 count must be set before jax starts)."""
@@ -21,8 +21,8 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform
 ENGINE_CHECK = r'''
 import json, jax, jax.numpy as jnp, numpy as np
 import models
-from models.engine import SamplingParams
-from models.replicas import replicate
+from models.serving.engine import SamplingParams
+from models.serving.replicas import replicate
 from tests.test_engine import _tiny_config
 # a tiny random model (the server test below runs SmolLM2's real weights)
 base = models.load_model(config=_tiny_config(), dtype=jnp.float32, attention="quest",
@@ -69,7 +69,7 @@ def test_server_data_parallel_with_the_openai_client():
     openai = pytest.importorskip("openai")
     import httpx
 
-    from models.serve import free_port
+    from models.serving.server import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "models.serve", "--model", "smollm2-135m", "--data-parallel",
@@ -113,7 +113,7 @@ def test_server_data_parallel_with_the_openai_client():
 
 
 def test_device_groups_and_errors():
-    from models.replicas import EngineReplicas, device_groups
+    from models.serving.replicas import EngineReplicas, device_groups
 
     assert device_groups(2, 1, devices=["a", "b", "c"]) == [["a"], ["b"]]
     assert device_groups(1, 2, devices=["a", "b"]) == [["a", "b"]]
@@ -125,7 +125,7 @@ def test_device_groups_and_errors():
 
 def test_data_parallel_flag_is_checked_before_loading(monkeypatch):
     import models
-    from models.serve import build_parser, make_engine
+    from models.cli.serve import build_parser, make_engine
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
     with pytest.raises(ValueError, match="--data-parallel 2 x --tensor-parallel 1 = 2 devices: 1 devices visible"):

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (models/serve.py) over the engine, driven by the
+"""The OpenAI-compatible server (models/serving/server.py) over the engine, driven by the
 official ``openai`` client on CPU with SmolLM2-135M: greedy output equals
 ``Model.generate``; streaming equals non-streaming; concurrent clients each get
 their own output; bad input gets a 4xx before any device work; a stream the
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import pytest
 
 import models
-from models.engine import Engine
-from models.serve import serve_in_thread
+from models.serving.engine import Engine
+from models.serving.server import serve_in_thread
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -242,7 +242,7 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--offload", "--max-inject-tokens", "0"], "must be >= 1")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """``--tensor-parallel`` asks for devices that are not there: a clear error, no weights loaded."""
-    from models.serve import build_parser, make_engine
+    from models.cli.serve import build_parser, make_engine
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
     with pytest.raises(ValueError, match=fragment):

@@ -1,4 +1,4 @@
-"""Several devices (models.sharding): sharded prefill + decode give one device's logits.
+"""Several devices (models.runtime.sharding): sharded prefill + decode give one device's logits.
 
 The device-count cases run ``tests/sharded_check.py`` in a subprocess with
 ``--xla_force_host_platform_device_count`` (it must be set before jax starts):
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import sharding as sh
+from models.runtime import sharding as sh
 from models.config import ModelConfig
-from models.transformer import abstract_model, build_functions, init_cache, init_params
+from models.transformer import abstract_model, init_params
+from models.programs import build_functions, init_cache
 from sparse_jax.methods.registry import get_method
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def test_four_devices_match_one_device(four_devices):
     rows = {c: r for c, r in four_devices.items() if not _offload_rows(c)}
     f32 = [r for c, r in rows.items() if "bf16" not in c]
     # tiny: 5 methods (asyncspade, quest+TSA prefill) x 3 meshes, forward, kascade (+ tiled prefill) on data=2; SmolLM2: dense, quest,
-    # asynctls on model=2 and asynctls on data=2, and Model.shard(...).generate for dense and quest
+    # asynctls on model=2 and asynctls on data=2, and shard(model, ...).generate for dense and quest
     assert len(f32) == 25, sorted(rows)  # + forward on 1x2 and 1x4, + kascade's tiled prefill on data=2
     assert rows["smollm2/api-generate/dense/data=1,model=2"]["kv_heads"] == 4  # 3 padded to 4
     for r in f32:

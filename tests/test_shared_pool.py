@@ -133,7 +133,7 @@ def _shared_equals_resident(model, tokens, lengths, steps, max_len, pools, atol)
     """Offloaded greedy decoding on a shared pool of each size equals the resident
     model's (ids and logits); blocks came back from the host; dropping the saves of
     completed blocks breaks it (the negative control). Returns the per-pool stats."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from tests.test_offload import _resident_run
 
     ref_ids, ref_logits = _resident_run(model, tokens, lengths, steps, max_len)
@@ -162,7 +162,7 @@ def test_offloaded_quest_on_a_shared_pool_equals_resident():
     another row's, and against per-row pools of twice the step (16 each, 48 in all)
     the 24 shared slots miss more. (The negative control: the AsyncTLS test below and
     the per-row tests of test_offload.py.)"""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
     from tests.test_offload import _ragged_tokens, _resident_run, _tiny_model
 
@@ -222,7 +222,7 @@ def test_engine_on_a_shared_pool():
     first-fit admission on the working sets: with M_avl one prompt's estimate, the
     second request waits until the first has finished, and still gets its tokens."""
     import models
-    from models.engine import Engine, SamplingParams
+    from models.serving.engine import Engine, SamplingParams
     from tests.test_engine import _tiny_config
 
     import dataclasses
@@ -274,8 +274,8 @@ def test_engine_on_a_shared_pool():
 def test_pool_flags_are_checked_before_any_model_is_built():
     from benchmarks import offload as offload_bench
     from benchmarks import serve_load
-    from models import serve
-    from models.tiered import TieredRunner
+    from models.cli import serve
+    from models.runtime.tiered import TieredRunner
     from tests.test_offload import _tiny_asynctls_model
 
     args = serve.build_parser().parse_args(["--attention", "quest", "--pool", "shared"])
@@ -320,7 +320,8 @@ def test_slot_pool_benchmark_times_both_pools(tmp_path):
 def _clear_step_caches():
     import jax
 
-    from models import driver, tiered
+    from models import driver
+    from models.runtime import tiered
 
     for mod in (tiered, driver):
         for v in vars(mod).values():
@@ -333,7 +334,7 @@ def test_shared_slot_impl_knob(monkeypatch):
     """``pool.SHARED_SLOT_IMPL`` (``benchmarks.offload --shared-slot-impl``) picks the shared
     slot assignment's implementation when the step's impl is "auto", and only then: the
     kernel (interpret mode here) gives the same tokens and logits as the reference."""
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
     from sparse_jax.offload import pool as offload_pool
     from tests.test_offload import _ragged_tokens, _tiny_model

@@ -15,7 +15,7 @@ import pytest
 
 from models.driver import make_plan
 from sparse_jax import prefill as tsa
-from sparse_jax.methods.base import blockwise_causal_attention
+from sparse_jax.ops.dense import blockwise_causal_attention
 from sparse_jax.methods.registry import get_method
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,7 +292,7 @@ def test_drift_profile_and_binding(tmp_path, monkeypatch):
     reach a method bound by load_model when it names none."""
     from flax import nnx
 
-    from models import prefill_profile
+    from models.cli import prefill_profile
     from models.transformer import layer_graphdef
 
     model = _tiny()
@@ -333,7 +333,7 @@ def test_drift_profile_and_binding(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unbound"):
         tsa.make_prefill("token_sparse", {"quantile": 0.5}).layers_for(4)
     monkeypatch.setattr(tsa, "CALIBRATION_ROOT", tmp_path / "none")
-    with pytest.raises(ValueError, match="python -m models.prefill_profile --model tiny-tsa"):
+    with pytest.raises(ValueError, match="python -m models.cli.prefill_profile --model tiny-tsa"):
         model.with_method("dense", prefill="token_sparse", prefill_options=(("quantile", 0.5),))
 
 
@@ -379,7 +379,7 @@ def test_every_decode_method_runs_after_token_sparse_prefill_from_the_cli(monkey
     SmolLM2. Options small enough for a 300-token prompt to be compressed (window and
     ``min_tokens`` 16), and each run must trace the Token Sparse attention (the wrapper below
     counts it) and print generated text."""
-    from models import generate
+    from models.cli import generate
     from sparse_jax.methods.registry import available_methods
 
     traced = []

@@ -234,7 +234,7 @@ class AsyncSpade(AttentionMethod):
         needs ``hist``, ``count`` and ``inner`` (the selector's state, the new key
         appended). Reads nothing of ``kv`` but its ``capacity`` (and what the selector's
         ``select`` reads: :meth:`check` refuses selectors that read the keys), so it can
-        run apart from the attention: on a second device (:mod:`models.cache_rank`)."""
+        run apart from the attention: on a second device (:mod:`models.runtime.cache_rank`)."""
         hist = jnp.concatenate([state["hist"][:, :, 1:], q.astype(jnp.float32)[:, :, None]], axis=2)
         count = jnp.minimum(state["count"] + 1, self.window + 1)
         q_hat = predict_next_query(hist, count, self.window, self.ridge, impl=self.impl)

@@ -36,7 +36,7 @@ so the first anchor then attends its selection rather than densely
 
 **Calibration.** ``anchors``/``head_map`` default to the model's shipped
 calibration (``sparse_jax/calibration_data/<model>/kascade.json``, from
-``python -m models.kascade_calibrate``); without one, 5 anchors spread from
+``python -m models.cli.kascade_calibrate``); without one, 5 anchors spread from
 layer 0 (:func:`sparse_jax.kascade_calibration.fallback_anchors`) and the
 identity head map. The first sparse layer is always an anchor (it has no
 earlier anchor to reuse).
@@ -51,9 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax import kascade_prefill as kp
 from sparse_jax.kascade_calibration import anchors_from_calibration, fallback_anchors, load_kascade_calibration
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.methods.registry import get_method, register
+from sparse_jax.ops.scoring import group_softmax_scores
 from sparse_jax.ops.selection import topk_indices
 from sparse_jax.selection import Selection
 
@@ -70,8 +72,6 @@ def kascade_budget(lengths: jax.Array, fraction: float, minimum: int) -> jax.Arr
 def anchor_group_probabilities(q: jax.Array, k: jax.Array, lengths: jax.Array, *, impl: str = "auto") -> jax.Array:
     """Exact post-softmax probabilities summed over each GQA group: ``[B, Hkv, S]`` f32,
     0 at and past ``lengths`` (the anchor step; ``sparse_jax.ops.scoring``'s fused kernel)."""
-    from sparse_jax.ops.scoring import group_softmax_scores
-
     return group_softmax_scores(q, k, lengths, impl=impl)
 
 
@@ -276,14 +276,12 @@ class Kascade(AttentionMethod):
     def init_prefill_carry(self, *, batch, num_kv_heads, length):
         if not self.tiled_prefill:
             return None
-        from sparse_jax import kascade_prefill as kp
 
         return kp.empty_carry(batch, num_kv_heads, length, **self._prefill_args())
 
     def prefill_attention_carry(self, q, k, v, lengths, layer, carry):
         if not self.tiled_prefill:
             return super().prefill_attention_carry(q, k, v, lengths, layer, carry)
-        from sparse_jax import kascade_prefill as kp
 
         args, tile = self._prefill_args(), self.prefill_tile
 
@@ -330,8 +328,6 @@ class Kascade(AttentionMethod):
         """An anchor's exact per-tile selection (the new carry) when it attends by another
         path: densely (the dense first anchor, an anchor outside ``tiled_prefill_layers``)
         or through Token Sparse Attention."""
-        from sparse_jax import kascade_prefill as kp
-
         return kp.anchor_selection_impl(q, k, lengths, impl=self.prefill_impl,
                                         max_chunk_bytes=self.prefill_chunk_bytes, kernel_impl=self.impl,
                                         **self._prefill_args())

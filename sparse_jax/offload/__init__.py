@@ -2,5 +2,5 @@
 whose selection names blocks: the tiers (:mod:`.tiers`), the offloaded layer as
 a KV view and its decode step (:mod:`.pool`), and capacity planning
 (:mod:`.capacity`). The layer driver (:mod:`models.driver`) runs offloaded
-layers inside the one decode program; :mod:`models.tiered` builds the tiers
+layers inside the one decode program; :mod:`models.runtime.tiered` builds the tiers
 and saves completed blocks."""

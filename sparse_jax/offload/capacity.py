@@ -1,6 +1,6 @@
 """Capacity planning: device and host bytes of a batch, checked before allocating.
 
-:func:`footprint` adds up, array by array, what :mod:`models.tiered` allocates
+:func:`footprint` adds up, array by array, what :mod:`models.runtime.tiered` allocates
 for ``batch`` rows of capacity ``max_len`` (``mode``: "dense" = every layer's
 KV on the device, no method state; "sparse" = the same plus the sparse
 method's state; "offload" = the tiers of :mod:`sparse_jax.offload.tiers`,

@@ -43,6 +43,7 @@ from pallas_kernels import block_sparse_decode as _bsd
 from pallas_kernels import sparse_decode as _sd
 from pallas_kernels.merge import MASK_VALUE, merge_normalized
 from pallas_kernels.split_merge import MERGES
+from pallas_kernels.tuning import with_tuned
 from sparse_jax.ops._checks import (
     check_float,
     check_gqa,
@@ -51,7 +52,7 @@ from sparse_jax.ops._checks import (
     check_shape,
 )
 from sparse_jax.ops._dispatch import on_gpu, resolve_impl
-from pallas_kernels.tuning import with_tuned
+from sparse_jax.ops.dense import dense_decode_reference
 
 __all__ = [
     "MASK_VALUE",
@@ -260,7 +261,7 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
     ``[0, S]``; 0 gives zeros). ``impl``: "pallas" runs the block kernel over
     blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (programs and
     loads past a row's length are skipped), "reference" the masked einsum
-    (``sparse_jax.selection.dense_decode_attention``), "auto" the kernel on a
+    (:func:`sparse_jax.ops.dense.dense_decode_reference`), "auto" the kernel on a
     GPU (for a head_dim it supports) and the reference elsewhere. Measured on
     the H100 (``benchmarks/results/kernels_dense_check.md``, 128K, 32/8 heads,
     D=128): B=8 1.400 ms against cuDNN's 1.389 ms on its own [B, S, H, D]
@@ -283,9 +284,7 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
         if scale is not None:
             raise ValueError("dense_decode_attention: scale is only supported by impl='pallas' (the reference "
                              "uses 1/sqrt(D))")
-        from sparse_jax.selection import dense_decode_attention as _xla_dense
-
-        return _xla_dense(q, k, v, jnp.clip(lengths, 0, S))
+        return dense_decode_reference(q, k, v, jnp.clip(lengths, 0, S))
     nb = -(-S // block_size)
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, S)
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, k.shape[1], nb))

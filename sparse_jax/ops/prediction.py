@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import query_predictor as _qp
 from sparse_jax.ops._checks import check_float, check_int_array, check_rank
 from sparse_jax.ops._dispatch import resolve_impl
 
@@ -22,8 +23,6 @@ def predict_query(hist, count, *, window: int, ridge: float, impl: str = "auto",
     batched solves, the oracle) or ``"cholesky"`` (one factorization for all
     windows). Tuning (kernel only): ``num_warps``, ``num_stages``.
     """
-    from pallas_kernels import query_predictor as _qp
-
     check_rank("hist", hist, 4, "[B, Hq, W+1, D]")
     check_float("hist", hist)
     b = hist.shape[0]

@@ -40,12 +40,12 @@ reference otherwise (and on CPU), "pallas" raises.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import block_scores as _bs
+from pallas_kernels import group_softmax as _gs
 from pallas_kernels import label_topk as _ltk
 from pallas_kernels import labels as _lb
 from pallas_kernels import quantized_boxes as _qb
@@ -54,6 +54,7 @@ from pallas_kernels.quantized_boxes import QuantizedBoxes
 from pallas_kernels.tuning import with_tuned
 from sparse_jax.ops._checks import check_float, check_gqa, check_int, check_int_array, check_rank, check_shape
 from sparse_jax.ops._dispatch import resolve_impl
+from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
 
 __all__ = [
     "LabelCache",
@@ -638,7 +639,6 @@ def block_label_topk(q, labels, channels, block_ids, block_counts, lengths, *, b
     choice, interpret = resolve_impl(
         impl, kernel_unsupported=_pow2_reason(packed_width=w, **({} if block_c is None else
                                                                  {"block_c": block_c})))
-    from sparse_jax.ops.selection import topk_indices  # selection does not import scoring
 
     bs = int(block_size)
     select = {**({} if radix_bits is None else {"radix_bits": radix_bits}),
@@ -697,8 +697,6 @@ def group_softmax_scores(q, k, lengths, *, scale=None, impl="auto", **tuning):
     ``lengths[b]`` (Kascade's post-softmax pooling; ``pallas_kernels.group_softmax``).
     Tuning (kernel only): ``block_s``, ``num_splits``, ``num_warps``, ``num_stages``.
     """
-    from pallas_kernels import group_softmax as _gs
-
     check_rank("q", q, 3, "[B, Hq, D]")
     check_float("q", q)
     _check_cache(k, lengths)

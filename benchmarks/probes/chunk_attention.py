@@ -1,7 +1,7 @@
 """Chunked prefill's attention: one chunk of a long prompt over the keys so far.
 
 ``python -m benchmarks.chunk_attention --tokens 98304 --chunk 32768`` times
-:func:`sparse_jax.methods.base.chunk_prefill_attention` for each chunk of a prompt
+:func:`sparse_jax.ops.dense.chunk_prefill_attention` for each chunk of a prompt
 cut in ``--chunk`` tokens (the layer-segmented prefill of the serving engine, when one
 layer of a prompt exceeds ``max_inject_tokens``), per backend (``--impls``), against
 the whole prompt's causal attention in one cuDNN call (what an unchunked layer pays),
@@ -34,7 +34,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from sparse_jax.methods.base import chunk_prefill_attention, dense_prefill_attention
+    from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 
     b, t, c, hq, hkv, d = args.batch, args.tokens, args.chunk, args.heads, args.kv_heads, args.head_dim
     dtype = jnp.dtype(args.dtype)
@@ -145,7 +145,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="chunk_attention")
     args = p.parse_args(argv)
-    from sparse_jax.methods.base import CHUNK_ATTENTION_IMPLS
+    from sparse_jax.ops.dense import CHUNK_ATTENTION_IMPLS
 
     args.impls = parse_list(args.impls, str)
     bad = [i for i in args.impls if i.partition(":")[0] not in CHUNK_ATTENTION_IMPLS

@@ -35,7 +35,7 @@ def main(argv=None):
     import models
     from benchmarks import trace_overlap
     from benchmarks.offload import _synthetic_kv, asynctls_for, qwen3_8b, with_churn
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
 
     cfg = dataclasses.replace(qwen3_8b(131072), num_layers=a.layers)
     m = asynctls_for(cfg, 2048, 128)

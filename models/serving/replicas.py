@@ -1,7 +1,7 @@
-"""Data-parallel serving: one :class:`models.engine.Engine` per device group.
+"""Data-parallel serving: one :class:`models.serving.engine.Engine` per device group.
 
 An engine serves one replica of the model (its slots' caches and every request's
-prefill on the replica's devices; ``model.shard(model=n)`` makes a replica span
+prefill on the replica's devices; ``shard(model, model=n)`` makes a replica span
 ``n`` devices by KV heads). :class:`EngineReplicas` runs several, one per group of
 devices, behind the engine's client interface (``make_request``, ``submit``,
 ``cancel``, ``stats``, ``start``, ``stop``, ``generate``), so the OpenAI server
@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from models.engine import Engine, Event, Request, SamplingParams
+from models.runtime.sharding import shard
+from models.serving.engine import Engine, Event, Request, SamplingParams
 
 
 def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:
@@ -43,11 +44,11 @@ def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:
 
 def replicate(model, replicas: int, *, tensor_parallel: int = 1, devices=None, **engine_options) -> "EngineReplicas":
     """``replicas`` engines, each on its own group of ``tensor_parallel`` devices (the
-    model sharded over the group by KV heads, ``model.shard(model=tensor_parallel,
+    model sharded over the group by KV heads, ``shard(model, model=tensor_parallel,
     devices=group)``; one device: the model placed on it), with the same
-    ``engine_options`` (:class:`models.engine.Engine`'s keywords)."""
+    ``engine_options`` (:class:`models.serving.engine.Engine`'s keywords)."""
     groups = device_groups(replicas, tensor_parallel, devices)
-    engines = [Engine(model.shard(model=tensor_parallel, devices=g), **engine_options) for g in groups]
+    engines = [Engine(shard(model, model=tensor_parallel, devices=g), **engine_options) for g in groups]
     return EngineReplicas(engines)
 
 

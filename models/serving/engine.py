@@ -14,7 +14,7 @@ slots) on this project's pure functions, with SparseServe's scheduler limits
   program per prompt bucket), and samples the first token from its logits.
   Offloaded, with ``max_inject_tokens``, it is layer-segmented (SparseServe
   §3.4): each iteration runs a segment of the prompt's layers
-  (:class:`models.tiered.PrefillJob`) beside the decode step, the finished
+  (:class:`models.runtime.tiered.PrefillJob`) beside the decode step, the finished
   layers' KV going to the host tier.
 * **Insert** writes that one-row cache into the free slot (one jitted program,
   the decode cache donated).
@@ -37,7 +37,7 @@ engine's thread (the server forwards to its asyncio loop).
 Where the KV lives: :class:`ResidentSlots` (every slot on the device, the
 engine's own step program) or, with ``offload=True``, :class:`OffloadedSlots`
 (every KV block in pinned host memory, a device pool per slot:
-:class:`models.tiered.TieredRunner` with an active-row mask).
+:class:`models.runtime.tiered.TieredRunner` with an active-row mask).
 
 The scheduler (:class:`Scheduler`) is FCFS under R_max requests, T_max tokens
 per iteration and M_avl device bytes, with SparseServe's first-fit admission
@@ -64,8 +64,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import transformer as tfm
+from models import programs
+from models.api import round_up
+from models.runtime.cache_rank import CacheRankModel
+from models.runtime.tiered import TieredRunner
 from sparse_jax.cache import KVCache
+from sparse_jax.offload import capacity
+from sparse_jax.offload import pool as off
+from sparse_jax.offload.capacity import autotune_scratch_bytes, device_budget
+from sparse_jax.offload.pool import insert_shared_row
+from sparse_jax.offload.tiers import OffloadedLayer
 
 # -----------------------------------------------------------------------------
 # Requests and events
@@ -323,13 +331,13 @@ def _engine_programs(decode):
 @functools.lru_cache(maxsize=16)
 def _programs(graphdef, cfg, method, unroll: bool):
     """The engine's jitted programs for one model structure and method."""
-    return _engine_programs(lambda params, tokens, cache: tfm.decode_step(
+    return _engine_programs(lambda params, tokens, cache: programs.decode_step(
         nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll))
 
 
 @functools.lru_cache(maxsize=16)
 def _sharded_programs(decode):
-    """:func:`_programs` for a model on a mesh (:class:`models.sharding.ShardedModel`):
+    """:func:`_programs` for a model on a mesh (:class:`models.runtime.sharding.ShardedModel`):
     its own sharded decode step (one ``shard_map``); the insertion and the sampling are
     plain jits over the mesh-laid arrays."""
     return _engine_programs(decode)
@@ -379,8 +387,6 @@ def check_resident_fits(model, slots: int, max_len: int, device_limit: int | Non
     tokens that then ran out of memory compiling a 32K prefill (H100, Qwen3-8B). And the
     GEMM autotuner's scratch when it compiles a program after the cache exists
     (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`: the largest weight)."""
-    from sparse_jax.offload import capacity
-
     limit = capacity.device_budget() if device_limit is None else device_limit
     if limit is None:
         return
@@ -438,7 +444,6 @@ class ResidentSlots:
             self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
         else:
             self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
-            from sparse_jax.offload.capacity import device_budget
 
             temps = 0
             if device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
@@ -485,8 +490,6 @@ def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache
     """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
     tiers: every leaf but the per-step block counters (``hits, misses [B, Hkv]``, rewritten
     by every step) takes row ``slot`` from ``row``."""
-    from sparse_jax.offload.tiers import OffloadedLayer
-
     layers = []
     for big, one in zip(cache.layers, row.layers):
         if isinstance(big, OffloadedLayer):
@@ -509,8 +512,6 @@ def offloaded_working_set(cache: KVCache, window: int = WORKING_SET_WINDOW) -> j
     blocks per layer and head. SparseServe's decode working set (§3.3, the union of
     the blocks selected over the last w steps), read from the pool's own record: a
     block evicted within the window is not counted."""
-    from sparse_jax.offload.tiers import OffloadedLayer
-
     total = jnp.zeros(cache.lengths.shape, jnp.int32)
     for e in cache.layers:
         if isinstance(e, OffloadedLayer) and e.shared:
@@ -531,9 +532,6 @@ def insert_shared_slot(cache: KVCache, row: KVCache, slot: jax.Array, host: tupl
     KV head (:func:`sparse_jax.offload.pool.insert_shared_row`: the slot's previous
     blocks leave the pool, the prefilled row's blocks are placed in it from the host
     tier ``host``, which already holds the row's blocks)."""
-    from sparse_jax.offload.pool import insert_shared_row
-    from sparse_jax.offload.tiers import OffloadedLayer
-
     layers = []
     for big, one, h in zip(cache.layers, row.layers, host):
         if isinstance(big, OffloadedLayer):
@@ -545,7 +543,7 @@ def insert_shared_slot(cache: KVCache, row: KVCache, slot: jax.Array, host: tupl
 
 
 class OffloadedSlots:
-    """Every slot's KV blocks in pinned host memory (:class:`models.tiered.TieredRunner`,
+    """Every slot's KV blocks in pinned host memory (:class:`models.runtime.tiered.TieredRunner`,
     ``mode="offload"``): the device keeps each slot's ring and method state, and the
     resident blocks in a pool per slot (``pool="per_row"``) or in one pool shared by
     the slots (``pool="shared"``, LRU across them). A request is prefilled layer by
@@ -561,16 +559,12 @@ class OffloadedSlots:
 
     On a device with a memory limit (a GPU) the capacity check adds the longest prompt's
     prefill temporaries, measured from its layer programs compiled ahead of time
-    (:meth:`models.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated."""
+    (:meth:`models.runtime.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated."""
 
     offloaded = True
 
     def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False,
                  pool: str = "per_row"):
-        from models.tiered import TieredRunner
-        from sparse_jax.offload import pool as off
-        from sparse_jax.offload.tiers import OffloadedLayer
-
         check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
         self.shared = off.check_pool(pool) == "shared"
@@ -584,7 +578,6 @@ class OffloadedSlots:
         self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
                                else self.runner)
 
-        from sparse_jax.offload.capacity import autotune_scratch_bytes, device_budget
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
             self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
@@ -629,7 +622,7 @@ class OffloadedSlots:
         return job.result()
 
     def start_prefill(self, ids: Sequence[int]):
-        """A :class:`models.tiered.PrefillJob` of one prompt (bucketed as every prefill):
+        """A :class:`models.runtime.tiered.PrefillJob` of one prompt (bucketed as every prefill):
         the engine's layer-segmented prefill advances it between decode steps."""
         n = len(ids)
         tokens = np.full((1, self.prompt_tokens(n)), self.model._pad_id(), np.int32)
@@ -794,7 +787,6 @@ class Engine:
                  pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row"):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        from models.cache_rank import CacheRankModel
 
         if isinstance(model, CacheRankModel):
             raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
@@ -807,7 +799,6 @@ class Engine:
                                  "the tiered runner's layer-by-layer prefill, whose finished layers go to the host")
             if isinstance(max_inject_tokens, bool) or int(max_inject_tokens) < 1:
                 raise ValueError(f"max_inject_tokens must be a positive int (tokens x layers), got {max_inject_tokens!r}")
-        from models.api import round_up
 
         self.model = model
         self.slots = int(slots)
@@ -822,7 +813,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(int(i) for i in (model._stop_ids() if stop_ids is None else stop_ids))
         if unroll is None:
-            unroll = tfm.default_unroll()
+            unroll = programs.default_unroll()
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
         self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots,
                                   segmented=self.max_inject_tokens is not None, pool=pool) if offload

@@ -15,7 +15,7 @@ donated:
   updates) a CUDA graph whose buffers moved, a host cost per step.
 - ``multi``: ``--multi`` greedy steps in one program (a ``lax.fori_loop`` over
   the step), so the host cost is paid once per ``--multi`` tokens.
-- ``tiered`` / ``offload``: :class:`models.tiered.TieredRunner`'s step, resident
+- ``tiered`` / ``offload``: :class:`models.runtime.tiered.TieredRunner`'s step, resident
   and offloaded (with the benchmark's block churn), on random K/V, as
   ``benchmarks.offload`` runs it.
 
@@ -47,9 +47,10 @@ def _step_fns(graphdef, cfg, method, multi: int):
     from flax import nnx
 
     from models import transformer as tfm
+    from models import programs
 
     def step(params, tokens, cache):
-        return tfm.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=True)
+        return programs.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=True)
 
     logits_fn = jax.jit(step, donate_argnums=(2,))
 
@@ -122,7 +123,7 @@ def main(argv=None):
 
     from benchmarks.offload import _synthetic_kv, asynctls_for, qwen3_8b, random_model, with_churn
     from models.driver import init_cache
-    from models.tiered import TieredRunner
+    from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -43,9 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import programs
 from models import transformer as tfm
 from models.api import round_up
 from models.driver import Driver, make_plan, per_kv_head, prefill_kv, prompt_state
+from models.runtime import sharding as shd
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods.base import DenseAttention, LayerCtx
 from sparse_jax.offload import capacity
@@ -170,7 +172,7 @@ class TieredRunner:
             raise ValueError(f"gather_programs must be a positive int or None, got {gather_programs!r}")
         self.gather_programs = (DEFAULT_GATHER_PROGRAMS if self.concurrent else None) if gather_programs is None \
             else gather_programs
-        self.unroll = tfm.default_unroll() if unroll is None else bool(unroll)
+        self.unroll = programs.default_unroll() if unroll is None else bool(unroll)
         self.device_limit, self.host_limit = device_limit, host_limit
         self.plan = make_plan(self.cfg, method)
         if mode == "offload":
@@ -182,13 +184,11 @@ class TieredRunner:
         self.num_layers = self.cfg.num_layers
         self.offloaded = [mode == "offload" and sp.sparse for sp in self.plan.specs]
         self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
-        # a sharded model (models.sharding.ShardedModel): every piece runs as one shard_map on
+        # a sharded model (models.runtime.sharding.ShardedModel): every piece runs as one shard_map on
         # its mesh, each device on its KV heads and rows; the host tiers split the same way
         self.mesh = getattr(model, "mesh", None)
         self.local_cfg, tp = self.cfg, {}
         if self.mesh is not None:
-            from models import sharding as shd
-
             if sharding is not None:
                 raise ValueError("a sharded model's tiers follow its mesh: do not pass sharding=")
             if self.shared:
@@ -631,14 +631,14 @@ class _MeshLayout:
     (the driver on its KV heads and rows). Which axis of each cache, tier and
     method-state leaf is split is read off abstract shapes, for the whole model,
     one device's heads and one replica's rows
-    (:func:`models.sharding.specs_from_shapes`), as for the resident cache: the
+    (:func:`models.runtime.sharding.specs_from_shapes`), as for the resident cache: the
     host tier ``[B, Hkv, NB, bs, D]`` splits like the device tier, so each device
     gathers its own heads' blocks from its own part of pinned host memory."""
 
     def __init__(self, runner: TieredRunner, batch: int, max_len: int):
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-        from models import sharding as shd
 
         par, mesh, cfg, local = runner.par, runner.mesh, runner.cfg, runner.local_cfg
         if batch % par.data:

@@ -118,6 +118,7 @@ def kernel_profile(step, cache, tokens, steps: int, logdir: str, top: int = 8):
 def main(argv=None):
     from benchmarks.offload import asynctls_for, qwen3_8b, random_model
     from models import transformer as tfm
+    from models import programs
     from models.driver import init_cache
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -143,7 +144,7 @@ def main(argv=None):
         model = random_model(cfg, method, cap)
         tokens = jnp.zeros((a.batch,), jnp.int32)
         for unroll in (False, True):
-            fns = tfm.build_functions(model.graphdef, cfg, method, unroll)
+            fns = programs.build_functions(model.graphdef, cfg, method, unroll)
             step = lambda t, c, f=fns: f.decode_step(model.params, t, c)  # noqa: E731
             cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
             cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))

@@ -1,9 +1,9 @@
 """Token Sparse Attention's layer profile: which layers its sparse prefill runs on.
 
-    python -m models.prefill_profile --model smollm2-135m --length 4096
+    python -m models.cli.prefill_profile --model smollm2-135m --length 4096
 
 Runs the model densely over one long real-text prompt (the built-in notes with a
-fact hidden at half depth, :mod:`models.demo_prompt`, the stand-in for the paper's
+fact hidden at half depth, :mod:`models.cli.demo_prompt`, the stand-in for the paper's
 Paul-Graham haystack with a needle at 50%), measures each layer's mean relative
 update ``|h_out - h_in| / |h_in|`` over every token (the paper's drift, the whole
 decoder layer), and marks the layers at or below the ``--quantile`` (δ = 0.5) of
@@ -23,11 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
+from models.cli.demo_prompt import build_demo_prompt
+from models.driver import Driver, sparse_prefill_eligible
+from models.transformer import layer_graphdef
+from sparse_jax.methods.base import DenseAttention
+from sparse_jax.prefill import layers_from_drift, save_prefill_profile
+
 
 def haystack_ids(tokenizer, length: int) -> list[int]:
     """About ``length`` tokens of the demo notes (one fact at half depth), cut to ``length``."""
-    from models.demo_prompt import build_demo_prompt
-
     n = 8
     while True:
         text = build_demo_prompt(n_paragraphs=n, fact_at=0.5).messages[0]["content"]
@@ -40,10 +45,6 @@ def haystack_ids(tokenizer, length: int) -> list[int]:
 def layer_drift(model, tokens) -> np.ndarray:
     """``f32[L]``: each layer's mean relative update over ``tokens int32[1, T]`` (dense)."""
     from flax import nnx
-
-    from models.driver import Driver
-    from models.transformer import layer_graphdef
-    from sparse_jax.methods.base import DenseAttention
 
     @jax.jit
     def run(params, tokens):
@@ -67,10 +68,6 @@ def main(argv=None) -> int:
         p.error(f"--quantile must be in (0, 1], got {a.quantile}")
     if a.length < 16:
         p.error(f"--length must be >= 16, got {a.length}")
-    import models
-    from models.driver import sparse_prefill_eligible
-    from sparse_jax.prefill import layers_from_drift, save_prefill_profile
-
     model = models.load_model(a.model, dtype=jnp.dtype(a.dtype))
     if model.tokenizer is None:
         p.error(f"{a.model} has no tokenizer (random weights): profile a model with real weights")
@@ -80,9 +77,9 @@ def main(argv=None) -> int:
     eligible = sparse_prefill_eligible(model.config)  # global layers
     layers = layers_from_drift(drift, eligible, a.quantile)
     meta = {"model": a.model, "tokens": len(ids), "quantile": a.quantile, "dtype": a.dtype,
-            "prompt": "models.demo_prompt notes, fact at 50% depth", "jax": jax.__version__,
+            "prompt": "models.cli.demo_prompt notes, fact at 50% depth", "jax": jax.__version__,
             "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-            "command": "python -m models.prefill_profile " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python -m models.cli.prefill_profile " + " ".join(sys.argv[1:] if argv is None else argv)}
     path = save_prefill_profile(a.model, drift, layers, meta, a.out)
     print(f"{a.model}: {len(ids)} tokens, drift per layer ({time.perf_counter() - t0:.1f} s):")
     for i, d in enumerate(drift):

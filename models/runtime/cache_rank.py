@@ -45,17 +45,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.api import Model
+from models.api import Model, round_up
+from models.driver import Driver, make_plan, segment_data
+from models.programs import default_unroll
+from models.transformer import layer_graphdef
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods.asyncspade import AsyncSpade
 from sparse_jax.methods.base import AttentionMethod, LayerCtx
-
 
 # -----------------------------------------------------------------------------
 # The two sides of the method
@@ -132,9 +134,6 @@ def check_selector(spade: AsyncSpade, cfg, max_len: int, dtype) -> None:
     """Trace one sparse layer's :func:`rank_layer` abstractly (nothing is allocated or
     compiled): a selector that reads more of the key cache than the newest key is
     refused here with a ValueError."""
-    from models.driver import make_plan, segment_data
-    from models.api import round_up
-
     max_len = round_up(max_len, spade.cache_multiple)
     seg = next((s for s in make_plan(cfg, spade).segments if s.spec.sparse), None)
     if seg is None:
@@ -224,7 +223,8 @@ class Courier:
         self._perm: dict = {}
         if mode == "collective":
             import numpy as np
-            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            from jax.sharding import Mesh, NamedSharding
+            from jax.sharding import PartitionSpec as P
 
             self.mesh = Mesh(np.array(self.devices), ("rank",))
             self.sharding = NamedSharding(self.mesh, P("rank"))
@@ -261,9 +261,6 @@ class CacheRankFunctions:
 
     def __init__(self, model: "CacheRankModel", base_prefill, transfer: str = "device_put", threads: bool = True,
                  wait_copies: bool = False):
-        from models.driver import Driver, make_plan, segment_data
-        from models.transformer import default_unroll, layer_graphdef
-
         self.cfg, self.graphdef, self.dtype = model.config, model.graphdef, model.dtype
         self.spade: AsyncSpade = model.method
         self.devices = model.devices
@@ -435,7 +432,7 @@ class CacheRankFunctions:
 
 class CacheRankModel(Model):
     """A :class:`models.api.Model` running AsyncSpade with its cache rank on a second
-    device (``model.with_cache_rank()``): the same ``init_cache / prefill /
+    device (:func:`with_cache_rank`): the same ``init_cache / prefill /
     decode_step / generate / generate_ids`` API; ``prefill`` returns a
     :class:`SplitCache`, which ``decode_step`` takes."""
 
@@ -457,7 +454,7 @@ class CacheRankModel(Model):
         if devs[0] == devs[1]:
             raise ValueError("the inference rank and the cache rank must be two different devices")
         if getattr(base, "mesh", None) is not None:
-            raise ValueError("the cache rank is not combined with tensor parallelism (model.shard)")
+            raise ValueError("the cache rank is not combined with tensor parallelism (models.runtime.shard)")
         super().__init__(base.config, base.graphdef, jax.device_put(base.params, devs[0]), base.tokenizer, method,
                          base.dtype, base.max_len)
         self.devices = (devs[0], devs[1])
@@ -493,4 +490,15 @@ class CacheRankModel(Model):
 
     def with_method(self, attention, **options):
         raise ValueError("a cache-rank model runs AsyncSpade only: take the base model's with_method, then "
-                         "with_cache_rank() again")
+                         "models.runtime.with_cache_rank() again")
+
+
+def with_cache_rank(base: Model, /, devices=None, *, pack_layers: int = 6, transfer: str = "device_put",
+                    threads: bool = True, wait_copies: bool = False) -> CacheRankModel:
+    """``base`` (running AsyncSpade) with its cache rank on a second device: the next
+    step's selection is chosen on ``devices[1]`` while ``devices[0]`` runs the step, in
+    packs of ``pack_layers`` layers; ``transfer``: ``"device_put"`` or ``"collective"``
+    (a ``ppermute`` program, NCCL on GPUs); ``threads``: the cache rank's calls issued
+    from a second host thread; ``wait_copies``: that thread waits for each copy's
+    source before issuing it. The same API as a :class:`Model`."""
+    return CacheRankModel(base, devices, pack_layers, transfer, threads, wait_copies)

@@ -1,6 +1,6 @@
 """Offline channel calibration for Double Sparsity and AsyncTLS.
 
-    python -m models.calibrate --model smollm2-135m --method double_sparsity
+    python -m models.cli.calibrate --model smollm2-135m --method double_sparsity
 
 Runs the model densely over a calibration text, collects every layer's
 post-RoPE queries and keys, ranks the head-dim channels of each KV head
@@ -25,6 +25,8 @@ import warnings
 
 import numpy as np
 
+import models
+from models.capture import capture_qk
 from sparse_jax.calibration import CALIBRATION_ROOT, ChannelStats, save_channel_orders
 
 CALIBRATION_MODULES = (
@@ -73,7 +75,7 @@ def calibration_batches(token_ids: list[int], seq_len: int, samples: int) -> np.
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m models.cli.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--method", default="double_sparsity", choices=METHODS,
                    help="both methods read the same calibration (two rankings are stored)")
@@ -87,9 +89,6 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
     from tqdm import tqdm
-
-    import models
-    from models.capture import capture_qk
 
     model = models.load_model(args.model, dtype=jnp.float32)
     if model.tokenizer is None:
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     meta = {
         "model": args.model, "samples": args.samples, "seq_len": args.seq_len, "tokens": stats.tokens,
         "text": f"docstrings of {len(CALIBRATION_MODULES)} stdlib modules (Python {sys.version.split()[0]})",
-        "command": "python -m models.calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m models.cli.calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     path = save_channel_orders(args.model, stats.orders(), meta, args.root)
     print(f"saved channel orders for {args.model} ({stats.tokens} tokens) to {path}")

@@ -41,11 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.api import Model, bind_method, method_for_model, round_up
 from models.config import ModelConfig
-from models.transformer import ModelFunctions, abstract_model, decode_step, default_unroll, forward, prefill
+from models.driver import init_cache as driver_init_cache
+from models.programs import ModelFunctions, decode_step, default_unroll, forward, prefill
+from models.transformer import abstract_model
 from sparse_jax.cache import KVCache
 from sparse_jax.methods.base import AttentionMethod
 
@@ -88,7 +91,7 @@ def check_model(cfg: ModelConfig, model: int) -> None:
     """Clear errors for a config that cannot split ``model`` ways over KV heads."""
     if cfg.num_kv_heads % model:
         raise ValueError(f"{cfg.name}: {cfg.num_kv_heads} KV heads do not split over {model} devices; "
-                         f"pad them first (models.sharding.pad_kv_heads(cfg, params, {model}))")
+                         f"pad them first (models.runtime.sharding.pad_kv_heads(cfg, params, {model}))")
     if cfg.intermediate_size % model:
         raise ValueError(f"{cfg.name}: the MLP width {cfg.intermediate_size} does not split over {model} devices")
 
@@ -184,11 +187,8 @@ def _cache_shape(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len:
     """The cache's abstract shape, empty or after a prefill (a method may add state
     leaves only a prefill can size: AsyncSpade's query history ``[B, Hq, W+1, D]``);
     ``model > 1``: one device's (``cfg`` its config; layer data cut to its heads)."""
-    from models.driver import init_cache
-    from models.transformer import prefill
-
     # abstract: nothing is allocated (a whole-model cache need not fit one device)
-    empty = jax.eval_shape(lambda: init_cache(cfg, method, batch, max_len, dtype))
+    empty = jax.eval_shape(lambda: driver_init_cache(cfg, method, batch, max_len, dtype))
     if not prefilled:
         return empty
     graphdef, params = abstract_model(cfg, dtype)
@@ -242,11 +242,9 @@ def specs_from_shapes(whole, by_heads, by_rows, par: Parallelism, what: str = "l
 
 def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, mesh: Mesh) -> KVCache:
     """An empty cache laid out on ``mesh`` (each device allocates only its shard)."""
-    from models.driver import init_cache as _init
-
     specs = cache_specs(cfg, method, batch, max_len, jnp.dtype(dtype), Parallelism.of(mesh))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    return jax.jit(lambda: _init(cfg, method, batch, max_len, jnp.dtype(dtype)), out_shardings=shardings)()
+    return jax.jit(lambda: driver_init_cache(cfg, method, batch, max_len, jnp.dtype(dtype)), out_shardings=shardings)()
 
 
 def check_method(method: AttentionMethod, model: int, devices: int | None = None) -> None:
@@ -339,7 +337,7 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
     )
 
 class ShardedModel(Model):
-    """A :class:`models.api.Model` spread over a mesh (``model.shard(data=, model=)``):
+    """A :class:`models.api.Model` spread over a mesh (:func:`shard`):
     the same ``init_cache / prefill / decode_step / generate / generate_ids`` API, with
     the parameters sharded (KV heads padded first when they do not split: then
     ``config`` is the padded one, ``unpadded_config`` the original), the cache laid
@@ -382,3 +380,10 @@ class ShardedModel(Model):
         clone.method = pad_method_heads(method, self.config.num_kv_heads)
         clone.fns = clone._functions(clone.method)
         return clone
+
+
+def shard(base: Model, /, *, data: int = 1, model: int = 1, devices=None) -> ShardedModel:
+    """``base`` over ``data x model`` devices: ``model``-way tensor parallelism over KV
+    heads, ``data`` replicas over batch rows. The same API as a :class:`Model`; the
+    cache comes from the returned model's ``init_cache``."""
+    return ShardedModel(base, Parallelism(data, model), devices)

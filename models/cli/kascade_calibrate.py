@@ -1,9 +1,9 @@
 """Kascade's offline calibration: anchor layers and the head map of a model.
 
-    python -m models.kascade_calibrate --model smollm2-135m --prompts 16 --seq-len 512
+    python -m models.cli.kascade_calibrate --model smollm2-135m --prompts 16 --seq-len 512
 
 Runs the model densely over real text (the docstring text of
-:mod:`models.calibrate`: plain English, deterministic), and for every prompt
+:mod:`models.cli.calibrate`: plain English, deterministic), and for every prompt
 and every pair of layers ``a < b`` measures how much of layer ``b``'s oracle
 top-k attention mass layer ``a``'s top-k recovers, per KV head pair
 (:mod:`sparse_jax.kascade_calibration`: min over query tiles, mean over
@@ -32,6 +32,10 @@ import time
 
 import numpy as np
 
+import models
+from models.cli.calibrate import calibration_batches, calibration_text
+from models.driver import _layer_at, inv_freq, make_plan
+from models.transformer import layer_graphdef, layer_output, layer_qkv, rope_cos_sin
 from sparse_jax.kascade_calibration import (
     CALIBRATION_ROOT,
     choose_anchors,
@@ -42,6 +46,9 @@ from sparse_jax.kascade_calibration import (
     prompt_similarity,
     save_kascade_calibration,
 )
+from sparse_jax.methods.base import DenseAttention
+from sparse_jax.methods.kascade import Kascade
+from sparse_jax.ops.dense import dense_prefill_attention
 
 
 @functools.lru_cache(maxsize=4)
@@ -50,10 +57,6 @@ def _trace_fn(cfg, graphdef_layers):
     dense, through the driver's per-layer pieces."""
     import jax
     import jax.numpy as jnp
-
-    from models.driver import _layer_at, inv_freq, make_plan
-    from models.transformer import layer_output, layer_qkv, rope_cos_sin
-    from sparse_jax.methods.base import DenseAttention, dense_prefill_attention
 
     plan = make_plan(cfg, DenseAttention())
 
@@ -79,10 +82,6 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
     """Anchors and head map of ``model`` from ``prompts int32[N, T]``."""
     import jax.numpy as jnp
     from flax import nnx
-
-    from models.driver import make_plan
-    from models.transformer import layer_graphdef
-    from sparse_jax.methods.kascade import Kascade
 
     cfg = model.config
     graph_model = nnx.merge(model.graphdef, model.params)
@@ -127,7 +126,7 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.kascade_calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m models.cli.kascade_calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=16, help="development-set prompts (the paper: 1000 MuSiQue)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per prompt")
@@ -141,9 +140,6 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
 
-    import models
-    from models.calibrate import calibration_batches, calibration_text
-
     model = models.load_model(args.model, dtype=jnp.float32)
     if model.tokenizer is None:
         p.error(f"model {args.model!r} has no tokenizer (random weights): calibrate a model with real weights")
@@ -155,8 +151,8 @@ def main(argv=None) -> int:
                     log=lambda s: print(s, file=sys.stderr))
     out["meta"] = {
         "model": args.model, "prompts": args.prompts, "seq_len": args.seq_len, "k": args.k, "tile": args.tile,
-        "text": "docstrings of the standard-library modules of models.calibrate, from the end",
-        "command": "python -m models.kascade_calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "text": "docstrings of the standard-library modules of models.cli.calibrate, from the end",
+        "command": "python -m models.cli.kascade_calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     path = save_kascade_calibration(args.model, out, args.root)
     print(f"anchors {out['anchors']}; saved to {path}")

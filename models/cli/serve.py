@@ -1,0 +1,119 @@
+"""``python -m models.serve``: the OpenAI-compatible server's command line (the app
+itself is :mod:`models.serving.server`; also the console script ``sparse-jax-serve``)."""
+
+import argparse
+import sys
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+import models
+from models.cli.options import parse_attention_opts
+from models.runtime.sharding import shard
+from models.serving.engine import Engine
+from models.serving.replicas import replicate
+from models.serving.server import build_app
+from sparse_jax.methods import available_methods, get_method
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models.serve",
+                                description="Serve a model over the OpenAI HTTP API (completions, chat, SSE).")
+    p.add_argument("--model", default="smollm2-135m", help="model preset (one with real weights and a tokenizer)")
+    p.add_argument("--attention", default="dense", help="attention method (sparse_jax.available_methods())")
+    p.add_argument("--attention-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option, repeatable (e.g. budget=1024)")
+    p.add_argument("--offload", action="store_true",
+                   help="KV blocks in pinned host memory, per-slot device pools (methods whose selection names "
+                        "blocks: quest, arkvale, asynctls)")
+    p.add_argument("--pool-slots", type=int, default=None,
+                   help="--offload: resident block slots per (slot, KV head) (default: twice one step's blocks); "
+                        "with --pool shared, per KV head for all slots (default: slots x that)")
+    p.add_argument("--pool", choices=("per_row", "shared"), default="per_row",
+                   help="--offload: per_row (default) keeps a pool of --pool-slots per slot and KV head; shared "
+                        "keeps one pool of --pool-slots per layer and KV head for every slot, LRU across them "
+                        "(SparseServe): the working-set admission keeps the running requests' working sets "
+                        "within it, and at most pool-slots // blocks-per-step requests decode at once")
+    p.add_argument("--max-inject-tokens", type=int, default=None, metavar="N",
+                   help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
+                        "step (SparseServe), a layer over N in chunks of N tokens (rounded to 64); default: each "
+                        "prompt's whole prefill in one iteration")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
+                        "a request goes to the least-loaded replica (models.serving.replicas); default 1")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices by KV heads (models.runtime.sharding), one engine over them; "
+                        "default 1")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=4, help="decode slots (R_max)")
+    p.add_argument("--max-len", type=int, default=2048, help="context per slot, prompt + output (tokens)")
+    p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max (default: max-len + slots)")
+    p.add_argument("--kv-bytes", type=int, default=None, help="M_avl in bytes (default: the whole decode cache)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    return p
+
+
+def make_engine(args) -> tuple[Engine, str]:
+    """Load the model and build the engine from parsed arguments (SystemExit-free: ValueError on bad input)."""
+    if args.model not in models.available_models():
+        raise ValueError(f"unknown model {args.model!r}; available: {', '.join(models.available_models())}")
+    if args.attention not in available_methods():
+        raise ValueError(f"unknown attention method {args.attention!r}; available: {', '.join(available_methods())}")
+    for name in ("slots", "max_len", "tensor_parallel", "data_parallel"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_inject_tokens is not None and (args.max_inject_tokens < 1 or not args.offload):
+        raise ValueError("--max-inject-tokens must be >= 1 and needs --offload (layer-segmented prefill)")
+    if args.pool == "shared" and not args.offload:
+        raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
+    if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):
+        raise ValueError("--pool shared does not run on several devices yet: use --pool per_row")
+    need = args.tensor_parallel * args.data_parallel
+    if need > len(jax.devices()):
+        what = (f"--tensor-parallel {args.tensor_parallel}" if args.data_parallel == 1 else
+                f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} = {need} devices")
+        raise ValueError(f"{what}: {len(jax.devices())} devices visible "
+                         f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+    method = get_method(args.attention, **parse_attention_opts(args.attention_opt))
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    model = models.load_model(args.model, dtype=jnp.dtype(dtype), attention=method, max_len=args.max_len)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has random weights and no tokenizer: it cannot serve text")
+    options = dict(slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                   kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
+                   max_inject_tokens=args.max_inject_tokens)
+    if args.data_parallel > 1:
+        # one copy per device group; the loaded copy is dropped with `model`
+        return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \
+            args.served_model_name or args.model
+    if args.tensor_parallel > 1:
+        model = shard(model, model=args.tensor_parallel)  # the unsharded copy is dropped with `model`
+    return Engine(model, **options), args.served_model_name or args.model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn  # the server's optional dependency, imported only to run it
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine, name = make_engine(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.error(str(e))
+    engine.start()
+    reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
+    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}, {reps}{engine.slots} slots "
+          f"of {engine.max_len} tokens) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The model's jitted programs: ``forward``, ``prefill`` and ``decode_step`` of a
+:class:`models.transformer.Transformer` under an attention method, each one pass of the
+layer driver (:mod:`models.driver`) between the embedding and the LM head, and
+:func:`build_functions`, which jits them over the split params with the cache donated
+and the method static (closed over)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.driver import Driver
+from models.driver import init_cache as _init_cache
+from models.transformer import Transformer, last_valid, layer_graphdef
+from sparse_jax.cache import KVCache
+from sparse_jax.methods.base import AttentionMethod
+
+
+def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool,
+            tp: tuple[str, int] | None = None):
+    if tp is None:
+        return Driver(cfg, method, graphdef_layers, unroll)
+    return Driver(cfg, method, graphdef_layers, unroll, tp_axis=tp[0], tp_size=tp[1])
+
+
+def forward(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array, *,
+            unroll: bool = False, tp: tuple[str, int] | None = None) -> jax.Array:
+    """Whole sequences, no cache: ``tokens int32[B, T]`` -> f32 logits ``[B, T, V]``.
+
+    ``tp``: ``(mesh axis, size)`` when running inside ``shard_map`` on one device's KV
+    heads (:mod:`models.runtime.sharding`; ``cfg`` is then the per-device config)."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
+    x = drv.forward(nnx.state(model.layers), model.embed_tokens(tokens))
+    return model.logits(x)
+
+
+def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
+            lengths: jax.Array, cache: KVCache, *, unroll: bool = False,
+            tp: tuple[str, int] | None = None) -> tuple[jax.Array, KVCache]:
+    """Prefill right-padded ``tokens int32[B, T]`` (row ``b`` valid up to ``lengths[b]``)
+    into an empty ``cache``; return the f32 logits ``[B, V]`` at each row's last valid
+    position and the cache (``lengths`` set)."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
+    x, cache = drv.prefill(nnx.state(model.layers), model.embed_tokens(tokens), lengths.astype(jnp.int32), cache)
+    return model.logits(last_valid(x, lengths)), cache
+
+
+def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
+                cache: KVCache, *, unroll: bool = False,
+                tp: tuple[str, int] | None = None) -> tuple[jax.Array, KVCache]:
+    """One token per row ``tokens int32[B]`` at positions ``cache.lengths``: f32 logits
+    ``[B, V]`` and the cache with the token appended (``lengths + 1``)."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
+    x, cache = drv.decode(nnx.state(model.layers), model.embed_tokens(tokens), cache)
+    return model.logits(x), cache
+
+
+def _dtype_of(model: Transformer):
+    return model.embed_tokens.weight[...].dtype
+
+
+def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype) -> KVCache:
+    """Empty cache (see :func:`models.driver.init_cache`)."""
+    return _init_cache(cfg, method, batch, max_len, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFunctions:
+    """Jitted pure functions of the split params (the method is closed over, static).
+
+    ``forward(params, tokens) -> logits [B,T,V]``;
+    ``prefill(params, tokens, lengths, cache) -> (logits [B,V], cache)`` (cache donated);
+    ``decode_step(params, tokens, cache) -> (logits [B,V], cache)`` (cache donated).
+    """
+
+    forward: Callable[..., jax.Array]
+    prefill: Callable[..., tuple[jax.Array, KVCache]]
+    decode_step: Callable[..., tuple[jax.Array, KVCache]]
+
+
+def default_unroll() -> bool:
+    """Whether the layer driver unrolls by default: on the GPU, where a scanned layer's
+    cache slice costs a copy per layer and step (``sparse_jax/cache.py``); elsewhere
+    the scan, which compiles several times faster."""
+    return jax.default_backend() == "gpu"
+
+
+
+@functools.lru_cache(maxsize=32)
+def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod,
+                    unroll: bool | None = None) -> ModelFunctions:
+    """The jitted functions; cached, so models with the same structure, config and
+    method (e.g. loaded twice, or from a GGUF and from its HF export) share compilations.
+    ``unroll``: the layer driver's segments unrolled instead of scanned (default:
+    :func:`default_unroll`)."""
+    if unroll is None:
+        unroll = default_unroll()
+    def _forward(params, tokens):
+        return forward(nnx.merge(graphdef, params), cfg, method, tokens, unroll=unroll)
+
+    def _prefill(params, tokens, lengths, cache):
+        return prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, cache, unroll=unroll)
+
+    def _decode(params, tokens, cache):
+        return decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll)
+
+    decode = jax.jit(_decode, donate_argnums=(2,))
+
+    return ModelFunctions(
+        forward=jax.jit(_forward),
+        # keep_unused: the prefill reads only the empty cache's shapes, and jit would drop an
+        # unused argument with its donation: the new cache then needs memory of its own
+        prefill=jax.jit(_prefill, donate_argnums=(3,), keep_unused=True),
+        decode_step=decode,
+    )
