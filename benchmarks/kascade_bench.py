@@ -137,7 +137,7 @@ def method_for(name: str, cfg):
 
 
 def e2e_rows(a) -> list[dict]:
-    from benchmarks.driver_probe import kernel_profile, time_steps
+    from benchmarks.probes.driver_probe import kernel_profile, time_steps
     from benchmarks.offload import qwen3_8b, random_model
     from models import transformer as tfm
     from models import programs

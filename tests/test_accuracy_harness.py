@@ -302,7 +302,7 @@ def test_hf_crosscheck_checks_its_arguments_and_needs_torch(capsys):
     (the project venv) it says what it needs instead of failing on an import."""
     import importlib.util
 
-    from benchmarks import hf_crosscheck
+    from benchmarks.probes import hf_crosscheck
 
     for argv, fragment in ((["--tasks", "nope"], "unknown task"), (["--lengths", "12,x"], "comma-separated"),
                            (["--lengths", "100"], "at least 256"), (["--samples", "0"], ">= 1")):

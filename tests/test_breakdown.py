@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import breakdown as bd
-from benchmarks import ncu_step, ncu_summary
+from benchmarks.probes import ncu_step, ncu_summary
 
 STAMP = {"device": "cpu", "jax": "x", "date": "today", "git_commit": "abc", "command": "python -m benchmarks.kernels"}
 KERNELS = [["loop_select_fusion_2", 0.001], ["quest_block_scores", 0.030], ["topk_select_l0", 0.007],

@@ -36,7 +36,7 @@ def test_offload_benchmark_tiny(tmp_path):
 
 
 def test_stream_probe_renders_saved_result(tmp_path):
-    from benchmarks import stream_probe
+    from benchmarks.probes import stream_probe
 
     payload = {"stamp": {"device": "H100", "jax": "0.11.2", "git_commit": "abc", "date": "d", "command": "c"},
                "batch": 11, "copy_bytes": 5 << 20, "mlp_bytes": 288 << 20,
@@ -91,7 +91,7 @@ def test_flashd2h_ab_tiny(tmp_path):
     bad orders are refused before any model is built."""
     import pytest
 
-    from benchmarks import flashd2h_ab
+    from benchmarks.probes import flashd2h_ab
 
     with pytest.raises(SystemExit):
         flashd2h_ab.parse_args(["--order", "sync,async"])

@@ -89,7 +89,7 @@ def test_chunk_attention_bench_tiny(tmp_path):
     prompt's attention, results and plot written; a bad backend is refused before any work."""
     import json
 
-    from benchmarks import chunk_attention
+    from benchmarks.probes import chunk_attention
 
     with pytest.raises(SystemExit):
         chunk_attention.parse_args(["--impls", "blockwise,flash"])

@@ -307,7 +307,7 @@ def test_slot_pool_benchmark_times_both_pools(tmp_path):
     before timing it; a CPU smoke run at a tiny shape, interpret mode."""
     import json
 
-    from benchmarks import slot_pool as bench
+    from benchmarks.probes import slot_pool as bench
 
     for extra, pool in (([], "per_row"), (["--shared", "--heads", "2"], "shared")):
         out = tmp_path / f"{pool}.json"

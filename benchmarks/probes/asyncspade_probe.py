@@ -1,6 +1,6 @@
 """How well AsyncSpade's predicted query stands in for the true next query, on real text.
 
-    python -m benchmarks.asyncspade_probe --model smollm2-135m --length 8192 --windows 1,4,16 --budgets 512,1024,2048
+    python -m benchmarks.probes.asyncspade_probe --model smollm2-135m --length 8192 --windows 1,4,16 --budgets 512,1024,2048
 
 Teacher-forced: one dense pass over ``--length`` tokens of real text (the
 fidelity benchmark's source text) captures every layer's post-RoPE queries and
@@ -16,7 +16,7 @@ positions:
 
 ``--time`` instead times the predictor itself, one layer's call (no model):
 
-    python -m benchmarks.asyncspade_probe --time --out benchmarks/results
+    python -m benchmarks.probes.asyncspade_probe --time --out benchmarks/results
 
 at ``B x Hq x W x D`` = ``--time-shapes`` (default ``4x32x16x128,1x32x16x128``,
 Qwen3-8B's query heads), full histories: the ``W - 1`` LU solves (the

@@ -1,6 +1,6 @@
 """Chunked prefill's attention: one chunk of a long prompt over the keys so far.
 
-``python -m benchmarks.chunk_attention --tokens 98304 --chunk 32768`` times
+``python -m benchmarks.probes.chunk_attention --tokens 98304 --chunk 32768`` times
 :func:`sparse_jax.ops.dense.chunk_prefill_attention` for each chunk of a prompt
 cut in ``--chunk`` tokens (the layer-segmented prefill of the serving engine, when one
 layer of a prompt exceeds ``max_inject_tokens``), per backend (``--impls``), against
@@ -128,7 +128,7 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_attention", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.chunk_attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=98304, help="prompt length T")
     p.add_argument("--chunk", type=int, default=32768, help="chunk length C")
     p.add_argument("--batch", type=int, default=1)

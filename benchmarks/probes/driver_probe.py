@@ -1,6 +1,6 @@
 """Does the scanned layer driver cost decode-step time against the same layers unrolled?
 
-``python -m benchmarks.driver_probe`` (GPU) builds a Qwen3-8B-shaped model with
+``python -m benchmarks.probes.driver_probe`` (GPU) builds a Qwen3-8B-shaped model with
 random bf16 weights and ``--layers`` layers, fills a resident cache with
 ``--context`` tokens per row, and times one whole decode step (one jitted
 program, cache donated) of ``dense`` and ``asynctls`` with the layer driver's

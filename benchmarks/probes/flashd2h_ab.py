@@ -1,6 +1,6 @@
 """FlashD2H against the synchronous save, in alternating order, with each run's host profile.
 
-``python -m benchmarks.flashd2h_ab --order sync,deferred,sync,deferred --batch 7`` builds
+``python -m benchmarks.probes.flashd2h_ab --order sync,deferred,sync,deferred --batch 7`` builds
 the Qwen3-8B-shaped random model once, then for each entry of ``--order`` fills a fresh
 offloaded AsyncTLS batch at ``--context`` tokens and times it with
 :func:`benchmarks.offload.run_config` (``TieredRunner(save=...)``: "deferred" is
@@ -136,7 +136,7 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.flashd2h_ab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.flashd2h_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--order", default="sync,deferred,sync,deferred",
                    help="saves in run order, comma-separated; SAVE:device feeds the tokens back on the device")
     p.add_argument("--batch", type=int, default=7)

@@ -9,7 +9,7 @@ transformers'), decode greedily, and are scored by the same string match.
 
 Usage (on a machine with torch + transformers + gguf, e.g. the lent GPU)::
 
-    python -m benchmarks.hf_crosscheck --model gemma3-270m --tasks passkey,niah_single_1 \\
+    python -m benchmarks.probes.hf_crosscheck --model gemma3-270m --tasks passkey,niah_single_1 \\
         --lengths 16384,32768 --samples 8 --out $OUT --name hf_crosscheck_gemma3
 
 Writes ``<name>.json`` / ``.md``: per length and task the score of each
@@ -36,7 +36,7 @@ _GGUF_PATHS = {"gemma3-270m": "gemma3_gguf_path", "smollm2-135m": "smollm2_gguf_
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_crosscheck", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.hf_crosscheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma3-270m", choices=sorted(_GGUF_PATHS))
     p.add_argument("--tasks", default="passkey", help="comma-separated RULER-style tasks (default passkey)")
     p.add_argument("--lengths", default="16384,32768", help="comma-separated context lengths")
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from benchmarks import accuracy
     from models import gguf_loader
 
-    command = "python -m benchmarks.hf_crosscheck " + shlex.join(argv)
+    command = "python -m benchmarks.probes.hf_crosscheck " + shlex.join(argv)
     st = stamp(command)
     t0 = time.perf_counter()
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]

@@ -2,8 +2,8 @@
 
 Run on the GPU machine (device tool), from the repository root:
 
-    python -m benchmarks.host_gather_probe                  # 1 GiB source, default sweep
-    python -m benchmarks.host_gather_probe --gib 2 --out $OUT
+    python -m benchmarks.probes.host_gather_probe                  # 1 GiB source, default sweep
+    python -m benchmarks.probes.host_gather_probe --gib 2 --out $OUT
 
 What it does:
 

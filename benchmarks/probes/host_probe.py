@@ -1,6 +1,6 @@
 """Where does the host time to issue a decode step go, and what removes it?
 
-``python -m benchmarks.host_probe`` (GPU) builds a Qwen3-8B-shaped model with
+``python -m benchmarks.probes.host_probe`` (GPU) builds a Qwen3-8B-shaped model with
 random bf16 weights (``--layers`` layers), fills a resident cache with
 ``--context`` tokens per row, and times one decode step of ``dense`` and
 ``asynctls`` in three program shapes, all one jitted program with the cache

@@ -2,9 +2,9 @@
 
 Run on the GPU machine (device tool), from the repository root:
 
-    python -m benchmarks.label_scores_probe                # ~1 min of GPU time
-    python -m benchmarks.label_scores_probe --sweep        # + a tuning sweep at B=8 (~2-3 min more)
-    python -m benchmarks.label_scores_probe --out $OUT     # also write results/*.json|md
+    python -m benchmarks.probes.label_scores_probe                # ~1 min of GPU time
+    python -m benchmarks.probes.label_scores_probe --sweep        # + a tuning sweep at B=8 (~2-3 min more)
+    python -m benchmarks.probes.label_scores_probe --out $OUT     # also write results/*.json|md
 
 Shapes: Hq=32, Hkv=8, D=128, r=32 INT4 channels (16 bytes/token + f32 scale and
 offset), a label cache of S=131072 tokens (random codes: the kernels' cost

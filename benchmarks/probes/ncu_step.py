@@ -10,10 +10,10 @@ uses), so ``ncu --profile-from-start off`` leaves the set-up's kernels out::
     ncu --clock-control none --profile-from-start off -k 'regex:label_logits|topk|sparse_decode|quest' \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section InstructionStats --section SourceCounters \\
-        -o step python -m benchmarks.ncu_step --batch 8 --seq 131072 --budget 2048
+        -o step python -m benchmarks.probes.ncu_step --batch 8 --seq 131072 --budget 2048
     ncu -i step.ncu-rep --page raw --csv > raw.csv
     ncu -i step.ncu-rep --page source --csv --print-source sass > sass.csv
-    python -m benchmarks.ncu_summary raw.csv --sass sass.csv --name ncu_step_h200
+    python -m benchmarks.probes.ncu_summary raw.csv --sass sass.csv --name ncu_step_h200
 
 Why the environment: XLA's command buffers put the step's kernels inside a CUDA graph;
 with XLA's default preallocation ncu saves and restores most of the GPU's memory around
@@ -52,11 +52,11 @@ def main(argv=None):
     import jax.numpy as jnp
 
     if jax.default_backend() != "gpu":
-        sys.exit("benchmarks.ncu_step needs a GPU (run it under ncu through the device tool)")
+        sys.exit("benchmarks.probes.ncu_step needs a GPU (run it under ncu through the device tool)")
     try:
         import torch
     except ImportError:
-        sys.exit("benchmarks.ncu_step marks the profiled range through torch.cuda.profiler: install torch")
+        sys.exit("benchmarks.probes.ncu_step marks the profiled range through torch.cuda.profiler: install torch")
     from benchmarks.kernels import CHANNELS, D, HKV, asynctls_method_step, make_inputs
 
     torch.cuda.init()

@@ -3,10 +3,10 @@ its time, registers, occupancy, DRAM rate and stall reasons, and from the SASS i
 instruction mix (which opcodes it issues, and where the warps wait).
 
 No GPU needed: it reads the CSVs that ``ncu -i REPORT --page raw --csv`` and
-``ncu -i REPORT --page source --csv --print-source sass`` print (``benchmarks.ncu_step``
+``ncu -i REPORT --page source --csv --print-source sass`` print (``benchmarks.probes.ncu_step``
 says how to make the report)::
 
-    python -m benchmarks.ncu_summary raw.csv --sass sass.csv --name ncu_step_h200 \\
+    python -m benchmarks.probes.ncu_summary raw.csv --sass sass.csv --name ncu_step_h200 \\
         --note "NVIDIA H200, jax 0.11.2, 2026-11-28, commit d32cae8"
 
 ``--work NAME=COUNT`` divides a kernel's instruction count by its work items (e.g.
@@ -154,7 +154,7 @@ def main(argv=None):
         raw = read_raw(args.raw.read_text())
         sass = read_sass(args.sass.read_text()) if args.sass else None
     except (OSError, ValueError) as e:
-        sys.exit(f"benchmarks.ncu_summary: {e}")
+        sys.exit(f"benchmarks.probes.ncu_summary: {e}")
     md = "# Nsight Compute: a decode step's kernels\n\n" + (args.note + "\n\n" if args.note else "")
     md += summarize(raw, sass, work)
     if args.name:

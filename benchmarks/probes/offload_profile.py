@@ -1,6 +1,6 @@
 """Where a decode step's time goes: a few Qwen3-8B-shaped layers (layers 0-1
 dense, the rest AsyncTLS), resident and offloaded, profiled with jax.profiler;
-prints the top GPU kernels per step. ``python -m benchmarks.offload_profile``."""
+prints the top GPU kernels per step. ``python -m benchmarks.probes.offload_profile``."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ also include a copy of ``block_slot`` per iteration (the kernel updates it in
 place, and the loop reuses the input), which the reference does not need;
 and inside the loop XLA fuses the reference into a few kernels, so its
 figure is not what it costs inside a layer's jit (there, the profile of
-``benchmarks/offload_profile.py`` is the measure). The kernel's outputs are
-checked equal to the reference's first. ``python -m benchmarks.slot_pool``.
+``benchmarks/probes/offload_profile.py`` is the measure). The kernel's outputs are
+checked equal to the reference's first. ``python -m benchmarks.probes.slot_pool``.
 
 ``--shared``: the shared pool (``assign_shared_pool_slots``) at the same shape: one
 pool per KV head of ``--rows / --heads`` rows x ``--pool`` slots (the per-row pools'

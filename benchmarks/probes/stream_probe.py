@@ -3,7 +3,7 @@ with the MLP of the same jitted call? (Issue 5: hide the PCIe copy.)
 
 Run on the GPU machine, from the repository root:
 
-    python -m benchmarks.stream_probe --out $OUT
+    python -m benchmarks.probes.stream_probe --out $OUT
 
 One jitted call holds a Qwen3-8B-shaped MLP (``[B, 4096] @ [4096, 2x12288]``,
 then ``@ [12288, 4096]``, bf16) and an independent ``host_gather_into`` of
