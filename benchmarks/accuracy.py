@@ -42,10 +42,11 @@ the run goes on.
 
 Outputs, in ``--out`` (default ``benchmarks/results/``): ``<name>.json`` (all
 numbers, per-layer/head fidelity arrays, the stamp: device, jax version, date,
-command, commit), ``<name>.md`` (the table), ``<name>.png`` (synthetic average,
+command, commit), ``<name>.md`` (the table) and ``<name>.png`` (synthetic average,
 mass recovered and KL against the budget, one panel per length, one line per
-method) and ``<name>_predictions.json`` (every output text with its score).
-``<name>`` defaults to ``accuracy_<model>``.
+method); ``<name>_predictions.json`` (every output text with its score) goes to
+``--predictions-dir`` (default ``bench_out/`` at the repository root, git-ignored:
+per-prompt dumps are not committed results). ``<name>`` defaults to ``accuracy_<model>``.
 
 Method hyperparameters: ``--set quest.block_size=16 --set streaming.sink=8``
 (fields of the method's dataclass; the budget comes from ``--budgets``).
@@ -78,6 +79,9 @@ from benchmarks import fidelity as fid
 from benchmarks import ruler_tasks
 from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 from models.api import with_dense_layer_rule
+
+# Where the CLI writes the per-prompt predictions unless told (git-ignored, outside benchmarks/results).
+PREDICTIONS_DIR = Path(__file__).resolve().parent.parent / "bench_out"
 
 DEFAULT_METHODS = ("dense", "oracle_topk", "streaming", "quest", "arkvale", "double_sparsity", "asynctls")
 
@@ -623,12 +627,15 @@ def plot(payload: dict, path: Path) -> Path | None:
     return _save_figure(plt, fig, path)
 
 
-def save(payload: dict, name: str, out_dir: Path | str | None) -> Path:
-    """``<name>.json`` + ``.md`` + ``.png`` + ``_predictions.json`` under ``out_dir``."""
+def save(payload: dict, name: str, out_dir: Path | str | None, predictions_dir: Path | str | None = None) -> Path:
+    """``<name>.json`` + ``.md`` + ``.png`` under ``out_dir``; ``<name>_predictions.json`` under
+    ``predictions_dir`` (default: beside them)."""
     preds = payload.get("predictions", [])
     main = {k: v for k, v in payload.items() if k != "predictions"}
     out = write_results(name, main, render_markdown(payload), out_dir)
-    (out / f"{name}_predictions.json").write_text(json.dumps(preds, indent=1))
+    pred_dir = Path(predictions_dir) if predictions_dir is not None else out
+    pred_dir.mkdir(parents=True, exist_ok=True)
+    (pred_dir / f"{name}_predictions.json").write_text(json.dumps(preds, indent=1))
     plot(payload, out / f"{name}.png")
     return out
 
@@ -673,6 +680,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-full-budget", action="store_true", help="also run budgets >= the length")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/)")
     p.add_argument("--name", default=None, help="output file stem (default accuracy_<model>)")
+    p.add_argument("--predictions-dir", default=str(PREDICTIONS_DIR),
+                   help="where <name>_predictions.json goes (default bench_out/ at the repository root, git-ignored)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--prompt-style", choices=["auto", "chat", "base"], default="auto",
                    help="chat: the model's chat template; base: the bare message and answer prefix (base "
@@ -710,7 +719,8 @@ def main(argv=None) -> int:
     st = stamp(command)
 
     def checkpoint(partial: dict) -> None:
-        save({"stamp": st, **partial, "wall_s": time.perf_counter() - t0, "partial": True}, name, args.out)
+        save({"stamp": st, **partial, "wall_s": time.perf_counter() - t0, "partial": True}, name, args.out,
+             args.predictions_dir)
 
     payload = run(model, on_row=checkpoint, methods=args.methods, budgets=args.budgets, lengths=args.lengths, tasks=args.tasks,
                   samples=args.samples, indices=args.indices, batch_size=args.batch_size, fidelity=args.fidelity,
@@ -720,9 +730,10 @@ def main(argv=None) -> int:
                   accuracy=not args.no_accuracy, progress=not args.no_progress,
                   chat={"auto": None, "chat": True, "base": False}[args.prompt_style])
     payload = {"stamp": st, **payload, "wall_s": time.perf_counter() - t0}
-    out = save(payload, name, args.out)
+    out = save(payload, name, args.out, args.predictions_dir)
     print(render_markdown(payload))
-    print(f"[accuracy] wrote {out / name}.json/.md/.png in {payload['wall_s']:.0f}s", file=sys.stderr)
+    print(f"[accuracy] wrote {out / name}.json/.md/.png in {payload['wall_s']:.0f}s "
+          f"(predictions: {Path(args.predictions_dir) / name}_predictions.json)", file=sys.stderr)
     return 0
 
 
