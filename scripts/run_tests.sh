@@ -30,9 +30,11 @@ run_part() {  # part number (1-based)
   local k=$1 i=$(( ($1 - 1) * per )) t0=$SECONDS
   local last=$(( i + per < n ? i + per - 1 : n - 1 ))
   echo "== tests part $k of $count: ${files[i]} .. ${files[last]}" > "$logs/$k.log"
-  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE --durations=8 "${files[@]:i:per}" >> "$logs/$k.log" 2>&1
+  JAX_PLATFORMS=cpu "$py" -m pytest -q -rfE --durations=8 --junit-xml="$logs/$k.xml" "${files[@]:i:per}" \
+    >> "$logs/$k.log" 2>&1
   local r=$?
   echo "$r" > "$logs/$k.rc"
+  echo "part $k: ${files[i]} .. ${files[last]}: rc=$r in $(( SECONDS - t0 )) s" > "$logs/$k.time"
   echo "-- part $k of $count done: rc=$r in $(( SECONDS - t0 )) s"
 }
 for ((lane = 1; lane <= lanes; lane++)); do
@@ -44,5 +46,20 @@ for ((k = 1; k <= count; k++)); do
   cat "$logs/$k.log"
   [ "$(cat "$logs/$k.rc" 2>/dev/null)" = 0 ] || { rc=1; echo "!! part $k failed"; }
 done
+# The summary last, so the next regression is visible at the end of the CI log: each part's
+# wall time, then the 15 slowest tests of the whole run (setup + call + teardown, from the
+# parts' JUnit XML).
+echo "== time per part (total wall $SECONDS s)"
+cat "$logs"/*.time 2>/dev/null | sort -t' ' -k2n
+echo "== the 15 slowest tests"
+"$py" - "$logs" <<'PY'
+import glob, sys, xml.etree.ElementTree as ET
+rows = []
+for f in glob.glob(sys.argv[1] + "/*.xml"):
+    for case in ET.parse(f).iter("testcase"):
+        rows.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}"))
+for t, name in sorted(rows, reverse=True)[:15]:
+    print(f"{t:8.1f} s  {name}")
+PY
 rm -rf "$logs"
 exit $rc
