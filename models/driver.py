@@ -122,10 +122,55 @@ def inv_freq(cfg: ModelConfig, spec: LayerSpec) -> np.ndarray:
     return rope_inv_freq(cfg.head_dim, spec.rope_theta, scaling)
 
 
+@jax.tree_util.register_pytree_node_class
+class LayerRows:
+    """One stacked parameter ``[L, ...]`` as its ``L`` rows, each an array of its own.
+
+    On the CPU a row sliced out of a stacked parameter inside the program is a copy
+    (XLA:CPU does not fuse the slice into the GEMM, as the GPU does): SmolLM2's
+    unrolled decode step copied all 424 MB of its layer weights every step (80% of the
+    step). Passed as rows, each layer's GEMMs read their own input buffers.
+    :func:`layer_rows` makes them as zero-copy views of the stacked buffers."""
+
+    def __init__(self, rows):
+        self.rows = tuple(rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+    def tree_flatten(self):
+        return self.rows, None
+
+    @classmethod
+    def tree_unflatten(cls, _, rows):
+        return cls(rows)
+
+
+def _is_rows(x) -> bool:
+    return isinstance(x, LayerRows)
+
+
+def layer_rows(a) -> LayerRows:
+    """One stacked parameter ``a [L, ...]`` as :class:`LayerRows`. On the CPU a concrete
+    array's rows are views of its buffer (``device_put`` of a NumPy view does not copy
+    there), so this costs no memory; an abstract one (``ShapeDtypeStruct``, for
+    ``lower``) gives abstract rows."""
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        if len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
+            host = np.asarray(a)  # a view of the device buffer
+            dev = next(iter(a.devices()))
+            return LayerRows(jax.device_put(host[g], dev) for g in range(a.shape[0]))
+        return LayerRows(a[g] for g in range(a.shape[0]))  # elsewhere: copies, laid out as ``a``
+    return LayerRows(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for _ in range(a.shape[0]))
+
+
 def _at(tree, i):
-    """Row ``i`` of every leaf (``i`` a static int or a traced index)."""
+    """Row ``i`` of every leaf (``i`` a static int or a traced index; :class:`LayerRows`
+    leaves take static indices only)."""
     if isinstance(i, (int, np.integer)):
-        return jax.tree.map(lambda a: a[int(i)], tree)
+        return jax.tree.map(lambda a: a[int(i)], tree, is_leaf=_is_rows)
+    if any(_is_rows(a) for a in jax.tree.leaves(tree, is_leaf=_is_rows)):
+        raise ValueError("a scanned segment needs the stacked params, not LayerRows (unroll the driver)")
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
