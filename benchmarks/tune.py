@@ -243,8 +243,9 @@ def main(argv=None):
                         ">= 4,096, normal below)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting new configs after this long")
     p.add_argument("--table", type=Path, default=None,
-                   help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}); merged into "
-                        "an existing file, so a sweep split over several calls builds one table")
+                   help=f"write the best configs as the tuned table (e.g. {TABLE_PATH}), under this GPU's "
+                        "device kind; merged into an existing file, so a sweep split over several calls (and "
+                        "GPUs) builds one table")
     args = p.parse_args(argv)
     if set(args.topk_search.split(",")) - {"radix", "bracket"}:
         p.error(f"--topk-search: radix and/or bracket, got {args.topk_search!r}")
@@ -424,28 +425,38 @@ def main(argv=None):
 
 def write_table(path: Path, classes: dict, info: dict) -> None:
     """Merge the measured best per shape class (``{class: (SweepBest, shape)}``) into the tuned
-    table (``pallas_kernels.tuning``).
+    table (``pallas_kernels.tuning``), under the device kind that measured it
+    (``info["device"]``, ``jax.devices()[0].device_kind``): another device's entries are left
+    as they are, and a lookup on that device never reads these.
 
-    A sweep cut short by ``--budget-s`` replaces a class's entry only if it timed that entry's
-    config too: otherwise the entry, which may be the faster one, was never compared (and the
-    label classes are shared across context lengths, so a short sweep at 32K could undo a full
-    one at 128K)."""
+    A sweep cut short by ``--budget-s`` replaces a class's entry (this device's) only if it
+    timed that entry's config too: otherwise the entry, which may be the faster one, was never
+    compared (and the label classes are shared across context lengths, so a short sweep at 32K
+    could undo a full one at 128K)."""
     path = Path(path)
-    table = json.loads(path.read_text()) if path.exists() else {"configs": {}}
+    table = json.loads(path.read_text()) if path.exists() else {"devices": {}}
+    if "configs" in table:
+        raise SystemExit(f"{path}: a tuned table of the old layout (configs by class alone); the table is "
+                         "now keyed by device kind, {\"devices\": {kind: {class: entry}}}")
+    device = info["device"]
+    configs = table.setdefault("devices", {}).setdefault(device, {})
     written = 0
     for cls, (best, shape) in sorted(classes.items()):
-        old = table["configs"].get(cls)
+        old = configs.get(cls)
         if old and not best.complete and config_key(old["config"]) not in best.tried:
             print(f"kept {cls}: {old['config']} (the sweep at {shape} was cut short before timing it)")
             continue
-        table["configs"][cls] = {"config": {k: v for k, v in best.config.items() if v is not None}, "ms": best.ms,
-                                 "measured_at": shape, "device": info["device"], "date": info["date"]}
+        configs[cls] = {"config": {k: v for k, v in best.config.items() if v is not None}, "ms": best.ms,
+                        "measured_at": shape, "device": device, "date": info["date"]}
         written += 1
-    table["about"] = ("Best kernel tuning per shape class, written by benchmarks/tune.py --table "
-                      "(see pallas_kernels/tuning.py). Each entry names the shape it was measured at.")
+    if not configs:  # nothing measured on a device new to the table: no empty entry for it
+        del table["devices"][device]
+    table["about"] = ("Best kernel tuning per device kind and shape class, written by benchmarks/tune.py --table "
+                      "(see pallas_kernels/tuning.py): devices[jax device_kind][shape class]. A device reads only "
+                      "its own entries; each entry names the shape it was measured at.")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {written} of {len(classes)} classes to {path}")
+    print(f"wrote {written} of {len(classes)} classes to {path} under {device!r}")
 
 
 if __name__ == "__main__":

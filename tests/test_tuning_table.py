@@ -1,6 +1,7 @@
 """The tuned-config table (pallas_kernels/tuning.py): shape classes, precedence of
-the caller's tuning, and that every shipped entry is a configuration its kernel
-accepts (a bad entry would only fail on the GPU, where the table is read)."""
+the caller's tuning, entries per device kind (a device reads only its own), and that
+every shipped entry is a configuration its kernel accepts (a bad entry would only fail
+on the GPU, where the table is read)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def test_shape_class_rounds_rows_and_lengths_but_not_head_dim():
         tuning.shape_class("sparse_decode", rows=64, k=2048, d=128)
 
 
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture
+def device_kind():
+    """``device_kind(name)`` looks the table up as on that device for this test (the CPU
+    that runs the tests reads no entries of its own); the classes the test missed are
+    forgotten after it (in a process that stays on one device, a class missed on B is not
+    also found on A)."""
+    missed = set(tuning._MISSED)
+    yield tuning.set_device_kind
+    tuning.set_device_kind(None)
+    tuning._MISSED.intersection_update(missed)
+
+
 def test_callers_tuning_wins_and_unmeasured_classes_get_defaults(monkeypatch):
     key = tuning.shape_class("sparse_decode", rows=64, k=2048, d=128, g=4)
     monkeypatch.setattr(tuning, "_table", lambda: {key: {"config": {"block_k": 128, "num_splits": 5}}})
@@ -38,14 +54,88 @@ def test_callers_tuning_wins_and_unmeasured_classes_get_defaults(monkeypatch):
     assert tuning.with_tuned({}, "sparse_decode", rows=8, k=2048, d=128, g=4) == {}
 
 
+def test_the_shipped_table_is_keyed_by_device_kind():
+    """The table moved to ``devices[kind][class]`` with every entry under the device that
+    measured it: the 57 entries of the flat table (34 measured on the H200, 23 on the H100)."""
+    shipped = json.loads(tuning.TABLE_PATH.read_text())
+    assert set(shipped) == {"about", "devices"}
+    devices = shipped["devices"]
+    assert {kind: len(entries) for kind, entries in devices.items()} == {H200: 34, H100: 23}
+    for kind, entries in devices.items():
+        assert all(entry["device"] == kind for entry in entries.values()), kind
+
+
+def test_an_entry_is_read_only_on_its_device_kind(monkeypatch, device_kind):
+    """Device A's entry reaches A's lookups; device B (no entry for the class), a device the
+    table does not know, and a backend that is not a GPU get the kernels' defaults, and the
+    class is listed as untuned."""
+    dims = dict(rows=64, k=2048, d=128, g=4)
+    key = tuning.shape_class("sparse_decode", **dims)
+    other = tuning.shape_class("sparse_decode", rows=8, k=512, d=128, g=4)
+    monkeypatch.setattr(tuning, "_tables", lambda: {"A": {key: {"config": {"block_k": 64, "num_splits": 3}}},
+                                                    "B": {other: {"config": {"block_k": 32}}}})
+    tuning._MISSED.discard(key)
+    device_kind("A")
+    assert tuning.device_kind() == "A"
+    assert tuning.tuned("sparse_decode", **dims) == {"block_k": 64, "num_splits": 3}
+    assert tuning.with_tuned({}, "sparse_decode", **dims) == {"block_k": 64, "num_splits": 3}
+    assert key not in tuning.untuned_classes()
+    device_kind("B")
+    assert tuning.tuned("sparse_decode", **dims) == {} and tuning.with_tuned({}, "sparse_decode", **dims) == {}
+    assert key in tuning.untuned_classes()
+    assert tuning.tuned("sparse_decode", rows=8, k=512, d=128, g=4) == {"block_k": 32}  # B's own entry
+    device_kind("NVIDIA B200")
+    assert tuning.tuned("sparse_decode", **dims) == {}
+    device_kind(None)  # back to the detected device: the CPU here, which reads no entries
+    assert tuning.device_kind() is None and tuning.tuned("sparse_decode", **dims) == {}
+
+
+def test_the_shipped_entries_of_one_gpu_are_not_used_on_the_other(device_kind):
+    """An H200 class (B=8, 128K, K=2048) and an H100 one (head_dim 256) each reach only
+    their own device's lookups."""
+    h200 = dict(rows=64, k=2048, d=128, g=4)
+    h100 = dict(rows=8, k=2048, d=256, g=4)
+    device_kind(H200)
+    assert tuning.tuned("sparse_decode", **h200) and tuning.tuned("sparse_decode", **h100) == {}
+    device_kind(H100)
+    assert tuning.tuned("sparse_decode", **h100) and tuning.tuned("sparse_decode", **h200) == {}
+    assert tuning.shape_class("sparse_decode", **h200) in tuning.untuned_classes()
+
+
+def test_the_device_kind_is_read_once_from_the_default_gpu(monkeypatch):
+    """Without an override the kind is the default backend's first device's, when that
+    backend is a GPU, read on the first lookup and kept."""
+    import jax
+
+    calls = []
+
+    class Device:
+        device_kind = H200
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: calls.append(a) or [Device()])
+    tuning._detected_device_kind.cache_clear()
+    tuning._table.cache_clear()
+    try:
+        assert tuning.device_kind() == H200 and tuning.device_kind() == H200 and len(calls) == 1
+        assert tuning.tuned("sparse_decode", rows=64, k=2048, d=128, g=4)
+        monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+        tuning._detected_device_kind.cache_clear()
+        assert tuning.device_kind() is None
+    finally:
+        tuning._detected_device_kind.cache_clear()
+        tuning._table.cache_clear()
+
+
 def test_every_shipped_entry_is_accepted_by_its_kernel():
-    table = json.loads(tuning.TABLE_PATH.read_text())["configs"]
+    devices = json.loads(tuning.TABLE_PATH.read_text())["devices"]
+    table = [(key, entry) for entries in devices.values() for key, entry in entries.items()]
     assert table, "the shipped table is empty"
     allowed = {"sparse_decode": SPARSE_KEYS, "block_sparse_decode": BLOCK_KEYS, "label_scores": LABEL_KEYS,
                "block_label_scores": LABEL_KEYS, "quest_block_scores": ("block_n", "num_warps", "num_stages"),
                "quest_block_scores_q8": ("block_n", "num_warps", "num_stages", "mode", "prep", "tiles"),
                "topk": TOPK_KEYS}
-    for key, entry in table.items():
+    for key, entry in table:
         kernel, *dims = key.split("|")
         dims = {n: int(v) for n, v in (d.split("=") for d in dims)}
         assert tuning.shape_class(kernel, **dims) == key  # the key is canonical
@@ -82,11 +172,12 @@ def test_topk_sweep_shapes_parse():
         parse_topk_shapes("8x8192")
 
 
-def test_topk_sweep_candidates_by_search():
+def test_topk_sweep_candidates_by_search(device_kind):
     """Both searches by default; a bracket-only sweep keeps the table's entry (when the class
-    has one) as its comparison, and every candidate names its knobs."""
+    has one on this device) as its comparison, and every candidate names its knobs."""
     from benchmarks.tune import topk_candidates
 
+    device_kind(H200)  # the class's entry was measured there
     both = topk_candidates(8192, 2048)
     assert {c.get("search", "radix") for c in both} == {"radix", "bracket"}
     assert all("radix_bits" not in c for c in both if c.get("search") == "bracket")
@@ -151,7 +242,8 @@ def test_tune_sweep_reports_what_it_timed_and_a_cut_short_sweep_keeps_the_table_
 
     path = tmp_path / "table.json"
     entry = {"config": {"w": 2, "mode": "x"}, "ms": 0.5, "measured_at": "S=128K", "device": "d", "date": "t"}
-    path.write_text(json.dumps({"configs": {"c1": entry, "c2": entry, "c3": entry}}))
+    theirs = {c: {**entry, "device": "e"} for c in ("c1", "c2", "c3", "c4")}
+    path.write_text(json.dumps({"devices": {"d": {"c1": entry, "c2": entry, "c3": entry}, "e": theirs}}))
     info = {"device": "d", "date": "now"}
     new = {"w": 8, "mode": "x", "unset": None}
     write_table(path, {
@@ -160,7 +252,36 @@ def test_tune_sweep_reports_what_it_timed_and_a_cut_short_sweep_keeps_the_table_
         "c3": (SweepBest(new, 0.6, True, frozenset({config_key(new)})), "S=32K"),  # a whole sweep is the word
         "c4": (SweepBest(new, 0.4, False, frozenset({config_key(new)})), "S=32K"),  # a new class
     }, info)
-    configs = json.loads(path.read_text())["configs"]
+    devices = json.loads(path.read_text())["devices"]
+    configs = devices["d"]
     assert configs["c1"] == entry
     for c in ("c2", "c3", "c4"):
         assert configs[c]["config"] == {"w": 8, "mode": "x"} and configs[c]["measured_at"] == "S=32K"
+        assert configs[c]["device"] == "d"
+    assert devices["e"] == theirs  # another device's entries, c4 included, are not touched
+
+
+def test_the_writer_puts_entries_under_the_measuring_device(tmp_path):
+    """``write_table`` files a sweep under the device kind that ran it: a new device gets its
+    own entries beside the others' (the same class measured on both keeps both), a file is
+    created in the layout the lookup reads, and a table of the old flat layout is refused."""
+    from benchmarks.tune import SweepBest, config_key, write_table
+
+    path = tmp_path / "table.json"
+    cfg = {"block_k": 64}
+    best = SweepBest(cfg, 0.3, True, frozenset({config_key(cfg)}))
+    write_table(path, {"c1": (best, "S=128K")}, {"device": H100, "date": "then"})
+    write_table(path, {"c1": (SweepBest({"block_k": 32}, 0.2, True, frozenset()), "S=128K"),
+                       "c2": (best, "S=32K")}, {"device": H200, "date": "now"})
+    table = json.loads(path.read_text())
+    assert set(table) == {"about", "devices"} and set(table["devices"]) == {H100, H200}
+    assert table["devices"][H100] == {"c1": {"config": cfg, "ms": 0.3, "measured_at": "S=128K", "device": H100,
+                                             "date": "then"}}
+    assert table["devices"][H200]["c1"]["config"] == {"block_k": 32} and set(table["devices"][H200]) == {"c1", "c2"}
+    write_table(path, {}, {"device": "NVIDIA B200", "date": "now"})  # nothing measured: no empty device
+    assert set(json.loads(path.read_text())["devices"]) == {H100, H200}
+
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"configs": {"c1": {"config": cfg}}}))
+    with pytest.raises(SystemExit, match="old layout"):
+        write_table(flat, {"c2": (best, "S=32K")}, {"device": H200, "date": "now"})
