@@ -48,7 +48,7 @@ def run_cache_rank(model, method, *, batch: int, context: int, steps: int, round
     """AsyncSpade with the cache rank on ``jax.devices()[1]``: the row and the first step's logits."""
     from models.runtime import sharding as sh
     from models.api import round_up
-    from models.programs import init_cache
+    from models.driver import init_cache
 
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)

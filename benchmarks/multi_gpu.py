@@ -153,7 +153,8 @@ def run_config(model, method, *, devices: int, data: int, batch: int, context: i
     """One configuration: time per decode step (median over rounds) and the first step's logits."""
     from models.runtime import sharding as sh
     from models.api import round_up
-    from models.programs import build_functions, init_cache
+    from models.driver import init_cache
+    from models.programs import build_functions
 
     cfg = model.config
     max_len = round_up(context + steps * (rounds + 2) + 64, 64)

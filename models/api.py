@@ -32,6 +32,7 @@ from models import checkpoint as ckpt
 from models import gguf_loader, hf_loader, programs
 from models import transformer as tfm
 from models.config import REAL_WEIGHTS, ModelConfig, available_models, get_config
+from models.driver import init_cache as driver_init_cache
 from models.driver import make_plan, sparse_prefill_eligible
 from models.tokenizer import Tokenizer
 from sparse_jax.cache import KVCache, LayerCache
@@ -131,7 +132,7 @@ class Model:
     def init_cache(self, batch: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
         """Empty KV cache for ``batch`` rows of up to ``max_len`` tokens (default: the model's max_len)."""
         max_len = self.cache_length(batch, max_len)
-        return programs.init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
+        return driver_init_cache(self.config, self.method, int(batch), max_len, self.dtype if dtype is None else dtype)
 
     def cache_length(self, batch: int, max_len: int | None) -> int:
         """The capacity :meth:`init_cache` allocates (checked; rounded up to the method's block)."""

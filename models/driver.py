@@ -156,9 +156,9 @@ def layer_rows(a) -> LayerRows:
     there), so this costs no memory; an abstract one (``ShapeDtypeStruct``, for
     ``lower``) gives abstract rows."""
     if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-        if len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
+        (dev, *others) = a.devices()
+        if not others and dev.platform == "cpu":
             host = np.asarray(a)  # a view of the device buffer
-            dev = next(iter(a.devices()))
             return LayerRows(jax.device_put(host[g], dev) for g in range(a.shape[0]))
         return LayerRows(a[g] for g in range(a.shape[0]))  # elsewhere: copies, laid out as ``a``
     return LayerRows(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for _ in range(a.shape[0]))

@@ -16,11 +16,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.driver import Driver, layer_rows
-from models.driver import init_cache as _init_cache
 from models.transformer import Transformer, last_valid, layer_graphdef
 from sparse_jax.cache import KVCache
 from sparse_jax.methods.base import AttentionMethod
-from sparse_jax.ops._dispatch import on_gpu
 
 
 def _driver(graphdef_layers: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, unroll: bool,
@@ -64,11 +62,6 @@ def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, t
 
 def _dtype_of(model: Transformer):
     return model.embed_tokens.weight[...].dtype
-
-
-def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype) -> KVCache:
-    """Empty cache (see :func:`models.driver.init_cache`)."""
-    return _init_cache(cfg, method, batch, max_len, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +138,7 @@ def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionM
     layers' rows (:class:`RowsStep`): scanned or sliced, each step copied every layer's
     weights (SmolLM2 f32: 270 ms a step scanned, 174 unrolled, of which the copies were
     80%); its prefill and forward stay scanned (compute-bound; they compile faster)."""
-    rows = unroll is None and not on_gpu()
+    rows = unroll is None and not default_unroll()
     if unroll is None:
         unroll = default_unroll()
     def _forward(params, tokens):

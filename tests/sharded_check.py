@@ -55,7 +55,8 @@ def _run(fns, params, cache, tokens, lengths):
 
 
 def one_device(cfg, graphdef, params, method, tokens, lengths, max_len, dtype):
-    from models.programs import build_functions, init_cache
+    from models.driver import init_cache
+    from models.programs import build_functions
 
     fns = build_functions(graphdef, cfg, method, unroll=False)
     return _run(fns, params, init_cache(cfg, method, tokens.shape[0], max_len, dtype), tokens, lengths)

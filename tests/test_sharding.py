@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.runtime import sharding as sh
 from models.config import ModelConfig
+from models.driver import init_cache
+from models.programs import build_functions
+from models.runtime import sharding as sh
 from models.transformer import abstract_model, init_params
-from models.programs import build_functions, init_cache
 from sparse_jax.methods.registry import get_method
 
 ROOT = Path(__file__).resolve().parent.parent
