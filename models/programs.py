@@ -82,8 +82,14 @@ def default_unroll() -> bool:
     """Whether the layer driver unrolls by default: on the GPU, where a scanned layer's
     cache slice costs a copy per layer and step (``sparse_jax/cache.py``); elsewhere
     the scan, which compiles several times faster (the CPU's decode step is unrolled
-    all the same, over :class:`models.driver.LayerRows`: see :func:`build_functions`)."""
+    all the same, over :class:`models.driver.LayerRows`: :func:`rows_decode`)."""
     return jax.default_backend() == "gpu"
+
+
+def rows_decode() -> bool:
+    """Whether a default (``unroll=None``) decode step runs unrolled over
+    :class:`models.driver.LayerRows`: off the GPU, where slicing a stacked weight copies it."""
+    return not default_unroll()
 
 
 class RowsStep:
@@ -138,7 +144,7 @@ def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionM
     layers' rows (:class:`RowsStep`): scanned or sliced, each step copied every layer's
     weights (SmolLM2 f32: 270 ms a step scanned, 174 unrolled, of which the copies were
     80%); its prefill and forward stay scanned (compute-bound; they compile faster)."""
-    rows = unroll is None and not default_unroll()
+    rows = unroll is None and rows_decode()
     if unroll is None:
         unroll = default_unroll()
     def _forward(params, tokens):

@@ -14,3 +14,4 @@ def abstract_h100(monkeypatch):
     except (ImportError, AttributeError) as e:  # private API moved: skip, not fail
         pytest.skip(f"cannot fake a GPU for lowering: {e}")
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda *a, **k: info)
+

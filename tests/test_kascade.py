@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.driver_modes import driver_mode
+
 from sparse_jax.kascade_calibration import choose_anchors, fallback_anchors, head_map_for, layer_scores
 from sparse_jax.methods import get_method
 from sparse_jax.methods.base import single_layer
@@ -44,9 +46,7 @@ def _tokens(seed=0, t=300):
 
 @pytest.mark.parametrize("unroll", [False, True])
 def test_every_layer_an_anchor_with_k_covering_the_context_is_dense(unroll, monkeypatch):
-    import models.transformer as tr
-
-    monkeypatch.setattr(tr, "default_unroll", lambda: unroll)
+    driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()
     dense = _run(_tiny_model("dense"), tokens, lengths, 4, 512)
     m = Kascade(anchors=(0, 1, 2, 3), budget=512)

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.driver_modes import driver_mode
+
 from sparse_jax import kascade_prefill as kp
 from sparse_jax.methods import get_method
 from sparse_jax.methods.kascade import Kascade
@@ -145,7 +147,7 @@ def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     causal prefix (the traced role of a scanned segment takes lax.switch)."""
     from models import programs
 
-    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
+    driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()
     dense = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512)), tokens, lengths, 3, 512)
     tiled = _run(_tiny_model(Kascade(anchors=(0, 2), budget=512, tiled_prefill=True)), tokens, lengths, 3, 512)
@@ -377,7 +379,7 @@ def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
     for the reuse layers after them); scanned (traced roles) and unrolled alike."""
     from models import programs
 
-    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
+    driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()
     args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
     plain = _run(_tiny_model(Kascade(anchors=(0, 2))), tokens, lengths, 3, 512)
@@ -403,7 +405,7 @@ def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
     layer 0's selection and differ. Keeping half of each prefix differs from both."""
     from models import programs
 
-    monkeypatch.setattr(programs, "default_unroll", lambda: unroll)
+    driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()
     args = dict(anchors=(0, 2), tiled_prefill=True, prefill_chunk_bytes=1)  # the paper's rule: it selects
     tsa = (("min_tokens", 8), ("window", 16), ("layers", (1, 2)))
