@@ -19,7 +19,6 @@ directly to skip the checks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any, Callable, Sequence
 
@@ -32,8 +31,10 @@ from models import checkpoint as ckpt
 from models import gguf_loader, hf_loader, programs
 from models import transformer as tfm
 from models.config import REAL_WEIGHTS, ModelConfig, available_models, get_config
+from models.detokenize import IncrementalDetokenizer
 from models.driver import init_cache as driver_init_cache
 from models.driver import make_plan, sparse_prefill_eligible
+from models.sampling import sample_next
 from models.tokenizer import Tokenizer
 from sparse_jax.cache import KVCache, LayerCache
 from sparse_jax.methods import AttentionMethod, get_method
@@ -251,10 +252,14 @@ class Model:
         key = jax.random.key(seed)
         out: list[list[int]] = [[] for _ in range(b)]
         done = np.zeros(b, bool)
-        streamer = _TextStreamer(self.tokenizer, stream) if stream is not None and b == 1 else None
+        streamer = None
+        if stream is not None and b == 1:
+            if self.tokenizer is None:
+                raise RuntimeError("streaming text needs a tokenizer")
+            streamer = IncrementalDetokenizer(self.tokenizer.decode)
         for step in range(max_new_tokens):
             key, sub = jax.random.split(key)
-            tok = _sample(logits, sub, float(temperature), float(top_p))
+            tok = sample_next(logits, sub, temperature=float(temperature), top_p=float(top_p))
             tok_host = np.asarray(tok)
             for r in range(b):
                 if not done[r]:
@@ -262,13 +267,13 @@ class Model:
                         done[r] = True
                     else:
                         out[r].append(int(tok_host[r]))
-            if streamer is not None and not done[0]:
-                streamer.push(out[0])
+            if streamer is not None and not done[0] and (piece := streamer.update(out[0])):
+                stream(piece)
             if done.all() or step == max_new_tokens - 1:
                 break
             logits, cache = self.fns.decode_step(self.params, tok, cache)
-        if streamer is not None:
-            streamer.flush(out[0])
+        if streamer is not None and (piece := streamer.update(out[0], final=True)):
+            stream(piece)
         return out
 
     def _stop_ids(self) -> set[int]:
@@ -287,51 +292,6 @@ class Model:
 def round_up(x: int, m: int) -> int:
     """``x`` rounded up to a multiple of ``m`` (cache capacities, prompt buckets)."""
     return -(-x // m) * m
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """Greedy (temperature 0) or temperature + nucleus sampling: ``[B, V] -> int32[B]``."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    if top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)  # always keeps the top token
-        choice = jax.random.categorical(key, sorted_logits, axis=-1)
-        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-class _TextStreamer:
-    """Emits the new text after each token; holds back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer: Tokenizer | None, callback: Callable[[str], Any]):
-        if tokenizer is None:
-            raise RuntimeError("streaming text needs a tokenizer")
-        self.tok, self.cb, self.sent = tokenizer, callback, ""
-
-    def push(self, ids: list[int]):
-        text = self.tok.decode(ids)
-        if text.endswith("\ufffd"):
-            return
-        self._emit(text)
-
-    def flush(self, ids: list[int]):
-        self._emit(self.tok.decode(ids))
-
-    def _emit(self, text: str):
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.cb(text[len(self.sent):])
-            self.sent = text
-        elif not text.startswith(self.sent):  # decoding changed earlier text (rare): send what is new
-            common = os.path.commonprefix([text, self.sent])
-            if len(text) > len(common):
-                self.cb(text[len(common):])
-            self.sent = text
 
 
 # -----------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def test_scheduler_fcfs_under_the_three_limits():
 
 
 def test_sampling_rows_are_independent_of_the_batch():
-    from models.serving.engine import sample_rows
+    from models.sampling import sample_rows
 
     logits = jax.random.normal(jax.random.key(0), (3, 50))
     seeds = jnp.asarray([5, 6, 7], jnp.uint32)
@@ -269,10 +269,9 @@ def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     queries attend the keys of the chunks before them, so the logits and the decode after
     it equal the whole-layer prefill's; on a hybrid model the local layers' window and ring
     too. Chunks of 64 on prompts of 192 (bucketed) tokens, a ragged second row."""
+    import models
     from models.runtime.tiered import TieredRunner
     from tests.test_driver import hybrid_config
-
-    import models
 
     if case == "quest-offloaded":
         runner = TieredRunner(tiny.with_method("quest", budget=64), "offload")
@@ -419,9 +418,7 @@ def test_resident_capacity_is_checked_before_allocating(tiny):
     """The weights, the slots and the prefill row must fit the device; the error says how many
     slots do (a limit is passed: on the CPU backend the check has no limit to use)."""
     from models.serving.engine import check_resident_fits
-    from sparse_jax.offload.capacity import CapacityError
-
-    from sparse_jax.offload.capacity import autotune_scratch_bytes
+    from sparse_jax.offload.capacity import CapacityError, autotune_scratch_bytes
 
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
     row = nbytes(tiny.init_cache(1, 256))

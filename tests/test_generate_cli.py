@@ -22,6 +22,8 @@ import pytest
 import models
 from models.cli import demo_prompt
 from models.cli import generate as gen
+from models.detokenize import IncrementalDetokenizer
+from models.sampling import sample_next
 from sparse_jax.methods import available_methods
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -201,10 +203,13 @@ def test_text_stream_holds_back_partial_utf8():
         def flush(self):
             pass
 
-    st = gen.TextStream(decode, W())
+    st = IncrementalDetokenizer(decode)
+    w = W()
     for i in range(1, len(data) + 1):
-        st.update(data[:i])
-    st.update(data, final=True)
+        if piece := st.update(data[:i]):
+            w.write(piece)
+    if piece := st.update(data, final=True):
+        w.write(piece)
     assert out.getvalue() == text
     assert all("\ufffd" not in p for p in pieces)
     assert len(pieces) > 5  # streamed, not printed at the end
@@ -213,19 +218,19 @@ def test_text_stream_holds_back_partial_utf8():
 def test_sample_next():
     key = jax.random.key(0)
     logits = jax.random.normal(key, (3, 50)) * 3
-    greedy = gen.sample_next(logits, key, temperature=0.0, top_p=1.0)
+    greedy = sample_next(logits, key, temperature=0.0, top_p=1.0)
     np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
     # a tiny nucleus keeps only the top token, whatever the temperature
     for s in range(5):
-        t = gen.sample_next(logits, jax.random.key(s), temperature=2.0, top_p=1e-4)
+        t = sample_next(logits, jax.random.key(s), temperature=2.0, top_p=1e-4)
         np.testing.assert_array_equal(t, greedy)
     # top_p = 0.9 on [0.5, 0.3, 0.15, 0.05]: the last token is never drawn, the first three are
     lg = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-    draws = np.array([int(gen.sample_next(lg, jax.random.key(s), temperature=1.0, top_p=0.9)[0])
+    draws = np.array([int(sample_next(lg, jax.random.key(s), temperature=1.0, top_p=0.9)[0])
                       for s in range(200)])
     assert set(draws) == {0, 1, 2}
     # plain temperature sampling follows the distribution roughly
-    draws = np.array([int(gen.sample_next(lg, jax.random.key(s), temperature=1.0, top_p=1.0)[0])
+    draws = np.array([int(sample_next(lg, jax.random.key(s), temperature=1.0, top_p=1.0)[0])
                       for s in range(400)])
     assert abs((draws == 0).mean() - 0.5) < 0.1
 

@@ -62,7 +62,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,9 @@ from models.api import bind_method, method_for_model, round_up
 from models.cli.demo_prompt import build_demo_prompt, check_answer
 from models.cli.options import CLIError, parse_attention_opts, parse_option_value  # noqa: F401 (re-exported)
 from models.config import REAL_WEIGHTS, available_models
+from models.detokenize import IncrementalDetokenizer
 from models.runtime import shard, with_cache_rank
+from models.sampling import sample_next
 from sparse_jax.methods import available_methods, get_method
 
 BUCKET = 256
@@ -306,51 +308,6 @@ def prepare_prompt(spec: RunSpec, config, tokenizer) -> Prepared:
 
 
 # -----------------------------------------------------------------------------
-# Sampling and streaming
-# -----------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def sample_next(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
-    """Next token per row from f32 ``logits [B, V]``: argmax when ``temperature == 0``,
-    else a draw from ``softmax(logits / temperature)`` restricted to the smallest set
-    of top tokens whose mass reaches ``top_p`` (the top token is always kept)."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    z = logits.astype(jnp.float32) / temperature
-    if top_p >= 1.0:
-        return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
-    order = jnp.argsort(-z, axis=-1)
-    zs = jnp.take_along_axis(z, order, axis=-1)
-    p = jax.nn.softmax(zs, axis=-1)
-    mass_before = jnp.cumsum(p, axis=-1) - p
-    zs = jnp.where(mass_before < top_p, zs, -jnp.inf)
-    pick = jax.random.categorical(key, zs, axis=-1)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-class TextStream:
-    """Writes the new text after each token: decodes all generated ids again and
-    emits the new suffix; holds back text ending in an incomplete UTF-8 sequence."""
-
-    def __init__(self, decode: Callable[[list[int]], str], out: TextIO):
-        self.decode, self.out, self.sent = decode, out, ""
-
-    def update(self, ids: list[int], final: bool = False) -> None:
-        text = self.decode(ids)
-        if not final and text.endswith("\ufffd"):
-            return
-        if text.startswith(self.sent):
-            new = text[len(self.sent):]
-        else:  # an earlier piece decoded differently (rare): emit what differs
-            new = text[len(os.path.commonprefix([text, self.sent])):]
-        if new:
-            self.out.write(new)
-            self.out.flush()
-        self.sent = text
-
-
-# -----------------------------------------------------------------------------
 # The run
 # -----------------------------------------------------------------------------
 
@@ -429,13 +386,19 @@ def generate_timed(model, prep: Prepared, spec: RunSpec, out: TextIO) -> dict[st
     t3 = time.perf_counter()
 
     # the measured run
-    stream = TextStream(lambda ids: model.tokenizer.decode(ids), out)
+    detok = IncrementalDetokenizer(model.tokenizer.decode)
+
+    def stream(ids: list[int], final: bool = False) -> None:
+        if piece := detok.update(ids, final):
+            out.write(piece)
+            out.flush()
+
     stops = _stop_ids(model)
     key = jax.random.key(spec.seed)
     _sync(cache)
     with jax.profiler.trace(spec.profile) if spec.profile else contextlib.nullcontext():
         res = _measured_run(prefill, decode, samp, params, tokens, lengths, cache, key, stops, stream, spec)
-    stream.update(res["ids"], final=True)
+    stream(res["ids"], final=True)
     out.write("\n")
     out.flush()
     res.update(text=model.tokenizer.decode(res["ids"]), prompt_tokens=n, compile_prefill_s=t1 - t0,
@@ -461,7 +424,7 @@ def _measured_run(prefill, decode, samp, params, tokens, lengths, cache, key, st
             stopped = "eos"
             break
         generated.append(t)
-        stream.update(generated)
+        stream(generated)
         if step == spec.max_new_tokens - 1:
             break
         logits, cache = decode(params, tok, cache)

@@ -68,6 +68,7 @@ from models import programs
 from models.api import round_up
 from models.runtime.cache_rank import CacheRankModel
 from models.runtime.tiered import TieredRunner
+from models.sampling import sample_rows
 from sparse_jax.cache import KVCache
 from sparse_jax.offload import capacity
 from sparse_jax.offload import pool as off
@@ -287,31 +288,6 @@ def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
 def _sum_arrays(arrays: tuple) -> jax.Array:
     """The elementwise sum of same-shaped arrays (per-layer block counters -> one per step)."""
     return functools.reduce(jnp.add, arrays)
-
-
-def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-                top_p: jax.Array) -> jax.Array:
-    """One token per row from f32 ``logits [B, V]``: argmax where ``temperature[b] == 0``,
-    else a draw from ``softmax(logits / temperature)`` restricted to the smallest set of
-    top tokens whose mass reaches ``top_p[b]``. Row ``b`` draws with the key
-    ``fold_in(key(seeds[b]), counters[b])`` (``counters``: the output token's index),
-    so a request's tokens do not depend on its slot or its neighbours. -> ``int32[B]``."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled():
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds.astype(jnp.uint32), counters)
-        z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-        order = jnp.argsort(-z, axis=-1)
-        zs = jnp.take_along_axis(z, order, axis=-1)
-        p = jax.nn.softmax(zs, axis=-1)
-        before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token: the top one is always kept
-        zs = jnp.where(before < top_p[:, None], zs, -jnp.inf)
-        pick = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, zs)
-        tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature > 0, tok, greedy)
-
-    # the sort over the vocabulary only when some row samples
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
 def _engine_programs(decode):
