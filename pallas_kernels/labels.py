@@ -86,7 +86,7 @@ warp-shuffle reduction per product (~2300 instructions per candidate) and ran
   instructions a thread (128 FFMA) with ~230 registers (2 programs of 4 warps
   per SM), spill-free (offline sm_90 compile).
 
-Measured on the H100 (``benchmarks/label_scores_probe.py``, CUPTI, B=8,
+Measured on the H100 (``benchmarks/probes/label_scores_probe.py``, CUPTI, B=8,
 Hq=32, Hkv=8, r=32, C=8192 of S=131072, 128 blocks of 64 tokens): "logits"
 18.3 us (prep fusion 1.5 + kernel 13.3 + normalization 3.5), "two_pass"
 24.7 us, old "per_tile" 70.5 us; at B=1 8.2 us (old 15.6). Block ids or a

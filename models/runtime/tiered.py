@@ -56,7 +56,7 @@ from sparse_jax.offload.tiers import HostLayer, OffloadedLayer, device_sharding,
 
 MODES = ("resident", "offload")
 SAVE_MODES = ("deferred", "sync")  # TieredRunner(save=...)
-# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/stream_probe.py,
+# the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/probes/stream_probe.py,
 # H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
 # alone still move ~45 GB/s)
 DEFAULT_GATHER_PROGRAMS = 8

@@ -118,7 +118,7 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
       so the chunk gets exactly its keys; it skips keys past ``start + C`` but not the
       queries, so it does ``T x (start + C)``-ish work: 2.4x the whole prompt's
       attention over the three chunks of a 98K prompt on the H100
-      (``benchmarks.chunk_attention``).
+      (``benchmarks.probes.chunk_attention``).
     """
     if implementation not in CHUNK_ATTENTION_IMPLS:
         raise ValueError(f"implementation must be one of {CHUNK_ATTENTION_IMPLS}, got {implementation!r}")
