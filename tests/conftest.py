@@ -1,5 +1,7 @@
 """Fixtures shared by the test modules."""
 
+import os
+
 import pytest
 
 
@@ -15,3 +17,17 @@ def abstract_h100(monkeypatch):
         pytest.skip(f"cannot fake a GPU for lowering: {e}")
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda *a, **k: info)
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``make test-gpu`` (SPARSE_JAX_GPU_TESTS=1) the kernel tests' ``impl="reference"``
+    cases are deselected: they run no GPU code, and ``make test`` runs them on the CPU."""
+    if os.environ.get("SPARSE_JAX_GPU_TESTS") != "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if params.get("impl") == "reference" else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
