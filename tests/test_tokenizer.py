@@ -103,3 +103,35 @@ def test_hf_directory_round_trip(tok, tmp_path):
     for text in TEXTS:
         assert t2.encode(text) == tok.encode(text)
     assert Tokenizer.from_hf_directory(tmp_path / "nothing") is None
+
+
+def _gemma3_tokenizer():
+    try:
+        return gguf_loader.read_gguf(gguf_loader.gemma3_gguf_path(), tensors=False).tokenizer
+    except gguf_loader.WeightsNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_incremental_detokenizer_equals_the_whole_decode(which, tok):
+    """The windowed detokenizer (a few ids of left context per update, not every id again)
+    streams exactly ``decode(ids)``, on byte-level BPE (SmolLM2) and SentencePiece (Gemma 3):
+    text with multi-byte characters, split one id at a time and in uneven chunks, and random
+    ids (characters cut between tokens); no piece carries a replacement character when the
+    whole decode has none."""
+    import numpy as np
+
+    from models.detokenize import IncrementalDetokenizer
+
+    t = tok if which == "smollm2" else _gemma3_tokenizer()
+    rng = np.random.default_rng(0)
+    cases = [t.encode(x) for x in TEXTS if x] + [rng.integers(0, 2000, 300).tolist()]
+    for ids in cases:
+        for steps in (1, 3):
+            d, pieces = IncrementalDetokenizer(t.decode), []
+            for i in range(steps, len(ids) + steps, steps):
+                pieces.append(d.update(ids[:i]))
+            pieces.append(d.update(ids, final=True))
+            assert "".join(pieces) == t.decode(ids) == d.text, (which, ids[:20])
+            if "\ufffd" not in t.decode(ids):
+                assert all("\ufffd" not in p for p in pieces)
