@@ -121,7 +121,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
              mix_lengths: tuple[int, ...] = ()) -> dict:
     """Submit ``wl`` in real time to the running engine; metrics of this rate.
     ``mix_lengths``: the prompt mix's lengths, to report prefill times per length."""
-    from models.serving.engine import SamplingParams
+    from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(seed + 1)
     reqs = []
@@ -190,7 +190,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
 def warm_up(engine, mix, vocab: int) -> float:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
     (ms): the median step with every slot decoding a prompt of the smallest mix length."""
-    from models.serving.engine import SamplingParams
+    from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(0)
     for n, _ in mix:

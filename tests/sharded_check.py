@@ -230,7 +230,8 @@ def padded_offload_case():
 def engine_case():
     """The serving engine over a mesh (SmolLM2, model=2), resident and offloaded: three
     requests through two slots give each request's single-request tokens on one device."""
-    from models.serving.engine import Engine, SamplingParams
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
 
     base = smollm2(256)
     tok = base.tokenizer

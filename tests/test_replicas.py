@@ -21,7 +21,7 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform
 ENGINE_CHECK = r'''
 import json, jax, jax.numpy as jnp, numpy as np
 import models
-from models.serving.engine import SamplingParams
+from models.serving.requests import SamplingParams
 from models.serving.replicas import replicate
 from tests.test_engine import _tiny_config
 # a tiny random model (the server test below runs SmolLM2's real weights)

@@ -90,7 +90,7 @@ def test_a_method_whose_prefill_fails_is_reported_and_the_next_runs(tmp_path, mo
     died, and the warm-up waited 600 s for a request nobody would finish. Now the failed
     request ends with its error, the warm-up stops the method at once, the results say why,
     the next method runs, and the exit status is 1."""
-    from models.serving import engine as eng
+    from models.serving import slots as eng
 
     real = eng.ResidentSlots.prefill
 

@@ -222,7 +222,8 @@ def test_engine_on_a_shared_pool():
     first-fit admission on the working sets: with M_avl one prompt's estimate, the
     second request waits until the first has finished, and still gets its tokens."""
     import models
-    from models.serving.engine import Engine, SamplingParams
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
     from tests.test_engine import _tiny_config
 
     import dataclasses

@@ -39,7 +39,9 @@ engine's own step program) or, with ``offload=True``, :class:`OffloadedSlots`
 (every KV block in pinned host memory, a device pool per slot:
 :class:`models.runtime.tiered.TieredRunner` with an active-row mask).
 
-The scheduler (:class:`Scheduler`) is FCFS under R_max requests, T_max tokens
+The pieces live beside this loop: the request types in :mod:`models.serving.requests`,
+the slot back-ends and their jitted programs in :mod:`models.serving.slots`, and the
+scheduler in :mod:`models.serving.scheduler`. The scheduler (:class:`Scheduler`) is FCFS under R_max requests, T_max tokens
 per iteration and M_avl device bytes, with SparseServe's first-fit admission
 on a working-set estimate (Alg. 1): the reservation when resident, the blocks
 used over the last 12 steps (measured on the device) when offloaded.
@@ -48,681 +50,31 @@ used over the last 12 steps (measured on the device) when offloaded.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import dataclasses
-import functools
-import itertools
-import math
-import os
 import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from models import programs
 from models.api import round_up
 from models.runtime.cache_rank import CacheRankModel
-from models.runtime.tiered import TieredRunner
-from models.sampling import sample_rows
-from sparse_jax.cache import KVCache
-from sparse_jax.offload import capacity
-from sparse_jax.offload import pool as off
-from sparse_jax.offload.capacity import autotune_scratch_bytes, device_budget
-from sparse_jax.offload.pool import insert_shared_row
-from sparse_jax.offload.tiers import OffloadedLayer
+from models.detokenize import IncrementalDetokenizer
+from models.serving.requests import Event, Request, SamplingParams
+from models.serving.scheduler import Scheduler
+from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
 
-# -----------------------------------------------------------------------------
-# Requests and events
-# -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and when it ends.
-
-    ``temperature`` 0 is greedy; otherwise temperature / nucleus (``top_p``)
-    sampling from ``seed`` (the same seed gives the same tokens whatever else
-    is in the batch). ``stop``: strings that end the output (not included).
-    ``ignore_eos``: run to ``max_tokens`` (load benchmarks on random weights)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def check(self) -> None:
-        if int(self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= int(self.seed) < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)}")
-
-
-@dataclasses.dataclass
-class Event:
-    """What the engine reports to a request: ``kind`` "token" (``text`` the new
-    text, ``token_ids`` the new ids; text may lag ids while an incomplete UTF-8
-    sequence or a possible stop string is held back) or "done" (with
-    ``finish_reason``: "stop", "length", "cancelled" or "error", when the request's
-    ``error`` says what failed; ``text`` any text left)."""
-
-    kind: str
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    finish_reason: str | None = None
-
-
-class Request:
-    """One generation: the prompt's ids, its sampling parameters, and what the
-    engine recorded about it (times are ``time.perf_counter()`` seconds)."""
-
-    _ids = itertools.count()
-
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 on_event: Callable[[Event], Any] | None = None):
-        self.id = next(Request._ids)
-        self.prompt_ids = [int(i) for i in prompt_ids]
-        self.params = params
-        self.on_event = on_event
-        self.output_ids: list[int] = []
-        self.text = ""            # the output text sent so far
-        self.finish_reason: str | None = None
-        self.error: str | None = None  # finish_reason "error": what failed (its prefill, or the engine)
-        self.cancelled = False    # set from any thread; the engine acts on it next iteration
-        self.slot: int | None = None
-        self.t_arrival = time.perf_counter()
-        self.t_scheduled: float | None = None   # prefill started
-        self.t_first: float | None = None       # first token produced
-        self.token_times: list[float] = []      # one per output token
-        self.done = threading.Event()
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Cache positions the request can occupy: its prompt and every token it may generate."""
-        return self.prompt_len + int(self.params.max_tokens)
-
-    def __repr__(self) -> str:
-        return (f"Request(id={self.id}, prompt={self.prompt_len} tokens, out={len(self.output_ids)}, "
-                f"slot={self.slot}, finish={self.finish_reason})")
-
-
-# -----------------------------------------------------------------------------
-# The scheduler
-# -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class SchedulerCounters:
-    """Running totals (read by ``/health`` and the tests: empty means nothing leaked)."""
-
-    admitted: int = 0
-    deferred_for_tokens: int = 0   # an iteration left a waiting request out for T_max
-    deferred_for_memory: int = 0   # ... for M_avl (Alg. 1's "reset")
-    working_set_bytes: int = 0     # the running requests' estimated working sets, summed
-
-
-class Scheduler:
-    """FCFS admission under three limits (SparseServe §3.3, Alg. 1):
-
-    * ``max_requests`` (R_max): requests in the batch (at most the slots);
-    * ``max_tokens_per_iter`` (T_max): tokens one iteration runs, the running
-      requests' decode tokens plus the prompts prefilled in it. A prompt longer
-      than what is left runs alone in an iteration without other prefills (it
-      would otherwise never fit: there is no chunked prefill yet);
-    * ``kv_bytes`` (M_avl): device bytes for the KV of the batch.
-
-    ``base`` order is FCFS and stops at the first request that does not fit
-    R_max / T_max (vLLM's ``get_batch``); over those candidates, Alg. 1
-    admits first-fit while the working sets fit M_avl, leaving the others
-    waiting.
-
-    The working set (``working_set(request)``, a hook). Resident: the KV a
-    request reserves, ``(prompt + max_tokens) x kv_bytes_per_token`` (what a
-    paged allocator would hold). Offloaded (:meth:`OffloadedSlots.working_set`):
-    SparseServe's estimate for a decoding request, the blocks it used over the
-    last w = 12 steps, counted on the device and read back one step late; for
-    a prompt, the blocks its first step reads, or under layer-segmented prefill
-    (``Engine(max_inject_tokens=...)``) one layer of its KV. With per-slot pools
-    this admission changes nothing a slot's pool holds; with the shared pool
-    (``Engine(pool="shared")``: M_avl defaults to the pool's bytes) it keeps the
-    running requests' working sets within the pool (``docs/serving.md``).
-    """
-
-    def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
-                 kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None):
-        if max_requests < 1:
-            raise ValueError(f"max_requests (R_max) must be >= 1, got {max_requests}")
-        if max_tokens_per_iter < 1:
-            raise ValueError(f"max_tokens_per_iter (T_max) must be >= 1, got {max_tokens_per_iter}")
-        if kv_bytes < 1:
-            raise ValueError(f"kv_bytes (M_avl) must be >= 1, got {kv_bytes}")
-        self.max_requests = int(max_requests)
-        self.max_tokens_per_iter = int(max_tokens_per_iter)
-        self.kv_bytes = int(kv_bytes)
-        self.kv_bytes_per_token = float(kv_bytes_per_token)
-        self.working_set = working_set or self.reserved_bytes
-        self.counters = SchedulerCounters()
-
-    def reserved_bytes(self, r: Request) -> int:
-        return int(math.ceil(r.reserved_tokens * self.kv_bytes_per_token))
-
-    def check_admissible(self, r: Request) -> None:
-        """ValueError when ``r`` could never be admitted, even into an empty engine."""
-        ws = self.working_set(r)
-        if ws > self.kv_bytes:
-            raise ValueError(f"the request needs {ws} bytes of KV ({r.reserved_tokens} tokens), more than the "
-                             f"engine's KV budget M_avl of {self.kv_bytes} bytes")
-
-    def admit(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> list[Request]:
-        """The waiting requests to prefill this iteration (FCFS candidates, then first-fit on M_avl)."""
-        room = min(free_slots, self.max_requests - len(running))
-        tokens = len(running)  # each running request decodes one token this iteration
-        candidates: list[Request] = []
-        for r in waiting:
-            if len(candidates) >= room:
-                break
-            if tokens + r.prompt_len > self.max_tokens_per_iter and candidates:
-                self.counters.deferred_for_tokens += 1
-                break
-            candidates.append(r)
-            tokens += r.prompt_len
-        used = sum(self.working_set(r) for r in running)
-        batch = []
-        for r in candidates:
-            m = self.working_set(r)
-            if used + m <= self.kv_bytes:
-                batch.append(r)
-                used += m
-            else:
-                self.counters.deferred_for_memory += 1
-        self.counters.admitted += len(batch)
-        self.counters.working_set_bytes = used
-        return batch
-
-
-# -----------------------------------------------------------------------------
-# Pure pieces (jitted by the engine)
-# -----------------------------------------------------------------------------
-
-
-def check_slot_axis(model, max_len: int) -> None:
-    """Raise ValueError unless every leaf of the model's cache has the batch as its
-    leading axis (checked on shapes: a cache of 1 row against one of 2 rows, nothing
-    allocated). The engine inserts a request by writing index ``slot`` of every
-    leaf, so a leaf without the batch axis would be silently shared by all slots."""
-    one = jax.eval_shape(lambda: model.init_cache(1, max_len))
-    two = jax.eval_shape(lambda: model.init_cache(2, max_len))
-    bad = []
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(two)):
-        if not (a.ndim >= 1 and a.shape[0] == 1 and b.shape[0] == 2 and a.shape[1:] == b.shape[1:]):
-            bad.append(f"{jax.tree_util.keystr(path)}: {a.shape} at batch 1, {b.shape} at batch 2")
-    if bad:
-        raise ValueError("the engine needs every cache leaf (the method's state included) to have the batch as "
-                         "its leading axis; these do not: " + "; ".join(bad))
-
-
-def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
-    """``cache`` (``B`` rows, donated) with row ``slot`` of every leaf replaced by the
-    one-row ``row`` (a prefilled request), lengths included."""
-    return jax.tree.map(lambda big, one: jax.lax.dynamic_update_index_in_dim(big, one[0].astype(big.dtype), slot, 0),
-                        cache, row)
-
-
-@jax.jit
-def _sum_arrays(arrays: tuple) -> jax.Array:
-    """The elementwise sum of same-shaped arrays (per-layer block counters -> one per step)."""
-    return functools.reduce(jnp.add, arrays)
-
-
-def _engine_programs(decode):
-    """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
-    cache)``: the step (decode, free slots held back, sampling; cache donated), the
-    slot insertion and the sampling alone."""
-
-    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
-        logits, new = decode(params, tokens, cache)
-        # free slots do not advance: they never run past their capacity
-        new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
-        return sample_rows(logits, seeds, counters, temperature, top_p), new
-
-    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
-
-
-@functools.lru_cache(maxsize=16)
-def _programs(graphdef, cfg, method, unroll: bool):
-    """The engine's jitted programs for one model structure and method."""
-    return _engine_programs(lambda params, tokens, cache: programs.decode_step(
-        nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll))
-
-
-@functools.lru_cache(maxsize=16)
-def _sharded_programs(decode):
-    """:func:`_programs` for a model on a mesh (:class:`models.runtime.sharding.ShardedModel`):
-    its own sharded decode step (one ``shard_map``); the insertion and the sampling are
-    plain jits over the mesh-laid arrays."""
-    return _engine_programs(decode)
-
-
-def check_engine_mesh(model) -> None:
-    """An engine runs one replica: a sharded model must have ``data == 1`` (its slots
-    and each request's one-row prefill live on every device of the replica)."""
-    par = getattr(model, "parallelism", None)
-    if par is not None and par.data != 1:
-        raise ValueError(f"an engine serves one replica: the model is sharded with data={par.data}; shard it "
-                         f"with data=1 (tensor parallelism) and run one engine per device group")
-
-
-@jax.jit
-def _merge_tokens(fresh: jax.Array, host: jax.Array, device: jax.Array) -> jax.Array:
-    """``int32[B]``: the host's token where ``fresh`` (a request inserted since the last
-    step), else the token the last step sampled, still on the device."""
-    return jnp.where(fresh, host, device)
-
-
-def prefill_bucket(n: int, max_len: int) -> int:
-    """The padded prompt length a prompt of ``n`` tokens is prefilled at: a multiple of
-    64 up to 1024 tokens (as ``Model.generate``), then powers of two, capped at
-    ``max_len``: few compilations for long prompts."""
-    b = -(-n // 64) * 64 if n <= 1024 else 1 << (n - 1).bit_length()
-    return min(b, max_len)
-
-
-# -----------------------------------------------------------------------------
-# Where the slots' KV lives
-# -----------------------------------------------------------------------------
-
-
-def check_resident_fits(model, slots: int, max_len: int, device_limit: int | None = None,
-                        prefill_temp_bytes: int = 0) -> None:
-    """:class:`~sparse_jax.offload.capacity.CapacityError` before anything is allocated when
-    the weights, ``slots`` rows of ``max_len`` tokens and the row a prompt is prefilled into
-    (:meth:`ResidentSlots.prefill`: one more row) do not fit the device (``device_limit``:
-    default :func:`~sparse_jax.offload.capacity.device_budget`, which keeps 2 GiB for XLA's
-    temporaries; CPU: no limit, no check). Without it, a batch that filled the device
-    failed later, compiling a long prompt's prefill (H100, Qwen3-8B, 3 x 98K slots: XLA's
-    GEMM autotuner could not allocate). The bytes are the cache's own shapes (a hybrid
-    model's sliding-window rings counted as rings), plus ``prefill_temp_bytes``: the
-    temporaries of the longest prompt's prefill as XLA's buffer assignment reports them
-    (:func:`compile_longest_prefill`). Without them the check passed 11 slots of 33,280
-    tokens that then ran out of memory compiling a 32K prefill (H100, Qwen3-8B). And the
-    GEMM autotuner's scratch when it compiles a program after the cache exists
-    (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`: the largest weight)."""
-    limit = capacity.device_budget() if device_limit is None else device_limit
-    if limit is None:
-        return
-    row = jax.eval_shape(lambda: model.init_cache(1, max_len)).nbytes()  # shapes only: nothing allocated
-    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
-
-    scratch = capacity.autotune_scratch_bytes(model.params)
-
-    def fp(rows):
-        return capacity.Footprint({"weights": weights, "kv": rows * row,
-                                   "prefill_temporaries": int(prefill_temp_bytes),
-                                   "autotune_scratch": scratch}, {})
-
-    try:
-        capacity.check_fits(fp(slots + 1), device_limit=limit, host_limit=None,
-                            what=f"a resident engine of {slots} slots x {max_len} tokens (and one prefill row)")
-    except capacity.CapacityError as e:
-        fits = max((k for k in range(1, slots) if fp(k + 1).device_bytes <= limit), default=0)
-        hint = f" {fits} slots fit." if fits else " Not even one slot fits: lower max_len."
-        raise capacity.CapacityError(f"{e}{hint}") from None
-
-
-def compile_longest_prefill(model, max_len: int):
-    """``(bucket, compiled, temp_bytes)``: the prefill program of the longest prompt an engine
-    of ``max_len`` tokens admits (``max_len - 1`` tokens, leaving one to generate), compiled
-    ahead of time from shapes alone (nothing allocated), and its temporaries from XLA's buffer
-    assignment (``memory_analysis``; 0 where the backend reports none). A longer prompt's
-    prefill holds more, so this bounds every bucket's. Compiled before the slots' cache exists,
-    the GEMM autotuner also finds the device free."""
-    bucket = prefill_bucket(max_len - 1, max_len)
-    shapes = jax.ShapeDtypeStruct((1, bucket), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-    row = jax.eval_shape(lambda: model.init_cache(1, max_len))
-    compiled = model.fns.prefill.lower(model.params, *shapes, row).compile()
-    stats = compiled.memory_analysis()
-    return bucket, compiled, int(getattr(stats, "temp_size_in_bytes", 0) or 0)
-
-
-class ResidentSlots:
-    """Every slot's KV on the device: ``model.init_cache(slots, max_len)``, decoded by the
-    engine's own step program (the model's decode step + sampling, cache donated).
-
-    On a device with a memory limit (a GPU) the longest prompt's prefill is compiled before
-    the cache is allocated, and its measured temporaries join the capacity check
-    (:func:`compile_longest_prefill`); that bucket then runs the compiled program. The CPU
-    backend has no limit to check against and skips it."""
-
-    offloaded = False
-
-    def __init__(self, model, slots: int, max_len: int, unroll: bool):
-        check_engine_mesh(model)
-        check_slot_axis(model, max_len)
-        self.model, self.slots, self.max_len = model, slots, max_len
-        self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
-        if getattr(model, "mesh", None) is not None:
-            self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
-        else:
-            self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
-
-            temps = 0
-            if device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
-                bucket, compiled, temps = compile_longest_prefill(model, max_len)
-                self._compiled_prefill[bucket] = compiled
-            check_resident_fits(model, slots, max_len, prefill_temp_bytes=temps)
-        self.cache = model.init_cache(slots, max_len)
-        self.device_bytes = self.cache.nbytes()
-
-    def prefill(self, ids: Sequence[int]):
-        """``(logits f32[1, V], one-row cache)`` of a prompt."""
-        m, n = self.model, len(ids)
-        bucket = prefill_bucket(n, self.max_len)
-        tokens = np.full((1, bucket), m._pad_id(), np.int32)
-        tokens[0, :n] = ids
-        prefill = self._compiled_prefill.get(bucket, m.fns.prefill)
-        return prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), m.init_cache(1, self.max_len))
-
-    def insert(self, row, slot: int) -> None:
-        self.cache = self._insert(self.cache, row, jnp.int32(slot))
-
-    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
-        toks, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
-                                      jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
-                                      jnp.asarray(top_p))
-        return toks
-
-    def blocks_loaded(self, active) -> int:
-        return 0
-
-    @staticmethod
-    def wait(logits, row) -> None:
-        """Block until a prefill's outputs exist: the device reports a failure of the
-        prefill (out of memory) when its outputs are waited for."""
-        jax.block_until_ready((logits, row))
-
-    def settle(self) -> None:
-        """Nothing of its own in flight (see :meth:`OffloadedSlots.settle`)."""
-
-    working_set = None  # the scheduler's reservation estimate
-
-
-def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
-    """:func:`insert_slot` for a cache whose entries may be offloaded layers' device
-    tiers: every leaf but the per-step block counters (``hits, misses [B, Hkv]``, rewritten
-    by every step) takes row ``slot`` from ``row``."""
-    layers = []
-    for big, one in zip(cache.layers, row.layers):
-        if isinstance(big, OffloadedLayer):
-            strip = lambda e: dataclasses.replace(e, hits=None, misses=None)  # noqa: E731
-            new = insert_slot(strip(big), strip(one), slot)
-            layers.append(dataclasses.replace(new, hits=big.hits, misses=big.misses))
-        else:
-            layers.append(insert_slot(big, one, slot))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
-    return KVCache(tuple(layers), lengths, cache.max_len)
-
-
-WORKING_SET_WINDOW = 12  # SparseServe's w: decode steps whose selected blocks form a request's working set
-
-
-def offloaded_working_set(cache: KVCache, window: int = WORKING_SET_WINDOW) -> jax.Array:
-    """``int32[B]``: per row, the KV blocks (over the offloaded layers and KV heads) it
-    used in the last ``window`` decode steps: the pool slots whose LRU clock (the row's
-    length when the slot was last needed) lies within the window, plus the two ring
-    blocks per layer and head. SparseServe's decode working set (§3.3, the union of
-    the blocks selected over the last w steps), read from the pool's own record: a
-    block evicted within the window is not counted."""
-    total = jnp.zeros(cache.lengths.shape, jnp.int32)
-    for e in cache.layers:
-        if isinstance(e, OffloadedLayer) and e.shared:
-            # a shared pool: the slots holding the row's blocks (slot_block = row * NB + block) used in the
-            # pool's last `window` ticks; the rings are each row's own, outside the pool, not counted
-            nb = e.block_slot.shape[2]
-            recent = (e.slot_block[0] >= 0) & (e.slot_used[0] > e.tick[0][:, None] - window)  # [Hkv, N]
-            owner = jnp.where(recent, e.slot_block[0] // nb, total.shape[0])
-            total = total + jnp.zeros_like(total).at[owner.reshape(-1)].add(1, mode="drop")
-        elif isinstance(e, OffloadedLayer):
-            recent = (e.slot_block >= 0) & (e.slot_used > cache.lengths[:, None, None] - window)
-            total = total + recent.sum((1, 2)).astype(jnp.int32) + 2 * e.slot_block.shape[1]
-    return total
-
-
-def insert_shared_slot(cache: KVCache, row: KVCache, slot: jax.Array, host: tuple) -> KVCache:
-    """:func:`insert_tiered_slot` for a cache whose offloaded layers share one pool per
-    KV head (:func:`sparse_jax.offload.pool.insert_shared_row`: the slot's previous
-    blocks leave the pool, the prefilled row's blocks are placed in it from the host
-    tier ``host``, which already holds the row's blocks)."""
-    layers = []
-    for big, one, h in zip(cache.layers, row.layers, host):
-        if isinstance(big, OffloadedLayer):
-            layers.append(insert_shared_row(big, one, slot, h))
-        else:
-            layers.append(insert_slot(big, one, slot))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
-    return KVCache(tuple(layers), lengths, cache.max_len)
-
-
-class OffloadedSlots:
-    """Every slot's KV blocks in pinned host memory (:class:`models.runtime.tiered.TieredRunner`,
-    ``mode="offload"``): the device keeps each slot's ring and method state, and the
-    resident blocks in a pool per slot (``pool="per_row"``) or in one pool shared by
-    the slots (``pool="shared"``, LRU across them). A request is prefilled layer by
-    layer into a one-row tiered state; insertion writes its device tier into the slot
-    (one jitted program) and copies its host blocks into the slot's rows of the host
-    tier on the CPU (shared pool: first, and the insertion places the row's primed
-    blocks in the shared pool from there).
-
-    Shared pool: at most ``max_rows = pool_slots // blocks_per_step`` rows decode at
-    once (the engine caps R_max to it), so one step's blocks always fit the pool; the
-    scheduler's M_avl defaults to the pool's bytes, and the working sets it adds up are
-    each request's blocks in the pool used over the last 12 steps.
-
-    On a device with a memory limit (a GPU) the capacity check adds the longest prompt's
-    prefill temporaries, measured from its layer programs compiled ahead of time
-    (:meth:`models.runtime.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated."""
-
-    offloaded = True
-
-    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False,
-                 pool: str = "per_row"):
-        check_engine_mesh(model)
-        self.model, self.slots, self.max_len = model, slots, max_len
-        self.shared = off.check_pool(pool) == "shared"
-        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool)
-        cfg, dt = model.config, model.dtype
-        method = self.runner.method
-        self.blocks_per_step = method.offload_blocks_per_step(max_len)
-        self.pool_slots = self.runner._pool(max_len, slots)
-        self.max_rows = min(slots, self.pool_slots // self.blocks_per_step) if self.shared else slots
-        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool
-        self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
-                               else self.runner)
-
-
-        if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
-            self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
-                self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params))
-
-        def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
-            shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-            return jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((slots, cfg.num_heads, cfg.head_dim), dt)
-
-        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len)
-        bad = []
-        for i, e in enumerate(self.state.cache.layers):
-            if isinstance(e, OffloadedLayer) and e.shared:  # the pool is the slots' together: its row leaves
-                e = (e.block_slot, e.state)
-            elif isinstance(e, OffloadedLayer):
-                e = dataclasses.replace(e, hits=None, misses=None)
-            bad += [f"layer {i}: {a.shape}" for a in jax.tree.leaves(e) if a.ndim < 1 or a.shape[0] != slots]
-        bad += [f"host tier {i}: {h.k.shape}" for i, h in enumerate(self.state.host)
-                if h is not None and h.k.shape[0] != slots]
-        if bad:
-            raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
-        self._insert = jax.jit(insert_shared_slot if self.shared else insert_tiered_slot, donate_argnums=(0,))
-        self._sample = jax.jit(sample_rows)
-        self._working_set = jax.jit(offloaded_working_set)
-        self._copiers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
-                                                              thread_name_prefix="sparse-jax-insert")
-        self.device_bytes = self.state.cache.nbytes()
-        self.block_size = method.offload_block_size
-        self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
-        self.layer_heads = len(self.runner.offloaded_layers) * cfg.num_kv_heads
-        #: shared pool: the bytes of its blocks (the default M_avl)
-        self.pool_bytes = self.pool_slots * self.layer_heads * self.block_bytes
-        self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
-        self._ws_pending = None  # (int32[slots] on the device, the step it measured)
-        self._steps = 0
-        self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
-        self.segmented = segmented  # prompts prefill a few layers per iteration (Engine.max_inject_tokens)
-
-    def prefill(self, ids: Sequence[int]):
-        job = self.start_prefill(ids)
-        job.advance(job.runner.num_layers)
-        return job.result()
-
-    def start_prefill(self, ids: Sequence[int]):
-        """A :class:`models.runtime.tiered.PrefillJob` of one prompt (bucketed as every prefill):
-        the engine's layer-segmented prefill advances it between decode steps."""
-        n = len(ids)
-        tokens = np.full((1, self.prompt_tokens(n)), self.model._pad_id(), np.int32)
-        tokens[0, :n] = ids
-        return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
-
-    def prompt_tokens(self, n: int) -> int:
-        """Tokens a prompt of ``n`` runs through each layer: its prefill bucket, where the
-        bucket would fill the cache (the tiered prefill needs room for one decode token)
-        the last multiple of 64 below ``max_len``, and ``n`` only for a prompt past that.
-        Every prompt between the last power of two and the cache used to run at its own
-        length, each compiling its own layer programs: on the H100 a 98K slot's prompts
-        over 64K took 14 s to prefill, with 3.5 s stalls of the running requests."""
-        t = prefill_bucket(n, self.max_len)
-        if t < self.max_len:
-            return t
-        top = (self.max_len - 1) // 64 * 64
-        return top if n <= top else n
-
-    def layer_kv_bytes(self, n: int) -> int:
-        """Device bytes of one layer's K/V of a prompt of ``n`` tokens (its bucket), the
-        working set of a prompt under layer-segmented prefill (SparseServe §3.3)."""
-        cfg = self.model.config
-        return 2 * cfg.num_kv_heads * self.prompt_tokens(n) * cfg.head_dim * jnp.dtype(self.model.dtype).itemsize
-
-    def insert(self, row, slot: int) -> None:
-        st = self.state
-        self.runner.finish(st)  # saves still pending for the slot's last occupant land first
-        if not self.shared:
-            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
-
-        def copy(i):  # one CPU copy per layer and K/V, view to view (NumPy releases the GIL)
-            # views per shard (one on one device): (row range, head range, k, v)
-            for rows, heads, kview, vview in self.runner._views(st, i):
-                if slot not in rows:
-                    continue
-                for _, row_heads, row_k, row_v in self.runner._views(row, i):
-                    lo, hi = max(heads.start, row_heads.start), min(heads.stop, row_heads.stop)
-                    if lo < hi:
-                        dst = (slot - rows.start, slice(lo - heads.start, hi - heads.start))
-                        src = (0, slice(lo - row_heads.start, hi - row_heads.start))
-                        kview[dst] = row_k[src]
-                        vview[dst] = row_v[src]
-
-        # several threads, as SparseServe's CPU-assisted saving: one thread copies ~5-10 GB/s, and a
-        # 16K-token row of Qwen3-8B is 2.4 GB, copied while the engine waits
-        list(self._copiers.map(copy, self.runner.offloaded_layers))
-        if self.shared:  # after the host copy: the insertion fetches the row's primed blocks from there
-            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot), st.host)
-        st.lengths_host[slot] = row.lengths_host[0]
-        self.ws_blocks[slot] = 0  # measured again after its first step
-        self._inserted_at[slot] = self._steps
-
-    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
-        logits = self.runner.decode_step(tokens, self.state, active=active)
-        if self.state.counters:
-            # the counters are leaves of the cache the next step donates: keep their sum over the
-            # offloaded layers, one small program (a copy per layer was a dispatch per layer and step)
-            self.state.counters[-1] = [(None, _sum_arrays(tuple(m for _, m in self.state.counters[-1])))]
-        self._steps += 1
-        self._take_working_sets()  # last step's, copied meanwhile: one step stale
-        ws = self._working_set(self.state.cache)
-        ws.copy_to_host_async()
-        self._ws_pending = (ws, self._steps)
-        return self._sample(logits, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
-                            jnp.asarray(top_p))
-
-    def working_set(self, r: Request) -> int:
-        """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
-        once it decodes; for a prompt, the blocks its first step reads (its selection,
-        at most the prompt's blocks, plus the ring) in every offloaded layer and head."""
-        if r.slot is not None and r.output_ids and self.ws_blocks[r.slot] > 0:
-            return int(self.ws_blocks[r.slot]) * self.block_bytes
-        if self.segmented and not r.output_ids:  # waiting or prefilling: one layer of its KV at a time
-            return self.layer_kv_bytes(r.prompt_len)
-        # shared pool: the ring is the row's own, not the pool's
-        first = min(-(-r.prompt_len // self.block_size), self.blocks_per_step) + (0 if self.shared else 2)
-        return first * self.layer_heads * self.block_bytes
-
-    def settle(self) -> None:
-        """Read back what the last step left in flight: its working-set copy, and the blocks
-        it completed (stored into the host tier, as the next step would have)."""
-        self._take_working_sets()
-        self.runner.finish(self.state)
-
-    def _take_working_sets(self) -> None:
-        """Read the working sets the last step measured (``_ws_pending``) into ``ws_blocks``."""
-        if self._ws_pending is not None:
-            ws, step = self._ws_pending
-            self._ws_pending = None
-            ws = np.asarray(ws).astype(np.int64)
-            fresh = self._inserted_at < step  # a slot filled since then holds another request now
-            self.ws_blocks[fresh] = ws[fresh]
-
-    @staticmethod
-    def wait(logits, row) -> None:
-        """Block until a prefill's outputs exist, its host tier's copies included (see
-        :meth:`ResidentSlots.wait`)."""
-        jax.block_until_ready((logits, row.cache, row.host))
-
-    def blocks_loaded(self, active) -> int:
-        """Blocks the step being collected copied from the host for its ``active`` rows
-        (all layers, KV heads); drains the runner's per-step counters so they do not grow."""
-        st = self.state
-        if len(st.counters) < 2:
-            return 0
-        # the newest entry is the step just issued (still running): counted at the next collection
-        done, st.counters[:] = st.counters[:-1], st.counters[-1:]
-        hkv = self.model.config.num_kv_heads
-        rows = np.asarray(active, bool)
-        return int(sum(np.asarray(m).reshape(self.slots, hkv)[rows].sum() for step in done for _, m in step))
-
-
-# -----------------------------------------------------------------------------
-# The engine
-# -----------------------------------------------------------------------------
 
 
 class _Slot:
     """Host-side bookkeeping of one occupied slot."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, tokenizer=None):
         self.request = request
-        self.held_text = ""  # decoded but not yet sent (incomplete UTF-8, a possible stop string)
+        self.detok = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
+        self.held_text = ""  # decoded but not yet sent (a possible stop string)
 
 
 class Engine:
@@ -1026,7 +378,7 @@ class Engine:
                                 jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
         self.kv.insert(row, slot)
         with self._lock:
-            self._slots[slot] = _Slot(r)
+            self._slots[slot] = _Slot(r, self.tokenizer)
             r.slot = slot
             self._active[slot] = True
             self._fresh[slot] = True
@@ -1045,7 +397,7 @@ class Engine:
             self._fail(r, e)
             return
         with self._lock:
-            self._slots[slot] = _Slot(r)  # reserved; the slot stays inactive until insertion
+            self._slots[slot] = _Slot(r, self.tokenizer)  # reserved; the slot stays inactive until insertion
             r.slot = slot
         self._prefilling = (r, slot, job)
 
@@ -1083,7 +435,7 @@ class Engine:
                                       self._temperature, self._top_p, self._fresh)]
         tokens = jnp.asarray(host[0])
         if prev is not None:
-            tokens = _merge_tokens(jnp.asarray(host[6]), tokens, prev[0])
+            tokens = merge_tokens(jnp.asarray(host[6]), tokens, prev[0])
         toks = self.kv.step(tokens, *host[1:6])
         if hasattr(toks, "copy_to_host_async"):
             toks.copy_to_host_async()
@@ -1121,25 +473,21 @@ class Engine:
             return
         r.output_ids.append(tok)
         self._tokens[slot] = tok
-        if self.tokenizer is None:
+        if s.detok is None:
             self._send(r, Event("token", "", (tok,)))
         else:
-            full = self.tokenizer.decode(r.output_ids)
-            hit = min((i for i in (full.find(x, max(0, len(r.text) - len(x))) for x in p.stop) if i >= 0),
-                      default=-1)
-            if hit >= 0:  # a stop string: the text ends before it
-                s.held_text = full[len(r.text):hit]
+            # the new text (held back while it ends in an incomplete UTF-8 sequence), after
+            # what was held for a possible stop string; a stop string can only begin in the
+            # held text, since any text that could begin one is held
+            pending = s.held_text + s.detok.update(r.output_ids)
+            hit = min((i for i in (pending.find(x) for x in p.stop) if i >= 0), default=-1)
+            if hit >= 0:  # a stop string: the text ends before it (nothing after it is flushed)
+                s.held_text, s.detok = pending[:hit], None
                 self._finish(r, "stop", (tok,))
                 return
-            ready = full
-            if ready.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-                ready = ready.rstrip("\ufffd")
-            ready = ready[:len(ready) - _held_for_stop(ready, p.stop)]
-            if not ready.startswith(r.text):  # decoding changed earlier text (rare): send from where it differs
-                ready = r.text + ready[len(_common_prefix(ready, r.text)):]
-            delta = ready[len(r.text):]
-            s.held_text = full[len(ready):] if full.startswith(ready) else ""
-            r.text = ready
+            keep = _held_for_stop(pending, p.stop)
+            delta, s.held_text = pending[:len(pending) - keep], pending[len(pending) - keep:]
+            r.text += delta
             self._send(r, Event("token", delta, (tok,)))
         if len(r.output_ids) >= p.max_tokens:
             self._finish(r, "length")
@@ -1152,7 +500,8 @@ class Engine:
         if r.slot is not None:
             s = self._slots[r.slot]
             if reason in ("length", "stop") and s is not None:
-                rest = s.held_text
+                # what was held back, and an incomplete character's bytes at the very end
+                rest = s.held_text + (s.detok.update(r.output_ids, final=True) if s.detok is not None else "")
             with self._lock:
                 self._slots[r.slot] = None
                 self._active[r.slot] = False
@@ -1193,12 +542,3 @@ def _held_for_stop(text: str, stops: Sequence[str]) -> int:
                 held = k
                 break
     return held
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]

@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 import jax
 
 from models.runtime.sharding import shard
-from models.serving.engine import Engine, Event, Request, SamplingParams
+from models.serving.engine import Engine
+from models.serving.requests import Event, Request, SamplingParams
 
 
 def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:

@@ -36,7 +36,8 @@ import secrets
 import time
 from typing import Any
 
-from models.serving.engine import Engine, Event, Request, SamplingParams
+from models.serving.engine import Engine
+from models.serving.requests import Event, Request, SamplingParams
 
 # -----------------------------------------------------------------------------
 # Request bodies (checked by hand: clear messages, and no pydantic coupling)
