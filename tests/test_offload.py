@@ -377,7 +377,7 @@ def test_runner_schedule_options():
     """Offloaded runs default to the concurrent CUDA-graph schedule with the strided
     copy (8 programs); resident ones to XLA's default; bad grids are refused before
     any compilation."""
-    from models.runtime import tiered
+    from models.runtime import tiered, tiered_programs
 
     model = _tiny_asynctls_model()
     off_ = tiered.TieredRunner(model, "offload")
@@ -388,8 +388,8 @@ def test_runner_schedule_options():
     serial = tiered.TieredRunner(model, "offload", concurrent=False)
     assert serial.gather_programs is None  # one program per block when nothing runs beside the copy
     assert tiered.TieredRunner(model, "offload", concurrent=False, gather_programs=3).gather_programs == 3
-    assert tiered.compiler_options(True) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert tiered.compiler_options(False) is None
+    assert tiered_programs.compiler_options(True) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert tiered_programs.compiler_options(False) is None
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="gather_programs must be a positive int or None"):
             tiered.TieredRunner(model, "offload", gather_programs=bad)
@@ -415,7 +415,7 @@ def test_decode_compiles_once_and_saving_is_precompiled():
     """The state built by prefill has the placement of the decode program's outputs:
     it compiles once, and the block extraction compiled when the state was built is
     the one the block saves use (no compilation mid-decode)."""
-    from models.runtime import tiered
+    from models.runtime import tiered, tiered_programs
 
     model = _tiny_asynctls_model()
     # the tiers are placed from the sharding given (its memory kind replaced)
@@ -425,7 +425,7 @@ def test_decode_compiles_once_and_saving_is_precompiled():
     tier, host = state.cache.layers[1], state.host[1]
     assert tier.pool_k.sharding.memory_kind == "device" and host.k.sharding.memory_kind == "pinned_host"
     assert host.k.shape == (3, 2, 256 // 16, 16, 16)  # [B, Hkv, NB, bs, D]: the head axis kept
-    extract = tiered._extract_block_fn()
+    extract = tiered_programs.extract_block_fn()
     built = extract._cache_size()
     tok = jnp.zeros((3,), jnp.int32)
     runner.decode_step(tok, state)
