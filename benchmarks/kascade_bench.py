@@ -137,7 +137,8 @@ def method_for(name: str, cfg):
 
 
 def e2e_rows(a) -> list[dict]:
-    from benchmarks.probes.driver_probe import kernel_profile, time_steps
+    from benchmarks.timing import time_steps
+    from benchmarks.trace_overlap import kernel_profile
     from benchmarks.offload import qwen3_8b, random_model
     from models import transformer as tfm
     from models import programs
@@ -181,7 +182,7 @@ def prefill_flops(cfg, method, batch: int, context: int) -> dict | None:
     diagonal tiles, any other (the dense first anchor, layers outside
     ``tiled_prefill_layers``) every causal pair; every Kascade anchor selects, on a TSA
     layer too. None for TSA at a ``tau`` (how many tokens it keeps depends on the data)."""
-    from sparse_jax import kascade_prefill as kp
+    from sparse_jax.methods.kascade import prefill as kp
 
     s, hq, d, nl = context, cfg.num_heads, cfg.head_dim, cfg.num_layers
     causal = s * (s + 1) / 2

@@ -25,7 +25,7 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   ``prefill=token_sparse``), and the time is reported per fraction.
 
 * **kascade reuse** (``--parts kascade``): a Kascade reuse layer's tiled attention
-  (``sparse_jax.kascade_prefill.tiled_attention_composed``: the gather kernel over each
+  (``sparse_jax.methods.kascade.prefill.tiled_attention_composed``: the gather kernel over each
   32-query tile's selected keys, the causal diagonal tile, the LSE merge) at the
   paper's budget (``tile_counts``: ``min(0.1 T - 32, max(128, 0.1 x tile start), tile
   start)`` keys per tile, growing with position), with random selections (per tile,
@@ -131,7 +131,7 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
                  anchor_impls=("reference", "pallas"), scores_tunings=()) -> list[dict]:
     """A Kascade reuse layer at the paper's budget (module docstring)."""
     from pallas_kernels.tile_scores import tile_scores_pallas
-    from sparse_jax import kascade_prefill as kp
+    from sparse_jax.methods.kascade import prefill as kp
     from sparse_jax.ops._dispatch import on_gpu
 
     b, t, hq, d = q.shape

@@ -314,3 +314,17 @@ def markdown_table(rows: list[dict], columns: list[str], fmt: dict[str, str] | N
             cells.append(str(v))
         body += "| " + " | ".join(cells) + " |\n"
     return head + body
+
+
+def time_steps(step, cache, tokens, steps: int, rounds: int):
+    """Median ms per step over ``rounds`` rounds of ``steps`` back-to-back steps."""
+    logits, cache = step(tokens, cache)  # warm-up (compiled before)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = step(tokens, cache)
+        jax.block_until_ready(logits)
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(times), cache

@@ -72,6 +72,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
+import jax
+
 # Defaults. All regexes are applied with re.search (a match anywhere in the name).
 DEFAULT_TRANSFER_REGEX = r"host_gather"
 DEFAULT_MEMCPY_REGEX = r"Memcpy|memcpy|HtoD|DtoH|H2D|D2H|CopyHostToDevice|CopyDeviceToHost"
@@ -612,6 +614,54 @@ def format_summary(report: dict, trace_file: str | None = None) -> str:
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
+
+
+SELECTION_KERNELS = r"quest_block_scores|topk_select|block_label|label_scores|label_logits"
+
+
+def selection_overlap(kernels, select_regex: str = SELECTION_KERNELS) -> dict:
+    """How much GPU time ran concurrently, from traced kernels (``ts``/``end``/``name``, µs).
+
+    ``kernel_sum_us``: the kernels' summed durations; ``busy_us``: their union. Above the
+    union, kernels ran side by side (a concurrent CUDA graph's branches). ``select_us``: the
+    union of the kernels named by ``select_regex`` (a method's selection); ``select_hidden_us``:
+    the part of it during which some other kernel also ran, i.e. selection work that left
+    the step's critical path."""
+    sel_re = re.compile(select_regex)
+    sel = [k for k in kernels if sel_re.search(k.name)]
+    rest = [k for k in kernels if not sel_re.search(k.name)]
+    sel_u = interval_union((k.ts, k.end) for k in sel)
+    rest_u = interval_union((k.ts, k.end) for k in rest)
+    return {"kernel_sum_us": float(sum(k.dur for k in kernels)),
+            "busy_us": measure(interval_union((k.ts, k.end) for k in kernels)),
+            "select_us": measure(sel_u),
+            "select_hidden_us": measure(interval_intersection(sel_u, rest_u))}
+
+
+def kernel_profile(step, cache, tokens, steps: int, logdir: str, top: int = 8):
+    """Trace ``steps`` decode steps: GPU busy ms per step, span per step, the top kernels,
+    and the concurrency figures of :func:`selection_overlap` per step. (XLA runs without
+    CUDA graphs under the profiler unless ``--xla_enable_command_buffers_during_profiling``
+    is set: a concurrent graph's overlap shows only with it.)"""
+    import collections
+    with jax.profiler.trace(logdir, create_perfetto_trace=False):
+        for _ in range(steps):
+            logits, cache = step(tokens, cache)
+        jax.block_until_ready(logits)
+    events, _ = load_events(logdir)
+    sre, dre = re.compile(DEFAULT_STREAM_REGEX), re.compile(DEFAULT_DEVICE_REGEX)
+    ks = [e for e in events if _is_stream(e.process, e.thread, sre, dre)]
+    by = collections.Counter()
+    for e in ks:
+        by[re.sub(r"[._]\d+$", "", e.name)[:60]] += e.dur
+    busy = measure(interval_union((e.ts, e.end) for e in ks)) / 1e3 / steps
+    span = (max(e.end for e in ks) - min(e.ts for e in ks)) / 1e3 / steps if ks else 0.0
+    tops = "; ".join(f"{n} {t / 1e3 / steps:.2f}" for n, t in by.most_common(top))
+    ov = selection_overlap(ks)
+    return {"gpu_busy_ms": round(busy, 3), "gpu_span_ms": round(span, 3), "top_kernels_ms": tops,
+            "kernel_sum_ms": round(ov["kernel_sum_us"] / 1e3 / steps, 3),
+            "select_ms": round(ov["select_us"] / 1e3 / steps, 3),
+            "select_hidden_ms": round(ov["select_hidden_us"] / 1e3 / steps, 3)}, cache
 
 
 def main(argv: Sequence[str] | None = None) -> int:

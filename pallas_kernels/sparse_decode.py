@@ -21,7 +21,7 @@ Query head ``i`` belongs to KV head ``i // G`` with ``G = Hq // Hkv``. For each
 * ``kv_batch_share = r`` (default 1): ``q``, ``indices`` and ``counts`` have
   ``r`` times k's batch, and q's batch row ``i`` reads k/v row ``i // r``: many
   lists over one cache without copying it (Kascade's tiled prefill: one row per
-  (batch, KV head, query tile), ``sparse_jax.kascade_prefill``).
+  (batch, KV head, query tile), ``sparse_jax.methods.kascade.prefill``).
 
 The output is ``[B, Hq, D]`` in q's dtype; logits, softmax and accumulation are
 float32. With ``return_residuals=True`` the result is ``(out, (m, l))`` with

@@ -9,9 +9,9 @@ head ``i // G``. With ``P[b, h, i, j]`` the exact causal softmax of query ``i``
     s[b, h, c, j] = sum_{g < G} sum_{i in tile n0 + c, i < L} P[b, h * G + g, i, j]
 
 for keys ``j`` before the tile's start, and ``-inf`` from the tile's start on:
-what :func:`sparse_jax.kascade_prefill.tile_scores` computes from the
+what :func:`sparse_jax.methods.kascade.prefill.tile_scores` computes from the
 materialised ``[B, Hq, T, T]`` probabilities (the jnp reference;
-:func:`sparse_jax.kascade_prefill.anchor_selection_chunked` calls this kernel, or
+:func:`sparse_jax.methods.kascade.prefill.anchor_selection_chunked` calls this kernel, or
 the reference, chunk by chunk and takes the per-tile top-k).
 
 GPU kernel design
@@ -173,7 +173,7 @@ def tile_scores_pallas(q, k, lengths, first_tile, *, tile, chunk, out_len=None, 
     (traced): ``f32[B, Hkv, chunk, out_len]``, the scores of keys ``0 .. out_len - 1``
     (default ``T``; a chunk whose tiles all start at or before ``out_len`` loses
     nothing selectable: the keys past it are ``-inf`` for those tiles). No argument
-    checks (see :func:`sparse_jax.kascade_prefill.anchor_selection_chunked`). Tiles
+    checks (see :func:`sparse_jax.methods.kascade.prefill.anchor_selection_chunked`). Tiles
     past the prompt give rows of ``-inf`` past their start (callers drop them). Tuning:
     ``block_k`` (keys per tile; 64, or 32 for D = 256), ``num_warps`` (4, or 8 for
     D = 256), ``num_stages`` (3 for 16-bit inputs at D <= 128: 355 against 380 ms for 2 at 128K on the

@@ -12,7 +12,7 @@ import pytest
 
 from tests.driver_modes import driver_mode
 
-from sparse_jax.kascade_calibration import choose_anchors, fallback_anchors, head_map_for, layer_scores
+from sparse_jax.methods.kascade.calibration import choose_anchors, fallback_anchors, head_map_for, layer_scores
 from sparse_jax.methods import get_method
 from sparse_jax.methods.base import single_layer
 from sparse_jax.methods.kascade import ANCHOR, REUSE, Kascade, kascade_budget
@@ -194,7 +194,7 @@ def test_kascade_over_asynctls_offloaded_equals_resident():
 
 
 def test_num_anchors_reruns_the_dp_on_a_stored_calibration(tmp_path):
-    from sparse_jax.kascade_calibration import save_kascade_calibration
+    from sparse_jax.methods.kascade.calibration import save_kascade_calibration
 
     rng = np.random.default_rng(4)
     nl, hkv = 6, 2

@@ -1,4 +1,4 @@
-"""Kascade's tiled prefill (sparse_jax.kascade_prefill, Kascade(tiled_prefill=True)):
+"""Kascade's tiled prefill (sparse_jax.methods.kascade.prefill, Kascade(tiled_prefill=True)):
 the per-tile counts and top-k against NumPy, the attention against a brute force
 over each query's allowed keys, exact when the budget covers the prompt (in the
 model too, scanned and unrolled), the layer-by-layer prefill equal to the model's,
@@ -15,7 +15,7 @@ import pytest
 
 from tests.driver_modes import driver_mode
 
-from sparse_jax import kascade_prefill as kp
+from sparse_jax.methods.kascade import prefill as kp
 from sparse_jax.methods import get_method
 from sparse_jax.methods.kascade import Kascade
 from tests.test_kascade import _run, _tiny_model, _tokens

@@ -288,7 +288,7 @@ def test_host_time_by_name(gpu_logdir):
 
 
 def test_selection_overlap_counts_only_concurrent_selection_time():
-    from benchmarks.probes.driver_probe import selection_overlap
+    from benchmarks.trace_overlap import selection_overlap
 
     def ev(name, ts, dur, tid=1):
         return to.TraceEvent(name, ts, dur, 1, tid, "/device:GPU:0", f"stream {tid}")

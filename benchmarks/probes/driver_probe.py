@@ -21,14 +21,13 @@ import argparse
 import dataclasses
 import os
 import re
-import statistics
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, stamp, time_steps, write_results
+from benchmarks.trace_overlap import kernel_profile
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u8": 1, "s8": 1, "pred": 1}
 
@@ -45,75 +44,6 @@ def big_copies(hlo_text: str, min_bytes: int) -> list[str]:
             out.append(f"{m.group(1)}[{m.group(2)}] {n / 2**20:.0f} MiB")
     return out
 
-
-def time_steps(step, cache, tokens, steps: int, rounds: int):
-    """Median ms per step over ``rounds`` rounds of ``steps`` back-to-back steps."""
-    logits, cache = step(tokens, cache)  # warm-up (compiled before)
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits, cache = step(tokens, cache)
-        jax.block_until_ready(logits)
-        times.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(times), cache
-
-
-SELECTION_KERNELS = r"quest_block_scores|topk_select|block_label|label_scores|label_logits"
-
-
-def selection_overlap(kernels, select_regex: str = SELECTION_KERNELS) -> dict:
-    """How much GPU time ran concurrently, from traced kernels (``ts``/``end``/``name``, µs).
-
-    ``kernel_sum_us``: the kernels' summed durations; ``busy_us``: their union. Above the
-    union, kernels ran side by side (a concurrent CUDA graph's branches). ``select_us``: the
-    union of the kernels named by ``select_regex`` (a method's selection); ``select_hidden_us``:
-    the part of it during which some other kernel also ran, i.e. selection work that left
-    the step's critical path."""
-    import re as _re
-
-    from benchmarks import trace_overlap as tov
-
-    sel_re = _re.compile(select_regex)
-    sel = [k for k in kernels if sel_re.search(k.name)]
-    rest = [k for k in kernels if not sel_re.search(k.name)]
-    sel_u = tov.interval_union((k.ts, k.end) for k in sel)
-    rest_u = tov.interval_union((k.ts, k.end) for k in rest)
-    return {"kernel_sum_us": float(sum(k.dur for k in kernels)),
-            "busy_us": tov.measure(tov.interval_union((k.ts, k.end) for k in kernels)),
-            "select_us": tov.measure(sel_u),
-            "select_hidden_us": tov.measure(tov.interval_intersection(sel_u, rest_u))}
-
-
-def kernel_profile(step, cache, tokens, steps: int, logdir: str, top: int = 8):
-    """Trace ``steps`` decode steps: GPU busy ms per step, span per step, the top kernels,
-    and the concurrency figures of :func:`selection_overlap` per step. (XLA runs without
-    CUDA graphs under the profiler unless ``--xla_enable_command_buffers_during_profiling``
-    is set: a concurrent graph's overlap shows only with it.)"""
-    import collections
-    import re as _re
-
-    from benchmarks import trace_overlap as tov
-
-    with jax.profiler.trace(logdir, create_perfetto_trace=False):
-        for _ in range(steps):
-            logits, cache = step(tokens, cache)
-        jax.block_until_ready(logits)
-    events, _ = tov.load_events(logdir)
-    sre, dre = _re.compile(tov.DEFAULT_STREAM_REGEX), _re.compile(tov.DEFAULT_DEVICE_REGEX)
-    ks = [e for e in events if tov._is_stream(e.process, e.thread, sre, dre)]
-    by = collections.Counter()
-    for e in ks:
-        by[_re.sub(r"[._]\d+$", "", e.name)[:60]] += e.dur
-    busy = tov.measure(tov.interval_union((e.ts, e.end) for e in ks)) / 1e3 / steps
-    span = (max(e.end for e in ks) - min(e.ts for e in ks)) / 1e3 / steps if ks else 0.0
-    tops = "; ".join(f"{n} {t / 1e3 / steps:.2f}" for n, t in by.most_common(top))
-    ov = selection_overlap(ks)
-    return {"gpu_busy_ms": round(busy, 3), "gpu_span_ms": round(span, 3), "top_kernels_ms": tops,
-            "kernel_sum_ms": round(ov["kernel_sum_us"] / 1e3 / steps, 3),
-            "select_ms": round(ov["select_us"] / 1e3 / steps, 3),
-            "select_hidden_ms": round(ov["select_hidden_us"] / 1e3 / steps, 3)}, cache
 
 def main(argv=None):
     from benchmarks.offload import asynctls_for, qwen3_8b, random_model

@@ -6,7 +6,7 @@ Runs the model densely over real text (the docstring text of
 :mod:`models.cli.calibrate`: plain English, deterministic), and for every prompt
 and every pair of layers ``a < b`` measures how much of layer ``b``'s oracle
 top-k attention mass layer ``a``'s top-k recovers, per KV head pair
-(:mod:`sparse_jax.kascade_calibration`: min over query tiles, mean over
+(:mod:`sparse_jax.methods.kascade.calibration`: min over query tiles, mean over
 prompts, weighted by the reuse layer's importance ``1 - cos(h_in, h_in +
 attn_out)``). The paper's DP picks ``--anchors`` anchor layers (the first
 layer forced), the argmax over anchor heads the head map, and the result is
@@ -36,7 +36,7 @@ import models
 from models.cli.calibrate import calibration_batches, calibration_text
 from models.driver import _layer_at, inv_freq, make_plan
 from models.transformer import layer_graphdef, layer_output, layer_qkv, rope_cos_sin
-from sparse_jax.kascade_calibration import (
+from sparse_jax.methods.kascade.calibration import (
     CALIBRATION_ROOT,
     choose_anchors,
     group_probs_per_query,

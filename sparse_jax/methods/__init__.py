@@ -4,10 +4,11 @@ Importing this package registers every method: ``dense``, ``oracle_topk``,
 ``streaming``, ``quest``, ``arkvale``, ``double_sparsity``, ``asynctls``, ``kascade``, ``asyncspade``.
 """
 
-from sparse_jax.methods import asyncspade, double_sparsity, kascade, oracle, quest, streaming  # noqa: E402,F401  (registration)
+from sparse_jax.methods import asyncspade, asynctls, double_sparsity, kascade, oracle, quest, streaming  # noqa: E402,F401  (registration)
 from sparse_jax.methods.asyncspade import AsyncSpade
 from sparse_jax.methods.base import AttentionMethod, DenseAttention
-from sparse_jax.methods.double_sparsity import AsyncTLS, DoubleSparsity
+from sparse_jax.methods.asynctls import AsyncTLS
+from sparse_jax.methods.double_sparsity import DoubleSparsity
 from sparse_jax.methods.kascade import Kascade
 from sparse_jax.methods.oracle import OracleTopK
 from sparse_jax.methods.quest import ArkVale, Quest

@@ -37,7 +37,7 @@ so the first anchor then attends its selection rather than densely
 **Calibration.** ``anchors``/``head_map`` default to the model's shipped
 calibration (``sparse_jax/calibration_data/<model>/kascade.json``, from
 ``python -m models.cli.kascade_calibrate``); without one, 5 anchors spread from
-layer 0 (:func:`sparse_jax.kascade_calibration.fallback_anchors`) and the
+layer 0 (:func:`sparse_jax.methods.kascade.calibration.fallback_anchors`) and the
 identity head map. The first sparse layer is always an anchor (it has no
 earlier anchor to reuse).
 """
@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax import kascade_prefill as kp
-from sparse_jax.kascade_calibration import anchors_from_calibration, fallback_anchors, load_kascade_calibration
+from sparse_jax.methods.kascade import prefill as kp
+from sparse_jax.methods.kascade.calibration import anchors_from_calibration, fallback_anchors, load_kascade_calibration
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.methods.registry import get_method, register
 from sparse_jax.ops.scoring import group_softmax_scores
@@ -98,7 +98,7 @@ class Kascade(AttentionMethod):
       anchor_options: ``((field, value), ...)`` for the anchor selector.
       calibration_root: where calibrations live (default: the package's).
       impl: kernel implementation ("auto", "pallas", "reference").
-      tiled_prefill: Kascade's tile-sparse prefill (module :mod:`sparse_jax.kascade_prefill`;
+      tiled_prefill: Kascade's tile-sparse prefill (module :mod:`sparse_jax.methods.kascade.prefill`;
         the 10% rule less one tile per tile, or ``budget`` keys per tile when fixed).
       prefill_tile: queries per prefill tile (32, as the code; the paper says 128).
       prefill_impl: the tiled prefill's attention: "composed" (the gather kernel over
@@ -130,16 +130,16 @@ class Kascade(AttentionMethod):
     calibration_root: str | None = None
     impl: str = "auto"
     dense_layers: tuple[int, ...] = ()
-    #: the paper's tile-sparse prefill (:mod:`sparse_jax.kascade_prefill`): anchors take a
+    #: the paper's tile-sparse prefill (:mod:`sparse_jax.methods.kascade.prefill`): anchors take a
     #: top-k per tile of ``prefill_tile`` queries, reuse layers attend it plus their
     #: diagonal tile. Off by default: dense prefill, Kascade in decode only
     tiled_prefill: bool = False
     prefill_tile: int = 32
-    #: "composed" (fast: :func:`sparse_jax.kascade_prefill.tiled_attention_composed`) or
+    #: "composed" (fast: :func:`sparse_jax.methods.kascade.prefill.tiled_attention_composed`) or
     #: "masked" (the reference with dense [T, T] masks)
     prefill_impl: str = "composed"
     #: "composed" anchors' selection: f32 logits of at most this many bytes at a time
-    #: (:func:`sparse_jax.kascade_prefill.anchor_selection_chunked`; default 2 GiB)
+    #: (:func:`sparse_jax.methods.kascade.prefill.anchor_selection_chunked`; default 2 GiB)
     prefill_chunk_bytes: int = 2 << 30
     #: layers with a tile-sparse prompt attention (None: every layer); the rest attend densely
     tiled_prefill_layers: tuple[int, ...] | None = None
