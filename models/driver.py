@@ -159,7 +159,11 @@ def layer_rows(a) -> LayerRows:
         (dev, *others) = a.devices()
         if not others and dev.platform == "cpu":
             host = np.asarray(a)  # a view of the device buffer
-            return LayerRows(jax.device_put(host[g], dev) for g in range(a.shape[0]))
+            # committed only where ``a`` is: a step's outputs are committed when any input is,
+            # and a cache that changed from uncommitted (prefill's) to committed (the first
+            # decode step's) would compile the decode step a second time
+            put = functools.partial(jax.device_put, device=dev) if a.committed else jax.device_put
+            return LayerRows(put(host[g]) for g in range(a.shape[0]))
         return LayerRows(a[g] for g in range(a.shape[0]))  # elsewhere: copies, laid out as ``a``
     return LayerRows(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for _ in range(a.shape[0]))
 
