@@ -16,8 +16,9 @@ runs SmolLM2 through the CLI instead).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -85,21 +86,35 @@ def tiny_cases():
             _report("control/asyncspade[quest]/window=1-vs-window=4", ctl, got)
 
 
-def smollm2_case():
-    import models
+def cli_case():
+    """``python -m models.generate --attention asyncspade --cache-rank`` (the CLI's ``main``):
+    SmolLM2's text with and without the cache rank, and the flag refused for another method."""
+    from models.cli import generate
 
-    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=512, attention="asyncspade",
-                             attention_options=dict(budget=64, window=4))
-    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 6 + "The capital of Spain is"
-    want = base.generate(prompt, max_new_tokens=10)
-    got = with_cache_rank(base, pack_layers=10).generate(prompt, max_new_tokens=10)
-    print(json.dumps(dict(case="smollm2/asyncspade/generate", want=want, got=got, tokens_agree=want == got,
-                          max_dlogit=0.0)), flush=True)
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 5 + "The capital of Germany is"
+    args = ["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt", "budget=48", "--prompt", prompt,
+            "--max-new-tokens", "8"]
+    texts, heads = [], []
+    for extra in ([], ["--cache-rank"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = generate.main([*args, *extra])
+        assert rc == 0, out.getvalue()[-2000:]
+        head, rest = out.getvalue().split("]\n", 1)
+        texts.append(rest.split("-" * 72)[0])
+        heads.append(head)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:  # the CLI exits 2 on a refused command line (argparse's SystemExit, or main's return)
+            rc = generate.main(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])
+        except SystemExit as e:
+            rc = e.code
+    print(json.dumps(dict(case="cli/cache-rank", texts=texts, heads=heads, refused_rc=rc,
+                          refused=err.getvalue()[-500:])), flush=True)
 
 
 if __name__ == "__main__":
     if len(jax.devices()) < 2:
         raise SystemExit("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
     tiny_cases()
-    if "--smollm2" in sys.argv:  # SmolLM2's text through the CLI: tests/test_cache_rank.py
-        smollm2_case()
+    cli_case()

@@ -8,23 +8,23 @@ ragged prefill and ``STEPS`` greedy decode steps on one device (the unsharded
 JSON line per case: the max |logit difference| over every step, whether the
 greedy tokens agree, and the cache's sharding.
 
-``--only offload [--smollm2]``: offloaded decoding on a mesh (host tier and pool
-split by KV head and row) against one device, resident: Quest and AsyncTLS (lag,
-per-head channels) on 1x2 and 2x2, a control that drops the block saves, and
-AsyncTLS on a tiny config of 3 KV heads padded to 4 on model=2; with ``--smollm2``,
-the serving engine on SmolLM2 (real weights, padded to 4 KV heads) on model=2,
-resident and offloaded, against single-request generation on one device.
-``--with-offload``: every case above and the offload ones (SmolLM2's engine
-included) in one process: ``tests/test_sharding.py`` runs its 4-device checks so,
-paying for one process start and one SmolLM2 load.
+``--only offload``: offloaded decoding on a mesh (host tier and pool split by KV head and
+row) against one device, resident: Quest and AsyncTLS (lag, per-head channels) on 1x2 and
+2x2, a control that drops the block saves, AsyncTLS on a tiny config of 3 KV heads padded
+to 4 on model=2, and the serving engine on that config (model=2, resident and offloaded)
+against single-request generation on one device. ``--with-offload``: every case, the
+offload ones included, in one process (``tests/test_sharding.py`` runs its 4-device checks
+so, paying for one process start, one SmolLM2 load and one set of compilations).
 
-Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest,
-asynctls, asyncspade and quest after a Token Sparse Attention prefill, every method selecting: budgets below the prompts), meshes 1x2,
-2x2 and 1x4, and kascade on data=2; SmolLM2-135M on its real weights in f32, its 3 KV heads padded
-to 4 (dense, quest and asynctls on model=2, its calibrated channels padded
-too; asynctls on data=2 replicas); with
-``--bf16``, SmolLM2 in bf16 against an f32 reference, one device and model=2,
-to show the sharded error is rounding of the same size as one device's.
+Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest, asynctls,
+asyncspade and quest after a Token Sparse Attention prefill, every method selecting:
+budgets below the prompts) on meshes 1x2, 2x2 and 1x4, and kascade on data=2; a tiny
+Llama-style config of 3 KV heads padded to 4, SmolLM2's shape in small (dense, quest and
+asynctls on model=2, its per-head channels padded too; asynctls on data=2), with
+``--bf16`` also in bf16 against an f32 reference, one device and model=2, to show the
+sharded error is rounding of the same size as one device's. SmolLM2-135M on its real
+weights once per user path: ``shard(model, model=2).generate`` and the generate CLI with
+``--tensor-parallel 2``, each against one device.
 """
 
 from __future__ import annotations
@@ -180,7 +180,6 @@ def offload_cases(meshes):
     the next step's blocks; per-head calibrated channels), the smallest pools."""
     import models
     from models.config import ModelConfig
-    from models.runtime.sharding import Parallelism
     from sparse_jax.methods.registry import get_method
 
     cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
@@ -210,12 +209,9 @@ def padded_offload_case():
     on model=2 against one device, resident: the padding on the offload path (SmolLM2's
     3 KV heads, real weights: the engine case)."""
     import models
-    from models.config import ModelConfig
     from sparse_jax.methods.registry import get_method
 
-    cfg = ModelConfig(name="tiny-kv3", arch="llama", num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3,
-                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
-                      rms_eps=1e-6, eos_token_id=2, pad_token_id=2)
+    cfg = _tiny_kv3(eos=True)
     channels = (tuple(tuple(range(h, 16, 4)) for h in range(3)),) * 3
     m = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention=get_method(
         "asynctls", budget=32, block_size=8, kb=8, lag=True, channels_per_layer=channels, dense_layers=(0,)))
@@ -227,79 +223,120 @@ def padded_offload_case():
     report_offload("offload/tiny-kv3/asynctls/data=1,model=2", ref, got, runner, state)
 
 
+def _tiny_kv3(eos: bool = False):
+    """A tiny Llama-style config of 3 KV heads (padded to 4 on model=2), SmolLM2's shape in small."""
+    from models.config import ModelConfig
+
+    return ModelConfig(name="tiny-kv3", arch="llama", num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=3,
+                       head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                       rms_eps=1e-6, **(dict(eos_token_id=2, pad_token_id=2) if eos else {}))
+
+
 def engine_case():
-    """The serving engine over a mesh (SmolLM2, model=2), resident and offloaded: three
-    requests through two slots give each request's single-request tokens on one device."""
+    """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2), resident and
+    offloaded: five requests through two slots give each request's single-request tokens on
+    one device (Quest at budget 32, below every prompt: it really selects)."""
+    import models
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
-    base = smollm2(256)
-    tok = base.tokenizer
-    prompts = ["List three fruits.", "What is the capital of France?", "Count to five."]
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
-    # budget 32 (two 16-token blocks) below the 34-55 tokens of every prompt and its output:
-    # the sharded engine's Quest really selects (with 64 it attended everything)
-    assert min(len(i) for i in ids) > 32, [len(i) for i in ids]
-    model = base.with_method("quest", budget=32)
-    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18)[0]
-            for i in ids]
+    model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention="quest",
+                              attention_options=dict(budget=32, block_size=8, dense_layers=(0,)))
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(3, 97, n).tolist() for n in (70, 41, 88, 53, 60)]
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
+                               stop_ids=())[0] for i in ids]
     sharded_model = shard(model, model=2)
     for offload in (False, True):
-        engine = Engine(sharded_model, slots=2, max_len=256, offload=offload).start()
+        engine = Engine(sharded_model, slots=2, max_len=256, offload=offload, stop_ids=()).start()
         try:
             reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
             done = all(r.done.wait(300) for r in reqs)
-            print(json.dumps(dict(case=f"engine/smollm2/quest/{'offload' if offload else 'resident'}/data=1,model=2",
+            print(json.dumps(dict(case=f"engine/tiny-kv3/quest/{'offload' if offload else 'resident'}/data=1,model=2",
                                   completed=done, tokens_agree=done and [r.output_ids for r in reqs] == refs,
                                   blocks_loaded=engine.stats().get("blocks_loaded"), devices=2)), flush=True)
         finally:
             engine.stop()
 
 
-def smollm2_cases(bf16: bool):
+def padded_cases(bf16: bool):
+    """Padded KV heads (3 -> 4) on a mesh, SmolLM2's case in small: dense, quest and asynctls
+    (per-head channels, padded too) on model=2, asynctls on data=2; with ``bf16``, dense in
+    bf16 against an f32 reference on one device and on model=2 (the sharded error is
+    rounding of the same size as one device's)."""
     from models.runtime import sharding as sh
-    from models.cli.demo_prompt import build_demo_prompt
     from models.runtime.sharding import Parallelism
+    from models.transformer import init_params
+    from sparse_jax.methods.registry import get_method
 
-    text = build_demo_prompt(n_paragraphs=3).messages[0]["content"]
-    base = smollm2(512)
-    ids = base.tokenizer.encode(text)[:200]
-    tokens = jnp.asarray(np.stack([ids, ids[::-1]]), jnp.int32)
+    cfg = _tiny_kv3()
+    graphdef, params = init_params(cfg, jnp.float32, seed=2)
+    channels = (tuple(tuple(range(h, 16, 4)) for h in range(3)),) * 3
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 200)), jnp.int32)
     lengths = jnp.asarray([200, 170], jnp.int32)
-    cases = [("dense", {}, Parallelism(1, 2)), ("quest", dict(budget=64), Parallelism(1, 2)),
-             ("asynctls", dict(budget=64), Parallelism(1, 2)), ("asynctls", dict(budget=64), Parallelism(2, 1))]
-    for name, opts, par in cases:
-        model = base.with_method(name, **opts)
-        ref = one_device(model.config, model.graphdef, model.params, model.method, tokens, lengths, 256, jnp.float32)
-        cfg, params, method = sh.pad_kv_heads(model.config, model.params, par.model, model.method)
-        got = sharded(cfg, params, method, tokens, lengths, 256, jnp.float32, par)
-        report(f"smollm2/{name}/data={par.data},model={par.model}", ref, got, got[2])
-    # the Python API: Model.shard, with_method on the sharded model, generate
+    cases = [("dense", get_method("dense"), Parallelism(1, 2)),
+             ("quest", get_method("quest", budget=64, dense_layers=(0,)), Parallelism(1, 2)),
+             ("asynctls", get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
+                                     dense_layers=(0,)), Parallelism(1, 2)),
+             ("asynctls", get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
+                                     dense_layers=(0,)), Parallelism(2, 1))]
+    for name, m, par in cases:
+        ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
+        pcfg, pparams, pm = sh.pad_kv_heads(cfg, params, par.model, m)
+        got = sharded(pcfg, pparams, pm, tokens, lengths, 256, jnp.float32, par)
+        report(f"tiny-kv3/{name}/data={par.data},model={par.model}", ref, got, got[2])
+    if bf16:
+        m = get_method("dense")
+        ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
+        p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+        one = one_device(cfg, graphdef, p16, m, tokens, lengths, 256, jnp.bfloat16)
+        report("tiny-kv3-bf16/dense/one device vs f32", ref, one, one[2])
+        pcfg, pparams = sh.pad_kv_heads(cfg, p16, 2)
+        got = sharded(pcfg, pparams, m, tokens, lengths, 256, jnp.bfloat16, Parallelism(1, 2))
+        report("tiny-kv3-bf16/dense/model=2 vs f32", ref, got, got[2])
+
+
+def smollm2_cases():
+    """SmolLM2-135M on its real weights (3 KV heads padded to 4), the user's paths once each:
+    ``shard(model, model=2).generate`` equal to one device's text, and the generate CLI with
+    ``--tensor-parallel 2`` equal to the CLI without it (in this process: one weights load
+    and one set of compiled programs for both); ``--tensor-parallel 8`` is refused."""
+    import contextlib
+    import io
+
+    from models.cli import generate
+
+    base = smollm2(256)
     prompt = "The capital of France is"
     sharded_model = shard(base, model=2)
-    for name in ("dense", "quest"):
-        want = base.with_method(name, budget=32) if name == "quest" else base
-        got_model = sharded_model.with_method(name, budget=32) if name == "quest" else sharded_model
-        a, b = want.generate(prompt, max_new_tokens=10), got_model.generate(prompt, max_new_tokens=10)
-        print(json.dumps(dict(case=f"smollm2/api-generate/{name}/data=1,model=2", max_dlogit=0.0, logit_scale=1.0,
-                              tokens_agree=a == b, k_spec="P(None, 'model')", devices=2,
-                              text=b, kv_heads=got_model.config.num_kv_heads)), flush=True)
-    if bf16:
-        model = base.with_method("dense")
-        ref = one_device(model.config, model.graphdef, model.params, model.method, tokens, lengths, 256, jnp.float32)
-        p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
-        one = one_device(model.config, model.graphdef, p16, model.method, tokens, lengths, 256, jnp.bfloat16)
-        report("smollm2-bf16/dense/one device vs f32", ref, one, one[2])
-        cfg, params = sh.pad_kv_heads(model.config, p16, 2)
-        got = sharded(cfg, params, model.method, tokens, lengths, 256, jnp.bfloat16, Parallelism(1, 2))
-        report("smollm2-bf16/dense/model=2 vs f32", ref, got, got[2])
+    a, b = base.generate(prompt, max_new_tokens=10), sharded_model.generate(prompt, max_new_tokens=10)
+    print(json.dumps(dict(case="smollm2/api-generate/dense/data=1,model=2", max_dlogit=0.0, logit_scale=1.0,
+                          tokens_agree=a == b, k_spec="P(None, 'model')", devices=2,
+                          text=b, kv_heads=sharded_model.config.num_kv_heads)), flush=True)
+    texts, heads = [], []
+    for extra in ([], ["--tensor-parallel", "2"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = generate.main(["--model", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "12", *extra])
+        head, rest = out.getvalue().split("]\n", 1)
+        texts.append(rest.split("-" * 72)[0])
+        heads.append(head)
+        assert rc == 0, out.getvalue()[-2000:]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:  # the CLI exits 2 on a refused command line (argparse's SystemExit, or main's return)
+            rc8 = generate.main(["--model", "smollm2-135m", "--prompt", "hi", "--tensor-parallel", "8"])
+        except SystemExit as e:
+            rc8 = e.code
+    print(json.dumps(dict(case="smollm2/cli/tensor-parallel=2", texts=texts, heads=heads, refused_rc=rc8,
+                          refused=err.getvalue()[-500:])), flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=["tiny", "smollm2", "offload"], default=None)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--smollm2", action="store_true", help="with --only offload: also SmolLM2 (real weights)")
     p.add_argument("--with-offload", action="store_true",
                    help="the offload cases too (SmolLM2's included), after the others, in this process")
     a = p.parse_args(argv)
@@ -307,13 +344,14 @@ def main(argv=None) -> int:
     meshes = [m for m in [(1, 2), (2, 2), (1, 4)] if m[0] * m[1] <= n]
     if a.only in (None, "tiny"):
         tiny_cases(meshes)
+    if a.only in (None, "tiny"):
+        padded_cases(a.bf16)
     if a.only in (None, "smollm2"):
-        smollm2_cases(a.bf16)
+        smollm2_cases()
     if a.only == "offload" or (a.with_offload and a.only is None):  # 4 devices (tests/test_sharding.py)
         offload_cases([m for m in meshes if m != (1, 4)])
         padded_offload_case()
-        if a.smollm2 or a.with_offload:
-            engine_case()
+        engine_case()
     return 0
 
 

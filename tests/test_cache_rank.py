@@ -1,15 +1,10 @@
 """AsyncSpade's cache rank on a second device (models.runtime.cache_rank).
 
-The two-device cases run ``tests/cache_rank_check.py`` in a subprocess with two forced
-CPU devices (the count must be set before jax starts); the errors are checked here."""
+The two-device cases (``tests/cache_rank_check.py``: against one device, the CLI with
+--cache-rank, the two-device benchmarks) run in ``tests/test_multi_device.py``'s one
+4-device process; the errors are checked here."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,29 +16,6 @@ from models.config import ModelConfig
 from models.transformer import init_params
 from sparse_jax.methods.registry import get_method
 from models.runtime.cache_rank import with_cache_rank
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.mark.slow
-def test_cache_rank_gives_the_one_device_tokens():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-m", "tests.cache_rank_check"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = {r["case"]: r for r in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
-    cases = [c for c in rows if c.startswith("tiny/")]
-    assert len(cases) == 5, rows
-    for c in cases:
-        r = rows[c]
-        # the same computation on the same CPU, compiled per pack: equal to f32 rounding
-        assert r["max_dlogit"] < 1e-5 and r["tokens_agree"], r
-        assert r["rank_devices"] == ["cpu:1"] and r["inference_devices"] == ["cpu:0"], r
-    assert rows["tiny/asyncspade[quest]/pack=1/device_put/threads"]["packs"] == 5
-    assert rows["tiny/asyncspade[quest]/pack=6/device_put/one"]["packs"] == 1
-    # the comparison can fail: another selection (the lag) moves the logits by far more
-    assert rows["control/asyncspade[quest]/window=1-vs-window=4"]["max_dlogit"] > 0.1
-
 
 def _tiny(method):
     cfg = ModelConfig(name="tiny", arch="qwen3", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2,
@@ -80,40 +52,3 @@ def test_packs():
     assert packs_of(5, 2) == (range(0, 2), range(2, 4), range(4, 5))
     assert packs_of(36, 6)[-1] == range(30, 36) and len(packs_of(36, 6)) == 6
     assert packs_of(3, 8) == (range(0, 3),)
-
-
-@pytest.mark.slow
-def test_generate_cli_cache_rank():
-    """``python -m models.generate --attention asyncspade --cache-rank`` prints the one-device text."""
-    from tests.cli_runs import run_generate, texts_with_and_without
-
-    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 5 + "The capital of Germany is"
-    texts = texts_with_and_without(["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt",
-                                    "budget=48", "--prompt", prompt, "--max-new-tokens", "8"], ["--cache-rank"],
-                                   "cache rank on cpu:1")
-    assert texts[0] == texts[1] and texts[0].strip(), texts
-    proc = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])
-    assert proc.returncode == 2 and "--cache-rank is AsyncSpade's" in proc.stderr, proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_two_device_benchmarks_run_on_cpu(tmp_path):
-    """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` end to end on a tiny model
-    (two CPU devices): every configuration row, the results files, and the cross-device
-    logits agreeing with the one-device run."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    runs = {"cache_rank": ["--tiny", "--contexts", "512", "--batch", "2", "--budget", "64", "--window", "4",
-                           "--packs", "2", "--steps", "2", "--rounds", "1", "--transfers", "device_put", "--dispatch",
-                           "threads-wait"],
-            "multi_gpu": ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "dense,quest", "--steps", "2",
-                          "--rounds", "1", "--budget", "64"]}
-    for name, args in runs.items():
-        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(tmp_path)], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
-        assert (tmp_path / f"{name}.md").exists() and (tmp_path / f"{name}.png").exists()
-        two = [r for r in rows if r.get("gpus") == 2]
-        assert len(rows) == (3 if name == "cache_rank" else 4) and two, rows
-        for r in two:
-            assert r["argmax_agree"] == 1.0 and r["max_dlogit"] < 0.1 and r["ms_per_step"] > 0, r

@@ -1,12 +1,11 @@
 """Data-parallel serving (models.serving.replicas): one engine per device group behind one
 engine interface, and ``python -m models.serve --data-parallel 2`` behind the OpenAI
-API. Two forced CPU devices: the multi-device cases run in subprocesses (the device
-count must be set before jax starts)."""
+API with two forced CPU devices (a server process). The replicas against single-request
+generation run in ``tests/test_multi_device.py``'s one 4-device process."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import subprocess
 import sys
@@ -17,49 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-
-ENGINE_CHECK = r'''
-import json, jax, jax.numpy as jnp, numpy as np
-import models
-from models.serving.requests import SamplingParams
-from models.serving.replicas import replicate
-from tests.test_engine import _tiny_config
-# a tiny random model (the server test below runs SmolLM2's real weights)
-base = models.load_model(config=_tiny_config(), dtype=jnp.float32, attention="quest",
-                         attention_options=dict(budget=64), max_len=256)
-rng = np.random.default_rng(0)
-ids = [rng.integers(4, 97, n).tolist() for n in (100, 60, 80, 90, 30)]
-refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=6,
-                          stop_ids=())[0] for i in ids]
-for offload in (False, True):
-    reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), offload=offload).start()
-    reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=6))) for i in ids]
-    for r in reqs:
-        assert r.done.wait(600)
-    s = reps.stats()
-    print(json.dumps(dict(offload=offload, equal=[r.output_ids == ref for r, ref in zip(reqs, refs)],
-                          replicas=[reps.replica_of(r) for r in reqs], given=s["requests_given"],
-                          finished=s["finished"], slots=s["slots"], idle=reps.idle(),
-                          devices=sorted({str(d) for e in reps.engines
-                                          for d in jax.tree.leaves(e.model.params)[0].devices()}))), flush=True)
-    reps.stop()
-'''
-
-
-@pytest.mark.slow
-def test_replicas_give_each_request_its_single_request_tokens():
-    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECK], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert [r["offload"] for r in rows] == [False, True]
-    for r in rows:
-        assert all(r["equal"]), r
-        # the fewest unfinished requests first: alternating while none finishes
-        assert r["replicas"] == [0, 1, 0, 1, 0] and r["given"] == [3, 2], r
-        assert r["finished"] == {"length": 5} and r["slots"] == 4 and r["idle"], r
-        assert r["devices"] == ["cpu:0", "cpu:1"], r
-
 
 @pytest.mark.slow
 def test_server_data_parallel_with_the_openai_client():

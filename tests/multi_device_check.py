@@ -1,0 +1,95 @@
+"""Every multi-device check in one process with four forced CPU devices
+(``tests/test_multi_device.py`` runs it; the device count must be set before jax starts, so
+these cannot run inside the pytest process):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.multi_device_check OUT_DIR
+
+One process start, one SmolLM2 read and one set of compilations for all of them, each
+printing JSON lines (``{"case": ...}``) that the tests read:
+
+* sharded decode against one device, offloaded decoding on a mesh and the engine over it,
+  and the generate CLI with ``--tensor-parallel 2`` (:mod:`tests.sharded_check`);
+* AsyncSpade's cache rank on a second device, and the CLI with ``--cache-rank``
+  (:mod:`tests.cache_rank_check`);
+* data-parallel engine replicas (one per device), resident and offloaded;
+* ``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` end to end on a tiny model, their
+  results written under OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tests import cache_rank_check, sharded_check
+
+
+def replicas_case():
+    """Two engine replicas (one per device) on a tiny random model: each request gets its
+    single-request tokens, requests alternate while none finishes, both devices serve."""
+    import models
+    from models.serving.replicas import replicate
+    from models.serving.requests import SamplingParams
+    from tests.test_engine import _tiny_config
+
+    base = models.load_model(config=_tiny_config(), dtype=jnp.float32, attention="quest",
+                             attention_options=dict(budget=64), max_len=256)
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(4, 97, n).tolist() for n in (100, 60, 80, 90, 30)]
+    refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=6,
+                              stop_ids=())[0] for i in ids]
+    for offload in (False, True):
+        reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), offload=offload).start()
+        try:
+            reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=6))) for i in ids]
+            done = all(r.done.wait(600) for r in reqs)
+            s = reps.stats()
+            print(json.dumps(dict(case=f"replicas/{'offload' if offload else 'resident'}", completed=done,
+                                  equal=[r.output_ids == ref for r, ref in zip(reqs, refs)],
+                                  replicas=[reps.replica_of(r) for r in reqs], given=s["requests_given"],
+                                  finished=s["finished"], slots=s["slots"], idle=reps.idle(),
+                                  devices=sorted({str(d) for e in reps.engines
+                                                  for d in jax.tree.leaves(e.model.params)[0].devices()}))),
+                  flush=True)
+        finally:
+            reps.stop()
+
+
+def benchmarks_case(out: Path):
+    """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` (their ``main``) on a tiny model."""
+    from benchmarks import cache_rank, multi_gpu
+
+    runs = {"cache_rank": (cache_rank, ["--tiny", "--contexts", "512", "--batch", "2", "--budget", "64", "--window",
+                                        "4", "--packs", "2", "--steps", "2", "--rounds", "1", "--transfers",
+                                        "device_put", "--dispatch", "threads-wait"]),
+            "multi_gpu": (multi_gpu, ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "dense,quest",
+                                      "--steps", "2", "--rounds", "1", "--budget", "64"])}
+    for name, (mod, args) in runs.items():
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = mod.main([*args, "--out", str(out)])
+        print(json.dumps(dict(case=f"benchmarks/{name}", rc=rc)), flush=True)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0]) if argv else Path("bench_out/multi_device_check")
+    out.mkdir(parents=True, exist_ok=True)
+    if len(jax.devices()) < 4:
+        raise SystemExit("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    sharded_check.main(["--bf16", "--with-offload"])
+    cache_rank_check.tiny_cases()
+    cache_rank_check.cli_case()
+    replicas_case()
+    benchmarks_case(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
