@@ -430,10 +430,7 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
     elif name is None:
         raise ValueError(f"give a model name (one of: {', '.join(available_models())}), weights= or config=")
     elif weights is None and name in REAL_WEIGHTS:
-        g = gguf_loader.read_gguf(gguf_loader.weights_path(name), name=name)
-        cfg = g.config
-        params = hf_loader.hf_tensors_to_params(g.tensors, cfg, dtype)
-        tokenizer = g.tokenizer
+        cfg, params, tokenizer = read_real_weights(name, dtype)
     else:
         cfg = get_config(name)
 
@@ -453,6 +450,14 @@ def load_model(name: str | None = None, *, dtype=jnp.bfloat16, attention: "str |
         method = with_dense_layer_rule(method, attention_options, cfg)
     method = bind_method(method, cfg, max_len)
     return Model(cfg, graphdef, params, tokenizer, method, dtype, max_len)
+
+
+def read_real_weights(name: str, dtype) -> tuple[ModelConfig, nnx.State, Tokenizer]:
+    """A preset's real weights from its weights package: ``(config, params, tokenizer)``,
+    the params in ``dtype``. (The test suite reads each preset once per process through a
+    cache around this function: ``tests/conftest.py``.)"""
+    g = gguf_loader.read_gguf(gguf_loader.weights_path(name), name=name)
+    return g.config, hf_loader.hf_tensors_to_params(g.tensors, g.config, dtype), g.tokenizer
 
 
 def _preset_config_and_tokenizer(name: str, tokenizer):

@@ -1,5 +1,6 @@
 """Fixtures shared by the test modules."""
 
+import functools
 import os
 
 import pytest
@@ -31,3 +32,17 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _read_real_weights_once():
+    """Each preset's real weights are read once per test process (``models.api.read_real_weights``
+    behind a cache): ~9 s for SmolLM2 in f32 on the CI machine, and dozens of tests load it. The
+    params are immutable arrays, so sharing them changes nothing a test can observe; the read
+    itself is still tested (the first load of each process, and ``tests/test_loaders.py``)."""
+    from models import api
+
+    real = api.read_real_weights
+    api.read_real_weights = functools.lru_cache(maxsize=4)(real)
+    yield
+    api.read_real_weights = real
