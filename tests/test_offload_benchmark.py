@@ -7,7 +7,7 @@ from benchmarks import offload
 
 
 def test_offload_benchmark_tiny(tmp_path):
-    rc = offload.main(["--tiny", "--contexts", "1024", "--budget", "128", "--kb", "8", "--steps", "2",
+    rc = offload.main(["--tiny", "--contexts", "1024", "--budget", "128", "--kb", "8", "--steps", "2", "--eq-repeats", "1",
                        "--warmup", "1", "--prefill-len", "256", "--out", str(tmp_path),
                        "--name", "t"])
     assert rc == 0

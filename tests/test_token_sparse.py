@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -269,22 +266,24 @@ def test_hybrid_models_use_global_layers_only():
         LayerSpec("local", 4, 1e4, False, True)
 
 
-@pytest.mark.slow
-def test_generate_cli_with_token_sparse_prefill():
-    """``--attention-opt prefill=token_sparse`` through the CLI on SmolLM2 (a prompt too
-    short for min_tokens: the dense text; a bad option: exit 2 with the option list)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    base = [sys.executable, "-m", "models.generate", "--model", "smollm2-135m", "--prompt", "The capital of France is",
-            "--max-new-tokens", "8"]
+def test_generate_cli_with_token_sparse_prefill(capsys):
+    """``--attention-opt prefill=token_sparse`` through the CLI (its ``main``, in process) on
+    SmolLM2: a prompt too short for min_tokens gives the dense text; a bad option exits 2
+    with the option list."""
+    from models.cli import generate
+
+    base = ["--model", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens", "8"]
     outs = []
     for extra in ([], ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"]):
-        proc = subprocess.run(base + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs.append(proc.stdout.split("]\n", 1)[1].split("-" * 72)[0])
-    assert outs[0] == outs[1]
-    proc = subprocess.run(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and "bad token_sparse option" in proc.stderr, proc.stderr[-2000:]
+        rc = generate.main(base + extra)
+        out = capsys.readouterr()
+        assert rc == 0, out.err[-3000:]
+        outs.append(out.out.split("]\n", 1)[1].split("-" * 72)[0])
+    assert outs[0] == outs[1] and outs[0].strip()
+    with pytest.raises(SystemExit) as exit_:  # argparse's exit for a refused command line
+        generate.main(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "bad token_sparse option" in err, err[-2000:]
 
 
 def test_drift_profile_and_binding(tmp_path, monkeypatch):
