@@ -12,6 +12,7 @@ until its next bytes arrive, or until the final update.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 #: what a tokenizer's decode gives for the bytes of an incomplete UTF-8 sequence
@@ -44,18 +45,10 @@ class IncrementalDetokenizer:
         window = self.decode(ids[self.prefix:])
         if not final and (window.endswith(REPLACEMENT) or len(window) <= len(before)):
             return ""  # an incomplete character (or nothing visible yet): wait for the next ids
-        new = window[len(before):] if window.startswith(before) else window[len(_common_prefix(window, before)):]
+        new = window[len(os.path.commonprefix([window, before])):]  # `before` itself, unless a merge changed it
         # the next window starts `context` ids back, so its decode has left context
         self.read = len(ids)
         self.prefix = max(0, self.read - self.context)
         self.text += new
         return new
 
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
