@@ -4,9 +4,12 @@ grouped by stage, as a table and a stacked bar per row.
 No GPU needed: it reads a results JSON that ``benchmarks.kernels`` wrote (each row keeps
 its kernels and their median CUPTI times).
 
-    python -m benchmarks.breakdown benchmarks/results/kernels_h200_v19_all.json \\
+    python -m benchmarks.breakdown benchmarks/results/kernels_h200_v20_128k.json \\
         --rows "AsyncTLS operator (end to end),AsyncTLS method step (model path)" --K 2048 \\
-        --name breakdown_h200_v19
+        --name breakdown_h200_v20
+
+(``breakdown_h200_v19`` came from v19's grid, now in git history:
+``git show 9ad4a25:benchmarks/results/kernels_h200_v19_all.json``.)
 
 The stages follow the AsyncTLS operator: the Quest block bound, the block top-k, the label
 logits and their normalization, the token top-k (or the fused selection), the sparse

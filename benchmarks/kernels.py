@@ -214,8 +214,8 @@ def bench_shape(b, s, budgets, key, runs, baselines=True, one_program=False, flu
         }
         if dense_ms:
             row["speedup_vs_dense"] = dense_ms / t.best_ms
-            # against the rate cuDNN reaches in this run (the real HBM rate, ~3.0 TB/s on
-            # the H100, above the copy probe's 2.46): a fraction of it, and time over
+            # against the rate cuDNN reaches in this run (the real HBM rate, above the copy
+            # probe's; docs/kernels.md, 'A timing defect'): a fraction of it, and time over
             # the byte floor at it
             cudnn_rate = kv_bytes / (dense_ms * 1e-3)
             row["frac_cudnn_bw"] = row["GB/s"] * 1e9 / cudnn_rate

@@ -19,7 +19,8 @@ needle (the prompt tokens of the expected answer, found by the tokenizer's chara
   what 8-bit block boxes would change. Each box channel is stored as a code over the
   (batch, KV head, channel) range of all blocks, the maximum rounded up and the minimum down,
   so the Quest bound stays a bound and the boxes take half the bytes of bf16 (the block bound
-  is the largest stage of the AsyncTLS step at B=8: ``breakdown_h100_v7_128k.md``). The needle's
+  is the largest stage of the AsyncTLS step at B=8: docs/kernels.md, v7, 'Where the step's time
+  goes'). The needle's
   rank under that bound, and the fraction of the filter's ``kb - 1`` blocks it keeps (worst KV
   head).
 

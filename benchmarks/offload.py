@@ -102,7 +102,8 @@ def cache_capacity(context: int, decode_steps: int) -> int:
 def random_model(cfg, method, max_len: int, seed: int = 0):
     """A :class:`models.api.Model` with random bf16 weights, drawn leaf by leaf (one
     small jit per distinct shape: seconds, where jitting the whole 8B-parameter
-    initialiser took 100 s of device time). Norm weights are ones; matrices
+    initialiser took far longer: docs/architecture.md, 'Measured reasons for runtime and
+    benchmark choices'). Norm weights are ones; matrices
     ``N(0, 1/fan_in)``; the embedding ``N(0, 0.02^2)``."""
     import functools
 
@@ -237,9 +238,10 @@ def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, st
                   trace_dir, bandwidth=None):
     logits, tok = decode(runner, state, tok, warmup)
     jax.block_until_ready(tok)
-    # settle: right after a large pinned allocation, back-to-back rounds ran up to 40% slower
-    # for about a second (the same configuration measured again in the same process did not),
-    # so rounds of `steps` run until two in a row agree within 5% (at most SETTLE_ROUNDS)
+    # settle: right after a large pinned allocation, back-to-back rounds ran slower for about
+    # a second (the same configuration measured again in the same process did not; see
+    # docs/architecture.md, 'Measured reasons for runtime and benchmark choices'), so rounds
+    # of `steps` run until two in a row agree within 5% (at most SETTLE_ROUNDS)
     prev, settle = None, 0
     while settle < SETTLE_ROUNDS:
         t1 = time.perf_counter()
@@ -259,7 +261,8 @@ def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, st
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
     # back-to-back (dispatch overlapped with the device): the throughput number, the median
-    # of `rounds` rounds (single rounds of 12 steps varied by up to 20% between runs). A round
+    # of `rounds` rounds (single rounds of 12 steps varied between runs: docs/architecture.md,
+    # 'Measured reasons for runtime and benchmark choices'). A round
     # is ROUND_STEPS = 64 steps: one block per row, so each round pays the host save of the
     # blocks completed in it once (offloaded mode), as steady decoding does.
     # `host_issue_ms`: the time to issue a round's steps (before waiting for them); once the
@@ -371,7 +374,8 @@ def bytes_per_step(runner, batch: int, context: int) -> float:
 def measure_bandwidth(nbytes: int = 4 << 30) -> float:
     """HBM bytes/s of a device copy (read + write): the best of 5 runs at ``nbytes``
     and at a quarter of it. The best, not the median: the floor it sets must not
-    flatter a step (two runs of the median of one size measured 2.26 and 2.78 TB/s)."""
+    flatter a step (two runs of the median of one size disagreed widely: see
+    docs/architecture.md, 'Measured reasons for runtime and benchmark choices')."""
     f = jax.jit(lambda a: a + 1.0)
     best = 0.0
     for n in (nbytes // 4, nbytes):

@@ -5,8 +5,9 @@ Run on the GPU (device tool):
 
     python -m benchmarks.sparse_scaling --out $OUT
 
-Issue 18 asks for >= 2.6 TB/s at B=8, K=2048. The kernel benchmark shows 11 us at K=1024
-and 29 us at K=2048 for twice the bytes. This sweep separates the causes:
+Issue 18 asks for >= 2.6 TB/s at B=8, K=2048. The kernel benchmark showed a cliff from
+K=1024 to K=2048, far more time for twice the bytes (docs/kernels.md, v5 and 'A timing
+defect': it was the L2). This sweep separates the causes:
 
 * K from 256 to 4096 at one batch and context. A fixed cost plus a bandwidth term
   (``t = a + bytes / rate``) fits a kernel that streams; a step between two K marks a

@@ -143,10 +143,9 @@ def _one_call_timer(profiler):
     ``profiler.measure`` runs a warm-up call on the same arguments right before the timed
     one, which leaves those arguments in the L2: a rotated set smaller than the L2 (50 MB on
     the H100) was timed warm, at L2 speed. Here nothing runs between the previous call of
-    the rotation (another set) and the timed one. Measured on the H100, 2026-11-28: with
-    ``measure``, B=8 sparse decode read 3.09 TB/s at K=1024 (34 MB) and 2.3 TB/s at K=1536
-    (50 MB), a step at the L2's size; cold, 1.86 and 2.14 TB/s
-    (``benchmarks/results/sparse_scaling_{warm,cold}_h100.md``)."""
+    the rotation (another set) and the timed one. With ``measure``, B=8 sparse decode read
+    faster below the L2's size than above it, a step that timed cold does not show
+    (docs/kernels.md, 'A timing defect', its table)."""
     lib = getattr(profiler, "mosaic_gpu_lib", None)
     ext = getattr(lib, "_mosaic_gpu_ext", None)
     if ext is None or not hasattr(ext, "_cupti_init") or not hasattr(ext, "_cupti_get_timings"):

@@ -124,7 +124,8 @@ def topk_candidates(n: int, k: int, searches=("radix", "bracket"), rows: int | N
         extra = [dict(), dict(block_rows=2)]
     out = []
     # 32 warps for long rows: 8 keys a thread, so each round's count chain is a quarter of
-    # 8 warps' (the chain binds the single-row search at B=1: ncu_step_h200_v13.md)
+    # 8 warps' (the chain binds the single-row search at B=1: docs/kernels.md, 'Nsight Compute
+    # on the step')
     warps = (None, 4, 8, 16, 32) if n >= 8192 else (None, 4, 8, 16)
     cfgs = []
     if "radix" in searches:
@@ -330,7 +331,8 @@ def main(argv=None):
                     for m, pr, bn, nw in itertools.product(("imma", "dot"), ("program", "kernel"), (64, 128, 256), (4, 8))]
             cfgs += [dict(block_n=64, num_warps=4, num_stages=2, mode="fma")]  # the CUDA-core form, for reference
             # programs looping over 2 or 4 tiles: the query side once, the next tile's loads
-            # pipelined under this one's dots (ncu: one-shot programs left DRAM at 50% at B=8)
+            # pipelined under this one's dots (ncu: one-shot programs left DRAM underused at B=8;
+            # docs/kernels.md, 'Nsight Compute on the step')
             cfgs += [dict(block_n=bn, num_warps=nw, num_stages=ns, mode="imma", prep=pr, tiles=t)
                      for pr, bn, nw, ns, t in itertools.product(("program", "kernel"), (64, 128), (4, 8), (2, 3), (2, 4))
                      if bn == 128 or (nw, ns, t) == (4, 3, 4)]

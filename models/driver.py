@@ -128,8 +128,8 @@ class LayerRows:
 
     On the CPU a row sliced out of a stacked parameter inside the program is a copy
     (XLA:CPU does not fuse the slice into the GEMM, as the GPU does): SmolLM2's
-    unrolled decode step copied all 424 MB of its layer weights every step (80% of the
-    step). Passed as rows, each layer's GEMMs read their own input buffers.
+    unrolled decode step copied all its layer weights every step, most of the step
+    (docs/models.md, 'CPU performance'). Passed as rows, each layer's GEMMs read their own input buffers.
     :func:`layer_rows` makes them as zero-copy views of the stacked buffers."""
 
     def __init__(self, rows):

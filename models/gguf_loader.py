@@ -265,7 +265,7 @@ def read_gguf(path: str, *, name: str | None = None, tensors: bool = True) -> GG
     """Config (from the metadata), HF-named float32 tensors and tokenizer of a GGUF file.
 
     The last files read are cached (parsing SmolLM2's metadata and dequantising it
-    takes ~5 s); the returned tensors are shared, do not modify them.
+    takes seconds); the returned tensors are shared, do not modify them.
     """
     st = os.stat(path) if os.path.exists(path) else None
     key = (os.path.abspath(path), st and st.st_mtime_ns, st and st.st_size)

@@ -142,8 +142,8 @@ def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionM
     ``unroll``: the layer driver's segments unrolled instead of scanned (default:
     :func:`default_unroll`). By default the CPU's decode step is unrolled over the
     layers' rows (:class:`RowsStep`): scanned or sliced, each step copied every layer's
-    weights (SmolLM2 f32: 270 ms a step scanned, 174 unrolled, of which the copies were
-    80%); its prefill and forward stay scanned (compute-bound; they compile faster)."""
+    weights, most of the step (docs/models.md, 'CPU performance'); its prefill and forward
+    stay scanned (compute-bound; they compile faster)."""
     rows = unroll is None and rows_decode()
     if unroll is None:
         unroll = default_unroll()

@@ -102,9 +102,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, w: jax.Array, dims, preferred_element_type=None) -> jax.Array:
     """``lax.dot_general(x, w, dims)``, working around XLA:CPU's slow bf16/f16
-    matrix-vector path: with a single row it is 4-5x slower than with two
-    (measured: 30 [1,576]x[576,1536] bf16 products 52 ms, with 2 rows 12 ms), so
-    a lone row is duplicated on CPU. No effect on GPU or in f32."""
+    matrix-vector path: with a single row it is several times slower than with
+    two (docs/models.md, 'CPU performance', item 3), so a lone row is duplicated
+    on CPU. No effect on GPU or in f32."""
     rows = math.prod(x.shape[:-1])
     if rows == 1 and x.dtype != jnp.float32 and not on_gpu():
         y = jax.lax.dot_general(jnp.concatenate([x, x], axis=0), w, dims, preferred_element_type=preferred_element_type)
@@ -268,7 +268,8 @@ def head_logits(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, eps: floa
     unscaled embedding, also on Gemma)."""
     x = rms_norm(x, norm_weight, eps, norm_weight_f32)
     # tied: contract with the embedding's hidden axis directly; a `.T` here makes
-    # XLA:CPU materialise the transposed [H, V] matrix every call (4x slower)
+    # XLA:CPU materialise the transposed [H, V] matrix every call (slower: docs/models.md,
+    # 'CPU performance')
     dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
     return matmul(x, w, dims, preferred_element_type=jnp.float32)
 

@@ -52,8 +52,8 @@ def fma_f32(a, b, c, *, interpret: bool):
     """``a * b + c`` elementwise inside a Pallas-Triton kernel (f32), as one FFMA on the GPU.
 
     Pallas-Triton lowers ``a * b + c`` to a multiply and an add that the compiler
-    does not contract: the label kernel's SASS on the H200 had 144 FMUL and 151 FADD
-    per candidate and 17 FFMA (ncu, 2026-11-28). ``fma.rn.f32`` through inline PTX
+    does not contract: the label kernel's SASS on the H200 had far more FMUL and FADD than
+    FFMA (docs/kernels.md, 'Nsight Compute on the step'). ``fma.rn.f32`` through inline PTX
     makes each pair one instruction. Arguments broadcast to one shape first (the
     inline-asm primitive wants equal shapes; a broadcast costs no instruction).
     ``interpret`` (the CPU path, no PTX) keeps ``a * b + c``.

@@ -50,7 +50,7 @@ Kernel design (``label_scores_kernel`` / ``block_label_scores_kernel``, modes
 "two_pass" and "logits"). The earlier design (mode "per_tile": one program per
 64-candidate tile, a 3-D broadcast product reduced across lanes) compiled to a
 warp-shuffle reduction per product (~2300 instructions per candidate) and ran
-~86 us at B=8, C=8192 on the H100. Now:
+several times slower (docs/kernels.md, 'Measured reasons for kernel choices'). Now:
 
 * grid ``(B, Hkv, P)``: ``P = splits`` programs per (b, kv-head) row, by
   default as many as the GPU holds at once (``choose_splits`` with
@@ -86,15 +86,12 @@ warp-shuffle reduction per product (~2300 instructions per candidate) and ran
   instructions a thread (128 FFMA) with ~230 registers (2 programs of 4 warps
   per SM), spill-free (offline sm_90 compile).
 
-Measured on the H100 (``benchmarks/probes/label_scores_probe.py``, CUPTI, B=8,
-Hq=32, Hkv=8, r=32, C=8192 of S=131072, 128 blocks of 64 tokens): "logits"
-18.3 us (prep fusion 1.5 + kernel 13.3 + normalization 3.5), "two_pass"
-24.7 us, old "per_tile" 70.5 us; at B=1 8.2 us (old 15.6). Block ids or a
-candidate array cost the same; random (non-block) candidates are bound by
-scattered 32-byte sectors (row, scale and offset are three arrays): 73 us
-("logits"), 97 us old. The prefetch depth made no difference, so the kernel
-is issue-bound (~370 instructions per candidate at ~0.5 IPC per scheduler
-with 2 warps each): ``hoist_q=False`` (query reloaded from L1, ~130
+Measured with ``benchmarks/probes/label_scores_probe.py`` (the times: docs/kernels.md,
+'Measured reasons for kernel choices'): "logits" is the fastest mode, "two_pass" next, the
+old "per_tile" far behind, at B=8 and B=1. Block ids or a candidate array cost the same;
+random (non-block) candidates are bound by scattered 32-byte sectors (row, scale and offset
+are three arrays). The prefetch depth made no difference, so the kernel is issue-bound
+(~370 instructions per candidate at ~0.5 IPC per scheduler with 2 warps each): ``hoist_q=False`` (query reloaded from L1, ~130
 registers, 3 programs per SM, ~10% more instructions) may trade better.
 
 Tuning (all static): ``mode`` (default "logits"), ``block_c`` (power of two;
@@ -692,8 +689,8 @@ def _scaled_codes(x, bits: int):
     above bit 23), OR-ed into the f32 2**23, and 2**23 is subtracted: one LOP3 and one
     FADD a code, against a shift, a sign extension and a conversion (I2FP) in the SASS
     of the plain unpack. At v13 the label kernel was bound by instruction issue (ncu on
-    the H200: 509 instructions a candidate, two thirds of the issue slots busy at 8 warps
-    an SM); with this and ``fma_f32``, 382 (``ncu_step_h200_v13.md``, ``_v14.md``).
+    the H200); this and ``fma_f32`` cut its instructions a candidate by a quarter
+    (docs/kernels.md, 'Nsight Compute on the step', label logits).
     """
     levels = (1 << bits) - 1
     high = lax.shift_right_logical(x, np.int32(_MAGIC_SHIFT))
@@ -976,9 +973,9 @@ def _looped_body(len_ref, cnt_ref, src_ref, q_ref, *refs, phase, source, seq_len
         # The heads side by side ``[TC, Gp]`` (Gp = G rounded up to a power of two, the
         # padding columns neutral): one cross-lane max and one sum for all of them, each a
         # shared-memory round trip and a barrier that 2 G scalar reductions paid once a head.
-        # This tail is on every program's critical path: on the H200 at 128K it took the
-        # operator's logits kernel from 5.7 to 4.7 us at B=1 and from 15.1 to 13.6 us at B=8
-        # (breakdown_h200_v8_128k.md against breakdown_h200_v9_128k.md).
+        # This tail is on every program's critical path: one reduction for all heads made the
+        # operator's logits kernel faster at B=1 and B=8 on the H200 (docs/kernels.md, "The
+        # label kernels' tail, kept").
         gp = next_pow2(group)
         hcol = jnp.arange(gp, dtype=jnp.int32)[None, :]
 

@@ -35,10 +35,10 @@ itself is fixed when the boxes are built (the prompt); it is not widened.
 kernel runs one program per ``(b, kv head, block_n blocks)`` like
 ``block_scores.quest_block_scores_kernel``, in one of three modes: "fma" (CUDA cores),
 "dot" (bf16 tensor cores) or "imma" (int8 tensor cores, the stored bytes unconverted;
-the default). Measured on the H200 at B=8, 128K, group max: 31.0 / 22.2 / 18.1 us,
-against 27.2 us for bf16 boxes (``benchmarks/results/kernels_h200_v8{,b}_*``); "imma" with its
-query side made once per (batch, KV head) by a small kernel (``prep="kernel"``): 3.3 + 13.6 us
-(``kernels_h200_v13_128k.md``).
+the default). On the H200 at B=8, 128K, group max, "fma" was slower than the bf16 boxes'
+kernel, "dot" and "imma" faster, "imma" the fastest (docs/kernels.md, '8-bit block boxes');
+"imma" with its query side made once per (batch, KV head) by a small kernel
+(``prep="kernel"``) is faster again at B=8 (docs/kernels.md, 'Kept on 2026-11-28 (v11-v13)').
 """
 
 from __future__ import annotations
@@ -423,8 +423,8 @@ def _mma_tile(up_ref, lo_ref, su_ref, sl_ref, o_ref, t, weights, consts, *, grou
 def _quest_q8_mma_prepared_body(w_ref, c_ref, up_ref, lo_ref, su_ref, sl_ref, o_ref, *, group, block_n,
                                 num_blocks, reduce, mode, tiles=1):
     # prep="kernel": the query side (mma_operands) comes in made, w_ref [4, 16, D], c_ref
-    # [CONST_ROWS, 16]: at B=8, 128K making it in every program cost the kernel a quarter of
-    # its time (18.3 against 13.6 us, tune_quest8_prep_h200.md)
+    # [CONST_ROWS, 16]: at B=8, 128K making it in every program cost the kernel about a
+    # quarter of its time (docs/kernels.md, 'Kept on 2026-11-28 (v11-v13)')
     weights = tuple(w_ref[i, :, :] for i in range(4))
     consts = [c_ref[i, :] for i in range(_CORR + 4)]
     _over_tiles(lambda t: _mma_tile(up_ref, lo_ref, su_ref, sl_ref, o_ref, t, weights, consts, group=group,

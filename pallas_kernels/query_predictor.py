@@ -25,8 +25,8 @@ weights are one masked product ``[W, W] x [W, W]``.
 Three implementations, equal in exact arithmetic (``tests/test_query_predictor.py``):
 
 * :func:`predict_lu_reference`: ``W - 1`` padded systems through
-  ``jnp.linalg.solve`` (batched LU: cuSolver getrf + pivots on the GPU, about
-  2.7 ms per Qwen3-8B decode step at B=4); the oracle.
+  ``jnp.linalg.solve`` (batched LU: cuSolver getrf + pivots on the GPU, milliseconds
+  per Qwen3-8B decode step: docs/methods.md, 'AsyncSpade'); the oracle.
 * :func:`predict_cholesky_reference`: the factorization above in jnp
   (``jnp.linalg.cholesky`` + a triangular solve for the inverse).
 * :func:`predict_pallas`: one Pallas-Triton launch per layer (below).

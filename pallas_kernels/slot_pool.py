@@ -6,8 +6,9 @@ each missing block a pool slot (the least recently used one that the next
 step does not need), update the block tables, and list the copies for
 :func:`pallas_kernels.host_gather.host_gather_into_pallas`. Written in jnp
 this is ~20 small XLA kernels (gathers, an argsort, scatters, cumsums,
-reductions) costing ~70 us per layer at Qwen3-8B shape, 96K context, B=3 --
-more than the layer's attention. Here it is one program per row.
+reductions), which in the offloaded step cost more than the layer's attention
+(docs/kernels.md, 'Measured reasons for kernel choices', with the later timing of both alone). Here it is one
+program per row.
 
 Shapes (``R`` rows = B * Hkv, flattened; ``n1`` blocks chosen per row; ``NB``
 blocks per row; ``P`` pool slots per row):
@@ -40,7 +41,8 @@ and slot arrays in registers (padded to powers of two with masked loads);
 increasing LRU key until every miss has one, skipping slots whose block is a
 hit (a scalar membership test against ``nxt``), so the work is about
 ``n_miss`` vector reductions over ``P`` -- no ``[P, n1]`` tensor, which
-spilled registers and cost ~50 us. The three tables are updated in place
+spilled registers and was slow (docs/kernels.md, 'Measured reasons for kernel
+choices'). The three tables are updated in place
 (``input_output_aliases``): only evicted, newly filled and hit entries are
 stored. Masked-off lanes of scatter stores use out-of-bounds indices (see
 ``pallas_kernels/topk.py``: interpret mode writes masked lanes back

@@ -53,8 +53,8 @@ stores); a small jnp epilogue (``merge.combine_splits``) merges the splits.
 Tiling comes from the tuned table (``pallas_kernels.tuning``) on the GPU when
 the caller gives none. ``prefetch=1`` double-buffers tile t+1's rows in
 registers while tile t computes. (Loading only tile t+1's indices ahead was
-tried and removed: cold on the H100 it was 0.7-2.7 us (3-9%) slower than none at
-every K from 512 to 4096, at B=1 and B=8; ``sparse_scaling_b{1,8}_v7_h100.md``.)
+tried and removed: cold on the H100 it was slower than none at every K from 512 to
+4096, at B=1 and B=8; docs/kernels.md, 'Index prefetch'.)
 """
 
 from __future__ import annotations

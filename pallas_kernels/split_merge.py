@@ -3,8 +3,8 @@
 The decode kernels write per-split partials ``o [B, Hkv, NS, G, D]`` (unnormalised),
 ``m, l [B, Hkv, NS, G]`` (f32; see ``pallas_kernels.merge``). ``combine_splits`` merges
 them in jnp, which XLA compiles to one fusion at B=8 and two at B=1 (a reduce, then the
-combine with the cast): 3.8 µs of the AsyncTLS step's 44 µs at B=1, 128K on the H200
-(``kernels_h200_v14_128k.json``, the step's kernel list). This kernel does it in one
+combine with the cast): a visible share of the AsyncTLS step at B=1, 128K on the H200
+(docs/kernels.md, 'Measured reasons for kernel choices'). This kernel does it in one
 launch: program ``(b, h)`` loads its ``NS x G x D`` partials, takes the max over the
 splits, weights and sums, and writes the output in the caller's dtype and the residuals.
 

@@ -18,8 +18,8 @@ GPU kernel design
 -----------------
 The reference path builds each chunk's f32 logits, their softmax and the group
 sums in HBM: on the H100 at 32K (Qwen3-8B heads) an anchor layer's selection took
-240 ms against 14.7 ms for cuDNN's whole causal attention
-(``benchmarks/results/prefill_bench_kascade_anchor_h100.md``). The kernel keeps one
+many times cuDNN's whole causal attention (docs/methods.md, Kascade's anchor selection
+table). The kernel keeps one
 ``[tile, block_k]`` logit tile in registers at a time.
 
 Grid ``(B, Hkv, C)``: one program per (row, KV head, query tile), its ``R = Gp *
@@ -176,8 +176,8 @@ def tile_scores_pallas(q, k, lengths, first_tile, *, tile, chunk, out_len=None, 
     checks (see :func:`sparse_jax.methods.kascade.prefill.anchor_selection_chunked`). Tiles
     past the prompt give rows of ``-inf`` past their start (callers drop them). Tuning:
     ``block_k`` (keys per tile; 64, or 32 for D = 256), ``num_warps`` (4, or 8 for
-    D = 256), ``num_stages`` (3 for 16-bit inputs at D <= 128: 355 against 380 ms for 2 at 128K on the
-    H100, ``benchmarks/results/prefill_bench_anchor_new_h100.md``; else 2, whose shared memory
+    D = 256), ``num_stages`` (3 for 16-bit inputs at D <= 128: faster than 2 at 128K on the
+    H100, docs/methods.md, the anchor step's old/new table; else 2, whose shared memory
     the f32 or D = 256 operands fit)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]

@@ -18,8 +18,9 @@ Order: scores are compared as floats, except that NaN is treated as ``-inf``
 floats, so either order is a valid tie-break). ``-inf`` is a valid score: a
 valid ``-inf`` is always preferred to an invalid position.
 
-Why no sort: ``lax.top_k`` on a GPU sorts the row (0.15 ms for 64 x 2048
-already), while the data is tiny (64 x 8192 x 4 B = 2 MB). The kernel maps each
+Why no sort: ``lax.top_k`` on a GPU sorts the row (several times the kernel's time
+already at 64 x 2048: docs/kernels.md, 'Measured reasons for kernel choices'), while
+the data is tiny (64 x 8192 x 4 B = 2 MB). The kernel maps each
 score to an order-preserving int32 key (invalid -> INT32_MIN), finds the exact
 k-th largest key ``T`` by a bitwise binary search on the key (each step is a
 count ``#(key >= candidate)``: one reduction over the row held in registers;
@@ -347,10 +348,11 @@ def _bracket_search(key, k: int, early_exit: bool, row_ok, n_valid=None):
     down; bits every key shares (the sign, most of the exponent) cost rounds there, and
     here the interpolation lands near the k-th key once the bracket is tight: about 7
     rounds instead of about 24 on ``benchmarks.kernels``' 8,192 label scores a row (k =
-    2048, counted on the CPU), and at most 33 (bisection alone). On the H200 that took 8
-    rows of label-like scores from 9.7 to 8.1 µs, but 64 rows of normal scores from 10.9
-    to 12.7 µs (three reductions before the loop, float math in it): the tuned table picks
-    the search per class (``benchmarks/results/topk_search_ab_h200.log``). The bracket ends at ``hi = lo + 1`` (``lo`` is then the k-th largest
+    2048, counted on the CPU), and at most 33 (bisection alone). On the H200 that made 8
+    rows of label-like scores faster, but 64 rows of normal scores slower (three
+    reductions before the loop, float math in it): the tuned table picks the search per
+    class (docs/kernels.md, 'a bracketing threshold search for the top-k'). The bracket
+    ends at ``hi = lo + 1`` (``lo`` is then the k-th largest
     key) or, with early exit, at ``#(key >= lo) == k``; it returns ``lo``.
 
     All arithmetic is int32 with wrap-around: ``hi - lo`` is the unsigned width (keys are

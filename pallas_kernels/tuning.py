@@ -134,8 +134,8 @@ def untuned_classes() -> list[str]:
     """The shape classes looked up in this process that ran the kernels' defaults (no table
     entry for the device kind they were looked up on). ``benchmarks.kernels`` reports them:
     an unswept class is otherwise silent, and untuned classes were the largest single lever
-    found on the H200 (B=32's 8-bit bound ran B=1's defaults: 80.5 µs in the step, 44.4
-    tuned)."""
+    found on the H200 (B=32's 8-bit bound ran B=1's defaults; tuned, it took about half the
+    time: README.md, 'Decode kernels vs dense cuDNN', "Changed on 2026-11-29")."""
     return sorted(_MISSED)
 
 

@@ -14,10 +14,9 @@ every decode step and matches per-KV-head selection.
 Why one buffer per layer and not the layers stacked on a leading axis: a layer
 reading its slice of a stacked cache makes XLA copy the slice before any
 kernel that is not fused with it (our Pallas kernels, the attention GEMMs),
-a whole layer's KV per layer per step. Measured on the H100 (Qwen3-8B shape, 8
-layers, 32K, B=4, one decode program): 8.5 / 6.2 ms per step stacked
-(scanned / unrolled) against 3.4 ms with per-layer buffers, the difference
-being those copies (``benchmarks/results/driver_probe_stacked.md``).
+a whole layer's KV per layer per step. On the H100 (Qwen3-8B shape) a stacked
+cache, scanned or unrolled, was about twice as slow as per-layer buffers, the
+difference being those copies (docs/architecture.md, 'Measured', its table).
 
 Positions ``>= lengths[b]`` hold garbage (padding of a ragged prefill, or
 nothing yet); every reader masks them.
@@ -82,7 +81,7 @@ def write_rows(k: jax.Array, v: jax.Array, k_new: jax.Array, v_new: jax.Array, r
     # The barrier keeps the update a single in-place op. Without it XLA:CPU
     # duplicates the update into the fusion of each consumer (the attention dot
     # reading the cache) and copies the whole donated cache ~4 times per layer
-    # per decode step (measured: 1.1 s -> 0.2 s per SmolLM2 step at S=4096); on
-    # the GPU it fused the offloaded ring write into a select over the whole slot
-    # pool (~40 us per layer).
+    # per decode step (docs/models.md, 'CPU performance', item 2); on the GPU it
+    # fused the offloaded ring write into a select over the whole slot pool
+    # (docs/architecture.md, 'Measured reasons for runtime and benchmark choices').
     return jax.lax.optimization_barrier((k, v))

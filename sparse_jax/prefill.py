@@ -108,8 +108,8 @@ class TokenSparsePrefill:
         over the shorter sequence, scattered back) or "masked" (the reference).
       gather: how "compressed" moves rows (:data:`GATHER_MODES`, the same numbers):
         "gather" (default: each query head reads its KV head's rows; the output is
-        gathered back through the inverse order; 2-20% faster on the H100,
-        ``benchmarks/results/prefill_bench_tsa_buckets_h100.md``) or "scatter" (K/V
+        gathered back through the inverse order; faster on the H100 at every kept
+        fraction: docs/methods.md, 'Token Sparse Attention prefill') or "scatter" (K/V
         repeated to the query heads, the output scattered back).
       buckets: the compressed attention runs at the shortest of ``buckets`` static
         lengths that holds the kept tokens (:func:`bucket_lengths`); 1: the padded
@@ -123,8 +123,9 @@ class TokenSparsePrefill:
         profile when ``load_model`` binds the method (the layers at or below this
         quantile of the eligible layers' drift). The shipped list records its own δ:
         0.5 (the paper's) for Gemma 3, 0.1 for SmolLM2, where δ = 0.5 (15 layers) cost
-        30 RULER points at 8K and δ = 0.1 (3 layers) is within 1 point of dense
-        (``docs/methods.md``); ``quantile=0.5`` gives the paper's set there. Exclusive
+        many RULER points at 8K and δ = 0.1 (3 layers) matches dense (docs/methods.md,
+        'Token Sparse prefill: τ against speed and accuracy'); ``quantile=0.5`` gives the
+        paper's set there. Exclusive
         with ``layers``.
     """
 

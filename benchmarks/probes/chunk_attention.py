@@ -68,7 +68,8 @@ def run(args) -> dict:
             s = jnp.int32(start)
             got = np.asarray(fn(qc, k, v, s).astype(jnp.float32))
             err = float(np.max(np.abs(got - ref[:, start:start + size])))
-            runs = args.runs if impl != "blockwise" else max(2, args.runs // 5)  # 0.4 s a call at 98K
+            # blockwise: fewer runs, seconds a call at 98K (docs/architecture.md, chunked prefill)
+            runs = args.runs if impl != "blockwise" else max(2, args.runs // 5)
             tm = time_fn(fn, (qc, k, v, s), name=f"{impl}@{start}", warmup=1, runs=runs, cupti=False)
             floor = chunk_flops(b, hq, d, start, size) / H100_BF16_FLOPS * 1e3
             rows.append({"impl": impl, "start": start, "chunk": size, "ms": round(tm.wall_ms, 3),

@@ -14,7 +14,8 @@ every step) against the plain ``SAVE`` (``SAVE:host``: each step's tokens a new 
 engine's loop): whether XLA's per-step ``command_buffer::update`` comes from those buffers.
 
 Why alternating: the first A/B (``--save deferred,sync`` of :mod:`benchmarks.offload`,
-deferred first) read deferred 57% slower; the first run in a process pays a slow first
+deferred first) read deferred much slower (docs/serving.md, 'Against SparseServe', FlashD2H);
+the first run in a process pays a slow first
 round, and the order was the confound. ``--tiny`` runs a small model (CPU smoke test).
 """
 

@@ -34,11 +34,9 @@ memory is the device's ``peak_bytes_in_use`` when the backend reports it
 ``--dtype`` defaults to bfloat16 on GPU and float32 on CPU. On CPU, float32 is
 the exact path (it matches the Hugging Face float32 reference to ~6e-5 in the
 logits) and bf16 buys little: measured with SmolLM2-135M on the 2-core dev box
-(a Xeon with AMX-BF16, so bf16 is at its best there), the demo's 3,350-token
-prompt prefills at 450 tok/s in bf16 vs 416 in f32 and decodes (cache 3,584)
-at 10.6 vs 14.5 tok/s; a 902-token prompt prefills at ~640-800 vs ~370 tok/s
-and decodes at ~16-20 vs ~17 tok/s. CPUs without native bf16 are slower still
-in bf16.
+(a Xeon with AMX-BF16, so bf16 is at its best there), bf16 prefills a little
+faster and decodes no faster or slower (docs/models.md, 'CPU performance', the
+table of the CPU paths). CPUs without native bf16 are slower still in bf16.
 
 Every argument error is reported before the weights load or anything compiles:
 unknown model or attention method (the valid names are listed), bad

@@ -58,7 +58,8 @@ MODES = ("resident", "offload")
 SAVE_MODES = ("deferred", "sync")  # TieredRunner(save=...)
 # the offloaded layers' copy kernel grid when it runs beside the MLP (benchmarks/probes/stream_probe.py,
 # H100, B=11: 8 programs x 4 entries in flight slowed the MLP least of 4/8/16/32 programs, and
-# alone still move ~45 GB/s)
+# alone still move the copy at full speed; docs/architecture.md, 'Measured reasons for runtime
+# and benchmark choices')
 DEFAULT_GATHER_PROGRAMS = 8
 
 
@@ -81,7 +82,8 @@ class TieredState:
     #: keep each step's block counters in ``counters`` (``transfer_stats``). Keeping them
     #: holds two small device buffers per layer and step alive, so the next step's outputs
     #: land at new addresses and XLA updates the step's whole CUDA graph on the host
-    #: (``command_buffer::update``: 4.9 ms of a 9.4 ms step, 36 layers, H100): a timed loop
+    #: (``command_buffer::update``, milliseconds a step: docs/offload.md, 'Where the host time
+    #: goes'): a timed loop
     #: turns it off.
     record_transfers: bool = True
     host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier

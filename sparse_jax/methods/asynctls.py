@@ -79,21 +79,22 @@ class AsyncTLS(DoubleSparsity):
     #: how the filter combines a KV head's query heads' block bounds: "max" (default: a block
     #: any one head wants ranks high) or "sum" (AsyncTLS's GEMM form; see ``Quest.group_reduce``).
     #: Measured on Gemma 3 (4 query heads per KV head, H100, 100 prompts a task): "sum" loses
-    #: 7.4 points at 16K and 13.5 at 32K where "max" loses 1.7 and 2.5 (docs/methods.md)
+    #: several times the points "max" loses at 16K and 32K (docs/methods.md, 'The group
+    #: reduction measured')
     group_reduce: str = "max"
     #: the second level's kernels without a sink or window (``block_label_topk(fused=...)``):
     #: True runs one kernel that normalizes, selects and maps to tokens; False the label
     #: normalization, the top-k (which also counts the unmasked slots) and XLA's token map;
     #: None (default) the op's default (``sparse_jax.ops.scoring.FUSED_LABEL_TOPK``). Measured on the H100 (128K,
-    #: K=2048, 2026-11-28): a tie in the model path, 52.0 against 52.2 us at B=1
-    #: (``kernels_h100_v7b_128k.md``)
+    #: K=2048, 2026-11-28): a tie in the model path (docs/kernels.md, 'The fused second level
+    #: in the model path')
     fused_selection: bool | None = None
     #: the filter's block boxes: 8 (default) as 8-bit codes over each channel's range, the max
     #: rounded up and the min down (half the bytes for the filter to read, and the Quest bound
-    #: stays a bound; ``pallas_kernels.quantized_boxes``), or None in the cache's dtype. Measured
-    #: on the H200 (2026-11-28): the method step at B=8, 128K, K=2048 in 88.4 against 98.1 us;
-    #: on Gemma 3, RULER at 100 prompts a task, 74.0 against 74.0 at 16K (287 of 300 outputs
-    #: identical) and 41.0 against 41.7 at 32K (6 prompts flipped: 2 won, 4 lost)
+    #: stays a bound; ``pallas_kernels.quantized_boxes``), or None in the cache's dtype. On the
+    #: H200 (2026-11-28) the method step got faster at the same RULER scores on Gemma 3 within
+    #: a few prompts (docs/methods.md, the ``asynctls`` row of 'Per method'; docs/kernels.md,
+    #: '8-bit block boxes')
     box_bits: int | None = 8
 
     def __post_init__(self):

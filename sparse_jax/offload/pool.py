@@ -93,8 +93,8 @@ def check_shared_fits(method: AttentionMethod, pool_slots: int, max_len: int, ro
 
 def default_pool_slots(method: AttentionMethod, max_len: int) -> int:
     """Twice the blocks one step reads: on SmolLM2 with real text (8K context,
-    AsyncTLS kb 32) the smallest pool hit 89.8% of the needed blocks and the
-    doubled one 98.8% (``benchmarks/results/offload_smollm2_locality.md``)."""
+    AsyncTLS kb 32) the doubled pool misses several times fewer of the needed
+    blocks than the smallest (README.md, 'Offloaded decoding', "Locality")."""
     return 2 * method.offload_blocks_per_step(max_len)
 
 
@@ -225,7 +225,8 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
 
 #: the shared pool's slot assignment when the step's ``impl`` is "auto": None follows the
 #: step (the kernel on the GPU). On the H100 the kernel wins at a miss or two per row and
-#: loses up to 11x to the jnp reference with many misses (``docs/offload.md``);
+#: loses to the jnp reference with many misses (docs/offload.md, 'The shared slot kernel
+#: on the H100');
 #: ``python -m benchmarks.offload --shared-slot-impl reference`` sets this to A/B the step.
 #: It is read when a step is traced: set it before the first offloaded step compiles.
 SHARED_SLOT_IMPL: str | None = None

@@ -262,11 +262,11 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
     blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (programs and
     loads past a row's length are skipped), "reference" the masked einsum
     (:func:`sparse_jax.ops.dense.dense_decode_reference`), "auto" the kernel on a
-    GPU (for a head_dim it supports) and the reference elsewhere. Measured on
-    the H100 (``benchmarks/results/kernels_dense_check.md``, 128K, 32/8 heads,
-    D=128): B=8 1.400 ms against cuDNN's 1.389 ms on its own [B, S, H, D]
-    layout and the einsum's 1.597 ms; B=1 0.193 / 0.179 / 0.212 ms. cuDNN
-    itself would need the token-major layout, a transposed copy of the cache.
+    GPU (for a head_dim it supports) and the reference elsewhere. On the H100
+    (128K, 32/8 heads, D=128) the kernel ties cuDNN on its own [B, S, H, D]
+    layout at B=8 and is faster than the einsum at B=8 and B=1
+    (docs/kernels.md, 'Measured reasons for kernel choices'). cuDNN itself would
+    need the token-major layout, a transposed copy of the cache.
     Tuning as :func:`block_sparse_decode_attention`.
     """
     check_rank("q", q, 3, "[B, Hq, D]")

@@ -55,8 +55,9 @@ def dense_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: in
     Right-padded ragged rows need no extra mask: a valid query at position t
     only sees keys ``<= t``, all valid. GQA is passed to the backend as is (no
     repeated K/V). cuDNN needs bf16/f16 and a GPU; other GPU dtypes use XLA.
-    On CPU, :func:`blockwise_causal_attention` (5x faster than XLA's version,
-    which materialises and re-reads the whole ``[T, T]`` score matrix).
+    On CPU, :func:`blockwise_causal_attention` (several times faster than XLA's
+    version: docs/models.md, 'CPU performance'; XLA's materialises and re-reads
+    the whole ``[T, T]`` score matrix).
     """
     if not on_gpu():
         return blockwise_causal_attention(q, k, v, window=window)
@@ -105,8 +106,9 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
     ``implementation``: ``"cudnn"`` (a GPU, bf16/f16), ``"xla"`` (the same calls
     through XLA's attention, which materialises the masks: tests only), ``"blockwise"``
     (:func:`blockwise_causal_attention` with ``q_offset=start``, the CPU path; a jnp
-    loop of thousands of small kernels a chunk on a GPU, 1.6 s for the last 32K chunk
-    of a 98K prompt on the H100), or ``"auto"``: cuDNN on a GPU for bf16/f16, else
+    loop of thousands of small kernels a chunk on a GPU, seconds a chunk at 98K on
+    the H100: docs/architecture.md, 'Measured reasons for runtime and benchmark
+    choices'), or ``"auto"``: cuDNN on a GPU for bf16/f16, else
     blockwise. For cuDNN and XLA, ``split`` picks the form:
 
     * split (the default without a window): the chunk's queries over the keys before
@@ -116,9 +118,9 @@ def chunk_prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax
       the chunk's queries at their positions in a ``[B, T]`` array of zeros, causal,
       with key lengths ``start + C``. cuDNN's causal mask is aligned at the top left,
       so the chunk gets exactly its keys; it skips keys past ``start + C`` but not the
-      queries, so it does ``T x (start + C)``-ish work: 2.4x the whole prompt's
-      attention over the three chunks of a 98K prompt on the H100
-      (``benchmarks.probes.chunk_attention``).
+      queries, so it does ``T x (start + C)``-ish work: more than twice the whole
+      prompt's attention over the three chunks of a 98K prompt on the H100
+      (docs/architecture.md, 'Measured reasons for runtime and benchmark choices').
     """
     if implementation not in CHUNK_ATTENTION_IMPLS:
         raise ValueError(f"implementation must be one of {CHUNK_ATTENTION_IMPLS}, got {implementation!r}")
@@ -166,8 +168,9 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
     (keys ``t - window + 1 .. t``). A scan over query blocks; for each, a loop over the
     key blocks it can see only (up to the diagonal and, with a window, from the window's
     first block), each ``[G*block, block]`` score tile small enough to stay in cache. f32
-    scores and accumulators. Measured on 2 CPU cores (T=4000, Hq=9, Hkv=3, D=64, f32):
-    0.27 s against 1.5 s for ``jax.nn.dot_product_attention(implementation="xla")``.
+    scores and accumulators. On 2 CPU cores (T=4000, Hq=9, Hkv=3, D=64, f32) it is
+    several times faster than ``jax.nn.dot_product_attention(implementation="xla")``
+    (docs/models.md, 'CPU performance', item 1).
     """
     b, t, hq, d = q.shape
     s_len, hkv = k.shape[1], k.shape[2]

@@ -586,9 +586,10 @@ def block_label_scores(q, labels, channels, block_ids, block_counts, lengths, *,
         scale=scale, bits=bits, interpret=interpret, **tuning)
 
 
-#: Whether block_label_topk's kernel path runs the fused selection kernel by default. Measured
-#: on the H100 (kernels_h100_v5_128k.md, 128K, K=2048): fused 17.7 us at B=1 and 20.2 us at B=8
-#: against 14.4 and 17.5 us for normalization + top-k + token map unfused. The fused program holds
+#: Whether block_label_topk's kernel path runs the fused selection kernel by default. On the
+#: H100 (128K, K=2048) the fused kernel was slower than normalization + top-k + token map
+#: unfused, at B=1 and B=8 (docs/kernels.md, v5, 'Fusing the label normalization, the token
+#: top-k and the token map into one kernel lost'). The fused program holds
 #: a row's whole load (G x C logits, their exponentials, the block-id gathers) before its
 #: latency-bound search, which the unfused normalization spreads over many programs. Off until
 #: tuned faster (its warps: ``select_num_warps``).

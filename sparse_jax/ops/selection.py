@@ -65,9 +65,8 @@ TUNING_KEYS = frozenset(
 # on the H100. Rows are (max_n, max_k, impl, tuning): the first row with
 # N <= max_n and k <= max_k (None = no limit) wins. impl "pallas" falls back to
 # the reference when the kernel has no plan for the shape (plan_topk -> None,
-# e.g. k > 16384 on long rows). Expectations (not yet measured): the kernel
-# is ~10 us at N <= 16384 against 150 us for lax.top_k, and tens of us at
-# N = 131072 (2-3 launches) against 1.3 ms.
+# e.g. k > 16384 on long rows). The kernel against lax.top_k, measured:
+# docs/kernels.md, v6, 'The top-k kernel, tuned for the first time'.
 TOPK_AUTO_TABLE: list[tuple[int | None, int | None, str, dict]] = [
     (2048, None, "pallas", {}),  # (a) 64 x 2048 block scores, k = 128
     (16384, None, "pallas", {}),  # (b) 64 x 8192 candidate tokens, k 512..2048
