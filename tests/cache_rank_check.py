@@ -16,14 +16,13 @@ runs SmolLM2 through the CLI instead).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from models.runtime.cache_rank import with_cache_rank
+from tests.cli_runs import run_generate, texts_with_and_without
 
 STEPS = 4
 
@@ -89,28 +88,13 @@ def tiny_cases():
 def cli_case():
     """``python -m models.generate --attention asyncspade --cache-rank`` (the CLI's ``main``):
     SmolLM2's text with and without the cache rank, and the flag refused for another method."""
-    from models.cli import generate
-
     prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 5 + "The capital of Germany is"
     args = ["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt", "budget=48", "--prompt", prompt,
             "--max-new-tokens", "8"]
-    texts, heads = [], []
-    for extra in ([], ["--cache-rank"]):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = generate.main([*args, *extra])
-        assert rc == 0, out.getvalue()[-2000:]
-        head, rest = out.getvalue().split("]\n", 1)
-        texts.append(rest.split("-" * 72)[0])
-        heads.append(head)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:  # the CLI exits 2 on a refused command line (argparse's SystemExit, or main's return)
-            rc = generate.main(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])
-        except SystemExit as e:
-            rc = e.code
-    print(json.dumps(dict(case="cli/cache-rank", texts=texts, heads=heads, refused_rc=rc,
-                          refused=err.getvalue()[-500:])), flush=True)
+    texts, heads = texts_with_and_without(args, ["--cache-rank"])
+    refused = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])
+    print(json.dumps(dict(case="cli/cache-rank", texts=texts, heads=heads, refused_rc=refused.rc,
+                          refused=refused.err[-500:])), flush=True)
 
 
 if __name__ == "__main__":

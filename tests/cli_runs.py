@@ -1,31 +1,49 @@
-"""``python -m models.generate`` in a subprocess with forced CPU devices (the count must be
-set before jax starts), and its output read: the header line in brackets, then the
-generated text up to the report's rule."""
+"""The generate CLI run as a user runs it, in this process (its ``main``: one weights load and
+one set of compiled programs for every run of a test process), and its output read: the header
+line in brackets, then the generated text up to the report's rule."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import contextlib
+import io
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parent.parent
+from models.cli import generate
 
-
-def run_generate(args: list[str], devices: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "-m", "models.generate", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+RULE = "-" * 72
 
 
-def texts_with_and_without(args: list[str], flag: list[str], marker: str, devices: int = 2) -> list[str]:
-    """The generated text of ``args`` and of ``args + flag``; each run must exit 0, and its
-    header must name ``marker`` exactly when ``flag`` is given."""
-    texts = []
+@dataclass(frozen=True)
+class CliRun:
+    rc: int  # main's return, or the SystemExit code of a refused command line (argparse exits 2)
+    out: str
+    err: str
+
+    @property
+    def head(self) -> str:
+        return self.out.split("]\n", 1)[0]
+
+    @property
+    def text(self) -> str:
+        return self.out.split("]\n", 1)[1].split(RULE)[0]
+
+
+def run_generate(argv: list[str]) -> CliRun:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = generate.main(argv)
+        except SystemExit as e:
+            rc = e.code
+    return CliRun(int(rc or 0), out.getvalue(), err.getvalue())
+
+
+def texts_with_and_without(args: list[str], flag: list[str]) -> tuple[list[str], list[str]]:
+    """The generated texts and headers of ``args`` and of ``args + flag``; each run must exit 0."""
+    texts, heads = [], []
     for extra in ([], flag):
-        proc = run_generate([*args, *extra], devices)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        head, rest = proc.stdout.split("]\n", 1)
-        texts.append(rest.split("-" * 72)[0])
-        assert (marker in head) == bool(extra), head
-    return texts
+        run = run_generate([*args, *extra])
+        assert run.rc == 0, (extra, run.err[-2000:], run.out[-2000:])
+        texts.append(run.text)
+        heads.append(run.head)
+    return texts, heads

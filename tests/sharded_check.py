@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from models.runtime.sharding import shard
+from tests.cli_runs import run_generate, texts_with_and_without
 
 STEPS = 4
 
@@ -302,11 +303,6 @@ def smollm2_cases():
     ``shard(model, model=2).generate`` equal to one device's text, and the generate CLI with
     ``--tensor-parallel 2`` equal to the CLI without it (in this process: one weights load
     and one set of compiled programs for both); ``--tensor-parallel 8`` is refused."""
-    import contextlib
-    import io
-
-    from models.cli import generate
-
     base = smollm2(256)
     prompt = "The capital of France is"
     sharded_model = shard(base, model=2)
@@ -314,23 +310,11 @@ def smollm2_cases():
     print(json.dumps(dict(case="smollm2/api-generate/dense/data=1,model=2", max_dlogit=0.0, logit_scale=1.0,
                           tokens_agree=a == b, k_spec="P(None, 'model')", devices=2,
                           text=b, kv_heads=sharded_model.config.num_kv_heads)), flush=True)
-    texts, heads = [], []
-    for extra in ([], ["--tensor-parallel", "2"]):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = generate.main(["--model", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "12", *extra])
-        head, rest = out.getvalue().split("]\n", 1)
-        texts.append(rest.split("-" * 72)[0])
-        heads.append(head)
-        assert rc == 0, out.getvalue()[-2000:]
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:  # the CLI exits 2 on a refused command line (argparse's SystemExit, or main's return)
-            rc8 = generate.main(["--model", "smollm2-135m", "--prompt", "hi", "--tensor-parallel", "8"])
-        except SystemExit as e:
-            rc8 = e.code
-    print(json.dumps(dict(case="smollm2/cli/tensor-parallel=2", texts=texts, heads=heads, refused_rc=rc8,
-                          refused=err.getvalue()[-500:])), flush=True)
+    texts, heads = texts_with_and_without(["--model", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "12"],
+                                          ["--tensor-parallel", "2"])
+    refused = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--tensor-parallel", "8"])
+    print(json.dumps(dict(case="smollm2/cli/tensor-parallel=2", texts=texts, heads=heads, refused_rc=refused.rc,
+                          refused=refused.err[-500:])), flush=True)
 
 
 def main(argv=None) -> int:

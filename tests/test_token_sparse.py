@@ -14,6 +14,7 @@ from models.driver import make_plan
 from sparse_jax import prefill as tsa
 from sparse_jax.ops.dense import blockwise_causal_attention
 from sparse_jax.methods.registry import get_method
+from tests.cli_runs import run_generate, texts_with_and_without
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -266,24 +267,15 @@ def test_hybrid_models_use_global_layers_only():
         LayerSpec("local", 4, 1e4, False, True)
 
 
-def test_generate_cli_with_token_sparse_prefill(capsys):
+def test_generate_cli_with_token_sparse_prefill():
     """``--attention-opt prefill=token_sparse`` through the CLI (its ``main``, in process) on
     SmolLM2: a prompt too short for min_tokens gives the dense text; a bad option exits 2
     with the option list."""
-    from models.cli import generate
-
     base = ["--model", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens", "8"]
-    outs = []
-    for extra in ([], ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"]):
-        rc = generate.main(base + extra)
-        out = capsys.readouterr()
-        assert rc == 0, out.err[-3000:]
-        outs.append(out.out.split("]\n", 1)[1].split("-" * 72)[0])
-    assert outs[0] == outs[1] and outs[0].strip()
-    with pytest.raises(SystemExit) as exit_:  # argparse's exit for a refused command line
-        generate.main(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "bad token_sparse option" in err, err[-2000:]
+    texts, _ = texts_with_and_without(base, ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"])
+    assert texts[0] == texts[1] and texts[0].strip()
+    refused = run_generate(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"])
+    assert refused.rc == 2 and "bad token_sparse option" in refused.err, refused.err[-2000:]
 
 
 def test_drift_profile_and_binding(tmp_path, monkeypatch):
