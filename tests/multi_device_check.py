@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -83,11 +84,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if len(jax.devices()) < 4:
         raise SystemExit("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4")
-    sharded_check.main(["--bf16", "--with-offload"])
-    cache_rank_check.tiny_cases()
-    cache_rank_check.cli_case()
-    replicas_case()
-    benchmarks_case(out)
+    steps = {"sharded": lambda: sharded_check.main(["--bf16", "--with-offload"]),
+             "cache_rank": cache_rank_check.tiny_cases, "cache_rank_cli": cache_rank_check.cli_case,
+             "replicas": replicas_case, "benchmarks": lambda: benchmarks_case(out)}
+    for name, step in steps.items():  # each step's time, so the slow one shows in the test's output
+        t0 = time.perf_counter()
+        step()
+        print(json.dumps(dict(case=f"time/{name}", seconds=round(time.perf_counter() - t0, 1))), flush=True)
     return 0
 
 

@@ -18,7 +18,8 @@ so, paying for one process start, one SmolLM2 load and one set of compilations).
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest, asynctls,
 asyncspade and quest after a Token Sparse Attention prefill, every method selecting:
-budgets below the prompts) on meshes 1x2, 2x2 and 1x4, and kascade on data=2; a tiny
+budgets below the prompts): dense on meshes 1x2, 2x2 and 1x4, each other method on one or
+two of them, and kascade on data=2; a tiny
 Llama-style config of 3 KV heads padded to 4, SmolLM2's shape in small (dense, quest and
 asynctls on model=2, its per-head channels padded too; asynctls on data=2), with
 ``--bf16`` also in bf16 against an f32 reference, one device and model=2, to show the
@@ -119,9 +120,14 @@ def tiny_cases(meshes):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 150)), jnp.int32)
     lengths = jnp.asarray([150, 120, 97, 141], jnp.int32)
+    # dense on every mesh; each sparse method on one or two, so that every mesh sees three
+    # methods and every method splits its KV heads (a full method x mesh matrix compiled
+    # 15 sharded programs for what these 8 check)
+    on = {"dense": meshes, "quest": [(1, 2)], "asynctls": [(2, 2), (1, 4)], "asyncspade": [(1, 4)],
+          "quest+token_sparse": [(2, 2)]}
     for name, m in methods.items():
         ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
-        for data, model in meshes:
+        for data, model in [mesh for mesh in on[name] if mesh in meshes]:
             got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(data, model))
             report(f"tiny-kv8/{name}/data={data},model={model}", ref, got, got[2])
     # forward (whole sequences, no cache) on the narrowest and the widest mesh
@@ -189,16 +195,17 @@ def offload_cases(meshes):
     channels = (tuple(tuple(range(h % 4, 16, 4)) for h in range(8)),) * 3
     # blocks of 4: a block a row completes leaves the ring, and is read back from the host
     # tier, within the 12 steps (the control shows it)
-    methods = {"quest": (get_method("quest", budget=32, block_size=4, dense_layers=(0,)), 8),
+    # each method on one mesh (Quest split over heads, AsyncTLS over heads and rows)
+    methods = {"quest": (get_method("quest", budget=32, block_size=4, dense_layers=(0,)), 8, [(1, 2)]),
                "asynctls": (get_method("asynctls", budget=32, block_size=4, kb=8, lag=True,
-                                       channels_per_layer=channels, dense_layers=(0,)), 7)}
+                                       channels_per_layer=channels, dense_layers=(0,)), 7, [(2, 2)])}
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 97, (4, 90)).astype(np.int32)
     lengths = np.array([90, 61, 77, 85], np.int32)
-    for name, (m, pool) in methods.items():
+    for name, (m, pool, on) in methods.items():
         base = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention=m)
         _, *ref, _ = _tiered(base, "resident", tokens, lengths)
-        for data, model in meshes:
+        for data, model in [mesh for mesh in on if mesh in meshes]:
             runner, *got, state = _tiered(shard(base, data=data, model=model), "offload", tokens, lengths, pool)
             report_offload(f"offload/tiny-kv8/{name}/data={data},model={model}", ref, got, runner, state)
         runner, *got, state = _tiered(None, "offload", tokens, lengths, runner=_drop_saves(runner))
