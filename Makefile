@@ -44,7 +44,7 @@ $(STAMP): $(PY) pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	bash scripts/run_tests.sh $(PY) 12
+	bash scripts/run_tests.sh $(PY) 10
 
 # On a GPU machine: the kernel, offload and model tests compiled for the GPU, in parts of < 8 min
 # (PART=decode|select|offload|model|methods|kascade; default all). GPU_PY: the interpreter (the venv's, else python3:
