@@ -25,42 +25,71 @@ row of the per-layer constants the method declared in ``layer_data`` (traced:
 the driver stacks them and scans over them), with ``layer.data["index"]`` the
 layer's index in the model.
 
-=======================  ======================================================
-hook                     called
-=======================  ======================================================
-``layer_data``           once per layer when the functions are built: per-layer
-                         constants (NumPy arrays of the same shapes on every
-                         layer: Double Sparsity's channels) or None
-``init_carry``           once per step: the pytree that crosses layers (Kascade:
-                         the last anchor's selection), or None
-``init_state``           once per layer by ``init_cache``: the method's per-layer
-                         state (a pytree, or ``None``)
-``prefill_attention``    prefill: ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
-                         tokens, cache empty before), causal -> ``[B,T,Hq,D]``
-``init_prefill_carry``   once per prefill: the pytree that crosses layers during
-                         the prompt (Kascade's tiled prefill: the last anchor's
-                         per-tile selection), or None
-``prefill_attention_carry``  ``prefill_attention`` with that carry -> ``(out,
-                         carry)`` (default: ``prefill_attention``, carry unchanged)
-``prefill_carry``        the carry after a layer whose prompt attention another
-                         path ran (Token Sparse Attention on that layer): default
-                         unchanged; Kascade's anchors still select there
-``prefill_state``        after the prefill wrote K/V: state from the whole
-                         layer cache ``k, v [B,Hkv,S,D]`` and ``lengths int32[B]``
-``prefill_query_state``  after ``prefill_state``: the query of each row's last
-                         prompt token ``q [B,Hq,D]`` (a method whose selection
-                         lags one step picks the first decode step's blocks)
-``append_state``         decode, after the new token was written at ``positions
-                         int32[B]``: ``kv``, a view of the layer's KV
-                         (:mod:`sparse_jax.kv`: ``kv.newest_keys(positions)``,
-                         ``kv.block_keys(blocks, bs)``)
-``select``               decode: ``q [B,Hq,D]`` against the view ``kv`` whose
-                         first ``lengths`` tokens are valid (the new one
-                         included), the state and the carry -> ``(Selection,
-                         state, carry)``
-``decode``               ``select`` then ``attend`` -> ``(out [B,Hq,D], state,
-                         carry)``; override only to fuse the two
-=======================  ======================================================
+The hooks, in four groups; each has a default in :class:`AttentionMethod` (in
+brackets), so a method overrides only what it changes: a decode-only method is a
+``select`` and its fields (the example below).
+
+==========================  ===================================================
+hook [default]              called
+==========================  ===================================================
+*binding* (once, before anything compiles)
+``for_model`` [self]        by ``load_model``: a copy holding per-model data
+                            (calibrated channels, anchors), or a clear error
+``check`` [nothing]         ValueError if the method cannot run the model's shape
+``is_sparse_layer``         which global layers it runs on [all but
+                            ``dense_layers``]; ``cache_multiple`` [1]: the cache
+                            capacity must be a multiple of it (block methods)
+``layer_data`` [None]       per-layer constants (NumPy arrays of the same shapes
+                            on every layer: Double Sparsity's channels)
+*decode* (every step)
+``init_state`` [None]       once per layer by ``init_cache``: the method's
+                            per-layer state (a pytree, batch leading)
+``init_carry`` [None]       once per step: the pytree that crosses layers
+                            (Kascade: the last anchor's selection)
+``append_state`` [same]     after the new token was written at ``positions
+                            int32[B]``: ``kv``, a view of the layer's KV
+                            (:mod:`sparse_jax.kv`: ``kv.newest_keys(positions)``,
+                            ``kv.block_keys(blocks, bs)``)
+``select`` [required]       ``q [B,Hq,D]`` against the view ``kv`` whose first
+                            ``lengths`` tokens are valid (the new one included),
+                            the state and the carry -> ``(Selection, state,
+                            carry)``
+``decode`` [select+attend]  -> ``(out [B,Hq,D], state, carry)``; override only to
+                            fuse selection and attention
+*prefill* (once per prompt)
+``prefill_attention``       ``q [B,T,Hq,D]``, ``k, v [B,T,Hkv,D]`` (the new
+  [dense, causal]           tokens, cache empty before) -> ``[B,T,Hq,D]``
+``init_prefill_carry``      the pytree that crosses layers during the prompt
+  [None]                    (Kascade's tiled prefill: the last anchor's per-tile
+                            selection)
+``prefill_attention_carry`` ``prefill_attention`` with that carry -> ``(out,
+  [carry unchanged]         carry)``
+``prefill_carry``           the carry after a layer whose prompt attention another
+  [unchanged]               path ran (Token Sparse Attention on that layer);
+                            Kascade's anchors still select there
+``prefill_state`` [same]    after the prefill wrote K/V: state from the whole
+                            layer cache ``k, v [B,Hkv,S,D]`` and ``lengths
+                            int32[B]``
+``prefill_query_state``     after ``prefill_state``: the query of each row's last
+  [same]                    prompt token ``q [B,Hq,D]`` (a method whose selection
+                            lags one step picks the first decode step's blocks)
+*offload* (an offloaded cache: :mod:`sparse_jax.offload`)
+``offload_block_size``      tokens per block of the host tier, or None [None:
+                            the method cannot run offloaded]
+``for_offload`` [self]      the variant an offloaded cache runs (AsyncTLS:
+                            ``lag=True``, so its selection carries a ``prefetch``)
+``offload_blocks_per_step`` the most blocks one step reads outside the ring: the
+                            smallest pool [required when offloadable]
+``check_offload`` [nothing] ValueError when this configuration cannot run offloaded
+``first_prefetch`` [None]   after prefill: the blocks the first decode step reads,
+                            ``int32[B,Hkv,m]``, primed into the pool
+==========================  ===================================================
+
+Class attributes say what the method needs from a runner: ``reads_all_keys`` (its
+``select`` reads the whole key cache ``kv.k``: no offload), ``crosses_kv_heads`` (a
+layer reads another KV head's data: no split over KV heads) and ``shardable``.
+Token Sparse Attention's prefill is chosen per method by ``prefill`` and
+``prefill_options`` (:meth:`AttentionMethod.sparse_prefill`).
 
 The view is what lets one method run resident and offloaded unchanged: a
 resident layer's view holds ``k, v [B,Hkv,S,D]``, an offloaded layer's a
@@ -154,7 +183,7 @@ class AttentionMethod:
     prefill: str = "dense"
     prefill_options: tuple = ()
 
-    # -- binding to a model ---------------------------------------------------
+    # -- binding (once, before anything compiles) --------------------------------
     def for_model(self, model_name: str, *, num_layers: int, head_dim: int,
                   sparse_layers: tuple[int, ...] | None = None) -> "AttentionMethod":
         """Called once by ``load_model``: a method that needs per-model data
@@ -187,15 +216,11 @@ class AttentionMethod:
     def check(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
         """Raise ValueError, before any compilation, if this method cannot run the model."""
 
-    # -- per-layer constants and the cross-layer carry --------------------------
     def layer_data(self, index: int) -> dict[str, np.ndarray] | None:
         """Constants of model layer ``index`` (the same shapes on every layer), or None."""
         return None
 
-    def init_carry(self, *, batch: int, num_kv_heads: int, max_len: int) -> Any:
-        return None
-
-    # -- state ----------------------------------------------------------------
+    # -- decode (every step) -------------------------------------------------------
     def init_state(self, spec: LayerSpec, *, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                    dtype, num_q_heads: int | None = None) -> Any:
         """The layer's empty state; every leaf has the batch as its leading axis.
@@ -203,16 +228,22 @@ class AttentionMethod:
         a method that needs them sizes those leaves in ``prefill_query_state``)."""
         return None
 
-    def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
-        return state
-
-    def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
-        return state
+    def init_carry(self, *, batch: int, num_kv_heads: int, max_len: int) -> Any:
+        return None
 
     def append_state(self, state: Any, kv, positions: jax.Array, layer: LayerCtx) -> Any:
         return state
 
-    # -- attention ------------------------------------------------------------
+    def select(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
+               layer: LayerCtx) -> tuple[Selection, Any, Any]:
+        raise NotImplementedError
+
+    def decode(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
+               layer: LayerCtx) -> tuple[jax.Array, Any, Any]:
+        sel, state, carry = self.select(q, kv, lengths, state, carry, layer)
+        return kv.attend(q, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
+
+    # -- prefill (once per prompt) ------------------------------------------------
     def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                           layer: LayerCtx) -> jax.Array:
         return dense_prefill_attention(q, k, v)
@@ -231,14 +262,11 @@ class AttentionMethod:
         the carry from its ``q [B,T,Hq,D]`` and ``k [B,T,Hkv,D]`` alone. Default: unchanged."""
         return carry
 
-    def select(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
-               layer: LayerCtx) -> tuple[Selection, Any, Any]:
-        raise NotImplementedError
+    def prefill_state(self, state: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
+        return state
 
-    def decode(self, q: jax.Array, kv, lengths: jax.Array, state: Any, carry: Any,
-               layer: LayerCtx) -> tuple[jax.Array, Any, Any]:
-        sel, state, carry = self.select(q, kv, lengths, state, carry, layer)
-        return kv.attend(q, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
+    def prefill_query_state(self, state: Any, q_last: jax.Array, lengths: jax.Array, layer: LayerCtx) -> Any:
+        return state
 
     # -- offloading ---------------------------------------------------------------
     def for_offload(self) -> "AttentionMethod":
