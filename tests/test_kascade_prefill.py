@@ -395,7 +395,10 @@ def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
             num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
 
 
-@pytest.mark.parametrize("unroll", [False, True])
+# unrolled only (the GPU's driver): both driver modes thread the prefill carry, traced roles
+# included, in test_tiled_prefill_layers_choose_the_sparse_layers and
+# test_budget_covering_the_prompt_is_dense_prefill; this one adds TSA's layers to it
+@pytest.mark.parametrize("unroll", [True])
 def test_tiled_prefill_composes_with_token_sparse(unroll, monkeypatch):
     """``prefill="token_sparse"`` beside the tiled prefill: Token Sparse Attention attends
     its layers (reuse layer 1 and anchor layer 2 of 4 here) and Kascade's anchor there
