@@ -16,8 +16,9 @@
 # saved after every row, so a stage cut off by its time limit keeps what it measured; the
 # per-prompt predictions go to bench_out/ (git-ignored; benchmarks.accuracy --predictions-dir),
 # never into benchmarks/results/. The GPU test target is `make test-gpu`; the `tests` stage
-# here is its Gemma-only subset (D=256 cases), for a session that only touched Gemma. PY overrides the interpreter; SAMPLES / BATCH the sizes; METHODS,
-# LENGTHS (passkey) and BUDGETS the sweep.
+# here is its Gemma-only subset (D=256 cases), for a session that only touched Gemma.
+# PY overrides the interpreter; SAMPLES / BATCH the sizes; METHODS, LENGTHS (passkey) and
+# BUDGETS the sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}

@@ -19,8 +19,8 @@ so, paying for one process start, one SmolLM2 load and one set of compilations).
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest, asynctls,
 asyncspade and quest after a Token Sparse Attention prefill, every method selecting:
 budgets below the prompts): dense on meshes 1x2, 2x2 and 1x4, each other method on one or
-two of them, and kascade on data=2; a tiny
-Llama-style config of 3 KV heads padded to 4, SmolLM2's shape in small (dense, quest and
+two of them, and kascade on data=2; a tiny Llama-style config of 3 KV heads padded to 4,
+SmolLM2's shape in small (dense, quest and
 asynctls on model=2, its per-head channels padded too; asynctls on data=2), with
 ``--bf16`` also in bf16 against an f32 reference, one device and model=2, to show the
 sharded error is rounding of the same size as one device's. SmolLM2-135M on its real

@@ -272,7 +272,8 @@ def test_generate_cli_with_token_sparse_prefill():
     SmolLM2: a prompt too short for min_tokens gives the dense text; a bad option exits 2
     with the option list."""
     base = ["--model", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens", "8"]
-    texts, _ = texts_with_and_without(base, ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"])
+    tsa_opts = ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.tau=0.01"]
+    texts, _ = texts_with_and_without(base, tsa_opts)
     assert texts[0] == texts[1] and texts[0].strip()
     refused = run_generate(base + ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.taus=1"])
     assert refused.rc == 2 and "bad token_sparse option" in refused.err, refused.err[-2000:]
