@@ -318,7 +318,7 @@ def test_runner_refuses_before_allocating():
     model = _tiny_asynctls_model()
     runner = TieredRunner(model, "offload")
     with pytest.raises(capacity.CapacityError, match="pinned host memory"):
-        runner.check_capacity(1 << 20, 4096, device_limit=None, host_limit=1 << 20)
+        runner.check_capacity(1 << 20, 4096, device_limit=1 << 62, host_limit=1 << 20)  # on a GPU the device would refuse first
     fp = runner.footprint(2, 4096)
     assert fp.host["kv_blocks"] == 2 * 2 * 2 * 4096 * 16 * 4 * 2  # 2 sparse layers, f32
     # a serving engine adds its prefill's temporaries and the GEMM autotuner's scratch
