@@ -47,7 +47,7 @@ test: $(STAMP)
 	bash scripts/run_tests.sh $(PY) 10
 
 # On a GPU machine: the kernel, offload and model tests compiled for the GPU, in parts of < 8 min
-# (PART=decode|select|offload|model|methods|kascade; default all). GPU_PY: the interpreter (the venv's, else python3:
+# (PART=decode|select|pool|offload|model|methods|kascade; default all). GPU_PY: the interpreter (the venv's, else python3:
 # the device runner has no venv).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:

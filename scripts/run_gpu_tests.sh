@@ -5,7 +5,7 @@
 # runner's folder) or bench_out/, and the part stops at its time limit rather than the call.
 #
 #   make test-gpu                  # every part, one after another
-#   make test-gpu PART=decode      # one part: decode | select | offload | model | methods | kascade
+#   make test-gpu PART=decode      # one part: decode | select | pool | offload | model | methods | kascade
 #   bash scripts/run_gpu_tests.sh python3 decode    # on the device runner (no venv there)
 #
 # Needs pytest and hypothesis (scripts/device_weights.sh carries their wheels) and, for the offload
@@ -24,21 +24,23 @@ PY
 # f32 parity needs f32 matmuls: XLA's default on the GPU may use TF32 (~1e-3 relative);
 # the whole GPU for the tests, and pinned host memory for the offload tier
 export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
-# Parts sized from a run on the H200 (jax 0.11.2, 2026-12-02: ~1.25 s per kernel case and ~6 s per
-# SmolLM2 model test, compiles included). The reference cases of the kernel tests are deselected
-# (tests/conftest.py, SPARSE_JAX_GPU_TESTS=1): `make test` runs them on the CPU already.
+# Parts sized from runs on the H200 (jax 0.11.2, 2026-12-02: decode 157 s; select 423 s with the
+# gathers; the gathers, shared pool and trace 143 s; test_offload past 240 s at 22 of its 28 tests,
+# its SmolLM2 cases ~100 s each, compiles included). The reference cases of the kernel tests are
+# deselected (tests/conftest.py, SPARSE_JAX_GPU_TESTS=1): `make test` runs them on the CPU already.
 declare -A files=(
   [decode]="tests/test_sparse_decode.py tests/test_block_sparse_decode.py tests/test_block_scores.py
             tests/test_quantized_boxes.py"
-  [select]="tests/test_topk.py tests/test_label_topk.py tests/test_labels.py tests/test_host_gather.py
-            tests/test_host_gather_into.py tests/test_tsa_kernels.py"
-  [offload]="tests/test_offload.py tests/test_shared_pool.py tests/test_trace_overlap.py"
+  [select]="tests/test_topk.py tests/test_label_topk.py tests/test_labels.py tests/test_tsa_kernels.py"
+  [pool]="tests/test_host_gather.py tests/test_host_gather_into.py tests/test_shared_pool.py
+          tests/test_trace_overlap.py"
+  [offload]="tests/test_offload.py"
   [model]="tests/test_model.py tests/test_parity.py"
   [methods]="tests/test_driver.py tests/test_methods_in_model.py tests/test_prefill_donation.py
              tests/test_methods.py tests/test_asyncspade.py tests/test_query_predictor.py"
   [kascade]="tests/test_kascade.py tests/test_kascade_prefill.py"
 )
-order="decode select offload model methods kascade"
+order="decode select pool offload model methods kascade"
 case "$part" in all) parts="$order" ;;
   *) [ -n "${files[$part]:-}" ] || { echo "unknown part '$part' (one of: $order, or all)" >&2; exit 2; }; parts="$part" ;;
 esac
