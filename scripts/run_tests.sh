@@ -15,6 +15,13 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# XLA's backend at optimisation level 0, LLVM's expensive passes off (jax's
+# disable_most_optimizations): the suite is mostly compiling small programs once, and runs them
+# little. On the 2-core machine (2026-12-02) test_driver + test_label_topk took 181 s against
+# 225, and test_methods_in_model + test_generate_cli + test_parity (SmolLM2's real weights,
+# run as well as compiled) 203 s against 269, every test passing. Set it to 0 to test what
+# users compile.
+export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
 # The slowest files (of a recent run: the 15 slowest tests, printed at the end, say which),
 # slowest first, are parts of their own, claimed first; the other files are dealt into PARTS
 # parts after them. A lane that finishes early then takes short parts, so the run ends with
