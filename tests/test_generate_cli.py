@@ -293,25 +293,6 @@ def test_generate_four_tokens_matches_hf(capsys, tok_cfg):
     assert "generated 4 tokens" in stats
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", available_methods())
-def test_every_registered_method_runs_from_the_cli(capsys, tok_cfg, method):
-    """``--attention NAME`` works for every registered method (calibrated ones included:
-    the CLI once refused them because it checked the method before binding it to the
-    model). The 64-token prompt fits every method's default budget, so each falls back
-    to exact attention and must produce Hugging Face's greedy tokens."""
-    f = np.load(FIXTURES / "smollm2_parity.npz")
-    cfg, tok = tok_cfg
-    rc = gen.main(["--prompt", str(f["prompt_text"]), "--attention", method, "--max-new-tokens", "3",
-                   "--dtype", "float32"])
-    assert rc == 0
-    out = capsys.readouterr().out
-    header, rest = out.split("]\n", 1)
-    assert f"attention {method} |" in header
-    text = rest.split("\n" + "-" * 72 + "\n", 1)[0]
-    assert text == tok.decode(f["greedy_ids"][:3].tolist()), (method, text)
-
-
 def test_readme_asynctls_example_passes_the_checks(no_model_load, tok_cfg):
     """The README's ``--attention asynctls --attention-opt budget=1024`` command line gets
     past every check (the method is bound to SmolLM2's calibration) up to the model load."""

@@ -2,10 +2,11 @@
 (its ``main``, in this process: one weights load for every run): after a Token Sparse
 Attention prefill, at a budget below the context, so each method really selects.
 
-The other real-weights sweep over every method, ``tests/test_generate_cli.py``, runs each at
-its default budget, which covers its prompt: there every method falls back to exact attention
-and must give Hugging Face's greedy tokens. Exactness at a covering budget, logits included,
-is checked for each method on tiny models in ``tests/test_methods.py``."""
+This is the one real-weights sweep over every method (a second one, at budgets covering the
+prompt, repeated on 30 layers the fallback check of ``tests/test_methods.py``). Exactness where
+a row fits the budget (the method falls back to exact attention) is checked there for each
+sparse method's attention output; the real weights' exact tokens against
+Hugging Face's, for dense, in ``tests/test_generate_cli.py`` and ``tests/test_parity.py``."""
 
 import importlib.util
 
