@@ -1,6 +1,6 @@
 """The generate CLI run as a user runs it, in this process (its ``main``: one weights load and
 one set of compiled programs for every run of a test process), and its output read: the header
-line in brackets, then the generated text up to the report's rule."""
+line in brackets, the generated text, a newline and a rule, then the timings report."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ class CliRun:
 
     @property
     def text(self) -> str:
-        return self.out.split("]\n", 1)[1].split(RULE)[0]
+        """The generated text exactly (without the newline the CLI writes before its rule)."""
+        return self.out.split("]\n", 1)[1].split(f"\n{RULE}\n", 1)[0]
+
+    @property
+    def report(self) -> str:
+        """The timings report after the rule ("" when the run printed none)."""
+        rest = self.out.split(f"\n{RULE}\n", 1)
+        return rest[1] if len(rest) == 2 else ""
 
 
 def run_generate(argv: list[str]) -> CliRun:

@@ -25,6 +25,7 @@ from models.cli import generate as gen
 from models.detokenize import IncrementalDetokenizer
 from models.sampling import sample_next
 from sparse_jax.methods import available_methods
+from tests.cli_runs import run_generate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -273,18 +274,16 @@ def test_demo_prompt_token_count(tok_cfg):
 
 
 @pytest.mark.slow
-def test_generate_four_tokens_matches_hf(capsys, tok_cfg):
+def test_generate_four_tokens_matches_hf(tok_cfg):
     """SmolLM2-135M, f32, greedy: the CLI's 4 tokens equal Hugging Face's (fixture)."""
     f = np.load(FIXTURES / "smollm2_parity.npz")
     cfg, tok = tok_cfg
     prompt = str(f["prompt_text"])
     assert tok.encode(prompt) == f["prompt_ids"].tolist()
-    rc = gen.main(["--prompt", prompt, "--max-new-tokens", "4", "--dtype", "float32"])
-    assert rc == 0
-    out = capsys.readouterr().out
+    run = run_generate(["--prompt", prompt, "--max-new-tokens", "4", "--dtype", "float32"])
+    assert run.rc == 0, run.err[-2000:]
     want = tok.decode(f["greedy_ids"][:4].tolist())
-    header, rest = out.split("]\n", 1)
-    text, stats = rest.split("\n" + "-" * 72 + "\n", 1)
+    header, text, stats = run.head, run.text, run.report
     assert text == want, (text, want)
     assert "prompt 64 tokens" in header and "padded to 256" in header
     assert re.search(r"prefill: 64 tokens in [\d.]+ s = [\d.]+ tok/s", stats)

@@ -18,6 +18,7 @@ from sparse_jax.methods.base import single_layer
 from sparse_jax.methods.kascade import ANCHOR, REUSE, Kascade, kascade_budget
 from sparse_jax.kv import ResidentKV
 from sparse_jax.ops.scoring import group_softmax_scores
+from tests.cli_runs import run_generate
 
 
 def _tiny_model(method, num_layers=4, max_len=512):
@@ -220,7 +221,7 @@ def test_num_anchors_reruns_the_dp_on_a_stored_calibration(tmp_path):
                                    "--attention-opt", "anchor.kb=32"],
                                   ["asyncspade", "--attention-opt", "selector=double_sparsity",
                                    "--attention-opt", "selector.ranking=qk"]])
-def test_composed_methods_run_from_the_cli(capsys, opts):
+def test_composed_methods_run_from_the_cli(opts):
     """Composed methods by name plus dotted options; the 64-token prompt fits their
     budgets, so they are exact and give Hugging Face's greedy tokens."""
     import importlib.util
@@ -232,11 +233,10 @@ def test_composed_methods_run_from_the_cli(capsys, opts):
 
     f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
     _, tok = gen.load_config_and_tokenizer("smollm2-135m")
-    rc = gen.main(["--prompt", str(f["prompt_text"]), "--attention", *opts, "--max-new-tokens", "3",
-                   "--dtype", "float32"])
-    assert rc == 0
-    text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
-    assert text == tok.decode(f["greedy_ids"][:3].tolist())
+    run = run_generate(["--prompt", str(f["prompt_text"]), "--attention", *opts, "--max-new-tokens", "3",
+                        "--dtype", "float32"])
+    assert run.rc == 0, run.err[-2000:]
+    assert run.text == tok.decode(f["greedy_ids"][:3].tolist())
 
 
 def test_hybrid_model_anchors_its_first_global_layer_through_the_plan():

@@ -19,6 +19,7 @@ from sparse_jax.methods.kascade import prefill as kp
 from sparse_jax.methods import get_method
 from sparse_jax.methods.kascade import Kascade
 from tests.test_kascade import _run, _tiny_model, _tokens
+from tests.cli_runs import run_generate
 
 
 def _data(seed, b=2, t=150, hq=4, hkv=2, d=16):
@@ -195,7 +196,7 @@ def test_options_and_errors():
 
 
 @pytest.mark.slow
-def test_tiled_prefill_runs_from_the_cli(capsys):
+def test_tiled_prefill_runs_from_the_cli():
     """``--attention-opt tiled_prefill=True``: on the 64-token parity prompt every tile
     sees all its earlier keys (the rule's 128 - 32 keys cover them), so the greedy
     tokens are Hugging Face's."""
@@ -208,11 +209,10 @@ def test_tiled_prefill_runs_from_the_cli(capsys):
 
     f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
     _, tok = gen.load_config_and_tokenizer("smollm2-135m")
-    rc = gen.main(["--prompt", str(f["prompt_text"]), "--attention", "kascade", "--attention-opt",
-                   "tiled_prefill=True", "--max-new-tokens", "3", "--dtype", "float32"])
-    assert rc == 0
-    text = capsys.readouterr().out.split("]\n", 1)[1].split("\n" + "-" * 72 + "\n", 1)[0]
-    assert text == tok.decode(f["greedy_ids"][:3].tolist())
+    run = run_generate(["--prompt", str(f["prompt_text"]), "--attention", "kascade", "--attention-opt",
+                        "tiled_prefill=True", "--max-new-tokens", "3", "--dtype", "float32"])
+    assert run.rc == 0, run.err[-2000:]
+    assert run.text == tok.decode(f["greedy_ids"][:3].tolist())
 
 
 def test_anchor_renormalises_its_probabilities_over_its_selection():
