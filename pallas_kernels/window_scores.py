@@ -9,9 +9,9 @@ result ``[B, Hq, T]`` float32 is
     s[b, h, j] = 1/W * sum_w softmax_{j' <= p_w}(q[b, p_w, h] . k[b, j', h // G] / sqrt(D))[j]
 
 for ``j < P`` (the prefix) and 0 elsewhere (all 0 when ``L <= W``). The jnp
-reference is :func:`sparse_jax.prefill.window_scores_reference`; the public op,
+reference is :func:`sparse_jax.ops.window_scores.window_scores_reference`; the public op,
 with the argument checks and the ``impl`` dispatch, is
-:func:`sparse_jax.prefill.window_scores`.
+:func:`sparse_jax.ops.window_scores.window_scores`.
 
 GPU kernel design
 -----------------

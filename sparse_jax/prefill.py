@@ -49,11 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import window_scores as _ws
 from sparse_jax.calibration import CALIBRATION_ROOT
-from sparse_jax.ops._checks import check_float, check_gqa, check_int_array, check_rank
-from sparse_jax.ops._dispatch import on_gpu, resolve_impl
+from sparse_jax.ops._dispatch import on_gpu
 from sparse_jax.ops.dense import dense_prefill_attention
+from sparse_jax.ops.window_scores import window_scores  # step 1 (an op: kernel and reference)
 
 PREFILLS = ("dense", "token_sparse")
 PROFILE_FILE = "token_sparse.json"
@@ -202,69 +201,6 @@ def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
 def _group(k, hq):
     """``k [B, T, Hkv, D]`` -> ``[B, Hq, T, D]`` (each query head's K/V)."""
     return jnp.repeat(k.transpose(0, 2, 1, 3), hq // k.shape[2], axis=1)
-
-
-def window_scores_reference(q, k, lengths, window: int):
-    """Step 1, pure jnp (the kernel's oracle): ``[B, Hq, T]`` f32, the mean attention
-    probability each key gets from the row's last ``window`` queries (0 outside the
-    prefix ``[0, L - W)``). Materialises the ``[B, Hq, W, T]`` f32 probabilities.
-    The logits are one grouped einsum over K as stored (no per-query-head copy of K),
-    f32 accumulation, full precision (no TF32 rounding of f32 inputs on the GPU)."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    lengths = lengths.astype(jnp.int32)
-    pos = jnp.clip(lengths[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)  # [B, W]
-    qw = jnp.take_along_axis(q, pos[:, :, None, None], axis=1)  # [B, W, Hq, D]
-    qw = qw.reshape(b, window, hkv, hq // hkv, d)
-    s = jnp.einsum("bwhgd,bthd->bhgwt", qw, k, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32).reshape(b, hq, window, t) * (d ** -0.5)
-    j = jnp.arange(t)[None, None, None, :]
-    ok = (j <= pos[:, None, :, None]) & (j < lengths[:, None, None, None])
-    p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
-    mean = p.mean(axis=2)  # [B, Hq, T]
-    prefix = jnp.arange(t)[None, None, :] < (lengths - window)[:, None, None]
-    return jnp.where(prefix, mean, 0.0)
-
-
-def _check_window_scores_args(q, k, lengths, window):
-    """Shapes and dtypes only (nothing traced): ``q [B,T,Hq,D]``, ``k [B,T,Hkv,D]``,
-    ``lengths int[B]``, ``window`` a positive int."""
-    check_rank("q", q, 4, "[B, T, Hq, D]")
-    check_float("q", q)
-    check_rank("k", k, 4, "[B, T, Hkv, D]")
-    check_float("k", k)
-    b, t, hq, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, t, d):
-        raise ValueError(f"k must have shape [B={b}, T={t}, Hkv, D={d}], got {tuple(k.shape)}")
-    check_gqa(hq, k.shape[2])
-    check_int_array("lengths", lengths, (b,), "[B]")
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be a positive int (static), got {window!r}")
-    if t < 1:
-        raise ValueError(f"q must have at least one position (T >= 1), got shape {tuple(q.shape)}")
-
-
-def window_scores(q, k, lengths, window: int, *, impl: str = "auto", **tuning):
-    """Step 1: ``[B, Hq, T]`` f32, the mean attention probability each key gets from
-    the row's last ``window`` queries (0 outside the prefix ``[0, L - W)``); ``q
-    [B,T,Hq,D]``, ``k [B,T,Hkv,D]``, ``lengths int32[B]`` (each ``<= T``).
-
-    ``impl`` ("auto" | "pallas" | "reference", ``sparse_jax.ops._dispatch``): the
-    two-pass Pallas-Triton kernel (``pallas_kernels.window_scores``: never holds the
-    ``[B, Hq, W, T]`` probabilities) or :func:`window_scores_reference`. The kernel
-    needs ``D`` in {64, 128, 256} and q, k of one dtype; "auto" falls back to the
-    reference otherwise (and on CPU), "pallas" raises. Tuning (kernel only):
-    ``block_q``, ``block_k``, ``num_splits``, ``num_warps``, ``num_stages``."""
-    _check_window_scores_args(q, k, lengths, window)
-    bad = set(tuning) - set(_ws.TUNING_KEYS)
-    if bad:
-        raise ValueError(f"unknown tuning keys for window_scores: {sorted(bad)}; allowed: {_ws.TUNING_KEYS}")
-    window = int(window)
-    choice, interpret = resolve_impl(impl, kernel_unsupported=_ws.unsupported_reason(q.shape[3], q.dtype, k.dtype))
-    if choice == "reference":
-        return window_scores_reference(q, k, lengths, window)
-    _ws.resolve_tuning(window, q.shape[3], block_q=tuning.get("block_q"), block_k=tuning.get("block_k"))  # checks
-    return _ws.window_scores_pallas(q, k, lengths, window=window, interpret=interpret, **tuning)
 
 
 def smooth(scores, pool: int):
