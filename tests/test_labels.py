@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels import labels as lb
 from sparse_jax.ops import scoring
+from sparse_jax.ops._dispatch import on_gpu
 from sparse_jax.ops.scoring import LabelCache
 
 IMPLS = ["reference", "pallas"]
@@ -417,7 +418,7 @@ def test_block_label_scores_match_oracle(impl, hq, hkv, d, r, bs, nb, tuning):
         # masked_score=-inf (block_label_topk's path: its top-k reads the scores as they are):
         # the same scores, -inf exactly where masked
         # (interpreted where `got` was: compiled and interpreted sums round differently)
-        neg = np.asarray(lb.block_label_scores_kernel(*args, block_size=bs, interpret=jax.default_backend() == "cpu",
+        neg = np.asarray(lb.block_label_scores_kernel(*args, block_size=bs, interpret=not on_gpu(),
                                                       masked_score=-np.inf, **tuning))
         np.testing.assert_array_equal(neg[valid], got[valid])
         assert np.all(neg[~valid] == -np.inf)
