@@ -58,6 +58,7 @@ def test_every_method_selects_after_token_sparse_prefill_from_the_cli(monkeypatc
                             "--max-new-tokens", "2", *extra, *opts])
         assert run.rc == 0, (extra, run.err[-2000:], run.out[-2000:])
         assert "prompt 427 tokens" in run.head, (extra, run.head)
+        assert f"| attention {extra[1]} " in run.head, (extra, run.head)  # the method asked is the one run
         if extra[1] != "dense":
             assert f"budget={BUDGET}" in run.head, (extra, run.head)  # the option reached the method
         assert "generated 2 tokens" in run.out and run.text.strip(), (extra, run.out[-1500:])
