@@ -1,0 +1,151 @@
+"""Where does the serving engine's decode iteration spend the time the bare step does not?
+
+``python -m benchmarks.probes.engine_iteration`` (GPU) builds a Qwen3-8B-shaped model with
+random bf16 weights and, for each method and each cache capacity (``--caps``: positions per
+row), measures three things with every one of ``--batch`` rows at ``--context`` tokens:
+
+- ``bare_ms``: the model's decode step alone (``programs.decode_step``, unrolled, cache
+  donated, greedy argmax outside), back to back: what ``benchmarks.probes.host_probe``
+  calls ``tpot_ms``;
+- ``program_ms``: the engine's own step program (:class:`models.serving.slots.ResidentSlots`
+  ``.step``: the decode step, free slots held back, per-row sampling), called back to back on
+  the engine's cache after its requests ran: the device cost of what the engine runs;
+- ``iteration_ms``: the engine's decode iteration (``Engine.step_times``, the median of the
+  steps after the last of ``--batch`` requests was inserted): what a client is served at.
+
+So ``program - bare`` is what the engine's program adds on the device (sampling, masking),
+``iteration - program`` the host loop's share, and a row at a larger capacity with the same
+lengths shows what the capacity itself costs (the engine sizes every slot at ``max_len``:
+the wave-3 table compared an engine at 33,280 positions with a bare step at 16,896).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import markdown_table, stamp, write_results
+
+
+def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int) -> float:
+    from benchmarks.probes.host_probe import _measure, _step_fns
+    from models.driver import init_cache
+
+    logits_fn, _, _ = _step_fns(model.graphdef, cfg, method, 1)
+    cache = init_cache(cfg, method, batch, cap, jnp.bfloat16)
+    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+
+    def run(st):
+        tok, c = st
+        logits, c = logits_fn(model.params, tok, c)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return tok, (tok, c)
+
+    res, state = _measure(run, (jnp.zeros((batch,), jnp.int32), cache), steps, rounds, 1)
+    del state
+    return res["tpot_ms"]
+
+
+def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int) -> tuple[float, float, int]:
+    """(iteration_ms, program_ms, steps measured) of an engine of ``batch`` slots at ``cap``."""
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=()).start()
+    rng = np.random.default_rng(0)
+    try:
+        warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
+                               SamplingParams(max_tokens=2, ignore_eos=True))  # compiles prefill and step
+        assert warm.finish_reason == "length", (warm.finish_reason, warm.error)
+        reqs = [engine.make_request(rng.integers(0, model.config.vocab_size, context).tolist(),
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
+        k = len(engine.step_times)
+        for r in reqs:
+            engine.submit(r)
+        for r in reqs:
+            assert r.done.wait(900) and r.finish_reason == "length", (r.finish_reason, r.error)
+    finally:
+        engine.stop()
+    last_insert = max(r.t_first for r in reqs)
+    full = [dt for dt, t in zip(engine.step_times[k:], engine.step_end_times[k:]) if t > last_insert]
+    iteration = 1e3 * statistics.median(full)
+    # the engine's step program on its own cache, every row active, back to back
+    kv = engine.kv
+    z = np.zeros(batch, np.int32)
+    args = (np.ones(batch, bool), np.zeros(batch, np.uint32), z, np.zeros(batch, np.float32),
+            np.ones(batch, np.float32))
+    toks = kv.step(z, *args)
+    jax.block_until_ready(toks)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            toks = kv.step(toks, *args)
+        jax.block_until_ready(toks)
+        times.append(1e3 * (time.perf_counter() - t0) / steps)
+    return iteration, statistics.median(times), len(full)
+
+
+def main(argv=None) -> int:
+    from benchmarks.offload import asynctls_for, qwen3_8b, random_model
+    from sparse_jax.methods import get_method
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--context", type=int, default=16384, help="tokens per row (prompt length)")
+    p.add_argument("--caps", default="16896,33280", help="cache capacities per row (comma-separated)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--methods", default="dense,asynctls")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per engine request")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="engine_iteration")
+    a = p.parse_args(argv)
+
+    caps = [int(c) for c in a.caps.split(",")]
+    if min(caps) < a.context + a.max_tokens + 2:
+        raise SystemExit(f"--caps must each be >= context + max_tokens + 2 = {a.context + a.max_tokens + 2}")
+    rows = []
+    for name in a.methods.split(","):
+        for cap in caps:
+            cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
+            if a.tiny:
+                cfg = dataclasses.replace(cfg, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                                          intermediate_size=128, vocab_size=256)
+            budget = 64 if a.tiny else 2048
+            method = (asynctls_for(cfg, budget=budget, kb=8 if a.tiny else 128) if name == "asynctls"
+                      else get_method(name))
+            model = random_model(cfg, method, cap)
+            bare = _bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds)
+            iteration, program, n = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps)
+            rows.append({"method": name, "batch": a.batch, "context": a.context, "capacity": cap,
+                         "bare_ms": round(bare, 3), "program_ms": round(program, 3),
+                         "iteration_ms": round(iteration, 3), "steps_measured": n,
+                         "iteration_over_bare": round(iteration / bare, 3),
+                         "program_over_bare": round(program / bare, 3)})
+            print(rows[-1], flush=True)
+            del model
+            jax.clear_caches()
+    md = (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
+          f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
+          "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
+          "(decode + sampling) back to back; `iteration_ms`: the engine's median decode iteration with "
+          "every slot decoding.\n\n"
+          + markdown_table(rows, ["method", "batch", "context", "capacity", "bare_ms", "program_ms", "iteration_ms",
+                                  "iteration_over_bare", "program_over_bare", "steps_measured"]))
+    print(md)
+    if a.out:
+        write_results(a.name, {"rows": rows, **stamp()}, md, out_dir=a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
