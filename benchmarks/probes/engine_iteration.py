@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_results
+from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 
 
 def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int) -> float:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--context", type=int, default=16384, help="tokens per row (prompt length)")
-    p.add_argument("--caps", default="16896,33280", help="cache capacities per row (comma-separated)")
+    p.add_argument("--caps", type=parse_list, default=[16896, 33280], help="cache capacities per row (comma-separated)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--methods", default="dense,asynctls")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per engine request")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="engine_iteration")
     a = p.parse_args(argv)
 
-    caps = [int(c) for c in a.caps.split(",")]
+    caps = a.caps
     if min(caps) < a.context + a.max_tokens + 2:
         raise SystemExit(f"--caps must each be >= context + max_tokens + 2 = {a.context + a.max_tokens + 2}")
     rows = []
