@@ -26,7 +26,8 @@ Every prefill bucket and the step compile in a warm-up before the sweep.
 ``NAME:offload`` in ``--methods`` runs the method offloaded (KV blocks in
 pinned host memory, per-slot pools); its rows report the KV blocks loaded
 from the host per iteration. ``NAME:segmented`` adds layer-segmented prefill
-interleaved with decode; ``NAME:shared`` / ``NAME:shared-segmented`` run one
+interleaved with decode, ``NAME:resident-segmented`` the same with the KV on the
+device; ``NAME:shared`` / ``NAME:shared-segmented`` run one
 pool shared by the slots with working-set admission (SparseServe's design),
 ``NAME:shared-nows`` the shared pool without the admission (M_avl unbounded):
 with ``dense`` and ``NAME`` (resident) that is SparseServe's Figure 13
@@ -278,7 +279,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
     ws_admission = shared and where != "shared-nows"
     engine = Engine(model, slots=slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                    offload=where != "", pool_slots=args.shared_pool_slots if shared else args.pool_slots,
+                    offload=where not in RESIDENT_PLACES,
+                    pool_slots=args.shared_pool_slots if shared else args.pool_slots,
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
     try:
@@ -297,8 +299,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
             rows.append(row)
             shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
             print(f"[{label}] rate {rate}: {json.dumps(shown)}", flush=True)
-        return {"method": label, "offloaded": where != "",
-                "pool": ("shared" if shared else "per_row") if where else None, "ws_admission": ws_admission,
+        return {"method": label, "offloaded": where not in RESIDENT_PLACES,
+                "pool": ("shared" if shared else "per_row") if where not in RESIDENT_PLACES else None,
+                "ws_admission": ws_admission,
                 "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                 "goodput_rps": goodput(rows, iteration_ms)}
@@ -390,27 +393,30 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
-#: where a method runs: resident (""), offloaded with a pool per slot, + layer-segmented prefill,
+#: where a method runs: resident ("", or with layer-segmented prefill), offloaded with a pool per
+#: slot, + layer-segmented prefill,
 #: on one shared pool with working-set admission (+ segmented prefill), or on the shared pool
 #: without it ("shared-nows": M_avl unbounded, only R_max's one-step cap): SparseServe's
 #: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
 #: NAME:shared-segmented
-PLACES = ("", "offload", "segmented", "shared", "shared-segmented", "shared-nows")
+PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows")
+RESIDENT_PLACES = ("", "resident-segmented")
 UNBOUNDED_KV_BYTES = 1 << 62
 
 
 def check_label(label: str) -> None:
     """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
     if label.partition(":")[2] not in PLACES:
-        raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:shared, "
-                         f"NAME:shared-segmented or NAME:shared-nows")
+        raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
+                         f"NAME:shared, NAME:shared-segmented or NAME:shared-nows")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="dense,asynctls,asynctls:offload",
                    help="comma-separated: dense, asynctls, quest, ...; NAME:offload runs it offloaded (a pool per "
-                        "slot), NAME:segmented offloaded with layer-segmented prefill, NAME:shared and "
+                        "slot), NAME:segmented offloaded with layer-segmented prefill (NAME:resident-segmented: "
+                        "resident), NAME:shared and "
                         "NAME:shared-segmented the same on one pool shared by the slots (SparseServe's), "
                         "NAME:shared-nows on the shared pool without working-set admission (the ablation)")
     p.add_argument("--pool-slots", type=int, default=None, help="offloaded: block slots per (slot, KV head)")
@@ -418,7 +424,7 @@ def parse_args(argv=None):
                    help="NAME:shared / NAME:shared-segmented: block slots per (layer, KV head) of the pool all slots "
                         "share (default: slots x the per-slot default)")
     p.add_argument("--max-inject-tokens", type=int, default=None,
-                   help="NAME:segmented (offloaded, layer-segmented prefill): prompt tokens x layers per iteration "
+                   help="NAME:segmented / NAME:resident-segmented (layer-segmented prefill): prompt tokens x layers per iteration "
                         "(default: the longest prompt of the mix, one layer of it per iteration)")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=12, help="requests per rate")

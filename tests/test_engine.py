@@ -210,22 +210,59 @@ def test_offloaded_engine_matches_single_request_generation(smollm2):
         engine.stop()
 
 
-def test_layer_segmented_prefill_interleaves_with_decode(tiny):
-    """SparseServe's layer-segmented prefill (offloaded): a prompt runs one chunk of a layer
-    per iteration (``max_inject_tokens`` below one layer's prompt tokens), so a running request
-    keeps decoding while the next prompt prefills; every request still gets its tokens
-    alone, a request cancelled mid-prefill frees its slot, and nothing leaks."""
+@pytest.mark.parametrize("name", sorted(available_methods()))
+def test_resident_segmented_prefill_equals_whole_prefill(tiny, name):
+    """A resident engine's layer-segmented prefill (``ResidentSlots.start_prefill``, advanced
+    in chunks of 64 tokens of one layer where the method allows, whole layers elsewhere) gives
+    the whole prefill's logits and the same one-row cache, every leaf (K/V and the method's
+    state), for every registered method: what the engine inserts does not depend on how the
+    prompt was prefilled."""
+    from models.serving.slots import ResidentSlots
+
+    model = tiny.with_method(name, **_OPTIONS[name])
+    kv = ResidentSlots(model, 2, 256, unroll=True)
+    ids = np.random.default_rng(2).integers(4, 97, 150).tolist()  # 192 bucketed: 3 chunks a layer
+    logits, row = kv.prefill(ids)
+    job = kv.start_prefill(ids)
+    segments = 0
+    while not job.done:
+        job.advance_budget(64)
+        segments += 1
+    seg_logits, seg_row = job.result()
+    assert segments >= model.config.num_layers  # at least a segment per layer: it did run in pieces
+    np.testing.assert_allclose(np.asarray(seg_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
+    whole, pieces = jax.tree_util.tree_leaves_with_path(row), jax.tree.leaves(seg_row)
+    assert len(whole) == len(pieces)
+    for (path, a), b in zip(whole, pieces):
+        assert a.shape == b.shape and a.dtype == b.dtype, (jax.tree_util.keystr(path), a.shape, b.shape)
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind == "f":
+            # positions past the prompt hold garbage either way (every reader masks them)
+            np.testing.assert_allclose(np.nan_to_num(b), np.nan_to_num(a), atol=1e-5, rtol=1e-5,
+                                       err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
+def test_layer_segmented_prefill_interleaves_with_decode(tiny, offload):
+    """SparseServe's layer-segmented prefill, offloaded and resident: a prompt runs one chunk
+    of a layer per iteration (``max_inject_tokens`` below one layer's prompt tokens), so a
+    running request keeps decoding while the next prompt prefills; every request still gets
+    its tokens alone, a request cancelled mid-prefill frees its slot, and nothing leaks."""
     model = tiny.with_method("quest", budget=64)
     rng = np.random.default_rng(1)
     ids = [rng.integers(4, 97, n).tolist() for n in (150, 120, 90)]
     steps = 20  # the 16-token blocks complete: saves run between segments
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
                                stop_ids=())[0] for i in ids]
-    with pytest.raises(ValueError, match="needs offload=True"):
-        Engine(model, slots=2, max_len=256, max_inject_tokens=64)
-    engine = Engine(model, slots=2, max_len=256, stop_ids=(), offload=True, max_inject_tokens=64)
-    assert engine.kv.working_set(engine.make_request(ids[0], SamplingParams(max_tokens=4))) == \
-        engine.kv.layer_kv_bytes(150)  # a waiting prompt's working set: one layer of its KV
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match="max_inject_tokens must be a positive int"):
+            Engine(model, slots=2, max_len=256, max_inject_tokens=bad)
+    engine = Engine(model, slots=2, max_len=256, stop_ids=(), offload=offload, max_inject_tokens=64)
+    if offload:
+        assert engine.kv.working_set(engine.make_request(ids[0], SamplingParams(max_tokens=4))) == \
+            engine.kv.layer_kv_bytes(150)  # a waiting prompt's working set: one layer of its KV
     # driven by hand (no engine thread), to see what each iteration did
     first = engine.submit(engine.make_request(ids[0], SamplingParams(max_tokens=steps)))
     iters = 0

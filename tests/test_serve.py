@@ -238,7 +238,7 @@ def test_soak_cli_refuses_bad_arguments(capsys):
 
 @pytest.mark.parametrize("flags, fragment", [(["--tensor-parallel", "64"], "64: 1 devices visible"),
                                              (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
-                                             (["--max-inject-tokens", "512"], "needs --offload"),
+                                             (["--max-inject-tokens", "0"], "must be >= 1"),
                                              (["--offload", "--max-inject-tokens", "0"], "must be >= 1")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """``--tensor-parallel`` asks for devices that are not there: a clear error, no weights loaded."""

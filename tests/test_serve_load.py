@@ -7,14 +7,17 @@ from benchmarks import serve_load
 
 
 def test_serve_load_tiny(tmp_path):
-    rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload,quest:segmented", "--budget", "32", "--rates", "20,200",
+    rc = serve_load.main(["--tiny", "--methods", "dense:resident-segmented,quest:offload,quest:segmented", "--budget", "32",
+                          "--rates", "20,200",
                           "--requests", "5", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
-                          "--output-max", "6", "--slots", "2,dense=1", "--time-limit", "30", "--out", str(tmp_path),
+                          "--output-max", "6", "--slots", "2,dense:resident-segmented=1", "--time-limit", "30", "--out", str(tmp_path),
                           "--name", "t"])
     assert rc == 0
     d = json.loads((tmp_path / "t.json").read_text())
-    assert [r["method"] for r in d["runs"]] == ["dense", "quest:offload", "quest:segmented"]
+    assert [r["method"] for r in d["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented"]
     assert [r["slots"] for r in d["runs"]] == [1, 2, 2]
+    # resident, its prompts prefilled a layer segment per iteration
+    assert not d["runs"][0]["offloaded"] and d["runs"][0]["prefill_segments"] > 0
     assert d["runs"][2]["offloaded"] and d["runs"][2]["prefill_segments"] > 0
     assert d["runs"][1]["offloaded"] and sum(r["blocks_loaded_per_iter"] for r in d["runs"][1]["rows"]) > 0
     for run in d["runs"]:
@@ -33,7 +36,7 @@ def test_serve_load_tiny(tmp_path):
     rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
                           "--name", "m", "--note", "two copies"])
     m = json.loads((tmp_path / "m.json").read_text())  # the same three runs twice: joined per method
-    assert [r["method"] for r in m["runs"]] == ["dense", "quest:offload", "quest:segmented"]
+    assert [r["method"] for r in m["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented"]
     assert [row["rate"] for row in m["runs"][0]["rows"]] == [20, 20, 200, 200]
     assert "- two copies" in (tmp_path / "m.md").read_text()
     # one method at two max_inject_tokens: merged, the labels say which

@@ -36,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SparseServe): the working-set admission keeps the running requests' working sets "
                         "within it, and at most pool-slots // blocks-per-step requests decode at once")
     p.add_argument("--max-inject-tokens", type=int, default=None, metavar="N",
-                   help="--offload: layer-segmented prefill, N prompt tokens x layers per iteration beside the decode "
-                        "step (SparseServe), a layer over N in chunks of N tokens (rounded to 64); default: each "
-                        "prompt's whole prefill in one iteration")
+                   help="layer-segmented prefill, N prompt tokens x layers per iteration beside the decode step "
+                        "(SparseServe), a layer over N in chunks of N tokens (rounded to 64), resident or --offload: "
+                        "a long prompt no longer stalls the running requests; default: each prompt's whole prefill "
+                        "in one iteration")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
                         "a request goes to the least-loaded replica (models.serving.replicas); default 1")
@@ -65,8 +66,8 @@ def make_engine(args) -> tuple[Engine, str]:
     for name in ("slots", "max_len", "tensor_parallel", "data_parallel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_inject_tokens is not None and (args.max_inject_tokens < 1 or not args.offload):
-        raise ValueError("--max-inject-tokens must be >= 1 and needs --offload (layer-segmented prefill)")
+    if args.max_inject_tokens is not None and args.max_inject_tokens < 1:
+        raise ValueError("--max-inject-tokens must be >= 1 (prompt tokens x layers per iteration)")
     if args.pool == "shared" and not args.offload:
         raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
     if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):

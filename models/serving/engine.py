@@ -12,10 +12,10 @@ slots) on this project's pure functions, with SparseServe's scheduler limits
 * **Prefill** runs one request at a time, ``tokens int32[1, T_bucket]`` into a
   fresh one-row cache of the same ``max_len`` (``model.fns.prefill``, one
   program per prompt bucket), and samples the first token from its logits.
-  Offloaded, with ``max_inject_tokens``, it is layer-segmented (SparseServe
-  §3.4): each iteration runs a segment of the prompt's layers
-  (:class:`models.runtime.tiered.PrefillJob`) beside the decode step, the finished
-  layers' KV going to the host tier.
+  With ``max_inject_tokens`` it is layer-segmented (SparseServe §3.4): each
+  iteration runs a segment of the prompt's layers, or a chunk of one layer
+  (:class:`models.runtime.tiered.PrefillJob`), beside the decode step, the finished
+  layers' KV going to the prompt's row (resident) or to the host tier (offloaded).
 * **Insert** writes that one-row cache into the free slot (one jitted program,
   the decode cache donated).
 * **Generate**: one jitted program per step over all slots (the cache
@@ -97,16 +97,17 @@ class Engine:
         can evict another's). With a shared pool the working-set admission keeps the running
         requests' working sets within M_avl (default: the pool's bytes), and R_max is capped at
         ``pool_slots // blocks per step`` so one step's blocks always fit the pool.
-      max_inject_tokens: offloaded: layer-segmented prefill (SparseServe §3.4). A prompt is
+      max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
         one layer (chunked prefill: ``max_inject_tokens`` rounded down to a multiple of 64
         tokens, the chunk's queries attending the keys before them), beside that
         iteration's decode step, so
-        a long prompt no longer stalls the running requests for its whole prefill; each
-        finished layer's KV goes to the host tier and is freed, and the prompt's working
-        set is one layer of its KV. One prompt prefills at a time. None (default): each
-        prompt's whole prefill runs in the iteration that admits it.
+        a long prompt no longer stalls the running requests for its whole prefill. Offloaded,
+        each finished layer's KV goes to the host tier and is freed, and the prompt's working
+        set is one layer of its KV; resident, it is finished into the prompt's one-row cache
+        (:meth:`ResidentSlots.start_prefill`). One prompt prefills at a time. None (default):
+        each prompt's whole prefill runs in the iteration that admits it.
     """
 
     def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
@@ -122,9 +123,6 @@ class Engine:
         if pool != "per_row" and not offload:
             raise ValueError(f"pool={pool!r} needs offload=True: the pool is the offloaded tier's")
         if max_inject_tokens is not None:
-            if not offload:
-                raise ValueError("max_inject_tokens (layer-segmented prefill) needs offload=True: the segments are "
-                                 "the tiered runner's layer-by-layer prefill, whose finished layers go to the host")
             if isinstance(max_inject_tokens, bool) or int(max_inject_tokens) < 1:
                 raise ValueError(f"max_inject_tokens must be a positive int (tokens x layers), got {max_inject_tokens!r}")
 

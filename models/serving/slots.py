@@ -121,6 +121,42 @@ def prefill_bucket(n: int, max_len: int) -> int:
     return min(b, max_len)
 
 
+def segmented_prompt_tokens(n: int, max_len: int) -> int:
+    """Tokens a prompt of ``n`` runs through each layer of a layer-by-layer prefill
+    (:class:`models.runtime.tiered.PrefillJob`): its prefill bucket, where the bucket would
+    fill the cache (the tiered prefill needs room for one decode token) the last multiple of
+    64 below ``max_len``, and ``n`` only for a prompt past that. Every prompt between the last
+    power of two and the cache used to run at its own length, each compiling its own layer
+    programs: on the H100 a 98K slot's prompts over 64K took 14 s to prefill, with 3.5 s
+    stalls of the running requests."""
+    t = prefill_bucket(n, max_len)
+    if t < max_len:
+        return t
+    top = (max_len - 1) // 64 * 64
+    return top if n <= top else n
+
+
+class RowPrefillJob:
+    """A resident prompt's layer-by-layer prefill (:class:`models.runtime.tiered.PrefillJob`
+    of a ``"resident"`` runner): the same ``advance_budget`` / ``done`` as the offloaded
+    engine's, and ``result()`` gives ``(logits f32[1, V], one-row KVCache)``, what
+    :meth:`ResidentSlots.prefill` gives, for :meth:`ResidentSlots.insert`."""
+
+    def __init__(self, job):
+        self.job = job
+
+    @property
+    def done(self) -> bool:
+        return self.job.done
+
+    def advance_budget(self, tokens: int) -> bool:
+        return self.job.advance_budget(tokens)
+
+    def result(self):
+        logits, state = self.job.result()
+        return logits, state.cache
+
+
 # -----------------------------------------------------------------------------
 # Where the slots' KV lives
 # -----------------------------------------------------------------------------
@@ -206,6 +242,7 @@ class ResidentSlots:
             check_resident_fits(model, slots, max_len, prefill_temp_bytes=temps)
         self.cache = model.init_cache(slots, max_len)
         self.device_bytes = self.cache.nbytes()
+        self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
 
     def prefill(self, ids: Sequence[int]):
         """``(logits f32[1, V], one-row cache)`` of a prompt."""
@@ -215,6 +252,19 @@ class ResidentSlots:
         tokens[0, :n] = ids
         prefill = self._compiled_prefill.get(bucket, m.fns.prefill)
         return prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), m.init_cache(1, self.max_len))
+
+    def start_prefill(self, ids: Sequence[int]) -> RowPrefillJob:
+        """A layer-by-layer prefill of one prompt (:class:`RowPrefillJob`) that the engine
+        advances a segment per iteration beside the decode step (``Engine(max_inject_tokens=N)``):
+        each layer's K/V and method state are finished into the one-row cache as the layer
+        ends, so the row is what :meth:`prefill` makes (the same programs as
+        :class:`models.runtime.tiered.TieredRunner` ``"resident"``)."""
+        if self._runner is None:
+            self._runner = TieredRunner(self.model, "resident")
+        n = len(ids)
+        tokens = np.full((1, segmented_prompt_tokens(n, self.max_len)), self.model._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        return RowPrefillJob(self._runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len))
 
     def insert(self, row, slot: int) -> None:
         self.cache = self._insert(self.cache, row, jnp.int32(slot))
@@ -384,17 +434,8 @@ class OffloadedSlots:
         return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
 
     def prompt_tokens(self, n: int) -> int:
-        """Tokens a prompt of ``n`` runs through each layer: its prefill bucket, where the
-        bucket would fill the cache (the tiered prefill needs room for one decode token)
-        the last multiple of 64 below ``max_len``, and ``n`` only for a prompt past that.
-        Every prompt between the last power of two and the cache used to run at its own
-        length, each compiling its own layer programs: on the H100 a 98K slot's prompts
-        over 64K took 14 s to prefill, with 3.5 s stalls of the running requests."""
-        t = prefill_bucket(n, self.max_len)
-        if t < self.max_len:
-            return t
-        top = (self.max_len - 1) // 64 * 64
-        return top if n <= top else n
+        """:func:`segmented_prompt_tokens` of this engine's ``max_len``."""
+        return segmented_prompt_tokens(n, self.max_len)
 
     def layer_kv_bytes(self, n: int) -> int:
         """Device bytes of one layer's K/V of a prompt of ``n`` tokens (its bucket), the
