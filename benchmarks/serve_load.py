@@ -194,12 +194,19 @@ def warm_up(engine, mix, vocab: int) -> float:
     from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(0)
+    segments = {}  # prefill iterations of one prompt of each length (layer-segmented prefill; else 0)
     for n, _ in mix:
+        before = engine.prefill_segments
         r = engine.generate(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
         if r.finish_reason != "length":  # e.g. its bucket's prefill ran out of device memory
             raise RuntimeError(f"warm-up: a {n}-token prompt ended {r.finish_reason!r}: {r.error}")
+        segments[n] = engine.prefill_segments - before
     n = min(m for m, _ in mix)
-    reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=24, ignore_eos=True))
+    # every request still decoding when the last is inserted: a segmented prefill takes `segments`
+    # iterations a prompt, each with a decode step, so the first request decodes that many tokens per
+    # prompt admitted after it (24 tokens each ran out before the last insertion: a one-row median)
+    steps = min(24 + engine.slots * segments[n], engine.context - n)
+    reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=steps, ignore_eos=True))
             for _ in range(engine.slots)]
     k = len(engine.step_times)
     for r in reqs:
@@ -209,10 +216,13 @@ def warm_up(engine, mix, vocab: int) -> float:
             raise RuntimeError(f"warm-up: {engine.slots} requests of {n} tokens at once: one ended "
                                f"{r.finish_reason!r}: {r.error}")
     times, ends = engine.step_times[k:], engine.step_end_times[k:]
-    # the steps after the last insertion: every slot decoding
+    # the steps after the last insertion and before the first request ended: every slot decoding
     last_insert = max(r.t_first for r in reqs)
-    full = [dt for dt, t in zip(times, ends) if t > last_insert]
-    return 1e3 * float(np.median(full or times))
+    first_end = min(r.token_times[-1] for r in reqs)  # then a row leaves the batch
+    full = [dt for dt, t in zip(times, ends) if last_insert < t <= first_end]
+    if not full:
+        raise RuntimeError(f"warm-up: no decode step with all {engine.slots} slots decoding")
+    return 1e3 * float(np.median(full))
 
 
 def goodput(rows: list[dict], iteration_ms: float) -> float | None:
