@@ -244,6 +244,28 @@ def test_resident_segmented_prefill_equals_whole_prefill(tiny, name):
             np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
 
 
+def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatch):
+    """On a device with a memory limit, a resident engine with layer-segmented prefill checks
+    its capacity with one layer's prefill temporaries (its layer programs compiled ahead of
+    time) and compiles no whole-prompt prefill it would never run; without segments it
+    compiles the longest prompt's whole prefill, as before. (CPU, a limit patched in.)"""
+    import models.serving.slots as slots_mod
+    from sparse_jax.offload import capacity
+
+    seen = []
+    monkeypatch.setattr(slots_mod, "device_budget", lambda: 1 << 40)
+    monkeypatch.setattr(capacity, "device_budget", lambda: 1 << 40)
+    real = slots_mod.check_resident_fits
+    monkeypatch.setattr(slots_mod, "check_resident_fits",
+                        lambda *a, prefill_temp_bytes=0, **k: (seen.append(prefill_temp_bytes), real(*a, **k)))
+    model = tiny.with_method("quest", budget=64)
+    seg = slots_mod.ResidentSlots(model, 2, 256, unroll=True, segmented=True)
+    assert seg._compiled_prefill == {} and seg._runner is not None
+    whole = slots_mod.ResidentSlots(model, 2, 256, unroll=True)
+    assert list(whole._compiled_prefill) == [256] and whole._runner is None
+    assert len(seen) == 2 and 0 < seen[0] < seen[1]  # one layer's temporaries, then the whole prompt's
+
+
 @pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
 def test_layer_segmented_prefill_interleaves_with_decode(tiny, offload):
     """SparseServe's layer-segmented prefill, offloaded and resident: a prompt runs one chunk
@@ -387,8 +409,9 @@ def _failing_on(fn, bad_len: int):
     return wrapped
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded-segmented"])
-def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offload):
+@pytest.mark.parametrize("offload, segmented", [(False, False), (False, True), (True, True)],
+                         ids=["resident", "resident-segmented", "offloaded-segmented"])
+def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offload, segmented):
     """A prompt whose prefill raises (on the H100, a 64K bucket's compile ran out of memory)
     ends with ``finish_reason="error"`` and a short message; before, it was in no list when
     the engine thread died, and its client (the load benchmark's warm-up) waited forever.
@@ -398,9 +421,9 @@ def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offlo
     ids = [rng.integers(4, 97, n).tolist() for n in (120, 77, 90)]
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=STEPS,
                                stop_ids=())[0] for i in ids]
-    kw = dict(offload=True, max_inject_tokens=64) if offload else {}
+    kw = dict(offload=offload, max_inject_tokens=64) if segmented else {}
     engine = Engine(model, slots=1, max_len=256, stop_ids=(), **kw)
-    if offload:
+    if segmented:
         engine.kv.start_prefill = _failing_on(engine.kv.start_prefill, 77)
     else:
         # as the device reports it: the prefill call returns, waiting for its outputs raises
@@ -416,8 +439,9 @@ def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offlo
         assert bad.error.startswith("the prefill of this 77-token prompt failed: RuntimeError: RESOURCE_EXHAUSTED")
         assert len(bad.error) < 700 and " ... (out of device memory: " in bad.error  # cut: XLA's run to pages
         # what would make it fit
-        assert bad.error.endswith("a smaller max_inject_tokens, or fewer slots)" if offload else
-                                  "fewer slots or a shorter context, or offload=True)")
+        assert bad.error.endswith({(False, False): "a layer-segmented prefill (max_inject_tokens), or offload=True)",
+                                   (False, True): "a smaller max_inject_tokens, or fewer slots, or offload=True)",
+                                   (True, True): "a smaller max_inject_tokens, or fewer slots)"}[offload, segmented])
         assert [good.output_ids, after.output_ids] == [refs[0], refs[2]]
         s = engine.stats()
         assert s["running"] and engine.error is None and s["request_errors"] == 1

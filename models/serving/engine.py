@@ -143,7 +143,8 @@ class Engine:
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
         self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots,
                                   segmented=self.max_inject_tokens is not None, pool=pool) if offload
-                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll)))
+                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll),
+                                      segmented=self.max_inject_tokens is not None))
         self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
         cache_bytes = self.kv.device_bytes
@@ -360,9 +361,12 @@ class Engine:
         comes after), so the engine goes on with the others."""
         r.error = f"the prefill of this {r.prompt_len}-token prompt failed: {_describe(e)}"
         if "RESOURCE_EXHAUSTED" in str(e):  # what would make it fit
-            hint = ("fewer slots or a shorter context, or offload=True" if not self.kv.offloaded else
-                    "a layer-segmented prefill (max_inject_tokens) bounds a long prompt's activations"
-                    if self.max_inject_tokens is None else "a smaller max_inject_tokens, or fewer slots")
+            if self.max_inject_tokens is not None:
+                hint = "a smaller max_inject_tokens, or fewer slots" + ("" if self.kv.offloaded else ", or offload=True")
+            elif self.kv.offloaded:
+                hint = "a layer-segmented prefill (max_inject_tokens) bounds a long prompt's activations"
+            else:
+                hint = "fewer slots or a shorter context, a layer-segmented prefill (max_inject_tokens), or offload=True"
             r.error += f" (out of device memory: {hint})"
         with self._lock:
             self.request_errors += 1

@@ -225,24 +225,29 @@ class ResidentSlots:
 
     offloaded = False
 
-    def __init__(self, model, slots: int, max_len: int, unroll: bool):
+    def __init__(self, model, slots: int, max_len: int, unroll: bool, segmented: bool = False):
         check_engine_mesh(model)
         check_slot_axis(model, max_len)
         self.model, self.slots, self.max_len = model, slots, max_len
         self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
+        self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
         if getattr(model, "mesh", None) is not None:
             self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
         else:
             self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
 
             temps = 0
-            if device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
+            if device_budget() is not None and segmented:
+                # prompts prefill a layer at a time (start_prefill): one layer's program holds the
+                # temporaries, not the whole prompt's (the longest's layer programs compiled here)
+                self._runner = TieredRunner(model, "resident")
+                temps = self._runner.prefill_temp_bytes(segmented_prompt_tokens(max_len - 1, max_len), max_len)
+            elif device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
                 bucket, compiled, temps = compile_longest_prefill(model, max_len)
                 self._compiled_prefill[bucket] = compiled
             check_resident_fits(model, slots, max_len, prefill_temp_bytes=temps)
         self.cache = model.init_cache(slots, max_len)
         self.device_bytes = self.cache.nbytes()
-        self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
 
     def prefill(self, ids: Sequence[int]):
         """``(logits f32[1, V], one-row cache)`` of a prompt."""
