@@ -307,6 +307,8 @@ def test_layer_segmented_prefill_interleaves_with_decode(tiny, offload):
             break
         engine.iterate()
     assert engine.stats()["prefilling"] == 1 and third.slot is not None and not third.output_ids
+    s = engine.stats()  # /health's counts: the prompt being prefilled runs, nothing waits
+    assert s["running"] == s["active_slots"] + 1 and s["waiting"] == 0
     engine.cancel(third)
     engine.iterate()
     assert third.finish_reason == "cancelled" and engine.stats()["prefilling"] == 0 and third.slot is None
@@ -444,7 +446,7 @@ def test_a_failed_prefill_fails_its_request_and_the_engine_serves_on(tiny, offlo
                                    (True, True): "a smaller max_inject_tokens, or fewer slots)"}[offload, segmented])
         assert [good.output_ids, after.output_ids] == [refs[0], refs[2]]
         s = engine.stats()
-        assert s["running"] and engine.error is None and s["request_errors"] == 1
+        assert s["alive"] and engine.error is None and s["request_errors"] == 1
         assert s["finished"] == {"length": 2, "error": 1} and engine.idle() and s["working_set_bytes"] == 0
     finally:
         engine.stop()
@@ -475,7 +477,7 @@ def test_a_fatal_engine_error_fails_every_request_even_the_one_being_inserted(ti
     assert [r.finish_reason for r in reqs] == ["error"] * 3
     assert all(r.error == "the engine stopped: RuntimeError: device lost" for r in reqs)
     engine._thread.join(30)  # the thread re-raises after reporting
-    assert isinstance(engine.error, RuntimeError) and not engine.stats()["running"]
+    assert isinstance(engine.error, RuntimeError) and not engine.stats()["alive"]
     engine.stop()
 
 

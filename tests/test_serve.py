@@ -77,7 +77,8 @@ def test_models_and_health(server):
     ids = [m.id for m in server.client.models.list().data]
     assert ids == [MODEL]
     h = httpx.get(f"{server.base}/health").json()
-    assert h["status"] == "ok" and h["slots"] == 3
+    assert h["status"] == "ok" and h["slots"] == 3 and h["alive"] is True
+    assert h["running"] == 0 and h["waiting"] == 0  # an idle server (the tests before it have ended)
 
 
 def test_greedy_completion_equals_generate(server, references):
@@ -198,7 +199,7 @@ def test_a_failed_prefill_is_a_500_and_the_server_serves_on(server, references, 
         for _ in _complete(server.client, bad, stream=True):
             pass
     s = _wait_idle(server.engine)
-    assert s["request_errors"] == errors + 2 and s["running"] and server.engine.error is None
+    assert s["request_errors"] == errors + 2 and s["alive"] and server.engine.error is None
     assert httpx.get(f"{server.base}/health").status_code == 200
     assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
 

@@ -227,14 +227,16 @@ class Engine:
         self._wake.set()
 
     def stats(self) -> dict:
-        """Counters: slots in use (and each slot's context ``max_len``), requests waiting,
-        reserved KV bytes, totals."""
+        """Counters (``/health`` reports them): ``running``, the requests decoding or being
+        prefilled; ``waiting``, those queued; slots in use (and each slot's context
+        ``max_len``), reserved KV bytes, totals; ``alive``, whether the engine thread runs."""
         with self._lock:
             active = int(self._active.sum())
-            return {"slots": self.slots, "max_len": self.max_len, "active_slots": active,
+            prefilling = int(self._prefilling is not None)
+            return {"running": active + prefilling, "waiting": len(self._waiting) + self._inbox.qsize(),
+                    "slots": self.slots, "max_len": self.max_len, "active_slots": active,
                     "free_slots": self.slots - active,
-                    "waiting": len(self._waiting) + self._inbox.qsize(),
-                    "prefilling": int(self._prefilling is not None), "prefill_segments": self.prefill_segments,
+                    "prefilling": prefilling, "prefill_segments": self.prefill_segments,
                     "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
@@ -242,7 +244,7 @@ class Engine:
                     "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
                     "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
                     "finished": dict(self.finished), "request_errors": self.request_errors,
-                    "running": self._thread is not None and self._thread.is_alive()}
+                    "alive": self._thread is not None and self._thread.is_alive()}
 
     def idle(self) -> bool:
         s = self.stats()

@@ -116,7 +116,7 @@ class EngineReplicas:
         self.engines[i].cancel(request)
 
     def stats(self) -> dict:
-        """The replicas' counters summed (``finished`` merged, ``running`` when all run),
+        """The replicas' counters summed (``finished`` merged, ``alive`` when all run),
         and each replica's under ``replicas``."""
         per = [e.stats() for e in self.engines]
         out: dict = {}
@@ -126,8 +126,8 @@ class EngineReplicas:
                 for s in per:
                     total.update(s["finished"])
                 out[key] = dict(total)
-            elif key == "running":
-                out[key] = all(s["running"] for s in per)
+            elif key == "alive":
+                out[key] = all(s["alive"] for s in per)
             elif key == "max_len":  # every replica's slots hold the same context
                 out[key] = value
             elif isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -171,7 +171,7 @@ def build_app(engine: Engine, model_name: str):
     @app.get("/health")
     async def health():
         s = engine.stats()
-        ok = engine.error is None and s["running"]
+        ok = engine.error is None and s["alive"]
         return JSONResponse({"status": "ok" if ok else "error", **s}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
