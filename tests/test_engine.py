@@ -210,7 +210,12 @@ def test_offloaded_engine_matches_single_request_generation(smollm2):
         engine.stop()
 
 
-@pytest.mark.parametrize("name", sorted(available_methods()))
+# Token Sparse Attention's prefill on the last two layers, on prompts this short (its layers run whole)
+_TSA = dict(prefill="token_sparse", prefill_options=(("min_tokens", 64), ("layers", (1, 2)), ("window", 16),
+                                                     ("block", 64), ("tau", 0.05)))
+
+
+@pytest.mark.parametrize("name", sorted(available_methods()) + ["quest+tsa"])
 def test_resident_segmented_prefill_equals_whole_prefill(tiny, name):
     """A resident engine's layer-segmented prefill (``ResidentSlots.start_prefill``, advanced
     in chunks of 64 tokens of one layer where the method allows, whole layers elsewhere) gives
@@ -219,7 +224,10 @@ def test_resident_segmented_prefill_equals_whole_prefill(tiny, name):
     prompt was prefilled."""
     from models.serving.slots import ResidentSlots
 
-    model = tiny.with_method(name, **_OPTIONS[name])
+    base, _, tsa = name.partition("+")
+    model = tiny.with_method(base, **_OPTIONS[base], **(_TSA if tsa else {}))
+    if tsa:
+        assert model.method.is_sparse_prefill_layer(1, model.config.num_layers)
     kv = ResidentSlots(model, 2, 256, unroll=True)
     ids = np.random.default_rng(2).integers(4, 97, 150).tolist()  # 192 bucketed: 3 chunks a layer
     logits, row = kv.prefill(ids)

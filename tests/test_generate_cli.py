@@ -186,6 +186,27 @@ def test_attention_opt_reaches_the_method(no_model_load):
     assert spec.method.dense_layers == (0, -1)
 
 
+def test_prefill_flags_reach_the_method(no_model_load):
+    """``--prefill tsa --prefill-opt KEY=VALUE`` is Token Sparse Attention's prefill with those
+    options on any method; the long form (``--attention-opt prefill=...``) still works, and
+    mixing the two, options without ``tsa``, or a bad option is refused before any load."""
+    def spec(*flags):
+        return gen.resolve_args(gen.build_parser().parse_args(["--prompt", "x", *flags]))
+
+    m = spec("--attention", "quest", "--prefill", "tsa", "--prefill-opt", "tau=0.01",
+             "--prefill-opt", "min_tokens=8192").method
+    assert (m.prefill, m.prefill_options) == ("token_sparse", (("tau", 0.01), ("min_tokens", 8192)))
+    assert m.sparse_prefill().tau == 0.01 and m.sparse_prefill().min_tokens == 8192
+    assert spec("--attention-opt", "prefill=token_sparse").method.prefill == "token_sparse"
+    assert spec().method.prefill == "dense"
+    for flags, needle in [(("--prefill-opt", "tau=0.01"), "given without it"),
+                          (("--prefill", "tsa", "--attention-opt", "prefill=dense"), "both set the prefill"),
+                          (("--prefill", "tsa", "--prefill-opt", "nope=1"), "bad token_sparse option"),
+                          (("--prefill", "tsa", "--prefill-opt", "tau"), "--prefill-opt expects KEY=VALUE")]:
+        with pytest.raises(gen.CLIError, match=needle):
+            spec(*flags)
+
+
 def test_text_stream_holds_back_partial_utf8():
     text = "naïve 日本 🙂 ok"
     data = list(text.encode("utf-8"))  # one "token" per byte

@@ -240,9 +240,13 @@ def test_soak_cli_refuses_bad_arguments(capsys):
 @pytest.mark.parametrize("flags, fragment", [(["--tensor-parallel", "64"], "64: 1 devices visible"),
                                              (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
                                              (["--max-inject-tokens", "0"], "must be >= 1"),
-                                             (["--offload", "--max-inject-tokens", "0"], "must be >= 1")])
+                                             (["--offload", "--max-inject-tokens", "0"], "must be >= 1"),
+                                             (["--prefill-opt", "tau=0.01"], "given without it"),
+                                             (["--prefill", "tsa", "--attention-opt", "prefill.tau=0.1"],
+                                              "both set the prefill"),
+                                             (["--prefill", "tsa", "--prefill-opt", "tua=0.1"], "bad token_sparse option")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
-    """``--tensor-parallel`` asks for devices that are not there: a clear error, no weights loaded."""
+    """Bad flags (devices that are not there, a bad prefill): a clear error, no weights loaded."""
     from models.cli.serve import build_parser, make_engine
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))

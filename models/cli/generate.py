@@ -71,7 +71,7 @@ import sparse_jax.methods  # noqa: F401  (registers the built-in methods)
 from models import gguf_loader
 from models.api import bind_method, method_for_model, round_up
 from models.cli.demo_prompt import build_demo_prompt, check_answer
-from models.cli.options import CLIError, parse_attention_opts, parse_option_value  # noqa: F401 (re-exported)
+from models.cli.options import CLIError, add_prefill_flags, method_options, parse_attention_opts, parse_option_value  # noqa: F401,E501 (re-exported)
 from models.config import REAL_WEIGHTS, available_models
 from models.detokenize import IncrementalDetokenizer
 from models.runtime import shard, with_cache_rank
@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an attention method option (repeatable), e.g. budget=512, "
                         "dense_layers=0,1 (tuple), use_kernel=false; values are parsed as "
                         "int / float / bool / None / tuple where they look like one")
+    add_prefill_flags(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameter and KV-cache dtype (default: bfloat16 on GPU; float32 on CPU, "
                         "the exact path, where bf16 is not faster overall)")
@@ -235,7 +236,7 @@ def resolve_args(args: argparse.Namespace) -> RunSpec:
     methods = _available_methods()
     if args.attention not in methods:
         raise CLIError(f"unknown attention method {args.attention!r}; available: {', '.join(methods)}")
-    opts = parse_attention_opts(args.attention_opt)
+    opts = method_options(args)
 
     try:
         method = get_method(args.attention, **opts)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import models
-from models.cli.options import parse_attention_opts
+from models.cli.options import add_prefill_flags, method_options
 from models.runtime.sharding import shard
 from models.serving.engine import Engine
 from models.serving.replicas import replicate
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="dense", help="attention method (sparse_jax.available_methods())")
     p.add_argument("--attention-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, repeatable (e.g. budget=1024)")
+    add_prefill_flags(p)
     p.add_argument("--offload", action="store_true",
                    help="KV blocks in pinned host memory, per-slot device pools (methods whose selection names "
                         "blocks: quest, arkvale, asynctls)")
@@ -78,7 +79,7 @@ def make_engine(args) -> tuple[Engine, str]:
                 f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} = {need} devices")
         raise ValueError(f"{what}: {len(jax.devices())} devices visible "
                          f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
-    method = get_method(args.attention, **parse_attention_opts(args.attention_opt))
+    method = get_method(args.attention, **method_options(args))
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model = models.load_model(args.model, dtype=jnp.dtype(dtype), attention=method, max_len=args.max_len)
     if model.tokenizer is None:
