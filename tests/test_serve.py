@@ -178,6 +178,55 @@ def test_abandoned_stream_frees_its_slot(server, references):
     assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
 
 
+def test_many_streams_cut_by_a_client_timeout_leak_nothing(server, references):
+    """vLLM's cancellation test, on loopback and bounded: 200 concurrent streaming requests,
+    each cut by a 0.5 s client timeout (most before their first token, some mid-stream, many
+    before the server even read them). Afterwards the engine drains (nothing running or
+    waiting, no slot or working set held, every request it took finished), and a new request
+    completes within twice its time on the idle server (plus 0.5 s for this 2-core machine's
+    noise), with the right text."""
+    import asyncio
+
+    def timed():
+        t0 = time.perf_counter()
+        text = _complete(server.client, PROMPTS[0]).choices[0].text
+        return time.perf_counter() - t0, text
+
+    _wait_idle(server.engine)
+    idle = min(timed()[0] for _ in range(2))
+    before = server.engine.stats()
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def one(client):
+        async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+            async for _ in r.aiter_lines():
+                pass
+
+    async def storm():
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            async def cut(i):
+                try:
+                    await asyncio.wait_for(one(client), 0.5)
+                    return "finished"
+                except asyncio.TimeoutError:
+                    return "cut"
+            return await asyncio.gather(*(cut(i) for i in range(200)))
+
+    outcomes = asyncio.run(asyncio.wait_for(storm(), 120))
+    assert outcomes.count("cut") >= 190, outcomes  # 200 tokens do not stream in 0.5 s here
+    s = _wait_idle(server.engine, timeout=120)
+    assert s["running"] == 0 and s["waiting"] == 0 and s["active_slots"] == 0 and s["working_set_bytes"] == 0
+    assert all(slot is None for slot in server.engine._slots)
+    took = s["submitted"] - before["submitted"]
+    ended = sum(s["finished"].values()) - sum(before["finished"].values())
+    assert 0 < took <= 200 and ended == took, (took, ended, s["finished"])  # every request it took has ended
+    after, text = timed()
+    assert text == references[PROMPTS[0]]
+    assert after <= 2 * idle + 0.5, (after, idle)
+
+
 def test_a_failed_prefill_is_a_500_and_the_server_serves_on(server, references, monkeypatch):
     """A request whose prefill fails on the device (simulated: out of memory) gets HTTP 500 with
     the reason, streaming or not (the official client raises it), and the others go on."""

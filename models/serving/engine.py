@@ -179,6 +179,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the counters read by stats()
         self.steps = 0
+        self.submitted = 0  # requests taken by submit(), all time
         self.blocks_loaded = 0  # offloaded: KV blocks copied from the host, all steps
         self.step_times: list[float] = []  # seconds per decode iteration (dispatch to tokens on the host)
         self.step_end_times: list[float] = []  # when each ended (perf_counter)
@@ -217,6 +218,8 @@ class Engine:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
         request.t_arrival = time.perf_counter()
+        with self._lock:
+            self.submitted += 1
         self._inbox.put(request)
         self._wake.set()
         return request
@@ -240,7 +243,7 @@ class Engine:
                     "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
-                    "admitted": self.scheduler.counters.admitted,
+                    "submitted": self.submitted, "admitted": self.scheduler.counters.admitted,
                     "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
                     "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
                     "finished": dict(self.finished), "request_errors": self.request_errors,
