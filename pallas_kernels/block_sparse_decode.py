@@ -70,7 +70,12 @@ from pallas_kernels.sparse_decode import (
     unsupported_reason,  # noqa: F401  (re-exported for the dispatcher)
 )
 
-TUNING_KEYS = ("block_k", "blocks_per_iter", "num_splits", "num_warps", "num_stages", "merge")
+TUNING_KEYS = ("block_k", "blocks_per_iter", "num_splits", "num_warps", "num_stages", "merge", "split_schedule")
+#: how the splits share a (row, KV head)'s block list: "valid" (default) divides its ``count``
+#: valid blocks evenly, "capacity" gives split ``s`` the fixed slots ``[s * per_split, ...)`` of
+#: the list, so with fewer valid blocks than the list holds the last splits idle (at half fill a
+#: dense row took 75% of its full-fill time, 1.56x cuDNN: paged_decode_h200.md)
+SPLIT_SCHEDULES = ("valid", "capacity")
 
 
 # --------------------------------------------------------------------------
@@ -110,7 +115,8 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
                          o_ref, m_ref, l_ref, *,
                          scale: float, block_size: int, tile: int, sub_tiles: int,
                          blocks_per_iter: int, blocks_per_split: int, NB: int, S: int,
-                         precision, interpret: bool = False):
+                         precision, num_splits: int = 1, split_schedule: str = "valid",
+                         interpret: bool = False):
     # Block refs: counts_ref [], len_ref [] ; q_ref [G, D] ; bidx_ref [NB] (the
     # whole block list; this split owns [split * blocks_per_split, ...)) ;
     # k_ref, v_ref [S, D] ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
@@ -119,8 +125,14 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
     count = jnp.clip(counts_ref[()], 0, NB)
     limit = jnp.minimum(len_ref[()], S)          # tokens at or past this are masked
     n_blocks_total = -(-S // block_size)          # static
-    base = split * blocks_per_split
-    n_valid = jnp.clip(count - base, 0, blocks_per_split)
+    if split_schedule == "valid":
+        # the valid blocks shared evenly, in whole iterations: never more than blocks_per_split
+        # (ns * per_split covers the whole list, and count <= NB)
+        per = -(-count // (num_splits * blocks_per_iter)) * blocks_per_iter
+    else:
+        per = blocks_per_split
+    base = split * per
+    n_valid = jnp.clip(count - base, 0, per)
 
     q = load_group_q(q_ref)
     g_pad = q.shape[0]
@@ -223,14 +235,14 @@ def resolve_block_tuning(B: int, Hkv: int, NB: int, D: int, block_size: int, *,
     jax.jit,
     static_argnames=("block_size", "scale", "return_residuals", "block_k",
                      "blocks_per_iter", "num_splits", "num_warps", "num_stages",
-                     "merge", "interpret"),
+                     "merge", "split_schedule", "interpret"),
 )
 def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, lengths,
                                          *, block_size: int, scale=None,
                                          return_residuals=False, block_k=None,
                                          blocks_per_iter=None, num_splits=None,
                                          num_warps=None, num_stages=None,
-                                         merge=None, interpret=False):
+                                         merge=None, split_schedule=None, interpret=False):
     """Pallas-Triton block-sparse decode attention (see module docstring).
 
     Tuning: ``block_k`` (max tokens per inner iteration, power of two >= 16;
@@ -238,8 +250,12 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     ``block_k // block_size`` for power-of-two block sizes below block_k,
     else 1 = contiguous slices), ``num_splits`` (default from
     ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``merge`` (how the
-    splits merge: "xla", the default, or "pallas"; ``sparse_decode.finish_splits``).
+    splits merge: "xla", the default, or "pallas"; ``sparse_decode.finish_splits``),
+    ``split_schedule`` (:data:`SPLIT_SCHEDULES`, default "valid").
     """
+    split_schedule = "valid" if split_schedule is None else split_schedule
+    if split_schedule not in SPLIT_SCHEDULES:
+        raise ValueError(f"split_schedule must be one of {SPLIT_SCHEDULES}, got {split_schedule!r}")
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
     NB = block_indices.shape[-1]
@@ -251,7 +267,7 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
-        precision=dot_precision(q.dtype), interpret=interpret)
+        precision=dot_precision(q.dtype), num_splits=ns, split_schedule=split_schedule, interpret=interpret)
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
         name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,

@@ -84,6 +84,12 @@ CASES = [
     # the splits merged by the Pallas kernel (split_merge)
     pytest.param(2, 12, 4, 450, 128, 5, 64, jnp.bfloat16, dict(block_k=32, num_splits=3, merge="pallas"),
                  id="subtiles-bs64-gqa3-bf16-pallas-merge"),
+    # the splits' shares: fixed slots of the list ("capacity"), against the default that divides
+    # each (row, head)'s valid blocks ("valid"; every case above)
+    pytest.param(2, 8, 2, 203, 64, 9, 16, jnp.float32, dict(num_splits=3, split_schedule="capacity"),
+                 id="gather-bs16-gqa4-f32-capacity-schedule"),
+    pytest.param(2, 8, 2, 450, 128, 5, 64, jnp.float32, dict(block_k=32, num_splits=3, split_schedule="capacity"),
+                 id="subtiles-bs64-gqa4-f32-capacity-schedule"),
 ]
 
 

@@ -5,7 +5,9 @@
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on its ``[B, S, H, D]``
   layout with ``key_value_seq_lengths = L`` (the dense baseline of ``benchmarks.kernels``);
 - ``ours``: :func:`sparse_jax.ops.attention.dense_decode_attention` (our block kernel, the
-  engine's dense decode) on the head-major ``[B, Hkv, S, D]`` cache, lengths ``L``;
+  engine's dense decode) on the head-major ``[B, Hkv, S, D]`` cache, lengths ``L``, its splits
+  sharing the valid blocks (``ours capacity-schedule``: the fixed shares it had before
+  2026-12-03, which the committed H200 run measured as ``ours``);
 - ``jax_paged``: jax's Pallas GPU paged attention
   (``jax.experimental.pallas.ops.gpu.paged_attention``) on one pool of pages
   ``[Hkv, B * S / page, page, D]`` shared by the rows, each row's pages scattered through
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
                                            implementation="cudnn")
         return out[:, 0]
 
-    def ours(q, k, v, lengths):
-        return dense_decode_attention(q, k, v, lengths, impl="pallas")
+    def ours(q, k, v, lengths, schedule="valid"):
+        return dense_decode_attention(q, k, v, lengths, impl="pallas", split_schedule=schedule)
 
     rows, checks = [], []
     for shape in a.shapes.split(","):
@@ -103,7 +105,10 @@ def main(argv=None) -> int:
         q, k, v, kp, vp, table = _inputs(b, s, hq, hkv, d, a.page)
         kb, vb = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # cuDNN's [B, S, Hkv, D]
         variants = {"cudnn": (jax.jit(cudnn), lambda L: (q, kb, vb, L)),
-                    "ours": (jax.jit(ours), lambda L: (q, k, v, L))}
+                    "ours": (jax.jit(ours), lambda L: (q, k, v, L)),
+                    # the splits' old schedule: fixed shares of the capacity's blocks
+                    "ours capacity-schedule": (jax.jit(functools.partial(ours, schedule="capacity")),
+                                               lambda L: (q, k, v, L))}
         for ppcb, splits in tunings:
             if (s // a.page) % splits or (s // a.page // splits) % min(ppcb, s // a.page // splits):
                 continue

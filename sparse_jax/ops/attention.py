@@ -119,7 +119,7 @@ def _check_scale(scale) -> None:
 
 
 #: tuning knobs that take a name, not a number, and the names they take
-_NAMED_KNOBS = {"merge": MERGES}
+_NAMED_KNOBS = {"merge": MERGES, "split_schedule": _bsd.SPLIT_SCHEDULES}
 
 
 def _check_tuning(tuning: dict, allowed: tuple[str, ...], op: str) -> None:
@@ -259,8 +259,9 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
 
     ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``, ``lengths int[B]`` (clipped to
     ``[0, S]``; 0 gives zeros). ``impl``: "pallas" runs the block kernel over
-    blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (programs and
-    loads past a row's length are skipped), "reference" the masked einsum
+    blocks ``0 .. ceil(lengths / block_size) - 1`` of every row (loads past a row's
+    length are skipped, and its valid blocks are shared evenly by the kernel's splits:
+    ``split_schedule="valid"``), "reference" the masked einsum
     (:func:`sparse_jax.ops.dense.dense_decode_reference`), "auto" the kernel on a
     GPU (for a head_dim it supports) and the reference elsewhere. On the H100
     (128K, 32/8 heads, D=128) the kernel ties cuDNN on its own [B, S, H, D]
