@@ -82,6 +82,19 @@ SPLIT_SCHEDULES = ("valid", "capacity")
 # Reference
 # --------------------------------------------------------------------------
 
+def paged_rows(pool: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
+    """The rows a block table names, contiguous: ``pool [1, Hkv, P * block_size, D]`` and
+    ``block_table int32[B, W]`` -> ``[B, Hkv, W * block_size, D]`` (row ``b``'s logical block
+    ``j`` is page ``block_table[b, j]``; an entry outside ``[0, P)`` reads page 0, as the
+    kernel does). The reference's view of a paged cache: a copy, the kernel reads in place."""
+    _, hkv, n, d = pool.shape
+    p = n // block_size
+    table = jnp.where((block_table >= 0) & (block_table < p), block_table, 0).astype(jnp.int32)
+    pages = pool[0].reshape(hkv, p, block_size, d)[:, table]  # [Hkv, B, W, bs, D]
+    b, w = table.shape
+    return pages.transpose(1, 0, 2, 3, 4).reshape(b, hkv, w * block_size, d)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_residuals"))
 def block_sparse_decode_attention_reference(q, k, v, block_indices, block_counts,
                                             lengths, *, block_size: int, scale=None,
@@ -111,15 +124,27 @@ def block_sparse_decode_attention_reference(q, k, v, block_indices, block_counts
 # Kernel
 # --------------------------------------------------------------------------
 
-def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
-                         o_ref, m_ref, l_ref, *,
+def _block_sparse_kernel(counts_ref, len_ref, *refs,
                          scale: float, block_size: int, tile: int, sub_tiles: int,
                          blocks_per_iter: int, blocks_per_split: int, NB: int, S: int,
                          precision, num_splits: int = 1, split_schedule: str = "valid",
-                         interpret: bool = False):
-    # Block refs: counts_ref [], len_ref [] ; q_ref [G, D] ; bidx_ref [NB] (the
-    # whole block list; this split owns [split * blocks_per_split, ...)) ;
-    # k_ref, v_ref [S, D] ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
+                         paged: bool = False, interpret: bool = False):
+    # Block refs: counts_ref [], len_ref [] ; paged: table_ref [W] (logical block -> page) ;
+    # q_ref [G, D] ; bidx_ref [NB] (the whole block list; this split owns a share) ;
+    # k_ref, v_ref [S, D] (paged: the pool's [P * block_size, D]; S is then the logical
+    # capacity W * block_size) ; o_ref [G, D] f32 ; m_ref, l_ref [G] f32.
+    if paged:
+        table_ref, q_ref, bidx_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
+        n_pages = k_ref.shape[0] // block_size
+
+        def phys(bid):  # a (clipped, in-range) logical block's page; a bad table entry reads page 0
+            page = table_ref[bid]
+            return jnp.where((page >= 0) & (page < n_pages), page, 0)
+    else:
+        q_ref, bidx_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
+
+        def phys(bid):
+            return bid
     d = q_ref.shape[-1]
     split = pl.program_id(2)
     count = jnp.clip(counts_ref[()], 0, NB)
@@ -154,9 +179,9 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
             # far out-of-bounds pointers even for garbage ids).
             bid = jnp.clip(bid, 0, n_blocks_total - 1)
             in_block = sub * tile + lanes                      # offset inside the block
-            start = bid * block_size + sub * tile
+            start = bid * block_size + sub * tile              # logical position of lane 0
             valid = in_range & (in_block < block_size) & (start + lanes < limit)
-            rows = pl.ds(start, tile)
+            rows = pl.ds(phys(bid) * block_size + sub * tile, tile)
             # Masked loads: rows past S (partial last block, tile > block_size)
             # are never touched.
             k = plgpu.load(k_ref.at[rows, :], mask=valid[:, None], other=0.0)
@@ -174,9 +199,9 @@ def _block_sparse_kernel(counts_ref, len_ref, q_ref, bidx_ref, k_ref, v_ref,
             slot_ok = slot < n_valid
             bid = bidx_ref[base + jnp.where(slot_ok, slot, 0)]    # [tile] gather of ids
             in_range = (bid >= 0) & (bid < n_blocks_total)
-            pos = jnp.clip(bid, 0, n_blocks_total - 1) * block_size + lane_off
-            valid = slot_ok & in_range & (pos < limit)
-            pos = jnp.where(valid, pos, 0)                        # in-bounds gather
+            bid = jnp.clip(bid, 0, n_blocks_total - 1)
+            valid = slot_ok & in_range & (bid * block_size + lane_off < limit)   # logical positions
+            pos = jnp.where(valid, phys(bid) * block_size + lane_off, 0)          # in-bounds gather
             k = k_ref[pos]
             v = v_ref[pos]
             return online_softmax_step(q, k, v, valid, carry, scale=scale,
@@ -237,7 +262,7 @@ def resolve_block_tuning(B: int, Hkv: int, NB: int, D: int, block_size: int, *,
                      "blocks_per_iter", "num_splits", "num_warps", "num_stages",
                      "merge", "split_schedule", "interpret"),
 )
-def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, lengths,
+def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, lengths, block_table=None,
                                          *, block_size: int, scale=None,
                                          return_residuals=False, block_k=None,
                                          blocks_per_iter=None, num_splits=None,
@@ -252,12 +277,19 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     ``choose_num_splits``), ``num_warps`` (4), ``num_stages`` (2), ``merge`` (how the
     splits merge: "xla", the default, or "pallas"; ``sparse_decode.finish_splits``),
     ``split_schedule`` (:data:`SPLIT_SCHEDULES`, default "valid").
+
+    ``block_table`` (``int32[B, W]``, paged KV): ``k, v`` are one pool ``[1, Hkv, P * block_size,
+    D]`` shared by the rows, and row ``b``'s logical block ``j`` (what ``block_indices`` name,
+    masked by ``lengths`` on logical positions, capacity ``W * block_size``) is page
+    ``block_table[b, j]`` of it.
     """
     split_schedule = "valid" if split_schedule is None else split_schedule
     if split_schedule not in SPLIT_SCHEDULES:
         raise ValueError(f"split_schedule must be one of {SPLIT_SCHEDULES}, got {split_schedule!r}")
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
+    if block_table is not None:
+        S = block_table.shape[1] * block_size  # the logical capacity; k holds the pool's pages
     NB = block_indices.shape[-1]
     scale = default_scale(D) if scale is None else float(scale)
     tile, sub_tiles, bpi, ns, bps = resolve_block_tuning(
@@ -267,8 +299,11 @@ def block_sparse_decode_attention_pallas(q, k, v, block_indices, block_counts, l
     kernel = functools.partial(
         _block_sparse_kernel, scale=scale, block_size=block_size, tile=tile,
         sub_tiles=sub_tiles, blocks_per_iter=bpi, blocks_per_split=bps, NB=NB, S=S,
-        precision=dot_precision(q.dtype), num_splits=ns, split_schedule=split_schedule, interpret=interpret)
+        precision=dot_precision(q.dtype), num_splits=ns, split_schedule=split_schedule,
+        paged=block_table is not None, interpret=interpret)
     return split_decode_call(
         kernel, q, k, v, block_indices, bps, ns, head_scalars=(block_counts,), row_scalars=(lengths,),
-        name=f"block_sparse_decode_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}", num_warps=num_warps,
+        row_vectors=() if block_table is None else (block_table,), kv_batch_share=1 if block_table is None else B,
+        name=f"block_sparse_decode{'_paged' if block_table is not None else ''}_bs{block_size}_t{tile}_bpi{bpi}_ns{ns}",
+        num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, return_residuals=return_residuals, merge=merge)

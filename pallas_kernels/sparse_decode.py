@@ -352,7 +352,7 @@ def group_rows(G: int) -> int:
 
 
 def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
-                      head_scalars=(), row_scalars=(), name: str, num_warps=None,
+                      head_scalars=(), row_scalars=(), row_vectors=(), name: str, num_warps=None,
                       num_stages=None, interpret=False, return_residuals=False,
                       kv_batch_share: int = 1, merge=None):
     """The scaffolding the decode kernels share: GQA grouping, the ``pallas_call``
@@ -360,7 +360,8 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
 
     ``kernel(*head_scalars, *row_scalars, q, list, k, v, o, m, l)`` gets per
     program: each of ``head_scalars`` (``[B, Hkv]`` arrays) and ``row_scalars``
-    (``[B]``) as a scalar ref; ``q`` as ``[G, D]`` (its GQA group; load it with
+    (``[B]``) as a scalar ref, each of ``row_vectors`` (``[B, W]``, e.g. a block table) as
+    its row's ``[W]``; ``q`` as ``[G, D]`` (its GQA group; load it with
     :func:`load_group_q`); the whole row ``[N]`` of ``split_list [B, Hkv, N]``,
     of which split ``s`` owns entries ``[s * per_split, (s + 1) * per_split)``
     (read with masked loads: nothing is padded); the whole ``k, v [S, D]`` of its
@@ -387,6 +388,7 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
 
     in_specs = ([pl.BlockSpec((None, None), lambda b, h, s: (b, h)) for _ in head_scalars]
                 + [pl.BlockSpec((None,), lambda b, h, s: (b,)) for _ in row_scalars]
+                + [pl.BlockSpec((None, x.shape[1]), lambda b, h, s: (b, 0)) for x in row_vectors]
                 + [pl.BlockSpec((None, None, G, D), lambda b, h, s: (b, h, 0, 0)),            # q
                    pl.BlockSpec((None, None, n), lambda b, h, s: (b, h, 0)),                  # list
                    pl.BlockSpec((None, None, S, D), lambda b, h, s: (kv_row(b), h, 0, 0)),    # k
@@ -401,7 +403,8 @@ def split_decode_call(kernel, q, k, v, split_list, per_split: int, ns: int, *,
             num_stages=DEFAULT_NUM_STAGES if num_stages is None else int(num_stages)),
         interpret=interpret,
         name=name,
-    )(*(x.astype(jnp.int32) for x in head_scalars), *(x.astype(jnp.int32) for x in row_scalars), qg, lst, k, v)
+    )(*(x.astype(jnp.int32) for x in head_scalars), *(x.astype(jnp.int32) for x in row_scalars),
+      *(x.astype(jnp.int32) for x in row_vectors), qg, lst, k, v)
     return finish_splits(o, m, l, G, q.dtype, return_residuals, merge=merge, interpret=interpret)
 
 

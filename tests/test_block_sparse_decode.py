@@ -7,6 +7,7 @@ block_counts int32[B, Hkv], lengths int32[B].
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -292,3 +293,67 @@ def test_dense_decode_bad_input():
         dense_decode_attention(q, k, v, jnp.array([3, 4, 5]))
     with pytest.raises(ValueError, match="scale is only supported by impl='pallas'"):
         dense_decode_attention(q, k, v, jnp.array([3, 4]), scale=0.5, impl="reference")
+
+
+@pytest.mark.parametrize("block_size,tuning", [(16, dict(num_splits=2)), (16, dict(blocks_per_iter=1, num_splits=3)),
+                                               (64, dict(block_k=32, num_splits=2))],
+                         ids=["gather-bs16", "contig-bs16", "subtiles-bs64"])
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_paged_pool_equals_the_contiguous_cache(block_size, tuning, impl):
+    """Paged KV (``block_table``): the rows' pages scattered through one pool in random order,
+    the same blocks selected (logical ids, some past the length, garbage past the count), give
+    what the contiguous cache gives, ragged lengths and a partial last page included; the
+    table's unused entries point at page 0 and are never read as real tokens."""
+    from pallas_kernels.block_sparse_decode import paged_rows
+
+    rng = np.random.default_rng(block_size)
+    B, Hq, Hkv, D, W, NB = 3, 8, 2, 64, 7, 5
+    S = W * block_size
+    lengths = np.array([S, S - block_size // 2 - 1, 2 * block_size + 3])
+    counts = rng.integers(0, NB + 1, (B, Hkv))
+    q, k, v, bidx, _ = make_case(rng, B, Hq, Hkv, S, D, NB, block_size, jnp.float32, counts, lengths)
+    pages = B * W + 2  # two spare pages beside the rows'
+    table = rng.permutation(np.arange(1, pages))[:B * W].reshape(B, W).astype(np.int32)
+    table[2, 3:] = 0  # the short row holds 3 pages; the rest of its table is the null page
+    pool_k = np.zeros((1, Hkv, pages * block_size, D), np.float32)
+    pool_v = np.zeros_like(pool_k)
+    for b in range(B):
+        for j in range(W):
+            rows = slice(table[b, j] * block_size, (table[b, j] + 1) * block_size)
+            if table[b, j]:
+                pool_k[0, :, rows] = np.asarray(k[b, :, j * block_size:(j + 1) * block_size])
+                pool_v[0, :, rows] = np.asarray(v[b, :, j * block_size:(j + 1) * block_size])
+    pool_k, pool_v, table = jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(table)
+    view = np.asarray(paged_rows(pool_k, table, block_size))
+    np.testing.assert_array_equal(view[:2], np.asarray(k[:2]))
+    kw = dict(block_size=block_size, impl=impl, **tuning)
+    want = block_sparse_decode_attention(q, k, v, bidx, jnp.asarray(counts, jnp.int32), jnp.asarray(lengths), **kw)
+    got = block_sparse_decode_attention(q, pool_k, pool_v, bidx, jnp.asarray(counts, jnp.int32), jnp.asarray(lengths),
+                                        block_table=table, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="whole pages"):
+        block_sparse_decode_attention(q, pool_k[:, :, :-1], pool_v[:, :, :-1], bidx, jnp.asarray(counts, jnp.int32),
+                                      jnp.asarray(lengths), block_table=table, **kw)
+    with pytest.raises(ValueError):  # a pool of one row per q row is not a paged pool
+        block_sparse_decode_attention(q, k, v, bidx, jnp.asarray(counts, jnp.int32), jnp.asarray(lengths),
+                                      block_table=table, **kw)
+
+
+@pytest.mark.parametrize("bpi", [None, 1], ids=["gather", "contig"])
+def test_paged_kernel_lowers_to_triton_for_the_gpu(bpi):
+    """The paged kernel (a block table, one pool for every row) compiles to one Triton call
+    for a CUDA device, both inner loops, without a GPU here (jax.export for an H100)."""
+    pytest.importorskip("jax._src.lib.triton")
+    from test_topk import _lower_for_h100
+
+    from pallas_kernels.block_sparse_decode import block_sparse_decode_attention_pallas
+
+    def fn(q, k, v, bidx, counts, lengths, table):
+        return block_sparse_decode_attention_pallas(q, k, v, bidx, counts, lengths, table, block_size=16,
+                                                    blocks_per_iter=bpi, num_splits=4)
+
+    sd = jax.ShapeDtypeStruct
+    txt = _lower_for_h100(fn, sd((8, 32, 128), jnp.bfloat16), sd((1, 8, 4096 * 16, 128), jnp.bfloat16),
+                          sd((1, 8, 4096 * 16, 128), jnp.bfloat16), sd((8, 8, 128), jnp.int32), sd((8, 8), jnp.int32),
+                          sd((8,), jnp.int32), sd((8, 512), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1

@@ -201,7 +201,7 @@ def sparse_decode_attention(q, k, v, indices, counts, *, scale=None,
 
 def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths, *,
                                   block_size, scale=None, return_residuals=False,
-                                  impl="auto", **tuning):
+                                  impl="auto", block_table=None, **tuning):
     """Decode attention over a per-(batch, KV head) list of token blocks.
 
     Args:
@@ -218,17 +218,31 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
         are masked, so a partial last block is fine.
       block_size: tokens per block (a positive Python int).
       scale, return_residuals, impl: as ``sparse_decode_attention``.
+      block_table: paged KV (``int32[B, W]``): ``k, v`` are one pool of pages
+        ``[1, Hkv, P * block_size, D]`` shared by the rows, and row b's block j (a
+        logical block, as ``block_indices`` name them; ``S`` is then ``W * block_size``)
+        is page ``block_table[b, j]`` of it. An entry outside ``[0, P)`` reads page 0.
       **tuning: kernel knobs, see ``BLOCK_SPARSE_TUNING_KEYS``.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype, or ``(out, (m, l))``.
     """
-    B, Hq, Hkv, S, D = _check_qkv(q, k, v)
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"block_size must be a Python int, got {block_size!r}")
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     block_size = int(block_size)
+    if block_table is None:
+        B, Hq, Hkv, S, D = _check_qkv(q, k, v)
+    else:
+        check_rank("q", q, 3, "[B, Hq, D]")
+        B = q.shape[0]
+        _, Hq, Hkv, _, D = _check_qkv(q, k, v, kv_batch_share=B)
+        check_rank("block_table", block_table, 2, "[B, W]")
+        check_int_array("block_table", block_table, (B, block_table.shape[1]), "[B, W]")
+        if k.shape[2] % block_size:
+            raise ValueError(f"a paged pool holds whole pages: k's {k.shape[2]} rows are not a multiple of "
+                             f"block_size {block_size}")
     check_int_array("block_indices", block_indices, (B, Hkv, block_indices.shape[-1]), "[B, Hkv, NBsel]")
     check_int_array("block_counts", block_counts, (B, Hkv), "[B, Hkv]")
     check_int_array("lengths", lengths, (B,), "[B]")
@@ -239,6 +253,8 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
 
     choice, interpret = resolve_impl(impl, kernel_unsupported=_bsd.unsupported_reason(D))
     if choice == "reference":
+        if block_table is not None:  # the reference reads the rows' pages as a contiguous copy
+            k, v = _bsd.paged_rows(k, block_table, block_size), _bsd.paged_rows(v, block_table, block_size)
         return _bsd.block_sparse_decode_attention_reference(
             q, k, v, block_indices, block_counts, lengths, block_size=block_size,
             scale=scale, return_residuals=return_residuals)
@@ -250,7 +266,7 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
                               blocks_per_iter=tuning.get("blocks_per_iter"),
                               num_splits=tuning.get("num_splits"))
     return _bsd.block_sparse_decode_attention_pallas(
-        q, k, v, block_indices, block_counts, lengths, block_size=block_size,
+        q, k, v, block_indices, block_counts, lengths, block_table, block_size=block_size,
         scale=scale, return_residuals=return_residuals, interpret=interpret, **tuning)
 
 
