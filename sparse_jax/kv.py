@@ -5,6 +5,9 @@ the layer's keys and values whose first ``lengths`` positions are valid (the
 new token included). Where the KV lives is the view's business:
 
 * :class:`ResidentKV`: the whole layer on the device, ``k, v [B, Hkv, S, D]``;
+* :class:`PagedKV`: the whole layer on the device in one pool of pages shared by the
+  batch, ``pool_k, pool_v [1, Hkv, P * page, D]``, and a block table per row (the paged
+  serving engine's layout; not yet used by a model);
 * :class:`sparse_jax.offload.pool.PooledKV`: an offloaded layer, whose device
   holds a pool of blocks (the ones recent steps selected) and a ring with the
   newest blocks, the rest on the host. It has no ``k``/``v``: a method that
@@ -21,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+from sparse_jax.ops import attention as ops
 from sparse_jax.selection import Selection, attend
 
 
@@ -59,3 +64,64 @@ class ResidentKV:
     def attend(self, q: jax.Array, lengths: jax.Array, sel: Selection, *, impl: str = "auto") -> jax.Array:
         """Decode attention of ``q [B,Hq,D]`` over what ``sel`` names: ``[B,Hq,D]``."""
         return attend(q, self.k, self.v, lengths, sel, impl=impl)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """A paged layer: ``pool_k, pool_v [1, Hkv, P * page, D]`` (page ``i`` is rows
+    ``[i * page, (i + 1) * page)``), shared by the batch, and ``block_table int32[B, W]``:
+    row ``b``'s position ``p`` is pool row ``block_table[b, p // page] * page + p % page``
+    (:class:`models.serving.blocks.BlockManager` makes the tables; unused entries name the
+    null page 0, never read as a real token: every reader masks by the row's length)."""
+
+    pool_k: jax.Array
+    pool_v: jax.Array
+    block_table: jax.Array
+    page: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def capacity(self) -> int:
+        return self.block_table.shape[1] * self.page
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pool_k.shape[1]
+
+    def rows(self, positions: jax.Array) -> jax.Array:
+        """Pool rows of logical ``positions int32[B, ...]`` (each row through its own table)."""
+        b = positions.shape[0]
+        flat = positions.reshape(b, -1)
+        page = jnp.take_along_axis(self.block_table, jnp.clip(flat // self.page, 0, self.block_table.shape[1] - 1),
+                                   axis=1)
+        return (page * self.page + flat % self.page).reshape(positions.shape).astype(jnp.int32)
+
+    def newest_keys(self, positions: jax.Array) -> jax.Array:
+        """The key at ``positions int32[B]`` of each row: ``[B, Hkv, D]``."""
+        return jnp.swapaxes(self.pool_k[0][:, self.rows(positions)], 0, 1)
+
+    def block_keys(self, blocks: jax.Array, block_size: int) -> jax.Array:
+        """Keys of logical block ``blocks int32[B]`` of each row: ``[B, Hkv, block_size, D]``
+        (a block within one page: ``page`` a multiple of ``block_size``)."""
+        if self.page % block_size:
+            raise ValueError(f"block_keys: blocks of {block_size} tokens do not tile pages of {self.page}")
+        start = self.rows(blocks * block_size)
+        return jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(self.pool_k[0], s, block_size, axis=1))(start)
+
+    def attend(self, q: jax.Array, lengths: jax.Array, sel: Selection, *, impl: str = "auto") -> jax.Array:
+        """Decode attention of ``q [B,Hq,D]`` over what ``sel`` names: ``[B,Hq,D]``. Every
+        valid page ("all"), or blocks of the page's size, read in place through the table
+        (:func:`sparse_jax.ops.block_sparse_decode_attention` with ``block_table``); other
+        selections as token rows of the pool (:func:`sparse_jax.ops.sparse_decode_attention`)."""
+        b, hkv, w = q.shape[0], self.num_kv_heads, self.block_table.shape[1]
+        lengths = jnp.minimum(lengths, self.capacity).astype(jnp.int32)
+        if sel.kind == "all":
+            blocks = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, hkv, w))
+            counts = jnp.broadcast_to((-(-lengths // self.page))[:, None], (b, hkv)).astype(jnp.int32)
+            return ops.block_sparse_decode_attention(q, self.pool_k, self.pool_v, blocks, counts, lengths,
+                                                     block_size=self.page, impl=impl, block_table=self.block_table)
+        if sel.kind == "blocks" and sel.block_size == self.page:
+            return ops.block_sparse_decode_attention(q, self.pool_k, self.pool_v, sel.indices, sel.counts, lengths,
+                                                     block_size=self.page, impl=impl, block_table=self.block_table)
+        indices, counts = sel.token_view(lengths)
+        return ops.sparse_decode_attention(q, self.pool_k, self.pool_v, self.rows(indices), counts, impl=impl)
