@@ -43,9 +43,10 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin, rope_inv_freq
-from sparse_jax.cache import KVCache, LayerCache, write_rows
-from sparse_jax.kv import ResidentKV
+from sparse_jax.cache import KVCache, LayerCache, PagedLayer, write_paged, write_rows
+from sparse_jax.kv import PagedKV, ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
+from sparse_jax.selection import Selection
 from sparse_jax.methods.base import AttentionMethod, LayerCtx
 from sparse_jax.methods.registry import get_method
 from sparse_jax.offload.pool import decode_offloaded
@@ -407,6 +408,18 @@ class Driver:
                     o, entry, mcarry = decode_offloaded(m, q, k, v, pos, entry, host[int(data["index"])], ctx,
                                                         mcarry, gather_programs=gather_programs, active=active)
                     return (layer_output(layer, x, o, self._reduce), mcarry), entry
+                if isinstance(entry, PagedLayer):  # a global layer in the batch's page pool
+                    table = cache.block_table
+                    rows = PagedKV(entry.pool_k, entry.pool_v, table, entry.page).rows(pos[:, None])[:, 0]
+                    pk, pv = write_paged(entry.pool_k, entry.pool_v, k, v, rows)
+                    kv = PagedKV(pk, pv, table, entry.page)
+                    st = entry.state
+                    if m is None:
+                        o = kv.attend(q, pos + 1, Selection.all_tokens())
+                    else:
+                        st = m.append_state(st, kv, pos, ctx)
+                        o, st, mcarry = m.decode(q, kv, pos + 1, st, mcarry, ctx)
+                    return (layer_output(layer, x, o, self._reduce), mcarry), PagedLayer(pk, pv, st, entry.page)
                 cap = entry.k.shape[2]
                 slot = pos if spec.kind == "global" else pos % cap
                 kc, vc = write_rows(entry.k, entry.v, k, v, slot)
@@ -424,7 +437,7 @@ class Driver:
                                                      self.unroll or any(offloaded))
             for i, e in zip(seg.layers, entries):
                 entries_all[i] = e
-        return x, KVCache(tuple(entries_all), pos + 1, cache.max_len)
+        return x, KVCache(tuple(entries_all), pos + 1, cache.max_len, cache.block_table)
 
     # -- helpers ------------------------------------------------------------------------
     def _xs(self, seg: Segment) -> dict:

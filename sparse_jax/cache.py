@@ -3,9 +3,10 @@ functions (and donated), never hidden module state.
 
 Layout (head-major, DESIGN.md): one entry per model layer, each its own
 buffers: a :class:`LayerCache` (``k, v [B, Hkv, S_layer, D]`` resident on the
-device, plus the method's per-layer state) or an offloaded layer's device tier
-(:class:`sparse_jax.offload.tiers.OffloadedLayer`), plus one ``lengths
-int32[B]`` for the whole batch so rows can hold different lengths.
+device, plus the method's per-layer state), a :class:`PagedLayer` (one pool of
+pages shared by the batch, read through ``KVCache.block_table``), or an offloaded
+layer's device tier (:class:`sparse_jax.offload.tiers.OffloadedLayer`), plus one
+``lengths int32[B]`` for the whole batch so rows can hold different lengths.
 ``S_layer`` is the layer's capacity: ``max_len`` on global layers, a ring of
 ``window`` slots on sliding-window layers (token ``p`` in slot ``p % window``).
 Head-major avoids the full-cache transpose that ``[B, S, Hkv, D]`` forces on
@@ -28,6 +29,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -42,15 +44,31 @@ class LayerCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PagedLayer:
+    """One paged layer: ``pool_k, pool_v [1, Hkv, P * page, D]``, one pool of pages shared by
+    the batch (row ``b``'s position ``p`` at pool row ``block_table[b, p // page] * page +
+    p % page``, :attr:`KVCache.block_table`), and the method's per-row state."""
+
+    pool_k: jax.Array
+    pool_v: jax.Array
+    state: Any = None
+    page: int = dataclasses.field(default=64, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """Every layer's entry plus the number of valid tokens per batch row ``int32[B]``.
 
     ``max_len`` (static): the context capacity (global layers hold that many tokens).
+    ``block_table`` (``int32[B, max_len / page]``): where the rows' pages are in the
+    :class:`PagedLayer` pools (one table for every paged layer); None without paged layers.
     """
 
     layers: tuple
     lengths: jax.Array
     max_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    block_table: Any = None
 
     @property
     def batch(self) -> int:
@@ -85,3 +103,38 @@ def write_rows(k: jax.Array, v: jax.Array, k_new: jax.Array, v_new: jax.Array, r
     # fused the offloaded ring write into a select over the whole slot pool
     # (docs/architecture.md, 'Measured reasons for runtime and benchmark choices').
     return jax.lax.optimization_barrier((k, v))
+
+
+def write_paged(pool_k: jax.Array, pool_v: jax.Array, k_new: jax.Array, v_new: jax.Array, rows: jax.Array):
+    """``pool_k, pool_v [1, Hkv, N, D]`` with ``k_new, v_new [B, Hkv, D]`` written at pool row
+    ``rows[b]`` (distinct rows: each request owns its pages), in place (donated by callers)."""
+    # one advanced index (the rows) after two slices: the update is [1, Hkv, B, D] in place
+    pool_k = pool_k.at[:, :, rows].set(jnp.swapaxes(k_new, 0, 1)[None].astype(pool_k.dtype))
+    pool_v = pool_v.at[:, :, rows].set(jnp.swapaxes(v_new, 0, 1)[None].astype(pool_v.dtype))
+    return jax.lax.optimization_barrier((pool_k, pool_v))  # as write_rows: one in-place update
+
+
+def page_cache(cache: KVCache, block_table, num_pages: int, page: int) -> KVCache:
+    """``cache`` with every global :class:`LayerCache` (capacity ``max_len``) moved into a
+    :class:`PagedLayer` pool of ``num_pages`` pages: row ``b``'s page ``j`` to pool page
+    ``block_table[b, j]`` (``int32[B, max_len / page]``; entries 0 are the null page, left
+    as zeros: a row's pages past its tokens may name it). Sliding-window rings stay as they
+    are. The contiguous cache's paged twin (tests; a paged engine writes pages directly)."""
+    table = jnp.asarray(block_table, jnp.int32)
+    b, w = table.shape
+    if cache.max_len % page or w * page != cache.max_len:
+        raise ValueError(f"block_table [B, {w}] of pages of {page} must cover max_len {cache.max_len} exactly")
+    layers = []
+    for e in cache.layers:
+        if isinstance(e, LayerCache) and e.k.shape[2] == cache.max_len:
+            hkv, d = e.k.shape[1], e.k.shape[3]
+
+            def pool(x):
+                pages = x.reshape(b, hkv, w, page, d).transpose(1, 0, 2, 3, 4).reshape(hkv, b * w, page, d)
+                out = jnp.zeros((hkv, num_pages, page, d), x.dtype).at[:, table.reshape(-1)].set(pages)
+                return out.at[:, 0].set(0).reshape(1, hkv, num_pages * page, d)
+
+            layers.append(PagedLayer(pool(e.k), pool(e.v), e.state, page))
+        else:
+            layers.append(e)
+    return KVCache(tuple(layers), cache.lengths, cache.max_len, table)

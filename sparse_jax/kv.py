@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_sparse_decode import paged_rows
 from sparse_jax.ops import attention as ops
 from sparse_jax.selection import Selection, attend
 
@@ -88,6 +89,16 @@ class PagedKV:
     def num_kv_heads(self) -> int:
         return self.pool_k.shape[1]
 
+    @property
+    def k(self) -> jax.Array:
+        """Every row's keys ``[B, Hkv, capacity, D]``, contiguous: a copy of its pages, for a
+        method that scores every key (``reads_all_keys``); attention reads the pages in place."""
+        return paged_rows(self.pool_k, self.block_table, self.page)
+
+    @property
+    def v(self) -> jax.Array:
+        return paged_rows(self.pool_v, self.block_table, self.page)
+
     def rows(self, positions: jax.Array) -> jax.Array:
         """Pool rows of logical ``positions int32[B, ...]`` (each row through its own table)."""
         b = positions.shape[0]
@@ -102,11 +113,9 @@ class PagedKV:
 
     def block_keys(self, blocks: jax.Array, block_size: int) -> jax.Array:
         """Keys of logical block ``blocks int32[B]`` of each row: ``[B, Hkv, block_size, D]``
-        (a block within one page: ``page`` a multiple of ``block_size``)."""
-        if self.page % block_size:
-            raise ValueError(f"block_keys: blocks of {block_size} tokens do not tile pages of {self.page}")
-        start = self.rows(blocks * block_size)
-        return jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(self.pool_k[0], s, block_size, axis=1))(start)
+        (any block size: its tokens' rows, through the table, across pages where it spans several)."""
+        rows = self.rows(blocks[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32))  # [B, bs]
+        return jnp.moveaxis(self.pool_k[0][:, rows], 0, 1)
 
     def attend(self, q: jax.Array, lengths: jax.Array, sel: Selection, *, impl: str = "auto") -> jax.Array:
         """Decode attention of ``q [B,Hq,D]`` over what ``sel`` names: ``[B,Hq,D]``. Every
