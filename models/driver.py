@@ -409,10 +409,9 @@ class Driver:
                                                         mcarry, gather_programs=gather_programs, active=active)
                     return (layer_output(layer, x, o, self._reduce), mcarry), entry
                 if isinstance(entry, PagedLayer):  # a global layer in the batch's page pool
-                    table = cache.block_table
-                    rows = PagedKV(entry.pool_k, entry.pool_v, table, entry.page).rows(pos[:, None])[:, 0]
-                    pk, pv = write_paged(entry.pool_k, entry.pool_v, k, v, rows)
-                    kv = PagedKV(pk, pv, table, entry.page)
+                    kv = PagedKV(entry.pool_k, entry.pool_v, cache.block_table, entry.page)
+                    pk, pv = write_paged(kv.pool_k, kv.pool_v, k, v, kv.rows(pos[:, None])[:, 0])
+                    kv = dataclasses.replace(kv, pool_k=pk, pool_v=pv)
                     st = entry.state
                     if m is None:
                         o = kv.attend(q, pos + 1, Selection.all_tokens())

@@ -119,16 +119,14 @@ class PagedKV:
 
     def attend(self, q: jax.Array, lengths: jax.Array, sel: Selection, *, impl: str = "auto") -> jax.Array:
         """Decode attention of ``q [B,Hq,D]`` over what ``sel`` names: ``[B,Hq,D]``. Every
-        valid page ("all"), or blocks of the page's size, read in place through the table
-        (:func:`sparse_jax.ops.block_sparse_decode_attention` with ``block_table``); other
-        selections as token rows of the pool (:func:`sparse_jax.ops.sparse_decode_attention`)."""
-        b, hkv, w = q.shape[0], self.num_kv_heads, self.block_table.shape[1]
+        valid page ("all": :func:`sparse_jax.ops.dense_decode_attention`), or blocks of the
+        page's size (:func:`sparse_jax.ops.block_sparse_decode_attention`), read in place
+        through the table; other selections as token rows of the pool
+        (:func:`sparse_jax.ops.sparse_decode_attention`)."""
         lengths = jnp.minimum(lengths, self.capacity).astype(jnp.int32)
         if sel.kind == "all":
-            blocks = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, hkv, w))
-            counts = jnp.broadcast_to((-(-lengths // self.page))[:, None], (b, hkv)).astype(jnp.int32)
-            return ops.block_sparse_decode_attention(q, self.pool_k, self.pool_v, blocks, counts, lengths,
-                                                     block_size=self.page, impl=impl, block_table=self.block_table)
+            return ops.dense_decode_attention(q, self.pool_k, self.pool_v, lengths, block_size=self.page, impl=impl,
+                                              block_table=self.block_table)
         if sel.kind == "blocks" and sel.block_size == self.page:
             return ops.block_sparse_decode_attention(q, self.pool_k, self.pool_v, sel.indices, sel.counts, lengths,
                                                      block_size=self.page, impl=impl, block_table=self.block_table)

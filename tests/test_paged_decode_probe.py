@@ -23,14 +23,13 @@ def test_pool_layout_and_paged_kernel_match_the_reference():
 def test_our_kernel_reads_the_probe_pool_through_its_table():
     """The probe's ``ours paged`` layout: jax's pages ``[Hkv, P, page, D]`` are our kernel's pool
     ``[1, Hkv, P * page, D]``; every valid page selected, it equals the f32 reference."""
-    from sparse_jax.ops.attention import block_sparse_decode_attention
+    from sparse_jax.ops.attention import dense_decode_attention
 
     q, k, v, kp, vp, table = probe._inputs(2, 256, 8, 2, 64, 64, seed=4)
     q, k, v, kp, vp = (x.astype(jnp.float32) for x in (q, k, v, kp, vp))
     lengths = jnp.asarray([256, 130], jnp.int32)
     pool_k, pool_v = (x.reshape(1, 2, -1, 64) for x in (kp, vp))
-    blocks = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 2, 4))
-    counts = jnp.broadcast_to((-(-lengths // 64))[:, None], (2, 2)).astype(jnp.int32)
-    out = block_sparse_decode_attention(q, pool_k, pool_v, blocks, counts, lengths, block_size=64, impl="pallas",
-                                        block_table=table)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(probe._reference(q, k, v, lengths)), atol=1e-5, rtol=1e-5)
+    for impl in ("pallas", "reference"):
+        out = dense_decode_attention(q, pool_k, pool_v, lengths, block_size=64, impl=impl, block_table=table)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(probe._reference(q, k, v, lengths)), atol=1e-5,
+                                   rtol=1e-5, err_msg=impl)

@@ -13,8 +13,8 @@
   ``[Hkv, B * S / page, page, D]`` shared by the rows, each row's pages scattered through
   it by a random block table (what a paged engine's allocator leaves after a while), at
   a few of its tunings;
-- ``ours paged``: our block kernel on that pool through the block table
-  (``block_sparse_decode_attention(block_table=...)``, every valid page of the row selected).
+- ``ours paged``: our dense kernel on that pool through the block table
+  (``dense_decode_attention(block_table=...)``).
 
 It answers two questions for the paged engine (issue 49): does a kernel reading pages
 through a block table cost what the contiguous one costs (can the dense engine page and
@@ -76,7 +76,7 @@ def jax_paged(q, kp, vp, table, lengths, ppcb: int, splits: int, interpret: bool
 
 
 def main(argv=None) -> int:
-    from sparse_jax.ops.attention import block_sparse_decode_attention, dense_decode_attention
+    from sparse_jax.ops.attention import dense_decode_attention
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="8x16384,8x32768,8x131072", help="BxS,... (capacity S per row)")
@@ -101,13 +101,8 @@ def main(argv=None) -> int:
     def ours(q, k, v, lengths, schedule="valid"):
         return dense_decode_attention(q, k, v, lengths, impl="pallas", split_schedule=schedule)
 
-    def ours_paged(q, pool_k, pool_v, table, lengths):
-        # our block kernel over the row's pages in logical order (the dense selection), through the table
-        b, hkv, w = q.shape[0], pool_k.shape[1], table.shape[1]
-        blocks = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, hkv, w))
-        counts = jnp.broadcast_to((-(-lengths // a.page))[:, None], (b, hkv)).astype(jnp.int32)
-        return block_sparse_decode_attention(q, pool_k, pool_v, blocks, counts, lengths, block_size=a.page,
-                                             impl="pallas", block_table=table)
+    def ours_paged(q, pool_k, pool_v, table, lengths):  # our dense kernel over the row's pages, through the table
+        return dense_decode_attention(q, pool_k, pool_v, lengths, block_size=a.page, impl="pallas", block_table=table)
 
     rows, checks = [], []
     for shape in a.shapes.split(","):

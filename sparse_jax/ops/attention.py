@@ -270,7 +270,8 @@ def block_sparse_decode_attention(q, k, v, block_indices, block_counts, lengths,
         scale=scale, return_residuals=return_residuals, interpret=interpret, **tuning)
 
 
-def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None, impl="auto", **tuning):
+def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None, impl="auto", block_table=None,
+                           **tuning):
     """Exact decode attention over the first ``lengths[b]`` positions of ``k, v``.
 
     ``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``, ``lengths int[B]`` (clipped to
@@ -284,15 +285,19 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
     layout at B=8 and is faster than the einsum at B=8 and B=1
     (docs/kernels.md, 'Measured reasons for kernel choices'). cuDNN itself would
     need the token-major layout, a transposed copy of the cache.
-    Tuning as :func:`block_sparse_decode_attention`.
+    Tuning as :func:`block_sparse_decode_attention`. ``block_table`` (``int32[B, W]``):
+    paged KV, ``k, v`` one pool of pages of ``block_size`` tokens (as
+    :func:`block_sparse_decode_attention`'s), ``S = W * block_size``.
     """
     check_rank("q", q, 3, "[B, Hq, D]")
     check_rank("k", k, 4, "[B, Hkv, S, D]")
     B, _, _ = q.shape
-    S = k.shape[2]
     check_int_array("lengths", lengths, (B,), "[B]")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if block_table is not None:
+        check_rank("block_table", block_table, 2, "[B, W]")
+    S = k.shape[2] if block_table is None else block_table.shape[1] * block_size
     if impl == "auto":
         impl = "pallas" if on_gpu() and _bsd.unsupported_reason(q.shape[-1]) is None else "reference"
     if impl == "reference":
@@ -301,13 +306,15 @@ def dense_decode_attention(q, k, v, lengths, *, block_size: int = 64, scale=None
         if scale is not None:
             raise ValueError("dense_decode_attention: scale is only supported by impl='pallas' (the reference "
                              "uses 1/sqrt(D))")
+        if block_table is not None:  # the reference reads the rows' pages as a contiguous copy
+            k, v = _bsd.paged_rows(k, block_table, block_size), _bsd.paged_rows(v, block_table, block_size)
         return dense_decode_reference(q, k, v, jnp.clip(lengths, 0, S))
     nb = -(-S // block_size)
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, S)
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, k.shape[1], nb))
     counts = jnp.broadcast_to((-(-lengths // block_size))[:, None], (B, k.shape[1]))
     return block_sparse_decode_attention(q, k, v, blocks, counts, lengths, block_size=block_size, scale=scale,
-                                         impl=impl, **tuning)
+                                         impl=impl, block_table=block_table, **tuning)
 
 
 def merge_attention(o1, res1, o2, res2, *, return_residuals=False):
