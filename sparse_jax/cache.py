@@ -138,3 +138,22 @@ def page_cache(cache: KVCache, block_table, num_pages: int, page: int) -> KVCach
         else:
             layers.append(e)
     return KVCache(tuple(layers), cache.lengths, cache.max_len, table)
+
+
+def paged_like(cache: KVCache, num_pages: int, page: int) -> KVCache:
+    """An empty paged twin of ``cache``: every global :class:`LayerCache` (capacity
+    ``max_len``) replaced by a :class:`PagedLayer` of ``num_pages`` zero pages of ``page``
+    positions (its method state kept), a block table ``int32[B, max_len / page]`` of null
+    pages, and every other entry as it is. Called inside ``jax.jit`` on a fresh
+    ``init_cache``, the contiguous K/V it replaces are never allocated (XLA drops them)."""
+    if cache.max_len % page:
+        raise ValueError(f"max_len {cache.max_len} is not a multiple of the page size {page}")
+    layers = []
+    for e in cache.layers:
+        if isinstance(e, LayerCache) and e.k.shape[2] == cache.max_len:
+            shape = (1, e.k.shape[1], num_pages * page, e.k.shape[3])
+            layers.append(PagedLayer(jnp.zeros(shape, e.k.dtype), jnp.zeros(shape, e.v.dtype), e.state, page))
+        else:
+            layers.append(e)
+    table = jnp.zeros((cache.batch, cache.max_len // page), jnp.int32)
+    return KVCache(tuple(layers), cache.lengths, cache.max_len, table)
