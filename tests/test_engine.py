@@ -73,17 +73,70 @@ def test_engine_matches_single_request_generation(tiny, name):
     ids = [rng.integers(4, 97, n).tolist() for n in (150, 40, 140)]
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=STEPS,
                                stop_ids=())[0] for i in ids]
-    # two slots for three requests: the third waits, then is inserted into a slot another request held
-    engine = Engine(model, slots=2, max_len=256, stop_ids=()).start()
+    # two slots for three requests: the third waits, then is inserted into a slot another request held;
+    # the same through the paged engine (pages freed by the first request reused by the third)
+    for paged in (False, True):
+        engine = Engine(model, slots=2, max_len=256, stop_ids=(), paged=paged).start()
+        try:
+            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=STEPS))) for i in ids]
+            for r in reqs:
+                assert r.done.wait(300), r
+            assert [r.output_ids for r in reqs] == refs, f"paged={paged}"
+            assert engine.idle() and engine.stats()["working_set_bytes"] == 0
+            assert engine.stats()["admitted"] == 3
+            if paged:
+                s = engine.stats()
+                assert s["kv_blocks_free"] == s["kv_blocks_total"] and s["preempted"] == 0
+                engine.kv.check()
+        finally:
+            engine.stop()
+
+
+@pytest.mark.parametrize("name,segmented", [("dense", False), ("asynctls", False), ("quest", True)])
+def test_paged_engine_preempts_and_recomputes_with_the_same_tokens(tiny, name, segmented):
+    """A pool too small for both running requests to grow: the newest is preempted (its pages
+    freed, requeued first), recomputed from its prompt and output when the older one ends,
+    and every request still gets its tokens alone; afterwards every page is free."""
+    model = tiny.with_method(name, **_OPTIONS[name])
+    page = Engine(model, slots=1, max_len=256, paged=True).kv.page
+    rng = np.random.default_rng(1)
+    # two prompts whose prefill fits two pages' worth and whose decode crosses into a third
+    ids = [rng.integers(4, 97, n).tolist() for n in (2 * 64 - 2, 2 * 64 - 1, 60)]
+    steps = 8
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
+                               stop_ids=())[0] for i in ids]
+    # pages for both prompts and one more (the watermark), not for both to grow
+    grown = -(-(2 * 64 + steps) // page)
+    blocks = 2 * grown
+    engine = Engine(model, slots=2, max_len=256, stop_ids=(), paged=True, kv_blocks=blocks,
+                    max_inject_tokens=200 if segmented else None).start()
     try:
-        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=STEPS))) for i in ids]
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in ids]
         for r in reqs:
             assert r.done.wait(300), r
         assert [r.output_ids for r in reqs] == refs
-        assert engine.idle() and engine.stats()["working_set_bytes"] == 0
-        assert engine.stats()["admitted"] == 3
+        assert [r.preemptions for r in reqs] == [0, 1, 0] and engine.stats()["preempted"] == 1
+        s = engine.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"] == blocks - 1
+        engine.kv.check()
     finally:
         engine.stop()
+
+
+def test_paged_engine_refuses_what_its_pool_cannot_hold(tiny):
+    with pytest.raises(ValueError, match="offload"):
+        Engine(tiny, slots=1, max_len=256, paged=True, offload=True)
+    with pytest.raises(ValueError, match="paged=True"):
+        Engine(tiny, slots=1, max_len=256, kv_blocks=8)
+    with pytest.raises(ValueError, match="kv_blocks must be an int"):
+        Engine(tiny, slots=1, max_len=256, paged=True, kv_blocks=1)
+    from sparse_jax.offload.capacity import CapacityError
+
+    with pytest.raises(CapacityError, match="at least 5 pages"):
+        Engine(tiny, slots=2, max_len=256, paged=True, kv_blocks=3)
+    engine = Engine(tiny, slots=2, max_len=256, paged=True, kv_blocks=5)  # 4 pages: one request of max_len
+    assert engine.stats()["kv_blocks_total"] == 4
+    engine.make_request([5] * 200, SamplingParams(max_tokens=56))  # 256 tokens: 4 pages
 
 
 @needs_weights

@@ -64,6 +64,7 @@ from models.runtime.cache_rank import CacheRankModel
 from models.detokenize import IncrementalDetokenizer
 from models.serving.requests import Event, Request, SamplingParams
 from models.serving.scheduler import Scheduler
+from models.serving.paged import PagedSlots, page_size
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
 
 
@@ -97,6 +98,14 @@ class Engine:
         can evict another's). With a shared pool the working-set admission keeps the running
         requests' working sets within M_avl (default: the pool's bytes), and R_max is capped at
         ``pool_slots // blocks per step`` so one step's blocks always fit the pool.
+      paged: resident KV in one pool of pages shared by every request, a block table per slot
+        (:class:`models.serving.paged.PagedSlots`): a request holds the pages its tokens fill,
+        not ``max_len``; admission goes by free pages (M_avl = the pool), and when a running
+        request cannot grow the newest one is preempted (its pages freed, requeued at the
+        front, recomputed from its prompt and output when readmitted: vLLM's recompute
+        preemption). ``max_len`` is rounded up to the page.
+      kv_blocks: paged: pages in the pool, the null page included (default: as many as fit the
+        device, at most every slot full).
       max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -113,9 +122,14 @@ class Engine:
     def __init__(self, model, *, slots: int = 4, max_len: int | None = None, max_requests: int | None = None,
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
-                 pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row"):
+                 pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row",
+                 paged: bool = False, kv_blocks: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if paged and offload:
+            raise ValueError("paged=True is the resident engine's KV; offload=True pages the host tier its own way")
+        if kv_blocks is not None and not paged:
+            raise ValueError("kv_blocks sizes a paged engine's pool: pass paged=True")
 
         if isinstance(model, CacheRankModel):
             raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
@@ -132,7 +146,7 @@ class Engine:
         max_len = limit if max_len is None else int(max_len)
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in [1, {limit}] (the model's context), got {max_len}")
-        self.max_len = round_up(max_len, model.method.cache_multiple)
+        self.max_len = round_up(max_len, page_size(model.method) if paged else model.method.cache_multiple)
         # the context a request may use: the capacity rounded up for block methods is not the model's;
         # offloaded, the tiered prefill keeps one position free
         self.context = min(max_len, limit, self.max_len - 1 if offload else self.max_len)
@@ -141,10 +155,15 @@ class Engine:
         if unroll is None:
             unroll = programs.default_unroll()
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
-        self.kv = (OffloadedSlots(model, self.slots, self.max_len, pool_slots,
-                                  segmented=self.max_inject_tokens is not None, pool=pool) if offload
-                   else ResidentSlots(model, self.slots, self.max_len, bool(unroll),
-                                      segmented=self.max_inject_tokens is not None))
+        segmented = self.max_inject_tokens is not None
+        if offload:
+            self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool)
+        elif paged:
+            self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
+                                 num_blocks=kv_blocks)
+        else:
+            self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
+        self.paged = bool(paged)
         self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
         cache_bytes = self.kv.device_bytes
@@ -154,12 +173,19 @@ class Engine:
         # a shared pool holds one step of at most max_rows rows (OffloadedSlots)
         rows = getattr(self.kv, "max_rows", self.slots)
         shared = getattr(self.kv, "shared", False)
+        if paged:  # M_avl is the pool: the scheduler counts pages (as bytes), the running requests' held
+            pool_bytes = self.kv.kv_blocks_total * self.kv.block_bytes
+            default_kv = pool_bytes
+            headroom = max(1, self.kv.kv_blocks_total // 100) * self.kv.block_bytes
+        else:
+            default_kv = self.kv.pool_bytes if shared else cache_bytes
+            headroom = 0
         self.scheduler = Scheduler(
             max_requests=rows if max_requests is None else min(int(max_requests), rows),
             max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
-            kv_bytes=(self.kv.pool_bytes if shared else cache_bytes) if kv_bytes is None else int(kv_bytes),
+            kv_bytes=default_kv if kv_bytes is None else int(kv_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
-            working_set=self.kv.working_set)
+            working_set=self.kv.working_set, headroom_bytes=headroom)
 
         # host-side per-slot arrays, sent with each step (a few ints per row)
         self._tokens = np.zeros(self.slots, np.int32)
@@ -187,6 +213,8 @@ class Engine:
         self.error: BaseException | None = None  # what stopped the engine thread (every request then failed)
         self.request_errors = 0  # requests failed on their own (their prefill), the engine serving on
         self._in_hand: Request | None = None  # admitted, being prefilled or inserted: in no list
+        self.preempted = 0  # paged: requests whose pages were taken back to let older ones grow
+        self._parked: dict[int, _Slot] = {}  # paged: a preempted request's detokenizer and held text
 
     # -- the client side (any thread) ------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -210,6 +238,8 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         r = Request(ids, params, on_event)
+        if self.paged:
+            self.kv.check_request(r)
         self.scheduler.check_admissible(r)
         return r
 
@@ -247,6 +277,9 @@ class Engine:
                     "deferred_for_tokens": self.scheduler.counters.deferred_for_tokens,
                     "deferred_for_memory": self.scheduler.counters.deferred_for_memory,
                     "finished": dict(self.finished), "request_errors": self.request_errors,
+                    "kv_blocks_total": self.kv.kv_blocks_total if self.paged else None,
+                    "kv_blocks_free": self.kv.kv_blocks_free if self.paged else None,
+                    "preempted": self.preempted,
                     "alive": self._thread is not None and self._thread.is_alive()}
 
     def idle(self) -> bool:
@@ -318,12 +351,16 @@ class Engine:
         free = [i for i, s in enumerate(self._slots) if s is None]
         if self.max_inject_tokens is None:
             for r in self.scheduler.admit(list(self._waiting), running, len(free)):
+                if not self._reserve_prompt(r):
+                    break
                 self._waiting.remove(r)
                 self._prefill_insert(r, free.pop(0))
                 worked = True
         else:
             if self._prefilling is None and free:  # one prompt in flight: it holds a slot, inactive
                 for r in self.scheduler.admit(list(self._waiting), running, 1):
+                    if not self._reserve_prompt(r):
+                        break
                     self._waiting.remove(r)
                     self._start_segmented(r, free.pop(0))
             if self._prefilling is not None:
@@ -346,11 +383,53 @@ class Engine:
             self._collect(inflight)
         self.kv.settle()
 
+    def _reserve_prompt(self, r: Request) -> bool:
+        """Paged: give an admitted ``r`` the pages of its prefill and its first step; False
+        (it stays waiting) when the pool lacks them (the scheduler's count and the pool's can
+        differ by the pages of a request ended this iteration)."""
+        return not self.paged or self.kv.reserve(r, r.prefill_len + 1)
+
+    def _grow(self) -> None:
+        """Paged: before a step, give every decoding request the page its next position needs;
+        when the pool has none, preempt the newest request (its pages freed, requeued first)
+        until the older ones fit. The oldest always fits alone (:meth:`PagedSlots.check_request`)."""
+        kv = self.kv
+        order = sorted((s.request for i, s in enumerate(self._slots) if s is not None and self._active[i]),
+                       key=lambda r: r.t_scheduled)
+        for r in order:
+            if r.slot is None:  # preempted below, for an older one
+                continue
+            while not kv.reserve(r, int(kv._lengths[r.slot]) + 1):
+                holders = [s.request for s in self._slots if s is not None]
+                victim = max(holders, key=lambda q: q.t_scheduled)
+                if victim is r and len(holders) == 1:
+                    raise RuntimeError(f"request {r.id} alone does not fit the KV pool (a missed admission check)")
+                self._preempt(victim)
+                if victim is r:
+                    break
+
+    def _preempt(self, r: Request) -> None:
+        """Take ``r``'s pages and slot back; it waits first in line, to be prefilled again from
+        its prompt and output (its detokenizer and held text kept for it)."""
+        slot = r.slot
+        if self._prefilling is not None and self._prefilling[0] is r:
+            self._prefilling = None
+        self.kv.release(r)
+        with self._lock:
+            self._parked[r.id] = self._slots[slot]
+            self._slots[slot] = None
+            self._active[slot] = False
+            self._fresh[slot] = False
+            r.slot = None
+            r.preemptions += 1
+            self.preempted += 1
+            self._waiting.appendleft(r)
+
     def _prefill_insert(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
         self._in_hand = r
         try:
-            logits, row = self.kv.prefill(r.prompt_ids)
+            logits, row = self.kv.prefill(r.prefill_ids)
             # its execution errors surface here, not in the insertion (whose failure is fatal): on
             # the H100 a 98K prompt's prefill ran out of memory, reported at the insertion's copy
             self.kv.wait(logits, row)
@@ -381,16 +460,20 @@ class Engine:
     def _insert_prefilled(self, r: Request, slot: int, logits, row) -> None:
         self._in_hand = r
         p = r.params
-        first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.zeros((1,), jnp.int32),
+        done = len(r.output_ids)  # a preempted request resumes: its next token's index
+        first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.full((1,), done, jnp.int32),
                                 jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
-        self.kv.insert(row, slot)
+        if self.paged:
+            self.kv.insert(row, slot, r)
+        else:
+            self.kv.insert(row, slot)
         with self._lock:
-            self._slots[slot] = _Slot(r, self.tokenizer)
+            self._slots[slot] = self._parked.pop(r.id, None) or _Slot(r, self.tokenizer)
             r.slot = slot
             self._active[slot] = True
             self._fresh[slot] = True
             self._seeds[slot] = p.seed
-            self._counters[slot] = 0
+            self._counters[slot] = done
             self._temperature[slot] = p.temperature
             self._top_p[slot] = p.top_p
         self._in_hand = None  # in its slot now
@@ -399,12 +482,13 @@ class Engine:
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
         try:
-            job = self.kv.start_prefill(r.prompt_ids)
+            job = self.kv.start_prefill(r.prefill_ids)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)
             return
         with self._lock:
-            self._slots[slot] = _Slot(r, self.tokenizer)  # reserved; the slot stays inactive until insertion
+            # reserved; the slot stays inactive until insertion
+            self._slots[slot] = self._parked.pop(r.id, None) or _Slot(r, self.tokenizer)
             r.slot = slot
         self._prefilling = (r, slot, job)
 
@@ -434,6 +518,10 @@ class Engine:
         whose token is dropped (its slot's capacity allows it: prompt + max_tokens <=
         max_len)."""
         t0 = time.perf_counter()
+        if self.paged:
+            self._grow()
+            if not self._active.any():  # cannot happen (the oldest always fits), but never step nothing
+                return
         prev = self._inflight
         self._counters += self._active  # index of the token this step samples
         # copies: on the CPU a device array may alias the NumPy buffer it came from, and these
@@ -504,6 +592,9 @@ class Engine:
         rest = ""
         if self._prefilling is not None and self._prefilling[0] is r:
             self._prefilling = None  # cancelled mid-prefill: its layers done so far are dropped
+        if self.paged:  # its pages back to the pool (its slot's table row to null pages)
+            self.kv.release(r)
+            self._parked.pop(r.id, None)
         if r.slot is not None:
             s = self._slots[r.slot]
             if reason in ("length", "stop") and s is not None:

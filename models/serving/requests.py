@@ -72,6 +72,7 @@ class Request:
         self.error: str | None = None  # finish_reason "error": what failed (its prefill, or the engine)
         self.cancelled = False    # set from any thread; the engine acts on it next iteration
         self.slot: int | None = None
+        self.preemptions = 0      # times its pages were taken back and it was requeued
         self.t_arrival = time.perf_counter()
         self.t_scheduled: float | None = None   # prefill started
         self.t_first: float | None = None       # first token produced
@@ -81,6 +82,16 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill puts in the cache: the prompt, and the output so far of a request
+        that was preempted (its pages freed: vLLM's recompute preemption)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
 
     @property
     def reserved_tokens(self) -> int:

@@ -29,14 +29,17 @@ class Scheduler:
       requests' decode tokens plus the prompts prefilled in it. A prompt longer
       than what is left runs alone in an iteration without other prefills (it
       would otherwise never fit: there is no chunked prefill yet);
-    * ``kv_bytes`` (M_avl): device bytes for the KV of the batch.
+    * ``kv_bytes`` (M_avl): device bytes for the KV of the batch (beside running
+      requests, less ``headroom_bytes``).
 
     ``base`` order is FCFS and stops at the first request that does not fit
     R_max / T_max (vLLM's ``get_batch``); over those candidates, Alg. 1
     admits first-fit while the working sets fit M_avl, leaving the others
     waiting.
 
-    The working set (``working_set(request)``, a hook). Resident: the KV a
+    The working set (``working_set(request)``, a hook). Paged
+    (:meth:`models.serving.paged.PagedSlots.working_set`): the pages a request holds, or
+    for a waiting one the pages of its prefill and first step. Resident: the KV a
     request reserves, ``(prompt + max_tokens) x kv_bytes_per_token`` (what a
     paged allocator would hold). Offloaded (:meth:`OffloadedSlots.working_set`):
     SparseServe's estimate for a decoding request, the blocks it used over the
@@ -49,7 +52,8 @@ class Scheduler:
     """
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
-                 kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None):
+                 kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None,
+                 headroom_bytes: int = 0):
         if max_requests < 1:
             raise ValueError(f"max_requests (R_max) must be >= 1, got {max_requests}")
         if max_tokens_per_iter < 1:
@@ -61,6 +65,9 @@ class Scheduler:
         self.kv_bytes = int(kv_bytes)
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.working_set = working_set or self.reserved_bytes
+        # paged: M_avl kept free for the running requests to grow into when admitting beside them
+        # (vLLM's watermark), so a request admitted into the last pages is not preempted at once
+        self.headroom_bytes = int(headroom_bytes)
         self.counters = SchedulerCounters()
 
     def reserved_bytes(self, r: Request) -> int:
@@ -81,16 +88,17 @@ class Scheduler:
         for r in waiting:
             if len(candidates) >= room:
                 break
-            if tokens + r.prompt_len > self.max_tokens_per_iter and candidates:
+            if tokens + r.prefill_len > self.max_tokens_per_iter and candidates:
                 self.counters.deferred_for_tokens += 1
                 break
             candidates.append(r)
-            tokens += r.prompt_len
+            tokens += r.prefill_len
         used = sum(self.working_set(r) for r in running)
         batch = []
         for r in candidates:
             m = self.working_set(r)
-            if used + m <= self.kv_bytes:
+            headroom = self.headroom_bytes if (running or batch) else 0
+            if used + m + headroom <= self.kv_bytes:
                 batch.append(r)
                 used += m
             else:
