@@ -57,7 +57,8 @@ def server():
         model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
     except Exception as e:  # noqa: BLE001  (weights package missing)
         pytest.skip(str(e))
-    with _serving(Engine(model, slots=3, max_len=MAX_LEN).start(), model) as s:
+    # the paged engine (pages shared by the requests): the soak and the cancellation storm check no page leaks
+    with _serving(Engine(model, slots=3, max_len=MAX_LEN, paged=True).start(), model) as s:
         yield s
 
 
@@ -219,6 +220,8 @@ def test_many_streams_cut_by_a_client_timeout_leak_nothing(server, references):
     s = _wait_idle(server.engine, timeout=120)
     assert s["running"] == 0 and s["waiting"] == 0 and s["active_slots"] == 0 and s["working_set_bytes"] == 0
     assert all(slot is None for slot in server.engine._slots)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] > 0  # no page leaked
+    server.engine.kv.check()
     took = s["submitted"] - before["submitted"]
     ended = sum(s["finished"].values()) - sum(before["finished"].values())
     assert 0 < took <= 200 and ended == took, (took, ended, s["finished"])  # every request it took has ended
@@ -272,6 +275,9 @@ def test_soak_mixed_clients(server):
     assert all(d["sent"] == 3 and d["failed"] == 0 for d in report["per_kind"].values())
     st = server.engine.stats()
     assert st["max_len"] == MAX_LEN and st["active_slots"] == 0 and st["working_set_bytes"] == 0
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] > 0
+    health = httpx.get(f"{server.base}/health").json()
+    assert health["kv_blocks_free"] == health["kv_blocks_total"] == st["kv_blocks_total"]
 
 
 def test_soak_cli_refuses_bad_arguments(capsys):
@@ -293,7 +299,10 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--prefill-opt", "tau=0.01"], "given without it"),
                                              (["--prefill", "tsa", "--attention-opt", "prefill.tau=0.1"],
                                               "both set the prefill"),
-                                             (["--prefill", "tsa", "--prefill-opt", "tua=0.1"], "bad token_sparse option")])
+                                             (["--prefill", "tsa", "--prefill-opt", "tua=0.1"], "bad token_sparse option"),
+                                             (["--kv-blocks", "64"], "sizes the page pool of --paged"),
+                                             (["--paged", "--offload"], "--paged is the resident"),
+                                             (["--paged", "--data-parallel", "2"], "several devices")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """Bad flags (devices that are not there, a bad prefill): a clear error, no weights loaded."""
     from models.cli.serve import build_parser, make_engine

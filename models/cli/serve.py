@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SparseServe), a layer over N in chunks of N tokens (rounded to 64), resident or --offload: "
                         "a long prompt no longer stalls the running requests; default: each prompt's whole prefill "
                         "in one iteration")
+    p.add_argument("--paged", action="store_true",
+                   help="resident KV in one pool of pages shared by every request, a block table per request "
+                        "(vLLM's PagedAttention): a request holds the pages its tokens fill, not --max-len; "
+                        "admission goes by free pages, and the newest request is preempted (recomputed later) "
+                        "when a running one cannot grow")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
+                        "at most --slots full contexts)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
                         "a request goes to the least-loaded replica (models.serving.replicas); default 1")
@@ -73,6 +81,12 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
     if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--pool shared does not run on several devices yet: use --pool per_row")
+    if args.kv_blocks is not None and not args.paged:
+        raise ValueError("--kv-blocks sizes the page pool of --paged")
+    if args.paged and args.offload:
+        raise ValueError("--paged is the resident engine's KV; --offload pages the host tier its own way")
+    if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
+        raise ValueError("--paged does not run on several devices yet: drop --tensor-parallel/--data-parallel")
     need = args.tensor_parallel * args.data_parallel
     if need > len(jax.devices()):
         what = (f"--tensor-parallel {args.tensor_parallel}" if args.data_parallel == 1 else
@@ -87,6 +101,8 @@ def make_engine(args) -> tuple[Engine, str]:
     options = dict(slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
                    max_inject_tokens=args.max_inject_tokens)
+    if args.paged:
+        options.update(paged=True, kv_blocks=args.kv_blocks)
     if args.data_parallel > 1:
         # one copy per device group; the loaded copy is dropped with `model`
         return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \
@@ -107,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     engine.start()
     reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
-    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}, {reps}{engine.slots} slots "
+    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}{', paged' if args.paged else ''}, {reps}{engine.slots} slots "
           f"of {engine.max_len} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
