@@ -292,7 +292,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     offload=where not in RESIDENT_PLACES,
                     pool_slots=args.shared_pool_slots if shared else args.pool_slots,
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
-                    kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None).start()
+                    kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
+                    paged=where.startswith("paged")).start()
     try:
         t0 = time.perf_counter()
         iteration_ms = warm_up(engine, mix, model.config.vocab_size)
@@ -313,7 +314,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "pool": ("shared" if shared else "per_row") if where not in RESIDENT_PLACES else None,
                 "ws_admission": ws_admission,
                 "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
-                "max_len": engine.max_len, "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
+                "max_len": engine.max_len, "paged": engine.paged,
+                "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
+                "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
                 "goodput_rps": goodput(rows, iteration_ms)}
     finally:
         engine.stop()
@@ -408,9 +411,11 @@ def merge(paths: list[str]) -> dict:
 #: on one shared pool with working-set admission (+ segmented prefill), or on the shared pool
 #: without it ("shared-nows": M_avl unbounded, only R_max's one-step cap): SparseServe's
 #: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
-#: NAME:shared-segmented
-PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows")
-RESIDENT_PLACES = ("", "resident-segmented")
+#: NAME:shared-segmented; resident on one pool of pages shared by the requests ("paged", + segmented
+#: prefill: "paged-segmented")
+PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows", "paged",
+          "paged-segmented")
+RESIDENT_PLACES = ("", "resident-segmented", "paged", "paged-segmented")
 UNBOUNDED_KV_BYTES = 1 << 62
 
 
@@ -418,7 +423,7 @@ def check_label(label: str) -> None:
     """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
     if label.partition(":")[2] not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
-                         f"NAME:shared, NAME:shared-segmented or NAME:shared-nows")
+                         f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged or NAME:paged-segmented")
 
 
 def parse_args(argv=None):

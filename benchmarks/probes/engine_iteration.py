@@ -52,12 +52,14 @@ def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int,
     return res["tpot_ms"]
 
 
-def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int) -> tuple[float, float, int]:
-    """(iteration_ms, program_ms, steps measured) of an engine of ``batch`` slots at ``cap``."""
+def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
+               paged: bool = False) -> tuple[float, float, int]:
+    """(iteration_ms, program_ms, steps measured) of an engine of ``batch`` slots at ``cap``
+    (``paged``: the paged engine, its pool as many pages as fit)."""
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
-    engine = Engine(model, slots=batch, max_len=cap, stop_ids=()).start()
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), paged=paged).start()
     rng = np.random.default_rng(0)
     try:
         warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per engine request")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--engines", default="contiguous", help="contiguous,paged: which engines to time")
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="engine_iteration")
@@ -125,21 +128,26 @@ def main(argv=None) -> int:
                       else get_method(name))
             model = random_model(cfg, method, cap)
             bare = _bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds)
-            iteration, program, n = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps)
-            rows.append({"method": name, "batch": a.batch, "context": a.context, "capacity": cap,
-                         "bare_ms": round(bare, 3), "program_ms": round(program, 3),
-                         "iteration_ms": round(iteration, 3), "steps_measured": n,
-                         "iteration_over_bare": round(iteration / bare, 3),
-                         "program_over_bare": round(program / bare, 3)})
-            print(rows[-1], flush=True)
+            for kind in a.engines.split(","):
+                if kind not in ("contiguous", "paged"):
+                    raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
+                iteration, program, n = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps,
+                                                   paged=kind == "paged")
+                rows.append({"method": name, "engine": kind, "batch": a.batch, "context": a.context,
+                             "capacity": cap, "bare_ms": round(bare, 3), "program_ms": round(program, 3),
+                             "iteration_ms": round(iteration, 3), "steps_measured": n,
+                             "iteration_over_bare": round(iteration / bare, 3),
+                             "program_over_bare": round(program / bare, 3)})
+                print(rows[-1], flush=True)
             del model
             jax.clear_caches()
     md = (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
           f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
           "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
           "(decode + sampling) back to back; `iteration_ms`: the engine's median decode iteration with "
-          "every slot decoding.\n\n"
-          + markdown_table(rows, ["method", "batch", "context", "capacity", "bare_ms", "program_ms", "iteration_ms",
+          "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
+          "(`bare_ms` is the contiguous step at the same capacity).\n\n"
+          + markdown_table(rows, ["method", "engine", "batch", "context", "capacity", "bare_ms", "program_ms", "iteration_ms",
                                   "iteration_over_bare", "program_over_bare", "steps_measured"]))
     print(md)
     if a.out:
