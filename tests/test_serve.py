@@ -9,6 +9,7 @@ One server for the module (a uvicorn thread on a free loopback port)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from types import SimpleNamespace
 
@@ -142,6 +143,16 @@ def test_stop_string(server, references):
     (b'{"model": "smollm2-135m", "prompt": "hi", "n": 2}', 400, "'n' must be 1"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "temperature": "hot"}', 400, "'temperature' must be a number"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "logprobs": 2}', 400, "not supported"),
+    # accepted and ignored would be a lie: refused until the sampler applies them (neutral values pass)
+    (b'{"model": "smollm2-135m", "prompt": "hi", "top_k": 5}', 400, "'top_k' is not applied"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "presence_penalty": 0.5}', 400, "'presence_penalty'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "min_tokens": 3}', 400, "'min_tokens'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "response_format": {"type": "json_object"}}', 400,
+     "'response_format'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "stream_options": {"include_usage": true}}', 400,
+     "only allowed with 'stream': true"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "stream": true, "stream_options": {"usage": 1}}', 400,
+     "'stream_options' must be"),
 ])
 def test_bad_requests_get_4xx(server, body, status, fragment):
     before = server.engine.stats()["admitted"]
@@ -149,6 +160,83 @@ def test_bad_requests_get_4xx(server, body, status, fragment):
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
     assert server.engine.stats()["admitted"] == before  # refused before any device work
+
+
+def test_neutral_sampling_options_are_accepted(server, references):
+    out = _complete(server.client, PROMPTS[0], frequency_penalty=0, presence_penalty=0,
+                    extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0})
+    assert out.choices[0].text == references[PROMPTS[0]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_usage_equals_non_streamed_usage(server, chat):
+    """``stream_options.include_usage``: one last chunk with no choices carries the usage (the
+    others' usage is null), equal to the non-streamed reply's; ``continuous_usage_stats``
+    puts the usage so far in every chunk."""
+    c = server.client
+    if chat:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0)
+        make = c.chat.completions.create
+    else:
+        kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+        make = c.completions.create
+    want = make(**kw).usage
+    chunks = list(make(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == want
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert all(ch.usage is None for ch in make(**kw, stream=True))  # not asked for: none
+    body = {**kw, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    lines = [json.loads(line[6:]) for line in httpx.post(
+        f"{server.base}/v1/{'chat/' if chat else ''}completions", json=body, timeout=60).text.splitlines()
+        if line.startswith("data: {")]
+    assert all(ln["usage"] is not None for ln in lines)
+    assert lines[-1]["usage"] == want.model_dump(exclude_none=True)
+    completion = [ln["usage"]["completion_tokens"] for ln in lines]
+    assert completion == sorted(completion)
+
+
+def test_developer_role_is_the_system_role(server):
+    q = "What is 2 + 2?"
+    ask = lambda role: server.client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": role, "content": "Answer briefly."}, {"role": "user", "content": q}],
+        max_tokens=8, temperature=0).choices[0].message.content
+    assert ask("developer") == ask("system")
+
+
+def test_model_ping_version_and_tokenizer_endpoints(server):
+    base, tok = server.base, server.model.tokenizer
+    card = server.client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == server.engine.context
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("nope")
+    assert httpx.get(f"{base}/ping").status_code == 200 and httpx.post(f"{base}/ping").status_code == 200
+    import sparse_jax
+
+    assert httpx.get(f"{base}/version").json() == {"version": sparse_jax.__version__}
+    text = "The capital of France is Paris."
+    t = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert t["tokens"] == tok.encode(text) and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == server.engine.context and len(t["token_strs"]) == t["count"]
+    msgs = [{"role": "user", "content": "hi"}]
+    m = httpx.post(f"{base}/tokenize", json={"messages": msgs}).json()
+    assert m["tokens"] == tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    d = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": t["tokens"]}).json()
+    assert d == {"prompt": text}
+    for path, body, fragment in (("/tokenize", {"prompt": 3}, "'prompt' must be a string"),
+                                 ("/tokenize", {}, "exactly one of"),
+                                 ("/detokenize", {"tokens": [-1]}, "'tokens' must be"),
+                                 ("/detokenize", {"model": "nope", "tokens": [1]}, "does not exist")):
+        r = httpx.post(f"{base}{path}", json=body)
+        assert r.status_code in (400, 404) and fragment in r.json()["error"]["message"], r.text
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(server):
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, f"{server.base}{path}")
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and path in err["message"]
 
 
 def test_prompt_over_the_context_with_the_openai_client(server):
