@@ -33,12 +33,32 @@ import numpy as np
 from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 
 
-def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int) -> float:
+def live_table(batch: int, context: int, cap: int, page: int) -> np.ndarray:
+    """``int32[batch, cap / page]``: row ``b`` holding the pages of ``context`` tokens, the
+    rows' pages interleaved over the pool (as requests that grew together hold them), the
+    rest the null page."""
+    n = -(-(context + 1) // page)
+    table = np.zeros((batch, cap // page), np.int32)
+    table[:, :n] = 1 + np.arange(n * batch).reshape(n, batch).T
+    return table
+
+
+def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int,
+             paged: bool = False) -> float:
     from benchmarks.probes.host_probe import _measure, _step_fns
     from models.driver import init_cache
+    from models.serving.paged import page_size
+    from sparse_jax.cache import paged_like
 
     logits_fn, _, _ = _step_fns(model.graphdef, cfg, method, 1)
-    cache = init_cache(cfg, method, batch, cap, jnp.bfloat16)
+    if paged:  # the same rows in pages of one pool through a block table (zeros: the cost is the same)
+        page = page_size(method)
+        table = live_table(batch, context, cap, page)
+        cache = jax.jit(lambda: paged_like(init_cache(cfg, method, batch, cap, jnp.bfloat16),
+                                           int(table.max()) + 1, page))()
+        cache = dataclasses.replace(cache, block_table=jnp.asarray(table))
+    else:
+        cache = init_cache(cfg, method, batch, cap, jnp.bfloat16)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
 
     def run(st):
@@ -79,6 +99,10 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
     iteration = 1e3 * statistics.median(full)
     # the engine's step program on its own cache, every row active, back to back
     kv = engine.kv
+    if paged:  # its requests ended and gave their pages back: give every row a context's pages again
+        kv.cache = dataclasses.replace(kv.cache, block_table=jnp.asarray(live_table(batch, context, cap, kv.page)),
+                                       lengths=jnp.full((batch,), context, jnp.int32))
+        kv._dirty = False
     z = np.zeros(batch, np.int32)
     args = (np.ones(batch, bool), np.zeros(batch, np.uint32), z, np.zeros(batch, np.float32),
             np.ones(batch, np.float32))
@@ -128,13 +152,17 @@ def main(argv=None) -> int:
                       else get_method(name))
             model = random_model(cfg, method, cap)
             bare = _bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds)
+            bare_paged = (_bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds, paged=True)
+                          if "paged" in a.engines.split(",") else None)
             for kind in a.engines.split(","):
                 if kind not in ("contiguous", "paged"):
                     raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
                 iteration, program, n = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps,
                                                    paged=kind == "paged")
                 rows.append({"method": name, "engine": kind, "batch": a.batch, "context": a.context,
-                             "capacity": cap, "bare_ms": round(bare, 3), "program_ms": round(program, 3),
+                             "capacity": cap, "bare_ms": round(bare, 3),
+                             "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
+                             "program_ms": round(program, 3),
                              "iteration_ms": round(iteration, 3), "steps_measured": n,
                              "iteration_over_bare": round(iteration / bare, 3),
                              "program_over_bare": round(program / bare, 3)})
@@ -146,8 +174,10 @@ def main(argv=None) -> int:
           "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
           "(decode + sampling) back to back; `iteration_ms`: the engine's median decode iteration with "
           "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
-          "(`bare_ms` is the contiguous step at the same capacity).\n\n"
-          + markdown_table(rows, ["method", "engine", "batch", "context", "capacity", "bare_ms", "program_ms", "iteration_ms",
+          "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `program_ms` "
+          "of the paged engine runs its pool with every row given a context's pages again).\n\n"
+          + markdown_table(rows, ["method", "engine", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
+                                  "program_ms", "iteration_ms",
                                   "iteration_over_bare", "program_over_bare", "steps_measured"]))
     print(md)
     if a.out:
