@@ -43,6 +43,8 @@ from sparse_jax.cache import KVCache, PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
 DEFAULT_PAGE = 64  # tokens per page for a method without blocks of its own (dense); the kernels' block
+# a request grows by at least this many positions at a time (pages of 16 would change the table every 16 steps)
+GROW_TOKENS = 64
 
 
 def page_size(method) -> int:
@@ -214,7 +216,14 @@ class PagedSlots:
 
     def reserve(self, r: Request, tokens: int) -> bool:
         """Give ``r`` pages for its first ``tokens`` positions; False (nothing changed) when the
-        pool lacks them. Its slot's table row follows (sent with the next step)."""
+        pool lacks them. Its slot's table row follows (sent with the next step). Pages smaller
+        than :data:`GROW_TOKENS` are given that many positions at a time while the pool has
+        them, so the table changes (and is sent) once per ``GROW_TOKENS`` steps of a row, not
+        once per page."""
+        if self.blocks.blocks_for(tokens) > self.blocks.held(r.id):
+            ahead = min(-(-tokens // GROW_TOKENS) * GROW_TOKENS, self.max_len, max(r.reserved_tokens, tokens))
+            if ahead > tokens and self.blocks.can_reserve(r.id, ahead):
+                tokens = ahead
         try:
             added = self.blocks.reserve(r.id, tokens)
         except OutOfBlocks:
