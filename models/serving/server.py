@@ -40,6 +40,7 @@ import secrets
 import time
 from typing import Any
 
+import sparse_jax
 from models.serving.engine import Engine
 from models.serving.requests import Event, Request, SamplingParams
 
@@ -242,8 +243,6 @@ def build_app(engine: Engine, model_name: str):
 
     @app.get("/version")
     async def version():
-        import sparse_jax
-
         return {"version": sparse_jax.__version__}
 
     async def _json_object(http: HTTPRequest) -> dict:
