@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,8 @@ import numpy as np
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.serving.requests import Request
-from models.serving.slots import (RowPrefillJob, _programs, check_engine_mesh, check_slot_axis,
-                                  compile_longest_prefill, insert_slot, prefill_bucket, segmented_prompt_tokens)
+from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis,
+                                  compile_longest_prefill, insert_slot, segmented_prompt_tokens)
 from sparse_jax.cache import KVCache, PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
@@ -244,24 +244,13 @@ class PagedSlots:
             self._dirty = True
 
     # -- the engine's calls ----------------------------------------------------------------
-    def prefill(self, ids: Sequence[int]):
-        """``(logits f32[1, V], one-row contiguous cache)`` of a prompt."""
-        m, n = self.model, len(ids)
-        bucket = prefill_bucket(n, self.max_len)
-        tokens = np.full((1, bucket), m._pad_id(), np.int32)
-        tokens[0, :n] = ids
-        prefill = self._compiled_prefill.get(bucket, m.fns.prefill)
-        return prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), m.init_cache(1, self.max_len))
-
-    def start_prefill(self, ids: Sequence[int]) -> RowPrefillJob:
-        """A layer-by-layer prefill into a one-row contiguous cache (as
-        :meth:`ResidentSlots.start_prefill`)."""
-        if self._runner is None:
-            self._runner = TieredRunner(self.model, "resident")
-        n = len(ids)
-        tokens = np.full((1, segmented_prompt_tokens(n, self.max_len)), self.model._pad_id(), np.int32)
-        tokens[0, :n] = ids
-        return RowPrefillJob(self._runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len))
+    # a prompt is prefilled (whole or layer-segmented) into a one-row contiguous cache, as the
+    # resident engine does: its methods, on this class's model, max_len, compiled prefill and runner
+    prefill = ResidentSlots.prefill
+    start_prefill = ResidentSlots.start_prefill
+    blocks_loaded = ResidentSlots.blocks_loaded
+    wait = staticmethod(ResidentSlots.wait)
+    settle = ResidentSlots.settle
 
     def insert(self, row, slot: int, r: Request) -> None:
         """Write the prefilled ``row`` of ``r`` (which holds its prompt's pages) into ``slot``."""
@@ -280,21 +269,9 @@ class PagedSlots:
             self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self._table.copy()),
                                              lengths=jnp.asarray(self._lengths.copy()))
             self._dirty = False
-        toks, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
-                                      jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
-                                      jnp.asarray(top_p))
+        toks = ResidentSlots.step(self, tokens, active, seeds, counters, temperature, top_p)
         self._lengths += np.asarray(active, bool)  # the step advances the active rows only
         return toks
-
-    def blocks_loaded(self, active) -> int:
-        return 0
-
-    @staticmethod
-    def wait(logits, row) -> None:
-        jax.block_until_ready((logits, row))
-
-    def settle(self) -> None:
-        """Nothing of its own in flight."""
 
     def check(self) -> None:
         """AssertionError unless the blocks are consistent and every slot's table row is its
