@@ -245,7 +245,9 @@ def build_app(engine: Engine, model_name: str):
     async def version():
         return {"version": sparse_jax.__version__}
 
-    async def _json_object(http: HTTPRequest) -> dict:
+    async def _json_object(http: HTTPRequest, require_model: bool = False) -> dict:
+        """The body as a JSON object (BadRequest otherwise); its ``model``, required or
+        optional (the tokenizer endpoints), must be this server's."""
         raw = await http.body()
         try:
             body = json.loads(raw)
@@ -254,6 +256,8 @@ def build_app(engine: Engine, model_name: str):
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
+        if require_model and not isinstance(model, str):
+            raise BadRequest("'model' is required (a string)", param="model")
         if model is not None and model != model_name:
             raise BadRequest(f"The model '{model}' does not exist; this server serves '{model_name}'",
                              status=404, param="model", code="model_not_found")
@@ -302,20 +306,8 @@ def build_app(engine: Engine, model_name: str):
         return {"prompt": tok.decode(ids)}
 
     async def _body(http: HTTPRequest) -> dict:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise BadRequest("'model' is required (a string)", param="model")
-        if model != model_name:
-            raise BadRequest(f"The model '{model}' does not exist; this server serves '{model_name}'",
-                             status=404, param="model", code="model_not_found")
-        return body
+        """A completions body: a JSON object naming this server's model."""
+        return await _json_object(http, require_model=True)
 
     def _request(ids: list[int], params: SamplingParams, on_event) -> Request:
         try:
