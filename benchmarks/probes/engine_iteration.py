@@ -45,13 +45,12 @@ def live_table(batch: int, context: int, cap: int, page: int) -> np.ndarray:
 
 def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int,
              paged: bool = False) -> float:
-    from benchmarks.probes.host_probe import _measure, _step_fns
+    """The bare step on a zero cache (``paged``: zero pages through a block table)."""
     from models.driver import init_cache
     from models.serving.paged import page_size
     from sparse_jax.cache import paged_like
 
-    logits_fn, _, _ = _step_fns(model.graphdef, cfg, method, 1)
-    if paged:  # the same rows in pages of one pool through a block table (zeros: the cost is the same)
+    if paged:  # the same rows in pages of one pool through a block table
         page = page_size(method)
         table = live_table(batch, context, cap, page)
         cache = jax.jit(lambda: paged_like(init_cache(cfg, method, batch, cap, jnp.bfloat16),
@@ -60,6 +59,17 @@ def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int,
     else:
         cache = init_cache(cfg, method, batch, cap, jnp.bfloat16)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+    ms, _ = _bare_on(model, method, cfg, cache, steps, rounds)
+    return ms
+
+
+def _bare_on(model, method, cfg, cache, steps: int, rounds: int):
+    """``(ms, cache)``: the bare decode step (greedy argmax outside) back to back on
+    ``cache`` (donated; the returned cache is its successor)."""
+    from benchmarks.probes.host_probe import _measure, _step_fns
+
+    logits_fn, _, _ = _step_fns(model.graphdef, cfg, method, 1)
+    batch = cache.lengths.shape[0]
 
     def run(st):
         tok, c = st
@@ -68,13 +78,12 @@ def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int,
         return tok, (tok, c)
 
     res, state = _measure(run, (jnp.zeros((batch,), jnp.int32), cache), steps, rounds, 1)
-    del state
-    return res["tpot_ms"]
+    return res["tpot_ms"], state[1]
 
 
 def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-               paged: bool = False) -> tuple[float, float, int]:
-    """(iteration_ms, program_ms, steps measured) of an engine of ``batch`` slots at ``cap``
+               paged: bool = False) -> tuple[float, float, int, float]:
+    """(iteration_ms, program_ms, steps measured, bare_live_ms) of an engine of ``batch`` slots at ``cap``
     (``paged``: the paged engine, its pool as many pages as fit)."""
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
@@ -103,6 +112,12 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
         kv.cache = dataclasses.replace(kv.cache, block_table=jnp.asarray(live_table(batch, context, cap, kv.page)),
                                        lengths=jnp.full((batch,), context, jnp.int32))
         kv._dirty = False
+    else:
+        kv.cache = dataclasses.replace(kv.cache, lengths=jnp.full((batch,), context, jnp.int32))
+    # the bare step on the engine's own cache: the K/V and method state its prompts left, not
+    # zeros (a selection's kernels take data-dependent time: the top-k's bracket search)
+    live, kv.cache = _bare_on(model, model.method, model.config, kv.cache, steps, 3)
+    kv.cache = dataclasses.replace(kv.cache, lengths=jnp.full((batch,), context, jnp.int32))
     z = np.zeros(batch, np.int32)
     args = (np.ones(batch, bool), np.zeros(batch, np.uint32), z, np.zeros(batch, np.float32),
             np.ones(batch, np.float32))
@@ -115,7 +130,7 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
             toks = kv.step(toks, *args)
         jax.block_until_ready(toks)
         times.append(1e3 * (time.perf_counter() - t0) / steps)
-    return iteration, statistics.median(times), len(full)
+    return iteration, statistics.median(times), len(full), live
 
 
 def main(argv=None) -> int:
@@ -157,15 +172,16 @@ def main(argv=None) -> int:
             for kind in a.engines.split(","):
                 if kind not in ("contiguous", "paged"):
                     raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
-                iteration, program, n = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps,
+                iteration, program, n, live = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps,
                                                    paged=kind == "paged")
                 rows.append({"method": name, "engine": kind, "batch": a.batch, "context": a.context,
                              "capacity": cap, "bare_ms": round(bare, 3),
                              "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
-                             "program_ms": round(program, 3),
+                             "bare_live_ms": round(live, 3), "program_ms": round(program, 3),
                              "iteration_ms": round(iteration, 3), "steps_measured": n,
                              "iteration_over_bare": round(iteration / bare, 3),
-                             "program_over_bare": round(program / bare, 3)})
+                             "program_over_bare": round(program / bare, 3),
+                             "iteration_over_live": round(iteration / live, 3)})
                 print(rows[-1], flush=True)
             del model
             jax.clear_caches()
@@ -174,11 +190,13 @@ def main(argv=None) -> int:
           "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
           "(decode + sampling) back to back; `iteration_ms`: the engine's median decode iteration with "
           "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
-          "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `program_ms` "
+          "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
+          "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
+          "zeros; on pages for the paged engine); `program_ms` "
           "of the paged engine runs its pool with every row given a context's pages again).\n\n"
           + markdown_table(rows, ["method", "engine", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
-                                  "program_ms", "iteration_ms",
-                                  "iteration_over_bare", "program_over_bare", "steps_measured"]))
+                                  "bare_live_ms", "program_ms", "iteration_ms", "iteration_over_bare",
+                                  "program_over_bare", "iteration_over_live", "steps_measured"]))
     print(md)
     if a.out:
         write_results(a.name, {"rows": rows, **stamp()}, md, out_dir=a.out)
