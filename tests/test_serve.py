@@ -388,7 +388,8 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--prefill", "tsa", "--attention-opt", "prefill.tau=0.1"],
                                               "both set the prefill"),
                                              (["--prefill", "tsa", "--prefill-opt", "tua=0.1"], "bad token_sparse option"),
-                                             (["--kv-blocks", "64"], "sizes the page pool of --paged"),
+                                             (["--no-paged", "--kv-blocks", "64"], "sizes the page pool"),
+                                             (["--offload", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--paged", "--offload"], "--paged is the resident"),
                                              (["--paged", "--data-parallel", "2"], "several devices")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
@@ -398,6 +399,26 @@ def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeyp
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights before checking"))
     with pytest.raises(ValueError, match=fragment):
         make_engine(build_parser().parse_args(flags))
+
+
+class _Loaded(Exception):
+    pass
+
+
+def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
+    """``--paged`` is the default of a resident engine on one device; ``--offload`` and
+    ``--no-paged`` give the contiguous engine."""
+    from models.cli.serve import build_parser, make_engine
+
+    def load(*a, **k):
+        raise _Loaded
+
+    monkeypatch.setattr(models, "load_model", load)
+    for flags, want in (([], True), (["--offload"], False), (["--no-paged"], False), (["--paged"], True)):
+        args = build_parser().parse_args(flags)
+        with pytest.raises(_Loaded):
+            make_engine(args)
+        assert args.paged is want, flags
 
 
 def test_offloaded_server_with_layer_segmented_prefill(server):

@@ -41,11 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SparseServe), a layer over N in chunks of N tokens (rounded to 64), resident or --offload: "
                         "a long prompt no longer stalls the running requests; default: each prompt's whole prefill "
                         "in one iteration")
-    p.add_argument("--paged", action="store_true",
+    p.add_argument("--paged", action=argparse.BooleanOptionalAction, default=None,
                    help="resident KV in one pool of pages shared by every request, a block table per request "
                         "(vLLM's PagedAttention): a request holds the pages its tokens fill, not --max-len; "
                         "admission goes by free pages, and the newest request is preempted (recomputed later) "
-                        "when a running one cannot grow")
+                        "when a running one cannot grow. Default: on for a resident engine on one device "
+                        "(measured no slower than --no-paged: benchmarks/results/engine_iteration_live_h200.md), "
+                        "off with --offload, --tensor-parallel or --data-parallel, which it does not run with yet")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
                         "at most --slots full contexts)")
@@ -81,8 +83,11 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
     if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--pool shared does not run on several devices yet: use --pool per_row")
+    if args.paged is None:  # the default: paged where it runs
+        args.paged = not args.offload and args.tensor_parallel == 1 and args.data_parallel == 1
     if args.kv_blocks is not None and not args.paged:
-        raise ValueError("--kv-blocks sizes the page pool of --paged")
+        raise ValueError("--kv-blocks sizes the page pool of the paged engine (not --no-paged, --offload or "
+                         "several devices)")
     if args.paged and args.offload:
         raise ValueError("--paged is the resident engine's KV; --offload pages the host tier its own way")
     if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
