@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import markdown_table, parse_list, stamp, write_results
+from models.sampling import RowSampling
 
 
 def live_table(batch: int, context: int, cap: int, page: int) -> np.ndarray:
@@ -119,15 +120,16 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
     live, kv.cache = _bare_on(model, model.method, model.config, kv.cache, steps, 3)
     kv.cache = dataclasses.replace(kv.cache, lengths=jnp.full((batch,), context, jnp.int32))
     z = np.zeros(batch, np.int32)
-    args = (np.ones(batch, bool), np.zeros(batch, np.uint32), z, np.zeros(batch, np.float32),
-            np.ones(batch, np.float32))
-    toks = kv.step(z, *args)
+    active = np.ones(batch, bool)
+    greedy = RowSampling(jnp.zeros(batch, jnp.uint32), jnp.asarray(z), jnp.zeros(batch, jnp.float32),
+                         jnp.ones(batch, jnp.float32))
+    toks = kv.step(z, active, greedy).tokens
     jax.block_until_ready(toks)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(steps):
-            toks = kv.step(toks, *args)
+            toks = kv.step(toks, active, greedy).tokens
         jax.block_until_ready(toks)
         times.append(1e3 * (time.perf_counter() - t0) / steps)
     return iteration, statistics.median(times), len(full), live

@@ -50,11 +50,13 @@ used over the last 12 steps (measured on the device) when offloaded.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,7 +64,8 @@ from models import programs
 from models.api import round_up
 from models.runtime.cache_rank import CacheRankModel
 from models.detokenize import IncrementalDetokenizer
-from models.serving.requests import Event, Request, SamplingParams
+from models.sampling import Filters, Penalties, RowSampling, logprob_width, sample_program
+from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
 from models.serving.paged import PagedSlots, page_size
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
@@ -194,6 +197,20 @@ class Engine:
         self._counters = np.zeros(self.slots, np.int32)
         self._temperature = np.zeros(self.slots, np.float32)
         self._top_p = np.ones(self.slots, np.float32)
+        # the options a step's sampling includes only when an active row uses them (RowSampling)
+        self._top_k = np.zeros(self.slots, np.int32)
+        self._min_p = np.zeros(self.slots, np.float32)
+        self._presence = np.zeros(self.slots, np.float32)
+        self._frequency = np.zeros(self.slots, np.float32)
+        self._repetition = np.ones(self.slots, np.float32)
+        self._min_tokens = np.zeros(self.slots, np.int32)
+        self._logprobs = np.full(self.slots, -1, np.int32)  # top log-probs wanted per slot (-1: none)
+        self._bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.slots
+        self._stop_ids_dev = jnp.asarray(sorted(self.stop_ids), jnp.int32) if self.stop_ids else None
+        # penalties' device state, made when the first penalised request arrives: output token counts
+        # int32[slots, V] (the step adds the token each row consumes) and the prompt's tokens bool[slots, V]
+        self._counts = None
+        self._prompt_seen = None
         self._slots: list[_Slot | None] = [None] * self.slots
         self._fresh = np.zeros(self.slots, bool)  # inserted since the last step: its token is on the host
         self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read
@@ -235,6 +252,8 @@ class Engine:
             raise ValueError(f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"tokens exceeds this server's context of {self.context} tokens; "
                              f"lower max_tokens to at most {self.context - n}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(t for t, _ in params.logit_bias)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         r = Request(ids, params, on_event)
@@ -461,8 +480,9 @@ class Engine:
         self._in_hand = r
         p = r.params
         done = len(r.output_ids)  # a preempted request resumes: its next token's index
-        first = self.kv._sample(logits, jnp.asarray([p.seed], jnp.uint32), jnp.full((1,), done, jnp.int32),
-                                jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.top_p], jnp.float32))
+        if p.penalized:
+            self._seed_penalties(r, slot)
+        first = sample_program(logits, self._first_sampling(r, slot, done))
         if self.paged:
             self.kv.insert(row, slot, r)
         else:
@@ -476,8 +496,79 @@ class Engine:
             self._counters[slot] = done
             self._temperature[slot] = p.temperature
             self._top_p[slot] = p.top_p
+            self._top_k[slot] = p.top_k
+            self._min_p[slot] = p.min_p
+            self._presence[slot] = p.presence_penalty
+            self._frequency[slot] = p.frequency_penalty
+            self._repetition[slot] = p.repetition_penalty
+            self._min_tokens[slot] = p.min_tokens
+            self._logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+            self._bias[slot] = (np.asarray([t for t, _ in p.logit_bias], np.int32),
+                                np.asarray([b for _, b in p.logit_bias], np.float32)) if p.logit_bias else None
         self._in_hand = None  # in its slot now
-        self._emit(slot, int(np.asarray(first)[0]), time.perf_counter())
+        self._emit(slot, int(np.asarray(first.tokens)[0]), time.perf_counter(), _logprobs(first, 0, p.logprobs))
+
+    def _seed_penalties(self, r: Request, slot: int) -> None:
+        """Row ``slot`` of the penalties' state for ``r``: its output so far counted (a
+        preempted request resumes with them) and its prompt's tokens marked."""
+        v = self.model.config.vocab_size
+        if self._counts is None:
+            self._counts = jnp.zeros((self.slots, v), jnp.int32)
+            self._prompt_seen = jnp.zeros((self.slots, v), bool)
+        counts = np.bincount(np.asarray(r.output_ids, np.int64), minlength=v).astype(np.int32)
+        seen = np.zeros(v, bool)
+        seen[r.prompt_ids] = True
+        self._counts, self._prompt_seen = _set_rows(self._counts, self._prompt_seen, jnp.int32(slot),
+                                                    jnp.asarray(counts), jnp.asarray(seen))
+
+    def _first_sampling(self, r: Request, slot: int, done: int) -> RowSampling:
+        """The one-row :class:`RowSampling` of ``r``'s first token (after its prefill)."""
+        p = r.params
+        f32 = lambda x: jnp.asarray([x], jnp.float32)  # noqa: E731
+        pen = None
+        if p.penalized:
+            pen = Penalties(f32(p.presence_penalty), f32(p.frequency_penalty), f32(p.repetition_penalty),
+                            self._counts[slot][None], self._prompt_seen[slot][None])
+        bias_ids = bias_values = None
+        if p.logit_bias:
+            bias_ids = jnp.asarray([[t for t, _ in p.logit_bias]], jnp.int32)
+            bias_values = jnp.asarray([[b for _, b in p.logit_bias]], jnp.float32)
+        ban = p.min_tokens > done and self._stop_ids_dev is not None
+        return RowSampling(
+            jnp.asarray([p.seed], jnp.uint32), jnp.full((1,), done, jnp.int32), f32(p.temperature), f32(p.top_p),
+            filters=Filters(jnp.asarray([p.top_k], jnp.int32), f32(p.min_p)) if p.top_k or p.min_p else None,
+            penalties=pen, bias_ids=bias_ids, bias_values=bias_values,
+            min_tokens=jnp.asarray([p.min_tokens], jnp.int32) if ban else None,
+            stop_ids=self._stop_ids_dev if ban else None,
+            top_logprobs=logprob_width(-1 if p.logprobs is None else p.logprobs))
+
+    def _step_sampling(self, counters: np.ndarray) -> RowSampling:
+        """The step's :class:`RowSampling` over every slot (host arrays copied: they change
+        while the step is queued), with each option only when an active row uses it."""
+        act = self._active
+        f32 = lambda x: jnp.asarray(np.array(x, np.float32))  # noqa: E731
+        filters = pen = bias_ids = bias_values = min_tokens = stop_ids = None
+        if ((self._top_k > 0) | (self._min_p > 0))[act].any():
+            filters = Filters(jnp.asarray(self._top_k.copy()), f32(self._min_p))
+        if ((self._presence != 0) | (self._frequency != 0) | (self._repetition != 1))[act].any():
+            pen = Penalties(f32(self._presence), f32(self._frequency), f32(self._repetition), self._counts,
+                            self._prompt_seen)
+        biased = [i for i in range(self.slots) if act[i] and self._bias[i] is not None]
+        if biased:
+            width = 1 << max(3, (max(len(self._bias[i][0]) for i in biased) - 1).bit_length())
+            ids = np.zeros((self.slots, width), np.int32)
+            vals = np.zeros((self.slots, width), np.float32)
+            for i in biased:
+                k = len(self._bias[i][0])
+                ids[i, :k], vals[i, :k] = self._bias[i]
+            bias_ids, bias_values = jnp.asarray(ids), jnp.asarray(vals)
+        if self._stop_ids_dev is not None and (counters < self._min_tokens)[act].any():
+            min_tokens, stop_ids = jnp.asarray(self._min_tokens.copy()), self._stop_ids_dev
+        wanted = int(self._logprobs[act].max()) if act.any() else -1
+        return RowSampling(jnp.asarray(self._seeds.copy()), jnp.asarray(counters.copy()),
+                           f32(self._temperature), f32(self._top_p), filters=filters, penalties=pen,
+                           bias_ids=bias_ids, bias_values=bias_values, min_tokens=min_tokens, stop_ids=stop_ids,
+                           top_logprobs=logprob_width(wanted))
 
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
@@ -526,23 +617,26 @@ class Engine:
         self._counters += self._active  # index of the token this step samples
         # copies: on the CPU a device array may alias the NumPy buffer it came from, and these
         # host arrays change while the step is still queued
-        host = [np.array(a) for a in (self._tokens, self._active, self._seeds, self._counters,
-                                      self._temperature, self._top_p, self._fresh)]
-        tokens = jnp.asarray(host[0])
+        tokens = jnp.asarray(np.array(self._tokens))
         if prev is not None:
-            tokens = merge_tokens(jnp.asarray(host[6]), tokens, prev[0])
-        toks = self.kv.step(tokens, *host[1:6])
-        if hasattr(toks, "copy_to_host_async"):
-            toks.copy_to_host_async()
+            tokens = merge_tokens(jnp.asarray(np.array(self._fresh)), tokens, prev[0].tokens)
+        out = self.kv.step(tokens, np.array(self._active), self._step_sampling(self._counters))
+        if out.counts is not None:  # the penalties' counts, with this step's tokens, for the next
+            self._counts = out.counts
+        for a in (out.tokens, out.logprob, out.top_ids, out.top_logprobs):
+            if a is not None and hasattr(a, "copy_to_host_async"):
+                a.copy_to_host_async()
         self._fresh[:] = False
         snapshot = [s.request if s is not None and self._active[i] else None for i, s in enumerate(self._slots)]
-        self._inflight = (toks, snapshot, t0)
+        self._inflight = (out, snapshot, t0)
         if prev is not None:
             self._collect(prev)
 
     def _collect(self, inflight) -> None:
-        toks, snapshot, t0 = inflight
-        toks = np.asarray(toks)  # waits for that step only; the next one is already queued
+        out, snapshot, t0 = inflight
+        toks = np.asarray(out.tokens)  # waits for that step only; the next one is already queued
+        if out.logprob is not None:
+            out = jax.tree.map(np.asarray, out)
         now = time.perf_counter()
         last = self.step_end_times[-1] if self.step_end_times else t0
         self.steps += 1
@@ -553,13 +647,15 @@ class Engine:
         for slot, r in enumerate(snapshot):
             s = self._slots[slot]
             if r is not None and r.finish_reason is None and s is not None and s.request is r:
-                self._emit(slot, int(toks[slot]), now)
+                self._emit(slot, int(toks[slot]), now, _logprobs(out, slot, r.params.logprobs))
 
-    def _emit(self, slot: int, tok: int, now: float) -> None:
-        """Record token ``tok`` of the request in ``slot``: end it or report new text."""
+    def _emit(self, slot: int, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
+        """Record token ``tok`` (and its ``logprob``, when asked for) of the request in
+        ``slot``: end it or report new text."""
         s = self._slots[slot]
         r = s.request
         p = r.params
+        lps = () if logprob is None else (logprob,)
         if r.t_first is None:
             r.t_first = now
         r.token_times.append(now)
@@ -567,27 +663,31 @@ class Engine:
             self._finish(r, "stop")
             return
         r.output_ids.append(tok)
+        r.logprobs.extend(lps)
         self._tokens[slot] = tok
         if s.detok is None:
-            self._send(r, Event("token", "", (tok,)))
+            self._send(r, Event("token", "", (tok,), logprobs=lps))
         else:
             # the new text (held back while it ends in an incomplete UTF-8 sequence), after
             # what was held for a possible stop string; a stop string can only begin in the
             # held text, since any text that could begin one is held
             pending = s.held_text + s.detok.update(r.output_ids)
-            hit = min((i for i in (pending.find(x) for x in p.stop) if i >= 0), default=-1)
+            # before min_tokens tokens no stop string is looked for (vLLM's rule)
+            hit = -1 if len(r.output_ids) < p.min_tokens else \
+                min((i for i in (pending.find(x) for x in p.stop) if i >= 0), default=-1)
             if hit >= 0:  # a stop string: the text ends before it (nothing after it is flushed)
                 s.held_text, s.detok = pending[:hit], None
-                self._finish(r, "stop", (tok,))
+                self._finish(r, "stop", (tok,), lps)
                 return
             keep = _held_for_stop(pending, p.stop)
             delta, s.held_text = pending[:len(pending) - keep], pending[len(pending) - keep:]
             r.text += delta
-            self._send(r, Event("token", delta, (tok,)))
+            self._send(r, Event("token", delta, (tok,), logprobs=lps))
         if len(r.output_ids) >= p.max_tokens:
             self._finish(r, "length")
 
-    def _finish(self, r: Request, reason: str, last_ids: tuple[int, ...] = ()) -> None:
+    def _finish(self, r: Request, reason: str, last_ids: tuple[int, ...] = (),
+                last_logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """End ``r`` (free its slot), flush held text, report "done"."""
         rest = ""
         if self._prefilling is not None and self._prefilling[0] is r:
@@ -608,7 +708,7 @@ class Engine:
         r.finish_reason = reason
         with self._lock:
             self.finished[reason] += 1
-        self._send(r, Event("done", rest, last_ids, reason))
+        self._send(r, Event("done", rest, last_ids, reason, logprobs=last_logprobs))
         r.done.set()
 
     def _send(self, r: Request, ev: Event) -> None:
@@ -622,6 +722,26 @@ class Engine:
         if not r.done.wait(timeout):
             raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
         return r
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _set_rows(counts: jax.Array, seen: jax.Array, slot: jax.Array, row_counts: jax.Array,
+              row_seen: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The penalties' state with row ``slot`` replaced (both donated)."""
+    return (jax.lax.dynamic_update_index_in_dim(counts, row_counts, slot, 0),
+            jax.lax.dynamic_update_index_in_dim(seen, row_seen, slot, 0))
+
+
+def _logprobs(out, row: int, wanted: int | None) -> TokenLogprob | None:
+    """Row ``row`` of a sampled step's log-probabilities (a :class:`models.sampling.SampleOut`
+    read back to the host), its top ``wanted``; None when the request asked for none."""
+    if wanted is None:
+        return None
+    top = ()
+    if wanted:
+        ids, lps = np.asarray(out.top_ids[row]), np.asarray(out.top_logprobs[row])
+        top = tuple((int(i), float(v)) for i, v in zip(ids[:wanted], lps[:wanted]))
+    return TokenLogprob(int(np.asarray(out.tokens)[row]), float(np.asarray(out.logprob)[row]), top)
 
 
 def _describe(e: BaseException) -> str:

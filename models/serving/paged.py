@@ -36,6 +36,7 @@ import numpy as np
 
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
+from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
 from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis,
                                   compile_longest_prefill, insert_slot, segmented_prompt_tokens)
@@ -81,11 +82,11 @@ def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.
 
 @functools.lru_cache(maxsize=16)
 def _paged_programs(graphdef, cfg, method, unroll: bool):
-    """The paged engine's programs: the resident engine's step and sampling (the step is
-    the model's decode step, which reads paged layers through the table) and the page
-    scatter of an insertion (cache donated)."""
-    step, _, sample = _programs(graphdef, cfg, method, unroll)
-    return step, jax.jit(insert_paged_slot, donate_argnums=(0,)), sample
+    """The paged engine's programs: the resident engine's step (the model's decode step,
+    which reads paged layers through the table, and the sampling) and the page scatter of
+    an insertion (cache donated)."""
+    step, _ = _programs(graphdef, cfg, method, unroll)
+    return step, jax.jit(insert_paged_slot, donate_argnums=(0,))
 
 
 def _nbytes(x) -> int:
@@ -150,7 +151,7 @@ class PagedSlots:
             raise ValueError(f"kv_blocks must be an int >= 2 (page 0 is the null page), got {num_blocks!r}")
         self._compiled_prefill: dict[int, Any] = {}
         self._runner = None
-        self._step, self._insert, self._sample = _paged_programs(model.graphdef, model.config, model.method, unroll)
+        self._step, self._insert = _paged_programs(model.graphdef, model.config, model.method, unroll)
 
         temps = 0
         limit = capacity.device_budget()
@@ -264,14 +265,14 @@ class PagedSlots:
         self._lengths[slot] = n
         self._dirty = True
 
-    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+    def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         if self._dirty:  # copies: the host arrays change while the step is queued
             self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self._table.copy()),
                                              lengths=jnp.asarray(self._lengths.copy()))
             self._dirty = False
-        toks = ResidentSlots.step(self, tokens, active, seeds, counters, temperature, top_p)
+        out = ResidentSlots.step(self, tokens, active, sampling)
         self._lengths += np.asarray(active, bool)  # the step advances the active rows only
-        return toks
+        return out
 
     def check(self) -> None:
         """AssertionError unless the blocks are consistent and every slot's table row is its

@@ -8,9 +8,10 @@
   with SparseServe's working-set estimate (:func:`offloaded_working_set`) and its
   layer-segmented prefill.
 
-Both give the engine the same calls: ``prefill(ids)``, ``insert(row, slot)``, ``step(...)``
-(the model's decode step, free slots held back, per-row sampling: one program, the cache
-donated), ``wait``, ``settle`` and ``blocks_loaded``.
+Both give the engine the same calls: ``prefill(ids)``, ``insert(row, slot)``,
+``step(tokens, active, sampling)`` (the model's decode step, free slots held back, per-row
+sampling (:func:`models.sampling.sample_step`): one program, the cache donated),
+``wait``, ``settle`` and ``blocks_loaded``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from flax import nnx
 
 from models import programs
 from models.runtime.tiered import TieredRunner
-from models.sampling import sample_rows
+from models.sampling import RowSampling, SampleOut, sample_step, sample_step_program
 from sparse_jax.cache import KVCache
 from sparse_jax.offload import capacity
 from sparse_jax.offload import pool as off
@@ -70,16 +71,17 @@ def _sum_arrays(arrays: tuple) -> jax.Array:
 
 def _engine_programs(decode):
     """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
-    cache)``: the step (decode, free slots held back, sampling; cache donated), the
-    slot insertion and the sampling alone."""
+    cache)``: the step (decode, free slots held back, sampling; cache donated; one
+    compilation per :class:`~models.sampling.RowSampling` structure, so options no row
+    asks for cost nothing) and the slot insertion."""
 
-    def step(params, tokens, cache, active, seeds, counters, temperature, top_p):
+    def step(params, tokens, cache, active, sampling: RowSampling):
         logits, new = decode(params, tokens, cache)
         # free slots do not advance: they never run past their capacity
         new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
-        return sample_rows(logits, seeds, counters, temperature, top_p), new
+        return sample_step(logits, tokens, active, sampling), new
 
-    return (jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,)), jax.jit(sample_rows))
+    return jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,))
 
 
 @functools.lru_cache(maxsize=16)
@@ -232,9 +234,9 @@ class ResidentSlots:
         self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
         self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
         if getattr(model, "mesh", None) is not None:
-            self._step, self._insert, self._sample = _sharded_programs(model.fns.decode_step)
+            self._step, self._insert = _sharded_programs(model.fns.decode_step)
         else:
-            self._step, self._insert, self._sample = _programs(model.graphdef, model.config, model.method, unroll)
+            self._step, self._insert = _programs(model.graphdef, model.config, model.method, unroll)
 
             temps = 0
             if device_budget() is not None and segmented:
@@ -274,11 +276,12 @@ class ResidentSlots:
     def insert(self, row, slot: int) -> None:
         self.cache = self._insert(self.cache, row, jnp.int32(slot))
 
-    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
-        toks, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
-                                      jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
-                                      jnp.asarray(top_p))
-        return toks
+    def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
+        """One decode step of every slot (``active bool[B]``: the rows that advance) and its
+        sampling; the cache is donated and replaced."""
+        out, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
+                                     sampling)
+        return out
 
     def blocks_loaded(self, active) -> int:
         return 0
@@ -409,7 +412,6 @@ class OffloadedSlots:
         if bad:
             raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
         self._insert = jax.jit(insert_shared_slot if self.shared else insert_tiered_slot, donate_argnums=(0,))
-        self._sample = jax.jit(sample_rows)
         self._working_set = jax.jit(offloaded_working_set)
         self._copiers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
                                                               thread_name_prefix="sparse-jax-insert")
@@ -476,7 +478,7 @@ class OffloadedSlots:
         self.ws_blocks[slot] = 0  # measured again after its first step
         self._inserted_at[slot] = self._steps
 
-    def step(self, tokens, active, seeds, counters, temperature, top_p) -> jax.Array:
+    def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         logits = self.runner.decode_step(tokens, self.state, active=active)
         if self.state.counters:
             # the counters are leaves of the cache the next step donates: keep their sum over the
@@ -487,8 +489,7 @@ class OffloadedSlots:
         ws = self._working_set(self.state.cache)
         ws.copy_to_host_async()
         self._ws_pending = (ws, self._steps)
-        return self._sample(logits, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(temperature),
-                            jnp.asarray(top_p))
+        return sample_step_program(logits, jnp.asarray(tokens), jnp.asarray(active), sampling)
 
     def working_set(self, r: Request) -> int:
         """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
