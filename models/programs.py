@@ -60,6 +60,47 @@ def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, t
     return model.logits(x), cache
 
 
+def prompt_logprobs(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
+                    top_n: int, *, unroll: bool = False, chunk: int = 64):
+    """The model's log-probabilities over a prompt ``tokens int32[B, T]`` (``T`` a multiple
+    of ``chunk``): ``(next f32[B, T], top_ids int32[B, T, top_n], top f32[B, T, top_n])``,
+    at position ``t`` the f32 log-softmax of the logits there (what predicts token ``t + 1``)
+    taken at token ``t + 1`` (the last position's entry is meaningless), and its ``top_n``
+    most likely tokens. The LM head runs ``chunk`` positions at a time: the ``[T, V]``
+    logits of a long prompt never exist at once."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    x = drv.forward(nnx.state(model.layers), model.embed_tokens(tokens))
+    b, t, d = x.shape
+    nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # the token each position predicts
+    xs = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
+    ns = nxt.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+
+    def one(args):
+        xc, nc = args
+        lp = jax.nn.log_softmax(model.logits(xc), axis=-1)  # f32 [B, chunk, V]
+        chosen = jnp.take_along_axis(lp, nc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        if top_n == 0:
+            return chosen, jnp.zeros((b, chunk, 0), jnp.int32), jnp.zeros((b, chunk, 0), jnp.float32)
+        top, ids = jax.lax.top_k(lp, top_n)
+        return chosen, ids.astype(jnp.int32), top
+
+    chosen, ids, top = jax.lax.map(one, (xs, ns))
+    back = lambda a: a.swapaxes(0, 1).reshape((b, t) + a.shape[3:])  # noqa: E731
+    return back(chosen), back(ids), back(top)
+
+
+@functools.lru_cache(maxsize=32)
+def prompt_logprobs_fn(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionMethod, top_n: int,
+                       unroll: bool | None = None) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """:func:`prompt_logprobs` jitted over the split params: ``fn(params, tokens)``."""
+    unroll = default_unroll() if unroll is None else unroll
+
+    def _fn(params, tokens):
+        return prompt_logprobs(nnx.merge(graphdef, params), cfg, method, tokens, top_n, unroll=unroll)
+
+    return jax.jit(_fn)
+
+
 def _dtype_of(model: Transformer):
     return model.embed_tokens.weight[...].dtype
 

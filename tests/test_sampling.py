@@ -265,3 +265,31 @@ def test_engine_top_k_one_is_greedy(tiny):
 def test_bad_sampling_options_are_refused(bad, fragment):
     with pytest.raises(ValueError, match=fragment):
         SamplingParams(max_tokens=8, **bad).check()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_engine_scores_prompts(tiny, paged):
+    """prompt_logprobs: each prompt token's log-probability given those before it (the first
+    None) equals the f32 log-softmax of ``forward``; with max_tokens 0 nothing is generated,
+    and a scored request that generates gets the tokens it gets without scoring."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(4, V, 70).tolist()  # over one 64-token chunk of the LM head
+    logits = np.asarray(tiny.forward(jnp.asarray([prompt], jnp.int32)))[0].astype(np.float64)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    engine = Engine(tiny, slots=2, max_len=128, stop_ids=(), paged=paged).start()
+    try:
+        only = engine.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+        both = engine.generate(prompt, SamplingParams(max_tokens=6, prompt_logprobs=0, logprobs=1))
+        plain = engine.generate(prompt, SamplingParams(max_tokens=6))
+    finally:
+        engine.stop()
+    assert only.finish_reason == "length" and only.output_ids == [] and only.prompt_logprobs[0] is None
+    got = [t.logprob for t in only.prompt_logprobs[1:]]
+    np.testing.assert_allclose(got, [lp[i - 1, prompt[i]] for i in range(1, len(prompt))], atol=1e-4)
+    assert [t.token_id for t in only.prompt_logprobs[1:]] == prompt[1:]
+    for i, t in enumerate(only.prompt_logprobs[1:], start=1):
+        assert [j for j, _ in t.top] == np.argsort(-lp[i - 1])[:2].tolist()
+    assert both.output_ids == plain.output_ids and len(both.prompt_logprobs) == len(prompt)
+    assert all(t.top == () for t in both.prompt_logprobs[1:])
+    # the first generated token's logprob is the forward's at the prompt's last position
+    np.testing.assert_allclose(both.logprobs[0].logprob, lp[-1, both.output_ids[0]], atol=1e-4)

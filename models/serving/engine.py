@@ -254,6 +254,8 @@ class Engine:
                              f"lower max_tokens to at most {self.context - n}")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(t for t, _ in params.logit_bias)}")
+        if params.prompt_logprobs is not None and getattr(self.model, "mesh", None) is not None:
+            raise ValueError("prompt logprobs (echo) are not computed on a sharded model yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         r = Request(ids, params, on_event)
@@ -352,12 +354,17 @@ class Engine:
         """One scheduling iteration: take new requests, drop cancelled ones, prefill
         and insert what the scheduler admits, run one decode step over the slots.
         Returns whether it did any work."""
+        worked = False
         while True:
             try:
-                self._waiting.append(self._inbox.get_nowait())
+                r = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        worked = False
+            if r.params.prompt_logprobs is not None and not r.cancelled:
+                worked = True
+                if not self._score_prompt(r) or r.params.max_tokens == 0:
+                    continue  # failed, or scored and done (nothing to generate)
+            self._waiting.append(r)
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
             self._finish(r, "cancelled")
@@ -401,6 +408,38 @@ class Engine:
             inflight, self._inflight = self._inflight, None
             self._collect(inflight)
         self.kv.settle()
+
+    def _score_prompt(self, r: Request) -> bool:
+        """``r.prompt_logprobs`` from one forward over its prompt (:func:`models.programs.prompt_logprobs`,
+        on this thread between steps); a request with ``max_tokens`` 0 ends here ("length"). False
+        (the request failed, the engine serves on) when the forward failed."""
+        ids, want = r.prompt_ids, r.params.prompt_logprobs
+        n = len(ids)
+        bucket = -(-n // 64) * 64 if n <= 1024 else 1 << (n - 1).bit_length()
+        tokens = np.full((1, bucket), self.model._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        width = max(logprob_width(want), 0)
+        r.t_scheduled = time.perf_counter()
+        self._in_hand = r
+        try:
+            fn = programs.prompt_logprobs_fn(self.model.graphdef, self.model.config, self.model.method, width)
+            nxt, top_ids, top = (np.asarray(a)[0] for a in fn(self.model.params, jnp.asarray(tokens)))
+        except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
+            self._in_hand = None
+            r.error = f"scoring this {n}-token prompt failed: {_describe(e)}"
+            with self._lock:
+                self.request_errors += 1
+            self._finish(r, "error")
+            return False
+        self._in_hand = None
+        r.prompt_logprobs = [None] + [
+            TokenLogprob(ids[i], float(nxt[i - 1]),
+                         tuple((int(t), float(v)) for t, v in zip(top_ids[i - 1][:want], top[i - 1][:want])))
+            for i in range(1, n)]
+        if r.params.max_tokens == 0:
+            r.t_first = time.perf_counter()
+            self._finish(r, "length")
+        return True
 
     def _reserve_prompt(self, r: Request) -> bool:
         """Paged: give an admitted ``r`` the pages of its prefill and its first step; False

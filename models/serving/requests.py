@@ -32,7 +32,9 @@ class SamplingParams:
     a token (once / per count), ``repetition_penalty`` (> 0; 1: off) divides a positive logit
     (multiplies a negative one) of every token in the prompt or the output.
     ``logprobs``: None, no log-probabilities; else each generated token's and its top
-    ``logprobs`` tokens' (0 to :data:`MAX_LOGPROBS`). ``stop``: strings that end the output
+    ``logprobs`` tokens' (0 to :data:`MAX_LOGPROBS`); ``prompt_logprobs`` the same for every
+    prompt token after the first (the prompt scored by one forward; with it ``max_tokens`` may
+    be 0: scored, nothing generated). ``stop``: strings that end the output
     (not included). ``ignore_eos``: run to ``max_tokens`` (load benchmarks on random weights)."""
 
     max_tokens: int = 16
@@ -49,10 +51,11 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
-        if int(self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if int(self.max_tokens) < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be >= 1 (0 only to score the prompt), got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -84,6 +87,11 @@ class SamplingParams:
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
 
     @property
     def penalized(self) -> bool:
@@ -131,6 +139,8 @@ class Request:
         self.on_event = on_event
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per output id, when params.logprobs is set
+        # params.prompt_logprobs: one per prompt id, None for the first (nothing predicts it)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.text = ""            # the output text sent so far
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": what failed (its prefill, or the engine)
