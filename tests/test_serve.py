@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import models
@@ -140,13 +141,20 @@ def test_stop_string(server, references):
     (b'{"model": "smollm2-135m"}', 400, "'prompt' is required"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1000}', 400, "exceeds this server's context"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 0}', 400, "'max_tokens' must be in"),
-    (b'{"model": "smollm2-135m", "prompt": "hi", "n": 2}', 400, "'n' must be 1"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "n": 100}', 400, "'n' must be in"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "temperature": "hot"}', 400, "'temperature' must be a number"),
-    (b'{"model": "smollm2-135m", "prompt": "hi", "logprobs": 2}', 400, "not supported"),
-    # accepted and ignored would be a lie: refused until the sampler applies them (neutral values pass)
-    (b'{"model": "smollm2-135m", "prompt": "hi", "top_k": 5}', 400, "'top_k' is not applied"),
-    (b'{"model": "smollm2-135m", "prompt": "hi", "presence_penalty": 0.5}', 400, "'presence_penalty'"),
-    (b'{"model": "smollm2-135m", "prompt": "hi", "min_tokens": 3}', 400, "'min_tokens'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "logprobs": 25}', 400, "'logprobs' must be in"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "best_of": 3}', 400, "'best_of'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "echo": true, "max_tokens": 0}', 400, "needs 'logprobs'"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "top_k": -2}', 400, "'top_k' must be in"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "min_tokens": 20}', 400, "must not exceed max_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "repetition_penalty": 0}', 400, "'repetition_penalty' must be > 0"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "logit_bias": {"x": 1}}', 400, "keys must be token ids"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "logit_bias": {"5": 101}}', 400, "values must be numbers"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "logit_bias": {"99999999": 1}}', 400, "logit_bias token ids"),
+    (b'{"model": "smollm2-135m", "prompt": "hi", "tools": [{"type": "function"}]}', 400, "'tools' is not supported"),
+    (b'{"model": "smollm2-135m", "prompt": [1, "a"]}', 400, "'prompt' must be"),
+    (b'{"model": "smollm2-135m", "prompt": ["hi"], "n": 40, "max_tokens": 1}', 200, ""),
     (b'{"model": "smollm2-135m", "prompt": "hi", "response_format": {"type": "json_object"}}', 400,
      "'response_format'"),
     (b'{"model": "smollm2-135m", "prompt": "hi", "stream_options": {"include_usage": true}}', 400,
@@ -156,8 +164,12 @@ def test_stop_string(server, references):
 ])
 def test_bad_requests_get_4xx(server, body, status, fragment):
     before = server.engine.stats()["admitted"]
-    r = httpx.post(f"{server.base}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = httpx.post(f"{server.base}/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=120)
     assert r.status_code == status, r.text
+    if status == 200:  # the edge that passes: 40 choices of one prompt
+        assert [c["index"] for c in r.json()["choices"]] == list(range(40))
+        return
     assert fragment in r.json()["error"]["message"]
     assert server.engine.stats()["admitted"] == before  # refused before any device work
 
@@ -166,6 +178,115 @@ def test_neutral_sampling_options_are_accepted(server, references):
     out = _complete(server.client, PROMPTS[0], frequency_penalty=0, presence_penalty=0,
                     extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0})
     assert out.choices[0].text == references[PROMPTS[0]]
+
+
+def _log_softmax(model, ids):
+    logits = np.asarray(model.forward(jnp.asarray([ids], jnp.int32)))[0].astype(np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+def test_echo_scores_the_prompt_exactly(server):
+    """lm-eval's loglikelihood request (echo, max_tokens 0 or 1, logprobs): the prompt's
+    token logprobs are the model's f32 log-softmax of ``forward`` (the first null)."""
+    tok = server.model.tokenizer
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = tok.encode(text)
+    lp = _log_softmax(server.model, ids)
+    out = _complete(server.client, text, echo=True, max_tokens=0, logprobs=1)
+    c = out.choices[0]
+    assert c.text == tok.decode(ids) and c.finish_reason == "length" and out.usage.completion_tokens == 0
+    got = c.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    np.testing.assert_allclose(got[1:], [lp[i - 1, ids[i]] for i in range(1, len(ids))], atol=1e-4)
+    assert "".join(c.logprobs.tokens) == c.text
+    assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i])) for i in range(len(ids))]
+    for i in range(1, len(ids)):  # the top-1 and the token itself
+        top = c.logprobs.top_logprobs[i]
+        assert max(top.values()) == pytest.approx(lp[i - 1].max(), abs=1e-4)
+    # token-id prompts, batched, as lm-eval sends them (max_tokens 1: the generated token's logprob too)
+    both = server.client.completions.create(model=MODEL, prompt=[ids, ids[:5]], echo=True, max_tokens=1,
+                                            logprobs=0, temperature=0)
+    assert [ch.index for ch in both.choices] == [0, 1]
+    first = both.choices[0].logprobs.token_logprobs
+    assert len(first) == len(ids) + 1
+    np.testing.assert_allclose(first[1:len(ids)], got[1:], atol=1e-5)
+    np.testing.assert_allclose(first[-1], lp[-1].max(), atol=1e-4)  # greedy: the top token's
+    assert both.usage.prompt_tokens == len(ids) + 5
+
+
+def test_generated_logprobs_completions_and_chat(server, references):
+    p = PROMPTS[0]
+    out = _complete(server.client, p, logprobs=3)
+    c = out.choices[0]
+    assert c.text == references[p]
+    lp = c.logprobs
+    assert len(lp.tokens) == out.usage.completion_tokens == len(lp.token_logprobs)
+    assert "".join(lp.tokens) == c.text
+    for v, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the top token
+    ids = server.model.tokenizer.encode(p)
+    gen = server.model.tokenizer.encode(p + c.text)[len(ids):]
+    if gen and server.model.tokenizer.encode(p + c.text)[:len(ids)] == ids:
+        ref = _log_softmax(server.model, ids + gen)
+        np.testing.assert_allclose(lp.token_logprobs[0], ref[len(ids) - 1, gen[0]], atol=1e-4)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = server.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+               for t in content)
+    streamed = [ch for ch in server.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                                                   temperature=0, logprobs=True, top_logprobs=2,
+                                                                   stream=True)]
+    got = [t.token for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert got == [t.token for t in content]
+    plain = _complete(server.client, p)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_and_prompt_lists(server, references):
+    c = server.client
+    greedy = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=12, temperature=0)
+    assert [ch.text for ch in greedy.choices] == [references[PROMPTS[0]]] * 2
+    one = _complete(c, PROMPTS[0]).usage
+    assert greedy.usage.prompt_tokens == one.prompt_tokens  # a prompt counts once, whatever n
+    assert greedy.usage.completion_tokens == 2 * one.completion_tokens
+    kw = dict(model=MODEL, prompt=PROMPTS[1], n=2, max_tokens=12, temperature=1.0, seed=11)
+    a, b = ([ch.text for ch in c.completions.create(**kw).choices] for _ in range(2))
+    assert a == b and a[0] != a[1]  # two samples, each reproducible
+    batch = c.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0)
+    assert [ch.text for ch in batch.choices] == [references[q] for q in PROMPTS[:2]]
+    assert [ch.index for ch in batch.choices] == [0, 1]
+    # streamed: the chunks of each choice, by index, are its text
+    texts = {}
+    for ch in c.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=12, temperature=0, stream=True):
+        for x in ch.choices:
+            texts[x.index] = texts.get(x.index, "") + x.text
+    assert texts == {0: references[PROMPTS[0]], 1: references[PROMPTS[0]], 2: references[PROMPTS[1]],
+                     3: references[PROMPTS[1]]}
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=4,
+                                     temperature=0)
+    assert len({ch.message.content for ch in chat.choices}) == 1 and len(chat.choices) == 3
+
+
+def test_sampling_options_are_applied(server, references):
+    """logit_bias, min_tokens and the penalties change the output as they say."""
+    tok = server.model.tokenizer
+    p = PROMPTS[0]
+    ref = references[p]
+    first = tok.encode(p + ref)[len(tok.encode(p))]
+    banned = _complete(server.client, p, logit_bias={str(first): -100})
+    assert banned.choices[0].text != ref and not banned.choices[0].text.startswith(tok.decode([first]))
+    eos = sorted(server.engine.stop_ids)[0]
+    held = _complete(server.client, p, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 3 and held.choices[0].finish_reason == "stop"
+    assert _complete(server.client, p, logit_bias={str(eos): 100}).usage.completion_tokens == 0
+    penalised = _complete(server.client, p, frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    assert penalised.choices[0].text != ref
+    assert _complete(server.client, p, extra_body={"top_k": 1, "min_p": 0.5}, temperature=1.0,
+                     seed=3).choices[0].text == ref
 
 
 @pytest.mark.parametrize("chat", [False, True])

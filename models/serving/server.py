@@ -14,13 +14,23 @@ server-sent events, else one JSON body; ``stream_options.include_usage`` and vLL
 and each request talks to it through an asyncio queue fed with
 ``loop.call_soon_threadsafe``.
 
+Every sampling option is applied on the device by the engine's one sampler
+(:mod:`models.sampling`): ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``,
+``logit_bias``, ``seed``, ``stop``, ``ignore_eos``. Log-probabilities: completions'
+``logprobs`` (0-20: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)
+and ``echo`` (the prompt's text and, with ``logprobs``, its tokens' log-probabilities, the
+first null; ``max_tokens: 0`` scores a prompt without generating: lm-eval's
+loglikelihood); chat's ``logprobs`` / ``top_logprobs`` (0-20). ``n`` choices per prompt,
+and a list of prompts (strings or token-id lists) in one completions request, each choice
+with its ``index`` (``prompt * n + j``; sample ``j`` draws from ``seed + j``).
+
 Bad input gets a 4xx in OpenAI's error shape (``{"error": {"message", "type",
 "param", "code"}}``) before any device work: malformed JSON or fields (400),
 an unknown model (404), a prompt over the context or ``max_tokens`` past it
-(400), unsupported options (``n`` > 1, ``logprobs``, ``echo``, ...: 400; sampling options
-the sampler does not apply yet, such as ``top_k`` or the penalties, are refused unless at
-their neutral value, never accepted and ignored), an unknown route (404) or method (405). A
-client that disconnects cancels its request, which frees its slot.
+(400), unsupported options (``tools``, ``suffix``, ``best_of`` other than ``n``,
+``response_format`` other than text: 400, naming the field), an unknown route (404) or
+method (405). A client that disconnects cancels its requests, which frees their slots.
 
 Chat: the messages are rendered with the model's own chat template (SmolLM2's
 GGUF carries a ChatML template; ``Tokenizer.apply_chat_template``), the
@@ -35,6 +45,7 @@ completions (as OpenAI's) and to the rest of the context for chat.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -42,7 +53,7 @@ from typing import Any
 
 import sparse_jax
 from models.serving.engine import Engine
-from models.serving.requests import Event, Request, SamplingParams
+from models.serving.requests import MAX_LOGPROBS, Event, Request, SamplingParams, TokenLogprob
 
 # -----------------------------------------------------------------------------
 # Request bodies (checked by hand: clear messages, and no pydantic coupling)
@@ -61,13 +72,10 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
-                "tool_choice", "function_call")
+_UNSUPPORTED = ("suffix", "tools", "functions", "tool_choice", "function_call")
 
-#: sampling options the engine's sampler does not apply yet, and the value at which each does nothing:
-#: refused unless neutral (an option accepted and ignored would change nothing the client asked for)
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "top_k": (-1, 0),
-            "min_p": 0, "min_tokens": 0}
+#: the most choices one request may ask for (``n`` x prompts): each is a request of the engine
+MAX_CHOICES = 64
 
 
 def _number(body: dict, key: str, default: float, lo: float | None = None, hi: float | None = None,
@@ -84,31 +92,71 @@ def _number(body: dict, key: str, default: float, lo: float | None = None, hi: f
     return v
 
 
-def _common_params(body: dict, default_max_tokens: int | None, context_left: int) -> tuple[SamplingParams, bool]:
-    """Sampling parameters and ``stream`` from a request body (BadRequest if invalid;
-    ``stream_options`` checked here, read by the handler)."""
+def _common_params(body: dict, default_max_tokens: int | None, context_left: int,
+                   chat: bool = False) -> tuple[SamplingParams, bool, int]:
+    """Sampling parameters, ``stream`` and ``n`` from a request body (BadRequest if invalid;
+    ``stream_options`` checked here, read by the handler). Every option is applied by the
+    engine's sampler or refused here, never accepted and ignored."""
     for key in _UNSUPPORTED:
         if body.get(key) not in (None, False, 0, [], {}):
             raise BadRequest(f"'{key}' is not supported by this server", param=key)
-    for key, neutral in _NEUTRAL.items():
-        v = body.get(key)
-        if v is not None and v not in (neutral if isinstance(neutral, tuple) else (neutral,)):
-            raise BadRequest(f"'{key}' is not applied by this server's sampler yet: leave it out or at its "
-                             f"default ({neutral if not isinstance(neutral, tuple) else neutral[0]})", param=key)
     fmt = body.get("response_format")
     if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported by this server",
                          param="response_format")
-    n = _number(body, "n", 1, 1, integer=True)
-    if n != 1:
-        raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", param="n")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"'best_of' other than n ({n}) is not supported by this server", param="best_of")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean", param="echo")
+    if echo and chat:
+        raise BadRequest("'echo' is a completions option; chat completions do not support it", param="echo")
     max_tokens = _number(body, key, default_max_tokens if default_max_tokens is not None else context_left,
-                         1, integer=True)
+                         0 if echo else 1, integer=True)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise BadRequest("'top_p' must be > 0", param="top_p")
+    top_k = _number(body, "top_k", 0, -1, integer=True)  # vLLM's -1 and 0: off
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0)
+    if repetition <= 0:
+        raise BadRequest("'repetition_penalty' must be > 0", param="repetition_penalty")
+    min_tokens = _number(body, "min_tokens", 0, 0, integer=True)
+    if min_tokens > max_tokens:
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    bias = body.get("logit_bias")
+    pairs: list[tuple[int, float]] = []
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+        for k, v in bias.items():
+            try:
+                t = int(k)
+            except (TypeError, ValueError):
+                raise BadRequest(f"'logit_bias' keys must be token ids, got {json.dumps(k)}",
+                                 param="logit_bias") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise BadRequest(f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(v)}",
+                                 param="logit_bias")
+            pairs.append((t, float(v)))
+    if chat:  # chat: logprobs a boolean, top_logprobs its width
+        lp = body.get("logprobs", False)
+        if lp is not None and not isinstance(lp, bool):
+            raise BadRequest("'logprobs' must be a boolean for chat completions", param="logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True) \
+            if body.get("top_logprobs") is not None else None
+        if top is not None and not lp:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (top or 0) if lp else None
+    else:  # completions: logprobs the width (0-20), null for none
+        logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True) \
+            if body.get("logprobs") is not None else None
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(32)
@@ -139,20 +187,36 @@ def _common_params(body: dict, default_max_tokens: int | None, context_left: int
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest("'ignore_eos' must be a boolean", param="ignore_eos")
-    return SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                          seed=int(seed) % 2**32, stop=stop, ignore_eos=ignore_eos), stream
+    if max_tokens == 0 and logprobs is None:
+        raise BadRequest("'max_tokens' 0 (echo, nothing generated) needs 'logprobs': it scores the prompt",
+                         param="max_tokens")
+    params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
+                            seed=int(seed) % 2**32, stop=stop, ignore_eos=ignore_eos, top_k=max(int(top_k), 0),
+                            min_p=float(min_p), presence_penalty=float(presence), frequency_penalty=float(frequency),
+                            repetition_penalty=float(repetition), min_tokens=int(min_tokens),
+                            logit_bias=tuple(pairs), logprobs=logprobs,
+                            prompt_logprobs=logprobs if echo and logprobs is not None else None)
+    try:
+        params.check()
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return params, stream, int(n)
 
 
-def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
-    """``prompt`` as token ids: a string, a one-element list of strings, or a list of ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _prompt_list(prompt: Any, tokenizer) -> list[list[int]]:
+    """``prompt`` as a list of prompts' token ids: a string, a list of strings, a list of ids,
+    or a list of lists of ids (each a choice of its own, OpenAI's batched completions)."""
+    def is_ids(x):
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids "
-                     "(one prompt per request)", param="prompt")
+        return [tokenizer.encode(prompt)]
+    if is_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of "
+                     "token ids", param="prompt")
 
 
 def _chat_text(messages: Any, tokenizer, add_generation_prompt: bool = True) -> str:
@@ -315,48 +379,119 @@ def build_app(engine: Engine, model_name: str):
         except ValueError as e:
             raise BadRequest(str(e), code="context_length_exceeded" if "context" in str(e) else None) from None
 
-    async def _run(http: HTTPRequest, ids: list[int], params: SamplingParams, stream: bool, chat: bool,
-                   stream_options: dict | None = None):
+    def token_text(i: int) -> str:
+        return tok.decode([i])
+
+    def completion_logprobs(ids: list[int], entries: list, offset: int = 0) -> dict:
+        """OpenAI's completions ``logprobs``: per token its text, log-probability (None for a
+        prompt's first), the top tokens' (with the token itself, as vLLM) and its offset in
+        the returned text."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, e in zip(ids, entries):
+            text = token_text(i)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                top = {token_text(t): v for t, v in e.top}
+                top.setdefault(text, e.logprob)
+                out["token_logprobs"].append(e.logprob)
+                out["top_logprobs"].append(top)
+        return out
+
+    def chat_logprobs(entries: list) -> dict:
+        """OpenAI's chat ``logprobs``: ``content``, per token its text, bytes, log-probability
+        and ``top_logprobs``."""
+        def one(t: int, v: float) -> dict:
+            text = token_text(t)
+            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                            for e in entries]}
+
+    async def _run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, stream: bool,
+                   chat: bool, stream_options: dict | None = None, echo: bool = False):
+        """Serve ``n`` choices of each prompt (choice ``index = prompt * n + j``, sample ``j``
+        drawing from ``seed + j``), each a request of the engine, as one response."""
         if engine.error is not None:
             raise BadRequest(f"the engine stopped after an error: {engine.error!r}", status=503,
                              type_="server_error")
+        if len(prompts) * n > MAX_CHOICES:
+            raise BadRequest(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most {MAX_CHOICES}",
+                             param="n")
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        req = _request(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        echo_text = echo and not chat  # completions' echo: the prompt's text before the output
+        reqs: list[Request] = []
+        for ids in prompts:  # every request checked before any is submitted
+            for j in range(n):
+                index = len(reqs)
+                p = params if j == 0 else dataclasses.replace(params, seed=(params.seed + j) % 2**32)
+                reqs.append(_request(ids, p, lambda ev, i=index: loop.call_soon_threadsafe(events.put_nowait,
+                                                                                          (i, ev))))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        engine.submit(req)
+        for r in reqs:
+            engine.submit(r)
+
+        def cancel_all():
+            for r in reqs:
+                if r.finish_reason is None:
+                    engine.cancel(r)
 
         def usage():
-            return {"prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
-                    "total_tokens": req.prompt_len + len(req.output_ids)}
+            prompt = sum(len(ids) for ids in prompts)  # a prompt counts once, whatever n
+            done = sum(len(r.output_ids) for r in reqs)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+        def prompt_text(r: Request) -> str:
+            return tok.decode(r.prompt_ids)
 
         if not stream:
+            pending = len(reqs)
             try:
-                while True:
+                while pending:
                     try:
-                        ev = await asyncio.wait_for(events.get(), 0.5)
+                        _, ev = await asyncio.wait_for(events.get(), 0.5)
                     except asyncio.TimeoutError:
                         if await http.is_disconnected():
-                            engine.cancel(req)
+                            cancel_all()
                             return JSONResponse({}, status_code=499)
                         continue
-                    if ev.kind == "done":
-                        break
+                    pending -= ev.kind == "done"
             except BaseException:
-                engine.cancel(req)
+                cancel_all()
                 raise
-            if req.finish_reason == "error":
-                raise BadRequest(req.error or "the request failed", status=500, type_="server_error")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": req.text},
-                       "finish_reason": req.finish_reason, "logprobs": None} if chat else
-                      {"index": 0, "text": req.text, "finish_reason": req.finish_reason, "logprobs": None})
+            failed = [r for r in reqs if r.finish_reason == "error"]
+            if failed:
+                raise BadRequest(failed[0].error or "the request failed", status=500, type_="server_error")
+            choices = []
+            for i, r in enumerate(reqs):
+                if chat:
+                    lp = chat_logprobs(r.logprobs) if r.params.logprobs is not None else None
+                    choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
+                                    "finish_reason": r.finish_reason, "logprobs": lp})
+                    continue
+                head = prompt_text(r) if echo_text else ""
+                lp = None
+                if r.params.logprobs is not None:
+                    ids, entries = r.output_ids, r.logprobs
+                    if r.prompt_logprobs is not None:
+                        ids, entries = r.prompt_ids + ids, r.prompt_logprobs + entries
+                    lp = completion_logprobs(ids, entries)
+                choices.append({"index": i, "text": head + r.text, "finish_reason": r.finish_reason, "logprobs": lp})
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                    "model": model_name, "choices": [choice], "usage": usage()}
+                    "model": model_name, "choices": choices, "usage": usage()}
 
         # OpenAI's stream_options.include_usage: a last chunk with no choices and the usage (every
         # other chunk's usage null); vLLM's continuous_usage_stats: the usage so far in every chunk
         include_usage = bool((stream_options or {}).get("include_usage"))
         continuous = include_usage and bool((stream_options or {}).get("continuous_usage_stats"))
+        offsets = [0] * len(reqs)  # completions: each choice's text so far (logprobs' text_offset)
+        held: list[list[TokenLogprob]] = [[] for _ in reqs]  # logprobs of tokens whose text is not sent yet
+        held_ids: list[list[int]] = [[] for _ in reqs]
 
         def frame(choices: list, usage_now=None) -> str:
             out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -365,39 +500,61 @@ def build_app(engine: Engine, model_name: str):
                 out["usage"] = usage_now
             return "data: " + json.dumps(out) + "\n\n"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, first: bool = False) -> str:
+            r = reqs[i]
+            lp = None
+            if r.params.logprobs is not None and (held[i] or finish is not None):
+                if chat:
+                    lp = chat_logprobs(held[i])
+                else:
+                    lp = completion_logprobs(held_ids[i], held[i], offsets[i])
+                held[i], held_ids[i] = [], []
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
+                offsets[i] += len(text or "")
             return frame([choice], usage() if continuous else None)
 
         async def sse():
             try:
-                if chat:
-                    yield chunk(None, None, first=True)
-                while True:
-                    ev = await events.get()
+                for i, r in enumerate(reqs):
+                    if chat:
+                        yield chunk(i, None, None, first=True)
+                    elif echo_text:  # the prompt first, with its logprobs when asked
+                        if r.params.logprobs is not None:
+                            while r.prompt_logprobs is None and r.finish_reason is None:
+                                await asyncio.sleep(0.005)  # scored on the engine's thread, before it decodes
+                            if r.prompt_logprobs is not None:
+                                held[i], held_ids[i] = list(r.prompt_logprobs), list(r.prompt_ids)
+                        yield chunk(i, prompt_text(r), None)
+                pending = len(reqs)
+                while pending:
+                    i, ev = await events.get()
+                    r = reqs[i]
+                    held[i].extend(ev.logprobs)
+                    held_ids[i].extend(ev.token_ids[:len(ev.logprobs)])
                     if ev.kind == "done":
-                        if req.finish_reason == "error":
+                        pending -= 1
+                        if r.finish_reason == "error":
                             # OpenAI's stream error shape: the official client raises it as an APIError
-                            yield "data: " + json.dumps(BadRequest(req.error or "the request failed", status=500,
+                            yield "data: " + json.dumps(BadRequest(r.error or "the request failed", status=500,
                                                                    type_="server_error").body()) + "\n\n"
+                            cancel_all()
                             break
                         if ev.text:
-                            yield chunk(ev.text, None)
-                        yield chunk(None, req.finish_reason)
-                        if include_usage:
-                            yield frame([], usage())
-                        break
+                            yield chunk(i, ev.text, None)
+                        yield chunk(i, None, r.finish_reason)
+                        continue
                     if ev.text:
-                        yield chunk(ev.text, None)
+                        yield chunk(i, ev.text, None)
+                if include_usage:
+                    yield frame([], usage())
                 yield "data: [DONE]\n\n"
             finally:
-                # a client that went away (the generator is closed or cancelled) frees its slot
-                if req.finish_reason is None:
-                    engine.cancel(req)
+                # a client that went away (the generator is closed or cancelled) frees its slots
+                cancel_all()
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -406,16 +563,17 @@ def build_app(engine: Engine, model_name: str):
         body = await _body(http)
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        ids = _prompt_ids(body["prompt"], tok)
-        params, stream = _common_params(body, 16, max(1, engine.context - len(ids)))
-        return await _run(http, ids, params, stream, chat=False, stream_options=body.get("stream_options"))
+        prompts = _prompt_list(body["prompt"], tok)
+        params, stream, n = _common_params(body, 16, max(1, engine.context - max(len(p) for p in prompts)))
+        return await _run(http, prompts, params, n, stream, chat=False, stream_options=body.get("stream_options"),
+                          echo=bool(body.get("echo")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
         body = await _body(http)
         ids = tok.encode(_chat_text(body.get("messages"), tok))
-        params, stream = _common_params(body, None, max(1, engine.context - len(ids)))
-        return await _run(http, ids, params, stream, chat=True, stream_options=body.get("stream_options"))
+        params, stream, n = _common_params(body, None, max(1, engine.context - len(ids)), chat=True)
+        return await _run(http, [ids], params, n, stream, chat=True, stream_options=body.get("stream_options"))
 
     return app
 
