@@ -243,6 +243,26 @@ def test_engine_applies_penalties_bias_and_min_tokens_per_row(tiny, paged):
     assert len(reqs[1].output_ids) == 5 and reqs[1].finish_reason == "stop" and 10 not in reqs[1].output_ids
 
 
+def test_penalised_requests_inserted_while_others_decode(tiny):
+    """More penalised, logprob-asking requests than slots: each insertion (which rewrites the
+    penalties' rows) lands while a step is in flight, and each request still gets the
+    reference's tokens alone."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, V, n).tolist() for n in (9, 21, 14, 5)]
+    params = [SamplingParams(max_tokens=k, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=2)
+              for k in (6, 11, 8, 9)]
+    engine = Engine(tiny, slots=2, max_len=64, stop_ids=(), paged=True).start()
+    try:
+        reqs = [engine.submit(engine.make_request(p, o)) for p, o in zip(prompts, params)]
+        for r in reqs:
+            assert r.done.wait(120), r
+    finally:
+        engine.stop()
+    for p, o, r in zip(prompts, params, reqs):
+        assert r.finish_reason == "length", r.error
+        assert r.output_ids == _reference(tiny, p, o, (), o.max_tokens)[0]
+
+
 def test_engine_top_k_one_is_greedy(tiny):
     """top_k 1 at temperature 1 leaves only the top token: the greedy tokens."""
     prompt = list(range(5, 25))

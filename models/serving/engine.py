@@ -50,6 +50,7 @@ used over the last 12 steps (measured on the device) when offloaded.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import queue
 import threading
@@ -661,7 +662,8 @@ class Engine:
             tokens = merge_tokens(jnp.asarray(np.array(self._fresh)), tokens, prev[0].tokens)
         out = self.kv.step(tokens, np.array(self._active), self._step_sampling(self._counters))
         if out.counts is not None:  # the penalties' counts, with this step's tokens, for the next
-            self._counts = out.counts
+            # (and not kept in flight: an insertion before the collection donates them)
+            self._counts, out = out.counts, dataclasses.replace(out, counts=None)
         for a in (out.tokens, out.logprob, out.top_ids, out.top_logprobs):
             if a is not None and hasattr(a, "copy_to_host_async"):
                 a.copy_to_host_async()
