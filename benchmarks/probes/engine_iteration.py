@@ -82,21 +82,32 @@ def _bare_on(model, method, cfg, cache, steps: int, rounds: int):
     return res["tpot_ms"], state[1]
 
 
+#: ``--sampling``: what each request asks of the sampler. ``options``: every option the server
+#: accepts on at once (temperature, top-k, min-p, the three penalties, a logit bias, min_tokens
+#: and 5 top logprobs): what they cost the iteration against ``plain`` (greedy)
+SAMPLING = {"plain": {}, "options": dict(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, presence_penalty=0.5,
+                                         frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=((5, -100.0),),
+                                         min_tokens=8, logprobs=5)}
+
+
 def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-               paged: bool = False) -> tuple[float, float, int, float]:
+               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float]:
     """(iteration_ms, program_ms, steps measured, bare_live_ms) of an engine of ``batch`` slots at ``cap``
-    (``paged``: the paged engine, its pool as many pages as fit)."""
+    (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
+    key, what every request asks for)."""
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
-    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), paged=paged).start()
+    opts = SAMPLING[sampling]
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(1,) if opts else (), paged=paged).start()
     rng = np.random.default_rng(0)
     try:
         warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
                                SamplingParams(max_tokens=2, ignore_eos=True))  # compiles prefill and step
         assert warm.finish_reason == "length", (warm.finish_reason, warm.error)
         reqs = [engine.make_request(rng.integers(0, model.config.vocab_size, context).tolist(),
-                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **opts))
+                for i in range(batch)]
         k = len(engine.step_times)
         for r in reqs:
             engine.submit(r)
@@ -143,7 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--context", type=int, default=16384, help="tokens per row (prompt length)")
     p.add_argument("--caps", type=parse_list, default=[16896, 33280], help="cache capacities per row (comma-separated)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=parse_list, default=[8], help="rows (comma-separated: one row of the table each)")
+    p.add_argument("--sampling", default="plain", help=f"comma-separated, of {', '.join(SAMPLING)}: what each "
+                                                         "request asks of the sampler")
     p.add_argument("--methods", default="dense,asynctls")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per engine request")
     p.add_argument("--steps", type=int, default=16)
@@ -168,23 +181,27 @@ def main(argv=None) -> int:
             method = (asynctls_for(cfg, budget=budget, kb=8 if a.tiny else 128) if name == "asynctls"
                       else get_method(name))
             model = random_model(cfg, method, cap)
-            bare = _bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds)
-            bare_paged = (_bare_ms(model, method, cfg, a.batch, a.context, cap, a.steps, a.rounds, paged=True)
-                          if "paged" in a.engines.split(",") else None)
-            for kind in a.engines.split(","):
-                if kind not in ("contiguous", "paged"):
-                    raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
-                iteration, program, n, live = _engine_ms(model, a.batch, a.context, cap, a.max_tokens, a.steps,
-                                                   paged=kind == "paged")
-                rows.append({"method": name, "engine": kind, "batch": a.batch, "context": a.context,
-                             "capacity": cap, "bare_ms": round(bare, 3),
-                             "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
-                             "bare_live_ms": round(live, 3), "program_ms": round(program, 3),
-                             "iteration_ms": round(iteration, 3), "steps_measured": n,
-                             "iteration_over_bare": round(iteration / bare, 3),
-                             "program_over_bare": round(program / bare, 3),
-                             "iteration_over_live": round(iteration / live, 3)})
-                print(rows[-1], flush=True)
+            for batch in a.batch:
+                bare = _bare_ms(model, method, cfg, batch, a.context, cap, a.steps, a.rounds)
+                bare_paged = (_bare_ms(model, method, cfg, batch, a.context, cap, a.steps, a.rounds, paged=True)
+                              if "paged" in a.engines.split(",") else None)
+                for kind in a.engines.split(","):
+                    if kind not in ("contiguous", "paged"):
+                        raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
+                    for sampling in a.sampling.split(","):
+                        if sampling not in SAMPLING:
+                            raise SystemExit(f"--sampling: {', '.join(SAMPLING)}; got {sampling!r}")
+                        iteration, program, n, live = _engine_ms(model, batch, a.context, cap, a.max_tokens, a.steps,
+                                                                 paged=kind == "paged", sampling=sampling)
+                        rows.append({"method": name, "engine": kind, "sampling": sampling, "batch": batch,
+                                     "context": a.context, "capacity": cap, "bare_ms": round(bare, 3),
+                                     "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
+                                     "bare_live_ms": round(live, 3), "program_ms": round(program, 3),
+                                     "iteration_ms": round(iteration, 3), "steps_measured": n,
+                                     "iteration_over_bare": round(iteration / bare, 3),
+                                     "program_over_bare": round(program / bare, 3),
+                                     "iteration_over_live": round(iteration / live, 3)})
+                        print(rows[-1], flush=True)
             del model
             jax.clear_caches()
     md = (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
@@ -196,7 +213,7 @@ def main(argv=None) -> int:
           "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
           "zeros; on pages for the paged engine); `program_ms` "
           "of the paged engine runs its pool with every row given a context's pages again).\n\n"
-          + markdown_table(rows, ["method", "engine", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
+          + markdown_table(rows, ["method", "engine", "sampling", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
                                   "bare_live_ms", "program_ms", "iteration_ms", "iteration_over_bare",
                                   "program_over_bare", "iteration_over_live", "steps_measured"]))
     print(md)
