@@ -271,6 +271,40 @@ def test_n_choices_and_prompt_lists(server, references):
     assert len({ch.message.content for ch in chat.choices}) == 1 and len(chat.choices) == 3
 
 
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server.base}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name")))] = smp.value
+    return out
+
+
+def test_metrics_parse_and_move(server):
+    """``/metrics`` parses with prometheus-client's parser, and its counters move as a request
+    is served (vLLM's names under ``sparse_jax:``)."""
+    before = _metrics(server)
+    out = _complete(server.client, PROMPTS[3], max_tokens=5)
+    _wait_idle(server.engine)
+    after = _metrics(server)
+    n = out.usage.completion_tokens
+    assert after[("sparse_jax:generation_tokens_total", ())] - before[("sparse_jax:generation_tokens_total", ())] == n
+    assert after[("sparse_jax:prompt_tokens_total", ())] - before[("sparse_jax:prompt_tokens_total", ())] == \
+        out.usage.prompt_tokens
+    reason = (("finished_reason", out.choices[0].finish_reason),)
+    assert after[("sparse_jax:request_success_total", reason)] - before[("sparse_jax:request_success_total", reason)] == 1
+    ttft = ("sparse_jax:time_to_first_token_seconds_count", ())
+    assert after[ttft] - before[ttft] == 1
+    itl = ("sparse_jax:inter_token_latency_seconds_count", ())
+    assert after[itl] - before[itl] == n - 1
+    assert after[("sparse_jax:num_requests_running", ())] == 0 and after[("sparse_jax:num_requests_waiting", ())] == 0
+    assert after[("sparse_jax:kv_blocks_free", ())] == after[("sparse_jax:kv_blocks_total", ())]
+    assert after[("sparse_jax:engine_steps_total", ())] > before[("sparse_jax:engine_steps_total", ())]
+
+
 def test_sampling_options_are_applied(server, references):
     """logit_bias, min_tokens and the penalties change the output as they say."""
     tok = server.model.tokenizer

@@ -233,6 +233,7 @@ class Engine:
         self._in_hand: Request | None = None  # admitted, being prefilled or inserted: in no list
         self.preempted = 0  # paged: requests whose pages were taken back to let older ones grow
         self._parked: dict[int, _Slot] = {}  # paged: a preempted request's detokenizer and held text
+        self._finish_listeners: list[Callable[[Request], Any]] = []
 
     # -- the client side (any thread) ------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -275,6 +276,11 @@ class Engine:
         self._inbox.put(request)
         self._wake.set()
         return request
+
+    def add_finish_listener(self, fn: Callable[[Request], Any]) -> None:
+        """Call ``fn(request)`` on the engine's thread as each request ends (the server's
+        metrics); an exception it raises is swallowed, never the engine's."""
+        self._finish_listeners.append(fn)
 
     def cancel(self, request: Request) -> None:
         """Ask the engine to drop ``request`` (frees its slot at the next iteration)."""
@@ -749,6 +755,11 @@ class Engine:
         r.finish_reason = reason
         with self._lock:
             self.finished[reason] += 1
+        for fn in self._finish_listeners:  # before the client hears the end: its metrics are there
+            try:
+                fn(r)
+            except Exception:  # noqa: BLE001 - a listener's failure is not the request's or the engine's
+                pass
         self._send(r, Event("done", rest, last_ids, reason, logprobs=last_logprobs))
         r.done.set()
 

@@ -9,8 +9,8 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream``:
 server-sent events, else one JSON body; ``stream_options.include_usage`` and vLLM's
 ``continuous_usage_stats``), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health``
-(the engine's counters), ``/ping``, ``/version``, and vLLM's ``POST /tokenize`` /
-``/detokenize``. FastAPI on uvicorn; the engine runs in its own thread
+(the engine's counters), ``GET /metrics`` (Prometheus, :mod:`models.serving.metrics`),
+``/ping``, ``/version``, and vLLM's ``POST /tokenize`` / ``/detokenize``. FastAPI on uvicorn; the engine runs in its own thread
 and each request talks to it through an asyncio queue fed with
 ``loop.call_soon_threadsafe``.
 
@@ -53,6 +53,7 @@ from typing import Any
 
 import sparse_jax
 from models.serving.engine import Engine
+from models.serving.metrics import ServerMetrics
 from models.serving.requests import MAX_LOGPROBS, Event, Request, SamplingParams, TokenLogprob
 
 # -----------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def build_app(engine: Engine, model_name: str):
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     if engine.tokenizer is None:
@@ -288,6 +289,14 @@ def build_app(engine: Engine, model_name: str):
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "sparse-jax",
                 "max_model_len": engine.context}
+
+    metrics = ServerMetrics(engine, model_name)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """Prometheus text (:mod:`models.serving.metrics`)."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models():
