@@ -169,7 +169,15 @@ class Tokenizer:
     def save_hf(self, path: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``."""
         os.makedirs(path, exist_ok=True)
-        self._tok.save(os.path.join(path, "tokenizer.json"))
+        tok = self._tok
+        if self.add_bos and self.bos_token_id is not None:
+            # this class prepends BOS itself (encode); a Hugging Face loader expects the file's
+            # post-processor to, so a copy carries one (Gemma's SentencePiece vocabulary)
+            tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            bos = self.bos_token
+            tok.post_processor = tokenizers.processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)])
+        tok.save(os.path.join(path, "tokenizer.json"))
         cfg = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.bos_token,

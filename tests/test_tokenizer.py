@@ -135,3 +135,45 @@ def test_incremental_detokenizer_equals_the_whole_decode(which, tok):
             assert "".join(pieces) == t.decode(ids) == d.text, (which, ids[:20])
             if "\ufffd" not in t.decode(ids):
                 assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gemma3-270m"])
+def test_exported_tokenizer_loads_in_transformers_offline(preset, tmp_path, monkeypatch, capsys):
+    """``sparse-jax-export-tokenizer MODEL DIR`` writes a directory that
+    ``transformers.AutoTokenizer`` loads with the hub off (what lm-eval and guidellm do with
+    ``tokenizer=DIR``): the same ids as the served tokenizer (BOS included where the model
+    prepends one), the same chat rendering, and our own loader reads it back."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    from models.cli.export_tokenizer import main, read_tokenizer
+
+    try:
+        ours = read_tokenizer(preset)
+    except gguf_loader.WeightsNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "tok"
+    assert main([preset, str(out)]) == 0
+    with pytest.raises(SystemExit):  # an existing tokenizer is not overwritten without --force
+        main([preset, str(out)])
+    assert "already holds" in capsys.readouterr().err
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    back = Tokenizer.from_hf_directory(out)
+    for text in TEXTS:
+        assert hf.encode(text) == ours.encode(text) == back.encode(text), text
+        assert hf.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    if ours.chat_template:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+        assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            ours.apply_chat_template(msgs)
+    assert hf.eos_token == ours.eos_token
+
+
+def test_export_tokenizer_refuses_what_has_none(tmp_path, capsys):
+    from models.cli.export_tokenizer import main
+
+    for model in ("qwen3-8b", str(tmp_path)):
+        with pytest.raises(SystemExit):
+            main([model, str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "neither a preset with real weights" in err and "has no tokenizer.json" in err
