@@ -313,3 +313,24 @@ def test_engine_scores_prompts(tiny, paged):
     assert all(t.top == () for t in both.prompt_logprobs[1:])
     # the first generated token's logprob is the forward's at the prompt's last position
     np.testing.assert_allclose(both.logprobs[0].logprob, lp[-1, both.output_ids[0]], atol=1e-4)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_n_choices_share_one_prefill(tiny, paged):
+    """A prompt's choices (one ``prefill_group``) admitted together are prefilled once and
+    inserted into each slot; each samples with its own seed and gets what it gets alone."""
+    prompt = list(range(6, 40))
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    # 4 slots: the paged pool (a page per slot) keeps one page of headroom beside the running
+    engine = Engine(tiny, slots=4, max_len=64, stop_ids=(), paged=paged).start()
+    try:
+        alone = [engine.generate(prompt, p).output_ids for p in params]
+        before = engine.stats()
+        reqs = engine.submit_all([engine.make_request(prompt, p, prefill_group="g") for p in params])
+        for r in reqs:
+            assert r.done.wait(120)
+        after = engine.stats()
+    finally:
+        engine.stop()
+    assert [r.output_ids for r in reqs] == alone and len({tuple(a) for a in alone}) > 1
+    assert after["prefills"] - before["prefills"] == 1 and after["prefills_shared"] - before["prefills_shared"] == 2

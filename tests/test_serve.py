@@ -248,7 +248,9 @@ def test_generated_logprobs_completions_and_chat(server, references):
 
 def test_n_choices_and_prompt_lists(server, references):
     c = server.client
+    shared = server.engine.stats()["prefills_shared"]
     greedy = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=12, temperature=0)
+    assert server.engine.stats()["prefills_shared"] == shared + 1  # the two choices: one prefill
     assert [ch.text for ch in greedy.choices] == [references[PROMPTS[0]]] * 2
     one = _complete(c, PROMPTS[0]).usage
     assert greedy.usage.prompt_tokens == one.prompt_tokens  # a prompt counts once, whatever n

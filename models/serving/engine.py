@@ -170,6 +170,8 @@ class Engine:
         self.paged = bool(paged)
         self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
+        self.prefills = 0  # whole prefills run
+        self.prefills_shared = 0  # requests inserted from another's prefill (a prompt's n choices)
         cache_bytes = self.kv.device_bytes
         # resident: bytes per cached token; offloaded the device holds a fixed tier per slot, so this
         # spreads it over the slot's positions (the working-set estimate is not built: Scheduler)
@@ -217,6 +219,7 @@ class Engine:
         self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read
 
         self._inbox: queue.Queue[Request] = queue.Queue()
+        self._inbox_lock = threading.Lock()  # submit_all's requests are taken in one iteration
         self._waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -237,8 +240,10 @@ class Engine:
 
     # -- the client side (any thread) ------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     on_event: Callable[[Event], Any] | None = None) -> Request:
-        """A checked request (ValueError, before any device work, if it cannot run)."""
+                     on_event: Callable[[Event], Any] | None = None, prefill_group: Any = None) -> Request:
+        """A checked request (ValueError, before any device work, if it cannot run).
+        ``prefill_group``: requests of one group with the same prompt, admitted together,
+        share one prefill (:meth:`_prefill_insert`)."""
         params.check()
         ids = list(prompt_ids)
         if not ids:
@@ -260,7 +265,7 @@ class Engine:
             raise ValueError("prompt logprobs (echo) are not computed on a sharded model yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        r = Request(ids, params, on_event)
+        r = Request(ids, params, on_event, prefill_group=prefill_group)
         if self.paged:
             self.kv.check_request(r)
         self.scheduler.check_admissible(r)
@@ -268,14 +273,22 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by :meth:`make_request`; returns it."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[Request]) -> list[Request]:
+        """Queue requests made by :meth:`make_request` at once: the engine takes them in
+        one iteration (a prompt's ``n`` choices then share a prefill); returns them."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
-        request.t_arrival = time.perf_counter()
+        now = time.perf_counter()
+        with self._inbox_lock:
+            for r in requests:
+                r.t_arrival = now
+                self._inbox.put(r)
         with self._lock:
-            self.submitted += 1
-        self._inbox.put(request)
+            self.submitted += len(requests)
         self._wake.set()
-        return request
+        return list(requests)
 
     def add_finish_listener(self, fn: Callable[[Request], Any]) -> None:
         """Call ``fn(request)`` on the engine's thread as each request ends (the server's
@@ -298,6 +311,7 @@ class Engine:
                     "slots": self.slots, "max_len": self.max_len, "active_slots": active,
                     "free_slots": self.slots - active,
                     "prefilling": prefilling, "prefill_segments": self.prefill_segments,
+                    "prefills": self.prefills, "prefills_shared": self.prefills_shared,
                     "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
@@ -362,11 +376,14 @@ class Engine:
         and insert what the scheduler admits, run one decode step over the slots.
         Returns whether it did any work."""
         worked = False
-        while True:
-            try:
-                r = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        taken = []
+        with self._inbox_lock:
+            while True:
+                try:
+                    taken.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        for r in taken:
             if r.params.prompt_logprobs is not None and not r.cancelled:
                 worked = True
                 if not self._score_prompt(r) or r.params.max_tokens == 0:
@@ -383,11 +400,12 @@ class Engine:
         running = [s.request for s in self._slots if s is not None]
         free = [i for i, s in enumerate(self._slots) if s is None]
         if self.max_inject_tokens is None:
+            shared: dict = {}  # this iteration's prefills by prefill group (one prompt's n choices)
             for r in self.scheduler.admit(list(self._waiting), running, len(free)):
                 if not self._reserve_prompt(r):
                     break
                 self._waiting.remove(r)
-                self._prefill_insert(r, free.pop(0))
+                self._prefill_insert(r, free.pop(0), shared)
                 worked = True
         else:
             if self._prefilling is None and free:  # one prompt in flight: it holds a slot, inactive
@@ -490,8 +508,20 @@ class Engine:
             self.preempted += 1
             self._waiting.appendleft(r)
 
-    def _prefill_insert(self, r: Request, slot: int) -> None:
+    def _prefill_insert(self, r: Request, slot: int, shared: dict | None = None) -> None:
+        """Prefill ``r`` and insert it into ``slot``. Requests of one ``prefill_group`` (the
+        ``n`` choices of a prompt) admitted in the same iteration share one prefill: its row
+        is inserted into each one's slot (resident and paged engines; the insertion does not
+        consume the row), and each samples its first token from the same logits with its own
+        seed."""
         r.t_scheduled = time.perf_counter()
+        key = (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None and not self.kv.offloaded \
+            else None
+        if shared is not None and key in shared:
+            with self._lock:
+                self.prefills_shared += 1
+            self._insert_prefilled(r, slot, *shared[key])
+            return
         self._in_hand = r
         try:
             logits, row = self.kv.prefill(r.prefill_ids)
@@ -501,6 +531,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)
             return
+        with self._lock:
+            self.prefills += 1
+        if shared is not None and key is not None:
+            shared[key] = (logits, row)
         self._insert_prefilled(r, slot, logits, row)
 
     def _fail(self, r: Request, e: Exception) -> None:

@@ -81,9 +81,9 @@ class EngineReplicas:
 
     # -- the client side ---------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     on_event: Callable[[Event], Any] | None = None) -> Request:
+                     on_event: Callable[[Event], Any] | None = None, prefill_group: Any = None) -> Request:
         """A checked request (the replicas are alike: the first one checks it)."""
-        return self.engines[0].make_request(prompt_ids, params, on_event)
+        return self.engines[0].make_request(prompt_ids, params, on_event, prefill_group=prefill_group)
 
     def _load(self, i: int) -> tuple:
         # the requests given to replica i and not finished, counted here: the engine's own
@@ -93,15 +93,21 @@ class EngineReplicas:
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` on the least-loaded replica; returns it."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[Request]) -> list[Request]:
+        """Queue ``requests`` together on the least-loaded replica (a prompt's ``n`` choices
+        share its prefill there); returns them."""
         if self.error is not None:
             raise RuntimeError(f"a replica stopped after an error: {self.error!r}")
         with self._lock:
             i = min(range(len(self.engines)), key=self._load)
-            self._given[i] += 1
+            self._given[i] += len(requests)
             if len(self._owner) > 1024:
                 self._owner = {k: v for k, v in self._owner.items() if not v[1].done.is_set()}
-            self._owner[request.id] = (i, request)
-        return self.engines[i].submit(request)
+            for r in requests:
+                self._owner[r.id] = (i, r)
+        return self.engines[i].submit_all(requests)
 
     def replica_of(self, request: Request) -> int | None:
         """The replica a submitted request went to (None when unknown or long finished)."""

@@ -132,8 +132,10 @@ class Request:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 on_event: Callable[[Event], Any] | None = None):
+                 on_event: Callable[[Event], Any] | None = None, prefill_group: Any = None):
         self.id = next(Request._ids)
+        # requests of one group with the same prompt may share one prefill (the n choices of a prompt)
+        self.prefill_group = prefill_group
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.params = params
         self.on_event = on_event

@@ -85,14 +85,19 @@ class Scheduler:
         room = min(free_slots, self.max_requests - len(running))
         tokens = len(running)  # each running request decodes one token this iteration
         candidates: list[Request] = []
+        groups = set()  # a prompt's n choices are prefilled once: their tokens count once (T_max)
         for r in waiting:
             if len(candidates) >= room:
                 break
-            if tokens + r.prefill_len > self.max_tokens_per_iter and candidates:
+            key = (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None else None
+            cost = 0 if key in groups else r.prefill_len
+            if tokens + cost > self.max_tokens_per_iter and candidates:
                 self.counters.deferred_for_tokens += 1
                 break
             candidates.append(r)
-            tokens += r.prefill_len
+            tokens += cost
+            if key is not None:
+                groups.add(key)
         used = sum(self.working_set(r) for r in running)
         batch = []
         for r in candidates:

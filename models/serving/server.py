@@ -382,9 +382,9 @@ def build_app(engine: Engine, model_name: str):
         """A completions body: a JSON object naming this server's model."""
         return await _json_object(http, require_model=True)
 
-    def _request(ids: list[int], params: SamplingParams, on_event) -> Request:
+    def _request(ids: list[int], params: SamplingParams, on_event, group=None) -> Request:
         try:
-            return engine.make_request(ids, params, on_event)
+            return engine.make_request(ids, params, on_event, prefill_group=group)
         except ValueError as e:
             raise BadRequest(str(e), code="context_length_exceeded" if "context" in str(e) else None) from None
 
@@ -434,16 +434,16 @@ def build_app(engine: Engine, model_name: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         echo_text = echo and not chat  # completions' echo: the prompt's text before the output
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         reqs: list[Request] = []
-        for ids in prompts:  # every request checked before any is submitted
+        for k, ids in enumerate(prompts):  # every request checked before any is submitted
             for j in range(n):
                 index = len(reqs)
                 p = params if j == 0 else dataclasses.replace(params, seed=(params.seed + j) % 2**32)
-                reqs.append(_request(ids, p, lambda ev, i=index: loop.call_soon_threadsafe(events.put_nowait,
-                                                                                          (i, ev))))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        for r in reqs:
-            engine.submit(r)
+                # a prompt's n choices share one prefill when admitted together
+                reqs.append(_request(ids, p, lambda ev, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
+                                     group=(rid, k) if n > 1 else None))
+        engine.submit_all(reqs)
 
         def cancel_all():
             for r in reqs:
