@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models.sampling import (Filters, Penalties, RowSampling, adjust_logits, filter_sorted, logprob_width, sample,
-                             sample_rows, sample_step)
+                             sample_program, sample_rows, sample_step)
 from models.serving.engine import Engine
 from models.serving.requests import SamplingParams
 
@@ -129,7 +129,7 @@ def test_sample_draws_only_from_the_filtered_set_and_is_per_row():
         s = RowSampling(jnp.asarray([1, 2, 3], jnp.uint32), jnp.full((3,), c, jnp.int32),
                         jnp.asarray([0.0, 1.5, 1.0]), jnp.ones(3),
                         filters=Filters(jnp.asarray([0, 3, 0], jnp.int32), jnp.asarray([0.0, 0.0, 1.0])))
-        t = np.asarray(sample(z, s).tokens)
+        t = np.asarray(sample_program(z, s).tokens)
         assert t[0] == int(jnp.argmax(z[0]))  # greedy row
         assert t[2] == int(jnp.argmax(z[2]))  # min_p 1: only the top token
         seen.add(int(t[1]))
@@ -193,7 +193,10 @@ def _reference(model, prompt, params: SamplingParams, stop_ids, n):
     ids, out, lps = list(prompt), [], []
     bias = [list(params.logit_bias)]
     for i in range(n):
-        logits = np.asarray(model.forward(jnp.asarray([ids], jnp.int32)))[0, -1:]
+        # one padded length (the forward is causal): one compilation for every step
+        padded = np.zeros((1, 64), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.asarray(model.forward(jnp.asarray(padded)))[0, len(ids) - 1:len(ids)]
         counts = np.bincount(np.asarray(out, int), minlength=V)[None].astype(np.int32)
         seen = np.zeros((1, V), bool)
         seen[0, prompt] = True
