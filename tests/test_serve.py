@@ -307,6 +307,55 @@ def test_metrics_parse_and_move(server):
     assert after[("sparse_jax:engine_steps_total", ())] > before[("sparse_jax:engine_steps_total", ())]
 
 
+def test_openapi_schema_fuzzed_with_schemathesis(server, references):
+    """schemathesis on the server's own OpenAPI schema, positive and negative cases for every
+    operation (bounded: 6 examples each, derandomized, at most 2 output tokens and 2 choices):
+    no 5xx, every refusal in OpenAI's error shape, and the server still answers afterwards.
+    (It found a top_k past int32 that stopped the engine thread.)"""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import errors as hypothesis_errors
+
+    spec = httpx.get(f"{server.base}/openapi.json").json()
+    assert "requestBody" in spec["paths"]["/v1/completions"]["post"]
+    schema = schemathesis.openapi.from_dict(spec)
+    seen = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=6, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case):
+                body = case.body
+                if isinstance(body, dict):  # bounded work: the fuzz is about the edges, not long outputs
+                    if "completions" in case.path and body.get("max_tokens") is None and \
+                            body.get("max_completion_tokens") is None:
+                        body["max_tokens"] = 2  # chat's default is the rest of the context
+                    for key, cap in (("max_tokens", 2), ("max_completion_tokens", 2), ("n", 2), ("min_tokens", 2)):
+                        if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > cap:
+                            body[key] = cap
+                    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and \
+                            all(isinstance(x, (str, list)) for x in body["prompt"]):
+                        body["prompt"] = body["prompt"][:2]
+                r = case.call(base_url=server.base, timeout=120)
+                key = f"{case.method} {case.path} {mode.value}"
+                seen.setdefault(key, set()).add(r.status_code)
+                assert r.status_code < 500, (key, body, r.text[:500])
+                if r.status_code >= 400 and r.status_code != 499:
+                    err = r.json()["error"]
+                    assert isinstance(err["message"], str) and err["message"] and "type" in err, r.text[:300]
+
+            try:
+                run()
+            except hypothesis_errors.Unsatisfiable:  # no negative case exists (an operation without inputs)
+                assert mode == schemathesis.GenerationMode.NEGATIVE
+    assert any(400 <= c < 500 for k, codes in seen.items() if "completions" in k for c in codes)
+    assert any(c == 200 for k, codes in seen.items() if "completions positive" in k for c in codes)
+    _wait_idle(server.engine)
+    assert _complete(server.client, PROMPTS[0]).choices[0].text == references[PROMPTS[0]]
+
+
 def test_sampling_options_are_applied(server, references):
     """logit_bias, min_tokens and the penalties change the output as they say."""
     tok = server.model.tokenizer

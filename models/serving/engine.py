@@ -576,7 +576,7 @@ class Engine:
             self._counters[slot] = done
             self._temperature[slot] = p.temperature
             self._top_p[slot] = p.top_p
-            self._top_k[slot] = p.top_k
+            self._top_k[slot] = min(p.top_k, self.model.config.vocab_size)  # past the vocabulary: all kept
             self._min_p[slot] = p.min_p
             self._presence[slot] = p.presence_penalty
             self._frequency[slot] = p.frequency_penalty
@@ -616,7 +616,8 @@ class Engine:
         ban = p.min_tokens > done and self._stop_ids_dev is not None
         return RowSampling(
             jnp.asarray([p.seed], jnp.uint32), jnp.full((1,), done, jnp.int32), f32(p.temperature), f32(p.top_p),
-            filters=Filters(jnp.asarray([p.top_k], jnp.int32), f32(p.min_p)) if p.top_k or p.min_p else None,
+            filters=(Filters(jnp.asarray([min(p.top_k, self.model.config.vocab_size)], jnp.int32), f32(p.min_p))
+                     if p.top_k or p.min_p else None),
             penalties=pen, bias_ids=bias_ids, bias_values=bias_values,
             min_tokens=jnp.asarray([p.min_tokens], jnp.int32) if ban else None,
             stop_ids=self._stop_ids_dev if ban else None,

@@ -79,6 +79,60 @@ _UNSUPPORTED = ("suffix", "tools", "functions", "tool_choice", "function_call")
 MAX_CHOICES = 64
 
 
+# -----------------------------------------------------------------------------
+# The request bodies in the OpenAPI schema (/openapi.json): the handlers read and check the
+# JSON themselves (above); these describe it for clients and fuzzers (schemathesis)
+# -----------------------------------------------------------------------------
+
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_SAMPLING_FIELDS = {
+    "model": {"type": "string"}, "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": ["integer", "null"], "minimum": -1}, "min_p": {"type": ["number", "null"], "minimum": 0,
+                                                                      "maximum": 1},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0},
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number", "minimum": -100,
+                                                                         "maximum": 100}},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 64}, "seed": {"type": ["integer", "null"]},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                       {"type": "null"}]},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"},
+                                                                   "continuous_usage_stats": {"type": "boolean"}}},
+    "ignore_eos": {"type": "boolean"}}
+COMPLETIONS_BODY = {"type": "object", "required": ["model", "prompt"], "properties": {
+    **_SAMPLING_FIELDS, "prompt": {"anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}},
+                                            {"type": "array", "items": _IDS}]},
+    "echo": {"type": "boolean"}, "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+    "best_of": {"type": ["integer", "null"], "minimum": 1}}}
+_MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"},
+                                                                       "text": {"type": "string"}}}}]}}}}
+CHAT_BODY = {"type": "object", "required": ["model", "messages"], "properties": {
+    **_SAMPLING_FIELDS, "messages": _MESSAGES, "logprobs": {"type": ["boolean", "null"]},
+    "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20}}}
+TOKENIZE_BODY = {"type": "object", "properties": {
+    "model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
+    "add_generation_prompt": {"type": "boolean"}, "add_special_tokens": {"type": "boolean"},
+    "return_token_strs": {"type": "boolean"}}}
+DETOKENIZE_BODY = {"type": "object", "required": ["tokens"], "properties": {"model": {"type": "string"},
+                                                                            "tokens": _IDS}}
+
+
+def _body_schema(schema: dict, model_name: str) -> dict:
+    """FastAPI's ``openapi_extra`` for a route whose JSON body is ``schema`` (its ``model``
+    the one this server serves)."""
+    schema = {**schema, "properties": {**schema["properties"], "model": {"enum": [model_name]}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def _number(body: dict, key: str, default: float, lo: float | None = None, hi: float | None = None,
             integer: bool = False):
     v = body.get(key, default)
@@ -309,10 +363,12 @@ def build_app(engine: Engine, model_name: str):
                              status=404, param="model", code="model_not_found")
         return model_card()
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
         ok = engine.error is None and engine.stats()["alive"]
         return JSONResponse({}, status_code=200 if ok else 503)
+
+    app.post("/ping", operation_id="ping_post")(ping)
 
     @app.get("/version")
     async def version():
@@ -336,7 +392,7 @@ def build_app(engine: Engine, model_name: str):
                              status=404, param="model", code="model_not_found")
         return body
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body_schema(TOKENIZE_BODY, model_name))
     async def tokenize(http: HTTPRequest):
         """vLLM's ``/tokenize``: ``prompt`` (text) or ``messages`` (rendered with the chat
         template; ``add_generation_prompt``, default true) to ``tokens``, ``count`` and
@@ -367,7 +423,7 @@ def build_app(engine: Engine, model_name: str):
             out["token_strs"] = [tok.id_to_token(i) for i in ids]
         return out
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body_schema(DETOKENIZE_BODY, model_name))
     async def detokenize(http: HTTPRequest):
         """vLLM's ``/detokenize``: ``tokens`` (ids) to ``prompt`` (their text)."""
         body = await _json_object(http)
@@ -567,7 +623,7 @@ def build_app(engine: Engine, model_name: str):
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(COMPLETIONS_BODY, model_name))
     async def completions(http: HTTPRequest):
         body = await _body(http)
         if "prompt" not in body:
@@ -577,7 +633,7 @@ def build_app(engine: Engine, model_name: str):
         return await _run(http, prompts, params, n, stream, chat=False, stream_options=body.get("stream_options"),
                           echo=bool(body.get("echo")))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(CHAT_BODY, model_name))
     async def chat_completions(http: HTTPRequest):
         body = await _body(http)
         ids = tok.encode(_chat_text(body.get("messages"), tok))
