@@ -212,6 +212,19 @@ def _reference(model, prompt, params: SamplingParams, stop_ids, n):
     return out, lps
 
 
+def _serve_all(engine: Engine, prompts, params) -> list:
+    """Each prompt with its parameters through ``engine`` (started here, stopped after), all
+    submitted at once; the finished requests."""
+    engine.start()
+    try:
+        reqs = [engine.submit(engine.make_request(p, o)) for p, o in zip(prompts, params)]
+        for r in reqs:
+            assert r.done.wait(120), r
+    finally:
+        engine.stop()
+    return reqs
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_engine_applies_penalties_bias_and_min_tokens_per_row(tiny, paged):
     """Three requests decoding together, each with its own options, get the tokens of the
@@ -223,13 +236,7 @@ def test_engine_applies_penalties_bias_and_min_tokens_per_row(tiny, paged):
             SamplingParams(max_tokens=14, logit_bias=((3, 100.0), (10, -100.0)), min_tokens=5),
             SamplingParams(max_tokens=14, logprobs=0)]
     stop_ids = (3,)
-    engine = Engine(tiny, slots=3, max_len=64, stop_ids=stop_ids, paged=paged).start()
-    try:
-        reqs = [engine.submit(engine.make_request(p, o)) for p, o in zip(prompts, opts)]
-        for r in reqs:
-            assert r.done.wait(120), r
-    finally:
-        engine.stop()
+    reqs = _serve_all(Engine(tiny, slots=3, max_len=64, stop_ids=stop_ids, paged=paged), prompts, opts)
     for p, o, r in zip(prompts, opts, reqs):
         want, lps = _reference(tiny, p, o, stop_ids, o.max_tokens)
         assert r.output_ids == want, (o, r.output_ids, want)
@@ -254,13 +261,7 @@ def test_penalised_requests_inserted_while_others_decode(tiny):
     prompts = [rng.integers(4, V, n).tolist() for n in (9, 21, 14, 5)]
     params = [SamplingParams(max_tokens=k, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=2)
               for k in (6, 11, 8, 9)]
-    engine = Engine(tiny, slots=2, max_len=64, stop_ids=(), paged=True).start()
-    try:
-        reqs = [engine.submit(engine.make_request(p, o)) for p, o in zip(prompts, params)]
-        for r in reqs:
-            assert r.done.wait(120), r
-    finally:
-        engine.stop()
+    reqs = _serve_all(Engine(tiny, slots=2, max_len=64, stop_ids=(), paged=True), prompts, params)
     for p, o, r in zip(prompts, params, reqs):
         assert r.finish_reason == "length", r.error
         assert r.output_ids == _reference(tiny, p, o, (), o.max_tokens)[0]

@@ -50,8 +50,6 @@ used over the last 12 steps (measured on the device) when offloaded.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import queue
 import threading
 import time
@@ -65,11 +63,12 @@ from models import programs
 from models.api import round_up
 from models.runtime.cache_rank import CacheRankModel
 from models.detokenize import IncrementalDetokenizer
-from models.sampling import Filters, Penalties, RowSampling, logprob_width, sample_program
+from models.sampling import logprob_width, sample_program
 from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
 from models.serving.paged import PagedSlots, page_size
-from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
+from models.serving.slot_sampling import SlotSampling, token_logprob
+from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, prefill_bucket
 
 
 
@@ -196,24 +195,9 @@ class Engine:
         # host-side per-slot arrays, sent with each step (a few ints per row)
         self._tokens = np.zeros(self.slots, np.int32)
         self._active = np.zeros(self.slots, bool)
-        self._seeds = np.zeros(self.slots, np.uint32)
         self._counters = np.zeros(self.slots, np.int32)
-        self._temperature = np.zeros(self.slots, np.float32)
-        self._top_p = np.ones(self.slots, np.float32)
-        # the options a step's sampling includes only when an active row uses them (RowSampling)
-        self._top_k = np.zeros(self.slots, np.int32)
-        self._min_p = np.zeros(self.slots, np.float32)
-        self._presence = np.zeros(self.slots, np.float32)
-        self._frequency = np.zeros(self.slots, np.float32)
-        self._repetition = np.ones(self.slots, np.float32)
-        self._min_tokens = np.zeros(self.slots, np.int32)
-        self._logprobs = np.full(self.slots, -1, np.int32)  # top log-probs wanted per slot (-1: none)
-        self._bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.slots
-        self._stop_ids_dev = jnp.asarray(sorted(self.stop_ids), jnp.int32) if self.stop_ids else None
-        # penalties' device state, made when the first penalised request arrives: output token counts
-        # int32[slots, V] (the step adds the token each row consumes) and the prompt's tokens bool[slots, V]
-        self._counts = None
-        self._prompt_seen = None
+        # every slot's sampling options (host) and the penalties' state (device)
+        self._sampling = SlotSampling(self.slots, model.config.vocab_size, self.stop_ids)
         self._slots: list[_Slot | None] = [None] * self.slots
         self._fresh = np.zeros(self.slots, bool)  # inserted since the last step: its token is on the host
         self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read
@@ -440,7 +424,7 @@ class Engine:
         (the request failed, the engine serves on) when the forward failed."""
         ids, want = r.prompt_ids, r.params.prompt_logprobs
         n = len(ids)
-        bucket = -(-n // 64) * 64 if n <= 1024 else 1 << (n - 1).bit_length()
+        bucket = round_up(prefill_bucket(n, self.max_len), 64)  # the LM head runs 64 positions at a time
         tokens = np.full((1, bucket), self.model._pad_id(), np.int32)
         tokens[0, :n] = ids
         width = max(logprob_width(want), 0)
@@ -560,9 +544,8 @@ class Engine:
         self._in_hand = r
         p = r.params
         done = len(r.output_ids)  # a preempted request resumes: its next token's index
-        if p.penalized:
-            self._seed_penalties(r, slot)
-        first = sample_program(logits, self._first_sampling(r, slot, done))
+        self._sampling.assign(slot, r)  # before the first token: it samples with the row's options
+        first = sample_program(logits, self._sampling.build(np.asarray([done]), slot=slot))
         if self.paged:
             self.kv.insert(row, slot, r)
         else:
@@ -572,84 +555,9 @@ class Engine:
             r.slot = slot
             self._active[slot] = True
             self._fresh[slot] = True
-            self._seeds[slot] = p.seed
             self._counters[slot] = done
-            self._temperature[slot] = p.temperature
-            self._top_p[slot] = p.top_p
-            self._top_k[slot] = min(p.top_k, self.model.config.vocab_size)  # past the vocabulary: all kept
-            self._min_p[slot] = p.min_p
-            self._presence[slot] = p.presence_penalty
-            self._frequency[slot] = p.frequency_penalty
-            self._repetition[slot] = p.repetition_penalty
-            self._min_tokens[slot] = p.min_tokens
-            self._logprobs[slot] = -1 if p.logprobs is None else p.logprobs
-            self._bias[slot] = (np.asarray([t for t, _ in p.logit_bias], np.int32),
-                                np.asarray([b for _, b in p.logit_bias], np.float32)) if p.logit_bias else None
         self._in_hand = None  # in its slot now
-        self._emit(slot, int(np.asarray(first.tokens)[0]), time.perf_counter(), _logprobs(first, 0, p.logprobs))
-
-    def _seed_penalties(self, r: Request, slot: int) -> None:
-        """Row ``slot`` of the penalties' state for ``r``: its output so far counted (a
-        preempted request resumes with them) and its prompt's tokens marked."""
-        v = self.model.config.vocab_size
-        if self._counts is None:
-            self._counts = jnp.zeros((self.slots, v), jnp.int32)
-            self._prompt_seen = jnp.zeros((self.slots, v), bool)
-        counts = np.bincount(np.asarray(r.output_ids, np.int64), minlength=v).astype(np.int32)
-        seen = np.zeros(v, bool)
-        seen[r.prompt_ids] = True
-        self._counts, self._prompt_seen = _set_rows(self._counts, self._prompt_seen, jnp.int32(slot),
-                                                    jnp.asarray(counts), jnp.asarray(seen))
-
-    def _first_sampling(self, r: Request, slot: int, done: int) -> RowSampling:
-        """The one-row :class:`RowSampling` of ``r``'s first token (after its prefill)."""
-        p = r.params
-        f32 = lambda x: jnp.asarray([x], jnp.float32)  # noqa: E731
-        pen = None
-        if p.penalized:
-            pen = Penalties(f32(p.presence_penalty), f32(p.frequency_penalty), f32(p.repetition_penalty),
-                            self._counts[slot][None], self._prompt_seen[slot][None])
-        bias_ids = bias_values = None
-        if p.logit_bias:
-            bias_ids = jnp.asarray([[t for t, _ in p.logit_bias]], jnp.int32)
-            bias_values = jnp.asarray([[b for _, b in p.logit_bias]], jnp.float32)
-        ban = p.min_tokens > done and self._stop_ids_dev is not None
-        return RowSampling(
-            jnp.asarray([p.seed], jnp.uint32), jnp.full((1,), done, jnp.int32), f32(p.temperature), f32(p.top_p),
-            filters=(Filters(jnp.asarray([min(p.top_k, self.model.config.vocab_size)], jnp.int32), f32(p.min_p))
-                     if p.top_k or p.min_p else None),
-            penalties=pen, bias_ids=bias_ids, bias_values=bias_values,
-            min_tokens=jnp.asarray([p.min_tokens], jnp.int32) if ban else None,
-            stop_ids=self._stop_ids_dev if ban else None,
-            top_logprobs=logprob_width(-1 if p.logprobs is None else p.logprobs))
-
-    def _step_sampling(self, counters: np.ndarray) -> RowSampling:
-        """The step's :class:`RowSampling` over every slot (host arrays copied: they change
-        while the step is queued), with each option only when an active row uses it."""
-        act = self._active
-        f32 = lambda x: jnp.asarray(np.array(x, np.float32))  # noqa: E731
-        filters = pen = bias_ids = bias_values = min_tokens = stop_ids = None
-        if ((self._top_k > 0) | (self._min_p > 0))[act].any():
-            filters = Filters(jnp.asarray(self._top_k.copy()), f32(self._min_p))
-        if ((self._presence != 0) | (self._frequency != 0) | (self._repetition != 1))[act].any():
-            pen = Penalties(f32(self._presence), f32(self._frequency), f32(self._repetition), self._counts,
-                            self._prompt_seen)
-        biased = [i for i in range(self.slots) if act[i] and self._bias[i] is not None]
-        if biased:
-            width = 1 << max(3, (max(len(self._bias[i][0]) for i in biased) - 1).bit_length())
-            ids = np.zeros((self.slots, width), np.int32)
-            vals = np.zeros((self.slots, width), np.float32)
-            for i in biased:
-                k = len(self._bias[i][0])
-                ids[i, :k], vals[i, :k] = self._bias[i]
-            bias_ids, bias_values = jnp.asarray(ids), jnp.asarray(vals)
-        if self._stop_ids_dev is not None and (counters < self._min_tokens)[act].any():
-            min_tokens, stop_ids = jnp.asarray(self._min_tokens.copy()), self._stop_ids_dev
-        wanted = int(self._logprobs[act].max()) if act.any() else -1
-        return RowSampling(jnp.asarray(self._seeds.copy()), jnp.asarray(counters.copy()),
-                           f32(self._temperature), f32(self._top_p), filters=filters, penalties=pen,
-                           bias_ids=bias_ids, bias_values=bias_values, min_tokens=min_tokens, stop_ids=stop_ids,
-                           top_logprobs=logprob_width(wanted))
+        self._emit(slot, int(np.asarray(first.tokens)[0]), time.perf_counter(), token_logprob(first, 0, p.logprobs))
 
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
@@ -701,10 +609,8 @@ class Engine:
         tokens = jnp.asarray(np.array(self._tokens))
         if prev is not None:
             tokens = merge_tokens(jnp.asarray(np.array(self._fresh)), tokens, prev[0].tokens)
-        out = self.kv.step(tokens, np.array(self._active), self._step_sampling(self._counters))
-        if out.counts is not None:  # the penalties' counts, with this step's tokens, for the next
-            # (and not kept in flight: an insertion before the collection donates them)
-            self._counts, out = out.counts, dataclasses.replace(out, counts=None)
+        out = self.kv.step(tokens, np.array(self._active), self._sampling.build(self._counters, self._active))
+        out = self._sampling.take_counts(out)  # the penalties' counts with this step's tokens, for the next
         for a in (out.tokens, out.logprob, out.top_ids, out.top_logprobs):
             if a is not None and hasattr(a, "copy_to_host_async"):
                 a.copy_to_host_async()
@@ -729,7 +635,7 @@ class Engine:
         for slot, r in enumerate(snapshot):
             s = self._slots[slot]
             if r is not None and r.finish_reason is None and s is not None and s.request is r:
-                self._emit(slot, int(toks[slot]), now, _logprobs(out, slot, r.params.logprobs))
+                self._emit(slot, int(toks[slot]), now, token_logprob(out, slot, r.params.logprobs))
 
     def _emit(self, slot: int, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """Record token ``tok`` (and its ``logprob``, when asked for) of the request in
@@ -809,26 +715,6 @@ class Engine:
         if not r.done.wait(timeout):
             raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
         return r
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _set_rows(counts: jax.Array, seen: jax.Array, slot: jax.Array, row_counts: jax.Array,
-              row_seen: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The penalties' state with row ``slot`` replaced (both donated)."""
-    return (jax.lax.dynamic_update_index_in_dim(counts, row_counts, slot, 0),
-            jax.lax.dynamic_update_index_in_dim(seen, row_seen, slot, 0))
-
-
-def _logprobs(out, row: int, wanted: int | None) -> TokenLogprob | None:
-    """Row ``row`` of a sampled step's log-probabilities (a :class:`models.sampling.SampleOut`
-    read back to the host), its top ``wanted``; None when the request asked for none."""
-    if wanted is None:
-        return None
-    top = ()
-    if wanted:
-        ids, lps = np.asarray(out.top_ids[row]), np.asarray(out.top_logprobs[row])
-        top = tuple((int(i), float(v)) for i, v in zip(ids[:wanted], lps[:wanted]))
-    return TokenLogprob(int(np.asarray(out.tokens)[row]), float(np.asarray(out.logprob)[row]), top)
 
 
 def _describe(e: BaseException) -> str:
