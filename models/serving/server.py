@@ -307,6 +307,7 @@ def build_app(engine: Engine, model_name: str):
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 
     if engine.tokenizer is None:
         raise ValueError(f"model {model_name!r} has no tokenizer (random weights): the server needs one")
@@ -329,6 +330,12 @@ def build_app(engine: Engine, model_name: str):
             msg = str(exc.detail)
         body = BadRequest(msg, status=exc.status_code, code=str(exc.status_code)).body()
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_, exc: ClientDisconnect):
+        # The client hung up before its body was read: nothing was submitted and nobody is
+        # listening, so no traceback in the log (nginx's 499, "client closed request").
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
