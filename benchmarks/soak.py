@@ -192,7 +192,8 @@ def run_soak(base: str, model: str, *, clients: int = 8, requests: int = 48, tim
     end = time.time() + 120
     while time.time() < end:
         after = health(base)
-        if after["active_slots"] == 0 and after["waiting"] == 0 and not after.get("prefilling") \
+        # running counts a request between the queue and its slot (its prefill may hold pages)
+        if after["running"] == 0 and after["waiting"] == 0 and after["active_slots"] == 0 \
                 and after["working_set_bytes"] == 0:
             drained = True
             break

@@ -123,6 +123,40 @@ def test_paged_engine_preempts_and_recomputes_with_the_same_tokens(tiny, name, s
         engine.stop()
 
 
+def test_a_request_being_prefilled_counts_as_running(tiny):
+    """Between its queue and its slot (its prefill running, its pages reserved) a request is
+    ``running``, and the engine is not idle: CI of 1e2db3e read an idle engine with a page
+    held by a cancelled request's prefill (``kv_blocks_free`` 11 of 12)."""
+    import threading
+
+    engine = Engine(tiny.with_method("dense"), slots=1, max_len=256, stop_ids=(), paged=True)
+    entered, go = threading.Event(), threading.Event()
+    real_prefill = engine.kv.prefill
+
+    def prefill(ids):
+        entered.set()
+        assert go.wait(60)
+        return real_prefill(ids)
+
+    engine.kv.prefill = prefill
+    engine.start()
+    try:
+        r = engine.submit(engine.make_request([5] * 20, SamplingParams(max_tokens=2)))
+        assert entered.wait(60)
+        engine.cancel(r)  # as a client cut by its timeout: the engine sees it after the prefill
+        s = engine.stats()
+        assert (s["running"], s["waiting"], s["active_slots"]) == (1, 0, 0) and not engine.idle()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"] - 1
+        go.set()
+        assert r.done.wait(60) and r.finish_reason == "cancelled"
+        s = engine.stats()
+        assert s["running"] == 0 and engine.idle() and s["kv_blocks_free"] == s["kv_blocks_total"]
+        engine.kv.check()
+    finally:
+        go.set()
+        engine.stop()
+
+
 def test_paged_engine_refuses_what_its_pool_cannot_hold(tiny):
     with pytest.raises(ValueError, match="offload"):
         Engine(tiny, slots=1, max_len=256, paged=True, offload=True)

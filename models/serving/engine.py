@@ -265,12 +265,12 @@ class Engine:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
         now = time.perf_counter()
+        with self._lock:  # counted before they can be taken, so submitted - finished never undercounts
+            self.submitted += len(requests)
         with self._inbox_lock:
             for r in requests:
                 r.t_arrival = now
                 self._inbox.put(r)
-        with self._lock:
-            self.submitted += len(requests)
         self._wake.set()
         return list(requests)
 
@@ -285,13 +285,19 @@ class Engine:
         self._wake.set()
 
     def stats(self) -> dict:
-        """Counters (``/health`` reports them): ``running``, the requests decoding or being
-        prefilled; ``waiting``, those queued; slots in use (and each slot's context
+        """Counters (``/health`` reports them): ``running``, the requests the engine has taken
+        and not ended (decoding, being prefilled or scored: in no queue, they may hold KV
+        pages); ``waiting``, those queued; slots in use (and each slot's context
         ``max_len``), reserved KV bytes, totals; ``alive``, whether the engine thread runs."""
         with self._lock:
             active = int(self._active.sum())
             prefilling = int(self._prefilling is not None)
-            return {"running": active + prefilling, "waiting": len(self._waiting) + self._inbox.qsize(),
+            waiting = len(self._waiting) + self._inbox.qsize()
+            # every submitted request ends exactly once (_finish): what is neither ended nor queued
+            # runs, including one between the queue and its slot (an earlier count of active slots
+            # missed it, and a caller saw an idle engine whose prefill still held pages)
+            running = max(self.submitted - sum(self.finished.values()) - waiting, active + prefilling)
+            return {"running": running, "waiting": waiting,
                     "slots": self.slots, "max_len": self.max_len, "active_slots": active,
                     "free_slots": self.slots - active,
                     "prefilling": prefilling, "prefill_segments": self.prefill_segments,
@@ -310,7 +316,7 @@ class Engine:
 
     def idle(self) -> bool:
         s = self.stats()
-        return s["active_slots"] == 0 and s["waiting"] == 0 and s["prefilling"] == 0
+        return s["running"] == 0 and s["waiting"] == 0
 
     # -- the engine thread -------------------------------------------------------------
     def start(self) -> "Engine":
