@@ -93,5 +93,7 @@ print("== the 15 slowest files (their tests' time)")
 for f, t in sorted(files.items(), key=lambda x: -x[1])[:15]:
     print(f"{t:8.1f} s  {f}")
 PY
+# TEST_LOGS_DIR: keep every part's log and JUnit XML there (every test's time, to choose what to cut)
+if [ -n "${TEST_LOGS_DIR:-}" ]; then mkdir -p "$TEST_LOGS_DIR" && cp "$logs"/*.log "$logs"/*.xml "$TEST_LOGS_DIR"/; fi
 rm -rf "$logs"
 exit $rc
