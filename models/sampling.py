@@ -68,7 +68,7 @@ class Penalties:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["seeds", "counters", "temperature", "top_p", "filters", "penalties", "bias_ids",
                                 "bias_values", "min_tokens", "stop_ids"],
-                   meta_fields=["top_logprobs"])
+                   meta_fields=["top_logprobs", "sampled"])
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
     """How each of ``B`` rows samples.
@@ -80,7 +80,11 @@ class RowSampling:
     logits; padding ``0 / 0.0``), ``min_tokens int32[B]`` with ``stop_ids int32[S]`` (the
     stop tokens banned while ``counters < min_tokens``). ``top_logprobs`` (static): -1, no
     log-probabilities; else the chosen token's and this many top tokens' (a
-    :data:`TOP_LOGPROB_WIDTHS` width)."""
+    :data:`TOP_LOGPROB_WIDTHS` width). ``sampled`` (static): whether some row has
+    ``temperature > 0``, when the caller knows it (the engine does, from its host copy):
+    True runs the sort and the draw, False only the argmax; None decides on the device
+    (a ``lax.cond`` on ``any(temperature > 0)``, whose predicate a GPU must read back to the
+    host before it can launch either branch)."""
 
     seeds: jax.Array
     counters: jax.Array
@@ -93,6 +97,7 @@ class RowSampling:
     min_tokens: jax.Array | None = None
     stop_ids: jax.Array | None = None
     top_logprobs: int = -1
+    sampled: bool | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -185,8 +190,12 @@ def sample(logits: jax.Array, s: RowSampling) -> SampleOut:
         tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
-    # the sort over the vocabulary only when some row samples
-    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    # the sort over the vocabulary only when some row samples: known on the host (static), or
+    # decided on the device
+    if s.sampled is None:
+        tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    else:
+        tokens = sampled() if s.sampled else greedy
     if s.top_logprobs < 0:
         return SampleOut(tokens)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

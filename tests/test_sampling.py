@@ -141,6 +141,26 @@ def test_sample_draws_only_from_the_filtered_set_and_is_per_row():
                                   np.asarray(sample_rows(z, base.seeds, base.counters, base.temperature, base.top_p)))
 
 
+def test_static_sampled_flag_gives_the_device_decision():
+    """``RowSampling.sampled`` known on the host (the engine's) draws what the on-device
+    ``lax.cond`` draws: True for a batch with a sampling row, False for an all-greedy one."""
+    rng = np.random.default_rng(5)
+    z = jnp.asarray(rng.normal(0, 2, (3, V)).astype(np.float32))
+    for temps, flag in (([0.0, 0.9, 1.3], True), ([0.0, 0.0, 0.0], False)):
+        for c in range(5):
+            s = RowSampling(jnp.asarray([4, 5, 6], jnp.uint32), jnp.full((3,), c, jnp.int32), jnp.asarray(temps),
+                            jnp.asarray([1.0, 0.8, 1.0]))
+            want = np.asarray(sample_program(z, s).tokens)
+            got = np.asarray(sample_program(z, dataclasses.replace(s, sampled=flag)).tokens)
+            np.testing.assert_array_equal(got, want)
+    # the engine's builder says it from its host copy: greedy unless an active row samples
+    from models.serving.slot_sampling import SlotSampling
+    ss = SlotSampling(3, V, (1,))
+    ss.temperature[:] = [0.0, 0.7, 0.0]
+    assert ss.build(np.zeros(3), np.asarray([True, True, False])).sampled is True
+    assert ss.build(np.zeros(3), np.asarray([True, False, True])).sampled is False
+
+
 def test_logprobs_are_the_raw_distributions():
     rng = np.random.default_rng(4)
     z = jnp.asarray(rng.normal(0, 2, (2, V)).astype(np.float32))

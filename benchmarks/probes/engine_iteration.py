@@ -91,8 +91,8 @@ SAMPLING = {"plain": {}, "options": dict(temperature=0.8, top_p=0.95, top_k=50, 
 
 
 def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float]:
-    """(iteration_ms, program_ms, steps measured, bare_live_ms) of an engine of ``batch`` slots at ``cap``
+               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float, float]:
+    """(iteration_ms, program_ms, steps measured, bare_live_ms, program_cond_ms) of an engine of ``batch`` slots at ``cap``
     (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
     key, what every request asks for)."""
     from models.serving.engine import Engine
@@ -132,18 +132,23 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
     kv.cache = dataclasses.replace(kv.cache, lengths=jnp.full((batch,), context, jnp.int32))
     z = np.zeros(batch, np.int32)
     active = np.ones(batch, bool)
+    # greedy as the engine builds it (``sampled=False``: no sampling branch in the program), and
+    # with the sort's branch decided on the device (``sampled=None``: a ``lax.cond``)
     greedy = RowSampling(jnp.zeros(batch, jnp.uint32), jnp.asarray(z), jnp.zeros(batch, jnp.float32),
-                         jnp.ones(batch, jnp.float32))
-    toks = kv.step(z, active, greedy).tokens
-    jax.block_until_ready(toks)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            toks = kv.step(toks, active, greedy).tokens
+                         jnp.ones(batch, jnp.float32), sampled=False)
+    program = {}
+    for name, s in (("static", greedy), ("cond", dataclasses.replace(greedy, sampled=None))):
+        toks = kv.step(z, active, s).tokens
         jax.block_until_ready(toks)
-        times.append(1e3 * (time.perf_counter() - t0) / steps)
-    return iteration, statistics.median(times), len(full), live
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                toks = kv.step(toks, active, s).tokens
+            jax.block_until_ready(toks)
+            times.append(1e3 * (time.perf_counter() - t0) / steps)
+        program[name] = statistics.median(times)
+    return iteration, program["static"], len(full), live, program["cond"]
 
 
 def main(argv=None) -> int:
@@ -191,12 +196,13 @@ def main(argv=None) -> int:
                     for sampling in a.sampling.split(","):
                         if sampling not in SAMPLING:
                             raise SystemExit(f"--sampling: {', '.join(SAMPLING)}; got {sampling!r}")
-                        iteration, program, n, live = _engine_ms(model, batch, a.context, cap, a.max_tokens, a.steps,
+                        iteration, program, n, live, cond = _engine_ms(model, batch, a.context, cap, a.max_tokens, a.steps,
                                                                  paged=kind == "paged", sampling=sampling)
                         rows.append({"method": name, "engine": kind, "sampling": sampling, "batch": batch,
                                      "context": a.context, "capacity": cap, "bare_ms": round(bare, 3),
                                      "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
                                      "bare_live_ms": round(live, 3), "program_ms": round(program, 3),
+                                     "program_cond_ms": round(cond, 3),
                                      "iteration_ms": round(iteration, 3), "steps_measured": n,
                                      "iteration_over_bare": round(iteration / bare, 3),
                                      "program_over_bare": round(program / bare, 3),
@@ -207,14 +213,15 @@ def main(argv=None) -> int:
     md = (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
           f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
           "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
-          "(decode + sampling) back to back; `iteration_ms`: the engine's median decode iteration with "
+          "(decode + greedy sampling, as the engine builds it) back to back; `program_cond_ms` the same with the "
+          "sampling's sort decided on the device (a `lax.cond`, the engine's program before 2026-12-04); `iteration_ms`: the engine's median decode iteration with "
           "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
           "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
           "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
           "zeros; on pages for the paged engine); `program_ms` "
           "of the paged engine runs its pool with every row given a context's pages again).\n\n"
           + markdown_table(rows, ["method", "engine", "sampling", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
-                                  "bare_live_ms", "program_ms", "iteration_ms", "iteration_over_bare",
+                                  "bare_live_ms", "program_ms", "program_cond_ms", "iteration_ms", "iteration_over_bare",
                                   "program_over_bare", "iteration_over_live", "steps_measured"]))
     print(md)
     if a.out:

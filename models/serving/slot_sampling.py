@@ -110,10 +110,13 @@ class SlotSampling:
         if self.stop_ids is not None and (counters < self.min_tokens[rows])[act].any():
             min_tokens, stop_ids = jnp.asarray(self.min_tokens[rows].copy()), self.stop_ids
         wanted = int(self.logprobs[rows][act].max()) if act.any() else -1
+        # static: a greedy batch never compiles (or waits on) the sampled branch; an inactive
+        # row's temperature is kept, so its (dropped) token is drawn as its own would be
+        sampled = bool((self.temperature[rows] > 0)[act].any())
         return RowSampling(jnp.asarray(self.seeds[rows].copy()), jnp.asarray(counters.copy()),
                            f32(self.temperature), f32(self.top_p), filters=filters, penalties=pen,
                            bias_ids=bias_ids, bias_values=bias_values, min_tokens=min_tokens, stop_ids=stop_ids,
-                           top_logprobs=logprob_width(wanted))
+                           top_logprobs=logprob_width(wanted), sampled=sampled)
 
     def take_counts(self, out: SampleOut) -> SampleOut:
         """Keep a step's new penalty counts for the next step; ``out`` without them (an
