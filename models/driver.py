@@ -43,7 +43,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin, rope_inv_freq
-from sparse_jax.cache import KVCache, LayerCache, PagedLayer, write_paged, write_rows
+from sparse_jax.cache import KVCache, LayerCache, PagedLayer, write_paged, write_prompt_pages, write_rows
 from sparse_jax.kv import PagedKV, ResidentKV
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
 from sparse_jax.selection import Selection
@@ -301,7 +301,10 @@ class Driver:
     # -- prefill ----------------------------------------------------------------------
     def prefill(self, stacked, x: jax.Array, lengths: jax.Array, cache: KVCache):
         """Prefill right-padded ``x [B, T, H]`` into the empty ``cache``: returns ``x``
-        (every position) and the cache."""
+        (every position) and the cache. A :class:`PagedLayer` entry gets the prompt's K/V in
+        the rows' pages (``cache.block_table``; positions past a row's length land in its last
+        page's tail or are dropped with the null page) and its state computed as a contiguous
+        layer of ``max_len`` would have it (the paged engine's prefill: no one-row cache)."""
         layers = list(cache.layers)
         pcarry = self.method.init_prefill_carry(batch=x.shape[0], num_kv_heads=self.cfg.num_kv_heads,
                                                 length=x.shape[1])
@@ -310,16 +313,24 @@ class Driver:
 
             def body(carry, data, lc, spec=spec, m=m):
                 x, pcarry = carry
-                x, kc, vc, q_last, pcarry = self.prompt_layer(stacked, x, lengths, data, spec, lc.k.shape[2], pcarry)
-                kc, vc = kc.astype(lc.k.dtype), vc.astype(lc.v.dtype)
+                paged = isinstance(lc, PagedLayer)
+                cap = cache.max_len if paged else lc.k.shape[2]
+                x, kc, vc, q_last, pcarry = self.prompt_layer(stacked, x, lengths, data, spec, cap, pcarry)
+                dtype = (lc.pool_k if paged else lc.k).dtype
+                kc, vc = kc.astype(dtype), vc.astype(dtype)
                 st = None if m is None else prompt_state(m, lc.state, kc, vc, q_last, lengths, LayerCtx(spec, data))
+                if paged:
+                    t = x.shape[1]
+                    pk = write_prompt_pages(lc.pool_k, kc, cache.block_table, lc.page, t)
+                    pv = write_prompt_pages(lc.pool_v, vc, cache.block_table, lc.page, t)
+                    return (x, pcarry), PagedLayer(pk, pv, st, lc.page)
                 return (x, pcarry), LayerCache(kc, vc, st)
 
             entries = [layers[i] for i in seg.layers]
             (x, pcarry), entries = self._run_segment(body, (x, pcarry), seg, entries, self.unroll)
             for i, e in zip(seg.layers, entries):
                 layers[i] = e
-        return x, KVCache(tuple(layers), lengths.astype(jnp.int32), cache.max_len)
+        return x, KVCache(tuple(layers), lengths.astype(jnp.int32), cache.max_len, cache.block_table)
 
     def prompt_layer(self, stacked, x: jax.Array, lengths: jax.Array, data: dict, spec: LayerSpec, cap: int,
                      carry=None):

@@ -42,6 +42,9 @@ class LayerCache:
     state: Any = None
 
 
+NULL_PAGE = 0  # page 0 of every pool: where free rows and unheld pages point, never read as data
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedLayer:
@@ -112,6 +115,23 @@ def write_paged(pool_k: jax.Array, pool_v: jax.Array, k_new: jax.Array, v_new: j
     pool_k = pool_k.at[:, :, rows].set(jnp.swapaxes(k_new, 0, 1)[None].astype(pool_k.dtype))
     pool_v = pool_v.at[:, :, rows].set(jnp.swapaxes(v_new, 0, 1)[None].astype(pool_v.dtype))
     return jax.lax.optimization_barrier((pool_k, pool_v))  # as write_rows: one in-place update
+
+
+def write_prompt_pages(pool: jax.Array, x: jax.Array, block_table: jax.Array, page: int, tokens: int) -> jax.Array:
+    """``pool [1, Hkv, P * page, D]`` with a prefill's ``x [B, Hkv, S, D]`` (positions from 0,
+    ``S >= tokens``) written to the rows' pages: page ``j < ceil(tokens / page)`` of row ``b`` to
+    pool page ``block_table[b, j]`` (``int32[B, >= ceil(tokens / page)]``). Entries that are the
+    null page are dropped (a row holds no page there, and several rows may name it); the others
+    are distinct (each request owns its pages). In place (donated by callers)."""
+    _, hkv, n, d = pool.shape
+    b, w = x.shape[0], -(-tokens // page)
+    if x.shape[2] < w * page:  # the last page's tail: positions past the prompt, never read
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, w * page - x.shape[2]), (0, 0)))
+    src = x[:, :, :w * page].reshape(b, hkv, w, page, d).transpose(1, 0, 2, 3, 4).reshape(hkv, b * w, page, d)
+    dst = block_table[:, :w].reshape(-1)
+    dst = jnp.where(dst == NULL_PAGE, n // page, dst)  # out of range: dropped
+    out = pool.reshape(hkv, n // page, page, d).at[:, dst].set(src.astype(pool.dtype), mode="drop")
+    return jax.lax.optimization_barrier(out.reshape(1, hkv, n, d))  # as write_rows: one in-place update
 
 
 def page_cache(cache: KVCache, block_table, num_pages: int, page: int) -> KVCache:

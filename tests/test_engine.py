@@ -133,10 +133,10 @@ def test_a_request_being_prefilled_counts_as_running(tiny):
     entered, go = threading.Event(), threading.Event()
     real_prefill = engine.kv.prefill
 
-    def prefill(ids):
+    def prefill(ids, *args):
         entered.set()
         assert go.wait(60)
-        return real_prefill(ids)
+        return real_prefill(ids, *args)
 
     engine.kv.prefill = prefill
     engine.start()
@@ -573,6 +573,36 @@ def test_a_fatal_engine_error_fails_every_request_even_the_one_being_inserted(ti
     assert all(r.error == "the engine stopped: RuntimeError: device lost" for r in reqs)
     engine._thread.join(30)  # the thread re-raises after reporting
     assert isinstance(engine.error, RuntimeError) and not engine.stats()["alive"]
+    engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failed_prefill_into_the_pool_stops_the_paged_engine(tiny):
+    """The paged engine's prefill writes the pool it donates: when it fails, every request's KV
+    is gone, so the engine stops and every request (the running one, the one prefilled, the
+    waiting one) ends with an error saying so, instead of decoding on a deleted cache."""
+    model = tiny.with_method("dense")
+    engine = Engine(model, slots=2, max_len=256, stop_ids=(), paged=True)
+    real, calls = engine.kv._prefill, []
+
+    def prefill(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return real(*args)
+
+    engine.kv._prefill = prefill
+    rng = np.random.default_rng(4)
+    reqs = [engine.submit(engine.make_request(rng.integers(4, 97, 30).tolist(), SamplingParams(max_tokens=40)))
+            for _ in range(3)]
+    engine.start()
+    for r in reqs:
+        assert r.done.wait(120), r
+    assert [r.finish_reason for r in reqs] == ["error"] * 3
+    assert all(r.error.startswith("the engine stopped: PoolLost: the prefill of a 30-token prompt into the KV pool "
+                                  "failed, and the pool with it: RuntimeError: RESOURCE_EXHAUSTED") for r in reqs)
+    engine._thread.join(30)
+    assert not engine.stats()["alive"]
     engine.stop()
 
 

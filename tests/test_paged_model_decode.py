@@ -4,12 +4,14 @@ padding nothing: every row's table is full), decodes to the same logits (1e-5) a
 greedy tokens as the contiguous cache, for every registered method, across page boundaries
 and for rows of different lengths (a small random model; f32 on CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax.cache import PagedLayer, page_cache
+from sparse_jax.cache import PagedLayer, page_cache, paged_like
 from sparse_jax.methods import available_methods
 from test_engine import _OPTIONS, _tiny_config
 
@@ -48,3 +50,40 @@ def test_paged_decode_equals_contiguous(tiny, name):
         tok, tok_p = jnp.argmax(lg, -1).astype(jnp.int32), jnp.argmax(lg_p, -1).astype(jnp.int32)
         np.testing.assert_array_equal(np.asarray(tok_p), np.asarray(tok))
     assert (np.asarray(paged.lengths) == lens + STEPS).all()
+
+
+@pytest.mark.parametrize("name", sorted(available_methods()))
+def test_prefill_into_pages_equals_contiguous(tiny, name):
+    """The model's prefill into a paged cache (what the paged engine runs: no one-row cache)
+    gives the contiguous prefill's logits, its K/V in each row's pages (a row holding only
+    its prompt's pages, the rest of its table null) and the same method state."""
+    model = tiny.with_method(name, **_OPTIONS[name])
+    rng = np.random.default_rng(6)
+    lens = np.array([150, 37], np.int32)
+    tokens = np.zeros((2, 192), np.int32)
+    for b, n in enumerate(lens):
+        tokens[b, :n] = rng.integers(4, 97, n)
+    logits, cache = model.fns.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lens),
+                                      model.init_cache(2, MAX_LEN))
+    w = MAX_LEN // PAGE
+    held = -(-lens // PAGE) + 1  # its prompt's pages and one more, as the engine reserves
+    free = rng.permutation(np.arange(1, 2 * w + 1))
+    table = np.zeros((2, w), np.int32)
+    table[0, :held[0]], table[1, :held[1]] = free[:held[0]], free[held[0]:held[0] + held[1]]
+    empty = jax.jit(lambda: paged_like(model.init_cache(2, MAX_LEN), 2 * w + 1, PAGE))()
+    empty = dataclasses.replace(empty, block_table=jnp.asarray(table))
+    logits_p, paged = model.fns.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lens), empty)
+    np.testing.assert_allclose(np.asarray(logits_p), np.asarray(logits), atol=1e-5, rtol=1e-5)
+    assert (np.asarray(paged.lengths) == lens).all()
+    for e, p in zip(cache.layers, paged.layers):
+        if not isinstance(p, PagedLayer):
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5), e, p)
+            continue
+        for x, pool in ((e.k, p.pool_k), (e.v, p.pool_v)):
+            pages = np.asarray(pool)[0].reshape(x.shape[1], -1, PAGE, x.shape[3])
+            for b, n in enumerate(lens):
+                got = pages[:, table[b, :held[b]]].reshape(x.shape[1], -1, x.shape[3])[:, :n]
+                np.testing.assert_allclose(got, np.asarray(x[b, :, :n]), atol=1e-5)
+            assert not np.asarray(pages[:, 0]).any(), "the null page was written"
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5),
+                     e.state, p.state)

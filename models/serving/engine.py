@@ -66,7 +66,7 @@ from models.detokenize import IncrementalDetokenizer
 from models.sampling import logprob_width, sample_program
 from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
-from models.serving.paged import PagedSlots, page_size
+from models.serving.paged import PagedSlots, PoolLost, page_size
 from models.serving.slot_sampling import SlotSampling, token_logprob
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, prefill_bucket
 
@@ -514,10 +514,15 @@ class Engine:
             return
         self._in_hand = r
         try:
-            logits, row = self.kv.prefill(r.prefill_ids)
-            # its execution errors surface here, not in the insertion (whose failure is fatal): on
-            # the H100 a 98K prompt's prefill ran out of memory, reported at the insertion's copy
-            self.kv.wait(logits, row)
+            if self.paged:  # straight into the request's pages and the slot (waited for there)
+                logits, row = self.kv.prefill(r.prefill_ids, slot, r)
+            else:
+                logits, row = self.kv.prefill(r.prefill_ids)
+                # its execution errors surface here, not in the insertion (whose failure is fatal): on
+                # the H100 a 98K prompt's prefill ran out of memory, reported at the insertion's copy
+                self.kv.wait(logits, row)
+        except PoolLost:  # the whole cache was donated to it: the engine stops, every request told
+            raise
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)
             return

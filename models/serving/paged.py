@@ -12,8 +12,12 @@ not ``max_len``.
 
 What stays per slot: each layer's method state (Quest's boxes, AsyncTLS's labels: a
 fraction of the keys' bytes), sliding-window rings, the lengths. A prompt is prefilled
-into a contiguous one-row cache (the prefill programs are the resident engine's) and
-:meth:`PagedSlots.insert` scatters its pages into the pool at the request's blocks.
+straight into the pool (:func:`prefill_paged_slot`: the model's prefill on a one-row view
+whose global layers are the pools read through the request's table, its state and length
+written into the slot in the same program), so no one-row cache of ``max_len`` exists (at
+128K on the Qwen3-8B shape that row was 18.9 GB) and nothing is copied afterwards. A
+prompt's ``n`` choices copy its pages and row (:func:`copy_paged_slot`). A layer-segmented
+prompt still goes through a one-row contiguous cache, scattered into its pages on insertion.
 
 The engine drives the blocks (:class:`models.serving.engine.Engine`): it reserves a
 request's prompt pages when it admits it, one position more before each step that writes
@@ -33,13 +37,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from models import programs
+from models.driver import init_cache
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
-from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis,
-                                  compile_longest_prefill, insert_slot, segmented_prompt_tokens)
+from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis, insert_slot,
+                                  prefill_bucket, segmented_prompt_tokens)
 from sparse_jax.cache import KVCache, PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
@@ -80,13 +87,91 @@ def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.
     return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
 
 
+def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+                       slot: jax.Array, pages: jax.Array):
+    """A prompt prefilled straight into the pool: ``(logits f32[1, V], cache)``. ``prefill``
+    is the model's (:func:`models.programs.prefill` of the params, tokens, lengths and a
+    cache); ``row`` an empty one-row cache whose global layers are :class:`PagedLayer`
+    entries without pages (their state the method's empty one); ``pages int32[max_len /
+    page]`` the request's block table row. The prompt's K/V go to its pages of the batch's
+    pools, and its method state, sliding-window rings and length into row ``slot``: no
+    one-row cache of ``max_len`` exists, and nothing is scattered afterwards."""
+    view = []
+    for big, one in zip(cache.layers, row.layers):
+        view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
+    logits, out = prefill(tokens, lengths, KVCache(tuple(view), row.lengths, cache.max_len, pages[None]))
+    layers = []
+    for big, one in zip(cache.layers, out.layers):
+        if isinstance(big, PagedLayer):
+            state = None if big.state is None else insert_slot(big.state, one.state, slot)
+            layers.append(PagedLayer(one.pool_k, one.pool_v, state, big.page))
+        else:
+            layers.append(insert_slot(big, one, slot))
+    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, out.lengths[0], slot, 0)
+    return logits, KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
+
+
+def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: jax.Array,
+                    dst_pages: jax.Array) -> KVCache:
+    """``cache`` (donated) with row ``src``'s prompt copied to row ``dst``: the pool pages
+    ``src_pages`` to ``dst_pages`` (``int32[W]``, null entries in ``dst_pages`` dropped), every
+    per-row leaf (method state, rings) and the length (a prompt's ``n`` choices: one prefill)."""
+    layers = []
+    for e in cache.layers:
+        if isinstance(e, PagedLayer):
+            def copy(pool):
+                _, hkv, n, d = pool.shape
+                p = e.page
+                pages = pool.reshape(hkv, n // p, p, d)
+                to = jnp.where(dst_pages == NULL_BLOCK, n // p, dst_pages)
+                return pages.at[:, to].set(pages[:, src_pages], mode="drop").reshape(1, hkv, n, d)
+
+            state = None if e.state is None else jax.tree.map(
+                lambda a: jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0),
+                e.state)
+            layers.append(PagedLayer(copy(e.pool_k), copy(e.pool_v), state, e.page))
+        else:
+            layers.append(jax.tree.map(
+                lambda a: jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0), e))
+    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, cache.lengths[src], dst, 0)
+    return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
+
+
 @functools.lru_cache(maxsize=16)
 def _paged_programs(graphdef, cfg, method, unroll: bool):
     """The paged engine's programs: the resident engine's step (the model's decode step,
-    which reads paged layers through the table, and the sampling) and the page scatter of
-    an insertion (cache donated)."""
+    which reads paged layers through the table, and the sampling), the page scatter of a
+    contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
+    the pool, and a prompt's copy to another slot (every program donates the cache)."""
     step, _ = _programs(graphdef, cfg, method, unroll)
-    return step, jax.jit(insert_paged_slot, donate_argnums=(0,))
+
+    def prefill(params, tokens, lengths, cache, slot, pages):
+        def run(tokens, lengths, view):
+            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll)
+
+        # the empty one-row cache: method state and rings only (the K/V it would hold is dropped)
+        dtype = next(e.pool_k.dtype for e in cache.layers if isinstance(e, PagedLayer))
+        page = next(e.page for e in cache.layers if isinstance(e, PagedLayer))
+        row = paged_like(init_cache(cfg, method, 1, cache.max_len, dtype), 0, page)
+        return prefill_paged_slot(run, row, tokens, lengths, cache, slot, pages)
+
+    return (step, jax.jit(insert_paged_slot, donate_argnums=(0,)), jax.jit(prefill, donate_argnums=(3,)),
+            jax.jit(copy_paged_slot, donate_argnums=(0,)))
+
+
+class PoolLost(RuntimeError):
+    """A program that donated the paged engine's whole cache failed: every request's KV is
+    gone, so the engine cannot serve on (it stops, and every request gets the error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefilledRow:
+    """A prompt of ``tokens`` tokens prefilled straight into the pool: its pages
+    ``table int32[max_len / page]`` (a copy, taken when it ran) and row ``slot``'s state."""
+
+    slot: int
+    table: np.ndarray
+    tokens: int
 
 
 def _nbytes(x) -> int:
@@ -109,15 +194,19 @@ class PagedFootprint:
         return self.weights + self.per_slot + self.prefill_row + self.prefill_temporaries + self.autotune_scratch
 
 
-def paged_footprint(model, slots: int, max_len: int, page: int, prefill_temp_bytes: int = 0) -> PagedFootprint:
-    """:class:`PagedFootprint` from the caches' shapes (nothing allocated)."""
+def paged_footprint(model, slots: int, max_len: int, page: int, prefill_temp_bytes: int = 0,
+                    prefill_row: bool = True) -> PagedFootprint:
+    """:class:`PagedFootprint` from the caches' shapes (nothing allocated); ``prefill_row``:
+    prompts are prefilled into a one-row contiguous cache (a layer-segmented prefill; a whole
+    prefill writes the pool)."""
     empty = jax.eval_shape(lambda: paged_like(model.init_cache(slots, max_len), 0, page))
     one = jax.eval_shape(lambda: paged_like(model.init_cache(1, max_len), 1, page))
     block = sum(_nbytes(e.pool_k) + _nbytes(e.pool_v) for e in one.layers if isinstance(e, PagedLayer))
     return PagedFootprint(
         weights=sum(x.nbytes for x in jax.tree.leaves(model.params)),
         per_slot=sum(_nbytes(x) for x in jax.tree.leaves(empty)),
-        prefill_row=sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(1, max_len)))),
+        prefill_row=sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(1, max_len))))
+        if prefill_row else 0,
         prefill_temporaries=int(prefill_temp_bytes),
         autotune_scratch=capacity.autotune_scratch_bytes(model.params),
         block_bytes=block)
@@ -151,17 +240,18 @@ class PagedSlots:
             raise ValueError(f"kv_blocks must be an int >= 2 (page 0 is the null page), got {num_blocks!r}")
         self._compiled_prefill: dict[int, Any] = {}
         self._runner = None
-        self._step, self._insert = _paged_programs(model.graphdef, model.config, model.method, unroll)
+        self.segmented = bool(segmented)
+        self._step, self._insert, self._prefill, self._copy = _paged_programs(
+            model.graphdef, model.config, model.method, unroll)
 
         temps = 0
         limit = capacity.device_budget()
         if limit is not None and segmented:
             self._runner = TieredRunner(model, "resident")
             temps = self._runner.prefill_temp_bytes(segmented_prompt_tokens(max_len - 1, max_len), max_len)
-        elif limit is not None and hasattr(model.fns.prefill, "lower"):
-            bucket, compiled, temps = compile_longest_prefill(model, max_len)
-            self._compiled_prefill[bucket] = compiled
-        self.footprint = fp = paged_footprint(model, slots, max_len, self.page, temps)
+        elif limit is not None:
+            temps = self._prefill_temp_bytes()
+        self.footprint = fp = paged_footprint(model, slots, max_len, self.page, temps, prefill_row=segmented)
         if limit is None:
             fit = full if num_blocks is None else int(num_blocks)
         else:
@@ -245,21 +335,68 @@ class PagedSlots:
             self._dirty = True
 
     # -- the engine's calls ----------------------------------------------------------------
-    # a prompt is prefilled (whole or layer-segmented) into a one-row contiguous cache, as the
-    # resident engine does: its methods, on this class's model, max_len, compiled prefill and runner
-    prefill = ResidentSlots.prefill
+    # a layer-segmented prompt is prefilled into a one-row contiguous cache, as the resident
+    # engine does (its methods, on this class's model, max_len and runner), then scattered
     start_prefill = ResidentSlots.start_prefill
     blocks_loaded = ResidentSlots.blocks_loaded
     wait = staticmethod(ResidentSlots.wait)
     settle = ResidentSlots.settle
 
+    def _prefill_temp_bytes(self) -> int:
+        """The temporaries of the longest prompt's prefill into the pool (XLA's buffer
+        assignment, compiled from shapes with a pool of one request's pages: the pool is
+        donated and aliased, so its size does not change them)."""
+        m = self.model
+        bucket = prefill_bucket(self.max_len - 1, self.max_len)
+        cache = jax.eval_shape(lambda: paged_like(m.init_cache(self.slots, self.max_len),
+                                                  self.pages_per_request + 1, self.page))
+        i32 = jnp.int32
+        args = (jax.ShapeDtypeStruct((1, bucket), i32), jax.ShapeDtypeStruct((1,), i32), cache,
+                jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
+        stats = self._prefill.lower(m.params, *args).compile().memory_analysis()
+        return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+
+    def prefill(self, ids, slot: int | None = None, r: Request | None = None):
+        """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
+        ``r`` (which holds the prompt's pages), the prompt goes straight into the pool
+        (:func:`prefill_paged_slot`) and ``row`` is a :class:`PrefilledRow` for :meth:`insert`;
+        the prefill is waited for here. It donates the whole cache, so its failure loses
+        every request's KV: :class:`PoolLost`. Without them, a one-row contiguous cache (as
+        the resident engine's)."""
+        if slot is None:
+            return ResidentSlots.prefill(self, ids)
+        m, n = self.model, len(ids)
+        if self.blocks.held(r.id) < self.blocks.blocks_for(n):
+            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {n} tokens need more")
+        bucket = prefill_bucket(n, self.max_len)
+        tokens = np.full((1, bucket), m._pad_id(), np.int32)
+        tokens[0, :n] = ids
+        table = self.blocks.table(r.id)
+        try:
+            logits, self.cache = self._prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), self.cache,
+                                               jnp.int32(slot), jnp.asarray(table))
+            jax.block_until_ready(logits)
+        except Exception as e:  # the cache was donated: nothing can go on
+            raise PoolLost(f"the prefill of a {n}-token prompt into the KV pool failed, and the pool with it: "
+                           f"{type(e).__name__}: {str(e)[:400]}") from e
+        return logits, PrefilledRow(slot, table, n)
+
     def insert(self, row, slot: int, r: Request) -> None:
-        """Write the prefilled ``row`` of ``r`` (which holds its prompt's pages) into ``slot``."""
+        """Put the prefilled ``row`` of ``r`` (which holds its prompt's pages) in ``slot``: a
+        :class:`PrefilledRow` already there is only recorded, one of another slot (a prompt's
+        ``n`` choices) is copied, pages and state; a contiguous row is scattered into the pages."""
         table = self.blocks.table(r.id)
         n = r.prefill_len
         if self.blocks.held(r.id) < self.blocks.blocks_for(n):
             raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {n} tokens need more")
-        self.cache = self._insert(self.cache, row, jnp.int32(slot), jnp.asarray(table))
+        if isinstance(row, PrefilledRow):
+            if row.tokens != n:
+                raise RuntimeError(f"request {r.id}'s {n} tokens were prefilled as {row.tokens}")
+            if row.slot != slot:
+                self.cache = self._copy(self.cache, jnp.int32(row.slot), jnp.int32(slot), jnp.asarray(row.table),
+                                        jnp.asarray(table))
+        else:
+            self.cache = self._insert(self.cache, row, jnp.int32(slot), jnp.asarray(table))
         self._owner[slot] = r.id
         self._table[slot] = table
         self._lengths[slot] = n
