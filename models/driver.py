@@ -44,7 +44,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.transformer import last_valid, layer_output, layer_qkv, rope_cos_sin, rope_inv_freq
 from sparse_jax.cache import KVCache, LayerCache, PagedLayer, write_paged, write_prompt_pages, write_rows
-from sparse_jax.kv import PagedKV, ResidentKV
+from sparse_jax.kv import PagedKV, ResidentKV, paged_rows
 from sparse_jax.layers import LayerSpec, Segment, layer_specs, segments
 from sparse_jax.selection import Selection
 from sparse_jax.methods.base import AttentionMethod, LayerCtx
@@ -377,6 +377,58 @@ class Driver:
         q_row = jnp.take_along_axis(q, jnp.clip(at, 0, c - 1)[:, None, None, None], axis=1)[:, 0]
         q_last = jnp.where(here[:, None, None], q_row.astype(q_last.dtype), q_last)
         return layer_output(layer, x, o, self._reduce), kbuf, vbuf, q_last
+
+    def prefill_chunk(self, stacked, x: jax.Array, start: jax.Array, lengths: jax.Array, cache: KVCache,
+                      kv_len: int, last: bool):
+        """One chunk of a prompt through every layer, straight into its pages (the paged
+        engine's chunked prefill): ``x [1, C, H]`` at positions ``start .. start + C - 1``
+        (``start`` traced) of a prompt of ``lengths [1]`` tokens, ``cache`` a one-row view
+        whose every layer is a :class:`PagedLayer` (the engine's pools) read and written
+        through ``cache.block_table [1, W]``. Each layer writes the chunk's K/V into the pages
+        (positions past the prompt go to the null page), then the chunk's queries attend
+        every key up to their own (:func:`chunk_prefill_attention` over the first ``kv_len``
+        positions gathered from the pages: ``kv_len >= start + C``, static, a bucket). With
+        ``last`` (the chunk holding the prompt's last token) each sparse layer's method state
+        is computed from the layer's whole prompt in its pages, as :meth:`prefill` computes
+        it; before, the entries' states pass through untouched (None in the engine). Only
+        for layers :meth:`chunkable` allows, all global. Returns ``(x, cache)``."""
+        c = x.shape[1]
+        pos = start + jnp.arange(c, dtype=jnp.int32)
+        table = cache.block_table
+        layers = list(cache.layers)
+        for seg in self.plan.segments:
+            spec, m = seg.spec, _method_for(self.method, seg.spec)
+
+            def body(carry, data, entry, spec=spec, m=m):
+                x = carry
+                layer = _layer_at(self.layer_graph, stacked, data["index"])
+                q, k, v = layer_qkv(layer, x, *rope_cos_sin(pos, inv_freq(self.cfg, spec)))  # [1, C, H*, D]
+                kv = PagedKV(entry.pool_k, entry.pool_v, table, entry.page)
+                # past the prompt (the last chunk's padding, maybe past max_len): the null page
+                rows = jnp.where(pos < lengths[0], kv.rows(pos[None])[0], pos % entry.page)
+                pk, pv = write_paged(entry.pool_k, entry.pool_v, k[0], v[0], rows)
+                pages = -(-kv_len // entry.page)
+                tbl = table[:, :pages]
+                if tbl.shape[1] < pages:  # a bucket past max_len: null pages, never read (causal)
+                    tbl = jnp.pad(tbl, ((0, 0), (0, pages - tbl.shape[1])))
+                kbuf = jnp.swapaxes(paged_rows(pk, tbl, entry.page), 1, 2)  # [1, kv_len, Hkv, D]
+                vbuf = jnp.swapaxes(paged_rows(pv, tbl, entry.page), 1, 2)
+                o = chunk_prefill_attention(q, kbuf, vbuf, start)  # cuDNN on a GPU
+                st = entry.state
+                if last and m is not None:
+                    kc, vc = paged_rows(pk, table, entry.page), paged_rows(pv, table, entry.page)  # [1, Hkv, cap, D]
+                    # as a contiguous prefill leaves them: nothing past the prompt
+                    valid = (jnp.arange(kc.shape[2]) < lengths[0])[None, None, :, None]
+                    kc, vc = jnp.where(valid, kc, 0), jnp.where(valid, vc, 0)
+                    q_last = last_valid(q, lengths - start)
+                    st = prompt_state(m, st, kc, vc, q_last, lengths, LayerCtx(spec, data))
+                return layer_output(layer, x, o, self._reduce), PagedLayer(pk, pv, st, entry.page)
+
+            entries = [layers[i] for i in seg.layers]
+            x, entries = self._run_segment(body, x, seg, entries, self.unroll)
+            for i, e in zip(seg.layers, entries):
+                layers[i] = e
+        return x, KVCache(tuple(layers), cache.lengths, cache.max_len, table)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, stacked, x: jax.Array, cache: KVCache, host: tuple | None = None, *,

@@ -422,6 +422,65 @@ def test_layer_segmented_prefill_interleaves_with_decode(tiny, offload):
         engine.stop()
 
 
+@pytest.mark.parametrize("name", ["dense", "asynctls"])
+def test_paged_chunked_prefill_interleaves_with_decode(tiny, name):
+    """``Engine(paged=True, prefill_chunk=64)``: a prompt runs 64 tokens per iteration through
+    every layer into its pages, a running request decoding beside each chunk; every request
+    gets its tokens alone, a request cancelled mid-prefill gives its pages back, and every
+    page is free afterwards. Bad settings are refused before anything compiles."""
+    import models
+    from tests.test_driver import hybrid_config
+
+    model = tiny.with_method(name, **_OPTIONS[name])
+    for kw, msg in ((dict(prefill_chunk=64), "pass paged=True"),
+                    (dict(paged=True, prefill_chunk=0), "prefill_chunk must be a positive int"),
+                    (dict(paged=True, prefill_chunk=64, max_inject_tokens=64), "pass one")):
+        with pytest.raises(ValueError, match=msg):
+            Engine(model, slots=2, max_len=256, **kw)
+    with pytest.raises(ValueError, match="global layers only"):
+        Engine(models.load_model(config=hybrid_config(window=40), dtype=jnp.float32), slots=2, max_len=256,
+               paged=True, prefill_chunk=64)
+    rng = np.random.default_rng(8)
+    ids = [rng.integers(4, 97, n).tolist() for n in (150, 130, 90)]
+    steps = 20
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
+                               stop_ids=())[0] for i in ids]
+    engine = Engine(model, slots=2, max_len=256, stop_ids=(), paged=True, prefill_chunk=64)
+    first = engine.submit(engine.make_request(ids[0], SamplingParams(max_tokens=steps)))
+    iters = 0
+    while not first.output_ids:
+        assert engine.iterate()
+        iters += 1
+    assert iters == 3 and engine.prefill_segments == 3  # 150 tokens: chunks of 64, 64 and the last 22
+    second = engine.submit(engine.make_request(ids[1], SamplingParams(max_tokens=steps)))
+    before = len(first.output_ids)
+    while not second.output_ids:
+        engine.iterate()
+    assert len(first.output_ids) - before >= 2  # the first decoded beside the second's three chunks
+    third = engine.submit(engine.make_request(ids[2], SamplingParams(max_tokens=steps)))
+    for _ in range(100):
+        if engine.stats()["prefilling"]:
+            break
+        engine.iterate()
+    assert engine.stats()["prefilling"] == 1 and not third.output_ids
+    engine.cancel(third)
+    engine.iterate()
+    assert third.finish_reason == "cancelled" and engine.stats()["prefilling"] == 0
+    for _ in range(400):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert [first.output_ids, second.output_ids] == refs[:2]
+    s = engine.stats()
+    assert engine.idle() and s["kv_blocks_free"] == s["kv_blocks_total"]
+    engine.kv.check()
+    engine.start()
+    try:
+        assert engine.generate(ids[2], SamplingParams(max_tokens=steps), timeout=300).output_ids == refs[2]
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("case", ["quest-offloaded", "hybrid-dense"])
 def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     """Chunked prefill (``PrefillJob.advance_budget`` below one layer's tokens): each chunk's

@@ -87,3 +87,55 @@ def test_prefill_into_pages_equals_contiguous(tiny, name):
             assert not np.asarray(pages[:, 0]).any(), "the null page was written"
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5),
                      e.state, p.state)
+
+
+@pytest.mark.parametrize("name", sorted(available_methods()))
+def test_chunked_prefill_into_pages_equals_whole(tiny, name):
+    """A prompt prefilled 64 tokens per call through every layer straight into its pages
+    (:class:`models.serving.paged.PagedChunkJob`, what ``Engine(prefill_chunk=64)`` runs)
+    gives the whole prefill's logits and K/V in its pages, and a cache that decodes to the
+    same logits and tokens (its method state equal wherever it is read: past the prompt the
+    whole prefill holds its padding's, the chunked one zeros); a method whose prompt
+    attention cannot be chunked is refused with a clear error."""
+    from models.serving.engine import Engine
+    from models.serving.paged import PagedChunkJob, check_chunked_prefill
+    from models.serving.requests import SamplingParams
+
+    model = tiny.with_method(name, **_OPTIONS[name])
+    try:
+        check_chunked_prefill(model)
+    except ValueError as e:
+        assert name in ("kascade",) and "cannot run in chunks" in str(e), (name, e)
+        with pytest.raises(ValueError, match="cannot run in chunks"):
+            Engine(model, slots=2, max_len=MAX_LEN, paged=True, prefill_chunk=64)
+        return
+    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, prefill_chunk=64)
+    kv = engine.kv
+    ids = np.random.default_rng(7).integers(4, 97, 150).tolist()
+    reqs = [engine.make_request(ids, SamplingParams(max_tokens=STEPS + 2)) for _ in range(2)]  # pages for the decode
+    for r in reqs:
+        assert kv.reserve(r, len(ids) + 1)
+    whole, _ = kv.prefill(ids, 0, reqs[0])
+    job = PagedChunkJob(kv, ids, 1, reqs[1], 64)
+    while not job.done:
+        job.advance_budget()
+    chunked, row = job.result()
+    assert job.chunks == 3 and row.slot == 1 and row.tokens == 150
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-5, rtol=1e-5)
+    assert (np.asarray(kv.cache.lengths) == [150, 150]).all()
+    tables = [kv.blocks.table(r.id) for r in reqs]
+    for e in kv.cache.layers:
+        assert isinstance(e, PagedLayer)
+        for pool in (e.pool_k, e.pool_v):
+            _, hkv, n, d = pool.shape
+            pages = np.asarray(pool)[0].reshape(hkv, n // e.page, e.page, d)
+            got = [pages[:, t].reshape(hkv, -1, d)[:, :150] for t in tables]
+            np.testing.assert_allclose(got[1], got[0], atol=1e-5)
+    # both rows decode on: the same logits and tokens
+    cache = dataclasses.replace(kv.cache, block_table=jnp.asarray(np.stack(tables)))
+    tok = jnp.argmax(jnp.concatenate([whole, chunked]), -1).astype(jnp.int32)
+    for step in range(STEPS):
+        lg, cache = model.fns.decode_step(model.params, tok, cache)
+        np.testing.assert_allclose(np.asarray(lg[1]), np.asarray(lg[0]), atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
+        tok = jnp.argmax(lg, -1).astype(jnp.int32)
+        assert int(tok[0]) == int(tok[1])

@@ -109,6 +109,11 @@ class Engine:
         preemption). ``max_len`` is rounded up to the page.
       kv_blocks: paged: pages in the pool, the null page included (default: as many as fit the
         device, at most every slot full).
+      prefill_chunk: paged: chunked prefill (vLLM's, SARATHI's): a prompt runs this many tokens
+        per iteration through every layer, straight into its pages, beside the decode step
+        (:class:`models.serving.paged.PagedChunkJob`), so a running request waits at most one
+        chunk for it. Needs global layers only and exact prompt attention
+        (:func:`models.serving.paged.check_chunked_prefill`). One prompt prefills at a time.
       max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -126,13 +131,21 @@ class Engine:
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
                  pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row",
-                 paged: bool = False, kv_blocks: int | None = None):
+                 paged: bool = False, kv_blocks: int | None = None, prefill_chunk: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if paged and offload:
             raise ValueError("paged=True is the resident engine's KV; offload=True pages the host tier its own way")
         if kv_blocks is not None and not paged:
             raise ValueError("kv_blocks sizes a paged engine's pool: pass paged=True")
+        if prefill_chunk is not None:
+            if isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1:
+                raise ValueError(f"prefill_chunk must be a positive int (tokens), got {prefill_chunk!r}")
+            if not paged:
+                raise ValueError("prefill_chunk prefills into a paged engine's pages: pass paged=True "
+                                 "(the contiguous engine chunks with max_inject_tokens)")
+            if max_inject_tokens is not None:
+                raise ValueError("prefill_chunk and max_inject_tokens are two ways to split a prompt: pass one")
 
         if isinstance(model, CacheRankModel):
             raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
@@ -158,12 +171,13 @@ class Engine:
         if unroll is None:
             unroll = programs.default_unroll()
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         segmented = self.max_inject_tokens is not None
         if offload:
             self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool)
         elif paged:
             self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
-                                 num_blocks=kv_blocks)
+                                 num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk)
         else:
             self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
         self.paged = bool(paged)
@@ -389,7 +403,7 @@ class Engine:
                 worked = True
         running = [s.request for s in self._slots if s is not None]
         free = [i for i, s in enumerate(self._slots) if s is None]
-        if self.max_inject_tokens is None:
+        if self.max_inject_tokens is None and self.prefill_chunk is None:
             shared: dict = {}  # this iteration's prefills by prefill group (one prompt's n choices)
             for r in self.scheduler.admit(list(self._waiting), running, len(free)):
                 if not self._reserve_prompt(r):
@@ -573,7 +587,8 @@ class Engine:
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
         try:
-            job = self.kv.start_prefill(r.prefill_ids)
+            job = self.kv.start_prefill(r.prefill_ids, slot, r) if self.prefill_chunk else \
+                self.kv.start_prefill(r.prefill_ids)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)
             return
@@ -594,6 +609,8 @@ class Engine:
                 return
             logits, row = job.result()
             self.kv.wait(logits, row)
+        except PoolLost:  # a chunk into the pool donated the whole cache: the engine stops
+            raise
         except Exception as e:  # noqa: BLE001 - this request fails (its reserved slot freed), the engine serves on
             self._fail(r, e)
             return

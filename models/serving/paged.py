@@ -155,8 +155,99 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
         row = paged_like(init_cache(cfg, method, 1, cache.max_len, dtype), 0, page)
         return prefill_paged_slot(run, row, tokens, lengths, cache, slot, pages)
 
+    def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
+        # the one-row view: the pools, and (last chunk) the method's empty state for the row
+        dtype = next(e.pool_k.dtype for e in cache.layers if isinstance(e, PagedLayer))
+        row = paged_like(init_cache(cfg, method, 1, cache.max_len, dtype), 0, cache.layers[0].page) if last else None
+        view = tuple(PagedLayer(big.pool_k, big.pool_v, row.layers[i].state if last else None, big.page)
+                     for i, big in enumerate(cache.layers))
+        logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths,
+                                             KVCache(view, lengths, cache.max_len, pages[None]), kv_len=kv_len,
+                                             last=last, unroll=unroll)
+        layers = tuple(PagedLayer(o.pool_k, o.pool_v,
+                                  insert_slot(big.state, o.state, slot) if last and big.state is not None else big.state,
+                                  big.page) for big, o in zip(cache.layers, out.layers))
+        new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0) if last else cache.lengths
+        return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
+
     return (step, jax.jit(insert_paged_slot, donate_argnums=(0,)), jax.jit(prefill, donate_argnums=(3,)),
-            jax.jit(copy_paged_slot, donate_argnums=(0,)))
+            jax.jit(copy_paged_slot, donate_argnums=(0,)),
+            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")))
+
+
+def chunk_kv_len(end: int, page: int) -> int:
+    """The keys a chunk ending at position ``end`` gathers from its pages: a power of two (few
+    compilations), at least one page."""
+    return max(page, 1 << (end - 1).bit_length())
+
+
+class PagedChunkJob:
+    """A prompt prefilled ``chunk`` tokens per iteration through every layer, straight into its
+    pages (:meth:`models.driver.Driver.prefill_chunk`), beside the decode steps: the engine's
+    ``advance_budget`` / ``done`` / ``result()`` of a segmented prefill. ``r`` holds the
+    prompt's pages (reserved at admission); the last chunk writes the method state and the
+    length into ``slot``, and ``result()`` is ``(logits f32[1, V], PrefilledRow)``. The last
+    (or only) chunk is the smallest power of two >= 64 tokens that holds the rest, at most
+    ``chunk``."""
+
+    def __init__(self, kv: "PagedSlots", ids, slot: int, r: Request, chunk: int):
+        self.kv, self.ids, self.slot, self.chunk = kv, list(ids), slot, chunk
+        self.n = len(self.ids)
+        self.table = kv.blocks.table(r.id)  # its pages for the prompt, fixed while it prefills
+        if kv.blocks.held(r.id) < kv.blocks.blocks_for(self.n):
+            raise RuntimeError(f"request {r.id} holds {kv.blocks.held(r.id)} pages, its {self.n} tokens need more")
+        self.start = 0
+        self.chunks = 0
+        self._result = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def advance_budget(self, tokens: int | None = None) -> bool:
+        """Run the next chunk (``tokens`` is the engine's budget; the chunk size is fixed)."""
+        kv, m = self.kv, self.kv.model
+        rest = self.n - self.start
+        c = self.chunk if rest > self.chunk else min(self.chunk, max(64, 1 << (rest - 1).bit_length()))
+        last = rest <= c
+        toks = np.full((1, c), m._pad_id(), np.int32)
+        toks[0, :min(c, rest)] = self.ids[self.start:self.start + c]
+        try:
+            logits, kv.cache = kv._chunk(m.params, jnp.asarray(toks), jnp.int32(self.start),
+                                         jnp.asarray([self.n], jnp.int32), kv.cache, jnp.int32(self.slot),
+                                         jnp.asarray(self.table), kv_len=chunk_kv_len(self.start + c, kv.page),
+                                         last=last)
+            if last:
+                jax.block_until_ready(logits)
+        except Exception as e:  # the cache was donated: nothing can go on
+            raise PoolLost(f"a chunk of the prefill of a {self.n}-token prompt into the KV pool failed, and the "
+                           f"pool with it: {type(e).__name__}: {str(e)[:400]}") from e
+        self.start += c
+        self.chunks += 1
+        if last:
+            self._result = (logits, PrefilledRow(self.slot, self.table, self.n))
+        return True
+
+    def result(self):
+        return self._result
+
+
+def check_chunked_prefill(model) -> None:
+    """ValueError unless every layer of ``model`` can take its prompt in chunks straight into
+    pages (:meth:`models.driver.Driver.prefill_chunk`): global layers only (a sliding window's
+    ring is not paged), exact prompt attention on each (no Token Sparse Attention, no method
+    prefill hook such as Kascade's tiled prefill)."""
+    from models.driver import Driver, make_plan
+
+    drv = Driver(model.config, model.method, None)
+    for i, spec in enumerate(make_plan(model.config, model.method).specs):
+        if spec.kind != "global":
+            raise ValueError(f"chunked prefill into pages needs global layers only; layer {i} is {spec.kind!r} "
+                             f"(a sliding window): use max_inject_tokens (layer-segmented prefill)")
+        if not drv.chunkable(spec):
+            raise ValueError(f"the prompt attention of layer {i} cannot run in chunks (Token Sparse Attention, or "
+                             f"the method {model.method.name!r}'s own prefill): use max_inject_tokens "
+                             f"(layer-segmented prefill) or no prefill_chunk")
 
 
 class PoolLost(RuntimeError):
@@ -225,10 +316,14 @@ class PagedSlots:
     paged = True
 
     def __init__(self, model, slots: int, max_len: int, unroll: bool, segmented: bool = False,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, prefill_chunk: int | None = None):
         check_engine_mesh(model)
         if getattr(model, "mesh", None) is not None:
             raise ValueError("a paged engine runs an unsharded model; serve a sharded one with paged=False")
+        if prefill_chunk is not None:
+            check_chunked_prefill(model)
+            segmented = True  # prompts span iterations; their chunks' temporaries are measured below
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         check_slot_axis(model, max_len)
         self.model, self.slots, self.max_len = model, slots, max_len
         self.page = page_size(model.method)
@@ -241,17 +336,20 @@ class PagedSlots:
         self._compiled_prefill: dict[int, Any] = {}
         self._runner = None
         self.segmented = bool(segmented)
-        self._step, self._insert, self._prefill, self._copy = _paged_programs(
+        self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
 
         temps = 0
         limit = capacity.device_budget()
-        if limit is not None and segmented:
+        if limit is not None and self.prefill_chunk is not None:
+            temps = self._chunk_temp_bytes()
+        elif limit is not None and segmented:
             self._runner = TieredRunner(model, "resident")
             temps = self._runner.prefill_temp_bytes(segmented_prompt_tokens(max_len - 1, max_len), max_len)
         elif limit is not None:
             temps = self._prefill_temp_bytes()
-        self.footprint = fp = paged_footprint(model, slots, max_len, self.page, temps, prefill_row=segmented)
+        self.footprint = fp = paged_footprint(model, slots, max_len, self.page, temps,
+                                              prefill_row=segmented and self.prefill_chunk is None)
         if limit is None:
             fit = full if num_blocks is None else int(num_blocks)
         else:
@@ -337,10 +435,21 @@ class PagedSlots:
     # -- the engine's calls ----------------------------------------------------------------
     # a layer-segmented prompt is prefilled into a one-row contiguous cache, as the resident
     # engine does (its methods, on this class's model, max_len and runner), then scattered
-    start_prefill = ResidentSlots.start_prefill
     blocks_loaded = ResidentSlots.blocks_loaded
-    wait = staticmethod(ResidentSlots.wait)
     settle = ResidentSlots.settle
+
+    @staticmethod
+    def wait(logits, row) -> None:
+        """Block until a prefill's outputs exist (a prefill into the pool was waited for)."""
+        jax.block_until_ready(logits if isinstance(row, PrefilledRow) else (logits, row))
+
+    def start_prefill(self, ids, slot: int | None = None, r: Request | None = None):
+        """A prompt prefilled over several iterations: with ``prefill_chunk``, chunks through
+        every layer into ``r``'s pages (:class:`PagedChunkJob`, ``slot`` and ``r`` given); else
+        layer-segmented into a one-row cache (:meth:`ResidentSlots.start_prefill`)."""
+        if self.prefill_chunk is not None:
+            return PagedChunkJob(self, ids, slot, r, self.prefill_chunk)
+        return ResidentSlots.start_prefill(self, ids)
 
     def _prefill_temp_bytes(self) -> int:
         """The temporaries of the longest prompt's prefill into the pool (XLA's buffer
@@ -354,6 +463,20 @@ class PagedSlots:
         args = (jax.ShapeDtypeStruct((1, bucket), i32), jax.ShapeDtypeStruct((1,), i32), cache,
                 jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
         stats = self._prefill.lower(m.params, *args).compile().memory_analysis()
+        return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+
+    def _chunk_temp_bytes(self) -> int:
+        """The temporaries of the largest chunk program (a full chunk ending at ``max_len``, the
+        last one: it also computes the method state from the whole prompt's pages), from shapes
+        with a pool of one request's pages, as :meth:`_prefill_temp_bytes`."""
+        m, c = self.model, self.prefill_chunk
+        cache = jax.eval_shape(lambda: paged_like(m.init_cache(self.slots, self.max_len),
+                                                  self.pages_per_request + 1, self.page))
+        i32 = jnp.int32
+        args = (jax.ShapeDtypeStruct((1, c), i32), jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
+                cache, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
+        lowered = self._chunk.lower(m.params, *args, kv_len=chunk_kv_len(self.max_len, self.page), last=True)
+        stats = lowered.compile().memory_analysis()
         return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
 
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
