@@ -293,7 +293,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     pool_slots=args.shared_pool_slots if shared else args.pool_slots,
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
-                    paged=where.startswith("paged")).start()
+                    paged=where.startswith("paged"),
+                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None).start()
     try:
         t0 = time.perf_counter()
         iteration_ms = warm_up(engine, mix, model.config.vocab_size)
@@ -313,7 +314,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         return {"method": label, "offloaded": where not in RESIDENT_PLACES,
                 "pool": ("shared" if shared else "per_row") if where not in RESIDENT_PLACES else None,
                 "ws_admission": ws_admission,
-                "max_inject_tokens": inject, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
+                "max_inject_tokens": inject,
+                "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
                 "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
@@ -412,10 +414,10 @@ def merge(paths: list[str]) -> dict:
 #: without it ("shared-nows": M_avl unbounded, only R_max's one-step cap): SparseServe's
 #: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
 #: NAME:shared-segmented; resident on one pool of pages shared by the requests ("paged", + segmented
-#: prefill: "paged-segmented")
+#: prefill: "paged-segmented", + chunked prefill through every layer into the pages: "paged-chunked")
 PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows", "paged",
-          "paged-segmented")
-RESIDENT_PLACES = ("", "resident-segmented", "paged", "paged-segmented")
+          "paged-segmented", "paged-chunked")
+RESIDENT_PLACES = ("", "resident-segmented", "paged", "paged-segmented", "paged-chunked")
 UNBOUNDED_KV_BYTES = 1 << 62
 
 
@@ -423,7 +425,8 @@ def check_label(label: str) -> None:
     """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
     if label.partition(":")[2] not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
-                         f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged or NAME:paged-segmented")
+                         f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented "
+                         f"or NAME:paged-chunked")
 
 
 def parse_args(argv=None):
@@ -441,6 +444,8 @@ def parse_args(argv=None):
     p.add_argument("--max-inject-tokens", type=int, default=None,
                    help="NAME:segmented / NAME:resident-segmented (layer-segmented prefill): prompt tokens x layers per iteration "
                         "(default: the longest prompt of the mix, one layer of it per iteration)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=12, help="requests per rate")
     p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")

@@ -599,7 +599,10 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--no-paged", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--offload", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--paged", "--offload"], "--paged is the resident"),
-                                             (["--paged", "--data-parallel", "2"], "several devices")])
+                                             (["--paged", "--data-parallel", "2"], "several devices"),
+                                             (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+                                             (["--no-paged", "--prefill-chunk", "512"], "paged engine's pages"),
+                                             (["--prefill-chunk", "512", "--max-inject-tokens", "512"], "pass one")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """Bad flags (devices that are not there, a bad prefill): a clear error, no weights loaded."""
     from models.cli.serve import build_parser, make_engine

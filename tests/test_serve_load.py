@@ -7,15 +7,19 @@ from benchmarks import serve_load
 
 
 def test_serve_load_tiny(tmp_path):
-    rc = serve_load.main(["--tiny", "--methods", "dense:resident-segmented,quest:offload,quest:segmented", "--budget", "32",
+    rc = serve_load.main(["--tiny", "--methods", "dense:resident-segmented,quest:offload,quest:segmented,dense:paged-chunked",
+                          "--prefill-chunk", "64", "--budget", "32",
                           "--rates", "20,200",
                           "--requests", "5", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
                           "--output-max", "6", "--slots", "2,dense:resident-segmented=1", "--time-limit", "30", "--out", str(tmp_path),
                           "--name", "t"])
     assert rc == 0
     d = json.loads((tmp_path / "t.json").read_text())
-    assert [r["method"] for r in d["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented"]
-    assert [r["slots"] for r in d["runs"]] == [1, 2, 2]
+    assert [r["method"] for r in d["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented",
+                                                "dense:paged-chunked"]
+    assert [r["slots"] for r in d["runs"]] == [1, 2, 2, 2]
+    # paged, its prompts prefilled 64 tokens per iteration through every layer
+    assert d["runs"][3]["paged"] and d["runs"][3]["prefill_chunk"] == 64 and d["runs"][3]["prefill_segments"] > 0
     # resident, its prompts prefilled a layer segment per iteration
     assert not d["runs"][0]["offloaded"] and d["runs"][0]["prefill_segments"] > 0
     assert d["runs"][2]["offloaded"] and d["runs"][2]["prefill_segments"] > 0
@@ -35,12 +39,13 @@ def test_serve_load_tiny(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
     rc = serve_load.main(["--merge", f"{tmp_path / 't.json'},{tmp_path / 't.json'}", "--out", str(tmp_path),
                           "--name", "m", "--note", "two copies"])
-    m = json.loads((tmp_path / "m.json").read_text())  # the same three runs twice: joined per method
-    assert [r["method"] for r in m["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented"]
+    m = json.loads((tmp_path / "m.json").read_text())  # the same four runs twice: joined per method
+    assert [r["method"] for r in m["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented",
+                                                "dense:paged-chunked"]
     assert [row["rate"] for row in m["runs"][0]["rows"]] == [20, 20, 200, 200]
     assert "- two copies" in (tmp_path / "m.md").read_text()
     # one method at two max_inject_tokens: merged, the labels say which
-    d["runs"] = d["runs"][2:]
+    d["runs"] = d["runs"][2:3]
     (tmp_path / "a.json").write_text(json.dumps(d))
     d["runs"][0]["max_inject_tokens"] = 64
     (tmp_path / "b.json").write_text(json.dumps(d))

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
                         "at most --slots full contexts)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="--paged: chunked prefill, N prompt tokens per iteration through every layer straight into "
+                        "the pages, beside the decode step: a running request waits at most one chunk for a new "
+                        "prompt (global layers and exact prompt attention only; not with --max-inject-tokens). "
+                        "Default: each prompt's whole prefill in one iteration")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
                         "a request goes to the least-loaded replica (models.serving.replicas); default 1")
@@ -92,6 +97,14 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError("--paged is the resident engine's KV; --offload pages the host tier its own way")
     if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--paged does not run on several devices yet: drop --tensor-parallel/--data-parallel")
+    if args.prefill_chunk is not None:
+        if args.prefill_chunk < 1:
+            raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration)")
+        if not args.paged:
+            raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged, --offload or "
+                             "several devices; those chunk with --max-inject-tokens)")
+        if args.max_inject_tokens is not None:
+            raise ValueError("--prefill-chunk and --max-inject-tokens are two ways to split a prompt: pass one")
     need = args.tensor_parallel * args.data_parallel
     if need > len(jax.devices()):
         what = (f"--tensor-parallel {args.tensor_parallel}" if args.data_parallel == 1 else
@@ -107,7 +120,7 @@ def make_engine(args) -> tuple[Engine, str]:
                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
                    max_inject_tokens=args.max_inject_tokens)
     if args.paged:
-        options.update(paged=True, kv_blocks=args.kv_blocks)
+        options.update(paged=True, kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk)
     if args.data_parallel > 1:
         # one copy per device group; the loaded copy is dropped with `model`
         return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \

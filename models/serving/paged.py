@@ -186,9 +186,11 @@ class PagedChunkJob:
     pages (:meth:`models.driver.Driver.prefill_chunk`), beside the decode steps: the engine's
     ``advance_budget`` / ``done`` / ``result()`` of a segmented prefill. ``r`` holds the
     prompt's pages (reserved at admission); the last chunk writes the method state and the
-    length into ``slot``, and ``result()`` is ``(logits f32[1, V], PrefilledRow)``. The last
-    (or only) chunk is the smallest power of two >= 64 tokens that holds the rest, at most
-    ``chunk``."""
+    length into ``slot``, and ``result()`` is ``(logits f32[1, V], PrefilledRow)``. Every chunk
+    is ``chunk`` tokens (the last one padded: past the prompt its positions go to the null
+    page), except a prompt of at most ``chunk`` tokens, which is one chunk of the smallest power
+    of two >= 64 that holds it: few compiled programs (chunk size x a power-of-two key bucket
+    x last or not)."""
 
     def __init__(self, kv: "PagedSlots", ids, slot: int, r: Request, chunk: int):
         self.kv, self.ids, self.slot, self.chunk = kv, list(ids), slot, chunk
@@ -208,7 +210,9 @@ class PagedChunkJob:
         """Run the next chunk (``tokens`` is the engine's budget; the chunk size is fixed)."""
         kv, m = self.kv, self.kv.model
         rest = self.n - self.start
-        c = self.chunk if rest > self.chunk else min(self.chunk, max(64, 1 << (rest - 1).bit_length()))
+        # a prompt that fits one chunk: the smallest power of two >= 64 holding it; else every chunk, the
+        # last one padded, is `chunk` tokens (one compiled size, and a power-of-two key bucket)
+        c = self.chunk if self.n > self.chunk else min(self.chunk, max(64, 1 << (self.n - 1).bit_length()))
         last = rest <= c
         toks = np.full((1, c), m._pad_id(), np.int32)
         toks[0, :min(c, rest)] = self.ids[self.start:self.start + c]
