@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from models import programs
-from models.driver import init_cache
+from models.driver import Driver, init_cache, make_plan
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.sampling import RowSampling, SampleOut
@@ -241,8 +241,6 @@ def check_chunked_prefill(model) -> None:
     pages (:meth:`models.driver.Driver.prefill_chunk`): global layers only (a sliding window's
     ring is not paged), exact prompt attention on each (no Token Sparse Attention, no method
     prefill hook such as Kascade's tiled prefill)."""
-    from models.driver import Driver, make_plan
-
     drv = Driver(model.config, model.method, None)
     for i, spec in enumerate(make_plan(model.config, model.method).specs):
         if spec.kind != "global":
