@@ -24,7 +24,9 @@ from typing import Hashable
 
 import numpy as np
 
-NULL_BLOCK = 0
+from sparse_jax.cache import NULL_PAGE
+
+NULL_BLOCK = NULL_PAGE  # the pools' null page: unheld table entries and free rows point there
 
 
 class OutOfBlocks(RuntimeError):
