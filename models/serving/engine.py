@@ -68,7 +68,7 @@ from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
 from models.serving.paged import PagedSlots, PoolLost, page_size
 from models.serving.slot_sampling import SlotSampling, token_logprob
-from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, prefill_bucket
+from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, padded_prompt, prefill_bucket
 
 
 
@@ -445,8 +445,7 @@ class Engine:
         ids, want = r.prompt_ids, r.params.prompt_logprobs
         n = len(ids)
         bucket = round_up(prefill_bucket(n, self.max_len), 64)  # the LM head runs 64 positions at a time
-        tokens = np.full((1, bucket), self.model._pad_id(), np.int32)
-        tokens[0, :n] = ids
+        tokens = padded_prompt(ids, bucket, self.model._pad_id())
         width = max(logprob_width(want), 0)
         r.t_scheduled = time.perf_counter()
         self._in_hand = r

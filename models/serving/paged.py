@@ -46,8 +46,8 @@ from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
 from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis, insert_slot,
-                                  prefill_bucket, segmented_prompt_tokens)
-from sparse_jax.cache import KVCache, PagedLayer, paged_like
+                                  padded_prompt, prefill_bucket, segmented_prompt_tokens)
+from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
 from sparse_jax.offload import capacity
 
 DEFAULT_PAGE = 64  # tokens per page for a method without blocks of its own (dense); the kernels' block
@@ -62,6 +62,21 @@ def page_size(method) -> int:
     return m if m > 1 else DEFAULT_PAGE
 
 
+def _into_slot(big, one, slot: jax.Array, pools=None):
+    """Cache entry ``big`` (every slot) with row ``slot`` taken from the one-row entry ``one``:
+    for a :class:`PagedLayer` its method state (its pools then ``pools``, ``(pool_k,
+    pool_v)``), for any other entry every leaf."""
+    if isinstance(big, PagedLayer):
+        state = None if big.state is None else insert_slot(big.state, one.state, slot)
+        return PagedLayer(*pools, state, big.page)
+    return insert_slot(big, one, slot)
+
+
+def _copy_row(a: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """``a`` with row ``dst`` (axis 0) replaced by row ``src``."""
+    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0)
+
+
 def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.Array) -> KVCache:
     """``cache`` (donated) with the one-row contiguous ``row`` (a prefilled request) written
     in: every :class:`PagedLayer`'s row pages to pool pages ``pages int32[max_len / page]``
@@ -70,19 +85,11 @@ def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.
     is the host's (:meth:`PagedSlots.step` sends it)."""
     layers = []
     for big, one in zip(cache.layers, row.layers):
+        pools = None
         if isinstance(big, PagedLayer):
-            _, hkv, n, d = big.pool_k.shape
-            p, w = big.page, pages.shape[0]
-            dst = jnp.where(pages == NULL_BLOCK, n // p, pages)  # out of range: dropped
-
-            def scatter(pool, x):
-                src = x[0].reshape(hkv, w, p, d).astype(pool.dtype)
-                return pool.reshape(hkv, n // p, p, d).at[:, dst].set(src, mode="drop").reshape(1, hkv, n, d)
-
-            state = None if big.state is None else insert_slot(big.state, one.state, slot)
-            layers.append(PagedLayer(scatter(big.pool_k, one.k), scatter(big.pool_v, one.v), state, big.page))
-        else:
-            layers.append(insert_slot(big, one, slot))
+            pools = tuple(write_prompt_pages(pool, x, pages[None], big.page, cache.max_len)
+                          for pool, x in ((big.pool_k, one.k), (big.pool_v, one.v)))
+        layers.append(_into_slot(big, one, slot, pools))
     lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
     return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
 
@@ -100,15 +107,10 @@ def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Ar
     for big, one in zip(cache.layers, row.layers):
         view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
     logits, out = prefill(tokens, lengths, KVCache(tuple(view), row.lengths, cache.max_len, pages[None]))
-    layers = []
-    for big, one in zip(cache.layers, out.layers):
-        if isinstance(big, PagedLayer):
-            state = None if big.state is None else insert_slot(big.state, one.state, slot)
-            layers.append(PagedLayer(one.pool_k, one.pool_v, state, big.page))
-        else:
-            layers.append(insert_slot(big, one, slot))
+    layers = tuple(_into_slot(big, one, slot, (one.pool_k, one.pool_v) if isinstance(big, PagedLayer) else None)
+                   for big, one in zip(cache.layers, out.layers))
     lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, out.lengths[0], slot, 0)
-    return logits, KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
+    return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
 
 
 def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: jax.Array,
@@ -126,14 +128,11 @@ def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: j
                 to = jnp.where(dst_pages == NULL_BLOCK, n // p, dst_pages)
                 return pages.at[:, to].set(pages[:, src_pages], mode="drop").reshape(1, hkv, n, d)
 
-            state = None if e.state is None else jax.tree.map(
-                lambda a: jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0),
-                e.state)
+            state = None if e.state is None else jax.tree.map(lambda a: _copy_row(a, src, dst), e.state)
             layers.append(PagedLayer(copy(e.pool_k), copy(e.pool_v), state, e.page))
         else:
-            layers.append(jax.tree.map(
-                lambda a: jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0), e))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, cache.lengths[src], dst, 0)
+            layers.append(jax.tree.map(lambda a: _copy_row(a, src, dst), e))
+    lengths = _copy_row(cache.lengths, src, dst)
     return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
 
 
@@ -145,29 +144,30 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
     the pool, and a prompt's copy to another slot (every program donates the cache)."""
     step, _ = _programs(graphdef, cfg, method, unroll)
 
+    def empty_row(cache: KVCache) -> KVCache:
+        """The empty one-row cache: method state and rings only (the K/V it would hold is dropped)."""
+        paged = next(e for e in cache.layers if isinstance(e, PagedLayer))
+        return paged_like(init_cache(cfg, method, 1, cache.max_len, paged.pool_k.dtype), 0, paged.page)
+
     def prefill(params, tokens, lengths, cache, slot, pages):
         def run(tokens, lengths, view):
             return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll)
 
-        # the empty one-row cache: method state and rings only (the K/V it would hold is dropped)
-        dtype = next(e.pool_k.dtype for e in cache.layers if isinstance(e, PagedLayer))
-        page = next(e.page for e in cache.layers if isinstance(e, PagedLayer))
-        row = paged_like(init_cache(cfg, method, 1, cache.max_len, dtype), 0, page)
-        return prefill_paged_slot(run, row, tokens, lengths, cache, slot, pages)
+        return prefill_paged_slot(run, empty_row(cache), tokens, lengths, cache, slot, pages)
 
     def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
-        # the one-row view: the pools, and (last chunk) the method's empty state for the row
-        dtype = next(e.pool_k.dtype for e in cache.layers if isinstance(e, PagedLayer))
-        row = paged_like(init_cache(cfg, method, 1, cache.max_len, dtype), 0, cache.layers[0].page) if last else None
-        view = tuple(PagedLayer(big.pool_k, big.pool_v, row.layers[i].state if last else None, big.page)
-                     for i, big in enumerate(cache.layers))
+        # the one-row view (every layer paged): the pools, and (last chunk) the row's empty state
+        states = [e.state for e in empty_row(cache).layers] if last else [None] * len(cache.layers)
+        view = tuple(PagedLayer(big.pool_k, big.pool_v, st, big.page) for big, st in zip(cache.layers, states))
         logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths,
                                              KVCache(view, lengths, cache.max_len, pages[None]), kv_len=kv_len,
                                              last=last, unroll=unroll)
-        layers = tuple(PagedLayer(o.pool_k, o.pool_v,
-                                  insert_slot(big.state, o.state, slot) if last and big.state is not None else big.state,
-                                  big.page) for big, o in zip(cache.layers, out.layers))
-        new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0) if last else cache.lengths
+        if not last:  # the pages only
+            layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
+                           for big, o in zip(cache.layers, out.layers))
+            return logits, dataclasses.replace(cache, layers=layers)
+        layers = tuple(_into_slot(big, o, slot, (o.pool_k, o.pool_v)) for big, o in zip(cache.layers, out.layers))
+        new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
         return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
 
     return (step, jax.jit(insert_paged_slot, donate_argnums=(0,)), jax.jit(prefill, donate_argnums=(3,)),
@@ -195,9 +195,8 @@ class PagedChunkJob:
     def __init__(self, kv: "PagedSlots", ids, slot: int, r: Request, chunk: int):
         self.kv, self.ids, self.slot, self.chunk = kv, list(ids), slot, chunk
         self.n = len(self.ids)
+        kv.check_holds(r, self.n)
         self.table = kv.blocks.table(r.id)  # its pages for the prompt, fixed while it prefills
-        if kv.blocks.held(r.id) < kv.blocks.blocks_for(self.n):
-            raise RuntimeError(f"request {r.id} holds {kv.blocks.held(r.id)} pages, its {self.n} tokens need more")
         self.start = 0
         self.chunks = 0
         self._result = None
@@ -214,18 +213,11 @@ class PagedChunkJob:
         # last one padded, is `chunk` tokens (one compiled size, and a power-of-two key bucket)
         c = self.chunk if self.n > self.chunk else min(self.chunk, max(64, 1 << (self.n - 1).bit_length()))
         last = rest <= c
-        toks = np.full((1, c), m._pad_id(), np.int32)
-        toks[0, :min(c, rest)] = self.ids[self.start:self.start + c]
-        try:
-            logits, kv.cache = kv._chunk(m.params, jnp.asarray(toks), jnp.int32(self.start),
-                                         jnp.asarray([self.n], jnp.int32), kv.cache, jnp.int32(self.slot),
-                                         jnp.asarray(self.table), kv_len=chunk_kv_len(self.start + c, kv.page),
-                                         last=last)
-            if last:
-                jax.block_until_ready(logits)
-        except Exception as e:  # the cache was donated: nothing can go on
-            raise PoolLost(f"a chunk of the prefill of a {self.n}-token prompt into the KV pool failed, and the "
-                           f"pool with it: {type(e).__name__}: {str(e)[:400]}") from e
+        toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
+        logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
+                                (jnp.asarray(toks), jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
+                                self.slot, self.table, wait=last,
+                                kv_len=chunk_kv_len(self.start + c, kv.page), last=last)
         self.start += c
         self.chunks += 1
         if last:
@@ -337,7 +329,6 @@ class PagedSlots:
             raise ValueError(f"kv_blocks must be an int >= 2 (page 0 is the null page), got {num_blocks!r}")
         self._compiled_prefill: dict[int, Any] = {}
         self._runner = None
-        self.segmented = bool(segmented)
         self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
 
@@ -424,6 +415,12 @@ class PagedSlots:
             self._dirty = True
         return True
 
+    def check_holds(self, r: Request, tokens: int) -> None:
+        """RuntimeError unless ``r`` holds the pages of its first ``tokens`` positions (the
+        engine reserves a prompt's pages before it is prefilled or inserted)."""
+        if self.blocks.held(r.id) < self.blocks.blocks_for(tokens):
+            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {tokens} tokens need more")
+
     def release(self, r: Request) -> None:
         """Free ``r``'s pages; its slot (if it had one) gets null pages and length 0."""
         self.blocks.free(r.id)
@@ -453,33 +450,31 @@ class PagedSlots:
             return PagedChunkJob(self, ids, slot, r, self.prefill_chunk)
         return ResidentSlots.start_prefill(self, ids)
 
-    def _prefill_temp_bytes(self) -> int:
-        """The temporaries of the longest prompt's prefill into the pool (XLA's buffer
-        assignment, compiled from shapes with a pool of one request's pages: the pool is
-        donated and aliased, so its size does not change them)."""
-        m = self.model
-        bucket = prefill_bucket(self.max_len - 1, self.max_len)
+    def _temp_bytes(self, program, *head, **static) -> int:
+        """The temporaries of ``program(params, *head, cache, slot, pages, **static)`` (the
+        prefill into the pool or a chunk of it: ``head`` the shapes before the cache), from
+        XLA's buffer assignment, compiled from shapes with a pool of one request's pages (the
+        pool is donated and aliased, so its size does not change them)."""
+        m, i32 = self.model, jnp.int32
         cache = jax.eval_shape(lambda: paged_like(m.init_cache(self.slots, self.max_len),
                                                   self.pages_per_request + 1, self.page))
-        i32 = jnp.int32
-        args = (jax.ShapeDtypeStruct((1, bucket), i32), jax.ShapeDtypeStruct((1,), i32), cache,
-                jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
-        stats = self._prefill.lower(m.params, *args).compile().memory_analysis()
+        tail = (jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
+        stats = program.lower(m.params, *head, cache, *tail, **static).compile().memory_analysis()
         return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
 
-    def _chunk_temp_bytes(self) -> int:
-        """The temporaries of the largest chunk program (a full chunk ending at ``max_len``, the
-        last one: it also computes the method state from the whole prompt's pages), from shapes
-        with a pool of one request's pages, as :meth:`_prefill_temp_bytes`."""
-        m, c = self.model, self.prefill_chunk
-        cache = jax.eval_shape(lambda: paged_like(m.init_cache(self.slots, self.max_len),
-                                                  self.pages_per_request + 1, self.page))
+    def _prefill_temp_bytes(self) -> int:
+        """The temporaries of the longest prompt's prefill into the pool."""
         i32 = jnp.int32
-        args = (jax.ShapeDtypeStruct((1, c), i32), jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
-                cache, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.pages_per_request,), i32))
-        lowered = self._chunk.lower(m.params, *args, kv_len=chunk_kv_len(self.max_len, self.page), last=True)
-        stats = lowered.compile().memory_analysis()
-        return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+        bucket = prefill_bucket(self.max_len - 1, self.max_len)
+        return self._temp_bytes(self._prefill, jax.ShapeDtypeStruct((1, bucket), i32), jax.ShapeDtypeStruct((1,), i32))
+
+    def _chunk_temp_bytes(self) -> int:
+        """The temporaries of the largest chunk program: a full chunk ending at ``max_len``, the
+        last one (it also computes the method state from the whole prompt's pages)."""
+        i32 = jnp.int32
+        return self._temp_bytes(self._chunk, jax.ShapeDtypeStruct((1, self.prefill_chunk), i32),
+                                jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
+                                kv_len=chunk_kv_len(self.max_len, self.page), last=True)
 
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
@@ -491,29 +486,36 @@ class PagedSlots:
         if slot is None:
             return ResidentSlots.prefill(self, ids)
         m, n = self.model, len(ids)
-        if self.blocks.held(r.id) < self.blocks.blocks_for(n):
-            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {n} tokens need more")
-        bucket = prefill_bucket(n, self.max_len)
-        tokens = np.full((1, bucket), m._pad_id(), np.int32)
-        tokens[0, :n] = ids
+        self.check_holds(r, n)
+        tokens = padded_prompt(ids, prefill_bucket(n, self.max_len), m._pad_id())
         table = self.blocks.table(r.id)
-        try:
-            logits, self.cache = self._prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), self.cache,
-                                               jnp.int32(slot), jnp.asarray(table))
-            jax.block_until_ready(logits)
-        except Exception as e:  # the cache was donated: nothing can go on
-            raise PoolLost(f"the prefill of a {n}-token prompt into the KV pool failed, and the pool with it: "
-                           f"{type(e).__name__}: {str(e)[:400]}") from e
+        logits = self.run_on_pool(self._prefill, f"the prefill of a {n}-token prompt",
+                                  (jnp.asarray(tokens), jnp.asarray([n], jnp.int32)), slot, table, wait=True)
         return logits, PrefilledRow(slot, table, n)
+
+    def run_on_pool(self, program, what: str, head: tuple, slot: int, table: np.ndarray, *, wait: bool,
+                    **static):
+        """The logits of ``program(params, *head, cache, slot, table, **static)``, a program that
+        writes a prompt into the pool (the prefill, or a chunk of it), the whole cache donated
+        and replaced; ``wait``: block until it ran (the prompt's last program). Its failure
+        loses every request's KV: :class:`PoolLost`, saying ``what`` failed."""
+        try:
+            logits, self.cache = program(self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table),
+                                         **static)
+            if wait:
+                jax.block_until_ready(logits)
+        except Exception as e:  # the cache was donated: nothing can go on
+            raise PoolLost(f"{what} into the KV pool failed, and the pool with it: "
+                           f"{type(e).__name__}: {str(e)[:400]}") from e
+        return logits
 
     def insert(self, row, slot: int, r: Request) -> None:
         """Put the prefilled ``row`` of ``r`` (which holds its prompt's pages) in ``slot``: a
         :class:`PrefilledRow` already there is only recorded, one of another slot (a prompt's
         ``n`` choices) is copied, pages and state; a contiguous row is scattered into the pages."""
-        table = self.blocks.table(r.id)
         n = r.prefill_len
-        if self.blocks.held(r.id) < self.blocks.blocks_for(n):
-            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {n} tokens need more")
+        self.check_holds(r, n)
+        table = self.blocks.table(r.id)
         if isinstance(row, PrefilledRow):
             if row.tokens != n:
                 raise RuntimeError(f"request {r.id}'s {n} tokens were prefilled as {row.tokens}")

@@ -115,6 +115,13 @@ def merge_tokens(fresh: jax.Array, host: jax.Array, device: jax.Array) -> jax.Ar
     return jnp.where(fresh, host, device)
 
 
+def padded_prompt(ids: Sequence[int], width: int, pad_id: int) -> np.ndarray:
+    """``int32[1, width]``: a prompt's ids, then ``pad_id`` (a prefill bucket's padding)."""
+    tokens = np.full((1, width), pad_id, np.int32)
+    tokens[0, :len(ids)] = ids
+    return tokens
+
+
 def prefill_bucket(n: int, max_len: int) -> int:
     """The padded prompt length a prompt of ``n`` tokens is prefilled at: a multiple of
     64 up to 1024 tokens (as ``Model.generate``), then powers of two, capped at
@@ -255,8 +262,7 @@ class ResidentSlots:
         """``(logits f32[1, V], one-row cache)`` of a prompt."""
         m, n = self.model, len(ids)
         bucket = prefill_bucket(n, self.max_len)
-        tokens = np.full((1, bucket), m._pad_id(), np.int32)
-        tokens[0, :n] = ids
+        tokens = padded_prompt(ids, bucket, m._pad_id())
         prefill = self._compiled_prefill.get(bucket, m.fns.prefill)
         return prefill(m.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), m.init_cache(1, self.max_len))
 
@@ -269,8 +275,7 @@ class ResidentSlots:
         if self._runner is None:
             self._runner = TieredRunner(self.model, "resident")
         n = len(ids)
-        tokens = np.full((1, segmented_prompt_tokens(n, self.max_len)), self.model._pad_id(), np.int32)
-        tokens[0, :n] = ids
+        tokens = padded_prompt(ids, segmented_prompt_tokens(n, self.max_len), self.model._pad_id())
         return RowPrefillJob(self._runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len))
 
     def insert(self, row, slot: int) -> None:
@@ -436,8 +441,7 @@ class OffloadedSlots:
         """A :class:`models.runtime.tiered.PrefillJob` of one prompt (bucketed as every prefill):
         the engine's layer-segmented prefill advances it between decode steps."""
         n = len(ids)
-        tokens = np.full((1, self.prompt_tokens(n)), self.model._pad_id(), np.int32)
-        tokens[0, :n] = ids
+        tokens = padded_prompt(ids, self.prompt_tokens(n), self.model._pad_id())
         return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
 
     def prompt_tokens(self, n: int) -> int:
