@@ -132,8 +132,11 @@ def main(argv=None) -> int:
         def call(c, end, last=False):
             start = end - c
             toks = jnp.asarray(padded_prompt(ids[start:end], c, model._pad_id()))
-            return kv.run_on_pool(kv._chunk, "a probe chunk", (toks, jnp.int32(start), lengths), 0, table,
-                                  wait=True, kv_len=chunk_kv_len(end, page), last=last)
+            logits = kv.run_on_pool(kv._chunk, "a probe chunk", (toks, jnp.int32(start), lengths), 0, table,
+                                    wait=False, kv_len=chunk_kv_len(end, page), last=last)
+            # the pages: a non-last chunk's logits do not wait for its layers
+            jax.block_until_ready((logits, kv.cache))
+            return logits
 
         for c in a.chunks:
             for end in a.ends:
