@@ -382,20 +382,22 @@ def merge(paths: list[str]) -> dict:
     """One payload from several runs (e.g. one method per device command). Runs of one
     method and configuration (slots, pool, max_inject_tokens) join into one, their rows
     in rate order (the iteration time is their mean, the goodput recomputed); one method
-    at several ``max_inject_tokens`` gets labels that say which."""
+    at several ``max_inject_tokens`` or ``prefill_chunk`` gets labels that say which."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0])
     runs = [dict(r) for p in parts for r in p["runs"]]
     out["parts"] = [p["stamp"] for p in parts]
     for label in {r["method"] for r in runs}:
         same = [r for r in runs if r["method"] == label]
-        if len({r.get("max_inject_tokens") for r in same}) > 1:
-            for r in same:
-                r["method"] = f"{label} (inject {r.get('max_inject_tokens')})"
-                r["rows"] = [{**row, "method": r["method"]} for row in r["rows"]]
+        for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk")):
+            if len({r.get(knob) for r in same}) > 1:
+                for r in same:
+                    r["method"] = f"{r['method']} ({word} {r.get(knob)})"
+                    r["rows"] = [{**row, "method": r["method"]} for row in r["rows"]]
     groups: dict = {}  # in order of first appearance; a failed run stays alone
     for r in runs:
-        key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"))
+        key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"),
+                                          r.get("prefill_chunk"))
         groups.setdefault(key, []).append(r)
     out["runs"] = []
     for first, *more in groups.values():
