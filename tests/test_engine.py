@@ -481,6 +481,44 @@ def test_paged_chunked_prefill_interleaves_with_decode(tiny, name):
         engine.stop()
 
 
+def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
+    """``prefill_chunk`` is the iteration's prompt-token budget: short prompts (one chunk each, a
+    power of two >= 64) prefill several per iteration while their chunks fit it, in arrival order;
+    a longer prompt takes the whole budget, and the prompt behind it waits. Each request still
+    gets ``Model.generate``'s tokens, and every page comes back."""
+    rng = np.random.default_rng(9)
+    ids = [rng.integers(4, 97, n).tolist() for n in (40, 50, 60, 150, 30)]
+    steps = 6
+    refs = [tiny.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
+                              stop_ids=())[0] for i in ids]
+    engine = Engine(tiny, slots=4, max_len=256, stop_ids=(), paged=True, prefill_chunk=128)
+    reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[:3]]
+    engine.iterate()  # two chunks of 64 fill the budget of 128: the third prompt waits
+    assert engine.prefill_segments == 2 and [bool(r.output_ids) for r in reqs] == [True, True, False]
+    engine.iterate()
+    assert engine.prefill_segments == 3 and reqs[2].output_ids
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    # a long prompt (two chunks of 128) takes each iteration's budget; the short one behind it waits
+    long_, short = (engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[3:])
+    before = engine.prefill_segments
+    engine.iterate()
+    engine.iterate()
+    assert engine.prefill_segments == before + 2 and long_.output_ids and not short.output_ids
+    engine.iterate()
+    assert engine.prefill_segments == before + 3 and short.output_ids
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert [r.output_ids for r in reqs + [long_, short]] == refs
+    s = engine.stats()
+    assert engine.idle() and s["kv_blocks_free"] == s["kv_blocks_total"]
+    engine.kv.check()
+
+
 @pytest.mark.parametrize("case", ["quest-offloaded", "hybrid-dense"])
 def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     """Chunked prefill (``PrefillJob.advance_budget`` below one layer's tokens): each chunk's

@@ -66,7 +66,7 @@ from models.detokenize import IncrementalDetokenizer
 from models.sampling import logprob_width, sample_program
 from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
-from models.serving.paged import PagedSlots, PoolLost, page_size
+from models.serving.paged import PagedSlots, PoolLost, chunk_tokens, page_size
 from models.serving.slot_sampling import SlotSampling, token_logprob
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, padded_prompt, prefill_bucket
 
@@ -113,7 +113,10 @@ class Engine:
         per iteration through every layer, straight into its pages, beside the decode step
         (:class:`models.serving.paged.PagedChunkJob`), so a running request waits at most one
         chunk for it. Needs global layers only and exact prompt attention
-        (:func:`models.serving.paged.check_chunked_prefill`). One prompt prefills at a time.
+        (:func:`models.serving.paged.check_chunked_prefill`). ``prefill_chunk`` is also the
+        iteration's prompt-token budget: prompts shorter than it prefill several per iteration
+        (each its own chunk program of a power of two >= 64 tokens, in arrival order, while
+        their chunks fit the budget); a longer one takes the whole budget, one chunk at a time.
       max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -181,7 +184,9 @@ class Engine:
         else:
             self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
         self.paged = bool(paged)
-        self._prefilling = None  # (request, slot, PrefillJob): the prompt being prefilled in segments
+        # [(request, slot, job)]: the prompts being prefilled in segments or chunks, in arrival order
+        # (layer-segmented: at most one; chunked: as many as this iteration's chunk budget holds)
+        self._prefilling: list[tuple[Request, int, Any]] = []
         self.prefill_segments = 0  # segments run (layer-segmented prefill), all prompts
         self.prefills = 0  # whole prefills run
         self.prefills_shared = 0  # requests inserted from another's prefill (a prompt's n choices)
@@ -305,7 +310,7 @@ class Engine:
         ``max_len``), reserved KV bytes, totals; ``alive``, whether the engine thread runs."""
         with self._lock:
             active = int(self._active.sum())
-            prefilling = int(self._prefilling is not None)
+            prefilling = len(self._prefilling)
             waiting = len(self._waiting) + self._inbox.qsize()
             # every submitted request ends exactly once (_finish): what is neither ended nor queued
             # runs, including one between the queue and its slot (an earlier count of active slots
@@ -412,14 +417,19 @@ class Engine:
                 self._prefill_insert(r, free.pop(0), shared)
                 worked = True
         else:
-            if self._prefilling is None and free:  # one prompt in flight: it holds a slot, inactive
-                for r in self.scheduler.admit(list(self._waiting), running, 1):
-                    if not self._reserve_prompt(r):
-                        break
-                    self._waiting.remove(r)
-                    self._start_segmented(r, free.pop(0))
-            if self._prefilling is not None:
-                self._prefill_segment()
+            # a prompt in flight holds a slot, inactive until its last segment or chunk
+            for r in self.scheduler.admit(list(self._waiting), running, len(free) if self._room() else 0):
+                if not self._room(r) or not self._reserve_prompt(r):
+                    break
+                self._waiting.remove(r)
+                self._start_segmented(r, free.pop(0))
+            used = 0
+            for entry in list(self._prefilling):  # in arrival order, while their chunks fit the budget
+                t = self._next_tokens(entry[2])
+                if used and used + t > self.prefill_chunk:
+                    break
+                self._prefill_segment(entry)
+                used += t
                 worked = True
         if self._active.any():
             self._decode()
@@ -498,8 +508,7 @@ class Engine:
         """Take ``r``'s pages and slot back; it waits first in line, to be prefilled again from
         its prompt and output (its detokenizer and held text kept for it)."""
         slot = r.slot
-        if self._prefilling is not None and self._prefilling[0] is r:
-            self._prefilling = None
+        self._drop_prefilling(r)
         self.kv.release(r)
         with self._lock:
             self._parked[r.id] = self._slots[slot]
@@ -595,12 +604,31 @@ class Engine:
             # reserved; the slot stays inactive until insertion
             self._slots[slot] = self._parked.pop(r.id, None) or _Slot(r, self.tokenizer)
             r.slot = slot
-        self._prefilling = (r, slot, job)
+        self._prefilling.append((r, slot, job))
 
-    def _prefill_segment(self) -> None:
-        """Run the next segment of the prompt in flight (its layers within
-        ``max_inject_tokens``); after its last layer, sample its first token and insert it."""
-        r, slot, job = self._prefilling
+    def _room(self, r: Request | None = None) -> bool:
+        """Whether another prompt (``r``, or any) starts prefilling this iteration: layer-segmented,
+        only when none is in flight; chunked, while the in-flight prompts' next chunks and ``r``'s
+        first fit the iteration's budget (``prefill_chunk`` tokens)."""
+        if not self._prefilling:
+            return True
+        if self.prefill_chunk is None:
+            return False
+        planned = sum(self._next_tokens(job) for _, _, job in self._prefilling)
+        want = 64 if r is None else chunk_tokens(len(r.prefill_ids), self.prefill_chunk)
+        return planned + want <= self.prefill_chunk
+
+    def _next_tokens(self, job) -> int:
+        """The prompt tokens ``job``'s next chunk carries (its compiled size); a layer segment: 0."""
+        return job.next_tokens if self.prefill_chunk is not None else 0
+
+    def _drop_prefilling(self, r: Request) -> None:
+        self._prefilling = [e for e in self._prefilling if e[0] is not r]
+
+    def _prefill_segment(self, entry) -> None:
+        """Run the next segment of the prompt ``entry`` (its layers within ``max_inject_tokens``, or
+        its next chunk); after its last, sample its first token and insert it."""
+        r, slot, job = entry
         try:
             job.advance_budget(self.max_inject_tokens)
             self.prefill_segments += 1
@@ -613,7 +641,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - this request fails (its reserved slot freed), the engine serves on
             self._fail(r, e)
             return
-        self._prefilling = None
+        self._drop_prefilling(r)
         self._insert_prefilled(r, slot, logits, row)
 
     def _decode(self) -> None:
@@ -705,8 +733,7 @@ class Engine:
                 last_logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """End ``r`` (free its slot), flush held text, report "done"."""
         rest = ""
-        if self._prefilling is not None and self._prefilling[0] is r:
-            self._prefilling = None  # cancelled mid-prefill: its layers done so far are dropped
+        self._drop_prefilling(r)  # cancelled mid-prefill: its layers or chunks done so far are dropped
         if self.paged:  # its pages back to the pool (its slot's table row to null pages)
             self.kv.release(r)
             self._parked.pop(r.id, None)

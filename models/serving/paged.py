@@ -175,6 +175,13 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
             jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")))
 
 
+def chunk_tokens(n: int, chunk: int) -> int:
+    """The compiled size of each chunk of an ``n``-token prompt prefilled ``chunk`` tokens at a
+    time: ``chunk`` (the last one padded), or for a prompt of at most ``chunk`` tokens one chunk of
+    the smallest power of two >= 64 that holds it (few compiled programs; at most ``chunk``)."""
+    return chunk if n > chunk else min(chunk, max(64, 1 << (n - 1).bit_length()))
+
+
 def chunk_kv_len(end: int, page: int) -> int:
     """The keys a chunk ending at position ``end`` gathers from its pages: a power of two (few
     compilations), at least one page."""
@@ -205,13 +212,16 @@ class PagedChunkJob:
     def done(self) -> bool:
         return self._result is not None
 
+    @property
+    def next_tokens(self) -> int:
+        """The prompt tokens its next chunk carries, padding included (the engine's budget)."""
+        return chunk_tokens(self.n, self.chunk)
+
     def advance_budget(self, tokens: int | None = None) -> bool:
         """Run the next chunk (``tokens`` is the engine's budget; the chunk size is fixed)."""
         kv, m = self.kv, self.kv.model
         rest = self.n - self.start
-        # a prompt that fits one chunk: the smallest power of two >= 64 holding it; else every chunk, the
-        # last one padded, is `chunk` tokens (one compiled size, and a power-of-two key bucket)
-        c = self.chunk if self.n > self.chunk else min(self.chunk, max(64, 1 << (self.n - 1).bit_length()))
+        c = self.next_tokens
         last = rest <= c
         toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
         logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
