@@ -519,6 +519,29 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
     engine.kv.check()
 
 
+def test_paged_chunked_prefill_emits_the_queued_step_before_waiting_for_a_last_chunk(tiny, monkeypatch):
+    """A prompt's last chunk is waited for (its logits give the first token); the decode step
+    queued before it ran before it, so its tokens go out first: waiting with that step still
+    unread put two chunks in one token gap (P99 TBT twice a chunk on the H200)."""
+    engine = Engine(tiny, slots=2, max_len=256, stop_ids=(), paged=True, prefill_chunk=64)
+    rng = np.random.default_rng(10)
+    first = engine.submit(engine.make_request(rng.integers(4, 97, 40).tolist(), SamplingParams(max_tokens=30)))
+    while len(first.output_ids) < 2:
+        engine.iterate()
+    waits = []
+    real = engine.kv.wait
+    monkeypatch.setattr(engine.kv, "wait", lambda logits, row: (waits.append(engine._inflight), real(logits, row)))
+    second = engine.submit(engine.make_request(rng.integers(4, 97, 150).tolist(), SamplingParams(max_tokens=4)))
+    while not second.output_ids:
+        engine.iterate()
+    assert waits == [None]  # one wait, for the last chunk, with no step left unread
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert engine.idle() and len(first.output_ids) == 30 and len(second.output_ids) == 4
+
+
 @pytest.mark.parametrize("case", ["quest-offloaded", "hybrid-dense"])
 def test_chunked_layer_prefill_matches_whole_layers(tiny, case):
     """Chunked prefill (``PrefillJob.advance_budget`` below one layer's tokens): each chunk's

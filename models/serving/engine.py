@@ -635,6 +635,12 @@ class Engine:
             if not job.done:
                 return
             logits, row = job.result()
+            if self._inflight is not None:
+                # the step queued before this prompt's last program ran before it: its tokens go out
+                # now, not after the wait below (which put two chunks in one token gap: P99 TBT was
+                # twice a chunk, benchmarks/results/serve_load_chunk_sweep_h200.md)
+                inflight, self._inflight = self._inflight, None
+                self._collect(inflight)
             self.kv.wait(logits, row)
         except PoolLost:  # a chunk into the pool donated the whole cache: the engine stops
             raise

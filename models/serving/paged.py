@@ -226,7 +226,7 @@ class PagedChunkJob:
         toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
         logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
                                 (jnp.asarray(toks), jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
-                                self.slot, self.table, wait=last,
+                                self.slot, self.table, wait=False,  # the engine waits: PagedSlots.wait
                                 kv_len=chunk_kv_len(self.start + c, kv.page), last=last)
         self.start += c
         self.chunks += 1
@@ -449,8 +449,17 @@ class PagedSlots:
 
     @staticmethod
     def wait(logits, row) -> None:
-        """Block until a prefill's outputs exist (a prefill into the pool was waited for)."""
-        jax.block_until_ready(logits if isinstance(row, PrefilledRow) else (logits, row))
+        """Block until a prefill's outputs exist. A prefill into the pool (``row`` a
+        :class:`PrefilledRow`: its last chunk is not waited for when it is issued) that failed
+        lost the pool: :class:`PoolLost`."""
+        if not isinstance(row, PrefilledRow):
+            jax.block_until_ready((logits, row))
+            return
+        try:
+            jax.block_until_ready(logits)
+        except Exception as e:  # the cache was donated: nothing can go on
+            raise PoolLost(f"the prefill of a {row.tokens}-token prompt into the KV pool failed, and the pool "
+                           f"with it: {type(e).__name__}: {str(e)[:400]}") from e
 
     def start_prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """A prompt prefilled over several iterations: with ``prefill_chunk``, chunks through
