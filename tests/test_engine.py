@@ -519,6 +519,24 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
     engine.kv.check()
 
 
+def test_paged_chunked_prefill_is_shared_by_a_prompts_n_choices(tiny):
+    """A prompt's ``n`` choices (one ``prefill_group``) prefill once in chunks: the others wait
+    for it and take its pages and row, then each samples with its own seed."""
+    engine = Engine(tiny, slots=3, max_len=256, stop_ids=(), paged=True, prefill_chunk=64)
+    ids = np.random.default_rng(11).integers(4, 97, 100).tolist()  # two chunks
+    reqs = engine.submit_all([engine.make_request(ids, SamplingParams(max_tokens=5, temperature=1.0, seed=s),
+                                                  prefill_group="g") for s in (1, 2, 3)])
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    s = engine.stats()
+    assert engine.prefill_segments == 2 and s["prefills_shared"] == 2
+    assert all(len(r.output_ids) == 5 for r in reqs) and len({tuple(r.output_ids) for r in reqs}) > 1
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    engine.kv.check()
+
+
 def test_paged_chunked_prefill_emits_the_queued_step_before_waiting_for_a_last_chunk(tiny, monkeypatch):
     """A prompt's last chunk is waited for (its logits give the first token); the decode step
     queued before it ran before it, so its tokens go out first: waiting with that step still

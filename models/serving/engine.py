@@ -419,6 +419,8 @@ class Engine:
         else:
             # a prompt in flight holds a slot, inactive until its last segment or chunk
             for r in self.scheduler.admit(list(self._waiting), running, len(free) if self._room() else 0):
+                if self._sibling_in_flight(r):
+                    continue  # one of its prompt's n choices: it takes that prefill's pages and row
                 if not self._room(r) or not self._reserve_prompt(r):
                     break
                 self._waiting.remove(r)
@@ -527,8 +529,7 @@ class Engine:
         consume the row), and each samples its first token from the same logits with its own
         seed."""
         r.t_scheduled = time.perf_counter()
-        key = (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None and not self.kv.offloaded \
-            else None
+        key = _group_key(r) if not self.kv.offloaded else None
         if shared is not None and key in shared:
             with self._lock:
                 self.prefills_shared += 1
@@ -648,7 +649,32 @@ class Engine:
             self._fail(r, e)
             return
         self._drop_prefilling(r)
+        key = _group_key(r)  # before its first token joins its prefill_ids
         self._insert_prefilled(r, slot, logits, row)
+        self._share_prefill(key, logits, row)
+
+    def _sibling_in_flight(self, r: Request) -> bool:
+        """Whether another of ``r``'s prompt's ``n`` choices is being prefilled (chunked)."""
+        key = _group_key(r)
+        return key is not None and self.prefill_chunk is not None and \
+            any(_group_key(e[0]) == key for e in self._prefilling)
+
+    def _share_prefill(self, key, logits, row) -> None:
+        """Chunked prefill: the waiting requests of the prompt ``key`` (:func:`_group_key`: the ``n``
+        choices of a request) take its prefill (pages and row copied, the first token sampled from
+        the same logits with their own seeds), as many as have a free slot and pages; the others
+        prefill on their own later."""
+        if key is None or self.prefill_chunk is None:
+            return
+        for w in [w for w in self._waiting if _group_key(w) == key and not w.cancelled]:
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            if not free or not self._reserve_prompt(w):
+                return
+            self._waiting.remove(w)
+            w.t_scheduled = time.perf_counter()
+            with self._lock:
+                self.prefills_shared += 1
+            self._insert_prefilled(w, free[0], logits, row)
 
     def _decode(self) -> None:
         """Issue one step, then collect the step before it: the device runs step t+1
@@ -775,6 +801,11 @@ class Engine:
         if not r.done.wait(timeout):
             raise TimeoutError(f"request {r.id} did not finish in {timeout} s")
         return r
+
+
+def _group_key(r: Request):
+    """The key of the prompt ``r`` shares with the other ``n`` choices of its request (None: alone)."""
+    return (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None else None
 
 
 def _describe(e: BaseException) -> str:
