@@ -20,6 +20,7 @@ import pytest
 
 import models
 from models.serving.engine import Engine
+from models.serving.paged import DEFAULT_PREFILL_CHUNK
 from models.serving.server import serve_in_thread
 
 openai = pytest.importorskip("openai")
@@ -59,8 +60,10 @@ def server():
         model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
     except Exception as e:  # noqa: BLE001  (weights package missing)
         pytest.skip(str(e))
-    # the paged engine (pages shared by the requests): the soak and the cancellation storm check no page leaks
-    with _serving(Engine(model, slots=3, max_len=MAX_LEN, paged=True).start(), model) as s:
+    # the server's default engine: pages shared by the requests (the soak and the cancellation storm check
+    # no page leaks), prompts prefilled in chunks
+    engine = Engine(model, slots=3, max_len=MAX_LEN, paged=True, prefill_chunk=DEFAULT_PREFILL_CHUNK)
+    with _serving(engine.start(), model) as s:
         yield s
 
 
@@ -532,14 +535,18 @@ def test_a_failed_prefill_is_a_500_and_the_server_serves_on(server, references, 
     tok = server.model.tokenizer
     bad = "A prompt the device cannot prefill, this time."
     n = len(tok.encode(bad))
-    real = server.engine.kv.prefill
 
-    def prefill(ids, *a, **kw):
-        if len(ids) == n:
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB")
-        return real(ids, *a, **kw)
+    def failing(real):
+        def prefill(ids, *a, **kw):
+            if len(ids) == n:
+                raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB")
+            return real(ids, *a, **kw)
+        return prefill
 
-    monkeypatch.setattr(server.engine.kv, "prefill", prefill)
+    # before the pool is touched (a failure inside a program that writes the pool loses it: PoolLost):
+    # the whole prefill, or the start of a chunked one
+    for name in ("prefill", "start_prefill"):
+        monkeypatch.setattr(server.engine.kv, name, failing(getattr(server.engine.kv, name)))
     errors = server.engine.stats()["request_errors"]
     with pytest.raises(openai.InternalServerError, match="RESOURCE_EXHAUSTED"):
         _complete(server.client, bad)
@@ -600,7 +607,7 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--offload", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--paged", "--offload"], "--paged is the resident"),
                                              (["--paged", "--data-parallel", "2"], "several devices"),
-                                             (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+                                             (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 1"),
                                              (["--no-paged", "--prefill-chunk", "512"], "paged engine's pages"),
                                              (["--prefill-chunk", "512", "--max-inject-tokens", "512"], "pass one")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
@@ -630,6 +637,27 @@ def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
         with pytest.raises(_Loaded):
             make_engine(args)
         assert args.paged is want, flags
+
+
+def test_serve_chunks_prefill_by_default_where_it_runs(capsys):
+    """The paged server prefills in chunks of ``DEFAULT_PREFILL_CHUNK`` unless told otherwise
+    (``--prefill-chunk N``, 0 for whole prefills, ``--max-inject-tokens``); a model whose prompt
+    attention cannot run in chunks (a sliding window, Token Sparse Attention) gets whole
+    prefills, and the server says why."""
+    from models.cli.serve import build_parser, resolve_prefill_chunk
+    from models.serving.paged import DEFAULT_PREFILL_CHUNK
+    from tests.test_driver import hybrid_config
+    from tests.test_engine import _tiny_config
+
+    plain = models.load_model(config=_tiny_config(), dtype=jnp.float32)
+    for flags, want in (([], DEFAULT_PREFILL_CHUNK), (["--prefill-chunk", "512"], 512), (["--prefill-chunk", "0"], None),
+                        (["--max-inject-tokens", "256"], None)):
+        assert resolve_prefill_chunk(build_parser().parse_args(flags), plain) == want, flags
+    assert capsys.readouterr().err == ""
+    for model, why in ((models.load_model(config=hybrid_config(window=40), dtype=jnp.float32), "global layers only"),
+                       (plain.with_method("dense", prefill="token_sparse"), "cannot run in chunks")):
+        assert resolve_prefill_chunk(build_parser().parse_args([]), model) is None
+        assert why in capsys.readouterr().err
 
 
 def test_offloaded_server_with_layer_segmented_prefill(server):

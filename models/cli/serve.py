@@ -12,6 +12,7 @@ import models
 from models.cli.options import add_prefill_flags, method_options
 from models.runtime.sharding import shard
 from models.serving.engine import Engine
+from models.serving.paged import DEFAULT_PREFILL_CHUNK, check_chunked_prefill
 from models.serving.replicas import replicate
 from models.serving.server import build_app
 from sparse_jax.methods import available_methods, get_method
@@ -54,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="--paged: chunked prefill, N prompt tokens per iteration through every layer straight into "
                         "the pages, beside the decode step: a running request waits at most one chunk for a new "
-                        "prompt (global layers and exact prompt attention only; not with --max-inject-tokens). "
-                        "Default: each prompt's whole prefill in one iteration")
+                        "prompt, and prompts shorter than N prefill several per iteration (global layers and exact "
+                        f"prompt attention only; not with --max-inject-tokens). Default: {DEFAULT_PREFILL_CHUNK} "
+                        "where it runs (a model with sliding-window layers, --prefill tsa or Kascade's tiled "
+                        "prefill get whole prefills, and the server says so); 0: each prompt's whole prefill in "
+                        "one iteration")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
                         "a request goes to the least-loaded replica (models.serving.replicas); default 1")
@@ -71,6 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes", type=int, default=None, help="M_avl in bytes (default: the whole decode cache)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     return p
+
+
+def resolve_prefill_chunk(args, model) -> int | None:
+    """The paged engine's chunk (None: whole prefills): ``--prefill-chunk`` as given (0: None), or
+    by default :data:`DEFAULT_PREFILL_CHUNK` where chunked prefill runs, with a note on stderr
+    saying why a model gets whole prefills instead (an explicit chunk that cannot run is refused
+    by the engine, before anything compiles)."""
+    if args.prefill_chunk is not None:
+        return args.prefill_chunk or None
+    if args.max_inject_tokens is not None:
+        return None
+    try:
+        check_chunked_prefill(model)
+    except ValueError as e:
+        print(f"whole prefills (no chunked prefill): {e}", file=sys.stderr, flush=True)
+        return None
+    return DEFAULT_PREFILL_CHUNK
 
 
 def make_engine(args) -> tuple[Engine, str]:
@@ -97,9 +118,9 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError("--paged is the resident engine's KV; --offload pages the host tier its own way")
     if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--paged does not run on several devices yet: drop --tensor-parallel/--data-parallel")
-    if args.prefill_chunk is not None:
+    if args.prefill_chunk is not None and args.prefill_chunk != 0:
         if args.prefill_chunk < 1:
-            raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration)")
+            raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration), or 0 (whole prefills)")
         if not args.paged:
             raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged, --offload or "
                              "several devices; those chunk with --max-inject-tokens)")
@@ -120,7 +141,7 @@ def make_engine(args) -> tuple[Engine, str]:
                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
                    max_inject_tokens=args.max_inject_tokens)
     if args.paged:
-        options.update(paged=True, kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk)
+        options.update(paged=True, kv_blocks=args.kv_blocks, prefill_chunk=resolve_prefill_chunk(args, model))
     if args.data_parallel > 1:
         # one copy per device group; the loaded copy is dropped with `model`
         return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \
@@ -141,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     engine.start()
     reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
-    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}{', paged' if args.paged else ''}, {reps}{engine.slots} slots "
+    chunk = f", prefill in chunks of {engine.prefill_chunk}" if getattr(engine, "prefill_chunk", None) else ""
+    print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}{', paged' if args.paged else ''}{chunk}, {reps}{engine.slots} slots "
           f"of {engine.max_len} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:

@@ -175,6 +175,13 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
             jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")))
 
 
+#: The server's chunk for chunked prefill (``--prefill-chunk``), vLLM's token budget for a long-context
+#: server. Under the 32K load on the H200 (benchmarks/results/serve_load_chunk_sweep_h200.md) chunks of
+#: 1,024 / 2,048 / 4,096 gave mean TTFT 6.1 / 5.7 / 5.5 s; one chunk costs ~61 / 110 / 201 ms late in a
+#: 32K prompt (chunk_prefill_h200.md), what a running request's token waits for it.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
 def chunk_tokens(n: int, chunk: int) -> int:
     """The compiled size of each chunk of an ``n``-token prompt prefilled ``chunk`` tokens at a
     time: ``chunk`` (the last one padded), or for a prompt of at most ``chunk`` tokens one chunk of
