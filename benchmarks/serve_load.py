@@ -23,6 +23,8 @@ Bounded: at most ``--requests`` per rate, and a rate stops after
 ``--time-limit`` seconds (unfinished requests are cancelled and reported).
 Every prefill bucket and the step compile in a warm-up before the sweep.
 
+``NAME+tsa`` (e.g. ``asynctls+tsa:paged``) prefills with Token Sparse Attention
+(``--prefill-opt`` its options), whole prefills only.
 ``NAME:offload`` in ``--methods`` runs the method offloaded (KV blocks in
 pinned host memory, per-slot pools); its rows report the KV blocks loaded
 from the host per iteration. ``NAME:segmented`` adds layer-segmented prefill
@@ -231,7 +233,21 @@ def goodput(rows: list[dict], iteration_ms: float) -> float | None:
     return max(ok) if ok else None
 
 
+def with_prefill(method, args, tsa: bool):
+    """``method`` with Token Sparse Attention's prefill (``NAME+tsa``; ``--prefill-opt`` its
+    options), or as it is."""
+    if not tsa:
+        return method
+    from models.cli.options import parse_attention_opts
+
+    opts = parse_attention_opts(args.prefill_opt, flag="--prefill-opt")
+    method = dataclasses.replace(method, prefill="token_sparse", prefill_options=tuple(opts.items()))
+    method.sparse_prefill()  # a bad option: ValueError before the weights are drawn
+    return method
+
+
 def build_model(args, method_name: str):
+    """The model of ``method_name`` (``NAME`` or ``NAME+tsa``), random bf16 weights."""
     import models
     from benchmarks.offload import asynctls_for, qwen3_8b, random_model
     from sparse_jax.methods import get_method
@@ -242,6 +258,7 @@ def build_model(args, method_name: str):
                                  max_position=args.max_len, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False)
     else:
         cfg = qwen3_8b(max(args.max_len, 40960))
+    method_name, _, tsa = method_name.partition("+")
     if method_name == "asynctls":
         method = asynctls_for(cfg, args.budget, args.kb)
         if args.tiny:  # 64-token blocks do not fit the tiny prompts
@@ -253,7 +270,7 @@ def build_model(args, method_name: str):
         method = get_method("dense")
     else:
         method = get_method(method_name, budget=args.budget)
-    return random_model(cfg, method, args.max_len, seed=0)
+    return random_model(cfg, with_prefill(method, args, tsa), args.max_len, seed=0)
 
 
 def run(args) -> dict:
@@ -424,8 +441,15 @@ UNBOUNDED_KV_BYTES = 1 << 62
 
 
 def check_label(label: str) -> None:
-    """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`)."""
-    if label.partition(":")[2] not in PLACES:
+    """ValueError unless ``label`` is NAME or NAME:WHERE (WHERE one of :data:`PLACES`), NAME a
+    method or METHOD+tsa (Token Sparse Attention's prefill)."""
+    name, _, where = label.partition(":")
+    if name.partition("+")[2] not in ("", "tsa"):
+        raise ValueError(f"method label {label!r}: NAME or NAME+tsa (Token Sparse Attention's prefill)")
+    if name.endswith("+tsa") and where == "paged-chunked":
+        raise ValueError(f"method label {label!r}: Token Sparse Attention's prefill does not run in chunks; "
+                         f"use {name}:paged (whole prefills)")
+    if where not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
                          f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented "
                          f"or NAME:paged-chunked")
@@ -446,6 +470,9 @@ def parse_args(argv=None):
     p.add_argument("--max-inject-tokens", type=int, default=None,
                    help="NAME:segmented / NAME:resident-segmented (layer-segmented prefill): prompt tokens x layers per iteration "
                         "(default: the longest prompt of the mix, one layer of it per iteration)")
+    p.add_argument("--prefill-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="NAME+tsa: an option of sparse_jax.prefill.TokenSparsePrefill (repeatable), e.g. "
+                        "min_tokens=8192")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
