@@ -519,6 +519,42 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
     engine.kv.check()
 
 
+def test_paged_decode_runs_on_a_batch_bucket(tiny):
+    """The paged step runs the slots up to the last active one, rounded up to a power of two
+    (1, 2, 4 of 4 slots), the others untouched: each request still gets the tokens it gets
+    alone, a sampled and penalised one included (its penalty counts travel through buckets),
+    with AsyncTLS selecting 64 of ~150 positions (its per-row state goes back to its rows)."""
+    from models.serving.paged import decode_rows
+
+    assert [decode_rows(4, u) for u in (0, 1, 2, 3, 4)] == [1, 1, 2, 4, 4]
+    assert [decode_rows(6, u) for u in (3, 5, 6)] == [4, 6, 6]
+    tiny = tiny.with_method("asynctls", **_OPTIONS["asynctls"])
+    rng = np.random.default_rng(12)
+    ids = [rng.integers(4, 97, n).tolist() for n in (150, 130, 140)]
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, presence_penalty=0.5, repetition_penalty=1.2)
+    alone = Engine(tiny, slots=1, max_len=256, stop_ids=(), paged=True).start()  # the step on every slot
+    try:
+        want = [alone.generate(ids[0], SamplingParams(max_tokens=12), timeout=300).output_ids]
+        want += [alone.generate(i, sampled, timeout=300).output_ids for i in ids[1:]]
+    finally:
+        alone.stop()
+    engine = Engine(tiny, slots=4, max_len=256, stop_ids=(), paged=True)
+    a = engine.submit(engine.make_request(ids[0], SamplingParams(max_tokens=12)))
+    for _ in range(3):
+        engine.iterate()
+    assert engine.kv.last_rows == 1  # one request, in slot 0
+    b, c = (engine.submit(engine.make_request(i, sampled)) for i in ids[1:])
+    engine.iterate()
+    engine.iterate()
+    assert c.slot == 2 and engine.kv.last_rows == 4  # slots 0-2 active: the bucket of 4
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert [a.output_ids, b.output_ids, c.output_ids] == want
+    assert engine.idle() and engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
 def test_paged_chunked_prefill_is_shared_by_a_prompts_n_choices(tiny):
     """A prompt's ``n`` choices (one ``prefill_group``) prefill once in chunks: the others wait
     for it and take its pages and row, then each samples with its own seed."""

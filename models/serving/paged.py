@@ -45,7 +45,7 @@ from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
-from models.serving.slots import (ResidentSlots, _programs, check_engine_mesh, check_slot_axis, insert_slot,
+from models.serving.slots import (ResidentSlots, engine_step, check_engine_mesh, check_slot_axis, insert_slot,
                                   padded_prompt, prefill_bucket, segmented_prompt_tokens)
 from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
 from sparse_jax.offload import capacity
@@ -138,11 +138,14 @@ def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: j
 
 @functools.lru_cache(maxsize=16)
 def _paged_programs(graphdef, cfg, method, unroll: bool):
-    """The paged engine's programs: the resident engine's step (the model's decode step,
-    which reads paged layers through the table, and the sampling), the page scatter of a
+    """The paged engine's programs: the step on a decode batch bucket (:func:`bucketed_step`
+    of the model's decode step, which reads paged layers through the table, and the
+    sampling; one compilation per bucket), the page scatter of a
     contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
     the pool, and a prompt's copy to another slot (every program donates the cache)."""
-    step, _ = _programs(graphdef, cfg, method, unroll)
+    step = jax.jit(bucketed_step(engine_step(lambda params, tokens, cache: programs.decode_step(
+        nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll))),
+        donate_argnums=(2,), static_argnames=("rows",))
 
     def empty_row(cache: KVCache) -> KVCache:
         """The empty one-row cache: method state and rings only (the K/V it would hold is dropped)."""
@@ -180,6 +183,58 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
 #: 1,024 / 2,048 / 4,096 gave mean TTFT 6.1 / 5.7 / 5.5 s; one chunk costs ~61 / 110 / 201 ms late in a
 #: 32K prompt (chunk_prefill_h200.md), what a running request's token waits for it.
 DEFAULT_PREFILL_CHUNK = 2048
+
+
+def decode_rows(slots: int, used: int) -> int:
+    """The rows a decode step runs when the slots below ``used`` hold every active request:
+    the smallest power of two >= ``used`` (at least 1), at most ``slots`` (few compiled steps)."""
+    return min(slots, 1 << max(used - 1, 0).bit_length())
+
+
+def _first_rows(tree, n: int):
+    return jax.tree.map(lambda a: a[:n], tree)
+
+
+def _put_rows(big, small):
+    return jax.tree.map(lambda b, s: jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), 0, 0), big, small)
+
+
+def bucketed_step(step):
+    """``step(params, tokens, cache, active, sampling, rows)`` (``rows`` static): the engine's
+    ``step`` on the first ``rows`` slots only (the decode batch bucket), the others untouched.
+    Every per-slot leaf (tokens, lengths, block table, the methods' state, sliding-window
+    rings, the rows' sampling) is cut to its first ``rows`` rows; the page pools are shared, so
+    they go in whole and come back written; the outputs are padded back to every slot (the
+    rows past ``rows`` sample token 0, inactive)."""
+
+    def run(params, tokens, cache: KVCache, active, sampling: RowSampling, rows: int):
+        slots = tokens.shape[0]
+        if rows == slots:
+            return step(params, tokens, cache, active, sampling)
+
+        def cut(e):
+            if isinstance(e, PagedLayer):
+                return dataclasses.replace(e, state=_first_rows(e.state, rows))
+            return _first_rows(e, rows)
+
+        small = KVCache(tuple(cut(e) for e in cache.layers), cache.lengths[:rows], cache.max_len,
+                        cache.block_table[:rows])
+        stop = sampling.stop_ids  # the banned stop tokens: one list for every row
+        rows_sampling = dataclasses.replace(_first_rows(dataclasses.replace(sampling, stop_ids=None), rows),
+                                            stop_ids=stop)
+        out, new = step(params, tokens[:rows], small, active[:rows], rows_sampling)
+
+        def put(big, e):
+            if isinstance(big, PagedLayer):
+                return dataclasses.replace(e, state=_put_rows(big.state, e.state))
+            return _put_rows(big, e)
+
+        cache = KVCache(tuple(put(b, e) for b, e in zip(cache.layers, new.layers)),
+                        _put_rows(cache.lengths, new.lengths), cache.max_len, cache.block_table)
+        pad = lambda a: jnp.pad(a, [(0, slots - rows)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+        return jax.tree.map(pad, out), cache
+
+    return run
 
 
 def chunk_tokens(n: int, chunk: int) -> int:
@@ -348,6 +403,7 @@ class PagedSlots:
         self._runner = None
         self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
+        self.last_rows = slots  # the rows the last decode step ran (its batch bucket, decode_rows)
 
         temps = 0
         limit = capacity.device_budget()
@@ -560,8 +616,14 @@ class PagedSlots:
             self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self._table.copy()),
                                              lengths=jnp.asarray(self._lengths.copy()))
             self._dirty = False
-        out = ResidentSlots.step(self, tokens, active, sampling)
-        self._lengths += np.asarray(active, bool)  # the step advances the active rows only
+        active = np.asarray(active, bool)
+        # the decode batch bucket: the rows up to the last active one (the engine fills the lowest free
+        # slot first), rounded up to a power of two
+        used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
+        self.last_rows = decode_rows(self.slots, used)
+        out, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
+                                     sampling, rows=self.last_rows)
+        self._lengths += active  # the step advances the active rows only
         return out
 
     def check(self) -> None:

@@ -69,11 +69,10 @@ def _sum_arrays(arrays: tuple) -> jax.Array:
     return functools.reduce(jnp.add, arrays)
 
 
-def _engine_programs(decode):
-    """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
-    cache)``: the step (decode, free slots held back, sampling; cache donated; one
-    compilation per :class:`~models.sampling.RowSampling` structure, so options no row
-    asks for cost nothing) and the slot insertion."""
+def engine_step(decode):
+    """The engine's step around ``decode(params, tokens, cache) -> (logits, cache)``, not
+    jitted: ``step(params, tokens [B], cache, active bool[B], sampling) -> (SampleOut,
+    cache)``, the decode with free slots held back, then the sampling."""
 
     def step(params, tokens, cache, active, sampling: RowSampling):
         logits, new = decode(params, tokens, cache)
@@ -81,7 +80,15 @@ def _engine_programs(decode):
         new = dataclasses.replace(new, lengths=jnp.where(active, new.lengths, cache.lengths))
         return sample_step(logits, tokens, active, sampling), new
 
-    return jax.jit(step, donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,))
+    return step
+
+
+def _engine_programs(decode):
+    """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
+    cache)``: the step (:func:`engine_step`; cache donated; one compilation per
+    :class:`~models.sampling.RowSampling` structure, so options no row asks for cost
+    nothing) and the slot insertion."""
+    return jax.jit(engine_step(decode), donate_argnums=(2,)), jax.jit(insert_slot, donate_argnums=(0,))
 
 
 @functools.lru_cache(maxsize=16)
