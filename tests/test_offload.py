@@ -412,26 +412,29 @@ def test_resident_runner_equals_the_model(unroll):
 
 
 def test_decode_compiles_once_and_saving_is_precompiled():
-    """The state built by prefill has the placement of the decode program's outputs:
-    it compiles once, and the block extraction compiled when the state was built is
-    the one the block saves use (no compilation mid-decode)."""
+    """The state built by prefill has the placement of the decode program's outputs, and
+    the step places its tokens alike whatever their origin: it compiles once, and the
+    block extraction compiled when the state was built is the one the block saves use (no
+    compilation mid-decode)."""
     from models.runtime import tiered, tiered_programs
 
     model = _tiny_asynctls_model()
     # the tiers are placed from the sharding given (its memory kind replaced)
     runner = tiered.TieredRunner(model, "offload", sharding=jax.sharding.SingleDeviceSharding(jax.devices()[-1]))
     tokens = np.random.default_rng(4).integers(3, 97, (3, 60)).astype(np.int32)
-    _, state = runner.prefill(tokens, np.array([60, 47, 33], np.int32), 256)
+    logits, state = runner.prefill(tokens, np.array([60, 47, 33], np.int32), 256)
     tier, host = state.cache.layers[1], state.host[1]
     assert tier.pool_k.sharding.memory_kind == "device" and host.k.sharding.memory_kind == "pinned_host"
     assert host.k.shape == (3, 2, 256 // 16, 16, 16)  # [B, Hkv, NB, bs, D]: the head axis kept
     extract = tiered_programs.extract_block_fn()
     built = extract._cache_size()
-    tok = jnp.zeros((3,), jnp.int32)
-    runner.decode_step(tok, state)
+    # greedy, as generate_ids: the first token from the prefill's logits (an uncommitted array),
+    # the next ones from a step's (committed), and a host array
+    logits = runner.decode_step(jnp.argmax(logits, -1).astype(jnp.int32), state)
     after_first = runner._decode._cache_size()  # (the function is shared between runners)
-    for _ in range(19):  # every row completes a 16-token block
-        runner.decode_step(tok, state)
+    for i in range(19):  # every row completes a 16-token block
+        tok = np.zeros((3,), np.int32) if i == 9 else jnp.argmax(logits, -1).astype(jnp.int32)
+        logits = runner.decode_step(tok, state)
     runner.finish(state)
     assert extract._cache_size() == built
     assert runner._decode._cache_size() == after_first

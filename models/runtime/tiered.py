@@ -348,13 +348,16 @@ class TieredRunner:
         if live.any() and int(state.lengths_host[live].max()) >= state.max_len:
             raise ValueError(f"the cache is full ({state.max_len} tokens)")
         decode = self._decode if self.mesh is None else self._layout(*state.lengths_host.shape, state.max_len).decode
+        # placed like the step's own outputs: a first token taken from the prefill's logits
+        # (uncommitted) and the next ones from a step's (committed) would compile the step twice
+        tokens = jax.device_put(jnp.asarray(tokens, jnp.int32), state.cache.lengths.sharding)
         if self.shared:  # the rows that place blocks must fit the pool together (checked here, on the host)
             off.check_shared_fits(self.method, state.cache.layers[self.offloaded_layers[0]].pool_slots,
                                   state.max_len, int(live.sum()))
-            logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host,
+            logits, state.cache = decode(self.model.params, tokens, state.cache, state.host,
                                          jnp.asarray(live.copy()))
         else:
-            logits, state.cache = decode(self.model.params, jnp.asarray(tokens, jnp.int32), state.cache, state.host)
+            logits, state.cache = decode(self.model.params, tokens, state.cache, state.host)
         self._after_step(state, live, active is not None)
         return logits
 
