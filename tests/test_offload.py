@@ -473,7 +473,9 @@ def test_synchronous_save_gives_the_same_tokens_and_host_tier():
 def test_greedy_steps_on_the_device_equal_decode_steps():
     """``TieredRunner.greedy_steps`` (tokens and logits in donated buffers, fed back on the
     device: the same addresses every step) gives ``decode_step``'s tokens, logits and host
-    tier, saves of completed blocks included; the caller's token array survives the donation."""
+    tier, saves of completed blocks included; the caller's token array survives the donation;
+    the greedy program compiles once."""
+    from models.runtime import tiered_programs
     from models.runtime.tiered import TieredRunner
     from sparse_jax.methods import get_method
 
@@ -491,8 +493,11 @@ def test_greedy_steps_on_the_device_equal_decode_steps():
         want.append(np.asarray(jnp.argmax(logits, -1)))
     runner.finish(ref)
     _, state = runner.prefill(tokens, lengths, 256)
+    greedy = tiered_programs.greedy_fn(model.graphdef, runner.driver, runner.gather_programs, runner._conc)
     last, nxt = runner.greedy_steps(first, state, steps)
     runner.finish(state)
+    # one compilation: the step's io goes in placed as it comes out (the first token was uncommitted)
+    assert greedy._cache_size() == 1
     assert np.asarray(first).tolist() == want[0].tolist()  # the caller's array, not deleted by the donation
     np.testing.assert_array_equal(np.asarray(nxt), want[-1])
     np.testing.assert_array_equal(np.asarray(last), np.asarray(logits))

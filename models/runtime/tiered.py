@@ -390,8 +390,11 @@ class TieredRunner:
             raise ValueError(f"{n} steps overrun the cache ({state.max_len} tokens)")
         fn = greedy_fn(self.model.graphdef, self.driver, self.gather_programs, self._conc)
         live = np.ones(state.lengths_host.shape, bool)
-        io = {"tokens": jnp.array(tokens, jnp.int32, copy=True),  # donated: never the caller's array
-              "logits": jnp.zeros((len(live), self.cfg.vocab_size), jnp.float32)}
+        # donated: never the caller's array; placed like the step's outputs, which come back as the
+        # next step's io (uncommitted arrays would compile the step a second time)
+        io = jax.device_put({"tokens": jnp.array(tokens, jnp.int32, copy=True),
+                             "logits": jnp.zeros((len(live), self.cfg.vocab_size), jnp.float32)},
+                            state.cache.lengths.sharding)
         for _ in range(int(n)):
             io, state.cache = fn(self.model.params, io, state.cache, state.host)
             self._after_step(state, live, False)
