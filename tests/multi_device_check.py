@@ -19,6 +19,7 @@ printing JSON lines (``{"case": ...}``) that the tests read:
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import sys
@@ -84,6 +85,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if len(jax.devices()) < 4:
         raise SystemExit("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    # SmolLM2's weights read once for the process, as tests/conftest.py does in the pytest processes:
+    # the API case, the generate CLI's five runs (with and without --tensor-parallel and --cache-rank,
+    # the refused --tensor-parallel 8) each read them again (~2-9 s a read)
+    from models import api
+    api.read_real_weights = functools.lru_cache(maxsize=4)(api.read_real_weights)
     steps = {"sharded": lambda: sharded_check.main(["--bf16", "--with-offload"]),
              "cache_rank": cache_rank_check.tiny_cases, "cache_rank_cli": cache_rank_check.cli_case,
              "replicas": replicas_case, "benchmarks": lambda: benchmarks_case(out)}

@@ -311,9 +311,12 @@ def smollm2_cases():
     ``--tensor-parallel 2`` equal to the CLI without it (in this process: one weights load
     and one set of compiled programs for both); ``--tensor-parallel 8`` is refused."""
     base = smollm2(256)
-    prompt = "The capital of France is"
+    # 201 tokens + 12: the API's prompt bucket (a multiple of 64: 256) and cache (256) are the CLI's,
+    # so the CLI runs below reuse the programs compiled here (one device: the same jitted functions;
+    # model=2: through the persistent compilation cache)
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 14 + "The capital of Germany is"
     sharded_model = shard(base, model=2)
-    a, b = base.generate(prompt, max_new_tokens=10), sharded_model.generate(prompt, max_new_tokens=10)
+    a, b = base.generate(prompt, max_new_tokens=12), sharded_model.generate(prompt, max_new_tokens=12)
     print(json.dumps(dict(case="smollm2/api-generate/dense/data=1,model=2", max_dlogit=0.0, logit_scale=1.0,
                           tokens_agree=a == b, k_spec="P(None, 'model')", devices=2,
                           text=b, kv_heads=sharded_model.config.num_kv_heads)), flush=True)
