@@ -13,13 +13,21 @@ from models.tokenizer import Tokenizer, chatml_default_system, render_chatml
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_tokenizer.json")
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
+def _read_tokenizer(preset: str) -> Tokenizer:
+    """The preset's tokenizer as ``sparse-jax-export-tokenizer`` reads it: the same read_gguf
+    cache entry as the export test's (reading Gemma 3's 262k-token vocabulary takes ~8 s on the
+    CI machine; a second call with another ``name`` read it again)."""
+    from models.cli.export_tokenizer import read_tokenizer
+
     try:
-        path = gguf_loader.smollm2_gguf_path()
+        return read_tokenizer(preset)
     except gguf_loader.WeightsNotFoundError as e:
         pytest.skip(str(e))
-    return gguf_loader.read_gguf(path, tensors=False).tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return _read_tokenizer("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +114,7 @@ def test_hf_directory_round_trip(tok, tmp_path):
 
 
 def _gemma3_tokenizer():
-    try:
-        return gguf_loader.read_gguf(gguf_loader.gemma3_gguf_path(), tensors=False).tokenizer
-    except gguf_loader.WeightsNotFoundError as e:
-        pytest.skip(str(e))
+    return _read_tokenizer("gemma3-270m")
 
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
