@@ -24,8 +24,8 @@ PROMPT = ("Here is a list of fruits: apple, banana, cherry, damson, elderberry, 
           "Here is a list of tools: hammer, saw, drill, chisel, wrench, pliers, level, clamp, file. "
           "Repeat the list of fruits, then add two more fruits.")
 
-#: small enough that every sparse method selects in the 427-token prompt below (3 ArkVale
-#: pages, 6 Quest pages); a multiple of every method's block
+#: small enough that every sparse method selects in the 211-token prompt below (3 ArkVale
+#: pages of 7, 6 Quest pages of 14); a multiple of every method's block
 BUDGET = 96
 
 
@@ -44,7 +44,9 @@ def test_every_method_selects_after_token_sparse_prefill_from_the_cli(monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tsa, "token_sparse_attention", counting)
-    prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["red apple", "blue car", "green tree"] * 16))
+    # 211 tokens: a prompt bucket and cache of 256 (427 tokens, bucket 512, ran each prefill twice as
+    # long and compiled it larger for the same check)
+    prompt = " ".join(f"Item {i} is a {c}." for i, c in enumerate(["red apple", "blue car", "green tree"] * 8))
     opts = ["--attention-opt", "prefill=token_sparse", "--attention-opt", "prefill.min_tokens=16",
             "--attention-opt", "prefill.window=16", "--attention-opt", "prefill.tau=0.05"]
     runs = [["--attention", m] + (["--attention-opt", f"budget={BUDGET}"] if m != "dense" else [])
@@ -57,7 +59,7 @@ def test_every_method_selects_after_token_sparse_prefill_from_the_cli(monkeypatc
         run = run_generate(["--model", "smollm2-135m", "--prompt", prompt + " The blue car is item",
                             "--max-new-tokens", "2", *extra, *opts])
         assert run.rc == 0, (extra, run.err[-2000:], run.out[-2000:])
-        assert "prompt 427 tokens" in run.head, (extra, run.head)
+        assert "prompt 211 tokens, padded to 256 | cache 256" in run.head, (extra, run.head)
         assert f"| attention {extra[1]} " in run.head, (extra, run.head)  # the method asked is the one run
         if extra[1] != "dense":
             assert f"budget={BUDGET}" in run.head, (extra, run.head)  # the option reached the method
