@@ -30,6 +30,16 @@ them device-to-host asynchronously and, one step later, the CPU stores them
 into the pinned buffers (SparseServe's CPU-assisted saving). A block is first
 read from the host ``bs`` steps after it completes, when it leaves the ring.
 The runner tracks lengths on the host, so nothing waits on the device.
+
+Paged host tier (``host_pages=N``): each offloaded layer's host tier is a pool of ``N``
+pages of one block (every KV head) shared by the rows, page 0 the null page, and one
+block table ``int32[B, max_len / bs]`` for every layer (:mod:`sparse_jax.offload.tiers`),
+so host memory holds the blocks that exist, not ``B x max_len``. :class:`HostPages` keeps
+the table on the host (the CPU's saves read it) and sends it to the device with the next
+step when it changed (the decode program turns a miss's block into its page's id). The
+runner assigns the pages itself as rows grow, or a caller does (the serving engine's
+block manager: ``HostPages(own=False)``). The device tier is the same as the contiguous
+tier's, and so are the numbers.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from models.driver import Driver, make_plan
 from models.runtime import sharding as shd
 from models.runtime.tiered_programs import (
     MeshLayout, chunked_layer_kv, decode_fn, embed_fn, extract_block_fn, finish_layer, greedy_fn, head_fn, padded_rows, prefill_chunk_fn, prefill_layer_fn)
-from sparse_jax.cache import KVCache
+from sparse_jax.cache import NULL_PAGE, KVCache
 from sparse_jax.methods.base import DenseAttention
 from sparse_jax.offload import capacity
 from sparse_jax.offload import pool as off
@@ -61,6 +71,60 @@ SAVE_MODES = ("deferred", "sync")  # TieredRunner(save=...)
 # alone still move the copy at full speed; docs/architecture.md, 'Measured reasons for runtime
 # and benchmark choices')
 DEFAULT_GATHER_PROGRAMS = 8
+
+
+class OutOfHostPages(RuntimeError):
+    """A row needs a host page and the runner's own pool (``host_pages``) has none left."""
+
+
+class HostPages:
+    """The block table of a paged host tier on the host (see the module docstring):
+    ``table int32[B, NB]``, row ``b``'s block ``n`` in page ``table[b, n]`` of every
+    offloaded layer's pool (:data:`~sparse_jax.cache.NULL_PAGE` where it holds none; a
+    row's pages are a prefix of its table). ``own``: the runner gives each row the pages
+    its next position needs before every step, from its own free list; else the caller
+    writes the rows (:meth:`set_row`) and the runner only checks that every row it steps
+    holds them. ``dirty``: the table changed since it was last sent to the device."""
+
+    def __init__(self, num_pages: int, batch: int, blocks_per_row: int, own: bool = True):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 2:
+            raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}")
+        self.num_pages = int(num_pages)
+        self.table = np.full((int(batch), int(blocks_per_row)), NULL_PAGE, np.int32)
+        self.free = list(range(self.num_pages - 1, 0, -1)) if own else None  # pop() gives 1, 2, ... first
+        self.dirty = True
+
+    @property
+    def own(self) -> bool:
+        return self.free is not None
+
+    def held(self) -> np.ndarray:
+        """``int[B]``: pages each row holds."""
+        return (self.table != NULL_PAGE).sum(1)
+
+    def ensure(self, row: int, blocks: int) -> None:
+        """(``own``) Give ``row`` pages for its first ``blocks`` blocks; :class:`OutOfHostPages`
+        (nothing changed) when the free list is short."""
+        blocks = min(int(blocks), self.table.shape[1])
+        have = int((self.table[row] != NULL_PAGE).sum())
+        if blocks <= have:
+            return
+        if blocks - have > len(self.free):
+            raise OutOfHostPages(f"row {row} needs {blocks - have} more host pages, {len(self.free)} of "
+                                 f"{self.num_pages - 1} are free")
+        self.table[row, have:blocks] = [self.free.pop() for _ in range(blocks - have)]
+        self.dirty = True
+
+    def release(self, row: int) -> None:
+        """Row ``row``'s pages back to the free list (``own``), its table row to the null page."""
+        if self.own:
+            held = self.table[row][self.table[row] != NULL_PAGE]
+            self.free.extend(int(p) for p in held[::-1])
+        self.set_row(row, NULL_PAGE)
+
+    def set_row(self, row: int, pages) -> None:
+        self.table[row] = pages
+        self.dirty = True
 
 
 @dataclasses.dataclass
@@ -87,6 +151,8 @@ class TieredState:
     #: turns it off.
     record_transfers: bool = True
     host_views: dict = dataclasses.field(default_factory=dict)  # layer -> (K, V) NumPy views of its host tier
+    #: a paged host tier's block table (``TieredRunner(host_pages=N)``); None: contiguous
+    pages: HostPages | None = None
 
 
 def _host_view(x: jax.Array) -> np.ndarray:
@@ -145,12 +211,16 @@ class TieredRunner:
         step, while the device computes; "sync": the same copy, waited for and stored
         within the step (the host cannot issue the next step until this one is done:
         the baseline FlashD2H is measured against). The same numbers.
+      host_pages: offloaded: the host tier as a pool of this many pages of one block (page 0
+        the null page) per offloaded layer, shared by the rows through a block table
+        (:class:`HostPages`; module docstring), not ``batch x max_len`` blocks. None (default):
+        the contiguous tier ``[B, Hkv, NB, bs, D]``. One device (not on a mesh yet).
     """
 
     def __init__(self, model, mode: str = "resident", *, pool_slots: int | None = None, pool: str = "per_row",
                  sharding=None,
                  concurrent: bool | None = None, gather_programs: int | None = None, unroll: bool | None = None,
-                 device_limit="auto", host_limit="auto", save: str = "deferred"):
+                 device_limit="auto", host_limit="auto", save: str = "deferred", host_pages: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if save not in SAVE_MODES:
@@ -203,6 +273,14 @@ class TieredRunner:
             self._param_specs = shd.param_specs(model.params)
             self._local_graphdef = tfm.abstract_model(self.local_cfg, model.dtype)[0]
             self._layouts = {}  # (batch, max_len) -> MeshLayout
+        if host_pages is not None:
+            if isinstance(host_pages, bool) or not isinstance(host_pages, (int, np.integer)) or host_pages < 2:
+                raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
+            if mode != "offload":
+                raise ValueError('host_pages pages the offloaded host tier: pass mode="offload"')
+            if self.mesh is not None:
+                raise ValueError("a paged host tier does not run on a mesh yet: drop host_pages")
+        self.host_pages = None if host_pages is None else int(host_pages)
         self.layer_graph = tfm.layer_graphdef(self.local_cfg, model.dtype)
         self.driver = Driver(self.local_cfg, method, self.layer_graph, self.unroll, **tp)
         self._conc = self.concurrent and jax.default_backend() == "gpu"
@@ -251,7 +329,7 @@ class TieredRunner:
             return capacity.footprint(cfg, self.method, batch=b, max_len=max_len, mode=mode,
                                       dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
                                       pool_slots=self._pool(max_len, batch) if self.mode == "offload" else None,
-                                      shared=self.shared)
+                                      shared=self.shared, host_pages=self.host_pages)
 
         whole = fp(self.cfg, batch)
         if self.mesh is None:
@@ -306,12 +384,14 @@ class TieredRunner:
         return most
 
     # -- building the state --------------------------------------------------------
-    def state_from_kv(self, kv_of_layer, lengths, max_len: int) -> TieredState:
+    def state_from_kv(self, kv_of_layer, lengths, max_len: int, pages: HostPages | None = None) -> TieredState:
         """The state of a batch whose layer ``i`` K/V is ``kv_of_layer(i) -> (k, v,
         q_last)`` (device ``[B,Hkv,S,D]`` x2, ``[B,Hq,D]``): used by :meth:`prefill`
         and by benchmarks that fill the cache with synthetic K/V. Each layer's
-        device K/V is dropped before the next is made (about one layer at a time)."""
-        build = _StateBuilder(self, lengths, max_len)
+        device K/V is dropped before the next is made (about one layer at a time).
+        ``pages``: a paged host tier's table kept by the caller (default: the runner's own);
+        only blocks with a page are stored."""
+        build = _StateBuilder(self, lengths, max_len, pages)
         for i in range(self.num_layers):
             build.add(i, *kv_of_layer(i))
         return build.finish()
@@ -351,6 +431,7 @@ class TieredRunner:
         # placed like the step's own outputs: a first token taken from the prefill's logits
         # (uncommitted) and the next ones from a step's (committed) would compile the step twice
         tokens = jax.device_put(jnp.asarray(tokens, jnp.int32), state.cache.lengths.sharding)
+        self._sync_pages(state, live)
         if self.shared:  # the rows that place blocks must fit the pool together (checked here, on the host)
             off.check_shared_fits(self.method, state.cache.layers[self.offloaded_layers[0]].pool_slots,
                                   state.max_len, int(live.sum()))
@@ -360,6 +441,28 @@ class TieredRunner:
             logits, state.cache = decode(self.model.params, tokens, state.cache, state.host)
         self._after_step(state, live, active is not None)
         return logits
+
+    def _sync_pages(self, state: TieredState, live) -> None:
+        """A paged host tier before a step: every ``live`` row holds the pages of its blocks up
+        to the position the step writes (the runner's own pages given now; a caller's checked:
+        ValueError, before anything runs), and the table goes to the device if it changed."""
+        p = state.pages
+        if p is None:
+            return
+        bs = self.method.offload_block_size
+        need = state.lengths_host // bs + 1
+        if p.own:
+            for row in np.flatnonzero(live):
+                p.ensure(int(row), int(need[row]))
+        else:
+            short = np.flatnonzero(np.asarray(live, bool) & (p.held() < need))
+            if short.size:
+                raise ValueError(f"rows {short.tolist()} step without the host pages of their blocks (they hold "
+                                 f"{p.held()[short].tolist()}, need {need[short].tolist()})")
+        if p.dirty:  # a copy: the host table changes while the step is queued
+            table = jax.device_put(jnp.asarray(p.table.copy()), state.cache.lengths.sharding)
+            state.host = tuple(None if h is None else dataclasses.replace(h, table=table) for h in state.host)
+            p.dirty = False
 
     def _after_step(self, state: TieredState, live, masked: bool):
         """A step's host bookkeeping: lengths, block counters and the saves of completed blocks."""
@@ -396,6 +499,7 @@ class TieredRunner:
                              "logits": jnp.zeros((len(live), self.cfg.vocab_size), jnp.float32)},
                             state.cache.lengths.sharding)
         for _ in range(int(n)):
+            self._sync_pages(state, live)
             io, state.cache = fn(self.model.params, io, state.cache, state.host)
             self._after_step(state, live, False)
         return io["logits"], io["tokens"]
@@ -444,6 +548,16 @@ class TieredRunner:
             rows, blocks, idx, ks, vs = state.pending.pop(0)
             m = rows.size
             ks, vs = np.asarray(ks)[:, :m], np.asarray(vs)[:, :m]  # [n_layers, m, Hkv, bs, D]
+            if state.pages is not None:
+                # each block to its page, as the table says now: a row that ended since (its pages freed,
+                # its row the null page) stores nothing; pending saves land before any insertion
+                pages = state.pages.table[rows, blocks]
+                ok = pages != NULL_PAGE
+                for j, i in enumerate(idx):
+                    (_, _, kview, vview), = self._views(state, i)  # [N, Hkv, bs, D]
+                    kview[pages[ok]] = ks[j][ok]
+                    vview[pages[ok]] = vs[j][ok]
+                continue
             for j, i in enumerate(idx):
                 for row_range, head_range, kview, vview in self._views(state, i):  # [B', Hkv', NB, bs, D]
                     mine = (rows >= row_range.start) & (rows < row_range.stop)
@@ -500,8 +614,9 @@ class _StateBuilder:
     its device tier (pool, ring, method state) and, for an offloaded layer, a host tier
     (asynchronous copies to pinned memory), and is then dropped."""
 
-    def __init__(self, runner: TieredRunner, lengths, max_len: int):
-        lengths = jnp.asarray(lengths, jnp.int32)
+    def __init__(self, runner: TieredRunner, lengths, max_len: int, pages: HostPages | None = None):
+        lengths_np = np.asarray(lengths, np.int32).copy()
+        lengths = jnp.asarray(lengths_np)
         batch = int(lengths.shape[0])
         self.runner, self.max_len = runner, max_len
         self.pool = runner._pool(max_len, batch)
@@ -514,6 +629,23 @@ class _StateBuilder:
             lengths = jax.device_put(lengths, self.dev)
         self.lengths = lengths
         self.layers, self.host = [], []
+        self.pages, self._page_saves = None, []
+        if runner.host_pages is not None:
+            bs = runner.method.offload_block_size
+            if pages is None:
+                pages = HostPages(runner.host_pages, batch, max_len // bs, own=True)
+                for row in range(batch):  # the prompt's blocks and the first step's position
+                    pages.ensure(row, int(lengths_np[row]) // bs + 1)
+            if pages.table.shape != (batch, max_len // bs) or pages.num_pages != runner.host_pages:
+                raise ValueError(f"a host page table of {pages.table.shape} over {pages.num_pages} pages for a batch "
+                                 f"of {batch} x {max_len // bs} blocks over {runner.host_pages}")
+            self.pages = pages
+            # the (row, block, page) of every block the prompts filled that has a page
+            filled = -(-lengths_np // bs)
+            rows, blocks = np.nonzero(np.arange(max_len // bs)[None] < filled[:, None])
+            at = pages.table[rows, blocks]
+            keep = at != NULL_PAGE
+            self._filled = rows[keep], blocks[keep], at[keep]
 
     def add(self, i: int, k, v, q_last) -> None:
         r = self.runner
@@ -528,15 +660,42 @@ class _StateBuilder:
         # an uncommitted first state would compile the decode program a second time
         # (a shard_map's outputs are committed to the mesh already)
         self.layers.append(jax.device_put(entry, self.dev) if self.layout is None else entry)
-        self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
-                         if r.offloaded[i] else None)
+        if r.offloaded[i] and self.pages is not None:
+            self.host.append(self._paged_host(hk, hv))
+        else:
+            self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
+                             if r.offloaded[i] else None)
+
+    def _paged_host(self, hk, hv) -> HostLayer:
+        """A layer's page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
+        host: nothing of the pool's size on the device), and its prompt blocks gathered on the
+        device and copied to the host asynchronously, stored into their pages by :meth:`finish`."""
+        _, hkv, _, bs, d = hk.shape
+        shape = (self.pages.num_pages, hkv, bs, d)
+        pk, pv = (jax.device_put(np.zeros(shape, hk.dtype), self.pinned) for _ in range(2))
+        rows, blocks, pages = self._filled
+        if rows.size:
+            ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n, Hkv, bs, D]
+            ks.copy_to_host_async()
+            vs.copy_to_host_async()
+            self._page_saves.append((pk, pv, pages, ks, vs))
+        return HostLayer(pk, pv)
 
     def finish(self) -> TieredState:
         r = self.runner
         assert len(self.layers) == r.num_layers
         cache = KVCache(tuple(self.layers), jax.device_put(self.lengths, self.dev), self.max_len)
         r._compile_save(cache, int(self.lengths.shape[0]))
-        return TieredState(cache, tuple(self.host), np.asarray(self.lengths).copy(), self.max_len)
+        host = tuple(self.host)
+        if self.pages is not None:
+            for pk, pv, pages, ks, vs in self._page_saves:
+                _host_view(pk)[pages] = np.asarray(ks)
+                _host_view(pv)[pages] = np.asarray(vs)
+            self._page_saves = []
+            table = jax.device_put(jnp.asarray(self.pages.table.copy()), self.dev)
+            host = tuple(None if h is None else dataclasses.replace(h, table=table) for h in host)
+            self.pages.dirty = False
+        return TieredState(cache, host, np.asarray(self.lengths).copy(), self.max_len, pages=self.pages)
 
 
 class PrefillJob:

@@ -53,12 +53,14 @@ class Footprint:
 
 
 def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: int = 2,
-              pool_slots: int | None = None, shared: bool = False) -> Footprint:
+              pool_slots: int | None = None, shared: bool = False, host_pages: int | None = None) -> Footprint:
     """Bytes of weights, caches and tiers (not XLA temporaries) for ``cfg`` (a
     :class:`models.config.ModelConfig`) and ``method`` (an AsyncTLS-like method
     for "sparse"/"offload"; ignored for "dense"). ``shared``: the offloaded tier's
     pool is shared by the rows, ``pool_slots`` per (layer, KV head) (default: the
-    batch times the per-row default), plus two ring slots per row."""
+    batch times the per-row default), plus two ring slots per row. ``host_pages``: the
+    host tier is a pool of that many pages of one block (every KV head), shared by the
+    rows (:mod:`sparse_jax.offload.tiers`), not ``batch x max_len``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     b, hkv, d, s = int(batch), cfg.num_kv_heads, cfg.head_dim, int(max_len)
@@ -92,7 +94,11 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
         dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
     dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)
     dev["prefill_layer"] = 2 * kv_layer  # one layer's K/V and its block layout, while it is built
-    host["kv_blocks"] = n_sparse * kv_layer
+    if host_pages is None:
+        host["kv_blocks"] = n_sparse * kv_layer
+    else:
+        host["kv_pages"] = n_sparse * 2 * int(host_pages) * hkv * bs * d * e
+        dev["host_block_table"] = 4 * b * nb
     return Footprint(dev, host)
 
 

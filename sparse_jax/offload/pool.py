@@ -196,6 +196,22 @@ class PooledKV:
         return sparse_decode_attention(q, self.pool_k, self.pool_v, rows, counts, impl=impl)
 
 
+def host_block_ids(src: jax.Array, host: HostLayer, hkv: int, nb: int):
+    """``(ids, id_dims)`` for :func:`host_gather_into` of the copy list ``src int32[M]`` (flat
+    ids ``(b*Hkv + h)*NB + n`` over the contiguous tier's ``(B, Hkv, NB)`` axes, as the slot
+    assignment names blocks): ``src`` itself over ``[B, Hkv, NB, bs, D]`` (``id_dims=3``), or
+    for a paged tier (:mod:`sparse_jax.offload.tiers`) the page's, ``table[b, n]*Hkv + h``
+    over ``[N, Hkv, bs, D]`` (``id_dims=2``). Entries past a copy count may be anything: they
+    are clipped here and not copied."""
+    if host.table is None:
+        return src, 3
+    b = host.table.shape[0]
+    row = jnp.clip(src // (hkv * nb), 0, b - 1)
+    head, blk = (src // nb) % hkv, src % nb
+    page = jnp.take(host.table.reshape(-1), row * nb + blk, mode="clip")
+    return page * hkv + head, 2
+
+
 def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: HostLayer, *, impl: str,
                  gather_programs: int | None = None):
     """Make the blocks ``need int32[B, Hkv, n]`` resident (those ``>= ring_start[b]``
@@ -207,7 +223,7 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
     b, hkv, nb = block_slot.shape
     p = slot_block.shape[2]
     r = b * hkv
-    bs, d = host.k.shape[3], host.k.shape[4]
+    bs, d = host.k.shape[-2:]
     rs = jnp.broadcast_to(ring_start[:, None], (b, hkv)).reshape(r)
     ck = jnp.broadcast_to(clock[:, None], (b, hkv)).reshape(r)
     bslot, sblock, sused, src, dst, copies, hits = assign_pool_slots(
@@ -215,9 +231,11 @@ def place_blocks(need, ring_start, clock, entry_tables, pool_k, pool_v, host: Ho
         ring_slots=RING_SLOTS, impl=impl)
     if need.shape[-1]:
         tuning = {} if gather_programs is None else {"programs": gather_programs}
-        # src: the flat id over the host tier's (B, Hkv, NB) axes; dst: the pool seen as [B*Hkv*(P+2), bs, D]
+        # src: the flat id over the host tier's (B, Hkv, NB) axes (paged: its page's); dst: the pool seen
+        # as [B*Hkv*(P+2), bs, D]
+        src, id_dims = host_block_ids(src.reshape(-1), host, hkv, nb)
         pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
-                                  src.reshape(-1), dst.reshape(-1), copies, impl=impl, id_dims=3, **tuning)
+                                  src, dst.reshape(-1), copies, impl=impl, id_dims=id_dims, **tuning)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
     tables = (bslot.reshape(b, hkv, nb), sblock.reshape(b, hkv, p), sused.reshape(b, hkv, p))
     return tables, pool_k, pool_v, hits.reshape(b, hkv), copies.reshape(b, hkv)
@@ -239,15 +257,17 @@ def place_blocks_shared(need, ring_start, clock, entry_tables, pool_k, pool_v, h
     int32[Hkv]``; ``tables = (block_slot [B, Hkv, NB], slot_block [1, Hkv, N],
     slot_used [1, Hkv, N])``, ``pool_* [1, Hkv, (N + 2B)*bs, D]``."""
     block_slot, slot_block, slot_used = entry_tables
-    bs, d = host.k.shape[3], host.k.shape[4]
+    bs, d = host.k.shape[-2:]
     slot_impl = SHARED_SLOT_IMPL if (SHARED_SLOT_IMPL is not None and impl == "auto") else impl
     bslot, sblock, sused, src, dst, copies, hits = assign_shared_pool_slots(
         need, ring_start, clock, block_slot, slot_block[0], slot_used[0], ring_slots=RING_SLOTS, impl=slot_impl)
     if need.shape[-1]:
         tuning = {} if gather_programs is None else {"programs": gather_programs}
-        # src: the flat id over the host tier's (B, Hkv, NB) axes; dst: the buffer seen as [Hkv*(N+2B), bs, D]
+        # src: the flat id over the host tier's (B, Hkv, NB) axes (paged: its page's); dst: the buffer seen
+        # as [Hkv*(N+2B), bs, D]
+        src, id_dims = host_block_ids(src.reshape(-1), host, *block_slot.shape[1:])
         pk, pv = host_gather_into(host.k, host.v, pool_k.reshape(-1, bs, d), pool_v.reshape(-1, bs, d),
-                                  src.reshape(-1), dst.reshape(-1), copies.reshape(-1), impl=impl, id_dims=3,
+                                  src, dst.reshape(-1), copies.reshape(-1), impl=impl, id_dims=id_dims,
                                   **tuning)
         pool_k, pool_v = pk.reshape(pool_k.shape), pv.reshape(pool_v.shape)
     return (bslot, sblock[None], sused[None]), pool_k, pool_v, hits, copies

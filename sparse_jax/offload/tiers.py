@@ -8,6 +8,16 @@ be sharded by heads). One block is one contiguous ``bs*D*itemsize`` chunk that
 (``id_dims=3``: block ``n`` of row ``b``, KV head ``h`` has the flat id
 ``(b*Hkv + h)*NB + n``; SparseServe's head-major block layout).
 
+Paged host tier (``TieredRunner(host_pages=N)``, the offloaded paged engine): the
+host holds the blocks that exist, not ``B x max_len``. ``k, v [N, Hkv, bs, D]``: a pool
+of ``N`` pages shared by the rows (page 0 the null page, never given out), one page
+holding one block of every KV head of the layer, and ``table int32[B, NB]`` (device
+memory; one table for every offloaded layer: a request's block ``n`` is page
+``table[b, n]`` in each layer's pool; entries past the row's blocks are the null page).
+The slot assignment still names blocks by ``(b*Hkv + h)*NB + n``; the copy's source id
+becomes ``table[b, n]*Hkv + h`` (``id_dims=2``) before ``host_gather_into``
+(:func:`sparse_jax.offload.pool.host_block_ids`). The device tier is the same either way.
+
 Device tier (:class:`OffloadedLayer`, one entry of :class:`sparse_jax.cache.KVCache`):
 
 * ``pool_k, pool_v [B, Hkv, (P+2)*bs, D]``: ``P`` resident block slots per
@@ -82,10 +92,17 @@ class OffloadedLayer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HostLayer:
-    """``k, v [B, Hkv, NB, bs, D]`` in ``pinned_host`` memory (read-only inside jit)."""
+    """``k, v [B, Hkv, NB, bs, D]`` in ``pinned_host`` memory (read-only inside jit); paged
+    (``table`` given): ``k, v [N, Hkv, bs, D]`` pages and the block table ``int32[B, NB]``
+    on the device (module docstring)."""
 
     k: jax.Array
     v: jax.Array
+    table: Any = None
+
+    @property
+    def paged(self) -> bool:
+        return self.table is not None
 
 
 def with_memory_kind(sharding: jax.sharding.Sharding | None, kind: str) -> jax.sharding.Sharding:
