@@ -115,3 +115,143 @@ def test_paged_host_tier_refuses_on_the_host():
         runner.decode_step(np.zeros(3, np.int32), state, active=np.array([True, True, False]))
     assert pages.dirty  # nothing was sent
     tiered.TieredRunner.finish(runner, state)
+
+
+# -- the engine on it: Engine(paged=True, offload=True) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import jax.numpy as jnp
+
+    import models
+    from tests.test_engine import _tiny_config
+
+    return models.load_model(config=_tiny_config(), dtype=jnp.float32)
+
+
+HOST_PAGES = 17  # one request of max_len (16 blocks of 16) and the null page: the smallest pool, shared compiles
+
+
+def _serve(model, prompts, steps, **kw):
+    """Every prompt through an offloaded paged engine of 2 slots; ``(requests, engine, owners)``,
+    ``owners``: page -> the request ids that held it (the reserve calls seen)."""
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True,
+                    host_pages=HOST_PAGES, **kw)
+    owners: dict[int, set] = {}
+    real = engine.kv.blocks.reserve
+
+    def reserve(rid, tokens):
+        added = real(rid, tokens)
+        for p in added:
+            owners.setdefault(p, set()).add(rid)
+        return added
+
+    engine.kv.blocks.reserve = reserve
+    engine.start()
+    try:
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in prompts]
+        for r in reqs:
+            assert r.done.wait(300), r
+        assert engine.idle()
+    finally:
+        engine.stop()
+    return reqs, engine, owners
+
+
+def _alone(model, prompts, steps):
+    return [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
+                               stop_ids=())[0] for i in prompts]
+
+
+def _check_drained(engine):
+    s = engine.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] == HOST_PAGES - 1
+    engine.kv.check()
+    assert (engine.kv.state.pages.table == 0).all()  # every slot back on the null page
+    hosts = [h for h in engine.kv.state.host if h is not None]
+    assert hosts and all(h.paged and h.k.shape[0] == HOST_PAGES for h in hosts)
+
+
+def test_offloaded_paged_engine_quest_matches_single_requests(tiny):
+    """Four requests of mixed lengths on two slots and a host pool of one max_len request: each
+    request's greedy tokens equal ``generate_ids`` alone; blocks complete and are saved into pages
+    while decoding, pages freed by an ended request are given to another, and afterwards every
+    page is free and every slot's table row is the null page."""
+    model = tiny.with_method("quest", budget=64)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 97, n).tolist() for n in (150, 40, 97, 63)]
+    steps = 20  # every request crosses at least one 16-token block boundary while decoding
+    reqs, engine, owners = _serve(model, prompts, steps)
+    assert [r.output_ids for r in reqs] == _alone(model, prompts, steps)
+    assert any(len(ids) > 1 for ids in owners.values())  # a freed page was reused
+    assert engine.stats()["blocks_loaded"] > 0
+    _check_drained(engine)
+
+
+def test_offloaded_paged_engine_preempts_and_recomputes(tiny):
+    """Two requests that fit the host pool at admission but not grown: the newest is preempted
+    (its pages freed, requeued first) and recomputed; every request gets its tokens alone."""
+    model = tiny.with_method("quest", budget=64)
+    rng = np.random.default_rng(4)
+    # 7 pages each to admit (prompt and first position), 9 each after 20 steps: 18 > 16
+    prompts = [rng.integers(4, 97, n).tolist() for n in (111, 110, 40)]
+    steps = 20
+    reqs, engine, _ = _serve(model, prompts, steps)
+    assert [r.output_ids for r in reqs] == _alone(model, prompts, steps)
+    assert engine.stats()["preempted"] >= 1 and reqs[1].preemptions >= 1 and reqs[0].preemptions == 0
+    _check_drained(engine)
+
+
+def test_offloaded_paged_engine_asynctls_lag(tiny):
+    """AsyncTLS offloaded (its one-step lag: the prefetch path) equals the resident lagged method
+    alone, through page reuse and a layer-segmented prefill."""
+    from tests.test_engine import _OPTIONS
+
+    model = tiny.with_method("asynctls", **_OPTIONS["asynctls"], lag=True)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, 97, n).tolist() for n in (140, 70, 90)]
+    steps = 18
+    reqs, engine, owners = _serve(model, prompts, steps, max_inject_tokens=200)
+    assert [r.output_ids for r in reqs] == _alone(model, prompts, steps)
+    assert any(len(ids) > 1 for ids in owners.values())
+    _check_drained(engine)
+
+
+def test_offloaded_paged_engine_refuses_before_allocating(tiny):
+    from models.serving.engine import Engine
+    from sparse_jax.offload.capacity import CapacityError
+
+    model = tiny.with_method("quest", budget=64)
+    with pytest.raises(CapacityError, match="at least 17 host pages"):
+        Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, host_pages=16)
+    with pytest.raises(ValueError, match="host_pages must be an int"):
+        Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, host_pages=1)
+    with pytest.raises(ValueError, match="pass paged=True, offload=True"):
+        Engine(model, slots=2, max_len=MAX_LEN, offload=True, host_pages=40)
+    with pytest.raises(ValueError, match="pass host_pages"):
+        Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, kv_blocks=40)
+    with pytest.raises(ValueError, match="max_inject_tokens"):
+        Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, prefill_chunk=64)
+    engine = Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True)  # default: every slot full
+    assert engine.stats()["kv_blocks_total"] == 2 * MAX_LEN // 16
+
+
+def test_offloaded_paged_engine_on_a_shared_pool(tiny):
+    """The shared device pool (one per layer and KV head, LRU across slots) over the paged host
+    tier: an insertion places the prompt's primed blocks (AsyncTLS's first prefetch) from its
+    pages; tokens equal the resident lagged method's alone."""
+    from tests.test_engine import _OPTIONS
+
+    model = tiny.with_method("asynctls", **_OPTIONS["asynctls"], lag=True)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(4, 97, n).tolist() for n in (130, 50, 80)]
+    steps = 18
+    reqs, engine, owners = _serve(model, prompts, steps, pool="shared")
+    assert engine.kv.shared
+    assert [r.output_ids for r in reqs] == _alone(model, prompts, steps)
+    assert any(len(ids) > 1 for ids in owners.values())
+    _check_drained(engine)

@@ -46,12 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resident KV in one pool of pages shared by every request, a block table per request "
                         "(vLLM's PagedAttention): a request holds the pages its tokens fill, not --max-len; "
                         "admission goes by free pages, and the newest request is preempted (recomputed later) "
-                        "when a running one cannot grow. Default: on for a resident engine on one device "
-                        "(measured no slower than --no-paged: benchmarks/results/engine_iteration_live_h200.md), "
-                        "off with --offload, --tensor-parallel or --data-parallel, which it does not run with yet")
+                        "when a running one cannot grow. With --offload the pages are the host tier's (pinned host "
+                        "memory holds the tokens that exist, not --slots x --max-len; see --host-pages). Default: "
+                        "on for a resident engine on one device (measured no slower than --no-paged: "
+                        "benchmarks/results/engine_iteration_live_h200.md), off with --offload (not measured on a "
+                        "GPU yet), --tensor-parallel or --data-parallel (which it does not run with yet)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
                         "at most --slots full contexts)")
+    p.add_argument("--host-pages", type=int, default=None, metavar="N",
+                   help="--paged --offload: host pages of one block (every offloaded layer), the null page "
+                        "included (default: as many as fit the pinned host memory, at most --slots full contexts)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="--paged: chunked prefill, N prompt tokens per iteration through every layer straight into "
                         "the pages, beside the decode step: a running request waits at most one chunk for a new "
@@ -114,14 +119,17 @@ def make_engine(args) -> tuple[Engine, str]:
     if args.kv_blocks is not None and not args.paged:
         raise ValueError("--kv-blocks sizes the page pool of the paged engine (not --no-paged, --offload or "
                          "several devices)")
-    if args.paged and args.offload:
-        raise ValueError("--paged is the resident engine's KV; --offload pages the host tier its own way")
+    if args.paged and args.offload and args.kv_blocks is not None:
+        raise ValueError("--kv-blocks sizes the resident page pool; --paged --offload pages the host tier: "
+                         "pass --host-pages")
+    if args.host_pages is not None and not (args.paged and args.offload):
+        raise ValueError("--host-pages sizes the paged host tier: pass --paged --offload")
     if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--paged does not run on several devices yet: drop --tensor-parallel/--data-parallel")
     if args.prefill_chunk is not None and args.prefill_chunk != 0:
         if args.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration), or 0 (whole prefills)")
-        if not args.paged:
+        if not args.paged or args.offload:
             raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged, --offload or "
                              "several devices; those chunk with --max-inject-tokens)")
         if args.max_inject_tokens is not None:
@@ -140,7 +148,9 @@ def make_engine(args) -> tuple[Engine, str]:
     options = dict(slots=args.slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                    kv_bytes=args.kv_bytes, offload=args.offload, pool_slots=args.pool_slots, pool=args.pool,
                    max_inject_tokens=args.max_inject_tokens)
-    if args.paged:
+    if args.paged and args.offload:  # pages of the host tier; prompts prefill whole or layer-segmented
+        options.update(paged=True, host_pages=args.host_pages)
+    elif args.paged:
         options.update(paged=True, kv_blocks=args.kv_blocks, prefill_chunk=resolve_prefill_chunk(args, model))
     if args.data_parallel > 1:
         # one copy per device group; the loaded copy is dropped with `model`

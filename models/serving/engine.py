@@ -106,9 +106,15 @@ class Engine:
         not ``max_len``; admission goes by free pages (M_avl = the pool), and when a running
         request cannot grow the newest one is preempted (its pages freed, requeued at the
         front, recomputed from its prompt and output when readmitted: vLLM's recompute
-        preemption). ``max_len`` is rounded up to the page.
-      kv_blocks: paged: pages in the pool, the null page included (default: as many as fit the
-        device, at most every slot full).
+        preemption). ``max_len`` is rounded up to the page. With ``offload=True`` the pages
+        are the host tier's (:class:`OffloadedSlots` ``paged=True``: a page is a block of
+        every offloaded layer in pinned host memory; the device tier per slot is as without
+        paging), with the same admission, growth, preemption and ``kv_blocks_*`` counts.
+      kv_blocks: paged, resident: pages in the pool, the null page included (default: as many as
+        fit the device, at most every slot full).
+      host_pages: paged and offloaded: host pages, the null page included (default: as many as
+        fit the pinned host memory beside one prompt's prefill, at most every slot full; refused
+        before anything is allocated when they cannot hold one request of ``max_len``).
       prefill_chunk: paged: chunked prefill (vLLM's, SARATHI's): a prompt runs this many tokens
         per iteration through every layer, straight into its pages, beside the decode step
         (:class:`models.serving.paged.PagedChunkJob`), so a running request waits at most one
@@ -134,13 +140,20 @@ class Engine:
                  max_tokens_per_iter: int | None = None, kv_bytes: int | None = None,
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
                  pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row",
-                 paged: bool = False, kv_blocks: int | None = None, prefill_chunk: int | None = None):
+                 paged: bool = False, kv_blocks: int | None = None, prefill_chunk: int | None = None,
+                 host_pages: int | None = None):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        if paged and offload:
-            raise ValueError("paged=True is the resident engine's KV; offload=True pages the host tier its own way")
         if kv_blocks is not None and not paged:
             raise ValueError("kv_blocks sizes a paged engine's pool: pass paged=True")
+        if kv_blocks is not None and offload:
+            raise ValueError("kv_blocks sizes the paged resident engine's device pool; an offloaded paged engine's "
+                             "pages are on the host: pass host_pages")
+        if host_pages is not None and not (paged and offload):
+            raise ValueError("host_pages sizes the paged offloaded engine's host tier: pass paged=True, offload=True")
+        if prefill_chunk is not None and offload:
+            raise ValueError("prefill_chunk prefills into the paged resident engine's device pages; offloaded, split "
+                             "a prompt with max_inject_tokens")
         if prefill_chunk is not None:
             if isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1:
                 raise ValueError(f"prefill_chunk must be a positive int (tokens), got {prefill_chunk!r}")
@@ -165,7 +178,8 @@ class Engine:
         max_len = limit if max_len is None else int(max_len)
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in [1, {limit}] (the model's context), got {max_len}")
-        self.max_len = round_up(max_len, page_size(model.method) if paged else model.method.cache_multiple)
+        self.max_len = round_up(max_len, page_size(model.method) if paged and not offload
+                                else model.method.cache_multiple)
         # the context a request may use: the capacity rounded up for block methods is not the model's;
         # offloaded, the tiered prefill keeps one position free
         self.context = min(max_len, limit, self.max_len - 1 if offload else self.max_len)
@@ -177,7 +191,8 @@ class Engine:
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         segmented = self.max_inject_tokens is not None
         if offload:
-            self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool)
+            self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool,
+                                     paged=paged, host_pages=host_pages)
         elif paged:
             self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
                                  num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk)
@@ -198,9 +213,11 @@ class Engine:
         rows = getattr(self.kv, "max_rows", self.slots)
         shared = getattr(self.kv, "shared", False)
         if paged:  # M_avl is the pool: the scheduler counts pages (as bytes), the running requests' held
-            pool_bytes = self.kv.kv_blocks_total * self.kv.block_bytes
+            # (offloaded: the host pages; a shared device pool keeps its own cap, max_rows)
+            page_bytes = self.kv.page_bytes if offload else self.kv.block_bytes
+            pool_bytes = self.kv.kv_blocks_total * page_bytes
             default_kv = pool_bytes
-            headroom = max(1, self.kv.kv_blocks_total // 100) * self.kv.block_bytes
+            headroom = max(1, self.kv.kv_blocks_total // 100) * page_bytes
         else:
             default_kv = self.kv.pool_bytes if shared else cache_bytes
             headroom = 0
@@ -537,7 +554,7 @@ class Engine:
             return
         self._in_hand = r
         try:
-            if self.paged:  # straight into the request's pages and the slot (waited for there)
+            if self.paged and not self.kv.offloaded:  # straight into the request's pages and the slot (waited for)
                 logits, row = self.kv.prefill(r.prefill_ids, slot, r)
             else:
                 logits, row = self.kv.prefill(r.prefill_ids)

@@ -6,7 +6,9 @@
 * :class:`OffloadedSlots`: every KV block in pinned host memory and a device pool per slot
   or shared by all (:class:`models.runtime.tiered.TieredRunner` with an active-row mask),
   with SparseServe's working-set estimate (:func:`offloaded_working_set`) and its
-  layer-segmented prefill.
+  layer-segmented prefill. ``paged=True``: the host tier is a pool of pages that the
+  requests hold through a :class:`~models.serving.blocks.BlockManager` (as the paged
+  resident engine's device pool), not ``slots x max_len``.
 
 Both give the engine the same calls: ``prefill(ids)``, ``insert(row, slot)``,
 ``step(tokens, active, sampling)`` (the model's decode step, free slots held back, per-row
@@ -28,7 +30,8 @@ import numpy as np
 from flax import nnx
 
 from models import programs
-from models.runtime.tiered import TieredRunner
+from models.runtime.tiered import HostPages, TieredRunner
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
 from models.sampling import RowSampling, SampleOut, sample_step, sample_step_program
 from sparse_jax.cache import KVCache
 from sparse_jax.offload import capacity
@@ -383,24 +386,50 @@ class OffloadedSlots:
 
     On a device with a memory limit (a GPU) the capacity check adds the longest prompt's
     prefill temporaries, measured from its layer programs compiled ahead of time
-    (:meth:`models.runtime.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated."""
+    (:meth:`models.runtime.tiered.TieredRunner.prefill_temp_bytes`), before anything is allocated.
+
+    Paged (``paged=True``): the host tier is ``host_pages`` pages of one block per offloaded
+    layer (:class:`models.runtime.tiered.HostPages`, ``TieredRunner(host_pages=N)``), held by
+    requests through a :class:`~models.serving.blocks.BlockManager`: the engine reserves a
+    request's prompt and first position when it admits it and one position before each step
+    (:meth:`reserve`), frees them on every end and on preemption (:meth:`release`); M_avl is the
+    pool, a request's working set the pages it holds. A prompt is still prefilled into a one-row
+    contiguous tier (one row of ``max_len``, whatever the slots); insertion copies its filled
+    blocks into its pages. A free slot's table row is the null page."""
 
     offloaded = True
 
     def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False,
-                 pool: str = "per_row"):
+                 pool: str = "per_row", paged: bool = False, host_pages: int | None = None):
         check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
         self.shared = off.check_pool(pool) == "shared"
-        self.runner = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool)
+        self.paged = bool(paged)
+        if host_pages is not None and not self.paged:
+            raise ValueError("host_pages sizes the paged host tier: pass paged=True")
+        if self.paged and getattr(model, "mesh", None) is not None:
+            raise ValueError("the paged offloaded engine runs an unsharded model (the paged host tier does not run "
+                             "on a mesh yet)")
         cfg, dt = model.config, model.dtype
+        probe = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool)  # the method's offload variant
+        self.block_size = probe.method.offload_block_size
+        self.layer_heads = len(probe.offloaded_layers) * cfg.num_kv_heads
+        self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
+        #: paged: bytes of one host page (a block of every offloaded layer and KV head)
+        self.page_bytes = self.layer_heads * self.block_bytes
+        if self.paged:
+            host_pages = self._host_pages(host_pages)
+            self.runner = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool, host_pages=host_pages)
+        else:
+            self.runner = probe
         method = self.runner.method
         self.blocks_per_step = method.offload_blocks_per_step(max_len)
         self.pool_slots = self.runner._pool(max_len, slots)
         self.max_rows = min(slots, self.pool_slots // self.blocks_per_step) if self.shared else slots
-        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool
+        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool; a
+        # paged one's into a one-row contiguous host tier (copied into the request's pages on insertion)
         self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
-                               else self.runner)
+                               else probe)
 
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
@@ -411,7 +440,13 @@ class OffloadedSlots:
             shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
             return jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((slots, cfg.num_heads, cfg.head_dim), dt)
 
-        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len)
+        pages = None
+        if self.paged:
+            nb = max_len // self.block_size
+            self.blocks = BlockManager(host_pages, self.block_size, nb)
+            pages = HostPages(host_pages, slots, nb, own=False)  # every slot: the null page
+            self._owner: list[int | None] = [None] * slots  # request id per slot
+        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len, pages=pages)
         bad = []
         for i, e in enumerate(self.state.cache.layers):
             if isinstance(e, OffloadedLayer) and e.shared:  # the pool is the slots' together: its row leaves
@@ -420,7 +455,7 @@ class OffloadedSlots:
                 e = dataclasses.replace(e, hits=None, misses=None)
             bad += [f"layer {i}: {a.shape}" for a in jax.tree.leaves(e) if a.ndim < 1 or a.shape[0] != slots]
         bad += [f"host tier {i}: {h.k.shape}" for i, h in enumerate(self.state.host)
-                if h is not None and h.k.shape[0] != slots]
+                if h is not None and not h.paged and h.k.shape[0] != slots]
         if bad:
             raise ValueError("every tier leaf must have the slots as its leading axis: " + "; ".join(bad))
         self._insert = jax.jit(insert_shared_slot if self.shared else insert_tiered_slot, donate_argnums=(0,))
@@ -428,9 +463,6 @@ class OffloadedSlots:
         self._copiers = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
                                                               thread_name_prefix="sparse-jax-insert")
         self.device_bytes = self.state.cache.nbytes()
-        self.block_size = method.offload_block_size
-        self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
-        self.layer_heads = len(self.runner.offloaded_layers) * cfg.num_kv_heads
         #: shared pool: the bytes of its blocks (the default M_avl)
         self.pool_bytes = self.pool_slots * self.layer_heads * self.block_bytes
         self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
@@ -439,7 +471,96 @@ class OffloadedSlots:
         self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
         self.segmented = segmented  # prompts prefill a few layers per iteration (Engine.max_inject_tokens)
 
-    def prefill(self, ids: Sequence[int]):
+    # -- the paged host tier's pages (paged=True; the engine's calls, as PagedSlots') ---------------
+    def _host_pages(self, host_pages: int | None) -> int:
+        """The host pool's pages, the null page included: ``host_pages``, or as many as the host
+        budget holds beside one prompt's one-row contiguous tier, at most every slot full;
+        :class:`~sparse_jax.offload.capacity.CapacityError` (before anything is allocated) when
+        that cannot hold one request of ``max_len``."""
+        nb = self.max_len // self.block_size
+        full = self.slots * nb + 1
+        if host_pages is not None and (isinstance(host_pages, bool) or not isinstance(host_pages, (int, np.integer))
+                                       or host_pages < 2):
+            raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
+        limit = capacity.host_budget()
+        fit = None if limit is None else (limit - nb * self.page_bytes) // self.page_bytes  # beside a prefill row
+        if host_pages is None:
+            host_pages = full if fit is None else min(full, fit)
+        elif fit is not None and host_pages > fit:
+            raise capacity.CapacityError(
+                f"host_pages={host_pages} pages of {self.page_bytes / 2**20:.2f} MiB do not fit the pinned host "
+                f"memory: {max(fit, 0)} fit beside one prompt's prefill tier ({limit / 2**30:.2f} GiB usable)")
+        host_pages = int(host_pages)
+        if host_pages - 1 < nb:
+            raise capacity.CapacityError(
+                f"a paged offloaded engine of {self.slots} slots x {self.max_len} tokens needs at least {nb + 1} host "
+                f"pages of {self.block_size} tokens (one request of max_len, and the null page); {host_pages} "
+                + ("were asked for" if fit is None or host_pages < fit else "fit the host") + ": lower max_len")
+        return host_pages
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.blocks.total
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.blocks.free_blocks
+
+    @property
+    def _lengths(self) -> np.ndarray:
+        """Each slot's length as the steps issued so far leave it (the engine grows requests by it)."""
+        return self.state.lengths_host
+
+    def blocks_needed(self, r: Request) -> int:
+        """Pages ``r`` holds, or (waiting) the pages of its prefill and its first step."""
+        held = self.blocks.held(r.id)
+        return held if held else self.blocks.blocks_for(r.prefill_len + 1)
+
+    def check_request(self, r: Request) -> None:
+        """ValueError when ``r`` could not finish even alone in the host pool."""
+        need = self.blocks.blocks_for(r.reserved_tokens)
+        if need > self.blocks.total:
+            raise ValueError(f"the request needs {need} host KV pages of {self.block_size} tokens "
+                             f"({r.reserved_tokens} tokens: prompt + max_tokens), more than this engine's "
+                             f"{self.blocks.total}")
+
+    def reserve(self, r: Request, tokens: int) -> bool:
+        """Give ``r`` host pages for its first ``tokens`` positions; False (nothing changed) when
+        the pool lacks them. Its slot's table row follows (sent with the next step)."""
+        try:
+            added = self.blocks.reserve(r.id, tokens)
+        except OutOfBlocks:
+            return False
+        if added and r.slot is not None and self._owner[r.slot] == r.id:
+            self.state.pages.set_row(r.slot, self.blocks.table(r.id))
+        return True
+
+    def check_holds(self, r: Request, tokens: int) -> None:
+        if self.blocks.held(r.id) < self.blocks.blocks_for(tokens):
+            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} host pages, its {tokens} tokens "
+                               f"need more")
+
+    def release(self, r: Request) -> None:
+        """Free ``r``'s pages; its slot (if it had one) gets the null page. A save of its blocks
+        still pending then stores nothing (the runner reads the table when it stores)."""
+        self.blocks.free(r.id)
+        slot = r.slot
+        if slot is not None and self._owner[slot] == r.id:
+            self._owner[slot] = None
+            self.state.pages.set_row(slot, NULL_BLOCK)
+
+    def check(self) -> None:
+        """AssertionError unless the pages are consistent and every slot's table row is its
+        request's (tests)."""
+        self.blocks.check()
+        for slot, rid in enumerate(self._owner):
+            want = self.blocks.table(rid) if rid is not None else np.zeros(self.state.pages.table.shape[1], np.int32)
+            assert (self.state.pages.table[slot] == want).all(), f"slot {slot}: its table row is not its request's"
+
+    # -- the engine's calls ----------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int], slot: int | None = None, r: Request | None = None):
+        """``(logits f32[1, V], one-row state)`` of a prompt (a paged engine's ``slot`` and ``r``
+        are not needed: the prompt goes to its pages on insertion)."""
         job = self.start_prefill(ids)
         job.advance(job.runner.num_layers)
         return job.result()
@@ -461,9 +582,12 @@ class OffloadedSlots:
         cfg = self.model.config
         return 2 * cfg.num_kv_heads * self.prompt_tokens(n) * cfg.head_dim * jnp.dtype(self.model.dtype).itemsize
 
-    def insert(self, row, slot: int) -> None:
+    def insert(self, row, slot: int, r: Request | None = None) -> None:
         st = self.state
         self.runner.finish(st)  # saves still pending for the slot's last occupant land first
+        if self.paged:
+            self._insert_pages(row, slot, r)
+            return
         if not self.shared:
             st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
 
@@ -489,6 +613,36 @@ class OffloadedSlots:
         self.ws_blocks[slot] = 0  # measured again after its first step
         self._inserted_at[slot] = self._steps
 
+    def _insert_pages(self, row, slot: int, r: Request) -> None:
+        """:meth:`insert` on a paged host tier: the prompt's filled blocks from the one-row tier
+        into ``r``'s pages (the CPU, per layer, as the contiguous insertion copies rows), the slot's
+        table row to them, then its device tier into the slot (a shared pool places its primed
+        blocks from the pages: the table is sent first)."""
+        st = self.state
+        n = int(row.lengths_host[0])
+        self.check_holds(r, n)
+        table = self.blocks.table(r.id)
+        filled = -(-n // self.block_size)
+        pages = table[:filled]
+
+        def copy(i):
+            (_, _, kview, vview), = self.runner._views(st, i)  # [N, Hkv, bs, D]
+            (_, _, row_k, row_v), = self.runner._views(row, i)  # [1, Hkv, NB, bs, D]
+            kview[pages] = np.swapaxes(row_k[0, :, :filled], 0, 1)
+            vview[pages] = np.swapaxes(row_v[0, :, :filled], 0, 1)
+
+        list(self._copiers.map(copy, self.runner.offloaded_layers))
+        self._owner[slot] = r.id
+        st.pages.set_row(slot, table)
+        if self.shared:
+            self.runner._sync_pages(st, np.zeros(self.slots, bool))  # the table to the device, nothing stepped
+            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot), st.host)
+        else:
+            st.cache = self._insert(st.cache, row.cache, jnp.int32(slot))
+        st.lengths_host[slot] = n
+        self.ws_blocks[slot] = 0
+        self._inserted_at[slot] = self._steps
+
     def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         logits = self.runner.decode_step(tokens, self.state, active=active)
         if self.state.counters:
@@ -506,6 +660,8 @@ class OffloadedSlots:
         """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
         once it decodes; for a prompt, the blocks its first step reads (its selection,
         at most the prompt's blocks, plus the ring) in every offloaded layer and head."""
+        if self.paged:  # M_avl is the host pool: the pages a request holds (or its prompt and first step)
+            return self.blocks_needed(r) * self.page_bytes
         if r.slot is not None and r.output_ids and self.ws_blocks[r.slot] > 0:
             return int(self.ws_blocks[r.slot]) * self.block_bytes
         if self.segmented and not r.output_ids:  # waiting or prefilling: one layer of its KV at a time
