@@ -255,3 +255,37 @@ def test_offloaded_paged_engine_on_a_shared_pool(tiny):
     assert [r.output_ids for r in reqs] == _alone(model, prompts, steps)
     assert any(len(ids) > 1 for ids in owners.values())
     _check_drained(engine)
+
+
+def test_offloaded_paged_engine_cancellations_return_every_page(tiny):
+    """Cancelled while waiting, while decoding, and a request that fails its prefill: their pages
+    come back, the others get their tokens alone, and the engine drains to every page free."""
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    model = tiny.with_method("quest", budget=64)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(4, 97, n).tolist() for n in (150, 40, 97, 63)]
+    steps = 20
+    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True, host_pages=HOST_PAGES)
+    real = engine.kv.prefill
+
+    def prefill(ids, *a):
+        if len(ids) == 97:
+            raise RuntimeError("RESOURCE_EXHAUSTED: a prefill that fails")
+        return real(ids, *a)
+
+    engine.kv.prefill = prefill
+    reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in prompts]
+    engine.cancel(reqs[3])  # waiting: dropped from the queue
+    while len(reqs[0].output_ids) < 3:
+        engine.iterate()
+    assert engine.stats()["kv_blocks_free"] < engine.stats()["kv_blocks_total"]
+    engine.cancel(reqs[0])  # decoding: its pages and slot back at the next iteration
+    for _ in range(500):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert [r.finish_reason for r in reqs] == ["cancelled", "length", "error", "cancelled"]
+    assert reqs[1].output_ids == _alone(model, prompts[1:2], steps)[0]
+    _check_drained(engine)

@@ -329,6 +329,11 @@ def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache
     return KVCache(tuple(layers), lengths, cache.max_len)
 
 
+#: a paged host tier's request grows by at least this many positions at a time while the pool has
+#: them (as models.serving.paged.GROW_TOKENS): each change of the table is a new device buffer for
+#: the step, and a new buffer makes XLA update the step's CUDA graph on the host (docs/offload.md)
+HOST_GROW_TOKENS = 64
+
 WORKING_SET_WINDOW = 12  # SparseServe's w: decode steps whose selected blocks form a request's working set
 
 
@@ -526,7 +531,13 @@ class OffloadedSlots:
 
     def reserve(self, r: Request, tokens: int) -> bool:
         """Give ``r`` host pages for its first ``tokens`` positions; False (nothing changed) when
-        the pool lacks them. Its slot's table row follows (sent with the next step)."""
+        the pool lacks them. Its slot's table row follows (sent with the next step). While the
+        pool has them, :data:`HOST_GROW_TOKENS` positions at a time (at most what ``r`` may use)."""
+        if self.blocks.blocks_for(tokens) > self.blocks.held(r.id):
+            ahead = min(-(-tokens // HOST_GROW_TOKENS) * HOST_GROW_TOKENS, self.max_len,
+                        max(r.reserved_tokens, tokens))
+            if ahead > tokens and self.blocks.can_reserve(r.id, ahead):
+                tokens = ahead
         try:
             added = self.blocks.reserve(r.id, tokens)
         except OutOfBlocks:
