@@ -151,6 +151,15 @@ def _serve(model, prompts, steps, **kw):
         return added
 
     engine.kv.blocks.reserve = reserve
+    insert = engine.kv.insert
+
+    def checked_insert(row, slot, r):
+        # the prompt's blocks are in the engine's page pools already: the row has no host tier of its own
+        for mine, big in zip(row.host, engine.kv.state.host):
+            assert (mine is None) == (big is None) and (mine is None or (mine.k is big.k and mine.v is big.v))
+        return insert(row, slot, r)
+
+    engine.kv.insert = checked_insert
     engine.start()
     try:
         reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in prompts]

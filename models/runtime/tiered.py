@@ -413,10 +413,15 @@ class TieredRunner:
         job.advance(self.num_layers)
         return job.result()
 
-    def start_prefill(self, tokens, lengths, max_len: int | None = None) -> "PrefillJob":
+    def start_prefill(self, tokens, lengths, max_len: int | None = None, pages: HostPages | None = None,
+                      into: tuple | None = None) -> "PrefillJob":
         """A prefill that runs a few layers at a time (:class:`PrefillJob`): the serving
-        engine's layer-segmented prefill, interleaved with decode steps."""
-        return PrefillJob(self, tokens, lengths, max_len)
+        engine's layer-segmented prefill, interleaved with decode steps. Paged host tier:
+        ``pages`` the prompts' table (default: the runner's own pages), ``into`` another
+        state's host tiers (``state.host``) whose page pools take the prompts' blocks (a
+        serving engine's: the prompt's blocks go straight to its pages, no host tier of its
+        own)."""
+        return PrefillJob(self, tokens, lengths, max_len, pages=pages, into=into)
 
     # -- decode --------------------------------------------------------------------
     def decode_step(self, tokens, state: TieredState, active=None):
@@ -614,7 +619,8 @@ class _StateBuilder:
     its device tier (pool, ring, method state) and, for an offloaded layer, a host tier
     (asynchronous copies to pinned memory), and is then dropped."""
 
-    def __init__(self, runner: TieredRunner, lengths, max_len: int, pages: HostPages | None = None):
+    def __init__(self, runner: TieredRunner, lengths, max_len: int, pages: HostPages | None = None,
+                 into: tuple | None = None):
         lengths_np = np.asarray(lengths, np.int32).copy()
         lengths = jnp.asarray(lengths_np)
         batch = int(lengths.shape[0])
@@ -629,7 +635,9 @@ class _StateBuilder:
             lengths = jax.device_put(lengths, self.dev)
         self.lengths = lengths
         self.layers, self.host = [], []
-        self.pages, self._page_saves = None, []
+        self.pages, self._page_saves, self.into = None, [], None
+        if into is not None and runner.host_pages is None:
+            raise ValueError("into= is a paged host tier's: the runner has no host_pages")
         if runner.host_pages is not None:
             bs = runner.method.offload_block_size
             if pages is None:
@@ -640,6 +648,10 @@ class _StateBuilder:
                 raise ValueError(f"a host page table of {pages.table.shape} over {pages.num_pages} pages for a batch "
                                  f"of {batch} x {max_len // bs} blocks over {runner.host_pages}")
             self.pages = pages
+            if into is not None and (pages.own or len(into) != runner.num_layers):
+                raise ValueError("into= writes a caller's page pools: pass the caller's table (pages, own=False) "
+                                 "and one host tier per layer")
+            self.into = into
             # the (row, block, page) of every block the prompts filled that has a page
             filled = -(-lengths_np // bs)
             rows, blocks = np.nonzero(np.arange(max_len // bs)[None] < filled[:, None])
@@ -661,18 +673,25 @@ class _StateBuilder:
         # (a shard_map's outputs are committed to the mesh already)
         self.layers.append(jax.device_put(entry, self.dev) if self.layout is None else entry)
         if r.offloaded[i] and self.pages is not None:
-            self.host.append(self._paged_host(hk, hv))
+            self.host.append(self._paged_host(i, hk, hv))
         else:
             self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
                              if r.offloaded[i] else None)
 
-    def _paged_host(self, hk, hv) -> HostLayer:
-        """A layer's page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
-        host: nothing of the pool's size on the device), and its prompt blocks gathered on the
-        device and copied to the host asynchronously, stored into their pages by :meth:`finish`."""
+    def _paged_host(self, i: int, hk, hv) -> HostLayer:
+        """Layer ``i``'s page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
+        host: nothing of the pool's size on the device; or ``into``'s), and its prompt blocks
+        gathered on the device and copied to the host asynchronously, stored into their pages by
+        :meth:`finish`."""
         _, hkv, _, bs, d = hk.shape
         shape = (self.pages.num_pages, hkv, bs, d)
-        pk, pv = (jax.device_put(np.zeros(shape, hk.dtype), self.pinned) for _ in range(2))
+        if self.into is not None:
+            pk, pv = self.into[i].k, self.into[i].v
+            if pk.shape != shape or pk.dtype != hk.dtype:
+                raise ValueError(f"layer {i}: page pools {pk.shape} {pk.dtype}, the prompt's pages are {shape} "
+                                 f"{hk.dtype}")
+        else:
+            pk, pv = (jax.device_put(np.zeros(shape, hk.dtype), self.pinned) for _ in range(2))
         rows, blocks, pages = self._filled
         if rows.size:
             ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n, Hkv, bs, D]
@@ -706,7 +725,8 @@ class PrefillJob:
     serving engine runs a decode step between segments. The programs, and so the
     numbers, are those of :meth:`TieredRunner.prefill`."""
 
-    def __init__(self, runner: TieredRunner, tokens, lengths, max_len: int | None = None):
+    def __init__(self, runner: TieredRunner, tokens, lengths, max_len: int | None = None,
+                 pages: HostPages | None = None, into: tuple | None = None):
         max_len = round_up(int(max_len or runner.model.max_len), runner.method.cache_multiple)
         tokens = jnp.asarray(tokens, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
@@ -722,7 +742,7 @@ class PrefillJob:
         if self.carry is not None and runner.mesh is not None:
             raise ValueError(f"{runner.method.name}: a prefill carry across layers (Kascade's tiled prefill) is not "
                              f"supported by the layer-by-layer prefill on a mesh yet")
-        self.build = _StateBuilder(runner, lengths, max_len)
+        self.build = _StateBuilder(runner, lengths, max_len, pages, into)
         self.layers_done = 0
         self._result = None
         #: chunked prefill of a layer over budget: the chunk size (fixed at the first

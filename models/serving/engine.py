@@ -554,8 +554,10 @@ class Engine:
             return
         self._in_hand = r
         try:
-            if self.paged and not self.kv.offloaded:  # straight into the request's pages and the slot (waited for)
+            if self.paged:  # straight into the request's pages (resident: and the slot, waited for there)
                 logits, row = self.kv.prefill(r.prefill_ids, slot, r)
+                if self.kv.offloaded:
+                    self.kv.wait(logits, row)
             else:
                 logits, row = self.kv.prefill(r.prefill_ids)
                 # its execution errors surface here, not in the insertion (whose failure is fatal): on
@@ -613,7 +615,7 @@ class Engine:
     def _start_segmented(self, r: Request, slot: int) -> None:
         r.t_scheduled = time.perf_counter()
         try:
-            job = self.kv.start_prefill(r.prefill_ids, slot, r) if self.prefill_chunk else \
+            job = self.kv.start_prefill(r.prefill_ids, slot, r) if self.paged else \
                 self.kv.start_prefill(r.prefill_ids)
         except Exception as e:  # noqa: BLE001 - this request fails, the engine serves on
             self._fail(r, e)

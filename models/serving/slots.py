@@ -398,9 +398,11 @@ class OffloadedSlots:
     requests through a :class:`~models.serving.blocks.BlockManager`: the engine reserves a
     request's prompt and first position when it admits it and one position before each step
     (:meth:`reserve`), frees them on every end and on preemption (:meth:`release`); M_avl is the
-    pool, a request's working set the pages it holds. A prompt is still prefilled into a one-row
-    contiguous tier (one row of ``max_len``, whatever the slots); insertion copies its filled
-    blocks into its pages. A free slot's table row is the null page."""
+    pool, a request's working set the pages it holds. A prompt is prefilled layer by layer
+    straight into its pages (the runner's :class:`~models.runtime.tiered.PrefillJob` with the
+    request's table and this state's pools: no host tier of ``max_len`` for a prompt); insertion
+    writes its device tier into the slot and its table row. A free slot's table row is the null
+    page."""
 
     offloaded = True
 
@@ -431,10 +433,10 @@ class OffloadedSlots:
         self.blocks_per_step = method.offload_blocks_per_step(max_len)
         self.pool_slots = self.runner._pool(max_len, slots)
         self.max_rows = min(slots, self.pool_slots // self.blocks_per_step) if self.shared else slots
-        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool; a
-        # paged one's into a one-row contiguous host tier (copied into the request's pages on insertion)
-        self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step) if self.shared
-                               else probe)
+        # a shared pool's requests are prefilled into one-row tiers with the smallest per-row pool (paged:
+        # their blocks straight into their pages of this state's pools)
+        self.prefill_runner = (TieredRunner(model, "offload", pool_slots=self.blocks_per_step,
+                                            host_pages=self.runner.host_pages) if self.shared else self.runner)
 
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
@@ -479,7 +481,7 @@ class OffloadedSlots:
     # -- the paged host tier's pages (paged=True; the engine's calls, as PagedSlots') ---------------
     def _host_pages(self, host_pages: int | None) -> int:
         """The host pool's pages, the null page included: ``host_pages``, or as many as the host
-        budget holds beside one prompt's one-row contiguous tier, at most every slot full;
+        budget holds, at most every slot full;
         :class:`~sparse_jax.offload.capacity.CapacityError` (before anything is allocated) when
         that cannot hold one request of ``max_len``."""
         nb = self.max_len // self.block_size
@@ -488,13 +490,13 @@ class OffloadedSlots:
                                        or host_pages < 2):
             raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
         limit = capacity.host_budget()
-        fit = None if limit is None else (limit - nb * self.page_bytes) // self.page_bytes  # beside a prefill row
+        fit = None if limit is None else limit // self.page_bytes
         if host_pages is None:
             host_pages = full if fit is None else min(full, fit)
         elif fit is not None and host_pages > fit:
             raise capacity.CapacityError(
                 f"host_pages={host_pages} pages of {self.page_bytes / 2**20:.2f} MiB do not fit the pinned host "
-                f"memory: {max(fit, 0)} fit beside one prompt's prefill tier ({limit / 2**30:.2f} GiB usable)")
+                f"memory: {max(fit, 0)} fit ({limit / 2**30:.2f} GiB usable)")
         host_pages = int(host_pages)
         if host_pages - 1 < nb:
             raise capacity.CapacityError(
@@ -570,18 +572,28 @@ class OffloadedSlots:
 
     # -- the engine's calls ----------------------------------------------------------------------
     def prefill(self, ids: Sequence[int], slot: int | None = None, r: Request | None = None):
-        """``(logits f32[1, V], one-row state)`` of a prompt (a paged engine's ``slot`` and ``r``
-        are not needed: the prompt goes to its pages on insertion)."""
-        job = self.start_prefill(ids)
+        """``(logits f32[1, V], one-row state)`` of a prompt (paged: of ``r``, which holds its
+        prompt's pages; its blocks go straight to them)."""
+        job = self.start_prefill(ids, slot, r)
         job.advance(job.runner.num_layers)
         return job.result()
 
-    def start_prefill(self, ids: Sequence[int]):
+    def start_prefill(self, ids: Sequence[int], slot: int | None = None, r: Request | None = None):
         """A :class:`models.runtime.tiered.PrefillJob` of one prompt (bucketed as every prefill):
-        the engine's layer-segmented prefill advances it between decode steps."""
+        the engine's layer-segmented prefill advances it between decode steps. Paged: the prompt's
+        blocks go to ``r``'s pages of this state's pools when its last layer is done (the row's
+        host tier is those pools, read through ``r``'s table)."""
         n = len(ids)
         tokens = padded_prompt(ids, self.prompt_tokens(n), self.model._pad_id())
-        return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
+        if not self.paged:
+            return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len)
+        if r is None:
+            raise ValueError("a paged offloaded prefill needs its request (its pages)")
+        self.check_holds(r, n)
+        pages = HostPages(self.runner.host_pages, 1, self.state.pages.table.shape[1], own=False)
+        pages.set_row(0, self.blocks.table(r.id))
+        return self.prefill_runner.start_prefill(tokens, np.asarray([n], np.int32), self.max_len, pages=pages,
+                                                 into=self.state.host)
 
     def prompt_tokens(self, n: int) -> int:
         """:func:`segmented_prompt_tokens` of this engine's ``max_len``."""
@@ -625,24 +637,16 @@ class OffloadedSlots:
         self._inserted_at[slot] = self._steps
 
     def _insert_pages(self, row, slot: int, r: Request) -> None:
-        """:meth:`insert` on a paged host tier: the prompt's filled blocks from the one-row tier
-        into ``r``'s pages (the CPU, per layer, as the contiguous insertion copies rows), the slot's
-        table row to them, then its device tier into the slot (a shared pool places its primed
-        blocks from the pages: the table is sent first)."""
+        """:meth:`insert` on a paged host tier: the prompt's blocks are in ``r``'s pages already
+        (:meth:`start_prefill`); the slot's table row goes to them, then the row's device tier into
+        the slot (a shared pool places its primed blocks from the pages: the table is sent first)."""
         st = self.state
         n = int(row.lengths_host[0])
         self.check_holds(r, n)
         table = self.blocks.table(r.id)
         filled = -(-n // self.block_size)
-        pages = table[:filled]
-
-        def copy(i):
-            (_, _, kview, vview), = self.runner._views(st, i)  # [N, Hkv, bs, D]
-            (_, _, row_k, row_v), = self.runner._views(row, i)  # [1, Hkv, NB, bs, D]
-            kview[pages] = np.swapaxes(row_k[0, :, :filled], 0, 1)
-            vview[pages] = np.swapaxes(row_v[0, :, :filled], 0, 1)
-
-        list(self._copiers.map(copy, self.runner.offloaded_layers))
+        if row.pages is None or (row.pages.table[0, :filled] != table[:filled]).any():
+            raise RuntimeError(f"request {r.id}'s prompt was not prefilled into its pages")
         self._owner[slot] = r.id
         st.pages.set_row(slot, table)
         if self.shared:
