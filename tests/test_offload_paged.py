@@ -84,6 +84,52 @@ def test_paged_host_tier_equals_contiguous_asynctls_lag(monkeypatch):
     _check_paged_equals_contiguous(model, 7, 20, monkeypatch, seed=7)
 
 
+def _other_offloaded_model(name):
+    """The other methods that run offloaded, as their own offload tests configure them."""
+    from sparse_jax.methods import get_method
+
+    if name == "arkvale":
+        return _tiny_model(get_method("arkvale", budget=64, block_size=8, dense_layers=(0,))), 8
+    if name == "reuse_previous_layer":  # a method that reuses the previous layer's selection (the carry)
+        from tests.test_offload import ReusePreviousLayer
+
+        return _tiny_model(ReusePreviousLayer(budget=64, block_size=8, dense_layers=(0,)), num_layers=4), 8
+    if name == "kascade":  # its reuse layers follow the lagged AsyncTLS anchors' prefetch
+        from tests import test_kascade
+
+        return test_kascade._tiny_model(test_kascade._composed(), max_len=4096), 3
+    if name.startswith("asyncspade"):
+        opts = dict(budget=32, window=4, dense_layers=(0,))
+        if name == "asyncspade-quest":
+            opts.update(selector="quest", selector_options=(("block_size", 8),))
+        else:
+            chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+            opts.update(selector="double_sparsity", selector_options=(("channels_per_layer", chans),),
+                        prefetch_block_size=8)
+        return _tiny_model(get_method("asyncspade", **opts)), 4 if name == "asyncspade-quest" else 31
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["arkvale", "reuse_previous_layer", "kascade", "asyncspade-quest",
+                                  "asyncspade-double_sparsity"])
+def test_paged_host_tier_equals_contiguous_for_the_other_offloaded_methods(name, monkeypatch):
+    """Every other method that runs offloaded: the paged host tier (scattered pages, exactly
+    enough) gives the contiguous tier's greedy tokens, logits within 1e-5."""
+    model, pool = _other_offloaded_model(name)
+    tokens, lengths = _ragged_tokens(8)
+    steps = 20
+    ref_ids, ref_logits, _ = TieredRunner(model, "offload", pool_slots=pool).generate_ids(tokens, lengths, steps,
+                                                                                        MAX_LEN)
+    bs = model.method.for_offload().offload_block_size
+    need = _pages_needed(lengths, steps, bs)
+    _scattered_pages(monkeypatch, 8)
+    runner = TieredRunner(model, "offload", pool_slots=pool, host_pages=need + 1)
+    ids, lg, state = runner.generate_ids(tokens, lengths, steps, MAX_LEN)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(lg), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    assert len(state.pages.free) == 0 and sum(runner.transfer_stats(state)["misses_per_step"][1:]) > 0
+
+
 def test_paged_host_tier_refuses_on_the_host():
     """Bad options, a pool too small for the prompts, and a caller's table that misses a page a
     step needs: errors on the host, before anything runs on the device."""
@@ -297,4 +343,49 @@ def test_offloaded_paged_engine_cancellations_return_every_page(tiny):
         engine.iterate()
     assert [r.finish_reason for r in reqs] == ["cancelled", "length", "error", "cancelled"]
     assert reqs[1].output_ids == _alone(model, prompts[1:2], steps)[0]
+    _check_drained(engine)
+
+
+def test_offloaded_paged_engine_soak(tiny):
+    """A small soak through the engine thread: twelve requests of random lengths and outputs on two
+    slots and the smallest host pool (waits for slots and pages, page reuse), two cancelled while
+    waiting and three after a random number of their tokens; every other request gets its tokens
+    alone, and the engine drains to every page free."""
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    model = tiny.with_method("quest", budget=64)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(4, 97, int(n)).tolist() for n in rng.integers(10, 180, 12)]
+    outs = [int(rng.integers(2, 60)) for _ in prompts]
+    order = rng.permutation(12)
+    early, late = set(order[:2].tolist()), {int(i): int(rng.integers(1, outs[i])) for i in order[2:5]}
+    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True, host_pages=HOST_PAGES)
+    reqs: list = []
+
+    def on_event(i):
+        def f(ev):  # on the engine thread: cancel after the request's late[i]-th token
+            if i in late and len(reqs[i].output_ids) >= late[i]:
+                engine.cancel(reqs[i])
+        return f
+
+    reqs += [engine.make_request(p, SamplingParams(max_tokens=k), on_event(i))
+             for i, (p, k) in enumerate(zip(prompts, outs))]
+    for i in early:
+        engine.cancel(reqs[i])
+    engine.submit_all(reqs)
+    engine.start()
+    try:
+        for r in reqs:
+            assert r.done.wait(300), r
+        assert engine.idle()
+    finally:
+        engine.stop()
+    assert engine.stats()["finished"]["cancelled"] == 5
+    for i, r in enumerate(reqs):
+        if i in early or i in late:
+            assert r.finish_reason == "cancelled" and (i in early or len(r.output_ids) >= late[i]), i
+            continue
+        assert r.finish_reason == "length", (i, r.finish_reason)
+        assert r.output_ids == _alone(model, [prompts[i]], outs[i])[0], i
     _check_drained(engine)
