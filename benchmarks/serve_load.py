@@ -33,7 +33,9 @@ device; ``NAME:shared`` / ``NAME:shared-segmented`` run one
 pool shared by the slots with working-set admission (SparseServe's design),
 ``NAME:shared-nows`` the shared pool without the admission (M_avl unbounded):
 with ``dense`` and ``NAME`` (resident) that is SparseServe's Figure 13
-ablation, one component at a time (:data:`PLACES`).
+ablation, one component at a time (:data:`PLACES`). ``NAME:offload-paged`` /
+``NAME:offload-paged-segmented`` run it offloaded on paged host memory (the host pages
+held by the requests, admission by free pages: ``Engine(paged=True, offload=True)``).
 """
 
 from __future__ import annotations
@@ -310,7 +312,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     pool_slots=args.shared_pool_slots if shared else args.pool_slots,
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
-                    paged=where.startswith("paged"),
+                    paged=where.startswith(("paged", "offload-paged")),
                     prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None).start()
     try:
         t0 = time.perf_counter()
@@ -433,9 +435,10 @@ def merge(paths: list[str]) -> dict:
 #: without it ("shared-nows": M_avl unbounded, only R_max's one-step cap): SparseServe's
 #: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
 #: NAME:shared-segmented; resident on one pool of pages shared by the requests ("paged", + segmented
-#: prefill: "paged-segmented", + chunked prefill through every layer into the pages: "paged-chunked")
+#: prefill: "paged-segmented", + chunked prefill through every layer into the pages: "paged-chunked");
+#: offloaded on paged host memory, per-slot pools ("offload-paged", + segmented prefill)
 PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows", "paged",
-          "paged-segmented", "paged-chunked")
+          "paged-segmented", "paged-chunked", "offload-paged", "offload-paged-segmented")
 RESIDENT_PLACES = ("", "resident-segmented", "paged", "paged-segmented", "paged-chunked")
 UNBOUNDED_KV_BYTES = 1 << 62
 
@@ -451,8 +454,8 @@ def check_label(label: str) -> None:
                          f"use {name}:paged (whole prefills)")
     if where not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
-                         f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented "
-                         f"or NAME:paged-chunked")
+                         f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented, "
+                         f"NAME:paged-chunked, NAME:offload-paged or NAME:offload-paged-segmented")
 
 
 def parse_args(argv=None):
