@@ -694,7 +694,10 @@ class _StateBuilder:
             pk, pv = (jax.device_put(np.zeros(shape, hk.dtype), self.pinned) for _ in range(2))
         rows, blocks, pages = self._filled
         if rows.size:
-            ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n, Hkv, bs, D]
+            # the lists padded to a power of two (their last entry repeated): few compilations of the gather
+            pad = padded_rows(rows.size) - rows.size
+            rows, blocks = (jnp.asarray(np.pad(a, (0, pad), mode="edge").astype(np.int32)) for a in (rows, blocks))
+            ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n + pad, Hkv, bs, D]
             ks.copy_to_host_async()
             vs.copy_to_host_async()
             self._page_saves.append((pk, pv, pages, ks, vs))
@@ -708,8 +711,8 @@ class _StateBuilder:
         host = tuple(self.host)
         if self.pages is not None:
             for pk, pv, pages, ks, vs in self._page_saves:
-                _host_view(pk)[pages] = np.asarray(ks)
-                _host_view(pv)[pages] = np.asarray(vs)
+                _host_view(pk)[pages] = np.asarray(ks)[:pages.size]
+                _host_view(pv)[pages] = np.asarray(vs)[:pages.size]
             self._page_saves = []
             table = jax.device_put(jnp.asarray(self.pages.table.copy()), self.dev)
             host = tuple(None if h is None else dataclasses.replace(h, table=table) for h in host)
