@@ -691,7 +691,10 @@ class _StateBuilder:
                 raise ValueError(f"layer {i}: page pools {pk.shape} {pk.dtype}, the prompt's pages are {shape} "
                                  f"{hk.dtype}")
         else:
-            pk, pv = (jax.device_put(np.zeros(shape, hk.dtype), self.pinned) for _ in range(2))
+            # zeros from the host, one layer's pool at a time (waited for: at most one layer's NumPy
+            # zeros alive beside the pinned pools; nothing of the pool's size on the device)
+            pk, pv = (jax.block_until_ready(jax.device_put(np.zeros(shape, hk.dtype), self.pinned))
+                      for _ in range(2))
         rows, blocks, pages = self._filled
         if rows.size:
             # the lists padded to a power of two (their last entry repeated): few compilations of the gather
