@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.runtime import tiered
 from models.runtime.tiered import HostPages, OutOfHostPages, TieredRunner
 from tests.test_offload import _ragged_tokens, _resident_run, _tiny_model
 
@@ -160,7 +159,7 @@ def test_paged_host_tier_refuses_on_the_host():
     with pytest.raises(ValueError, match=r"rows \[0\] step without the host pages"):
         runner.decode_step(np.zeros(3, np.int32), state, active=np.array([True, True, False]))
     assert pages.dirty  # nothing was sent
-    tiered.TieredRunner.finish(runner, state)
+    runner.finish(state)
 
 
 # -- the engine on it: Engine(paged=True, offload=True) ----------------------------------------------
