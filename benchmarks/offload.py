@@ -153,22 +153,27 @@ def with_churn(model, churn: float):
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
                host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row", save="deferred",
-               loop="host"):
+               loop="host", paged=False):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``: TieredRunner's (None: its default schedule for ``mode``); ``pool``:
     the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head); ``loop``:
     "host" (each step's argmax taken by a separate call, its tokens a new array: the serving
     loop's shape) or "device" (offloaded only: :meth:`TieredRunner.greedy_steps`, tokens and
-    logits fed back in donated buffers)."""
+    logits fed back in donated buffers); ``paged``: offloaded on the paged host tier
+    (``TieredRunner(host_pages=...)``) with a page for every block of every row's capacity
+    (the contiguous tier's host bytes: what the step's page indirection costs, alone)."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
     if loop == "device" and (mode != "offload" or pool != "per_row"):
         raise ValueError('loop="device" runs offloaded per-row pools')
     from models.runtime.tiered import TieredRunner
 
-    runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
-                          concurrent=concurrent, pool=pool, save=save)
     max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
+    host_pages = None
+    if paged and mode == "offload":
+        host_pages = batch * (max_len // model.method.for_offload().offload_block_size) + 1
+    runner = TieredRunner(with_churn(model, churn), mode, pool_slots=pool_slots, host_limit=host_limit,
+                          concurrent=concurrent, pool=pool, save=save, host_pages=host_pages)
     if mode == "offload" and jax.default_backend() in PRIME_BACKENDS:
         prime_autotuner(runner, model, batch, context)
     t0 = time.perf_counter()
@@ -181,9 +186,12 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     gc.collect()
     gc.disable()  # the step is dispatch-bound: keep Python's collector out of the timed loops
     try:
-        return _timed_decode(runner, state, tok, decode=LOOPS[loop], mode=mode, context=context, batch=batch,
-                             churn=churn, steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
-                             trace_dir=trace_dir, bandwidth=bandwidth)
+        out = _timed_decode(runner, state, tok, decode=LOOPS[loop], mode=mode, context=context, batch=batch,
+                            churn=churn, steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
+                            trace_dir=trace_dir, bandwidth=bandwidth)
+        if host_pages is not None:
+            out["host_pages"] = host_pages
+        return out
     finally:
         gc.enable()
         del state, runner
@@ -620,7 +628,8 @@ def parse_args(argv=None):
                         "compile with RESOURCE_EXHAUSTED in the autotuner")
     p.add_argument("--modes", default="dense,sparse,offload",
                    help="comma list of dense, sparse (resident), offload (per-row pools), offload-shared (one pool "
-                        "per layer and KV head shared by the batch)")
+                        "per layer and KV head shared by the batch), offload-paged (per-row pools on the paged host "
+                        "tier, every row's capacity paged: the page indirection's cost)")
     p.add_argument("--shared-slot-impl", default="auto", choices=["auto", "pallas", "reference"],
                    help="offload-shared: the shared pool's slot assignment (sparse_jax.offload.pool."
                         "SHARED_SLOT_IMPL; auto: as the step, the kernel on the GPU)")
@@ -650,9 +659,9 @@ def parse_args(argv=None):
     p.add_argument("--merge", default="", help="comma list of this benchmark's JSON results: write them as one "
                    "results file named --name (no device work)")
     a = p.parse_args(argv)
-    bad = set(a.modes.split(",")) - {"dense", "sparse", "offload", "offload-shared"}
+    bad = set(a.modes.split(",")) - {"dense", "sparse", "offload", "offload-shared", "offload-paged"}
     if bad:  # before any model is built or compiled
-        p.error(f"--modes: unknown {sorted(bad)}; choose from dense, sparse, offload, offload-shared")
+        p.error(f"--modes: unknown {sorted(bad)}; choose from dense, sparse, offload, offload-shared, offload-paged")
     a.saves = [x.strip() for x in a.save.split(",")]
     if not a.saves or set(a.saves) - {"deferred", "sync"}:
         p.error(f"--save: a comma list of deferred and sync, got {a.save!r}")
@@ -722,18 +731,19 @@ def main(argv=None) -> int:
             # "offload-shared": the offloaded tier with one pool per layer and KV head for the batch (the
             # default size: the batch times the per-row default, the same bytes as per-row pools)
             shared = mode == "offload-shared"
-            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode="offload" if shared else mode,
+            paged = mode == "offload-paged"  # per-row pools on the paged host tier, every row's capacity paged
+            start = capacity.max_batch(cfg, mdl.method, max_len=max_len, mode="offload" if shared or paged else mode,
                                        device_limit=dl, host_limit=hl, limit=64 if not a.tiny else 4)
             churn = a.churn if rmode == "offload" else 0.0
             saves = a.saves if rmode == "offload" else ["deferred"]
             pool = "shared" if shared else "per_row"
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          host_limit=hl, bandwidth=bw, pool=pool, save=saves[0])
+                          host_limit=hl, bandwidth=bw, pool=pool, save=saves[0], paged=paged)
             rows = [r]
             for sv in saves[1:] if r.get("batch") else ():  # the same batch: an A/B of the save alone
                 try:
                     r2 = run_config(mdl, rmode, context=ctx, batch=r["batch"], steps=a.steps, warmup=a.warmup,
-                                    churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv)
+                                    churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv, paged=paged)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] {mode} save={sv} batch={r['batch']} failed: {type(e).__name__}: {str(e)[:200]}")
                     r2 = {"mode": rmode, "context": ctx, "batch": 0, "error": f"{type(e).__name__}"}
