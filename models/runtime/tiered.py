@@ -115,13 +115,6 @@ class HostPages:
         self.table[row, have:blocks] = [self.free.pop() for _ in range(blocks - have)]
         self.dirty = True
 
-    def release(self, row: int) -> None:
-        """Row ``row``'s pages back to the free list (``own``), its table row to the null page."""
-        if self.own:
-            held = self.table[row][self.table[row] != NULL_PAGE]
-            self.free.extend(int(p) for p in held[::-1])
-        self.set_row(row, NULL_PAGE)
-
     def set_row(self, row: int, pages) -> None:
         self.table[row] = pages
         self.dirty = True
