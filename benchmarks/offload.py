@@ -679,8 +679,10 @@ def main(argv=None) -> int:
     from sparse_jax.offload import capacity
 
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    pinned = capacity.plan_pinned_host_limit(a.host_fraction)  # before the GPU client starts (stamp() starts it)
+    log(pinned)
     payload = {"stamp": stamp("python -m benchmarks.offload " + shlex.join(argv)), "budget": a.budget, "kb": a.kb,
-               "throughput": [], "equal_batch": []}
+               "pinned_host": pinned, "throughput": [], "equal_batch": []}
     out_dir = Path(a.out) if a.out else None
 
     def save():

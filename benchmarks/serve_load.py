@@ -278,6 +278,12 @@ def build_model(args, method_name: str):
 def run(args) -> dict:
     import jax
 
+    from sparse_jax.offload import capacity
+
+    pinned = None
+    if any("offload" in label for label in args.methods.split(",")):  # before the GPU client starts
+        pinned = capacity.plan_pinned_host_limit()
+        print(pinned, file=sys.stderr, flush=True)
     mix = parse_mix(args.prompt_mix)
     rates = [float(r) for r in args.rates.split(",")]
     slots = parse_slots(args.slots, args.methods.split(","))
@@ -294,7 +300,8 @@ def run(args) -> dict:
             jax.clear_caches()
     return {"stamp": stamp(), "model": "tiny" if args.tiny else "qwen3-8b (random bf16 weights)",
             "prompt_mix": mix, "output_range": [args.output_min, args.output_max], "requests_per_rate": args.requests,
-            "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb, "runs": runs}
+            "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb, "runs": runs,
+            **({"pinned_host": pinned} if pinned else {})}
 
 
 def run_method(args, label: str, mix, rates, slots: int) -> dict:

@@ -527,3 +527,34 @@ def test_host_budget_reads_mem_available_once(monkeypatch):
     assert capacity.host_budget(0.5) == 50 * capacity.GiB  # not the second, smaller reading
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "24")
     assert capacity.host_budget(0.5) == 24 * capacity.GiB
+
+
+def test_the_planner_sizes_xlas_pinned_pool_from_the_machine(monkeypatch):
+    """On a GPU, XLA's pinned-host pool stops at 64 GiB unless its variable is set: the host
+    budget counts that cap (a batch MemAvailable admitted failed in the allocator), and
+    ``plan_pinned_host_limit`` sets the variable from MemAvailable before the client starts,
+    leaves a user's value alone, and says when it came too late."""
+    import io
+
+    from sparse_jax.offload import capacity
+
+    env = capacity.PINNED_LIMIT_ENV
+    monkeypatch.setattr(capacity, "_FIRST_MEM_AVAILABLE", None)
+    monkeypatch.setattr(capacity, "open", lambda *a, **k: io.StringIO(f"MemAvailable: {120 * capacity.GiB // 1024} kB\n"),
+                        raising=False)
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(capacity.jax, "default_backend", lambda: "gpu")
+    assert capacity.pinned_pool_limit() == 64 * capacity.GiB
+    assert capacity.host_budget(0.85) == 64 * capacity.GiB  # not 102 GiB: XLA's default pool caps it
+    monkeypatch.setattr(capacity, "_backend_started", lambda: True)
+    assert "limit stands" in capacity.plan_pinned_host_limit() and env not in capacity.os.environ
+    monkeypatch.setattr(capacity, "_backend_started", lambda: False)
+    line = capacity.plan_pinned_host_limit(0.85)
+    assert capacity.os.environ[env] == "102" and "102 GiB" in line and "120.0 GiB" in line, line
+    assert capacity.host_budget(0.85) == 102 * capacity.GiB
+    monkeypatch.setenv(env, "40")
+    assert "40 GiB" in capacity.plan_pinned_host_limit() and capacity.os.environ[env] == "40"  # the user's stands
+    assert capacity.host_budget(0.85) == 40 * capacity.GiB
+    monkeypatch.setattr(capacity.jax, "default_backend", lambda: "cpu")
+    monkeypatch.delenv(env)
+    assert capacity.pinned_pool_limit() is None  # the CPU client has no pinned pool

@@ -11,7 +11,9 @@ largest batch that fits.
 Device budget: the allocator's limit (``memory_stats()["bytes_limit"]``)
 minus ``reserve`` for XLA's temporaries (default 2 GiB). Host budget: the
 kernel's ``MemAvailable`` times ``host_fraction`` (default 0.85: pinned pages
-cannot be swapped, and the process needs room besides the tier).
+cannot be swapped, and the process needs room besides the tier), capped by XLA's
+pinned-host pool (64 GiB on a GPU unless set; :func:`plan_pinned_host_limit` sets it from
+the machine before the GPU client starts).
 """
 
 from __future__ import annotations
@@ -130,20 +132,26 @@ def device_budget(reserve: int = 2 * GiB) -> int | None:
     return None if limit is None else int(limit) - reserve
 
 
-#: MemAvailable (bytes) at the process's first :func:`host_budget`: XLA's pinned-host
+#: MemAvailable (bytes) at the process's first reading (:func:`mem_available`): XLA's pinned-host
 #: allocator keeps freed memory pooled for the process, which MemAvailable then no longer
 #: counts, so later readings would shrink by every engine built and dropped before
 #: (H100: a load benchmark's second offloaded method saw 16.9 of 96 GiB)
 _FIRST_MEM_AVAILABLE: int | None = None
 
+#: the environment variable XLA's GPU client reads, once, when it starts: the limit (GiB) of its
+#: pool of pinned host memory (a BFC allocator over ``cudaHostAlloc`` growing on demand), which
+#: every ``pinned_host`` array is allocated from
+PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+#: that limit when the variable is unset (XLA's ``GetGpuHostAllocator``): 64 GiB whatever the
+#: machine has. An offloaded Qwen3-8B batch of 4 x 128K (75.5 GiB of host tier) passed a planner
+#: that read only MemAvailable, then failed in this allocator (2026-12-01, H200 box of 128 GiB)
+XLA_DEFAULT_PINNED_GIB = 64
 
-def host_budget(host_fraction: float = 0.85) -> int | None:
-    """``MemAvailable * host_fraction``, capped by XLA's pinned-host allocator limit
-    when ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` sets it (None when unknown).
 
-    MemAvailable is read once per process, at the first call (best before the first
-    pinned allocation), since XLA keeps freed pinned memory pooled for reuse. The
-    budget is per footprint: it does not subtract what other live objects hold."""
+def mem_available() -> int | None:
+    """The kernel's ``MemAvailable`` in bytes, read once per process (the first call: best
+    before the first pinned allocation, since XLA keeps freed pinned memory pooled); None
+    where ``/proc/meminfo`` is missing."""
     global _FIRST_MEM_AVAILABLE
     if _FIRST_MEM_AVAILABLE is None:
         try:
@@ -153,12 +161,75 @@ def host_budget(host_fraction: float = 0.85) -> int | None:
                         _FIRST_MEM_AVAILABLE = int(line.split()[1]) * 1024
         except OSError:
             pass
-    avail = None if _FIRST_MEM_AVAILABLE is None else int(_FIRST_MEM_AVAILABLE * host_fraction)
-    limit = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    return _FIRST_MEM_AVAILABLE
+
+
+def pinned_pool_limit() -> int | None:
+    """Bytes XLA's pinned-host pool may hold: :data:`PINNED_LIMIT_ENV` when set, else XLA's
+    default of :data:`XLA_DEFAULT_PINNED_GIB` on a GPU; None elsewhere (the CPU client's
+    ``pinned_host`` memory is ordinary memory, with no pool of its own)."""
+    limit = os.environ.get(PINNED_LIMIT_ENV)
     if limit:
-        cap = int(float(limit) * GiB)
+        return int(float(limit) * GiB)
+    return XLA_DEFAULT_PINNED_GIB * GiB if jax.default_backend() == "gpu" else None
+
+
+def host_budget(host_fraction: float = 0.85) -> int | None:
+    """``MemAvailable * host_fraction``, capped by XLA's pinned-host pool limit
+    (:func:`pinned_pool_limit`: 64 GiB on a GPU unless :func:`plan_pinned_host_limit` or the
+    user set it); None when neither is known.
+
+    The budget is per footprint: it does not subtract what other live objects hold."""
+    avail = mem_available()
+    avail = None if avail is None else int(avail * host_fraction)
+    cap = pinned_pool_limit()
+    if cap is not None:
         avail = cap if avail is None else min(avail, cap)
     return avail
+
+
+def host_budget_note(host_fraction: float = 0.85) -> str:
+    """Where :func:`host_budget` comes from, in words (for the lines that say what bounds a batch)."""
+    avail, cap = mem_available(), pinned_pool_limit()
+    parts = []
+    if avail is not None:
+        parts.append(f"{host_fraction:.0%} of MemAvailable {avail / GiB:.1f} GiB")
+    if cap is not None:
+        src = PINNED_LIMIT_ENV if os.environ.get(PINNED_LIMIT_ENV) else "XLA's default"
+        parts.append(f"XLA's pinned pool {cap / GiB:.0f} GiB ({src})")
+    budget = host_budget(host_fraction)
+    return ("unknown" if budget is None else f"{budget / GiB:.1f} GiB usable: the least of " + " and ".join(parts)
+            if len(parts) > 1 else f"{budget / GiB:.1f} GiB usable: {parts[0]}")
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # no public form: whether a client exists yet
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else True
+
+
+def plan_pinned_host_limit(host_fraction: float = 0.85) -> str:
+    """Size XLA's pinned-host pool from this machine, before its GPU client starts: set
+    :data:`PINNED_LIMIT_ENV` to ``MemAvailable * host_fraction`` (whole GiB), unless the user
+    set it. Without this the pool stops at 64 GiB on a box of any size, and a batch the host
+    budget admitted fails to allocate. Returns a line saying what the limit is and why.
+
+    Call it before anything starts jax's backends (``jax.devices()``, the first array):
+    afterwards the client has read the variable, and this only says so."""
+    given = os.environ.get(PINNED_LIMIT_ENV)
+    if given:
+        return f"pinned host pool: {given} GiB ({PINNED_LIMIT_ENV}, as set)"
+    if _backend_started():
+        return (f"pinned host pool: XLA's limit stands ({XLA_DEFAULT_PINNED_GIB} GiB on a GPU; the backend had "
+                f"started before the planner could set {PINNED_LIMIT_ENV})")
+    avail = mem_available()
+    if avail is None:
+        return f"pinned host pool: XLA's limit stands ({XLA_DEFAULT_PINNED_GIB} GiB on a GPU; MemAvailable unknown)"
+    gib = max(1, int(avail * host_fraction) // GiB)
+    os.environ[PINNED_LIMIT_ENV] = str(gib)
+    return (f"pinned host pool: {gib} GiB ({host_fraction:.0%} of MemAvailable {avail / GiB:.1f} GiB; "
+            f"{PINNED_LIMIT_ENV}={gib})")
 
 
 def check_fits(fp: Footprint, *, device_limit: int | None, host_limit: int | None, what: str = "") -> None:
