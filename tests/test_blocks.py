@@ -67,3 +67,16 @@ def test_random_sequences_keep_the_pool_whole(ops):
     for r in list(want):
         m.free(r)
     assert m.free_blocks == m.total
+
+
+def test_pool_plan_says_what_bounds_the_batch():
+    from models.serving.blocks import pool_plan
+
+    # 2 slots x 256 tokens = 32 pages of 16, and the null page
+    assert pool_plan(33, 16, 2, 256, asked=False, memory="host memory")[0] == "slots"
+    bound, line = pool_plan(30, 16, 2, 256, asked=False, memory="host memory", detail=" (9.0 GiB usable)")
+    assert bound == "host memory" and "1 request of 256 tokens" in line and "9.0 GiB usable" in line, line
+    assert pool_plan(17, 16, 2, 256, asked=True, memory="device memory")[0] == "asked"
+    assert pool_plan(17, 16, 1, 256, asked=True, memory="device memory")[0] == "slots"  # one slot, one context
+    bound, line = pool_plan(5, 64, 4, 1000, asked=False, memory="device memory")  # 16 pages a request: none fit
+    assert bound == "device memory" and "0 requests of 1,000" in line, line

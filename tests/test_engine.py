@@ -158,8 +158,6 @@ def test_a_request_being_prefilled_counts_as_running(tiny):
 
 
 def test_paged_engine_refuses_what_its_pool_cannot_hold(tiny):
-    with pytest.raises(ValueError, match="offload"):
-        Engine(tiny, slots=1, max_len=256, paged=True, offload=True)
     with pytest.raises(ValueError, match="paged=True"):
         Engine(tiny, slots=1, max_len=256, kv_blocks=8)
     with pytest.raises(ValueError, match="kv_blocks must be an int"):
@@ -170,6 +168,9 @@ def test_paged_engine_refuses_what_its_pool_cannot_hold(tiny):
         Engine(tiny, slots=2, max_len=256, paged=True, kv_blocks=3)
     engine = Engine(tiny, slots=2, max_len=256, paged=True, kv_blocks=5)  # 4 pages: one request of max_len
     assert engine.stats()["kv_blocks_total"] == 4
+    # what bounds the batch: the pages asked for hold one of the two slots' full contexts
+    assert engine.stats()["kv_bound"] == "asked" and "1 request of 256 tokens" in engine.kv.kv_plan
+    assert Engine(tiny, slots=2, max_len=256, paged=True).stats()["kv_bound"] == "slots"  # the CPU: every slot full
     engine.make_request([5] * 200, SamplingParams(max_tokens=56))  # 256 tokens: 4 pages
 
 

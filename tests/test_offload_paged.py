@@ -292,6 +292,9 @@ def test_offloaded_paged_engine_refuses_before_allocating(tiny):
         Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, prefill_chunk=64)
     engine = Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True)  # default: every slot full
     assert engine.stats()["kv_blocks_total"] == 2 * MAX_LEN // 16
+    assert engine.stats()["kv_bound"] == "slots", engine.kv.kv_plan
+    small = Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, host_pages=MAX_LEN // 16 + 1)
+    assert small.stats()["kv_bound"] == "asked" and "host memory: 1 request of" in small.kv.kv_plan, small.kv.kv_plan
 
 
 def test_offloaded_paged_engine_on_a_shared_pool(tiny):

@@ -16,6 +16,7 @@ from models.serving.paged import DEFAULT_PREFILL_CHUNK, check_chunked_prefill
 from models.serving.replicas import replicate
 from models.serving.server import build_app
 from sparse_jax.methods import available_methods, get_method
+from sparse_jax.offload import capacity
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +115,8 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError("--pool shared needs --offload (it is the offloaded tier's pool)")
     if args.pool == "shared" and (args.tensor_parallel > 1 or args.data_parallel > 1):
         raise ValueError("--pool shared does not run on several devices yet: use --pool per_row")
+    if args.offload:  # before anything starts the GPU client, which reads the limit once
+        print(capacity.plan_pinned_host_limit(), file=sys.stderr, flush=True)
     if args.paged is None:  # the default: paged where it runs
         args.paged = not args.offload and args.tensor_parallel == 1 and args.data_parallel == 1
     if args.kv_blocks is not None and not args.paged:
@@ -176,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}{', paged' if args.paged else ''}{chunk}, {reps}{engine.slots} slots "
           f"of {engine.max_len} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    kv = getattr(engine, "engines", [engine])[0].kv  # replicas: each the same
+    print(getattr(kv, "kv_plan", f"KV: {engine.slots} slots of {engine.max_len:,} tokens, each reserved whole; the "
+                                 f"batch is bound by the slots"), file=sys.stderr, flush=True)
     try:
         uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
     finally:

@@ -33,6 +33,32 @@ class OutOfBlocks(RuntimeError):
     """Raised by :meth:`BlockManager.reserve` when the pool has too few free blocks."""
 
 
+def pool_plan(pages: int, block_size: int, slots: int, max_len: int, *, asked: bool, memory: str,
+              detail: str = "") -> tuple[str, str]:
+    """What bounds a paged engine's batch, and a line saying so: ``(bound, line)``.
+
+    ``pages``: the pool's blocks, the null block included; ``asked``: the caller chose the
+    count (``--kv-blocks`` / ``--host-pages``), else memory did, at most every slot full;
+    ``memory``: the memory the pool lives in ("device memory", "host memory"). ``bound`` is
+    "slots" when every slot can hold a request of ``max_len`` at once (the pool never makes a
+    full batch wait), else ``memory`` (or "asked"): fewer than ``slots`` requests of
+    ``max_len`` fit, shorter ones more, up to ``slots``."""
+    per_request = -(-max_len // block_size)
+    contexts = (pages - 1) // per_request
+    if contexts >= slots:
+        bound = "slots"
+    else:
+        bound = "asked" if asked else memory
+    pool = f"KV pool: {pages - 1:,} pages of {block_size} tokens in {memory}"
+    if bound == "slots":
+        line = f"{pool}: every slot can hold a request of {max_len:,} tokens; the batch is bound by the slots ({slots})"
+    else:
+        why = "the pages asked for" if bound == "asked" else f"{memory}{detail}"
+        line = (f"{pool}: {contexts} request{'s' * (contexts != 1)} of {max_len:,} tokens at once, shorter ones more, "
+                f"up to {slots} slots; the batch is bound by {why}")
+    return bound, line
+
+
 class BlockManager:
     """``num_blocks`` blocks of ``block_size`` positions (block 0 the null block, so
     ``num_blocks - 1`` usable), tables of at most ``max_blocks_per_request`` blocks."""

@@ -348,6 +348,7 @@ class Engine:
                     "kv_blocks_total": self.kv.kv_blocks_total if self.paged else None,
                     "kv_blocks_free": self.kv.kv_blocks_free if self.paged else None,
                     "preempted": self.preempted,
+                    "kv_bound": getattr(self.kv, "kv_bound", "slots"),
                     "alive": self._thread is not None and self._thread.is_alive()}
 
     def idle(self) -> bool:

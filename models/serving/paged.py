@@ -42,7 +42,7 @@ from flax import nnx
 from models import programs
 from models.driver import Driver, init_cache, make_plan
 from models.runtime.tiered import TieredRunner
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, pool_plan
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
 from models.serving.slots import (ResidentSlots, engine_step, check_engine_mesh, check_slot_axis, insert_slot,
@@ -420,6 +420,7 @@ class PagedSlots:
             fit = full if num_blocks is None else int(num_blocks)
         else:
             fit = (limit - fp.fixed()) // max(fp.block_bytes, 1)
+        asked = num_blocks is not None
         if num_blocks is None:
             num_blocks = min(full, fit)
         elif int(num_blocks) > fit:
@@ -435,6 +436,11 @@ class PagedSlots:
                 + ("were asked for" if limit is None else f"fit the device ({fp.fixed() / 2**30:.2f} GiB is weights, "
                    f"state and prefill, of {limit / 2**30:.2f} GiB)") + ": lower max_len or the slots")
         self.blocks = BlockManager(num_blocks, self.page, self.pages_per_request)
+        #: what bounds the batch ("slots", "device memory" or "asked"), and the line saying so
+        self.kv_bound, self.kv_plan = pool_plan(
+            num_blocks, self.page, slots, max_len, asked=asked, memory="device memory",
+            detail="" if limit is None else f" ({limit / 2**30:.1f} GiB usable, {fp.fixed() / 2**30:.2f} GiB of it "
+                                            f"weights, slot state and a prefill's temporaries)")
         self.cache = jax.jit(lambda: paged_like(model.init_cache(slots, max_len), num_blocks, self.page))()
         self.device_bytes = self.cache.nbytes()
         self.block_bytes = fp.block_bytes

@@ -31,7 +31,7 @@ from flax import nnx
 
 from models import programs
 from models.runtime.tiered import HostPages, TieredRunner
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, pool_plan
 from models.sampling import RowSampling, SampleOut, sample_step, sample_step_program
 from sparse_jax.cache import KVCache
 from sparse_jax.offload import capacity
@@ -491,6 +491,7 @@ class OffloadedSlots:
             raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
         limit = capacity.host_budget()
         fit = None if limit is None else limit // self.page_bytes
+        asked = host_pages is not None
         if host_pages is None:
             host_pages = full if fit is None else min(full, fit)
         elif fit is not None and host_pages > fit:
@@ -503,6 +504,10 @@ class OffloadedSlots:
                 f"a paged offloaded engine of {self.slots} slots x {self.max_len} tokens needs at least {nb + 1} host "
                 f"pages of {self.block_size} tokens (one request of max_len, and the null page); {host_pages} "
                 + ("were asked for" if fit is None or host_pages < fit else "fit the host") + ": lower max_len")
+        #: what bounds the batch ("slots", "host memory" or "asked"), and the line saying so
+        self.kv_bound, self.kv_plan = pool_plan(
+            host_pages, self.block_size, self.slots, self.max_len, asked=asked, memory="host memory",
+            detail="" if limit is None else f" ({capacity.host_budget_note()})")
         return host_pages
 
     @property
