@@ -143,7 +143,93 @@ def test_asyncspade_bad_options():
         get_method("asyncspade", selector="asynctls", **{"selector.lag": True}).check(
             num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
     with pytest.raises(ValueError, match="reads every key"):
-        get_method("asyncspade", selector="oracle_topk").check(num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                                                max_len=256)
+        get_method("asyncspade", selector="kascade").check(num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                            max_len=256)
     with pytest.raises(ValueError, match="window must be"):
         AsyncSpade(window=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+
+
+# -- the token-level selector (selector="oracle_topk": the paper's top-k of q̂ Kᵀ) ----------------
+
+
+def _oracle_choice(q, k, lengths, budget):
+    """Top ``budget`` tokens of the exact group-summed softmax of ``q`` over ``[0, lengths)``."""
+    from sparse_jax.methods.sparse_base import group_probabilities
+
+    scores = np.asarray(group_probabilities(q, k, lengths))
+    return [[set(np.argsort(-scores[b, h, :int(lengths[b])], kind="stable")[:budget].tolist())
+             for h in range(scores.shape[1])] for b in range(scores.shape[0])]
+
+
+def test_token_selector_takes_the_predicted_querys_top_tokens():
+    """Each step attends the top ``budget - 1`` tokens of the query predicted one step earlier
+    (the first step: of the last prompt query, over the prompt) plus the new token; the
+    selection invariants of the other token methods hold."""
+    budget, window = 24, 4
+    m = AsyncSpade(selector="oracle_topk", budget=budget, window=window)
+    m.check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+    assert m.reads_all_keys and not m.blocks
+    steps, qs = _decode_steps(m, 5)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=(2, 2, 256, 16)), jnp.float32)  # _decode_steps' keys (same seed, first draw)
+    for t, (q, lengths, sel, st_before, st_after) in enumerate(steps, start=1):
+        assert sel.kind == "tokens"
+        idx, cnt = np.asarray(sel.indices), np.asarray(sel.counts)
+        q_hat = qs[0] if t == 1 else predict_next_query(st_before["hist"], st_before["count"], window, m.ridge)
+        want = _oracle_choice(q_hat, k, lengths - 1, budget - 1)
+        for b in range(2):
+            for h in range(2):
+                got = idx[b, h, :cnt[b, h]].tolist()
+                assert cnt[b, h] == budget and len(set(got)) == budget
+                assert got[-1] == int(lengths[b]) - 1  # the new token, added this step
+                assert set(got[:-1]) == want[b][h]
+
+
+def test_token_selector_is_exact_when_the_budget_covers_the_context():
+    from sparse_jax.ops.dense import dense_decode_reference
+
+    m = AsyncSpade(selector="oracle_topk", budget=200, window=4)
+    steps, qs = _decode_steps(m, 3)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=(2, 2, 256, 16)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 2, 256, 16)), jnp.float32)
+    for q, lengths, sel, st_before, _ in steps:
+        np.testing.assert_array_equal(np.asarray(sel.counts), np.repeat(np.asarray(lengths)[:, None], 2, 1))
+        out, _, _ = m.decode(q, ResidentKV(k, v), lengths, st_before, None, single_layer(2, capacity=256))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense_decode_reference(q, k, v, lengths)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_token_selector_in_a_model_and_where_it_cannot_run():
+    """On a tiny model: the dense logits when the budget covers the context, shapes and finite
+    logits when it selects, scanned and unrolled alike; refused offloaded and on the cache rank."""
+    from tests.test_offload import _ragged_tokens
+
+    dense = _tiny(get_method("dense"))
+    tokens, lengths = _ragged_tokens(5)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+
+    def run(model, unroll=None, steps=3):
+        model = model if unroll is None else model.with_method(model.method, unroll=unroll)
+        logits, cache = model.fns.prefill(model.params, tokens, lengths, model.init_cache(3, 128))
+        out = [logits]
+        for _ in range(steps):
+            logits, cache = model.fns.decode_step(model.params, jnp.argmax(out[-1], -1).astype(jnp.int32), cache)
+            out.append(logits)
+        return np.stack([np.asarray(x) for x in out])
+
+    want = run(dense)
+    whole = _tiny(get_method("asyncspade", selector="oracle_topk", budget=128, window=4, dense_layers=(0,)))
+    np.testing.assert_allclose(run(whole), want, rtol=1e-4, atol=1e-4)
+    small = _tiny(get_method("asyncspade", selector="oracle_topk", budget=16, window=4, dense_layers=(0,)))
+    a, b = run(small, unroll=False), run(small, unroll=True)
+    assert a.shape == want.shape and np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert np.abs(a[1:] - want[1:]).max() > 1e-4  # it does select
+    from models.runtime.cache_rank import check_selector
+    from sparse_jax.offload.pool import check_offloadable
+
+    with pytest.raises(ValueError, match="reads every key"):
+        check_offloadable(small.method)
+    with pytest.raises(ValueError, match="reads every key"):
+        check_selector(small.method, small.config, 128, jnp.float32)

@@ -139,6 +139,10 @@ def check_selector(spade: AsyncSpade, cfg, max_len: int, dtype) -> None:
     if seg is None:
         return
     spade.check(num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len)
+    if spade.reads_all_keys:
+        raise ValueError(f"asyncspade's selector {spade.inner().name!r} reads every key, which stays on the inference "
+                         f"rank: it cannot run on the cache rank (selectors that read the newest key only: quest, "
+                         f"double_sparsity, asynctls)")
     cap = seg.spec.capacity(max_len)
     ctx = LayerCtx(seg.spec, {k: jnp.asarray(v[0]) for k, v in segment_data(spade, seg).items()})
 

@@ -48,6 +48,14 @@ public code):
   the candidates use the window sizes the history supports (after prefill
   only the last prompt query: the first prediction is the lag).
 
+**Token-level selection** (the paper's, Sec. 4.2 and Alg. 1 step 7: ``q̂ Kᵀ`` over the
+whole cache, then top-k): ``selector="oracle_topk"``, the exact softmax of ``q̂`` summed
+over the GQA group (Kascade's post-softmax pooling; the paper leaves the group reduction
+open), top ``budget - 1`` tokens. It reads every key (``reads_all_keys``): resident only,
+neither offloaded nor on the cache rank (:mod:`models.runtime.cache_rank`, whose rank
+holds no keys). The default stays ``quest`` (16-token blocks), the one measured on the
+GPU harness (``docs/methods.md``).
+
 **Budget.** ``budget`` is the selector's budget; a token selector chooses
 ``budget - 1`` tokens at step ``t`` and the new token of step ``t + 1`` is
 added (it did not exist yet), so ``budget`` tokens are attended. A block
@@ -147,6 +155,12 @@ class AsyncSpade(AttentionMethod):
     def blocks(self) -> bool:
         return isinstance(self.inner(), BlockSparseMethod)
 
+    @property
+    def reads_all_keys(self) -> bool:  # type: ignore[override]
+        # a token top-k of the predicted query's exact scores (selector="oracle_topk") reads
+        # every key: resident only
+        return self.inner().reads_all_keys
+
     def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         return dataclasses.replace(self, bound=self.inner().for_model(model_name, num_layers=num_layers,
                                                                        head_dim=head_dim, sparse_layers=sparse_layers))
@@ -163,9 +177,9 @@ class AsyncSpade(AttentionMethod):
         inner = self.inner()
         if getattr(inner, "lag", False):
             raise ValueError("asyncspade: the selector must not lag itself (asyncspade selects one step ahead)")
-        if inner.reads_all_keys:
-            raise ValueError(f"asyncspade: selector {inner.name!r} reads every key; pick quest, double_sparsity "
-                             f"or asynctls")
+        if inner.reads_all_keys and inner.name != "oracle_topk":
+            raise ValueError(f"asyncspade: selector {inner.name!r} reads every key; pick quest, double_sparsity, "
+                             f"asynctls, or oracle_topk (the paper's token top-k of the predicted query)")
         inner.check(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=max_len)
 
     @property
@@ -210,7 +224,12 @@ class AsyncSpade(AttentionMethod):
         if layer.capacity is None:
             raise ValueError("asyncspade.prefill_query_state needs the layer's cache capacity (LayerCtx.capacity; "
                              "models.driver.prompt_state sets it)")
-        nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(layer.capacity))
+        if self.reads_all_keys:
+            # a token top-k over the keys (oracle_topk): this hook has no keys, so the first decode
+            # step makes this choice itself, from the same query and keys (``select``)
+            nxt, cnt = state["next"], jnp.zeros_like(state["next_counts"])
+        else:
+            nxt, cnt = self._choose(q_last, lengths, inner, layer, _Capacity(layer.capacity))
         return dict(state, inner=inner, hist=hist, count=jnp.ones((b,), jnp.int32), next=nxt, next_counts=cnt)
 
     def append_state(self, state, kv, positions, layer):
@@ -233,13 +252,28 @@ class AsyncSpade(AttentionMethod):
         predict ``q̂_{t+1}`` and choose the next step's selection from it; ``state``
         needs ``hist``, ``count`` and ``inner`` (the selector's state, the new key
         appended). Reads nothing of ``kv`` but its ``capacity`` (and what the selector's
-        ``select`` reads: :meth:`check` refuses selectors that read the keys), so it can
-        run apart from the attention: on a second device (:mod:`models.runtime.cache_rank`)."""
+        ``select`` reads: every key for ``oracle_topk``, the newest only for the others), so
+        with those it can run apart from the attention: on a second device
+        (:mod:`models.runtime.cache_rank`)."""
         hist = jnp.concatenate([state["hist"][:, :, 1:], q.astype(jnp.float32)[:, :, None]], axis=2)
         count = jnp.minimum(state["count"] + 1, self.window + 1)
         q_hat = predict_next_query(hist, count, self.window, self.ridge, impl=self.impl)
         nxt, nxt_counts = self._choose(q_hat, lengths, state["inner"], layer, kv)
         return dict(state, hist=hist, count=count, next=nxt, next_counts=nxt_counts)
+
+    def _first_step_choice(self, kv, lengths, state, layer, cur, cur_counts):
+        """Rows at their first decode step (``count == 1``: only the last prompt query is
+        known) under a selector that reads the keys: the choice ``prefill_query_state`` could
+        not make, from that query over the prompt's keys (positions ``< lengths - 1``),
+        exactly what it would have chosen."""
+        first = state["count"] == 1
+
+        def choose(_):
+            nxt, cnt = self._choose(state["hist"][:, :, -1], lengths - 1, state["inner"], layer, kv)
+            return (jnp.where(first[:, None, None], nxt.astype(cur.dtype), cur),
+                    jnp.where(first[:, None], cnt.astype(cur_counts.dtype), cur_counts))
+
+        return jax.lax.cond(jnp.any(first), choose, lambda _: (cur, cur_counts), None)
 
     def step_selection(self, cur, cur_counts, lengths, prefetch=None) -> Selection:
         """This step's :class:`Selection` from the choice made one step earlier
@@ -259,6 +293,8 @@ class AsyncSpade(AttentionMethod):
     def select(self, q, kv, lengths, state, carry, layer):
         # 1. this step's selection: chosen during the previous step
         cur, cur_counts = state["next"], state["next_counts"]
+        if self.reads_all_keys:
+            cur, cur_counts = self._first_step_choice(kv, lengths, state, layer, cur, cur_counts)
         # 2-3. the history, the prediction and the next step's selection (independent
         # of this step's attention)
         state = self.advance(q, kv, lengths, state, layer)
