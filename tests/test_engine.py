@@ -844,3 +844,32 @@ def test_offloaded_prompt_buckets_past_the_last_power_of_two():
     assert tokens == [1024, 8192, 65536, 98752, 98752, 98752, 98752]
     assert OffloadedSlots.prompt_tokens(kv, 98760) == 98760  # past the last bucket: its own length
     assert all(t < kv.max_len for t in tokens)  # room for the first decode token
+
+
+def test_precompiled_engine_serves_without_compiling(tiny):
+    """``Engine.precompile`` compiles every program the paged, chunked engine runs (each decode
+    batch bucket, each chunk size x key bucket x last) in threads; requests of every length
+    then run those, not the jitted programs (whose caches stay empty: nothing compiled while
+    serving), and get the tokens they get alone."""
+    model = tiny.with_method("quest", budget=64)
+    engine = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
+    shapes = [what for what, *_ in engine.kv.program_shapes(sampled=(False,))]
+    # rows 1 and 2; a prompt of <= 64 tokens (one chunk, keys 64), a longer one (its first chunk,
+    # continued, then its last with keys 128)
+    assert shapes == ["decode step, 1 rows, greedy", "decode step, 2 rows, greedy", "chunk of 64 tokens, keys 64",
+                      "chunk of 64 tokens, keys 64, last", "chunk of 64 tokens, keys 128, last"], shapes
+    done = engine.precompile(sampled=(False,), workers=2)
+    assert done["programs"] == 5 and not done["failed"], done
+    assert engine.precompile(sampled=(False,))["programs"] == 0  # all there already
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(4, 97, n).tolist() for n in (100, 30, 64, 65, 110)]
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=8,
+                               stop_ids=())[0] for i in ids]
+    engine.start()
+    try:
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=8))) for i in ids]
+        assert all(r.done.wait(120) for r in reqs)
+        assert [r.output_ids for r in reqs] == refs
+    finally:
+        engine.stop()
+    assert engine.kv._step._cache_size() == 0 and engine.kv._chunk._cache_size() == 0

@@ -355,6 +355,14 @@ class Engine:
         s = self.stats()
         return s["running"] == 0 and s["waiting"] == 0
 
+    def precompile(self, **options) -> dict:
+        """Compile the programs this engine's requests will run before serving them (the paged
+        resident engine: :meth:`PagedSlots.precompile`, in parallel threads); ``{"programs": 0,
+        "seconds": 0.0, "failed": []}`` for the others, which compile as requests arrive."""
+        if not hasattr(self.kv, "precompile"):
+            return {"programs": 0, "seconds": 0.0, "failed": []}
+        return self.kv.precompile(**options)
+
     # -- the engine thread -------------------------------------------------------------
     def start(self) -> "Engine":
         if self._thread is None or not self._thread.is_alive():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -250,6 +251,14 @@ def chunk_kv_len(end: int, page: int) -> int:
     return max(page, 1 << (end - 1).bit_length())
 
 
+def _aot_key(program, args: tuple, static: dict) -> tuple:
+    """What an ahead-of-time compiled ``program`` is looked up by: the program, its static
+    arguments, and every argument's tree, shapes and dtypes (concrete or abstract alike)."""
+    leaves, tree = jax.tree.flatten(args)
+    return (id(program), tuple(sorted(static.items())), tree,
+            tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
+
+
 class PagedChunkJob:
     """A prompt prefilled ``chunk`` tokens per iteration through every layer, straight into its
     pages (:meth:`models.driver.Driver.prefill_chunk`), beside the decode steps: the engine's
@@ -400,6 +409,9 @@ class PagedSlots:
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) < 2):
             raise ValueError(f"kv_blocks must be an int >= 2 (page 0 is the null page), got {num_blocks!r}")
         self._compiled_prefill: dict[int, Any] = {}
+        #: programs compiled ahead of time (:meth:`precompile`), by :func:`_aot_key`: the call
+        #: sites run these before falling back to the jitted program (which would compile)
+        self._aot: dict[tuple, Any] = {}
         self._runner = None
         self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
@@ -564,6 +576,88 @@ class PagedSlots:
                                 jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
                                 kv_len=chunk_kv_len(self.max_len, self.page), last=True)
 
+    def program_shapes(self, sampled=(False, True)) -> list[tuple[str, Any, tuple, dict]]:
+        """Every program this engine can run on its own calls, as ``(what, program, args,
+        static)`` with ``args`` abstract where they vary (the params and the cache are the
+        engine's own): the decode step on each batch bucket (:func:`decode_rows`) for greedy
+        and sampled batches without filters, penalties, bias or log-probabilities (the
+        common request; another option compiles when first used), and the prompt programs
+        (each chunk size x key bucket x last or not, :class:`PagedChunkJob`; or each whole
+        prefill bucket)."""
+        i32, sds = jnp.int32, jax.ShapeDtypeStruct
+        params, cache = self.model.params, self.cache
+        slot, pages = sds((), i32), sds((self.pages_per_request,), i32)
+        out = []
+        for rows in sorted({decode_rows(self.slots, u) for u in range(1, self.slots + 1)}):
+            for s in sampled:
+                f32 = sds((self.slots,), jnp.float32)
+                sampling = RowSampling(sds((self.slots,), jnp.uint32), sds((self.slots,), i32), f32, f32,
+                                       sampled=bool(s))
+                out.append((f"decode step, {rows} rows, {'sampled' if s else 'greedy'}", self._step,
+                            (params, sds((self.slots,), i32), cache, sds((self.slots,), bool), sampling),
+                            {"rows": rows}))
+        prompt = sds((1,), i32)
+        if self.prefill_chunk is None:
+            for bucket in sorted({prefill_bucket(n, self.max_len) for n in range(1, self.max_len)}):
+                out.append((f"prefill of {bucket} tokens", self._prefill,
+                            (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
+            return out
+        c, longest, keys = self.prefill_chunk, self.max_len - 1, set()
+        for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
+            size = chunk_tokens(n, c)
+            keys.add((size, chunk_kv_len(size, self.page), True))
+        for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
+            keys.add((c, chunk_kv_len(start, self.page), False))  # the one ending at `start`, continued
+            keys.add((c, chunk_kv_len(start + c, self.page), True))  # the last one, of a prompt of start+1.. tokens
+        for size, kv_len, last in sorted(keys):
+            out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
+                        (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
+                        {"kv_len": kv_len, "last": last}))
+        return out
+
+    def precompile(self, *, workers: int | None = None, sampled=(False, True), progress: bool = False) -> dict:
+        """Compile every program of :meth:`program_shapes` now, in ``workers`` threads (XLA
+        compiles with the GIL released), and run them ahead of the jitted ones: the first
+        requests of each size then wait for no compiler. A served model's first long prompts
+        otherwise compile a program per chunk size and key bucket as they arrive (~3 min for a
+        32K load on the Qwen3-8B shape on the H200, one at a time). Returns ``{"programs": n,
+        "seconds": s, "failed": [...]}``: a program that fails to compile here (say, the
+        device's memory for autotuning beside the pool) is left to compile when first used, as
+        without this, and named in ``failed``; ``progress``: a bar on stderr."""
+        import concurrent.futures
+        import os
+        import time
+
+        jobs = [(what, program, args, static) for what, program, args, static in self.program_shapes(sampled)
+                if _aot_key(program, args, static) not in self._aot]
+        workers = workers or min(8, os.cpu_count() or 1)
+        t0 = time.perf_counter()
+
+        def build(job):
+            what, program, args, static = job
+            try:
+                return _aot_key(program, args, static), program.lower(*args, **static).compile(), None
+            except Exception as e:  # noqa: BLE001 - that program compiles when first used, as without this
+                return None, None, f"{what}: {type(e).__name__}: {str(e)[:300]}"
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
+        failed = []
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile") as pool:
+            for key, compiled, error in pool.map(build, jobs):
+                if error is None:
+                    self._aot[key] = compiled
+                else:
+                    failed.append(error)
+                if bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
+        return {"programs": len(jobs) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
+
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
         ``r`` (which holds the prompt's pages), the prompt goes straight into the pool
@@ -588,8 +682,9 @@ class PagedSlots:
         and replaced; ``wait``: block until it ran (the prompt's last program). Its failure
         loses every request's KV: :class:`PoolLost`, saying ``what`` failed."""
         try:
-            logits, self.cache = program(self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table),
-                                         **static)
+            args = (self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table))
+            aot = self._aot.get(_aot_key(program, args, static))
+            logits, self.cache = aot(*args) if aot is not None else program(*args, **static)
             if wait:
                 jax.block_until_ready(logits)
         except Exception as e:  # the cache was donated: nothing can go on
@@ -627,8 +722,9 @@ class PagedSlots:
         # slot first), rounded up to a power of two
         used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         self.last_rows = decode_rows(self.slots, used)
-        out, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
-                                     sampling, rows=self.last_rows)
+        args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
+        aot = self._aot.get(_aot_key(self._step, args, {"rows": self.last_rows}))
+        out, self.cache = aot(*args) if aot is not None else self._step(*args, rows=self.last_rows)
         self._lengths += active  # the step advances the active rows only
         return out
 
