@@ -306,6 +306,8 @@ def run(args) -> dict:
 
 def run_method(args, label: str, mix, rates, slots: int) -> dict:
     """One method's warm-up and rate sweep on its own engine (stopped at the end)."""
+    import jax
+
     from models.serving.engine import Engine
 
     method_name, _, where = label.partition(":")
@@ -320,8 +322,14 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
                     paged=where.startswith(("paged", "offload-paged")),
-                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None).start()
+                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None)
     try:
+        pre = {"programs": 0, "seconds": 0.0, "failed": []}
+        if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
+            pre = engine.precompile()  # the programs in parallel threads, before the engine runs
+            print(f"[{label}] precompiled {pre['programs']} programs in {pre['seconds']:.1f} s; not ahead: "
+                  f"{pre['failed'] or 'none'}", flush=True)
+        engine.start()
         t0 = time.perf_counter()
         iteration_ms = warm_up(engine, mix, model.config.vocab_size)
         warm_s = time.perf_counter() - t0
@@ -344,7 +352,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
-                "iteration_ms": iteration_ms, "warmup_s": warm_s, "rows": rows,
+                "iteration_ms": iteration_ms, "precompile": pre, "warmup_s": warm_s, "rows": rows,
                 "goodput_rps": goodput(rows, iteration_ms)}
     finally:
         engine.stop()
@@ -483,6 +491,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="NAME+tsa: an option of sparse_jax.prefill.TokenSparsePrefill (repeatable), e.g. "
                         "min_tokens=8192")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each paged engine's programs in parallel before its warm-up (Engine.precompile; "
+                        "default: on a GPU)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
