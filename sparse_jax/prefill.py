@@ -181,6 +181,14 @@ class TokenSparsePrefill:
                                       impl=self.impl, gather=self.gather, buckets=self.buckets,
                                       keep_fraction=self.keep_fraction)
 
+    def chunk_attention(self, q, k, v, start, lengths):
+        """One chunk of a prompt under chunked prefill (:func:`token_sparse_chunk_attention`):
+        the chunk's queries over the prefix keys its own last ``window`` queries keep, and
+        every key of the chunk."""
+        return token_sparse_chunk_attention(q, k, v, start, lengths, tau=self.tau, min_tokens=self.min_tokens,
+                                            window=self.window, pool=self.pool, buckets=self.buckets,
+                                            keep_fraction=self.keep_fraction)
+
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
     """The prefill named ``name`` with ``options`` (pairs or a dict); None for dense."""
@@ -467,3 +475,104 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
     if impl == "masked":
         return masked_causal_attention(q, k, v, kept, block)
     return compressed_causal_attention(q, k, v, kept, gather=gather, buckets=buckets)
+
+
+# -- chunked prefill ------------------------------------------------------------------------------
+# TSA as the paper states it needs the prompt's last window to choose what every layer keeps, so
+# a prompt prefilled in chunks (the paged engine's chunked prefill) cannot run it: the window
+# arrives with the last chunk. In chunks, each chunk chooses from its own last ``window`` queries
+# which keys *before* it to keep (steps 1-4 over the prefix [0, start)), keeps every key of its own,
+# and keeps every query (nothing is zeroed: a chunk's queries are all computed). This is our
+# adaptation, not the paper's algorithm: at long context the prefix is most of a chunk's keys, so
+# dropping prefix keys is most of TSA's saving (the attention is ~85% of a 2K chunk's floor at
+# 128K on the H200, benchmarks/results/chunk_prefill_h200.md); its accuracy is measured apart.
+
+
+def chunk_window_scores(q, k, start, lengths, window: int):
+    """Step 1 for a chunk: ``[B, Hq, T]`` f32, the mean attention probability each key before
+    the chunk gets from the chunk's last ``window`` valid queries (0 at the chunk's own keys
+    and past them). ``q [B,C,Hq,D]`` at positions ``start .. start + C - 1`` (``start``
+    traced), ``k [B,T,Hkv,D]`` (positions past the chunk never read), ``lengths int32[B]``
+    the prompt's tokens (queries past it are padding). Materialises ``[B, Hq, W, T]``."""
+    b, c, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    w = min(int(window), c)
+    start = jnp.asarray(start, jnp.int32)
+    end = jnp.minimum(start + c, lengths.astype(jnp.int32))  # [B]: one past the chunk's last valid query
+    qpos = end[:, None] - w + jnp.arange(w)[None, :]  # [B, W]
+    live = qpos >= start  # a short last chunk has fewer than W queries of its own
+    qw = jnp.take_along_axis(q, jnp.clip(qpos - start, 0, c - 1)[:, :, None, None], axis=1)
+    qw = qw.reshape(b, w, hkv, hq // hkv, d)
+    sc = jnp.einsum("bwhgd,bthd->bhgwt", qw, k, precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32).reshape(b, hq, w, t) * (d ** -0.5)
+    j = jnp.arange(t)[None, None, None, :]
+    p = jax.nn.softmax(jnp.where(j <= qpos[:, None, :, None], sc, -jnp.inf), axis=-1)
+    p = jnp.where(live[:, None, :, None], p, 0.0)
+    mean = p.sum(axis=2) / jnp.maximum(live.sum(-1), 1)[:, None, None]
+    return jnp.where(jnp.arange(t)[None, None, :] < start, mean, 0.0)
+
+
+def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
+                    keep_fraction: float | None = None):
+    """Steps 1-4 for a chunk: ``(kept bool[B, Hq, T], keep int32[B])``, each head's kept keys
+    before ``start`` (the same count in every head of a row, as TSA's) and that count. The
+    chunk's prefix plays the prompt's prefix: all of it is kept while it is at most
+    ``min_tokens`` or ``tau`` is 0."""
+    b = q.shape[0]
+    scores = smooth(chunk_window_scores(q, k, start, lengths, window), pool)
+    ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, (b,))  # prefix = ends - window = start
+    if keep_fraction is None:
+        keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window)
+    else:
+        keep = fixed_keep_counts(ends, keep_fraction, min_tokens=min_tokens, window=window)
+    kept = kept_tokens(scores, keep, ends, window) & (jnp.arange(scores.shape[-1]) < start)[None, None, :]
+    return kept, keep
+
+
+def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8):
+    """The chunk's queries over each head's ``kept`` keys before ``start`` and every key of the
+    chunk (causal): ``q [B,C,Hq,D]``, ``k, v [B,T,Hkv,D]``, ``kept bool[B,Hq,T]`` (only keys
+    before ``start``; ``keep[b]`` of them in every head) -> ``[B,C,Hq,D]``. Each head's keys
+    are gathered as ``[its kept keys in order, the chunk's C keys]`` and the chunk attends them
+    as a chunk starting at ``keep`` (:func:`chunk_prefill_attention`, cuDNN's split form on a
+    GPU), so the work follows the kept count: the gathered prefix is the shortest of
+    :func:`bucket_lengths` (``T``, ``buckets``) holding the batch's largest ``keep``."""
+    from sparse_jax.ops.dense import chunk_prefill_attention
+
+    b, c, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    if b != 1:  # the chunk's start is one position (chunked prefill runs one prompt's row)
+        raise ValueError(f"sparse_chunk_attention: one row (a prompt's chunk), got B={b}")
+    start = jnp.asarray(start, jnp.int32)
+    order = compress_order(kept)  # [B, Hq, T]: each head's kept keys first, ascending
+    rows = jnp.arange(b)[:, None, None]
+    kv_head = (jnp.arange(hq) // (hq // hkv))[None, None, :]
+    lengths = bucket_lengths(t, buckets)
+
+    def attend(n):
+        def run(q, k, v, order, keep):
+            j = jnp.arange(n + c)[None, None, :]
+            own = start + j - keep[:, None, None]  # the chunk's keys right after the kept ones
+            idx = jnp.where(j < keep[:, None, None], jnp.pad(order, ((0, 0), (0, 0), (0, c)))[..., :n + c], own)
+            idx = jnp.clip(idx, 0, t - 1).transpose(0, 2, 1)  # [B, n + C, Hq]; past keep + C: never read
+            kc, vc = k[rows, idx, kv_head], v[rows, idx, kv_head]  # [B, n + C, Hq, D]
+            return chunk_prefill_attention(q, kc, vc, keep[0])
+        return run
+
+    keep = keep.astype(jnp.int32)
+    if len(lengths) == 1:
+        return attend(lengths[0])(q, k, v, order, keep)
+    which = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), jnp.max(keep), side="left")
+    return jax.lax.switch(which, [attend(n) for n in lengths], q, k, v, order, keep)
+
+
+def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,
+                                 buckets: int = 8, keep_fraction: float | None = None):
+    """Token Sparse Attention for one chunk of a chunked prefill (see above): ``q [B,C,Hq,D]``
+    at positions ``start .. start + C - 1``, ``k, v [B,T,Hkv,D]`` the prompt's keys so far,
+    ``lengths int32[B]`` -> ``[B,C,Hq,D]``. Exact chunked attention where nothing is dropped
+    (a prefix of at most ``min_tokens``, or ``tau`` 0)."""
+    kept, keep = chunk_kept_keys(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window, pool=pool,
+                                 keep_fraction=keep_fraction)
+    return sparse_chunk_attention(q, k, v, start, kept, keep, buckets=buckets)
+

@@ -362,3 +362,57 @@ def test_keep_fraction_fixes_the_count():
     with pytest.raises(ValueError, match="keep_fraction"):
         tsa.TokenSparsePrefill(keep_fraction=1.5)
     assert tsa.make_prefill("token_sparse", {"keep_fraction": 0.5}).keep_fraction == 0.5
+
+
+def _chunk_reference(q, k, v, start, kept):
+    """NumPy f64: chunk query ``i`` (position ``start + i``) of head ``h`` attends the keys
+    before ``start`` that ``kept[0, h]`` keeps and the chunk's own keys up to its position."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    _, c, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    out = np.zeros_like(q)
+    for h in range(hq):
+        g = h // (hq // hkv)
+        for i in range(c):
+            ok = np.zeros(t, bool)
+            ok[:start] = kept[0, h, :start]
+            ok[start:start + i + 1] = True
+            s = k[0, ok, g] @ q[0, i, h] / np.sqrt(d)
+            w = np.exp(s - s.max())
+            out[0, i, h] = (w / w.sum()) @ v[0, ok, g]
+    return out
+
+
+@pytest.mark.parametrize("start,length,tau,min_tokens", [(256, 400, 0.3, 16), (448, 470, 0.5, 8), (0, 300, 0.3, 16),
+                                                         (256, 400, 0.0, 16), (128, 500, 0.3, 1000)])
+def test_chunk_form_attends_the_keys_its_window_keeps(start, length, tau, min_tokens):
+    """TSA's chunk form (chunked prefill): a chunk's queries attend each head's kept keys
+    before the chunk (the same count in every head, chosen by the chunk's own last window of
+    valid queries: a short last chunk has fewer) and every key of the chunk, causally, against
+    NumPy in f64; all of the prefix (exact chunked attention) when it is at most ``min_tokens``,
+    ``tau`` is 0, or the chunk is the first."""
+    from sparse_jax.ops.dense import chunk_prefill_attention
+
+    rng = np.random.default_rng(start + length)
+    c, t = 64, 512
+    q = jnp.asarray(rng.standard_normal((1, c, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, t, 2, 16)) * np.where(np.arange(t) % 17 == 0, 3.0, 1.0)[None, :, None, None],
+                    jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32)
+    lengths = jnp.asarray([length], jnp.int32)
+    opts = dict(tau=tau, min_tokens=min_tokens, window=32, pool=7)
+    kept, keep = tsa.chunk_kept_keys(q, k, jnp.int32(start), lengths, **opts)
+    kept, keep = np.asarray(kept), int(keep[0])
+    assert (kept.sum(-1) == keep).all() and not kept[..., start:].any()
+    drops = start > min_tokens and tau > 0
+    assert (keep < start) == drops, (keep, start)
+    got = np.asarray(tsa.token_sparse_chunk_attention(q, k, v, jnp.int32(start), lengths, buckets=4, **opts))
+    valid = min(c, length - start)  # queries past the prompt: padding, never read
+    np.testing.assert_allclose(got[:, :valid], _chunk_reference(q, k, v, start, kept)[:, :valid], atol=2e-5, rtol=0)
+    if not drops:
+        dense = np.asarray(chunk_prefill_attention(q, k, v, jnp.int32(start)))
+        np.testing.assert_allclose(got[:, :valid], dense[:, :valid], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="one row"):
+        tsa.sparse_chunk_attention(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]), 0,
+                                   jnp.zeros((2, 4, t), bool), jnp.zeros((2,), jnp.int32))
+
