@@ -464,9 +464,6 @@ def check_label(label: str) -> None:
     name, _, where = label.partition(":")
     if name.partition("+")[2] not in ("", "tsa"):
         raise ValueError(f"method label {label!r}: NAME or NAME+tsa (Token Sparse Attention's prefill)")
-    if name.endswith("+tsa") and where == "paged-chunked":
-        raise ValueError(f"method label {label!r}: Token Sparse Attention's prefill does not run in chunks; "
-                         f"use {name}:paged (whole prefills)")
     if where not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
                          f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented, "

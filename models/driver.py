@@ -346,12 +346,18 @@ class Driver:
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
         return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths), carry
 
-    def chunkable(self, spec: LayerSpec) -> bool:
-        """Whether a layer's prompt attention can run in chunks (:meth:`prompt_layer_chunk`):
-        exact attention there (no Token Sparse Attention, no method prefill hook), one device."""
-        if spec.sparse_prefill or self.tp_axis is not None:
+    def chunkable(self, spec: LayerSpec, sparse_chunks: bool = False) -> bool:
+        """Whether a layer's prompt attention can run in chunks: exact attention there (no
+        method prefill hook), one device. A Token Sparse Attention layer runs whole within a
+        layer-segmented prefill (:meth:`prompt_layer_chunk`: exact TSA needs the prompt's last
+        window), and in chunks with ``sparse_chunks`` (the paged chunked prefill,
+        :meth:`prefill_chunk`: TSA's chunk form, ``TokenSparsePrefill.chunk_attention``) where
+        the method adds nothing to a prefill carry there."""
+        if self.tp_axis is not None:
             return False
         m = _method_for(self.method, spec)
+        if spec.sparse_prefill:
+            return sparse_chunks and (m is None or type(m).prefill_carry is AttentionMethod.prefill_carry)
         return m is None or (type(m).prefill_attention is AttentionMethod.prefill_attention
                              and type(m).prefill_attention_carry is AttentionMethod.prefill_attention_carry)
 
@@ -413,7 +419,10 @@ class Driver:
                     tbl = jnp.pad(tbl, ((0, 0), (0, pages - tbl.shape[1])))
                 kbuf = jnp.swapaxes(paged_rows(pk, tbl, entry.page), 1, 2)  # [1, kv_len, Hkv, D]
                 vbuf = jnp.swapaxes(paged_rows(pv, tbl, entry.page), 1, 2)
-                o = chunk_prefill_attention(q, kbuf, vbuf, start)  # cuDNN on a GPU
+                if spec.sparse_prefill:  # TSA's chunk form: the prefix keys the chunk's own window keeps
+                    o = self.method.sparse_prefill().chunk_attention(q, kbuf, vbuf, start, lengths)
+                else:
+                    o = chunk_prefill_attention(q, kbuf, vbuf, start)  # cuDNN on a GPU
                 st = entry.state
                 if last and m is not None:
                     kc, vc = paged_rows(pk, table, entry.page), paged_rows(pv, table, entry.page)  # [1, Hkv, cap, D]

@@ -139,3 +139,51 @@ def test_chunked_prefill_into_pages_equals_whole(tiny, name):
         np.testing.assert_allclose(np.asarray(lg[1]), np.asarray(lg[0]), atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
         tok = jnp.argmax(lg, -1).astype(jnp.int32)
         assert int(tok[0]) == int(tok[1])
+
+
+def test_chunked_prefill_runs_token_sparse_attention_in_chunks(tiny, monkeypatch):
+    """Token Sparse Attention's prefill (layers 1 and 2) through the paged chunked prefill: each
+    chunk of a TSA layer runs TSA's chunk form (its window keeps part of the prefix: the chunks
+    after the first drop keys), layer 0's K/V in the pages equal the whole prefill's, and with
+    nothing to drop (``tau`` 0) the chunked prefill gives the whole prefill's logits."""
+    from models.serving.engine import Engine
+    from models.serving.paged import PagedChunkJob
+    from models.serving.requests import SamplingParams
+    from sparse_jax import prefill as tsa
+
+    calls = []
+    real = tsa.chunk_kept_keys
+
+    def counting(*args, **kwargs):
+        kept, keep = real(*args, **kwargs)
+        calls.append(keep)
+        return kept, keep
+
+    monkeypatch.setattr(tsa, "chunk_kept_keys", counting)
+    ids = np.random.default_rng(11).integers(4, 97, 150).tolist()
+    out = {}
+    for tau in (0.3, 0.0):
+        opts = (("min_tokens", 16), ("window", 16), ("layers", (1, 2)), ("tau", tau))
+        model = tiny.with_method("quest", budget=64, prefill="token_sparse", prefill_options=opts)
+        engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, prefill_chunk=64)
+        kv = engine.kv
+        reqs = [engine.make_request(ids, SamplingParams(max_tokens=2)) for _ in range(2)]
+        for r in reqs:
+            assert kv.reserve(r, len(ids) + 1)
+        whole, _ = kv.prefill(ids, 0, reqs[0])
+        calls.clear()
+        job = PagedChunkJob(kv, ids, 1, reqs[1], 64)
+        while not job.done:
+            job.advance_budget()
+        chunked, _ = job.result()
+        assert len(calls) == 3 * 2  # traced once per chunk program and TSA layer (3 programs: 2 kv buckets x last)
+        assert np.isfinite(np.asarray(chunked)).all()
+        tables = [kv.blocks.table(r.id) for r in reqs]
+        e = kv.cache.layers[0]  # before any TSA layer: the same K/V
+        pages = np.asarray(e.pool_k)[0].reshape(e.pool_k.shape[1], -1, e.page, e.pool_k.shape[3])
+        got = [pages[:, t].reshape(pages.shape[0], -1, pages.shape[3])[:, :150] for t in tables]
+        np.testing.assert_allclose(got[1], got[0], atol=1e-5)
+        out[tau] = np.asarray(chunked), np.asarray(whole)
+    np.testing.assert_allclose(out[0.0][0], out[0.0][1], atol=1e-5, rtol=1e-5)  # nothing dropped: exact
+    assert np.abs(out[0.3][0] - out[0.0][0]).max() > 1e-4  # tau 0.3 dropped prefix keys
+

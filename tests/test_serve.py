@@ -643,8 +643,9 @@ def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
 def test_serve_chunks_prefill_by_default_where_it_runs(capsys):
     """The paged server prefills in chunks of ``DEFAULT_PREFILL_CHUNK`` unless told otherwise
     (``--prefill-chunk N``, 0 for whole prefills, ``--max-inject-tokens``); a model whose prompt
-    attention cannot run in chunks (a sliding window, Token Sparse Attention) gets whole
-    prefills, and the server says why."""
+    attention cannot run in chunks (a sliding window, Kascade's own prefill) gets whole
+    prefills, and the server says why; Token Sparse Attention's prefill runs in chunks (its
+    chunk form)."""
     from models.cli.serve import build_parser, resolve_prefill_chunk
     from models.serving.paged import DEFAULT_PREFILL_CHUNK
     from tests.test_driver import hybrid_config
@@ -654,9 +655,11 @@ def test_serve_chunks_prefill_by_default_where_it_runs(capsys):
     for flags, want in (([], DEFAULT_PREFILL_CHUNK), (["--prefill-chunk", "512"], 512), (["--prefill-chunk", "0"], None),
                         (["--max-inject-tokens", "256"], None)):
         assert resolve_prefill_chunk(build_parser().parse_args(flags), plain) == want, flags
+    tsa = plain.with_method("dense", prefill="token_sparse")
+    assert resolve_prefill_chunk(build_parser().parse_args([]), tsa) == DEFAULT_PREFILL_CHUNK
     assert capsys.readouterr().err == ""
     for model, why in ((models.load_model(config=hybrid_config(window=40), dtype=jnp.float32), "global layers only"),
-                       (plain.with_method("dense", prefill="token_sparse"), "cannot run in chunks")):
+                       (plain.with_method("kascade", budget=64), "cannot run in chunks")):
         assert resolve_prefill_chunk(build_parser().parse_args([]), model) is None
         assert why in capsys.readouterr().err
 

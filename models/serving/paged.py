@@ -312,16 +312,16 @@ class PagedChunkJob:
 def check_chunked_prefill(model) -> None:
     """ValueError unless every layer of ``model`` can take its prompt in chunks straight into
     pages (:meth:`models.driver.Driver.prefill_chunk`): global layers only (a sliding window's
-    ring is not paged), exact prompt attention on each (no Token Sparse Attention, no method
-    prefill hook such as Kascade's tiled prefill)."""
+    ring is not paged), exact prompt attention or Token Sparse Attention's chunk form on each
+    (no method prefill hook such as Kascade's tiled prefill)."""
     drv = Driver(model.config, model.method, None)
     for i, spec in enumerate(make_plan(model.config, model.method).specs):
         if spec.kind != "global":
             raise ValueError(f"chunked prefill into pages needs global layers only; layer {i} is {spec.kind!r} "
                              f"(a sliding window): use max_inject_tokens (layer-segmented prefill)")
-        if not drv.chunkable(spec):
-            raise ValueError(f"the prompt attention of layer {i} cannot run in chunks (Token Sparse Attention, or "
-                             f"the method {model.method.name!r}'s own prefill): use max_inject_tokens "
+        if not drv.chunkable(spec, sparse_chunks=True):
+            raise ValueError(f"the prompt attention of layer {i} cannot run in chunks (the method "
+                             f"{model.method.name!r}'s own prefill): use max_inject_tokens "
                              f"(layer-segmented prefill) or no prefill_chunk")
 
 
