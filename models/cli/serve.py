@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="--paged: chunked prefill, N prompt tokens per iteration through every layer straight into "
                         "the pages, beside the decode step: a running request waits at most one chunk for a new "
-                        "prompt, and prompts shorter than N prefill several per iteration (global layers and exact "
-                        f"prompt attention only; not with --max-inject-tokens). Default: {DEFAULT_PREFILL_CHUNK} "
-                        "where it runs (a model with sliding-window layers, --prefill tsa or Kascade's tiled "
-                        "prefill get whole prefills, and the server says so); 0: each prompt's whole prefill in "
-                        "one iteration")
+                        "prompt, and prompts shorter than N prefill several per iteration (global layers, exact "
+                        "prompt attention or --prefill tsa's chunk form; not with --max-inject-tokens). Default: "
+                        f"{DEFAULT_PREFILL_CHUNK} where it runs (a model with sliding-window layers or Kascade's "
+                        "tiled prefill gets whole prefills, and the server says so); 0: each prompt's whole "
+                        "prefill in one iteration")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the paged engine's programs (every decode batch bucket, greedy and sampled; every "
                         "chunk size and key bucket, or whole-prefill bucket) in parallel before serving, so no "
