@@ -488,28 +488,54 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
 # 128K on the H200, benchmarks/results/chunk_prefill_h200.md); its accuracy is measured apart.
 
 
-def chunk_window_scores(q, k, start, lengths, window: int):
+def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096):
     """Step 1 for a chunk: ``[B, Hq, T]`` f32, the mean attention probability each key before
     the chunk gets from the chunk's last ``window`` valid queries (0 at the chunk's own keys
     and past them). ``q [B,C,Hq,D]`` at positions ``start .. start + C - 1`` (``start``
     traced), ``k [B,T,Hkv,D]`` (positions past the chunk never read), ``lengths int32[B]``
-    the prompt's tokens (queries past it are padding). Materialises ``[B, Hq, W, T]``."""
+    the prompt's tokens (queries past it are padding).
+
+    Two passes over ``tile`` keys at a time (the window-scores kernel's scheme, in jnp): each
+    window query's log-sum-exp, then each key's mean probability. It holds ``[B, Hq, W, tile]``
+    f32, not ``[B, Hq, W, T]`` (2 GiB a layer at 128K with 32 heads): the engine sizes its KV
+    pool beside the chunk program's temporaries."""
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     w = min(int(window), c)
+    tile = min(int(tile), t)
+    n = -(-t // tile)
     start = jnp.asarray(start, jnp.int32)
     end = jnp.minimum(start + c, lengths.astype(jnp.int32))  # [B]: one past the chunk's last valid query
     qpos = end[:, None] - w + jnp.arange(w)[None, :]  # [B, W]
     live = qpos >= start  # a short last chunk has fewer than W queries of its own
     qw = jnp.take_along_axis(q, jnp.clip(qpos - start, 0, c - 1)[:, :, None, None], axis=1)
     qw = qw.reshape(b, w, hkv, hq // hkv, d)
-    sc = jnp.einsum("bwhgd,bthd->bhgwt", qw, k, precision=jax.lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32).reshape(b, hq, w, t) * (d ** -0.5)
-    j = jnp.arange(t)[None, None, None, :]
-    p = jax.nn.softmax(jnp.where(j <= qpos[:, None, :, None], sc, -jnp.inf), axis=-1)
-    p = jnp.where(live[:, None, :, None], p, 0.0)
-    mean = p.sum(axis=2) / jnp.maximum(live.sum(-1), 1)[:, None, None]
-    return jnp.where(jnp.arange(t)[None, None, :] < start, mean, 0.0)
+    kp = jnp.pad(k, ((0, 0), (0, n * tile - t), (0, 0), (0, 0))).reshape(b, n, tile, hkv, d)
+
+    def logits(i):  # [B, Hq, W, tile] f32, -inf where a key is past the query (or padding)
+        sc = jnp.einsum("bwhgd,bthd->bhgwt", qw, kp[:, i], precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32).reshape(b, hq, w, tile) * (d ** -0.5)
+        j = i * tile + jnp.arange(tile)[None, None, None, :]
+        return jnp.where(j <= qpos[:, None, :, None], sc, -jnp.inf), j
+
+    def lse_step(carry, i):
+        m, z = carry
+        sc, _ = logits(i)
+        m2 = jnp.maximum(m, sc.max(-1))
+        z = z * jnp.exp(m - m2) + jnp.exp(sc - m2[..., None]).sum(-1)
+        return (m2, z), None
+
+    init = (jnp.full((b, hq, w), -jnp.inf, jnp.float32), jnp.zeros((b, hq, w), jnp.float32))
+    (m, z), _ = jax.lax.scan(lse_step, init, jnp.arange(n))  # every window query sees key 0: m finite
+    lse = m + jnp.log(z)
+    weight = live[:, None, :, None] / jnp.maximum(live.sum(-1), 1)[:, None, None, None]  # the mean over live queries
+
+    def mean_probs(i):
+        sc, j = logits(i)
+        return jnp.where(j[:, :, 0, :] < start, (jnp.exp(sc - lse[..., None]) * weight).sum(2), 0.0)  # [B, Hq, tile]
+
+    out = jax.lax.map(mean_probs, jnp.arange(n))  # [n, B, Hq, tile]
+    return out.transpose(1, 2, 0, 3).reshape(b, hq, n * tile)[:, :, :t]
 
 
 def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,

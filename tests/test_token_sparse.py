@@ -416,3 +416,24 @@ def test_chunk_form_attends_the_keys_its_window_keeps(start, length, tau, min_to
         tsa.sparse_chunk_attention(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]), 0,
                                    jnp.zeros((2, 4, t), bool), jnp.zeros((2,), jnp.int32))
 
+
+@pytest.mark.parametrize("start,length,tile", [(256, 400, 100), (448, 470, 64), (1000, 1060, 256), (0, 50, 4096)])
+def test_chunk_window_scores_in_tiles_equal_numpy(start, length, tile):
+    """The chunk's window scores, two passes over key tiles (a tile that does not divide the
+    keys, a short last chunk, a first chunk with no prefix), against NumPy in f64."""
+    rng = np.random.default_rng(tile)
+    t = 1100 if start >= 1000 else 512
+    q = rng.standard_normal((1, 64, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((1, t, 2, 16)).astype(np.float32)
+    end, want = min(start + 64, length), np.zeros((1, 4, t))
+    live = [p for p in range(end - 32, end) if p >= start]
+    for h in range(4):
+        for p in live:
+            s = k[0, :p + 1, h // 2].astype(np.float64) @ q[0, p - start, h].astype(np.float64) / 4.0
+            e = np.exp(s - s.max())
+            want[0, h, :p + 1] += e / e.sum() / len(live)
+    want[:, :, start:] = 0
+    got = tsa.chunk_window_scores(jnp.asarray(q), jnp.asarray(k), jnp.int32(start), jnp.asarray([length]), 32,
+                                  tile=tile)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=0)
+
