@@ -231,10 +231,33 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[i
     return out
 
 
+def engine_generate(engine, prompts: Sequence[Sequence[int]], max_new: Sequence[int], stops: set[int],
+                    timing: dict | None = None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` served by ``engine`` (a started
+    :class:`models.serving.engine.Engine`: the serving path, e.g. its chunked prefill), each
+    without its stop token, as :func:`greedy_generate` gives them."""
+    from models.serving.requests import SamplingParams
+
+    t0 = time.perf_counter()
+    reqs = [engine.submit(engine.make_request(list(p), SamplingParams(max_tokens=int(n), temperature=0.0)))
+            for p, n in zip(prompts, max_new)]
+    for r in reqs:
+        if not r.done.wait(3600) or r.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"the engine ended a request {r.finish_reason!r}: {r.error}")
+    if timing is not None:
+        timing["engine_s"] = timing.get("engine_s", 0.0) + time.perf_counter() - t0
+        timing["batches"] = timing.get("batches", 0) + 1
+    return [[t for t in r.output_ids if t not in stops] for r in reqs]
+
+
 def run_samples(model, samples: Sequence[ruler_tasks.Sample], tokenizer, *, batch_size: int,
-                progress: bool = True, desc: str = "", timing: dict | None = None) -> list[dict]:
+                progress: bool = True, desc: str = "", timing: dict | None = None,
+                prefill_chunk: int | None = None) -> list[dict]:
     """Generate and score every sample (all of one target length); ``timing``: see
-    :func:`greedy_generate` (the first batch, which compiles, also as ``first_batch_s``)."""
+    :func:`greedy_generate` (the first batch, which compiles, also as ``first_batch_s``).
+    ``prefill_chunk``: serve them through the paged engine instead, ``batch_size`` slots,
+    prompts prefilled ``prefill_chunk`` tokens per iteration (its chunked prefill: with a
+    Token Sparse prefill, TSA's chunk form), greedy."""
     if not samples:
         return []
     width = samples[0].target_len
@@ -248,18 +271,40 @@ def run_samples(model, samples: Sequence[ruler_tasks.Sample], tokenizer, *, batc
 
         it = tqdm(batches, desc=desc, leave=False, file=sys.stderr, unit="batch")
     results = []
-    for i, batch in enumerate(it):
-        t0 = time.perf_counter()
-        outs = greedy_generate(model, [s.input_ids for s in batch], [s.max_new_tokens for s in batch],
-                               width=width, batch_size=batch_size, stops=stops, pad=pad, timing=timing)
-        if timing is not None and i == 0:
-            timing["first_batch_s"] = time.perf_counter() - t0
-        for s, ids in zip(batch, outs):
-            text = tokenizer.decode(ids, skip_special_tokens=True) if _takes_skip(tokenizer) else tokenizer.decode(ids)
-            results.append({"task": s.task, "index": s.index, "prompt_tokens": s.num_tokens,
-                            "new_tokens": len(ids), "prediction": text, "answers": list(s.answers),
-                            "score": ruler_tasks.score(text, s.answers)})
+    engine = None
+    if prefill_chunk is not None:
+        from models.serving.engine import Engine
+        from models.serving.paged import page_size
+
+        page = page_size(model.method)
+        engine = Engine(model, slots=batch_size, max_len=-(-width // page) * page, paged=True,
+                        prefill_chunk=prefill_chunk, stop_ids=tuple(stops)).start()
+    try:
+        for i, batch in enumerate(it):
+            t0 = time.perf_counter()
+            if engine is not None:
+                outs = engine_generate(engine, [s.input_ids for s in batch], [s.max_new_tokens for s in batch], stops,
+                                       timing)
+            else:
+                outs = greedy_generate(model, [s.input_ids for s in batch], [s.max_new_tokens for s in batch],
+                                       width=width, batch_size=batch_size, stops=stops, pad=pad, timing=timing)
+            _score_batch(results, batch, outs, tokenizer, timing if i == 0 else None, t0)
+    finally:
+        if engine is not None:
+            engine.stop()
     return results
+
+
+def _score_batch(results: list, batch, outs, tokenizer, timing: dict | None, t0: float) -> None:
+    """Append each sample's scored prediction to ``results``; ``timing`` (the first batch's
+    only): its time, with the compiles, as ``first_batch_s``."""
+    if timing is not None:
+        timing["first_batch_s"] = time.perf_counter() - t0
+    for s, ids in zip(batch, outs):
+        text = tokenizer.decode(ids, skip_special_tokens=True) if _takes_skip(tokenizer) else tokenizer.decode(ids)
+        results.append({"task": s.task, "index": s.index, "prompt_tokens": s.num_tokens,
+                        "new_tokens": len(ids), "prediction": text, "answers": list(s.answers),
+                        "score": ruler_tasks.score(text, s.answers)})
 
 
 def _takes_skip(tokenizer) -> bool:
@@ -306,13 +351,14 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
         method_options: dict[str, dict] | None = None, keep_full_budget: bool = False,
         accuracy: bool = True, tokenizer=None, progress: bool = True, chat: bool | None = None,
         indices: Sequence[int] | None = None, log: Callable[[str], None] | None = None,
-        on_row: Callable[[dict], None] | None = None) -> dict:
+        on_row: Callable[[dict], None] | None = None, prefill_chunk: int | None = None) -> dict:
     """Run the harness on a loaded ``model`` (``models.load_model(...)``); returns the
     results payload (no stamp). See the module docstring. ``on_row`` receives the
     payload so far after every finished row (main saves it, so a run cut off by
     a time limit keeps what it measured). ``chat``: prompts in the chat template
     (None: when the tokenizer has one; a base model's GGUF has none). ``indices``: run
-    those samples of each task instead of the first ``samples``."""
+    those samples of each task instead of the first ``samples``. ``prefill_chunk``: serve the
+    samples through the paged engine with chunked prefill (:func:`run_samples`)."""
     method_options = method_options or {}
     tokenizer = tokenizer or _default_tokenizer(model)
     if chat is None:
@@ -366,7 +412,8 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
             "settings": {
                 "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
                 "budgets": list(budgets), "lengths": list(lengths), "tasks": list(tasks), "samples": samples,
-                "batch_size": batch_size, "seed": seed, "fidelity": fidelity, "probe_steps": probe_steps,
+                "batch_size": batch_size, "prefill_chunk": prefill_chunk, "seed": seed, "fidelity": fidelity,
+                "probe_steps": probe_steps,
                 "kl_steps": kl_steps, "fidelity_batch": fidelity_batch or batch_size,
                 "method_options": method_options, "keep_full_budget": keep_full_budget,
                 "answer_room": ruler_tasks.ANSWER_ROOM, "chat": chat,
@@ -417,7 +464,8 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                     t1 = time.perf_counter()
                     timing: dict = {}
                     res = run_samples(mm, samp, tokenizer, batch_size=batch_size, progress=progress,
-                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}", timing=timing)
+                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}", timing=timing,
+                                      prefill_chunk=prefill_chunk)
                     row["accuracy_s"] = time.perf_counter() - t1
                     row["timing"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}
                     write(f"[accuracy] {name} b={budget} L={L}: {row['accuracy_s']:.1f}s {row['timing']}")
@@ -482,6 +530,9 @@ def render_markdown(payload: dict) -> str:
     which = f"samples {s['indices']} of each task" if s.get("indices") else f"{s['samples']} samples per task and length"
     lines += [f"- {which}, seed {s['seed']}; scores in % "
               "(RULER string match: fraction of expected strings in the greedy output)"]
+    if s.get("prefill_chunk"):
+        lines.append(f"- served by the paged engine, prompts prefilled {s['prefill_chunk']} tokens per iteration "
+                     "(chunked prefill; a Token Sparse prefill runs its chunk form)")
     if payload.get("partial"):
         lines.append(f"- **partial**: the run stopped after {len(payload['rows'])} rows (a checkpoint of an interrupted "
                      "run); the rows not listed were not measured")
@@ -666,6 +717,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run these sample indices of each task instead of the first --samples (e.g. the prompts "
                         "a method lost in a larger run)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per prefill/decode batch (default 8)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="serve the samples through the paged engine (--batch-size slots), prompts prefilled N "
+                        "tokens per iteration: the server's chunked prefill (with a Token Sparse prefill, TSA's "
+                        "chunk form). Default: the model's whole prefill, batched")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--seed", type=int, default=0, help="task generation seed")
     p.add_argument("--fidelity", action="store_true", help="also measure fidelity on real text (see fidelity.py)")
@@ -694,6 +749,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown task(s) {bad}; available: {', '.join(ruler_tasks.TASKS)}")
     if any(b < 1 for b in args.budgets) or any(L < 1 for L in args.lengths):
         p.error("budgets and lengths must be positive")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        p.error("--prefill-chunk must be >= 1")
     if args.samples < 1 or args.batch_size < 1 or (args.fidelity_batch is not None and args.fidelity_batch < 1):
         p.error("--samples, --batch-size and --fidelity-batch must be >= 1")
     if args.probe_steps < 1 or args.kl_steps < 1 or args.probe_steps > args.kl_steps:
@@ -728,7 +785,7 @@ def main(argv=None) -> int:
                   seed=args.seed,
                   method_options=args.method_options, keep_full_budget=args.keep_full_budget,
                   accuracy=not args.no_accuracy, progress=not args.no_progress,
-                  chat={"auto": None, "chat": True, "base": False}[args.prompt_style])
+                  chat={"auto": None, "chat": True, "base": False}[args.prompt_style], prefill_chunk=args.prefill_chunk)
     payload = {"stamp": st, **payload, "wall_s": time.perf_counter() - t0}
     out = save(payload, name, args.out, args.predictions_dir)
     print(render_markdown(payload))

@@ -260,6 +260,30 @@ def test_harness_end_to_end(tokenizer, tmp_path):
     assert json.loads((out / "acc_test_predictions.json").read_text())
 
 
+def test_harness_through_the_engines_chunked_prefill(tokenizer):
+    """``prefill_chunk``: the samples are served by the paged engine, prompts prefilled in
+    chunks (the serving path): for dense and a sparse decode method, exactly the predictions
+    of the model's whole, batched prefill (chunked prefill is exact where no Token Sparse
+    prefill runs)."""
+    import models
+
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=tokenizer.vocab_size,
+                             max_position=1024, rope_theta=1e4, tie_embeddings=True, eos_token_id=2, pad_token_id=2)
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=384)
+    kw = dict(tokenizer=tokenizer, methods=["dense", "quest"], budgets=[64], lengths=[384],
+              tasks=["niah_single_1", "vt"], samples=1, batch_size=2, progress=False, log=lambda s: None)
+    whole, chunked = acc.run(model, **kw), acc.run(model, prefill_chunk=128, **kw)
+    assert chunked["settings"]["prefill_chunk"] == 128
+    assert [r["status"] for r in chunked["rows"]] == ["ok", "ok"], chunked["rows"]
+    assert "engine_s" in chunked["rows"][0]["timing"]
+    assert all(p["new_tokens"] > 0 for p in whole["predictions"])  # something to compare
+    key = lambda p: (p["method"], p["task"], p["index"])  # noqa: E731
+    assert sorted((key(p), p["prediction"]) for p in chunked["predictions"]) == \
+        sorted((key(p), p["prediction"]) for p in whole["predictions"])
+    assert "prompts prefilled 128 tokens per iteration" in acc.render_markdown(dict(chunked, stamp={}))
+
+
 def test_cli_arguments():
     a = acc.parse_args(["--methods", "dense,quest", "--budgets", "64,128", "--lengths", "512",
                         "--set", "quest.block_size=8", "--set", "streaming.sink=2", "--fidelity"])
