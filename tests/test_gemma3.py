@@ -324,13 +324,14 @@ def test_accuracy_harness_runs_gemma(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quest", "double_sparsity", "asynctls"])
+@pytest.mark.parametrize("name", ["quest", "asynctls"])
 def test_sparse_methods_decode_on_gemma(model, long_ids, name):
-    """The block-scoring, label-cache and two-level paths run on Gemma (D=256, one KV
-    head, three global layers) through a prefill of 919 tokens and two decode steps,
-    and with a budget covering the whole context equal dense (the selection then holds
-    every token). ~9 s each on CPU, compilation mostly; oracle_topk, streaming and
-    arkvale share these paths (all seven were checked the same way by hand)."""
+    """The block-scoring and two-level (box filter, then the label cache) paths run on Gemma
+    (D=256, one KV head, three global layers) through a prefill of 919 tokens and two decode
+    steps, and with a budget covering the whole context equal dense (the selection then holds
+    every token). ~9-28 s each on the CI machine, compilation mostly; oracle_topk, streaming,
+    arkvale and double_sparsity (the label cache alone, 21 s here until 2026-12-05) share these
+    paths (all seven were checked the same way by hand)."""
     n = len(long_ids)
     tokens = _padded(long_ids)[None]
 
