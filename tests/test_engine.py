@@ -849,8 +849,8 @@ def test_offloaded_prompt_buckets_past_the_last_power_of_two():
 def test_precompiled_engine_serves_without_compiling(tiny):
     """``Engine.precompile`` compiles every program the paged, chunked engine runs (each decode
     batch bucket, each chunk size x key bucket x last) in threads; requests of every length
-    then run those, not the jitted programs (whose caches stay empty: nothing compiled while
-    serving), and get the tokens they get alone."""
+    then run those, not the jitted programs (nothing compiles while serving), and get the
+    tokens they get alone."""
     model = tiny.with_method("quest", budget=64)
     engine = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
     shapes = [what for what, *_ in engine.kv.program_shapes(sampled=(False,))]
@@ -872,4 +872,6 @@ def test_precompiled_engine_serves_without_compiling(tiny):
         assert [r.output_ids for r in reqs] == refs
     finally:
         engine.stop()
-    assert engine.kv._step._cache_size() == 0 and engine.kv._chunk._cache_size() == 0
+    # every step and chunk ran an ahead-of-time executable (the jitted programs are shared by
+    # every engine of this model in the process, so their caches say nothing here)
+    assert engine.kv.jit_calls == 0 and engine.kv.aot_calls >= 8 + 5, (engine.kv.jit_calls, engine.kv.aot_calls)

@@ -412,6 +412,9 @@ class PagedSlots:
         #: programs compiled ahead of time (:meth:`precompile`), by :func:`_aot_key`: the call
         #: sites run these before falling back to the jitted program (which would compile)
         self._aot: dict[tuple, Any] = {}
+        #: calls that ran an ahead-of-time executable, and calls that went to a jitted program
+        #: (which compiles on a new shape): after :meth:`precompile`, the second stays 0
+        self.aot_calls = self.jit_calls = 0
         self._runner = None
         self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
@@ -615,6 +618,12 @@ class PagedSlots:
                         {"kv_len": kv_len, "last": last}))
         return out
 
+    def _count(self, aot) -> None:
+        if aot is None:
+            self.jit_calls += 1
+        else:
+            self.aot_calls += 1
+
     def precompile(self, *, workers: int | None = None, sampled=(False, True), progress: bool = False) -> dict:
         """Compile every program of :meth:`program_shapes` now, in ``workers`` threads (XLA
         compiles with the GIL released), and run them ahead of the jitted ones: the first
@@ -684,6 +693,7 @@ class PagedSlots:
         try:
             args = (self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table))
             aot = self._aot.get(_aot_key(program, args, static))
+            self._count(aot)
             logits, self.cache = aot(*args) if aot is not None else program(*args, **static)
             if wait:
                 jax.block_until_ready(logits)
@@ -724,6 +734,7 @@ class PagedSlots:
         self.last_rows = decode_rows(self.slots, used)
         args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
         aot = self._aot.get(_aot_key(self._step, args, {"rows": self.last_rows}))
+        self._count(aot)
         out, self.cache = aot(*args) if aot is not None else self._step(*args, rows=self.last_rows)
         self._lengths += active  # the step advances the active rows only
         return out
