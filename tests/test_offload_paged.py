@@ -290,6 +290,9 @@ def test_offloaded_paged_engine_refuses_before_allocating(tiny):
         Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, kv_blocks=40)
     with pytest.raises(ValueError, match="max_inject_tokens"):
         Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True, prefill_chunk=64)
+    with pytest.raises(ValueError, match="offloads no layer"):  # every layer dense: nothing to page
+        Engine(tiny.with_method("quest", budget=64, dense_layers=(0, 1, 2)), slots=2, max_len=MAX_LEN, paged=True,
+               offload=True)
     engine = Engine(model, slots=2, max_len=MAX_LEN, paged=True, offload=True)  # default: every slot full
     assert engine.stats()["kv_blocks_total"] == 2 * MAX_LEN // 16
     assert engine.stats()["kv_bound"] == "slots", engine.kv.kv_plan

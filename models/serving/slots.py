@@ -424,6 +424,9 @@ class OffloadedSlots:
         self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
         #: paged: bytes of one host page (a block of every offloaded layer and KV head)
         self.page_bytes = self.layer_heads * self.block_bytes
+        if self.paged and not self.layer_heads:
+            raise ValueError(f"the method {model.method.name!r} offloads no layer of this {cfg.num_layers}-layer model "
+                             f"(its dense layers cover them): a paged host tier would hold nothing; serve it resident")
         if self.paged:
             host_pages = self._host_pages(host_pages)
             self.runner = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool, host_pages=host_pages)
