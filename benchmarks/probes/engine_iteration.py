@@ -151,6 +151,76 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
     return iteration, program["static"], len(full), live, program["cond"]
 
 
+#: ``--engines``: the resident engines, and the offloaded ones (KV blocks in pinned host memory;
+#: ``offload-paged``: on the paged host tier)
+ENGINES = ("contiguous", "paged", "offload", "offload-paged")
+
+
+def _offload_engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
+                       paged: bool) -> tuple[float, int, float]:
+    """``(iteration_ms, steps measured, bare_ms)`` of an offloaded engine of ``batch`` slots at
+    ``cap`` (``paged``: its host tier a pool of pages, as many as every slot full) with every
+    slot decoding a ``context``-token prompt, and the bare offloaded step at the same batch,
+    context (:func:`_bare_offload_ms`: the runner's decode step back to back on synthetic KV, no
+    sampling, no engine)."""
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), offload=True, paged=paged).start()
+    rng = np.random.default_rng(0)
+    try:
+        warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
+                               SamplingParams(max_tokens=2, ignore_eos=True))  # compiles the prefill and step
+        assert warm.finish_reason == "length", (warm.finish_reason, warm.error)
+        reqs = [engine.make_request(rng.integers(0, model.config.vocab_size, context).tolist(),
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i))
+                for i in range(batch)]
+        k = len(engine.step_times)
+        for r in reqs:
+            engine.submit(r)
+        for r in reqs:
+            assert r.done.wait(900) and r.finish_reason == "length", (r.finish_reason, r.error)
+    finally:
+        engine.stop()
+    last_insert = max(r.t_first for r in reqs)
+    full = [dt for dt, t in zip(engine.step_times[k:], engine.step_end_times[k:]) if t > last_insert]
+    iteration = 1e3 * statistics.median(full)
+    del engine
+    return iteration, len(full), _bare_offload_ms(model, batch, context, steps, paged)
+
+
+def _bare_offload_ms(model, batch: int, context: int, steps: int, paged: bool, rounds: int = 3) -> float:
+    """The offloaded runner's decode step (greedy argmax outside, as the engine's loop takes
+    it) back to back on synthetic KV of ``batch`` rows at ``context`` tokens: the median of
+    ``rounds`` rounds of ``steps`` (its capacity holds those steps; the host tier's size does
+    not change the step's work)."""
+    from benchmarks.offload import _synthetic_kv, cache_capacity
+    from models.runtime.tiered import TieredRunner
+
+    max_len = cache_capacity(context, 4 + (rounds + 1) * steps)
+    host_pages = batch * (max_len // model.method.for_offload().offload_block_size) + 1 if paged else None
+    runner = TieredRunner(model, "offload", host_pages=host_pages)
+    state = runner.state_from_kv(_synthetic_kv(model.config, batch, max_len, context, model.dtype, 0),
+                                 np.full((batch,), context, np.int32), max_len)
+    state.record_transfers = False  # as the engine's steps (no per-step counters kept)
+    tok = jnp.zeros((batch,), jnp.int32)
+
+    def run(n):
+        nonlocal tok
+        for _ in range(n):
+            tok = jnp.argmax(runner.decode_step(tok, state), -1).astype(jnp.int32)
+        jax.block_until_ready(tok)
+
+    run(4)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run(steps)
+        times.append(1e3 * (time.perf_counter() - t0) / steps)
+    runner.finish(state)
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     from benchmarks.offload import asynctls_for, qwen3_8b, random_model
     from sparse_jax.methods import get_method
@@ -166,13 +236,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per engine request")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--engines", default="contiguous", help="contiguous,paged: which engines to time")
+    p.add_argument("--engines", default="contiguous", help=f"which engines to time, of {','.join(ENGINES)} "
+                                                               "(the offloaded ones: methods that offload, not dense)")
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="engine_iteration")
     a = p.parse_args(argv)
 
     caps = a.caps
+    bad = [k for k in a.engines.split(",") if k not in ENGINES]
+    if bad:
+        raise SystemExit(f"--engines: of {', '.join(ENGINES)}; got {bad}")
     if min(caps) < a.context + a.max_tokens + 2:
         raise SystemExit(f"--caps must each be >= context + max_tokens + 2 = {a.context + a.max_tokens + 2}")
     rows = []
@@ -191,8 +265,17 @@ def main(argv=None) -> int:
                 bare_paged = (_bare_ms(model, method, cfg, batch, a.context, cap, a.steps, a.rounds, paged=True)
                               if "paged" in a.engines.split(",") else None)
                 for kind in a.engines.split(","):
-                    if kind not in ("contiguous", "paged"):
-                        raise SystemExit(f"--engines: contiguous or paged, got {kind!r}")
+                    if kind.startswith("offload"):
+                        if name == "dense":  # nothing selects blocks to bring back: it does not offload
+                            continue
+                        iteration, n, bare_off = _offload_engine_ms(model, batch, a.context, cap, a.max_tokens,
+                                                                    a.steps, paged=kind == "offload-paged")
+                        rows.append({"method": name, "engine": kind, "sampling": "plain", "batch": batch,
+                                     "context": a.context, "capacity": cap, "bare_ms": round(bare_off, 3),
+                                     "iteration_ms": round(iteration, 3), "steps_measured": n,
+                                     "iteration_over_bare": round(iteration / bare_off, 3)})
+                        print(rows[-1], flush=True)
+                        continue
                     for sampling in a.sampling.split(","):
                         if sampling not in SAMPLING:
                             raise SystemExit(f"--sampling: {', '.join(SAMPLING)}; got {sampling!r}")
@@ -219,7 +302,10 @@ def main(argv=None) -> int:
           "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
           "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
           "zeros; on pages for the paged engine); `program_ms` "
-          "of the paged engine runs its pool with every row given a context's pages again).\n\n"
+          "of the paged engine runs its pool with every row given a context's pages again). `engine` offload / "
+          "offload-paged: KV blocks in pinned host memory (offload-paged: the paged host tier); their `bare_ms` is "
+          "the offloaded runner's step (greedy argmax outside) back to back on synthetic KV at the same batch and "
+          "context, no sampling.\n\n"
           + markdown_table(rows, ["method", "engine", "sampling", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
                                   "bare_live_ms", "program_ms", "program_cond_ms", "iteration_ms", "iteration_over_bare",
                                   "program_over_bare", "iteration_over_live", "steps_measured"]))
