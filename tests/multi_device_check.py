@@ -34,7 +34,8 @@ from tests import cache_rank_check, sharded_check
 
 
 def replicas_case():
-    """Two engine replicas (one per device) on a tiny random model: each request gets its
+    """Two engine replicas (one per device) on a tiny random model, resident, offloaded and
+    paged (chunked prefill; each replica's pool on its own device): each request gets its
     single-request tokens, requests alternate while none finishes, both devices serve."""
     import models
     from models.serving.replicas import replicate
@@ -47,13 +48,14 @@ def replicas_case():
     ids = [rng.integers(4, 97, n).tolist() for n in (100, 60, 80, 90, 30)]
     refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=6,
                               stop_ids=())[0] for i in ids]
-    for offload in (False, True):
-        reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), offload=offload).start()
+    for where, opts in (("resident", {}), ("offload", dict(offload=True)), ("paged", dict(paged=True, prefill_chunk=64))):
+        reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), **opts).start()
         try:
             reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=6))) for i in ids]
             done = all(r.done.wait(600) for r in reqs)
             s = reps.stats()
-            print(json.dumps(dict(case=f"replicas/{'offload' if offload else 'resident'}", completed=done,
+            pools = sorted({str(d) for e in reps.engines if e.paged for d in e.kv.cache.layers[-1].pool_k.devices()})
+            print(json.dumps(dict(case=f"replicas/{where}", completed=done, pools=pools,
                                   equal=[r.output_ids == ref for r, ref in zip(reqs, refs)],
                                   replicas=[reps.replica_of(r) for r in reqs], given=s["requests_given"],
                                   finished=s["finished"], slots=s["slots"], idle=reps.idle(),

@@ -151,7 +151,8 @@ def test_two_device_benchmarks_run_on_cpu(multi_device, multi_device_out):
 
 @pytest.mark.slow
 def test_replicas_give_each_request_its_single_request_tokens(multi_device):
-    rows = [multi_device[f"replicas/{m}"] for m in ("resident", "offload")]
+    rows = [multi_device[f"replicas/{m}"] for m in ("resident", "offload", "paged")]
+    assert multi_device["replicas/paged"]["pools"] == ["cpu:0", "cpu:1"]  # each replica's pages on its device
     for r in rows:
         assert r["completed"] and all(r["equal"]), r
         # the fewest unfinished requests first: alternating while none finishes

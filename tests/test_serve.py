@@ -607,7 +607,8 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--offload", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--paged", "--offload", "--kv-blocks", "64"], "pass --host-pages"),
                                              (["--offload", "--host-pages", "64"], "pass --paged --offload"),
-                                             (["--paged", "--data-parallel", "2"], "several devices"),
+                                             (["--paged", "--tensor-parallel", "2"], "does not run sharded"),
+                                             (["--paged", "--offload", "--data-parallel", "2"], "runs one device"),
                                              (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 1"),
                                              (["--no-paged", "--prefill-chunk", "512"], "paged engine's pages"),
                                              (["--prefill-chunk", "512", "--max-inject-tokens", "512"], "pass one")])
@@ -625,17 +626,19 @@ class _Loaded(Exception):
 
 
 def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
-    """``--paged`` is the default of a resident engine on one device; ``--offload`` and
-    ``--no-paged`` give the contiguous engine."""
+    """``--paged`` is the default of a resident engine (one per device with ``--data-parallel``);
+    ``--offload``, ``--tensor-parallel`` and ``--no-paged`` give the contiguous engine."""
     from models.cli.serve import build_parser, make_engine
 
     def load(*a, **k):
         raise _Loaded
 
     monkeypatch.setattr(models, "load_model", load)
-    for flags, want in (([], True), (["--offload"], False), (["--no-paged"], False), (["--paged"], True)):
+    for flags, want in (([], True), (["--offload"], False), (["--no-paged"], False), (["--paged"], True),
+                        (["--data-parallel", "2"], True)):
         args = build_parser().parse_args(flags)
-        with pytest.raises(_Loaded):
+        # one CPU device here: two replicas stop at the device count, after the default is set
+        with pytest.raises(ValueError, match="devices visible") if args.data_parallel > 1 else pytest.raises(_Loaded):
             make_engine(args)
         assert args.paged is want, flags
 

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "admission goes by free pages, and the newest request is preempted (recomputed later) "
                         "when a running one cannot grow. With --offload the pages are the host tier's (pinned host "
                         "memory holds the tokens that exist, not --slots x --max-len; see --host-pages). Default: "
-                        "on for a resident engine on one device (measured no slower than --no-paged: "
-                        "benchmarks/results/engine_iteration_live_h200.md), off with --offload (not measured on a "
-                        "GPU yet), --tensor-parallel or --data-parallel (which it does not run with yet)")
+                        "on for a resident engine (measured no slower than --no-paged: "
+                        "benchmarks/results/engine_iteration_live_h200.md; with --data-parallel one paged engine per "
+                        "device), off with --offload (not measured on a GPU yet) and --tensor-parallel (which it "
+                        "does not run with yet)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
                         "at most --slots full contexts)")
@@ -123,23 +124,26 @@ def make_engine(args) -> tuple[Engine, str]:
     if args.offload:  # before anything starts the GPU client, which reads the limit once
         print(capacity.plan_pinned_host_limit(), file=sys.stderr, flush=True)
     if args.paged is None:  # the default: paged where it runs
-        args.paged = not args.offload and args.tensor_parallel == 1 and args.data_parallel == 1
+        args.paged = not args.offload and args.tensor_parallel == 1
     if args.kv_blocks is not None and not args.paged:
         raise ValueError("--kv-blocks sizes the page pool of the paged engine (not --no-paged, --offload or "
-                         "several devices)")
+                         "--tensor-parallel)")
     if args.paged and args.offload and args.kv_blocks is not None:
         raise ValueError("--kv-blocks sizes the resident page pool; --paged --offload pages the host tier: "
                          "pass --host-pages")
     if args.host_pages is not None and not (args.paged and args.offload):
         raise ValueError("--host-pages sizes the paged host tier: pass --paged --offload")
-    if args.paged and (args.tensor_parallel > 1 or args.data_parallel > 1):
-        raise ValueError("--paged does not run on several devices yet: drop --tensor-parallel/--data-parallel")
+    if args.paged and args.tensor_parallel > 1:
+        raise ValueError("--paged does not run sharded yet: drop --tensor-parallel (--data-parallel runs one paged "
+                         "engine per device)")
+    if args.paged and args.offload and args.data_parallel > 1:
+        raise ValueError("--paged --offload runs one device: drop --data-parallel (or --paged)")
     if args.prefill_chunk is not None and args.prefill_chunk != 0:
         if args.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration), or 0 (whole prefills)")
         if not args.paged or args.offload:
             raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged, --offload or "
-                             "several devices; those chunk with --max-inject-tokens)")
+                             "--tensor-parallel; those chunk with --max-inject-tokens)")
         if args.max_inject_tokens is not None:
             raise ValueError("--prefill-chunk and --max-inject-tokens are two ways to split a prompt: pass one")
     need = args.tensor_parallel * args.data_parallel

@@ -81,6 +81,27 @@ class _Slot:
         self.held_text = ""  # decoded but not yet sent (a possible stop string)
 
 
+def placed_device(model):
+    """The device an unsharded model's params all live on, when that is not jax's default
+    device (a replica placed with :func:`models.serving.replicas.place`); None otherwise (the
+    default device, or a sharded model, whose mesh places its arrays)."""
+    if getattr(model, "mesh", None) is not None:
+        return None
+    devices = {d for x in jax.tree.leaves(model.params) if isinstance(x, jax.Array) for d in x.devices()}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device == jax.devices()[0] else device
+
+
+def device_scope(device):
+    """``jax.default_device(device)`` (arrays the engine makes from nothing land there), or a
+    no-op for None."""
+    import contextlib
+
+    return contextlib.nullcontext() if device is None else jax.default_device(device)
+
+
 class Engine:
     """Continuous batching over ``slots`` decode rows (module docstring).
 
@@ -190,14 +211,18 @@ class Engine:
         self.max_inject_tokens = None if max_inject_tokens is None else int(max_inject_tokens)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         segmented = self.max_inject_tokens is not None
-        if offload:
-            self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool,
-                                     paged=paged, host_pages=host_pages)
-        elif paged:
-            self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
-                                 num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk)
-        else:
-            self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
+        #: the one device an unsharded model's params live on, when it is not the default one (a
+        #: data-parallel replica): the engine's arrays are made there, and its thread runs there
+        self.device = placed_device(model)
+        with device_scope(self.device):
+            if offload:
+                self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool,
+                                         paged=paged, host_pages=host_pages)
+            elif paged:
+                self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
+                                     num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk)
+            else:
+                self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
         self.paged = bool(paged)
         # [(request, slot, job)]: the prompts being prefilled in segments or chunks, in arrival order
         # (layer-segmented: at most one; chunked: as many as this iteration's chunk budget holds)
@@ -381,11 +406,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                if not self.iterate():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-            self._settle()
+            with device_scope(self.device):  # jax's default device is per thread
+                while not self._stop.is_set():
+                    if not self.iterate():
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                self._settle()
         except BaseException as e:  # noqa: BLE001  (reported to every request, then re-raised in the thread)
             self.error = e
             for r in self._all_requests():

@@ -43,13 +43,33 @@ def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:
     return [devices[i * per_replica:(i + 1) * per_replica] for i in range(replicas)]
 
 
+def place(model, device):
+    """``model`` with its params copied to ``device`` (an unsharded model: the paged engine's
+    replica, which runs there, :attr:`models.serving.engine.Engine.device`)."""
+    from models.api import Model
+
+    return Model(model.config, model.graphdef, jax.device_put(model.params, device), model.tokenizer, model.method,
+                 model.dtype, model.max_len, model.unroll)
+
+
 def replicate(model, replicas: int, *, tensor_parallel: int = 1, devices=None, **engine_options) -> "EngineReplicas":
     """``replicas`` engines, each on its own group of ``tensor_parallel`` devices (the
     model sharded over the group by KV heads, ``shard(model, model=tensor_parallel,
     devices=group)``; one device: the model placed on it), with the same
-    ``engine_options`` (:class:`models.serving.engine.Engine`'s keywords)."""
+    ``engine_options`` (:class:`models.serving.engine.Engine`'s keywords). Paged engines
+    (``paged=True``) run one device each: the model's params copied there (:func:`place`),
+    the engine's pool and programs on it."""
     groups = device_groups(replicas, tensor_parallel, devices)
-    engines = [Engine(shard(model, model=tensor_parallel, devices=g), **engine_options) for g in groups]
+    if engine_options.get("paged"):
+        if tensor_parallel != 1:
+            raise ValueError("paged replicas run one device each (the paged engine does not run sharded yet): "
+                             "tensor_parallel=1")
+        if engine_options.get("offload"):
+            raise ValueError("the paged offloaded engine runs one device (its host tier is placed on the first): "
+                             "no replicas of it yet")
+        engines = [Engine(place(model, g[0]), **engine_options) for g in groups]
+    else:
+        engines = [Engine(shard(model, model=tensor_parallel, devices=g), **engine_options) for g in groups]
     return EngineReplicas(engines)
 
 
@@ -151,6 +171,13 @@ class EngineReplicas:
         for e in self.engines:
             e.start()
         return self
+
+    def precompile(self, **options) -> dict:
+        """Each replica's :meth:`Engine.precompile` (one after another; each compiles in
+        parallel threads): the programs counted and the seconds summed, failures listed."""
+        runs = [e.precompile(**options) for e in self.engines]
+        return {"programs": sum(r["programs"] for r in runs), "seconds": sum(r["seconds"] for r in runs),
+                "failed": [f for r in runs for f in r.get("failed", [])]}
 
     def stop(self, timeout: float | None = 30.0) -> None:
         for e in self.engines:
