@@ -51,7 +51,7 @@ import numpy as np
 
 from sparse_jax.calibration import CALIBRATION_ROOT
 from sparse_jax.ops._dispatch import on_gpu
-from sparse_jax.ops.dense import dense_prefill_attention
+from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 from sparse_jax.ops.window_scores import window_scores  # step 1 (an op: kernel and reference)
 
 PREFILLS = ("dense", "token_sparse")
@@ -563,8 +563,6 @@ def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8):
     as a chunk starting at ``keep`` (:func:`chunk_prefill_attention`, cuDNN's split form on a
     GPU), so the work follows the kept count: the gathered prefix is the shortest of
     :func:`bucket_lengths` (``T``, ``buckets``) holding the batch's largest ``keep``."""
-    from sparse_jax.ops.dense import chunk_prefill_attention
-
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     if b != 1:  # the chunk's start is one position (chunked prefill runs one prompt's row)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from models.api import Model
 from models.runtime.sharding import shard
 from models.serving.engine import Engine
 from models.serving.requests import Event, Request, SamplingParams
@@ -46,8 +47,6 @@ def device_groups(replicas: int, per_replica: int, devices=None) -> list[list]:
 def place(model, device):
     """``model`` with its params copied to ``device`` (an unsharded model: the paged engine's
     replica, which runs there, :attr:`models.serving.engine.Engine.device`)."""
-    from models.api import Model
-
     return Model(model.config, model.graphdef, jax.device_put(model.params, device), model.tokenizer, model.method,
                  model.dtype, model.max_len, model.unroll)
 
