@@ -151,3 +151,32 @@ class BlockManager:
         held = [b for t in self._tables.values() for b in t]
         every = sorted(held + self._free)
         assert every == list(range(1, self.num_blocks)), "a block is lost or given twice"
+
+
+class PagedRequests:
+    """What the two paged slot back-ends (``PagedSlots``: device pages; the paged
+    ``OffloadedSlots``: host pages) answer the engine alike, from their ``self.blocks``
+    (a :class:`BlockManager`). ``pages_name``: how their messages call a page."""
+
+    pages_name = "pages"
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.blocks.total
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.blocks.free_blocks
+
+    def blocks_needed(self, r) -> int:
+        """Pages ``r`` holds, or (waiting) the pages of its prefill and its first step."""
+        held = self.blocks.held(r.id)
+        return held if held else self.blocks.blocks_for(r.prefill_len + 1)
+
+    def check_holds(self, r, tokens: int) -> None:
+        """RuntimeError unless ``r`` holds the pages of its first ``tokens`` positions (the
+        engine reserves a prompt's pages before it is prefilled or inserted)."""
+        if self.blocks.held(r.id) < self.blocks.blocks_for(tokens):
+            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} {self.pages_name}, its {tokens} "
+                               f"tokens need more")
+

@@ -43,7 +43,7 @@ from flax import nnx
 from models import programs
 from models.driver import Driver, init_cache, make_plan
 from models.runtime.tiered import TieredRunner
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, pool_plan
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
 from models.serving.slots import (ResidentSlots, engine_step, check_engine_mesh, check_slot_axis, insert_slot,
@@ -378,7 +378,7 @@ def paged_footprint(model, slots: int, max_len: int, page: int, prefill_temp_byt
         block_bytes=block)
 
 
-class PagedSlots:
+class PagedSlots(PagedRequests):
     """Every slot's KV in one page pool per global layer (module docstring).
 
     ``num_blocks`` (pages, the null page included): default, on a device with a memory
@@ -465,19 +465,6 @@ class PagedSlots:
         self._dirty = False  # the table or a length changed outside a step: send both with the next
 
     # -- blocks ----------------------------------------------------------------------------
-    @property
-    def kv_blocks_total(self) -> int:
-        return self.blocks.total
-
-    @property
-    def kv_blocks_free(self) -> int:
-        return self.blocks.free_blocks
-
-    def blocks_needed(self, r: Request) -> int:
-        """Pages ``r`` holds, or (waiting) the pages of its prefill and its first step."""
-        held = self.blocks.held(r.id)
-        return held if held else self.blocks.blocks_for(r.prefill_len + 1)
-
     def working_set(self, r: Request) -> int:
         """The scheduler's M_avl measure: device bytes of the pages :meth:`blocks_needed`."""
         return self.blocks_needed(r) * self.block_bytes
@@ -508,12 +495,6 @@ class PagedSlots:
             self._table[r.slot] = self.blocks.table(r.id)
             self._dirty = True
         return True
-
-    def check_holds(self, r: Request, tokens: int) -> None:
-        """RuntimeError unless ``r`` holds the pages of its first ``tokens`` positions (the
-        engine reserves a prompt's pages before it is prefilled or inserted)."""
-        if self.blocks.held(r.id) < self.blocks.blocks_for(tokens):
-            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} pages, its {tokens} tokens need more")
 
     def release(self, r: Request) -> None:
         """Free ``r``'s pages; its slot (if it had one) gets null pages and length 0."""

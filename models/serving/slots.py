@@ -31,7 +31,7 @@ from flax import nnx
 
 from models import programs
 from models.runtime.tiered import HostPages, TieredRunner
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, pool_plan
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
 from models.sampling import RowSampling, SampleOut, sample_step, sample_step_program
 from sparse_jax.cache import KVCache
 from sparse_jax.offload import capacity
@@ -374,7 +374,7 @@ def insert_shared_slot(cache: KVCache, row: KVCache, slot: jax.Array, host: tupl
     return KVCache(tuple(layers), lengths, cache.max_len)
 
 
-class OffloadedSlots:
+class OffloadedSlots(PagedRequests):
     """Every slot's KV blocks in pinned host memory (:class:`models.runtime.tiered.TieredRunner`,
     ``mode="offload"``): the device keeps each slot's ring and method state, and the
     resident blocks in a pool per slot (``pool="per_row"``) or in one pool shared by
@@ -403,6 +403,8 @@ class OffloadedSlots:
     request's table and this state's pools: no host tier of ``max_len`` for a prompt); insertion
     writes its device tier into the slot and its table row. A free slot's table row is the null
     page."""
+
+    pages_name = "host pages"  # paged: the host tier's (PagedRequests' messages)
 
     offloaded = True
 
@@ -514,22 +516,9 @@ class OffloadedSlots:
         return host_pages
 
     @property
-    def kv_blocks_total(self) -> int:
-        return self.blocks.total
-
-    @property
-    def kv_blocks_free(self) -> int:
-        return self.blocks.free_blocks
-
-    @property
     def _lengths(self) -> np.ndarray:
         """Each slot's length as the steps issued so far leave it (the engine grows requests by it)."""
         return self.state.lengths_host
-
-    def blocks_needed(self, r: Request) -> int:
-        """Pages ``r`` holds, or (waiting) the pages of its prefill and its first step."""
-        held = self.blocks.held(r.id)
-        return held if held else self.blocks.blocks_for(r.prefill_len + 1)
 
     def check_request(self, r: Request) -> None:
         """ValueError when ``r`` could not finish even alone in the host pool."""
@@ -555,11 +544,6 @@ class OffloadedSlots:
         if added and r.slot is not None and self._owner[r.slot] == r.id:
             self.state.pages.set_row(r.slot, self.blocks.table(r.id))
         return True
-
-    def check_holds(self, r: Request, tokens: int) -> None:
-        if self.blocks.held(r.id) < self.blocks.blocks_for(tokens):
-            raise RuntimeError(f"request {r.id} holds {self.blocks.held(r.id)} host pages, its {tokens} tokens "
-                               f"need more")
 
     def release(self, r: Request) -> None:
         """Free ``r``'s pages; its slot (if it had one) gets the null page. A save of its blocks
