@@ -90,16 +90,14 @@ SAMPLING = {"plain": {}, "options": dict(temperature=0.8, top_p=0.95, top_k=50, 
                                          min_tokens=8, logprobs=5)}
 
 
-def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float, float]:
-    """(iteration_ms, program_ms, steps measured, bare_live_ms, program_cond_ms) of an engine of ``batch`` slots at ``cap``
-    (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
-    key, what every request asks for)."""
-    from models.serving.engine import Engine
+def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: int, opts: dict):
+    """``(iteration_ms, steps)``: ``engine`` (not started; stopped on return) warmed up by one
+    short request (its prefill and step compile), then ``batch`` requests of ``context`` random
+    tokens and ``max_tokens`` each (``opts``: their sampling options); the median of its decode
+    iterations after the last of them was inserted (every slot decoding), and those steps."""
     from models.serving.requests import SamplingParams
 
-    opts = SAMPLING[sampling]
-    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(1,) if opts else (), paged=paged).start()
+    engine.start()
     rng = np.random.default_rng(0)
     try:
         warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
@@ -117,7 +115,19 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
         engine.stop()
     last_insert = max(r.t_first for r in reqs)
     full = [dt for dt, t in zip(engine.step_times[k:], engine.step_end_times[k:]) if t > last_insert]
-    iteration = 1e3 * statistics.median(full)
+    return 1e3 * statistics.median(full), full
+
+
+def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
+               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float, float]:
+    """(iteration_ms, program_ms, steps measured, bare_live_ms, program_cond_ms) of an engine of ``batch`` slots at ``cap``
+    (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
+    key, what every request asks for)."""
+    from models.serving.engine import Engine
+
+    opts = SAMPLING[sampling]
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(1,) if opts else (), paged=paged)
+    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, opts)
     # the engine's step program on its own cache, every row active, back to back
     kv = engine.kv
     if paged:  # its requests ended and gave their pages back: give every row a context's pages again
@@ -164,27 +174,9 @@ def _offload_engine_ms(model, batch: int, context: int, cap: int, max_tokens: in
     context (:func:`_bare_offload_ms`: the runner's decode step back to back on synthetic KV, no
     sampling, no engine)."""
     from models.serving.engine import Engine
-    from models.serving.requests import SamplingParams
 
-    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), offload=True, paged=paged).start()
-    rng = np.random.default_rng(0)
-    try:
-        warm = engine.generate(rng.integers(0, model.config.vocab_size, context).tolist(),
-                               SamplingParams(max_tokens=2, ignore_eos=True))  # compiles the prefill and step
-        assert warm.finish_reason == "length", (warm.finish_reason, warm.error)
-        reqs = [engine.make_request(rng.integers(0, model.config.vocab_size, context).tolist(),
-                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i))
-                for i in range(batch)]
-        k = len(engine.step_times)
-        for r in reqs:
-            engine.submit(r)
-        for r in reqs:
-            assert r.done.wait(900) and r.finish_reason == "length", (r.finish_reason, r.error)
-    finally:
-        engine.stop()
-    last_insert = max(r.t_first for r in reqs)
-    full = [dt for dt, t in zip(engine.step_times[k:], engine.step_end_times[k:]) if t > last_insert]
-    iteration = 1e3 * statistics.median(full)
+    engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), offload=True, paged=paged)
+    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, {})
     del engine
     return iteration, len(full), _bare_offload_ms(model, batch, context, steps, paged)
 
