@@ -611,7 +611,9 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--paged", "--offload", "--data-parallel", "2"], "runs one device"),
                                              (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 1"),
                                              (["--no-paged", "--prefill-chunk", "512"], "paged engine's pages"),
-                                             (["--prefill-chunk", "512", "--max-inject-tokens", "512"], "pass one")])
+                                             (["--prefill-chunk", "512", "--max-inject-tokens", "512"], "pass one"),
+                                             (["--no-paged", "--precompile"], "drop --precompile"),
+                                             (["--offload", "--precompile"], "drop --precompile")])
 def test_tensor_parallel_flag_is_checked_before_loading(flags, fragment, monkeypatch):
     """Bad flags (devices that are not there, a bad prefill): a clear error, no weights loaded."""
     from models.cli.serve import build_parser, make_engine

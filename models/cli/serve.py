@@ -138,6 +138,9 @@ def make_engine(args) -> tuple[Engine, str]:
                          "engine per device)")
     if args.paged and args.offload and args.data_parallel > 1:
         raise ValueError("--paged --offload runs one device: drop --data-parallel (or --paged)")
+    if args.precompile and (not args.paged or args.offload):
+        raise ValueError("--precompile compiles the paged resident engine's programs; --no-paged, --offload and "
+                         "--tensor-parallel compile as requests arrive: drop --precompile")
     if args.prefill_chunk is not None and args.prefill_chunk != 0:
         if args.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration), or 0 (whole prefills)")
@@ -183,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
-        done = engine.precompile(progress=True) if hasattr(engine, "precompile") else {"programs": 0}
+        done = engine.precompile(progress=True)
         if done["programs"] or done.get("failed"):
             print(f"precompiled {done['programs']} programs in {done['seconds']:.1f} s"
                   + "".join(f"; not compiled ahead (compiles when first used): {f}" for f in done.get("failed", ())),
