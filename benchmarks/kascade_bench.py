@@ -126,9 +126,14 @@ def method_for(name: str, cfg):
         return get_method("kascade", anchors=QWEN3_ANCHORS, anchor_selector="asynctls", budget=2048,
                           dense_layers=(0,), anchor_options=(("channels_per_layer", tls.channels_per_layer),))
     if name == "asyncspade":
-        return get_method("asyncspade", selector="quest", budget=2048)
+        return get_method("asyncspade", selector="quest", budget=2048, dense_steps=0)
+    # the steady state (dense_steps=0): the first `window` steps of a request attend every key
+    if name == "asyncspade_tok":  # the paper's token-level selection (issue 51)
+        return get_method("asyncspade", selector="oracle_topk", budget=2048, dense_steps=0)
+    if name == "asyncspade_warm":  # θ_t = window dense steps, timed past them (e2e_rows)
+        return get_method("asyncspade", selector="quest", budget=2048, dense_steps=16)
     if name == "asyncspade_w1":
-        return get_method("asyncspade", selector="quest", budget=2048, window=1)
+        return get_method("asyncspade", selector="quest", budget=2048, window=1, dense_steps=0)
     if name == "quest":
         return get_method("quest", budget=2048)
     if name == "asynctls":
@@ -157,6 +162,11 @@ def e2e_rows(a) -> list[dict]:
         if name.startswith("asyncspade"):  # the query history exists after a prefill: a short one fills it
             prompt = jnp.zeros((a.batch, 256), jnp.int32)
             _, cache = fns.prefill(model.params, prompt, jnp.full((a.batch,), 256, jnp.int32), cache)
+        if name == "asyncspade_warm":  # every row past its dense steps: what the warm-up's cond costs
+            past = method.window + 1
+            cache = dataclasses.replace(cache, layers=tuple(
+                dataclasses.replace(e, state=dict(e.state, count=jnp.full_like(e.state["count"], past)))
+                if isinstance(getattr(e, "state", None), dict) and "count" in e.state else e for e in cache.layers))
         cache = dataclasses.replace(cache, lengths=jnp.full((a.batch,), a.context, jnp.int32))
         t0 = time.perf_counter()
         ms, cache = time_steps(step, cache, tokens, a.steps, a.rounds)

@@ -147,6 +147,59 @@ def test_asyncspade_bad_options():
                                                             max_len=256)
     with pytest.raises(ValueError, match="window must be"):
         AsyncSpade(window=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+    for bad in (-1, 5, 2.0, True, None):
+        with pytest.raises(ValueError, match="dense_steps must be an int in"):
+            AsyncSpade(window=4, dense_steps=bad).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+    # offloaded and on the cache rank no whole cache is on the attending device
+    assert AsyncSpade().for_offload().dense_steps == 0
+    with pytest.raises(ValueError, match="dense_steps=3 attends every key"):
+        AsyncSpade(dense_steps=3).for_offload()
+
+
+def test_dense_steps_attend_every_key_then_the_selection():
+    """θ_t (``dense_steps``): the first decode steps after the prompt give the dense logits,
+    the later ones select (default 0: every step); rows at different steps in one batch
+    each take their own (a row's output does not depend on the others)."""
+    from tests.test_offload import _ragged_tokens
+
+    dense = _tiny(get_method("dense"))
+    tokens, lengths = _ragged_tokens(5)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+
+    def run(model, steps=5):
+        logits, cache = model.fns.prefill(model.params, tokens, lengths, model.init_cache(3, 128))
+        out = [logits]
+        for _ in range(steps):
+            logits, cache = model.fns.decode_step(model.params, jnp.argmax(out[-1], -1).astype(jnp.int32), cache)
+            out.append(logits)
+        return np.stack([np.asarray(x) for x in out]), cache
+
+    want, _ = run(dense)
+    opts = dict(budget=16, window=3, dense_layers=(0,), selector_options=(("block_size", 8),))
+    warm, cache = run(_tiny(get_method("asyncspade", dense_steps=3, **opts)))  # the whole window
+    cold, _ = run(_tiny(get_method("asyncspade", **opts)))
+    np.testing.assert_allclose(warm[:4], want[:4], rtol=1e-5, atol=1e-5)  # prefill + 3 dense steps
+    assert np.abs(warm[4:] - want[4:]).max() > 1e-4  # then it selects
+    assert np.abs(cold[1:4] - want[1:4]).max() > 1e-4  # the control: sparse from the first step
+    assert int(np.asarray(cache.layers[1].state["count"]).min()) == 4  # W + 1: the window full
+    # a row whose count says it is past the warm-up takes the selection while another warms up
+    m = AsyncSpade(selector="quest", budget=64, window=4, dense_steps=2)
+    steps, qs = _decode_steps(m, 1)
+    q, lens, sel, st_before, _ = steps[0]
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=(2, 2, 256, 16)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 2, 256, 16)), jnp.float32)
+    kv, ctx = ResidentKV(k, v), single_layer(2, capacity=256)
+    mixed = dict(st_before, count=jnp.asarray([1, 3], jnp.int32))  # row 0 warming up, row 1 past it
+    out, _, _ = m.decode(q, kv, lens, mixed, None, ctx)
+    from sparse_jax.ops.dense import dense_decode_reference
+    from sparse_jax.selection import attend
+
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(dense_decode_reference(q, k, v, lens))[0],
+                               rtol=1e-5, atol=1e-5)
+    sel1, _, _ = m.select(q, kv, lens, mixed, None, ctx)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(attend(q, k, v, lens, sel1, impl="reference"))[1],
+                               rtol=1e-5, atol=1e-5)
 
 
 # -- the token-level selector (selector="oracle_topk": the paper's top-k of q̂ Kᵀ) ----------------

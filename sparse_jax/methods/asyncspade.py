@@ -44,9 +44,17 @@ public code):
   (``pallas_kernels.query_predictor``: one Pallas launch per layer on the GPU,
   ``impl="auto"``; the ``W - 1`` batched LU solves it replaces stay the
   reference).
-* *start step*: from the first decode step; until ``W + 1`` queries are known
-  the candidates use the window sizes the history supports (after prefill
-  only the last prompt query: the first prediction is the lag).
+* *start step* (the paper's θ_t, Sec. 4.1: "once the generation length exceeds a
+  predefined threshold ... the model transitions to sparse decoding mode"; no value
+  given): ``dense_steps`` decode steps after the prompt attend every key, while the
+  history fills (``dense_steps=window``: the first prediction regresses on a full
+  window of ``W + 1`` known queries). The default is 0, sparse from the first decode
+  step (until ``W + 1`` queries are known the candidates use the window sizes the
+  history supports): the warm-up's per-layer ``lax.cond`` cost 1.2 ms a step past the
+  warm-up (8.15 against 6.93 ms at 32K, B=4, Qwen3-8B shape, H200:
+  ``asyncspade_e2e_32k_b4_h200.md``), and issue 51 forbids a slower step. Resident
+  only: the offloaded tier (``for_offload``) and the cache rank hold no whole cache on
+  the attending device (``dense_steps > 0`` there is an error).
 
 **Token-level selection** (the paper's, Sec. 4.2 and Alg. 1 step 7: ``q̂ Kᵀ`` over the
 whole cache, then top-k): ``selector="oracle_topk"``, the exact softmax of ``q̂`` summed
@@ -124,6 +132,9 @@ class AsyncSpade(AttentionMethod):
       window: W, past queries the predictor regresses on (1: AsyncTLS's lag).
       ridge: ``ε`` relative to the newest query's squared norm.
       dense_layers: global layers kept exact (the selector's convention: 0, 1).
+      dense_steps: θ_t, decode steps after the prompt that attend every key (the
+        predictor's window fills meanwhile); 0 (default): none. At most ``window`` (the
+        step count is the history's); resident only.
       impl: the query predictor's implementation (``auto``: the kernel on the GPU).
       prefetch_block_size: blocks of the offloaded tier under a token selector.
     """
@@ -135,6 +146,7 @@ class AsyncSpade(AttentionMethod):
     window: int = 16
     ridge: float = 1e-2
     dense_layers: tuple[int, ...] = (0, 1)
+    dense_steps: int = 0
     impl: str = "auto"
     #: block size of the offloaded tier (and of the prefetch) under a token selector
     prefetch_block_size: int = 16
@@ -174,6 +186,10 @@ class AsyncSpade(AttentionMethod):
             raise ValueError(f"asyncspade: impl must be one of {IMPLS}, got {self.impl!r}")
         if self.budget < 2:
             raise ValueError(f"asyncspade: budget must be >= 2, got {self.budget}")
+        if (isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int)
+                or not 0 <= self.dense_steps <= self.window):
+            raise ValueError(f"asyncspade: dense_steps must be an int in [0, window={self.window}] (the steps are "
+                             f"counted by the query history), got {self.dense_steps!r}")
         inner = self.inner()
         if getattr(inner, "lag", False):
             raise ValueError("asyncspade: the selector must not lag itself (asyncspade selects one step ahead)")
@@ -300,6 +316,40 @@ class AsyncSpade(AttentionMethod):
         state = self.advance(q, kv, lengths, state, layer)
         prefetch = self._prefetch_blocks(state["next"], state["next_counts"], lengths, self.blocks)
         return self.step_selection(cur, cur_counts, lengths, prefetch), state, carry
+
+    def without_dense_steps(self, where: str) -> "AsyncSpade":
+        """This method, checked for ``where`` (a path that holds no whole cache on the
+        attending device): ``dense_steps > 0`` is an error there."""
+        if self.dense_steps:
+            raise ValueError(f"asyncspade: dense_steps={self.dense_steps} attends every key, which {where} does not "
+                             f"hold on the attending device: pass dense_steps=0 (the default)")
+        return self
+
+    def decode(self, q, kv, lengths, state, carry, layer):
+        """The selection's attention; rows within their first ``dense_steps`` decode steps
+        (``1 <= count <= dense_steps``: ``count`` is 1 at the first step after the prompt)
+        attend every key instead. The whole-cache attention runs only in steps where
+        some row warms up (``lax.cond``), and each row takes its own result, so a row's
+        output does not depend on the others in the batch."""
+        n = self.dense_steps
+        sel, new_state, carry = self.select(q, kv, lengths, state, carry, layer)
+        impl = self.impl
+
+        def sparse(_):
+            return kv.attend(q, lengths, sel, impl=impl)
+
+        if n == 0:
+            return sparse(None), new_state, carry
+        warm = (state["count"] >= 1) & (state["count"] <= n)
+
+        def mixed(_):
+            full = kv.attend(q, lengths, Selection.all_tokens(), impl=impl)
+            return jnp.where(warm[:, None, None], full, sparse(None))
+
+        return jax.lax.cond(jnp.any(warm), mixed, sparse, None), new_state, carry
+
+    def for_offload(self) -> "AsyncSpade":
+        return self.without_dense_steps("the offloaded tier")
 
     # -- offloading: the next selection's blocks are the prefetch ---------------------------
     def _prefetch_blocks(self, nxt, counts, lengths, blocks: bool):
