@@ -245,10 +245,13 @@ def chunk_tokens(n: int, chunk: int) -> int:
     return chunk if n > chunk else min(chunk, max(64, 1 << (n - 1).bit_length()))
 
 
-def chunk_kv_len(end: int, page: int) -> int:
+def chunk_kv_len(end: int, page: int, cap: int | None = None) -> int:
     """The keys a chunk ending at position ``end`` gathers from its pages: a power of two (few
-    compilations), at least one page."""
-    return max(page, 1 << (end - 1).bit_length())
+    compilations), at least one page, at most ``cap`` (a request's pages: the last bucket of a
+    132,096-token context is that, not 262,144, whose gather and attention would double the
+    largest chunk's work and temporaries)."""
+    n = max(page, 1 << (end - 1).bit_length())
+    return n if cap is None else min(n, cap)
 
 
 def _aot_key(program, args: tuple, static: dict) -> tuple:
@@ -298,7 +301,8 @@ class PagedChunkJob:
         logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
                                 (jnp.asarray(toks), jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
                                 self.slot, self.table, wait=False,  # the engine waits: PagedSlots.wait
-                                kv_len=chunk_kv_len(self.start + c, kv.page), last=last)
+                                kv_len=chunk_kv_len(self.start + c, kv.page, kv.pages_per_request * kv.page),
+                                last=last)
         self.start += c
         self.chunks += 1
         if last:
@@ -558,7 +562,7 @@ class PagedSlots(PagedRequests):
         i32 = jnp.int32
         return self._temp_bytes(self._chunk, jax.ShapeDtypeStruct((1, self.prefill_chunk), i32),
                                 jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
-                                kv_len=chunk_kv_len(self.max_len, self.page), last=True)
+                                kv_len=chunk_kv_len(self.max_len, self.page, self.pages_per_request * self.page), last=True)
 
     def program_shapes(self, sampled=(False, True)) -> list[tuple[str, Any, tuple, dict]]:
         """Every program this engine can run on its own calls, as ``(what, program, args,
@@ -587,12 +591,13 @@ class PagedSlots(PagedRequests):
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
         c, longest, keys = self.prefill_chunk, self.max_len - 1, set()
+        cap = self.pages_per_request * self.page
         for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
             size = chunk_tokens(n, c)
-            keys.add((size, chunk_kv_len(size, self.page), True))
+            keys.add((size, chunk_kv_len(size, self.page, cap), True))
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
-            keys.add((c, chunk_kv_len(start, self.page), False))  # the one ending at `start`, continued
-            keys.add((c, chunk_kv_len(start + c, self.page), True))  # the last one, of a prompt of start+1.. tokens
+            keys.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
+            keys.add((c, chunk_kv_len(start + c, self.page, cap), True))  # the last one, of a prompt of start+1.. tokens
         for size, kv_len, last in sorted(keys):
             out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
                         (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
