@@ -1,0 +1,145 @@
+"""What does the paged engine's compiler cost at a long context, and what would cut it?
+
+``python -m benchmarks.probes.compile_probe`` (GPU) builds the paged chunked engine of a
+Qwen3-8B-shaped model with random bf16 weights at ``--max-len`` (the pool as large as fits)
+and, for the layer driver unrolled (what the GPU runs) and scanned (one layer body, which
+XLA compiles once), times:
+
+- ``lower_s`` / ``compile_s``: tracing and XLA's compile of one program, one at a time;
+- ``run_ms``: the compiled program on the engine's pool (a chunk of ``--chunk`` prompt
+  tokens ending at ``kv_len``; the decode step on every slot), median of ``--runs``
+  after one warm-up call, synchronised.
+
+Programs: the decode step on all slots (greedy) and one chunk per ``--kv-lens`` bucket (not
+the last chunk of a prompt). At max_len 132,096 the engine's precompile did not finish in
+575 s on the H200 (docs/serving.md, 'Precompiling'): this says how much of that is the
+unrolled layers, and, run again with ``XLA_FLAGS=--xla_gpu_autotune_level=0``, how much is
+the autotuner (the flag is read once per process, so each setting is its own run; the table
+records ``XLA_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.offload import qwen3_8b, random_model
+from benchmarks.timing import markdown_table, parse_list, stamp, write_results
+from models.serving.engine import Engine
+from models.serving.paged import _paged_programs, chunk_kv_len
+from models.sampling import RowSampling
+from sparse_jax.methods import get_method
+
+
+COLUMNS = ["program", "unroll", "lower_s", "compile_s", "run_ms"]
+
+
+def _time(fn, runs: int) -> float:
+    """Median ms of ``fn()`` (which returns what to wait for) after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def probe(model, kv, unroll: bool, kv_lens: list[int], chunk: int, runs: int) -> list[dict]:
+    """Rows for one driver form: each program lowered, compiled and run on ``kv``'s pool (the
+    pool is donated and replaced on every call, as the engine does)."""
+    step, _, _, _, chunk_fn = _paged_programs(model.graphdef, model.config, model.method, unroll)
+    slots = kv.slots
+    table = np.zeros(kv.pages_per_request, np.int32)  # the null page: the program's work, not the data's
+    z = jnp.zeros((slots,), jnp.int32)
+    greedy = RowSampling(jnp.zeros(slots, jnp.uint32), z, jnp.zeros(slots, jnp.float32),
+                         jnp.ones(slots, jnp.float32), sampled=False)
+    rows = []
+
+    def one(what, fn, args, static, call):
+        t0 = time.perf_counter()
+        low = fn.lower(*args, **static)
+        t1 = time.perf_counter()
+        exe = low.compile()
+        t2 = time.perf_counter()
+        ms = _time(lambda: call(exe), runs)
+        row = dict(program=what, unroll=unroll, lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+                   run_ms=round(ms, 3))
+        print(row, flush=True)
+        rows.append(row)
+
+    def run_step(exe):
+        out, kv.cache = exe(model.params, z, kv.cache, jnp.ones((slots,), bool), greedy)
+        return out.tokens
+
+    one(f"decode step, {slots} rows", step, (model.params, z, kv.cache, jnp.ones((slots,), bool), greedy),
+        {"rows": slots}, run_step)
+    for n in kv_lens:
+        kv_len = chunk_kv_len(n, kv.page, kv.pages_per_request * kv.page)
+        start = max(0, min(n, kv.max_len) - chunk)
+        head = (jnp.zeros((1, chunk), jnp.int32), jnp.int32(start), jnp.asarray([kv.max_len - 1], jnp.int32))
+
+        def run_chunk(exe, head=head):
+            logits, kv.cache = exe(model.params, *head, kv.cache, jnp.int32(0), jnp.asarray(table))
+            return logits
+
+        one(f"chunk of {chunk} tokens, keys {kv_len}", chunk_fn,
+            (model.params, *head, kv.cache, jnp.int32(0), jnp.asarray(table)), {"kv_len": kv_len, "last": False},
+            run_chunk)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", default="dense")
+    p.add_argument("--max-len", type=int, default=132096)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--kv-lens", type=parse_list, default=[8192, 131072], help="chunk key buckets to compile")
+    p.add_argument("--unroll", default="both", choices=["both", "unrolled", "scanned"])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="compile_probe")
+    a = p.parse_args(argv)
+    if a.chunk < 1 or a.slots < 1 or a.runs < 1 or any(n < 1 for n in a.kv_lens):
+        raise SystemExit("--chunk, --slots, --runs and --kv-lens must be >= 1")
+    if max(a.kv_lens) > a.max_len:
+        raise SystemExit(f"--kv-lens must be <= --max-len {a.max_len}")
+
+    cfg = dataclasses.replace(qwen3_8b(a.max_len), num_layers=a.layers)
+    if a.tiny:
+        cfg = dataclasses.replace(cfg, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                                  intermediate_size=128, vocab_size=256)
+    method = get_method(a.method)
+    model = random_model(cfg, method, a.max_len)
+    engine = Engine(model, slots=a.slots, max_len=a.max_len, paged=True, prefill_chunk=a.chunk)
+    kv = engine.kv
+    forms = {"both": (True, False), "unrolled": (True,), "scanned": (False,)}[a.unroll]
+    rows = []
+    for unroll in forms:
+        rows += probe(model, kv, unroll, a.kv_lens, a.chunk, a.runs)
+    st = stamp("python -m benchmarks.probes.compile_probe " + " ".join(sys.argv[1:] if argv is None else argv))
+    flags = os.environ.get("XLA_FLAGS", "")
+    what = "a tiny config" if a.tiny else "Qwen3-8B shape"
+    md = (f"# The paged engine's programs: compile time and run time, unrolled against scanned\n\n{st}\n\n"
+          f"{what}, {cfg.num_layers} layers, random bf16 weights, `{a.method}`, max_len {a.max_len}, "
+          f"{a.slots} slots, chunks of {a.chunk} tokens; XLA_FLAGS: `{flags}`; the pool "
+          f"{kv.blocks.total} pages of {kv.page}. Each program lowered and compiled alone; `run_ms` the "
+          f"median of {a.runs} calls after one, on the engine's pool.\n\n" + markdown_table(rows, COLUMNS) + "\n")
+    write_results(a.name, {"stamp": st, "xla_flags": flags, "rows": rows}, md, a.out)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""benchmarks.probes.compile_probe on a tiny model (the CPU check of the GPU probe), and the
+chunk key buckets it compiles."""
+
+import json
+
+from benchmarks.probes import compile_probe
+from models.serving.paged import chunk_kv_len
+
+
+def test_chunk_key_buckets_stop_at_the_requests_capacity():
+    assert [chunk_kv_len(n, 64) for n in (1, 64, 65, 1000, 4096, 4097)] == [64, 64, 128, 1024, 4096, 8192]
+    # a 132,096-token context's last chunks gather its pages, not 262,144 keys
+    assert chunk_kv_len(132096, 64, 132096) == 132096 and chunk_kv_len(131072, 64, 132096) == 131072
+    assert chunk_kv_len(70000, 64, 132096) == 131072
+
+
+def test_compile_probe_times_each_program(tmp_path):
+    assert compile_probe.main(["--tiny", "--layers", "2", "--max-len", "1536", "--slots", "2", "--chunk", "256",
+                               "--kv-lens", "1536", "--unroll", "scanned", "--runs", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "compile_probe.json").read_text())["rows"]
+    assert [r["program"] for r in rows] == ["decode step, 2 rows", "chunk of 256 tokens, keys 1536"]
+    assert all(r["compile_s"] > 0 and r["run_ms"] > 0 and r["unroll"] is False for r in rows)
+    assert "| chunk of 256 tokens, keys 1536 | False |" in (tmp_path / "compile_probe.md").read_text()
