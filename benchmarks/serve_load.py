@@ -326,7 +326,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     try:
         pre = {"programs": 0, "seconds": 0.0, "failed": []}
         if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
-            pre = engine.precompile()  # the programs in parallel threads, before the engine runs
+            # the programs in parallel threads, before the engine runs: those the load's greedy
+            # requests of at least the mix's shortest prompt run
+            pre = engine.precompile(sampled=(False,), shortest_prompt=min(n // 2 + 1 for n, _ in mix), progress=True)
             print(f"[{label}] precompiled {pre['programs']} programs in {pre['seconds']:.1f} s; not ahead: "
                   f"{pre['failed'] or 'none'}", flush=True)
         engine.start()

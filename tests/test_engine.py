@@ -858,6 +858,11 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     # continued, then its last with keys 128)
     assert shapes == ["decode step, 1 rows, greedy", "decode step, 2 rows, greedy", "chunk of 64 tokens, keys 64",
                       "chunk of 64 tokens, keys 64, last", "chunk of 64 tokens, keys 128, last"], shapes
+    # prompts of at least 65 tokens never run the one-chunk programs
+    assert [what for what, *_ in engine.kv.program_shapes(sampled=(False,), shortest_prompt=65)] == \
+        shapes[:3] + shapes[4:]
+    with pytest.raises(ValueError, match="shortest_prompt must be an int >= 1"):
+        engine.kv.program_shapes(shortest_prompt=0)
     done = engine.precompile(sampled=(False,), workers=2)
     assert done["programs"] == 5 and not done["failed"], done
     assert engine.precompile(sampled=(False,))["programs"] == 0  # all there already

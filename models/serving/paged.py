@@ -564,14 +564,17 @@ class PagedSlots(PagedRequests):
                                 jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
                                 kv_len=chunk_kv_len(self.max_len, self.page, self.pages_per_request * self.page), last=True)
 
-    def program_shapes(self, sampled=(False, True)) -> list[tuple[str, Any, tuple, dict]]:
+    def program_shapes(self, sampled=(False, True), shortest_prompt: int = 1) -> list[tuple[str, Any, tuple, dict]]:
         """Every program this engine can run on its own calls, as ``(what, program, args,
         static)`` with ``args`` abstract where they vary (the params and the cache are the
         engine's own): the decode step on each batch bucket (:func:`decode_rows`) for greedy
         and sampled batches without filters, penalties, bias or log-probabilities (the
         common request; another option compiles when first used), and the prompt programs
         (each chunk size x key bucket x last or not, :class:`PagedChunkJob`; or each whole
-        prefill bucket)."""
+        prefill bucket); ``shortest_prompt``: leave out the programs only shorter prompts run
+        (a one-chunk prompt's chunk sizes, the whole-prefill buckets below its own)."""
+        if isinstance(shortest_prompt, bool) or not isinstance(shortest_prompt, int) or shortest_prompt < 1:
+            raise ValueError(f"shortest_prompt must be an int >= 1, got {shortest_prompt!r}")
         i32, sds = jnp.int32, jax.ShapeDtypeStruct
         params, cache = self.model.params, self.cache
         slot, pages = sds((), i32), sds((self.pages_per_request,), i32)
@@ -586,13 +589,16 @@ class PagedSlots(PagedRequests):
                             {"rows": rows}))
         prompt = sds((1,), i32)
         if self.prefill_chunk is None:
-            for bucket in sorted({prefill_bucket(n, self.max_len) for n in range(1, self.max_len)}):
+            for bucket in sorted({prefill_bucket(n, self.max_len) for n in range(min(shortest_prompt, self.max_len - 1),
+                                                                                  self.max_len)}):
                 out.append((f"prefill of {bucket} tokens", self._prefill,
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
         c, longest, keys = self.prefill_chunk, self.max_len - 1, set()
         cap = self.pages_per_request * self.page
         for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
+            if n < shortest_prompt:  # the bucket of prompts of at most n tokens: none comes
+                continue
             size = chunk_tokens(n, c)
             keys.add((size, chunk_kv_len(size, self.page, cap), True))
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
@@ -610,7 +616,8 @@ class PagedSlots(PagedRequests):
         else:
             self.aot_calls += 1
 
-    def precompile(self, *, workers: int | None = None, sampled=(False, True), progress: bool = False) -> dict:
+    def precompile(self, *, workers: int | None = None, sampled=(False, True), shortest_prompt: int = 1,
+                   progress: bool = False) -> dict:
         """Compile every program of :meth:`program_shapes` now, in ``workers`` threads (XLA
         compiles with the GIL released), and run them ahead of the jitted ones: the first
         requests of each size then wait for no compiler. A served model's first long prompts
@@ -618,12 +625,14 @@ class PagedSlots(PagedRequests):
         32K load on the Qwen3-8B shape on the H200, one at a time). Returns ``{"programs": n,
         "seconds": s, "failed": [...]}``: a program that fails to compile here (say, the
         device's memory for autotuning beside the pool) is left to compile when first used, as
-        without this, and named in ``failed``; ``progress``: a bar on stderr."""
+        without this, and named in ``failed``; ``sampled`` and ``shortest_prompt``: as
+        :meth:`program_shapes` (what the requests will ask); ``progress``: a bar on stderr."""
         import concurrent.futures
         import os
         import time
 
-        jobs = [(what, program, args, static) for what, program, args, static in self.program_shapes(sampled)
+        jobs = [(what, program, args, static) for what, program, args, static
+                in self.program_shapes(sampled, shortest_prompt)
                 if _aot_key(program, args, static) not in self._aot]
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
