@@ -91,12 +91,33 @@ def test_scanned_driver_equals_the_old_loops(smollm, fixture, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dense", "asynctls_lag"])
+@pytest.mark.parametrize("name", ["dense"])
 def test_unrolled_driver_equals_the_old_loops(smollm, fixture, name):
     opts = fixture_options(fixture, name)
     model = smollm.with_method(name.removesuffix("_lag"), **opts)
     full = run_fixture_case(model, fixture, unroll=True)
     check_against_fixture(full, fixture, name)
+
+
+def test_unrolled_driver_equals_the_scanned_one_with_the_lag():
+    """AsyncTLS with its lag (a state carried from step to step) through the unrolled driver
+    equals the scanned one, which equals the old loops on SmolLM2 above: a tiny random model
+    whose budget selects (its logits differ from dense), the same fed tokens. (SmolLM2's
+    unrolled AsyncTLS compiled for 10 s of CI to check this.)"""
+    cfg = models.ModelConfig(name="tiny", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
+                             head_dim=16, intermediate_size=96, vocab_size=97, max_position=256, rope_theta=1e4,
+                             rms_eps=1e-6)
+    chans = ((tuple(range(0, 16, 4)), tuple(range(1, 16, 4))),) * 3
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention="asynctls", attention_options=dict(
+        channels_per_layer=chans, block_size=16, kb=4, budget=32, dense_layers=(0,), lag=True))
+    rng = np.random.default_rng(0)
+    case = {"cache": 256, "tokens": rng.integers(3, 97, (2, 120)).astype(np.int32),
+            "lengths": np.array([120, 83], np.int32), "fed": rng.integers(3, 97, (6, 2)).astype(np.int32)}
+    scanned, unrolled = (run_fixture_case(model, case, unroll=u) for u in (False, True))
+    np.testing.assert_allclose(unrolled, scanned, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(unrolled.argmax(-1), scanned.argmax(-1))
+    dense = run_fixture_case(model.with_method("dense"), case, unroll=False)
+    assert np.abs(dense[1:] - scanned[1:]).max() > 1e-3  # it selects
 
 
 def test_the_fixture_is_not_trivial(fixture):
