@@ -70,10 +70,12 @@ def benchmarks_case(out: Path):
     """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` (their ``main``) on a tiny model."""
     from benchmarks import cache_rank, multi_gpu
 
+    # the smallest run of each: one 1-device baseline and one 2-device row (the one-device
+    # methods and the sharded layouts themselves are checked by the sharded and cache-rank steps)
     runs = {"cache_rank": (cache_rank, ["--tiny", "--contexts", "512", "--batch", "2", "--budget", "64", "--window",
                                         "4", "--packs", "2", "--steps", "2", "--rounds", "1", "--transfers",
-                                        "device_put", "--dispatch", "threads-wait"]),
-            "multi_gpu": (multi_gpu, ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "dense,quest",
+                                        "device_put", "--dispatch", "threads-wait", "--baselines", "asyncspade"]),
+            "multi_gpu": (multi_gpu, ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "quest",
                                       "--steps", "2", "--rounds", "1", "--budget", "64"])}
     for name, (mod, args) in runs.items():
         with contextlib.redirect_stdout(io.StringIO()):
