@@ -55,6 +55,10 @@ _OPTIONS = {"dense": {}, "oracle_topk": dict(budget=64), "streaming": dict(budge
             "kascade": dict(budget=64), "asyncspade": dict(budget=64)}
 
 
+#: methods test_engine_matches_single_request_generation also serves from the contiguous engine
+_CONTIGUOUS_TOO = ("dense", "asynctls", "asyncspade", "kascade", "arkvale")
+
+
 @pytest.fixture(scope="module")
 def tiny():
     import models
@@ -74,8 +78,11 @@ def test_engine_matches_single_request_generation(tiny, name):
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=STEPS,
                                stop_ids=())[0] for i in ids]
     # two slots for three requests: the third waits, then is inserted into a slot another request held;
-    # the same through the paged engine (pages freed by the first request reused by the third)
-    for paged in (False, True):
+    # the same through the paged engine (pages freed by the first request reused by the third). The
+    # contiguous engine's slots move each method's state as a pytree row, one code path for all: it
+    # runs for the methods whose state differs in kind (labels, a query history, anchors' carry, pages
+    # of summaries), the paged engine (each method's metadata read through the table) for every one
+    for paged in ((False, True) if name in _CONTIGUOUS_TOO else (True,)):
         engine = Engine(model, slots=2, max_len=256, stop_ids=(), paged=paged).start()
         try:
             reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=STEPS))) for i in ids]
