@@ -404,13 +404,14 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         prompts = [{"task": "tiny", "index": i, "ids": rng.integers(5, 97, 150 + 7 * i).tolist(),
                     "needle": (40 + i, 41 + i, 42 + i), "answers": None, "max_new": a.steps} for i in range(2)]
-        width = 192
+        width = length = 192
     else:
         import models
         from benchmarks import ruler_tasks
         from benchmarks.needle_probe import needle_positions
 
-        model = models.load_model(a.model, dtype=jnp.dtype(a.dtype), max_len=a.length + 64)
+        # a prompt leaves ANSWER_ROOM (64) of its length for the answer: the length is the context
+        model = models.load_model(a.model, dtype=jnp.dtype(a.dtype), max_len=a.length)
         chat = getattr(model.tokenizer, "chat_template", None) is not None  # the harness's "auto"
         prompts = []
         for task in a.tasks.split(","):
@@ -419,11 +420,13 @@ def main(argv=None) -> int:
                 prompts.append({"task": task, "index": i, "ids": list(smp.input_ids), "answers": list(smp.answers),
                                 "needle": needle_positions(model.tokenizer, smp.prompt, smp.input_ids, smp.answers[0]),
                                 "max_new": smp.max_new_tokens})
-        width = a.length
+        # every prompt padded to one width (one compilation): the longest prompt and its steps, so a
+        # prompt of a target at the model's context still fits it (its cache rounds up to 64)
+        width, length = max(len(pr["ids"]) for pr in prompts) + a.steps + 1, a.length
     cfg = model.config
     budget = min(a.budget, 32) if a.tiny else a.budget  # the tiny prompts are 150-157 tokens
     payload = {"stamp": stamp(), "model": cfg.name, "tasks": a.tasks.split(",") if not a.tiny else ["tiny"],
-               "length": width, "budget": budget, "steps": a.steps, "methods": [], "prompts": [], "skipped": []}
+               "length": length, "budget": budget, "steps": a.steps, "methods": [], "prompts": [], "skipped": []}
     jobs = [(m, pr) for m in methods for pr in prompts]
     bar = tqdm(total=len(jobs), desc="selection_cause", unit="prompt", file=sys.stderr, disable=a.no_progress)
     dense_ok: dict = {}
@@ -459,7 +462,7 @@ def main(argv=None) -> int:
         if a.score and keys and not a.tiny:  # the tiny prompts have no answer to score
             entry["scores"], entry["lost"] = score_method(model, method, [pr for pr in prompts
                                                                           if f"{pr['task']}/{pr['index']}" in keys],
-                                                          width)
+                                                          length)  # the harness's: answers fit it
         roles = layer_roles(bound, cfg.num_layers)
         entry["by_layer"] = summarize(rows, names, "layer", roles)
         lost_rows = [r for r in rows if r["index"] in entry["lost"]]
@@ -475,7 +478,7 @@ def main(argv=None) -> int:
     bar.close()
     payload["wall_s"] = round(time.perf_counter() - t0, 1)
     md = render(payload)
-    name = a.name or f"selection_cause_{cfg.name}_{width}_b{budget}"
+    name = a.name or f"selection_cause_{cfg.name}_{length}_b{budget}"
     if a.out:
         write_results(name, payload, md, Path(a.out))
     print(md)
