@@ -83,7 +83,7 @@ def probe(model, kv, unroll: bool, kv_lens: list[int], chunk: int, runs: int) ->
     one(f"decode step, {slots} rows", step, (model.params, z, kv.cache, jnp.ones((slots,), bool), greedy),
         {"rows": slots}, run_step)
     for n in kv_lens:
-        kv_len = chunk_kv_len(n, kv.page, kv.pages_per_request * kv.page)
+        kv_len = chunk_kv_len(n, kv.page, kv.max_len)
         start = max(0, min(n, kv.max_len) - chunk)
         head = (jnp.zeros((1, chunk), jnp.int32), jnp.int32(start), jnp.asarray([kv.max_len - 1], jnp.int32))
 

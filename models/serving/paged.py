@@ -247,7 +247,7 @@ def chunk_tokens(n: int, chunk: int) -> int:
 
 def chunk_kv_len(end: int, page: int, cap: int | None = None) -> int:
     """The keys a chunk ending at position ``end`` gathers from its pages: a power of two (few
-    compilations), at least one page, at most ``cap`` (a request's pages: the last bucket of a
+    compilations), at least one page, at most ``cap`` (the request's capacity: the last bucket of a
     132,096-token context is that, not 262,144, whose gather and attention would double the
     largest chunk's work and temporaries)."""
     n = max(page, 1 << (end - 1).bit_length())
@@ -301,8 +301,7 @@ class PagedChunkJob:
         logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
                                 (jnp.asarray(toks), jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
                                 self.slot, self.table, wait=False,  # the engine waits: PagedSlots.wait
-                                kv_len=chunk_kv_len(self.start + c, kv.page, kv.pages_per_request * kv.page),
-                                last=last)
+                                kv_len=chunk_kv_len(self.start + c, kv.page, kv.max_len), last=last)
         self.start += c
         self.chunks += 1
         if last:
@@ -562,7 +561,7 @@ class PagedSlots(PagedRequests):
         i32 = jnp.int32
         return self._temp_bytes(self._chunk, jax.ShapeDtypeStruct((1, self.prefill_chunk), i32),
                                 jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1,), i32),
-                                kv_len=chunk_kv_len(self.max_len, self.page, self.pages_per_request * self.page), last=True)
+                                kv_len=chunk_kv_len(self.max_len, self.page, self.max_len), last=True)
 
     def program_shapes(self, sampled=(False, True), shortest_prompt: int = 1) -> list[tuple[str, Any, tuple, dict]]:
         """Every program this engine can run on its own calls, as ``(what, program, args,
@@ -595,7 +594,7 @@ class PagedSlots(PagedRequests):
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
         c, longest, keys = self.prefill_chunk, self.max_len - 1, set()
-        cap = self.pages_per_request * self.page
+        cap = self.max_len  # a multiple of the page: a request's pages
         for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
             if n < shortest_prompt:  # the bucket of prompts of at most n tokens: none comes
                 continue
