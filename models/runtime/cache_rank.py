@@ -450,7 +450,7 @@ class CacheRankModel(Model):
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         if int(pack_layers) < 1:
             raise ValueError(f"pack_layers must be >= 1, got {pack_layers}")
-        method = method.without_dense_steps("the cache rank's inference side")
+        method.check_no_dense_steps("the cache rank's inference side")
         check_selector(method, base.config, base.max_len, base.dtype)
         devs = list(jax.devices()) if devices is None else list(devices)
         if len(devs) < 2:

@@ -317,13 +317,12 @@ class AsyncSpade(AttentionMethod):
         prefetch = self._prefetch_blocks(state["next"], state["next_counts"], lengths, self.blocks)
         return self.step_selection(cur, cur_counts, lengths, prefetch), state, carry
 
-    def without_dense_steps(self, where: str) -> "AsyncSpade":
-        """This method, checked for ``where`` (a path that holds no whole cache on the
-        attending device): ``dense_steps > 0`` is an error there."""
+    def check_no_dense_steps(self, where: str) -> None:
+        """ValueError when ``dense_steps > 0`` on ``where``, a path that holds no whole cache
+        on the attending device."""
         if self.dense_steps:
             raise ValueError(f"asyncspade: dense_steps={self.dense_steps} attends every key, which {where} does not "
                              f"hold on the attending device: pass dense_steps=0 (the default)")
-        return self
 
     def decode(self, q, kv, lengths, state, carry, layer):
         """The selection's attention; rows within their first ``dense_steps`` decode steps
@@ -349,7 +348,8 @@ class AsyncSpade(AttentionMethod):
         return jax.lax.cond(jnp.any(warm), mixed, sparse, None), new_state, carry
 
     def for_offload(self) -> "AsyncSpade":
-        return self.without_dense_steps("the offloaded tier")
+        self.check_no_dense_steps("the offloaded tier")
+        return self
 
     # -- offloading: the next selection's blocks are the prefetch ---------------------------
     def _prefetch_blocks(self, nxt, counts, lengths, blocks: bool):
