@@ -223,7 +223,7 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new: Sequence[i
                 done[r] = len(out[r]) >= max_new[r]
         if done.all() or step == steps - 1:
             break
-        logits, cache = model.fns.decode_step(model.params, tok, cache)
+        logits, cache = model.fns.decode_at(step + 1)(model.params, tok, cache)  # every row at step + 1
     if timing is not None:
         for key, val in (("prefill_s", t1 - t0), ("decode_s", time.perf_counter() - t1), ("steps", step + 1),
                          ("batches", 1)):

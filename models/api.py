@@ -271,7 +271,9 @@ class Model:
                 stream(piece)
             if done.all() or step == max_new_tokens - 1:
                 break
-            logits, cache = self.fns.decode_step(self.params, tok, cache)
+            # past the method's warm-up (AsyncSpade's dense_steps) its steady program: every
+            # row of this batch is at its (step + 1)-th decode step
+            logits, cache = self.fns.decode_at(step + 1)(self.params, tok, cache)
         if streamer is not None and (piece := streamer.update(out[0], final=True)):
             stream(piece)
         return out

@@ -124,12 +124,27 @@ class ModelFunctions:
 
     ``forward(params, tokens) -> logits [B,T,V]``;
     ``prefill(params, tokens, lengths, cache) -> (logits [B,V], cache)`` (cache donated);
-    ``decode_step(params, tokens, cache) -> (logits [B,V], cache)`` (cache donated).
+    ``decode_step(params, tokens, cache) -> (logits [B,V], cache)`` (cache donated), right
+    for any row at any step; ``steady_decode_step``: the same signature, built from the
+    method's :meth:`~sparse_jax.methods.base.AttentionMethod.steady_state`, right for rows
+    past their first ``warmup_steps`` decode steps (AsyncSpade's ``dense_steps``: without
+    the warm-up's per-layer branch); None where the method has no warm-up. Callers that
+    count steps pick with :meth:`decode_at`.
     """
 
     forward: Callable[..., jax.Array]
     prefill: Callable[..., tuple[jax.Array, KVCache]]
     decode_step: Callable[..., tuple[jax.Array, KVCache]]
+    steady_decode_step: Callable[..., tuple[jax.Array, KVCache]] | None = None
+    warmup_steps: int = 0
+
+    def decode_at(self, step: int) -> Callable[..., tuple[jax.Array, KVCache]]:
+        """The decode program for a batch in which every row is at least at its ``step``-th
+        decode step after its prompt (1: the first): :attr:`decode_step` within the
+        method's warm-up, :attr:`steady_decode_step` past it (the same logits and cache)."""
+        if self.steady_decode_step is None or step <= self.warmup_steps:
+            return self.decode_step
+        return self.steady_decode_step
 
 
 def default_unroll() -> bool:
@@ -207,15 +222,20 @@ def build_functions(graphdef: nnx.GraphDef, cfg: ModelConfig, method: AttentionM
     def _prefill(params, tokens, lengths, cache):
         return prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, cache, unroll=unroll)
 
-    def _decode(params, tokens, cache):
-        return decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll or rows)
+    def decode_program(m):
+        def _decode(params, tokens, cache):
+            return decode_step(nnx.merge(graphdef, params), cfg, m, tokens, cache, unroll=unroll or rows)
 
-    decode = jax.jit(_decode, donate_argnums=(2,))
+        decode = jax.jit(_decode, donate_argnums=(2,))
+        return RowsStep(decode) if rows else decode
 
+    warm = method.warmup_steps
     return ModelFunctions(
         forward=jax.jit(_forward),
         # keep_unused: the prefill reads only the empty cache's shapes, and jit would drop an
         # unused argument with its donation: the new cache then needs memory of its own
         prefill=jax.jit(_prefill, donate_argnums=(3,), keep_unused=True),
-        decode_step=RowsStep(decode) if rows else decode,
+        decode_step=decode_program(method),
+        steady_decode_step=decode_program(method.steady_state()) if warm else None,
+        warmup_steps=warm,
     )

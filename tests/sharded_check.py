@@ -48,9 +48,9 @@ def _run(fns, params, cache, tokens, lengths):
     logits, cache = fns.prefill(params, tokens, lengths, cache)
     out, toks = [np.asarray(logits, np.float32)], []
     nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-    for _ in range(STEPS):
+    for step in range(1, STEPS + 1):
         toks.append(np.asarray(nxt))
-        logits, cache = fns.decode_step(params, nxt, cache)
+        logits, cache = fns.decode_at(step)(params, nxt, cache)  # past a warm-up: the steady program
         out.append(np.asarray(logits, np.float32))
         nxt = jnp.argmax(logits, -1).astype(jnp.int32)
     return out, np.stack(toks), cache
@@ -112,7 +112,8 @@ def tiny_cases(meshes):
     methods = {"dense": get_method("dense"), "quest": get_method("quest", budget=64, dense_layers=(0,)),
                "asynctls": get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
                                       dense_layers=(0,)),
-               "asyncspade": get_method("asyncspade", budget=64, window=4, dense_layers=(0,)),
+               # θ_t = 2: two steps of the warm-up's program, then the steady one (decode_at)
+               "asyncspade": get_method("asyncspade", budget=64, window=4, dense_layers=(0,), dense_steps=2),
                # Token Sparse Attention prefill: its per-row count is shared by every head (a psum)
                "quest+token_sparse": get_method("quest", budget=64, dense_layers=(0,), prefill="token_sparse",
                                                 prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.2)))}

@@ -382,6 +382,11 @@ class CacheRankFunctions:
         self.host_s[what] = self.host_s.get(what, 0.0) + time.perf_counter() - t
         return out
 
+    def decode_at(self, step: int):
+        """:meth:`decode_step` at every step: the cache rank runs no warm-up (AsyncSpade's
+        ``dense_steps`` is refused here; :meth:`models.programs.ModelFunctions.decode_at`)."""
+        return self.decode_step
+
     def decode_step(self, params, tokens, split: SplitCache):
         """One step over both devices: ``(logits [B, V] on device 0, SplitCache)``."""
         max_len = split.max_len

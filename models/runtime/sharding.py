@@ -315,8 +315,8 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
     def _prefill(params, tokens, lengths, cache):
         return prefill(nnx.merge(graphdef_local, params), local, method, tokens, lengths, cache, unroll=unroll, tp=tp)
 
-    def _decode(params, tokens, cache):
-        return decode_step(nnx.merge(graphdef_local, params), local, method, tokens, cache, unroll=unroll, tp=tp)
+    def _decode(params, tokens, cache, m=method):
+        return decode_step(nnx.merge(graphdef_local, params), local, m, tokens, cache, unroll=unroll, tp=tp)
 
     def make_prefill(length):
         empty = cache_specs(cfg, method, par.data, length, dtype, par)
@@ -325,14 +325,20 @@ def build_sharded_functions(cfg: ModelConfig, method: AttentionMethod, mesh: Mes
         return jax.jit(smap(_prefill, (pspecs, rows2, rows, empty), (rows2, full)), donate_argnums=(3,),
                        keep_unused=True)
 
-    def make_decode(length):
+    def make_decode(length, m=method):
         cs = cache_specs(cfg, method, par.data, length, dtype, par, prefilled=True)
-        return jax.jit(smap(_decode, (pspecs, rows, cs), (rows2, cs)), donate_argnums=(2,))
+        fn = functools.partial(_decode, m=m)
+        return jax.jit(smap(fn, (pspecs, rows, cs), (rows2, cs)), donate_argnums=(2,))
+
+    warm = method.warmup_steps
 
     return ShardedFunctions(
         forward=jax.jit(smap(_forward, (pspecs, rows2), P(DATA, None, None))),
         prefill=_ByCacheLength(make_prefill, 3),
         decode_step=_ByCacheLength(make_decode, 2),
+        steady_decode_step=(_ByCacheLength(functools.partial(make_decode, m=method.steady_state()), 2)
+                            if warm else None),
+        warmup_steps=warm,
         mesh=mesh, config=cfg, local=local,
     )
 

@@ -50,11 +50,14 @@ public code):
   history fills (``dense_steps=window``: the first prediction regresses on a full
   window of ``W + 1`` known queries). The default is 0, sparse from the first decode
   step (until ``W + 1`` queries are known the candidates use the window sizes the
-  history supports): the warm-up's per-layer ``lax.cond`` cost 1.2 ms a step past the
-  warm-up (8.15 against 6.93 ms at 32K, B=4, Qwen3-8B shape, H200:
-  ``asyncspade_e2e_32k_b4_h200.md``), and issue 51 forbids a slower step. Resident
-  only: the offloaded tier (``for_offload``) and the cache rank hold no whole cache on
-  the attending device (``dense_steps > 0`` there is an error).
+  history supports). The warm-up is a program of its own: its per-layer ``lax.cond``
+  cost 1.2 ms a step even past the warm-up (8.15 against 6.93 ms at 32K, B=4, Qwen3-8B
+  shape, H200: ``asyncspade_e2e_32k_b4_h200.md``), so a step in which no row warms up
+  runs :meth:`steady_state`'s program, which has none
+  (:meth:`models.programs.ModelFunctions.decode_at`; the engines:
+  :class:`models.serving.slots.WarmupSteps`). Resident only: the offloaded tier
+  (``for_offload``) and the cache rank hold no whole cache on the attending device
+  (``dense_steps > 0`` there is an error).
 
 **Token-level selection** (the paper's, Sec. 4.2 and Alg. 1 step 7: ``q̂ Kᵀ`` over the
 whole cache, then top-k): ``selector="oracle_topk"``, the exact softmax of ``q̂`` summed
@@ -148,6 +151,9 @@ class AsyncSpade(AttentionMethod):
     dense_layers: tuple[int, ...] = (0, 1)
     dense_steps: int = 0
     impl: str = "auto"
+    #: the program of rows past their warm-up (:meth:`steady_state`; not a user option): no
+    #: dense steps, and no first-step choice of a token selector
+    steady: bool = False
     #: block size of the offloaded tier (and of the prefetch) under a token selector
     prefetch_block_size: int = 16
     #: the selector bound to the model (``for_model``)
@@ -309,13 +315,28 @@ class AsyncSpade(AttentionMethod):
     def select(self, q, kv, lengths, state, carry, layer):
         # 1. this step's selection: chosen during the previous step
         cur, cur_counts = state["next"], state["next_counts"]
-        if self.reads_all_keys:
+        if self.reads_all_keys and not self.steady:
             cur, cur_counts = self._first_step_choice(kv, lengths, state, layer, cur, cur_counts)
         # 2-3. the history, the prediction and the next step's selection (independent
         # of this step's attention)
         state = self.advance(q, kv, lengths, state, layer)
         prefetch = self._prefetch_blocks(state["next"], state["next_counts"], lengths, self.blocks)
         return self.step_selection(cur, cur_counts, lengths, prefetch), state, carry
+
+    @property
+    def warmup_steps(self) -> int:  # type: ignore[override]
+        """The first ``dense_steps`` decode steps, and with a token selector
+        (``reads_all_keys``) at least the first, whose selection is made from the last
+        prompt query then (:meth:`_first_step_choice`); 0 for :meth:`steady_state`."""
+        if self.steady:
+            return 0
+        return max(self.dense_steps, 1 if self.reads_all_keys else 0)
+
+    def steady_state(self) -> "AsyncSpade":
+        """The program of rows past :attr:`warmup_steps`: neither the dense steps' nor the
+        first step's per-layer ``lax.cond`` (1.2 ms of a 6.9 ms step at 32K, B=4 on the
+        H200, taken or not: ``asyncspade_e2e_32k_b4_h200.md``). The state is the same."""
+        return dataclasses.replace(self, steady=True) if self.warmup_steps else self
 
     def check_no_dense_steps(self, where: str) -> None:
         """ValueError when ``dense_steps > 0`` on ``where``, a path that holds no whole cache
@@ -330,7 +351,7 @@ class AsyncSpade(AttentionMethod):
         attend every key instead. The whole-cache attention runs only in steps where
         some row warms up (``lax.cond``), and each row takes its own result, so a row's
         output does not depend on the others in the batch."""
-        n = self.dense_steps
+        n = 0 if self.steady else self.dense_steps
         sel, new_state, carry = self.select(q, kv, lengths, state, carry, layer)
         impl = self.impl
 

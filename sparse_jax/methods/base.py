@@ -243,6 +243,21 @@ class AttentionMethod:
         sel, state, carry = self.select(q, kv, lengths, state, carry, layer)
         return kv.attend(q, lengths, sel, impl=getattr(self, "impl", "auto")), state, carry
 
+    # -- a warm-up after the prompt (AsyncSpade's θ_t) ------------------------------
+    @property
+    def warmup_steps(self) -> int:
+        """Decode steps after a row's prompt that run differently from the steady state
+        (AsyncSpade's ``dense_steps``: they attend every key); 0: none. A caller that
+        knows no row of a batch is within its first ``warmup_steps`` decode steps may run
+        :meth:`steady_state`'s program instead: the same logits and state for every such
+        row, without the warm-up's work (:attr:`models.programs.ModelFunctions.steady_decode_step`)."""
+        return 0
+
+    def steady_state(self) -> "AttentionMethod":
+        """This method past its warm-up: the same cache and state, and the same decode
+        for a row past its first :attr:`warmup_steps` steps. Default: itself."""
+        return self
+
     # -- prefill (once per prompt) ------------------------------------------------
     def prefill_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                           layer: LayerCtx) -> jax.Array:
