@@ -52,7 +52,9 @@ _CHANNELS = (tuple(tuple(range(h, 16, 4)) for h in range(2)),) * 3
 _OPTIONS = {"dense": {}, "oracle_topk": dict(budget=64), "streaming": dict(budget=64), "quest": dict(budget=64),
             "arkvale": dict(budget=96), "double_sparsity": dict(budget=64, channels_per_layer=_CHANNELS),
             "asynctls": dict(budget=64, block_size=16, kb=6, channels_per_layer=_CHANNELS),
-            "kascade": dict(budget=64), "asyncspade": dict(budget=64)}
+            # θ_t = 2 dense steps: the engines run the warm-up's program while a row warms up, the
+            # steady one otherwise (models.serving.slots.WarmupSteps)
+            "kascade": dict(budget=64), "asyncspade": dict(budget=64, window=4, dense_steps=2)}
 
 
 #: methods test_engine_matches_single_request_generation also serves from the contiguous engine
@@ -91,6 +93,8 @@ def test_engine_matches_single_request_generation(tiny, name):
             assert [r.output_ids for r in reqs] == refs, f"paged={paged}"
             assert engine.idle() and engine.stats()["working_set_bytes"] == 0
             assert engine.stats()["admitted"] == 3
+            if name == "asyncspade":  # the third request warmed up while the first decoded past it
+                assert engine.kv.warmup.warm_steps >= 4 and engine.kv.warmup.steady_steps > 0, paged
             if paged:
                 s = engine.stats()
                 assert s["kv_blocks_free"] == s["kv_blocks_total"] and s["preempted"] == 0

@@ -46,8 +46,8 @@ from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
-from models.serving.slots import (ResidentSlots, engine_step, check_engine_mesh, check_slot_axis, insert_slot,
-                                  padded_prompt, prefill_bucket, segmented_prompt_tokens)
+from models.serving.slots import (ResidentSlots, WarmupSteps, engine_step, check_engine_mesh, check_slot_axis,
+                                  insert_slot, padded_prompt, prefill_bucket, segmented_prompt_tokens)
 from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
 from sparse_jax.offload import capacity
 
@@ -421,6 +421,10 @@ class PagedSlots(PagedRequests):
         self._runner = None
         self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
             model.graphdef, model.config, model.method, unroll)
+        # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
+        # where the method has none)
+        self._steady_step = _paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
+        self.warmup = WarmupSteps(slots, model.method.warmup_steps)
         self.last_rows = slots  # the rows the last decode step ran (its batch bucket, decode_rows)
 
         temps = 0
@@ -578,14 +582,18 @@ class PagedSlots(PagedRequests):
         params, cache = self.model.params, self.cache
         slot, pages = sds((), i32), sds((self.pages_per_request,), i32)
         out = []
+        # the warm-up's step (AsyncSpade's dense_steps) and the steady one, where they differ
+        steps = [("", self._step)] + ([(", past the warm-up", self._steady_step)]
+                                      if self._steady_step is not self._step else [])
         for rows in sorted({decode_rows(self.slots, u) for u in range(1, self.slots + 1)}):
             for s in sampled:
                 f32 = sds((self.slots,), jnp.float32)
                 sampling = RowSampling(sds((self.slots,), jnp.uint32), sds((self.slots,), i32), f32, f32,
                                        sampled=bool(s))
-                out.append((f"decode step, {rows} rows, {'sampled' if s else 'greedy'}", self._step,
-                            (params, sds((self.slots,), i32), cache, sds((self.slots,), bool), sampling),
-                            {"rows": rows}))
+                for which, step in steps:
+                    out.append((f"decode step, {rows} rows, {'sampled' if s else 'greedy'}{which}", step,
+                                (params, sds((self.slots,), i32), cache, sds((self.slots,), bool), sampling),
+                                {"rows": rows}))
         prompt = sds((1,), i32)
         if self.prefill_chunk is None:
             for bucket in sorted({prefill_bucket(n, self.max_len) for n in range(min(shortest_prompt, self.max_len - 1),
@@ -715,6 +723,7 @@ class PagedSlots(PagedRequests):
         self._table[slot] = table
         self._lengths[slot] = n
         self._dirty = True
+        self.warmup.inserted(slot)
 
     def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         if self._dirty:  # copies: the host arrays change while the step is queued
@@ -726,11 +735,13 @@ class PagedSlots(PagedRequests):
         # slot first), rounded up to a power of two
         used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         self.last_rows = decode_rows(self.slots, used)
+        step = self._step if self.warmup.warming(active) else self._steady_step
         args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
-        aot = self._aot.get(_aot_key(self._step, args, {"rows": self.last_rows}))
+        aot = self._aot.get(_aot_key(step, args, {"rows": self.last_rows}))
         self._count(aot)
-        out, self.cache = aot(*args) if aot is not None else self._step(*args, rows=self.last_rows)
+        out, self.cache = aot(*args) if aot is not None else step(*args, rows=self.last_rows)
         self._lengths += active  # the step advances the active rows only
+        self.warmup.stepped(active)
         return out
 
     def check(self) -> None:

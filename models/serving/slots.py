@@ -86,6 +86,37 @@ def engine_step(decode):
     return step
 
 
+class WarmupSteps:
+    """Per slot, the decode steps it ran since its prompt went in: a step in which no
+    active row is within its first ``warmup`` steps (the method's
+    :attr:`~sparse_jax.methods.base.AttentionMethod.warmup_steps`: AsyncSpade's
+    ``dense_steps``) runs the method's steady program, which gives such rows the same
+    logits and cache without the warm-up's per-layer branch."""
+
+    def __init__(self, slots: int, warmup: int):
+        self.warmup = int(warmup)
+        self.since = np.zeros(slots, np.int64)
+        #: steps that ran the warm-up's program and the steady one (where the method has a warm-up)
+        self.warm_steps = self.steady_steps = 0
+
+    def inserted(self, slot: int) -> None:
+        self.since[slot] = 0
+
+    def warming(self, active) -> bool:
+        """Whether a row of ``active`` (bool[B]) is within its warm-up at the next step."""
+        if self.warmup == 0:
+            return False
+        warm = bool((np.asarray(active, bool)[: len(self.since)] & (self.since < self.warmup)).any())
+        if warm:
+            self.warm_steps += 1
+        else:
+            self.steady_steps += 1
+        return warm
+
+    def stepped(self, active) -> None:
+        self.since += np.asarray(active, bool)[: len(self.since)]
+
+
 def _engine_programs(decode):
     """The engine's jitted programs around ``decode(params, tokens, cache) -> (logits,
     cache)``: the step (:func:`engine_step`; cache donated; one compilation per
@@ -250,10 +281,14 @@ class ResidentSlots:
         self.model, self.slots, self.max_len = model, slots, max_len
         self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
         self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
+        self.warmup = WarmupSteps(slots, model.method.warmup_steps)
         if getattr(model, "mesh", None) is not None:
             self._step, self._insert = _sharded_programs(model.fns.decode_step)
+            steady = model.fns.steady_decode_step
+            self._steady_step = self._step if steady is None else _sharded_programs(steady)[0]
         else:
             self._step, self._insert = _programs(model.graphdef, model.config, model.method, unroll)
+            self._steady_step = _programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
 
             temps = 0
             if device_budget() is not None and segmented:
@@ -290,12 +325,15 @@ class ResidentSlots:
 
     def insert(self, row, slot: int) -> None:
         self.cache = self._insert(self.cache, row, jnp.int32(slot))
+        self.warmup.inserted(slot)
 
     def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         """One decode step of every slot (``active bool[B]``: the rows that advance) and its
-        sampling; the cache is donated and replaced."""
-        out, self.cache = self._step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active),
-                                     sampling)
+        sampling; the cache is donated and replaced. The method's steady program when no
+        active row is within its warm-up (:class:`WarmupSteps`)."""
+        step = self._step if self.warmup.warming(active) else self._steady_step
+        out, self.cache = step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
+        self.warmup.stepped(active)
         return out
 
     def blocks_loaded(self, active) -> int:
