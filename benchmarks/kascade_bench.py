@@ -130,7 +130,7 @@ def method_for(name: str, cfg):
     # the steady state (dense_steps=0): the first `window` steps of a request attend every key
     if name == "asyncspade_tok":  # the paper's token-level selection (issue 51)
         return get_method("asyncspade", selector="oracle_topk", budget=2048, dense_steps=0)
-    if name == "asyncspade_warm":  # θ_t = window dense steps, timed past them (e2e_rows)
+    if name == "asyncspade_warm":  # θ_t = window dense steps, timed past them (e2e_rows): the steady program
         return get_method("asyncspade", selector="quest", budget=2048, dense_steps=16)
     if name == "asyncspade_w1":
         return get_method("asyncspade", selector="quest", budget=2048, window=1, dense_steps=0)
@@ -156,14 +156,16 @@ def e2e_rows(a) -> list[dict]:
         method = method_for(name, cfg).for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim)
         model = random_model(cfg, method, cap)
         fns = programs.build_functions(model.graphdef, cfg, method, True)
-        step = lambda t, c, f=fns: f.decode_step(model.params, t, c)  # noqa: E731
+        # rows past any warm-up (asyncspade_warm's counts are set so below): the program a caller
+        # that counts steps runs then (ModelFunctions.decode_at; the engines alike)
+        past = getattr(method, "window", 0) + 1
+        step = lambda t, c, f=fns.decode_at(past): f(model.params, t, c)  # noqa: E731
         tokens = jnp.zeros((a.batch,), jnp.int32)
         cache = init_cache(cfg, method, a.batch, cap, jnp.bfloat16)
         if name.startswith("asyncspade"):  # the query history exists after a prefill: a short one fills it
             prompt = jnp.zeros((a.batch, 256), jnp.int32)
             _, cache = fns.prefill(model.params, prompt, jnp.full((a.batch,), 256, jnp.int32), cache)
-        if name == "asyncspade_warm":  # every row past its dense steps: what the warm-up's cond costs
-            past = method.window + 1
+        if name == "asyncspade_warm":  # every row past its dense steps: the steady program's time
             cache = dataclasses.replace(cache, layers=tuple(
                 dataclasses.replace(e, state=dict(e.state, count=jnp.full_like(e.state["count"], past)))
                 if isinstance(getattr(e, "state", None), dict) and "count" in e.state else e for e in cache.layers))
