@@ -874,6 +874,12 @@ def test_precompiled_engine_serves_without_compiling(tiny):
         shapes[:3] + shapes[4:]
     with pytest.raises(ValueError, match="shortest_prompt must be an int >= 1"):
         engine.kv.program_shapes(shortest_prompt=0)
+    # nor the last chunks of prompts shorter than the shortest (at 128K with prompts of 64K and up:
+    # 3 last-chunk key buckets, not 7); every continued chunk stays
+    long = Engine(model, slots=2, max_len=256, paged=True, prefill_chunk=64, stop_ids=())
+    chunks = [what for what, *_ in long.kv.program_shapes(sampled=(False,), shortest_prompt=129) if "chunk" in what]
+    assert chunks == ["chunk of 64 tokens, keys 64", "chunk of 64 tokens, keys 128", "chunk of 64 tokens, keys 256",
+                      "chunk of 64 tokens, keys 256, last"], chunks
     done = engine.precompile(sampled=(False,), workers=2)
     assert done["programs"] == 5 and not done["failed"], done
     assert engine.precompile(sampled=(False,))["programs"] == 0  # all there already

@@ -575,7 +575,8 @@ class PagedSlots(PagedRequests):
         common request; another option compiles when first used), and the prompt programs
         (each chunk size x key bucket x last or not, :class:`PagedChunkJob`; or each whole
         prefill bucket); ``shortest_prompt``: leave out the programs only shorter prompts run
-        (a one-chunk prompt's chunk sizes, the whole-prefill buckets below its own)."""
+        (a one-chunk prompt's chunk sizes, the last chunks of shorter prompts, the
+        whole-prefill buckets below its own)."""
         if isinstance(shortest_prompt, bool) or not isinstance(shortest_prompt, int) or shortest_prompt < 1:
             raise ValueError(f"shortest_prompt must be an int >= 1, got {shortest_prompt!r}")
         i32, sds = jnp.int32, jax.ShapeDtypeStruct
@@ -610,7 +611,8 @@ class PagedSlots(PagedRequests):
             keys.add((size, chunk_kv_len(size, self.page, cap), True))
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
             keys.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
-            keys.add((c, chunk_kv_len(start + c, self.page, cap), True))  # the last one, of a prompt of start+1.. tokens
+            if start + c >= shortest_prompt:  # the last one, of a prompt of start+1 .. start+c tokens
+                keys.add((c, chunk_kv_len(start + c, self.page, cap), True))
         for size, kv_len, last in sorted(keys):
             out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
                         (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
