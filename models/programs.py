@@ -52,12 +52,12 @@ def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, token
 
 def prefill_chunk(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
                   start: jax.Array, lengths: jax.Array, cache: KVCache, *, kv_len: int, last: bool,
-                  unroll: bool = False) -> tuple[jax.Array | None, KVCache]:
+                  unroll: bool = False, tp: tuple[str, int] | None = None) -> tuple[jax.Array | None, KVCache]:
     """One chunk ``tokens int32[1, C]`` at positions ``start ..`` of a prompt of ``lengths
     [1]`` tokens into a paged one-row view (:meth:`models.driver.Driver.prefill_chunk`):
     the f32 logits ``[1, V]`` at the prompt's last token when ``last``, else None, and the
-    cache (its pages written; with ``last``, the method's state)."""
-    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll)
+    cache (its pages written; with ``last``, the method's state). ``tp``: as :func:`forward`."""
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
     x, cache = drv.prefill_chunk(nnx.state(model.layers), model.embed_tokens(tokens), start, lengths.astype(jnp.int32),
                                  cache, kv_len, last)
     return (model.logits(last_valid(x, lengths - start)) if last else None), cache

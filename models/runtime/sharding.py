@@ -49,7 +49,7 @@ from models.config import ModelConfig
 from models.driver import init_cache as driver_init_cache
 from models.programs import ModelFunctions, decode_step, default_unroll, forward, prefill
 from models.transformer import abstract_model
-from sparse_jax.cache import KVCache
+from sparse_jax.cache import KVCache, paged_like
 from sparse_jax.methods.base import AttentionMethod
 
 DATA, MODEL = "data", "model"
@@ -238,6 +238,25 @@ def specs_from_shapes(whole, by_heads, by_rows, par: Parallelism, what: str = "l
         return P(*axes)
 
     return jax.tree_util.tree_map_with_path(spec, whole, by_heads, by_rows)
+
+
+@functools.lru_cache(maxsize=16)
+def paged_cache_specs(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, num_pages: int,
+                      page: int, dtype, par: Parallelism):
+    """:func:`cache_specs` of a paged engine's cache (:func:`sparse_jax.cache.paged_like` of
+    ``batch`` slots, ``num_pages`` pages of ``page`` positions): each pool ``[1, Hkv, P *
+    page, D]`` split by KV head over ``model``, the block table and lengths on every device,
+    the method state as in a contiguous cache. One replica (``data == 1``): a paged engine
+    serves one, and :mod:`models.serving.replicas` runs one per device group."""
+    if par.data != 1:
+        raise ValueError(f"a paged cache lives on one replica: data={par.data} (run one engine per device group)")
+    dt = jnp.dtype(dtype)
+
+    def shape(c):
+        return jax.eval_shape(lambda: paged_like(driver_init_cache(c, method, batch, max_len, dt), num_pages, page))
+
+    whole = shape(cfg)
+    return specs_from_shapes(whole, shape(local_config(cfg, par.model)), whole, par, what="paged cache leaf")
 
 
 def init_cache(cfg: ModelConfig, method: AttentionMethod, batch: int, max_len: int, dtype, mesh: Mesh) -> KVCache:

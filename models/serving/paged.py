@@ -39,13 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models import programs
 from models.driver import Driver, init_cache, make_plan
+from models.runtime.sharding import MODEL, local_config, paged_cache_specs, param_specs
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
+from models.transformer import abstract_model
 from models.serving.slots import (ResidentSlots, WarmupSteps, engine_step, check_engine_mesh, check_slot_axis,
                                   insert_slot, padded_prompt, prefill_bucket, segmented_prompt_tokens)
 from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
@@ -137,16 +140,14 @@ def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: j
     return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
 
 
-@functools.lru_cache(maxsize=16)
-def _paged_programs(graphdef, cfg, method, unroll: bool):
-    """The paged engine's programs: the step on a decode batch bucket (:func:`bucketed_step`
-    of the model's decode step, which reads paged layers through the table, and the
-    sampling; one compilation per bucket), the page scatter of a
-    contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
-    the pool, and a prompt's copy to another slot (every program donates the cache)."""
-    step = jax.jit(bucketed_step(engine_step(lambda params, tokens, cache: programs.decode_step(
-        nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll))),
-        donate_argnums=(2,), static_argnames=("rows",))
+def _paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None = None):
+    """The paged engine's programs as functions, not jitted: ``(step, insert, prefill, copy,
+    chunk)`` (:func:`_paged_programs`). ``graphdef`` and ``cfg`` are one device's under
+    tensor parallelism (``tp``: the mesh axis and its size), where the functions run inside
+    ``shard_map`` on that device's KV heads (:func:`_sharded_paged_programs`)."""
+
+    def decode(params, tokens, cache):
+        return programs.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll, tp=tp)
 
     def empty_row(cache: KVCache) -> KVCache:
         """The empty one-row cache: method state and rings only (the K/V it would hold is dropped)."""
@@ -155,7 +156,8 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
 
     def prefill(params, tokens, lengths, cache, slot, pages):
         def run(tokens, lengths, view):
-            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll)
+            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll,
+                                    tp=tp)
 
         return prefill_paged_slot(run, empty_row(cache), tokens, lengths, cache, slot, pages)
 
@@ -165,7 +167,7 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
         view = tuple(PagedLayer(big.pool_k, big.pool_v, st, big.page) for big, st in zip(cache.layers, states))
         logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths,
                                              KVCache(view, lengths, cache.max_len, pages[None]), kv_len=kv_len,
-                                             last=last, unroll=unroll)
+                                             last=last, unroll=unroll, tp=tp)
         if not last:  # the pages only
             layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
                            for big, o in zip(cache.layers, out.layers))
@@ -174,9 +176,75 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
         new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
         return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
 
-    return (step, jax.jit(insert_paged_slot, donate_argnums=(0,)), jax.jit(prefill, donate_argnums=(3,)),
-            jax.jit(copy_paged_slot, donate_argnums=(0,)),
+    return bucketed_step(engine_step(decode)), insert_paged_slot, prefill, copy_paged_slot, chunk
+
+
+@functools.lru_cache(maxsize=16)
+def _paged_programs(graphdef, cfg, method, unroll: bool):
+    """The paged engine's programs: the step on a decode batch bucket (:func:`bucketed_step`
+    of the model's decode step, which reads paged layers through the table, and the
+    sampling; one compilation per bucket), the page scatter of a
+    contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
+    the pool, a prompt's copy to another slot, and a chunk of a prompt into its pages (every
+    program donates the cache)."""
+    step, insert, prefill, copy, chunk = _paged_bodies(graphdef, cfg, method, unroll)
+    return (jax.jit(step, donate_argnums=(2,), static_argnames=("rows",)), jax.jit(insert, donate_argnums=(0,)),
+            jax.jit(prefill, donate_argnums=(3,)), jax.jit(copy, donate_argnums=(0,)),
             jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")))
+
+
+def _refuse_row_insert(*args, **kwargs):
+    raise NotImplementedError("a paged engine on a mesh prefills into its pages (whole or in chunks): a "
+                              "layer-segmented prefill's contiguous row is not inserted there")
+
+
+def _sharded_paged_programs(model, method, unroll: bool):
+    """:func:`_paged_programs` for a model under tensor parallelism (a
+    :class:`models.runtime.sharding.ShardedModel` with ``data == 1``): each program is one
+    ``shard_map`` over the model's mesh, every device running its KV heads' share of the
+    layers (:func:`_paged_bodies` on one device's config, the attention output and MLP
+    summed over the mesh) on its share of the page pools (the pools split by KV head, the
+    block table, lengths and per-row leaves as :func:`models.runtime.sharding.paged_cache_specs`
+    lays them out, read off each call's cache); tokens, slots, page lists and the sampled
+    outputs are the same on every device. No contiguous row insertion (``insert`` refuses:
+    the engine prefills into the pool)."""
+    par, mesh = model.parallelism, model.mesh
+    local = local_config(model.config, par.model)
+    step, _, prefill, copy, chunk = _paged_bodies(abstract_model(local, model.dtype)[0], local, method, unroll,
+                                                  tp=(MODEL, par.model))
+    pspecs = param_specs(abstract_model(model.config, model.dtype)[1])
+    same = P()
+
+    def specs_of(cache: KVCache):
+        pool = next(e for e in cache.layers if isinstance(e, PagedLayer))
+        return paged_cache_specs(model.config, method, cache.batch, cache.max_len, pool.pool_k.shape[2] // pool.page,
+                                 pool.page, jnp.dtype(pool.pool_k.dtype), par)
+
+    def smap(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def step_on_mesh(params, tokens, cache, active, sampling, rows):
+        body, cache_specs = functools.partial(step, rows=rows), specs_of(cache)
+        return smap(body, (pspecs, same, cache_specs, same, same), (same, cache_specs))(
+            params, tokens, cache, active, sampling)
+
+    def prefill_on_mesh(params, tokens, lengths, cache, slot, pages):
+        cache_specs = specs_of(cache)
+        return smap(prefill, (pspecs, same, same, cache_specs, same, same), (same, cache_specs))(
+            params, tokens, lengths, cache, slot, pages)
+
+    def copy_on_mesh(cache, src, dst, src_pages, dst_pages):
+        cache_specs = specs_of(cache)
+        return smap(copy, (cache_specs, same, same, same, same), cache_specs)(cache, src, dst, src_pages, dst_pages)
+
+    def chunk_on_mesh(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
+        body, cache_specs = functools.partial(chunk, kv_len=kv_len, last=last), specs_of(cache)
+        return smap(body, (pspecs, same, same, same, cache_specs, same, same), (same, cache_specs))(
+            params, tokens, start, lengths, cache, slot, pages)
+
+    return (jax.jit(step_on_mesh, donate_argnums=(2,), static_argnames=("rows",)), _refuse_row_insert,
+            jax.jit(prefill_on_mesh, donate_argnums=(3,)), jax.jit(copy_on_mesh, donate_argnums=(0,)),
+            jax.jit(chunk_on_mesh, donate_argnums=(4,), static_argnames=("kv_len", "last")))
 
 
 #: The server's chunk for chunked prefill (``--prefill-chunk``), vLLM's token budget for a long-context
@@ -396,8 +464,10 @@ class PagedSlots(PagedRequests):
     def __init__(self, model, slots: int, max_len: int, unroll: bool, segmented: bool = False,
                  num_blocks: int | None = None, prefill_chunk: int | None = None):
         check_engine_mesh(model)
-        if getattr(model, "mesh", None) is not None:
-            raise ValueError("a paged engine runs an unsharded model; serve a sharded one with paged=False")
+        self.mesh = getattr(model, "mesh", None)  # tensor parallelism: pools split by KV head
+        if self.mesh is not None and segmented and prefill_chunk is None:
+            raise ValueError("a paged engine on a mesh prefills prompts into its pages, whole or in chunks "
+                             "(prefill_chunk): a layer-segmented prefill (max_inject_tokens alone) runs on one device")
         if prefill_chunk is not None:
             check_chunked_prefill(model)
             segmented = True  # prompts span iterations; their chunks' temporaries are measured below
@@ -419,11 +489,18 @@ class PagedSlots(PagedRequests):
         #: (which compiles on a new shape): after :meth:`precompile`, the second stays 0
         self.aot_calls = self.jit_calls = 0
         self._runner = None
-        self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
-            model.graphdef, model.config, model.method, unroll)
-        # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
-        # where the method has none)
-        self._steady_step = _paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
+        if self.mesh is None:
+            self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
+                model.graphdef, model.config, model.method, unroll)
+            # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
+            # where the method has none)
+            self._steady_step = _paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
+        else:
+            self._step, self._insert, self._prefill, self._copy, self._chunk = _sharded_paged_programs(
+                model, model.method, unroll)
+            steady = model.method.steady_state()
+            self._steady_step = self._step if steady is model.method else _sharded_paged_programs(
+                model, steady, unroll)[0]
         self.warmup = WarmupSteps(slots, model.method.warmup_steps)
         self.last_rows = slots  # the rows the last decode step ran (its batch bucket, decode_rows)
 
@@ -463,7 +540,15 @@ class PagedSlots(PagedRequests):
             num_blocks, self.page, slots, max_len, asked=asked, memory="device memory",
             detail="" if limit is None else f" ({limit / 2**30:.1f} GiB usable, {fp.fixed() / 2**30:.2f} GiB of it "
                                             f"weights, slot state and a prefill's temporaries)")
-        self.cache = jax.jit(lambda: paged_like(model.init_cache(slots, max_len), num_blocks, self.page))()
+        if self.mesh is None:
+            self.cache = jax.jit(lambda: paged_like(model.init_cache(slots, max_len), num_blocks, self.page))()
+        else:  # each device allocates its KV heads' share of the pools
+            specs = paged_cache_specs(model.config, model.method, slots, max_len, num_blocks, self.page,
+                                      jnp.dtype(model.dtype), model.parallelism)
+            self.cache = jax.jit(
+                lambda: paged_like(init_cache(model.config, model.method, slots, max_len, model.dtype), num_blocks,
+                                   self.page),
+                out_shardings=jax.tree.map(lambda sp: jax.sharding.NamedSharding(self.mesh, sp), specs))()
         self.device_bytes = self.cache.nbytes()
         self.block_bytes = fp.block_bytes
         self._table = np.zeros((slots, self.pages_per_request), np.int32)  # the host's block table
