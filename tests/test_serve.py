@@ -609,7 +609,8 @@ def test_soak_cli_refuses_bad_arguments(capsys):
                                              (["--offload", "--kv-blocks", "64"], "sizes the page pool"),
                                              (["--paged", "--offload", "--kv-blocks", "64"], "pass --host-pages"),
                                              (["--offload", "--host-pages", "64"], "pass --paged --offload"),
-                                             (["--paged", "--tensor-parallel", "2"], "does not run sharded"),
+                                             (["--tensor-parallel", "2", "--max-inject-tokens", "256"],
+                                              "runs on one device"),
                                              (["--paged", "--offload", "--data-parallel", "2"], "runs one device"),
                                              (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 1"),
                                              (["--no-paged", "--prefill-chunk", "512"], "paged engine's pages"),
@@ -630,8 +631,9 @@ class _Loaded(Exception):
 
 
 def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
-    """``--paged`` is the default of a resident engine (one per device with ``--data-parallel``);
-    ``--offload``, ``--tensor-parallel`` and ``--no-paged`` give the contiguous engine."""
+    """``--paged`` is the default of a resident engine (one per device group with
+    ``--data-parallel``, its pools split by KV head with ``--tensor-parallel``); ``--offload``
+    and ``--no-paged`` give the contiguous engine."""
     from models.cli.serve import build_parser, make_engine
 
     def load(*a, **k):
@@ -639,10 +641,11 @@ def test_serve_defaults_to_paged_where_it_runs(monkeypatch):
 
     monkeypatch.setattr(models, "load_model", load)
     for flags, want in (([], True), (["--offload"], False), (["--no-paged"], False), (["--paged"], True),
-                        (["--data-parallel", "2"], True)):
+                        (["--data-parallel", "2"], True), (["--tensor-parallel", "2"], True)):
         args = build_parser().parse_args(flags)
-        # one CPU device here: two replicas stop at the device count, after the default is set
-        with pytest.raises(ValueError, match="devices visible") if args.data_parallel > 1 else pytest.raises(_Loaded):
+        # one CPU device here: two devices stop at the device count, after the default is set
+        several = args.data_parallel > 1 or args.tensor_parallel > 1
+        with pytest.raises(ValueError, match="devices visible") if several else pytest.raises(_Loaded):
             make_engine(args)
         assert args.paged is want, flags
 

@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory holds the tokens that exist, not --slots x --max-len; see --host-pages). Default: "
                         "on for a resident engine (measured no slower than --no-paged: "
                         "benchmarks/results/engine_iteration_live_h200.md; with --data-parallel one paged engine per "
-                        "device), off with --offload (not measured on a GPU yet) and --tensor-parallel (which it "
-                        "does not run with yet)")
+                        "device; with --tensor-parallel the pools split by KV head over the devices), off with "
+                        "--offload (not measured on a GPU yet)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="--paged: pages in the pool, the null page included (default: as many as fit the device, "
                         "at most --slots full contexts)")
@@ -124,29 +124,28 @@ def make_engine(args) -> tuple[Engine, str]:
     if args.offload:  # before anything starts the GPU client, which reads the limit once
         print(capacity.plan_pinned_host_limit(), file=sys.stderr, flush=True)
     if args.paged is None:  # the default: paged where it runs
-        args.paged = not args.offload and args.tensor_parallel == 1
+        args.paged = not args.offload
     if args.kv_blocks is not None and not args.paged:
-        raise ValueError("--kv-blocks sizes the page pool of the paged engine (not --no-paged, --offload or "
-                         "--tensor-parallel)")
+        raise ValueError("--kv-blocks sizes the page pool of the paged engine (not --no-paged or --offload)")
     if args.paged and args.offload and args.kv_blocks is not None:
         raise ValueError("--kv-blocks sizes the resident page pool; --paged --offload pages the host tier: "
                          "pass --host-pages")
     if args.host_pages is not None and not (args.paged and args.offload):
         raise ValueError("--host-pages sizes the paged host tier: pass --paged --offload")
-    if args.paged and args.tensor_parallel > 1:
-        raise ValueError("--paged does not run sharded yet: drop --tensor-parallel (--data-parallel runs one paged "
-                         "engine per device)")
+    if args.paged and not args.offload and args.tensor_parallel > 1 and args.max_inject_tokens is not None:
+        raise ValueError("--max-inject-tokens (layer-segmented prefill) runs on one device; under --tensor-parallel "
+                         "the paged engine prefills into its pages, in chunks (--prefill-chunk) or whole")
     if args.paged and args.offload and args.data_parallel > 1:
         raise ValueError("--paged --offload runs one device: drop --data-parallel (or --paged)")
     if args.precompile and (not args.paged or args.offload):
-        raise ValueError("--precompile compiles the paged resident engine's programs; --no-paged, --offload and "
-                         "--tensor-parallel compile as requests arrive: drop --precompile")
+        raise ValueError("--precompile compiles the paged resident engine's programs; --no-paged and --offload "
+                         "compile as requests arrive: drop --precompile")
     if args.prefill_chunk is not None and args.prefill_chunk != 0:
         if args.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1 (prompt tokens per iteration), or 0 (whole prefills)")
         if not args.paged or args.offload:
-            raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged, --offload or "
-                             "--tensor-parallel; those chunk with --max-inject-tokens)")
+            raise ValueError("--prefill-chunk prefills into the paged engine's pages (not --no-paged or --offload; "
+                             "those chunk with --max-inject-tokens)")
         if args.max_inject_tokens is not None:
             raise ValueError("--prefill-chunk and --max-inject-tokens are two ways to split a prompt: pass one")
     need = args.tensor_parallel * args.data_parallel

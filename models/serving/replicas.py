@@ -55,17 +55,14 @@ def replicate(model, replicas: int, *, tensor_parallel: int = 1, devices=None, *
     """``replicas`` engines, each on its own group of ``tensor_parallel`` devices (the
     model sharded over the group by KV heads, ``shard(model, model=tensor_parallel,
     devices=group)``; one device: the model placed on it), with the same
-    ``engine_options`` (:class:`models.serving.engine.Engine`'s keywords). Paged engines
-    (``paged=True``) run one device each: the model's params copied there (:func:`place`),
-    the engine's pool and programs on it."""
+    ``engine_options`` (:class:`models.serving.engine.Engine`'s keywords). A paged engine
+    (``paged=True``) of one device gets the model's params copied there (:func:`place`), its
+    pool and programs on it; over a group, its pools are split by KV head like the params."""
     groups = device_groups(replicas, tensor_parallel, devices)
-    if engine_options.get("paged"):
-        if tensor_parallel != 1:
-            raise ValueError("paged replicas run one device each (the paged engine does not run sharded yet): "
-                             "tensor_parallel=1")
-        if engine_options.get("offload"):
-            raise ValueError("the paged offloaded engine runs one device (its host tier is placed on the first): "
-                             "no replicas of it yet")
+    if engine_options.get("paged") and engine_options.get("offload"):
+        raise ValueError("the paged offloaded engine runs one device (its host tier is placed on the first): "
+                         "no replicas of it yet")
+    if engine_options.get("paged") and tensor_parallel == 1:
         engines = [Engine(place(model, g[0]), **engine_options) for g in groups]
     else:
         engines = [Engine(shard(model, model=tensor_parallel, devices=g), **engine_options) for g in groups]
