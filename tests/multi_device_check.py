@@ -34,9 +34,10 @@ from tests import cache_rank_check, sharded_check
 
 
 def replicas_case():
-    """Two engine replicas (one per device) on a tiny random model, resident, offloaded and
-    paged (chunked prefill; each replica's pool on its own device): each request gets its
-    single-request tokens, requests alternate while none finishes, both devices serve."""
+    """Two engine replicas on a tiny random model, resident and offloaded (one device each),
+    and paged over two devices each (chunked prefill; each replica's pools split by KV head
+    over its own pair: data=2 x model=2 on the four devices): each request gets its
+    single-request tokens, requests alternate while none finishes, every device serves."""
     import models
     from models.serving.replicas import replicate
     from models.serving.requests import SamplingParams
@@ -48,7 +49,8 @@ def replicas_case():
     ids = [rng.integers(4, 97, n).tolist() for n in (100, 60, 80, 90, 30)]
     refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=6,
                               stop_ids=())[0] for i in ids]
-    for where, opts in (("resident", {}), ("offload", dict(offload=True)), ("paged", dict(paged=True, prefill_chunk=64))):
+    for where, opts in (("resident", {}), ("offload", dict(offload=True)),
+                        ("paged", dict(paged=True, prefill_chunk=64, tensor_parallel=2))):
         reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), **opts).start()
         try:
             reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=6))) for i in ids]

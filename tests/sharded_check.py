@@ -21,7 +21,8 @@ asyncspade and quest after a Token Sparse Attention prefill, every method select
 budgets below the prompts): dense on meshes 1x2, 2x2 and 1x4, each other method on one or
 two of them, and kascade on data=2; a tiny Llama-style config of 3 KV heads padded to 4,
 SmolLM2's shape in small (dense, quest and
-asynctls on model=2, its per-head channels padded too), with
+asynctls on model=2, its per-head channels padded too; the paged engine, chunked, and the offloaded
+one over model=2), with
 ``--bf16`` also in bf16 against an f32 reference, one device and model=2, to show the
 sharded error is rounding of the same size as one device's. SmolLM2-135M on its real
 weights once per user path: ``shard(model, model=2).generate`` and the generate CLI with
@@ -242,28 +243,44 @@ def _tiny_kv3(eos: bool = False):
 
 
 def engine_case():
-    """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2), resident and
-    offloaded: five requests through two slots give each request's single-request tokens on
-    one device (Quest at budget 32, below every prompt: it really selects)."""
+    """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2): five requests
+    through two slots give each request's single-request tokens on one device. The paged
+    engine (the server's default: pools split by KV head, chunked prefill, its programs
+    precompiled) serving AsyncSpade with two dense steps (the warm-up's and the steady
+    program), and the contiguous offloaded one serving Quest (budget 32, below every
+    prompt: both really select)."""
     import models
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
-    model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention="quest",
-                              attention_options=dict(budget=32, block_size=8, dense_layers=(0,)))
     rng = np.random.default_rng(3)
     ids = [rng.integers(3, 97, n).tolist() for n in (70, 41, 88, 53, 60)]
-    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
-                               stop_ids=())[0] for i in ids]
-    sharded_model = shard(model, model=2)
-    for offload in (False, True):
-        engine = Engine(sharded_model, slots=2, max_len=256, offload=offload, stop_ids=()).start()
+    for name, opts, engine_opts in (
+            ("asyncspade", dict(budget=32, window=4, dense_steps=2, dense_layers=(0,)),
+             dict(paged=True, prefill_chunk=32)),
+            ("quest", dict(budget=32, block_size=8, dense_layers=(0,)), dict(offload=True))):
+        model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention=name,
+                                  attention_options=opts)
+        refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
+                                   stop_ids=())[0] for i in ids]
+        engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), **engine_opts)
+        pre = engine.precompile(sampled=(False,), workers=2) if engine.paged else {}
+        engine.start()
         try:
             reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
             done = all(r.done.wait(300) for r in reqs)
-            print(json.dumps(dict(case=f"engine/tiny-kv3/quest/{'offload' if offload else 'resident'}/data=1,model=2",
-                                  completed=done, tokens_agree=done and [r.output_ids for r in reqs] == refs,
-                                  blocks_loaded=engine.stats().get("blocks_loaded"), devices=2)), flush=True)
+            s, kv = engine.stats(), engine.kv
+            line = dict(case=f"engine/tiny-kv3/{name}/{'paged-chunked' if engine.paged else 'offload'}/data=1,model=2",
+                        completed=done, tokens_agree=done and [r.output_ids for r in reqs] == refs,
+                        blocks_loaded=s.get("blocks_loaded"), devices=2)
+            if engine.paged:
+                kv.check()
+                pool = kv.cache.layers[-1].pool_k
+                line.update(blocks_free=[s["kv_blocks_free"], s["kv_blocks_total"]], pool_spec=str(pool.sharding.spec),
+                            pool_shard=list(pool.addressable_shards[0].data.shape), pool=list(pool.shape),
+                            precompiled=pre["programs"], aot_calls=kv.aot_calls, jit_calls=kv.jit_calls,
+                            warm_steps=kv.warmup.warm_steps, steady_steps=kv.warmup.steady_steps)
+            print(json.dumps(line), flush=True)
         finally:
             engine.stop()
 
