@@ -284,6 +284,8 @@ def run(args) -> dict:
     if any("offload" in label for label in args.methods.split(",")):  # before the GPU client starts
         pinned = capacity.plan_pinned_host_limit()
         print(pinned, file=sys.stderr, flush=True)
+    if args.tensor_parallel < 1 or args.tensor_parallel > len(jax.devices()):
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: {len(jax.devices())} devices visible")
     mix = parse_mix(args.prompt_mix)
     rates = [float(r) for r in args.rates.split(",")]
     slots = parse_slots(args.slots, args.methods.split(","))
@@ -300,7 +302,8 @@ def run(args) -> dict:
             jax.clear_caches()
     return {"stamp": stamp(), "model": "tiny" if args.tiny else "qwen3-8b (random bf16 weights)",
             "prompt_mix": mix, "output_range": [args.output_min, args.output_max], "requests_per_rate": args.requests,
-            "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb, "runs": runs,
+            "time_limit_s": args.time_limit, "budget": args.budget, "kb": args.kb,
+            "tensor_parallel": args.tensor_parallel, "runs": runs,
             **({"pinned_host": pinned} if pinned else {})}
 
 
@@ -308,11 +311,14 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     """One method's warm-up and rate sweep on its own engine (stopped at the end)."""
     import jax
 
+    from models.runtime.sharding import shard
     from models.serving.engine import Engine
 
     method_name, _, where = label.partition(":")
     check_label(label)
     model = build_model(args, method_name)
+    if args.tensor_parallel > 1:  # the unsharded copy goes with `model`
+        model = shard(model, model=args.tensor_parallel)
     shared = where.startswith("shared")
     inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
     ws_admission = shared and where != "shared-nows"
@@ -366,7 +372,11 @@ def render(payload: dict) -> str:
           f"- device: {s['device']} ({s['backend']}), jax {s['jax']}, {s['date']}, commit {s['git_commit']}",
           f"- command: `{s['command']}`",
           f"- prompt mix {payload['prompt_mix']}, outputs {payload['output_range']} tokens, "
-          f"{payload['requests_per_rate']} requests per rate, at most {payload['time_limit_s']} s per rate", ""]
+          f"{payload['requests_per_rate']} requests per rate, at most {payload['time_limit_s']} s per rate"]
+    if payload.get("tensor_parallel", 1) > 1:
+        md.append(f"- tensor parallel: each engine over {payload['tensor_parallel']} devices (the model and its KV "
+                  f"split by KV heads)")
+    md.append("")
     summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
                 "iteration_ms": r["iteration_ms"], "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
                 "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none"}
@@ -495,6 +505,9 @@ def parse_args(argv=None):
                         "default: on a GPU)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="each engine over N devices, the model and its KV split by KV heads (the paged engine's "
+                        "pools included; models.runtime.sharding): against a run of 1 in the same session")
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=12, help="requests per rate")
     p.add_argument("--prompt-mix", default="8192:0.5,16384:0.5", help="LENGTH:WEIGHT,... (each (L/2, L])")

@@ -69,8 +69,9 @@ def replicas_case():
 
 
 def benchmarks_case(out: Path):
-    """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` (their ``main``) on a tiny model."""
-    from benchmarks import cache_rank, multi_gpu
+    """``benchmarks.cache_rank``, ``benchmarks.multi_gpu`` and ``benchmarks.serve_load
+    --tensor-parallel 2`` (their ``main``) on a tiny model."""
+    from benchmarks import cache_rank, multi_gpu, serve_load
 
     # the smallest run of each: one 1-device baseline and one 2-device row (the one-device
     # methods and the sharded layouts themselves are checked by the sharded and cache-rank steps)
@@ -78,7 +79,12 @@ def benchmarks_case(out: Path):
                                         "4", "--packs", "2", "--steps", "2", "--rounds", "1", "--transfers",
                                         "device_put", "--dispatch", "threads-wait", "--baselines", "asyncspade"]),
             "multi_gpu": (multi_gpu, ["--tiny", "--contexts", "256", "--batch", "1", "--methods", "quest",
-                                      "--steps", "2", "--rounds", "1", "--budget", "64"])}
+                                      "--steps", "2", "--rounds", "1", "--budget", "64"]),
+            # the paged engine over two devices under load (issue 52's run, in small)
+            "serve_load": (serve_load, ["--tiny", "--tensor-parallel", "2", "--methods", "quest:paged-chunked",
+                                        "--prefill-chunk", "64", "--budget", "32", "--rates", "200", "--requests",
+                                        "3", "--prompt-mix", "128:1", "--output-min", "3", "--output-max", "4",
+                                        "--slots", "2", "--time-limit", "60", "--name", "serve_load"])}
     for name, (mod, args) in runs.items():
         with contextlib.redirect_stdout(io.StringIO()):
             rc = mod.main([*args, "--out", str(out)])

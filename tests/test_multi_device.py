@@ -145,7 +145,8 @@ def test_generate_cli_cache_rank(multi_device):
 def test_two_device_benchmarks_run_on_cpu(multi_device, multi_device_out):
     """``benchmarks.cache_rank`` and ``benchmarks.multi_gpu`` end to end on a tiny model
     (two of the CPU devices): every configuration row, the results files, and the
-    cross-device logits agreeing with the one-device run."""
+    cross-device logits agreeing with the one-device run; ``benchmarks.serve_load
+    --tensor-parallel 2`` serving its load through the paged engine over two devices."""
     for name in ("cache_rank", "multi_gpu"):
         assert multi_device[f"benchmarks/{name}"]["rc"] == 0
         rows = json.loads((multi_device_out / f"{name}.json").read_text())["rows"]
@@ -154,6 +155,12 @@ def test_two_device_benchmarks_run_on_cpu(multi_device, multi_device_out):
         assert len(rows) == 2 and len(two) == 1, rows  # the one-device baseline and the two-device row
         for r in two:
             assert r["argmax_agree"] == 1.0 and r["max_dlogit"] < 0.1 and r["ms_per_step"] > 0, r
+    # serve_load --tensor-parallel 2: the paged engine over two devices serves the whole load
+    assert multi_device["benchmarks/serve_load"]["rc"] == 0
+    load = json.loads((multi_device_out / "serve_load.json").read_text())
+    assert load["tensor_parallel"] == 2 and "each engine over 2 devices" in (multi_device_out / "serve_load.md").read_text()
+    (run,) = load["runs"]
+    assert run["paged"] and [(r["completed"], r["requests"]) for r in run["rows"]] == [(3, 3)], run
 
 
 @pytest.mark.slow
