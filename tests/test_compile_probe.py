@@ -16,8 +16,13 @@ def test_chunk_key_buckets_stop_at_the_requests_capacity():
 
 def test_compile_probe_times_each_program(tmp_path):
     assert compile_probe.main(["--tiny", "--layers", "2", "--max-len", "1536", "--slots", "2", "--chunk", "256",
-                               "--kv-lens", "1536", "--unroll", "scanned", "--runs", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "compile_probe.json").read_text())["rows"]
+                               "--kv-lens", "1536", "--unroll", "scanned", "--runs", "1", "--out", str(tmp_path),
+                               "--trace-compile", str(tmp_path / "trace")]) == 0
+    d = json.loads((tmp_path / "compile_probe.json").read_text())
+    rows = d["rows"]
+    # the traced compile's phases: XLA's own events (the CPU compiler's here), not Python frames
+    names = [r["event"] for r in d["compile_phases"]]
+    assert any("Compile" in n for n in names) and not any(n.startswith("$") for n in names), names
     assert [r["program"] for r in rows] == ["decode step, 2 rows", "chunk of 256 tokens, keys 1536"]
     assert all(r["compile_s"] > 0 and r["run_ms"] > 0 and r["unroll"] is False for r in rows)
     assert "| chunk of 256 tokens, keys 1536 | False |" in (tmp_path / "compile_probe.md").read_text()

@@ -53,6 +53,31 @@ def _time(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def compile_phases(lowered, logdir: str, top: int = 15) -> list[dict]:
+    """Where one compile's time goes: ``lowered.compile()`` under ``jax.profiler.trace``, and
+    the host events of the trace summed by name (the compiler's passes, autotuning, cuDNN
+    graph builds, LLVM and PTX compiles, as XLA names them), longest first: ``{"event",
+    "ms", "count"}``. Nested events each count their whole time (a pass pipeline and its
+    passes), so the rows overlap; they say which parts are large."""
+    import collections
+    import re
+
+    from benchmarks.trace_overlap import load_events
+
+    with jax.profiler.trace(logdir):
+        lowered.compile()
+    events, _ = load_events(logdir)
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        # host events only (the compile is the host's work), not the Python tracer's frames ("$file.py")
+        if "/device:" in str(e.process) or e.name.startswith("$"):
+            continue
+        name = re.sub(r"[._:#]\d+.*$", "", e.name)[:80]
+        total[name] += e.dur
+        count[name] += 1
+    return [{"event": n, "ms": round(t / 1e3, 1), "count": count[n]} for n, t in total.most_common(top)]
+
+
 def probe(model, kv, unroll: bool, kv_lens: list[int], chunk: int, runs: int) -> list[dict]:
     """Rows for one driver form: each program lowered, compiled and run on ``kv``'s pool (the
     pool is donated and replaced on every call, as the engine does)."""
@@ -108,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
+    p.add_argument("--trace-compile", default=None, metavar="DIR",
+                   help="also compile the unrolled chunk of the largest --kv-lens once under jax.profiler.trace "
+                        "(into DIR) and list where the compiler's time goes")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="compile_probe")
     a = p.parse_args(argv)
@@ -128,6 +156,18 @@ def main(argv=None) -> int:
     rows = []
     for unroll in forms:
         rows += probe(model, kv, unroll, a.kv_lens, a.chunk, a.runs)
+    phases = []
+    if a.trace_compile:
+        n = max(a.kv_lens)
+        chunk_fn = _paged_programs(model.graphdef, model.config, model.method, True)[4]
+        head = (jnp.zeros((1, a.chunk), jnp.int32), jnp.int32(max(0, n - a.chunk)),
+                jnp.asarray([a.max_len - 1], jnp.int32))
+        jax.clear_caches()  # compiled above: the traced compile must not be a cache hit
+        low = chunk_fn.lower(model.params, *head, kv.cache, jnp.int32(0), jnp.zeros(kv.pages_per_request, jnp.int32),
+                             kv_len=chunk_kv_len(n, kv.page, kv.max_len), last=False)
+        phases = compile_phases(low, a.trace_compile)
+        for r in phases:
+            print(r, flush=True)
     st = stamp("python -m benchmarks.probes.compile_probe " + " ".join(sys.argv[1:] if argv is None else argv))
     flags = os.environ.get("XLA_FLAGS", "")
     what = "a tiny config" if a.tiny else "Qwen3-8B shape"
@@ -136,7 +176,11 @@ def main(argv=None) -> int:
           f"{a.slots} slots, chunks of {a.chunk} tokens; XLA_FLAGS: `{flags}`; the pool "
           f"{kv.blocks.total} pages of {kv.page}. Each program lowered and compiled alone; `run_ms` the "
           f"median of {a.runs} calls after one, on the engine's pool.\n\n" + markdown_table(rows, COLUMNS) + "\n")
-    write_results(a.name, {"stamp": st, "xla_flags": flags, "rows": rows}, md, a.out)
+    if phases:
+        md += (f"\n## Where the unrolled chunk's compile goes (keys {max(a.kv_lens)}, one compile traced)\n\n"
+               "Host events of the trace summed by name; nested events each count their whole time.\n\n"
+               + markdown_table(phases, ["event", "ms", "count"]) + "\n")
+    write_results(a.name, {"stamp": st, "xla_flags": flags, "rows": rows, "compile_phases": phases}, md, a.out)
     print(md)
     return 0
 
