@@ -34,10 +34,10 @@ from tests import cache_rank_check, sharded_check
 
 
 def replicas_case():
-    """Two engine replicas on a tiny random model, resident and offloaded (one device each),
-    and paged over two devices each (chunked prefill; each replica's pools split by KV head
-    over its own pair: data=2 x model=2 on the four devices): each request gets its
-    single-request tokens, requests alternate while none finishes, every device serves."""
+    """Two engine replicas (one per device) on a tiny random model, resident, offloaded and
+    paged (chunked prefill; each replica's pool on its own device): each request gets its
+    single-request tokens, requests alternate while none finishes, both devices serve. (A
+    paged engine over a group of devices: ``tests/sharded_check.py``'s engine case.)"""
     import models
     from models.serving.replicas import replicate
     from models.serving.requests import SamplingParams
@@ -49,8 +49,7 @@ def replicas_case():
     ids = [rng.integers(4, 97, n).tolist() for n in (100, 60, 80, 90, 30)]
     refs = [base.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=6,
                               stop_ids=())[0] for i in ids]
-    for where, opts in (("resident", {}), ("offload", dict(offload=True)),
-                        ("paged", dict(paged=True, prefill_chunk=64, tensor_parallel=2))):
+    for where, opts in (("resident", {}), ("offload", dict(offload=True)), ("paged", dict(paged=True, prefill_chunk=64))):
         reps = replicate(base, 2, slots=2, max_len=256, stop_ids=(), **opts).start()
         try:
             reqs = [reps.submit(reps.make_request(i, SamplingParams(max_tokens=6))) for i in ids]
@@ -83,7 +82,7 @@ def benchmarks_case(out: Path):
             # the paged engine over two devices under load (issue 52's run, in small)
             "serve_load": (serve_load, ["--tiny", "--tensor-parallel", "2", "--methods", "quest:paged-chunked",
                                         "--prefill-chunk", "64", "--budget", "32", "--rates", "200", "--requests",
-                                        "3", "--prompt-mix", "128:1", "--output-min", "3", "--output-max", "4",
+                                        "2", "--prompt-mix", "64:1", "--output-min", "2", "--output-max", "3",
                                         "--slots", "2", "--time-limit", "60", "--name", "serve_load"])}
     for name, (mod, args) in runs.items():
         with contextlib.redirect_stdout(io.StringIO()):

@@ -245,8 +245,7 @@ def _tiny_kv3(eos: bool = False):
 def engine_case():
     """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2): five requests
     through two slots give each request's single-request tokens on one device. The paged
-    engine (the server's default: pools split by KV head, chunked prefill, its programs
-    precompiled) serving AsyncSpade with two dense steps (the warm-up's and the steady
+    engine (the server's default: pools split by KV head, chunked prefill) serving AsyncSpade with two dense steps (the warm-up's and the steady
     program), and the contiguous offloaded one serving Quest (budget 32, below every
     prompt: both really select)."""
     import models
@@ -263,9 +262,7 @@ def engine_case():
                                   attention_options=opts)
         refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
                                    stop_ids=())[0] for i in ids]
-        engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), **engine_opts)
-        pre = engine.precompile(sampled=(False,), workers=2) if engine.paged else {}
-        engine.start()
+        engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), **engine_opts).start()
         try:
             reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
             done = all(r.done.wait(300) for r in reqs)
@@ -278,7 +275,6 @@ def engine_case():
                 pool = kv.cache.layers[-1].pool_k
                 line.update(blocks_free=[s["kv_blocks_free"], s["kv_blocks_total"]], pool_spec=str(pool.sharding.spec),
                             pool_shard=list(pool.addressable_shards[0].data.shape), pool=list(pool.shape),
-                            precompiled=pre["programs"], aot_calls=kv.aot_calls, jit_calls=kv.jit_calls,
                             warm_steps=kv.warmup.warm_steps, steady_steps=kv.warmup.steady_steps)
             print(json.dumps(line), flush=True)
         finally:

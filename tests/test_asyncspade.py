@@ -182,6 +182,9 @@ def test_dense_steps_attend_every_key_then_the_selection():
     assert np.abs(warm[4:] - want[4:]).max() > 1e-4  # then it selects
     assert np.abs(cold[1:4] - want[1:4]).max() > 1e-4  # the control: sparse from the first step
     assert int(np.asarray(cache.layers[1].state["count"]).min()) == 4  # W + 1: the window full
+    # past the warm-up, the steady program (no per-layer branch) gives the same logits and cache
+    _check_steady_program(_tiny(get_method("asyncspade", dense_steps=3, **opts)), tokens, lengths, 3)
+    assert _tiny(get_method("asyncspade", **opts)).fns.steady_decode_step is None  # no warm-up: one program
     # a row whose count says it is past the warm-up takes the selection while another warms up
     m = AsyncSpade(selector="quest", budget=64, window=4, dense_steps=2)
     steps, qs = _decode_steps(m, 1)
@@ -202,30 +205,19 @@ def test_dense_steps_attend_every_key_then_the_selection():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("opts,warmup", [
-    (dict(dense_steps=2, selector_options=(("block_size", 8),)), 2),  # θ_t: the dense steps
-    (dict(selector="oracle_topk"), 1),  # a token selector's first step chooses from the prompt's last query
-])
-def test_steady_program_equals_the_warm_one_past_the_warm_up(opts, warmup):
+def _check_steady_program(model, tokens, lengths, warmup: int, steps: int = 2):
     """``fns.steady_decode_step`` (no per-layer warm-up branch) gives a row past its first
     ``warmup_steps`` decode steps the logits and cache of ``fns.decode_step`` exactly, and
-    differs within them (the control: the comparison can fail); ``decode_at`` picks it, and
-    ``generate_ids`` (which uses ``decode_at``) gives the always-warm loop's tokens."""
+    differs within them (the control: the comparison can fail); ``decode_at`` picks it
+    (``generate_ids`` uses it: tests/test_engine.py compares the engines with it)."""
     import jax
 
-    from tests.test_offload import _ragged_tokens
-
-    model = _tiny(get_method("asyncspade", budget=16, window=3, dense_layers=(0,), **opts))
     fns = model.fns
     assert fns.warmup_steps == warmup and fns.steady_decode_step is not None
     assert fns.decode_at(warmup) is fns.decode_step and fns.decode_at(warmup + 1) is fns.steady_decode_step
-    assert _tiny(get_method("quest", budget=16)).fns.steady_decode_step is None  # no warm-up, one program
-    tokens, lengths = _ragged_tokens(5)
-    logits, cache = fns.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lengths), model.init_cache(3, 128))
-    ids = []
-    for step in range(1, warmup + 4):
+    logits, cache = fns.prefill(model.params, tokens, lengths, model.init_cache(3, 128))
+    for step in range(1, warmup + steps + 1):
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        ids.append(np.asarray(tok))
         copy = jax.tree.map(jnp.copy, cache)  # both programs donate their cache
         steady_logits, steady_cache = fns.steady_decode_step(model.params, tok, copy)
         logits, cache = fns.decode_step(model.params, tok, cache)
@@ -235,8 +227,6 @@ def test_steady_program_equals_the_warm_one_past_the_warm_up(opts, warmup):
             np.testing.assert_array_equal(np.asarray(steady_logits), np.asarray(logits), err_msg=str(step))
             for a, b in zip(jax.tree.leaves(steady_cache), jax.tree.leaves(cache)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(step))
-    got = model.generate_ids(tokens, lengths, max_new_tokens=warmup + 3, stop_ids=())
-    assert [list(r) for r in got] == np.stack(ids, 1).tolist()
 
 
 # -- the token-level selector (selector="oracle_topk": the paper's top-k of q̂ Kᵀ) ----------------
@@ -316,6 +306,8 @@ def test_token_selector_in_a_model_and_where_it_cannot_run():
     assert a.shape == want.shape and np.isfinite(a).all()
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert np.abs(a[1:] - want[1:]).max() > 1e-4  # it does select
+    # its first step chooses from the prompt's last query: a warm-up of one step, then the steady program
+    _check_steady_program(small, tokens, lengths, 1)
     from models.runtime.cache_rank import check_selector
     from sparse_jax.offload.pool import check_offloadable
 

@@ -97,11 +97,10 @@ def test_offloaded_decoding_on_a_mesh_matches_one_device(multi_device):
         assert r["completed"] and r["tokens_agree"], r
     assert engine["engine/tiny-kv3/quest/offload/data=1,model=2"]["blocks_loaded"] > 0
     paged = engine["engine/tiny-kv3/asyncspade/paged-chunked/data=1,model=2"]
-    # the pools split by KV head (4 padded heads, 2 a device), every page back, nothing compiled while
-    # serving, and both the warm-up's and the steady decode program ran
+    # the pools split by KV head (4 padded heads, 2 a device), every page back, and both the warm-up's
+    # and the steady decode program ran
     assert paged["pool_spec"] == "P(None, 'model')" and paged["pool_shard"][1] * 2 == paged["pool"][1] == 4
-    assert paged["blocks_free"][0] == paged["blocks_free"][1] and paged["precompiled"] > 0, paged
-    assert paged["aot_calls"] > 0 and paged["jit_calls"] == 0, paged
+    assert paged["blocks_free"][0] == paged["blocks_free"][1], paged
     assert paged["warm_steps"] > 0 and paged["steady_steps"] > 0, paged
     for case, r in rows.items():
         assert r["host_memory"] == "pinned_host" and r["k_spec"] == "P('data', 'model')", r
@@ -160,20 +159,19 @@ def test_two_device_benchmarks_run_on_cpu(multi_device, multi_device_out):
     load = json.loads((multi_device_out / "serve_load.json").read_text())
     assert load["tensor_parallel"] == 2 and "each engine over 2 devices" in (multi_device_out / "serve_load.md").read_text()
     (run,) = load["runs"]
-    assert run["paged"] and [(r["completed"], r["requests"]) for r in run["rows"]] == [(3, 3)], run
+    assert run["paged"] and [(r["completed"], r["requests"]) for r in run["rows"]] == [(2, 2)], run
 
 
 @pytest.mark.slow
 def test_replicas_give_each_request_its_single_request_tokens(multi_device):
     rows = [multi_device[f"replicas/{m}"] for m in ("resident", "offload", "paged")]
-    # paged: two replicas of two devices each, each replica's pools split by KV head over its pair
-    assert multi_device["replicas/paged"]["pools"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert multi_device["replicas/paged"]["pools"] == ["cpu:0", "cpu:1"]  # each replica's pages on its device
     for r in rows:
         assert r["completed"] and all(r["equal"]), r
         # the fewest unfinished requests first: alternating while none finishes
         assert r["replicas"] == [0, 1, 0, 1, 0] and r["given"] == [3, 2], r
         assert r["finished"] == {"length": 5} and r["slots"] == 4 and r["idle"], r
-        assert r["devices"] == (["cpu:0", "cpu:1", "cpu:2", "cpu:3"] if r is rows[2] else ["cpu:0", "cpu:1"]), r
+        assert r["devices"] == ["cpu:0", "cpu:1"], r
 
 
 def test_every_step_ran_and_reports_its_time(multi_device, capsys):
