@@ -147,6 +147,9 @@ def test_asyncspade_bad_options():
                                                             max_len=256)
     with pytest.raises(ValueError, match="window must be"):
         AsyncSpade(window=0).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
+    with pytest.raises(ValueError, match="steady is the program past the warm-up"):  # not a user option
+        get_method("asyncspade", dense_steps=2, steady=True).check(num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                                    max_len=256)
     for bad in (-1, 5, 2.0, True, None):
         with pytest.raises(ValueError, match="dense_steps must be an int in"):
             AsyncSpade(window=4, dense_steps=bad).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)

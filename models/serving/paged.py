@@ -215,9 +215,9 @@ def _sharded_paged_programs(model, method, unroll: bool):
     pspecs = param_specs(abstract_model(model.config, model.dtype)[1])
     same = P()
 
-    def specs_of(cache: KVCache):
+    def specs_of(cache: KVCache):  # the layout of the model's cache (the steady step's method shares it)
         pool = next(e for e in cache.layers if isinstance(e, PagedLayer))
-        return paged_cache_specs(model.config, method, cache.batch, cache.max_len, pool.pool_k.shape[2] // pool.page,
+        return paged_cache_specs(model.config, model.method, cache.batch, cache.max_len, pool.pool_k.shape[2] // pool.page,
                                  pool.page, jnp.dtype(pool.pool_k.dtype), par)
 
     def smap(fn, in_specs, out_specs):

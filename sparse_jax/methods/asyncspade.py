@@ -184,6 +184,9 @@ class AsyncSpade(AttentionMethod):
                                                                        head_dim=head_dim, sparse_layers=sparse_layers))
 
     def check(self, *, num_q_heads, num_kv_heads, head_dim, max_len):
+        if self.steady:  # steady_state()'s program is built from the checked method, never from options
+            raise ValueError("asyncspade: steady is the program past the warm-up (steady_state()), not an option: "
+                             "it would skip the dense steps and the first step's choice")
         if self.window < 1:
             raise ValueError(f"asyncspade: window must be >= 1, got {self.window}")
         if self.ridge <= 0:
