@@ -103,10 +103,11 @@ class WarmupSteps:
         self.since[slot] = 0
 
     def warming(self, active) -> bool:
-        """Whether a row of ``active`` (bool[B]) is within its warm-up at the next step."""
+        """Whether a row of ``active`` (bool[B]) is within its warm-up at the next step (the
+        caller then runs that program: counted in ``warm_steps`` / ``steady_steps``)."""
         if self.warmup == 0:
             return False
-        warm = bool((np.asarray(active, bool)[: len(self.since)] & (self.since < self.warmup)).any())
+        warm = bool((np.asarray(active, bool) & (self.since < self.warmup)).any())
         if warm:
             self.warm_steps += 1
         else:
@@ -114,7 +115,7 @@ class WarmupSteps:
         return warm
 
     def stepped(self, active) -> None:
-        self.since += np.asarray(active, bool)[: len(self.since)]
+        self.since += np.asarray(active, bool)
 
 
 def _engine_programs(decode):
