@@ -52,7 +52,7 @@ public code):
   step (until ``W + 1`` queries are known the candidates use the window sizes the
   history supports). The warm-up is a program of its own: its per-layer ``lax.cond``
   cost 1.2 ms a step even past the warm-up (8.15 against 6.93 ms at 32K, B=4, Qwen3-8B
-  shape, H200: ``asyncspade_e2e_32k_b4_h200.md``), so a step in which no row warms up
+  shape, H200: ``git show f54dc57:benchmarks/results/asyncspade_e2e_32k_b4_h200.md``), so a step in which no row warms up
   runs :meth:`steady_state`'s program, which has none
   (:meth:`models.programs.ModelFunctions.decode_at`; the engines:
   :class:`models.serving.slots.WarmupSteps`). Resident only: the offloaded tier
@@ -338,7 +338,7 @@ class AsyncSpade(AttentionMethod):
     def steady_state(self) -> "AsyncSpade":
         """The program of rows past :attr:`warmup_steps`: neither the dense steps' nor the
         first step's per-layer ``lax.cond`` (1.2 ms of a 6.9 ms step at 32K, B=4 on the
-        H200, taken or not: ``asyncspade_e2e_32k_b4_h200.md``). The state is the same."""
+        H200, taken or not; 7.05 against 6.95 ms without it: ``step_e2e_32k_b4_h200.md``). The state is the same."""
         return dataclasses.replace(self, steady=True) if self.warmup_steps else self
 
     def check_no_dense_steps(self, where: str) -> None:
