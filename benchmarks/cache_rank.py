@@ -39,7 +39,8 @@ from models.runtime.cache_rank import with_cache_rank
 def spade_method(budget: int, window: int):
     from sparse_jax.methods import get_method
 
-    return get_method("asyncspade", budget=budget, window=window, selector="quest")
+    # θ_t = 0: the cache rank's (its rank holds no keys), so both schedules run the same steps
+    return get_method("asyncspade", budget=budget, window=window, selector="quest", dense_steps=0)
 
 
 def run_cache_rank(model, method, *, batch: int, context: int, steps: int, rounds: int, pack_layers: int,

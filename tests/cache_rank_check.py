@@ -64,9 +64,14 @@ def tiny_cases():
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 150)), jnp.int32)
     lengths = jnp.asarray([150, 120, 97], jnp.int32)
     for sel, opts in selectors.items():
-        method = get_method("asyncspade", budget=48, window=4, dense_layers=(0,), selector=sel, **opts)
-        base = Model(cfg, graphdef, params, None, method, jnp.float32, 256)
-        ref, _ = _greedy(base.prefill, base.decode_step, tokens, lengths, base.init_cache(3, 256))
+        # θ_t: the cache rank holds no keys on the attending device, so its AsyncSpade decodes sparsely
+        # from the first step (dense_steps=0); the default (the window) resolves to that there, which
+        # the quest cases check by building the rank from a default model
+        method = get_method("asyncspade", budget=48, window=4, dense_layers=(0,), selector=sel, dense_steps=0, **opts)
+        ref_model = Model(cfg, graphdef, params, None, method, jnp.float32, 256)
+        ref, _ = _greedy(ref_model.prefill, ref_model.decode_step, tokens, lengths, ref_model.init_cache(3, 256))
+        base = ref_model if sel != "quest" else ref_model.with_method("asyncspade", budget=48, window=4,
+                                                                      dense_layers=(0,))
         runs = [(1, "device_put", "threads"), (2, "collective", "one"), (6, "device_put", "one")] \
             if sel == "quest" else [(3, "device_put", "threads-wait")]
         for pack, transfer, dispatch in runs:
@@ -77,10 +82,11 @@ def tiny_cases():
             rank_devs = {str(d) for st in split.rank if st is not None for x in jax.tree.leaves(st) for d in x.devices()}
             inf_devs = {str(d) for x in jax.tree.leaves(split.inference) for d in x.devices()}
             _report(f"tiny/asyncspade[{sel}]/pack={pack}/{transfer}/{dispatch}", ref, got, rank_devices=sorted(rank_devs),
-                    inference_devices=sorted(inf_devs), packs=len(cr.fns.packs))
+                    inference_devices=sorted(inf_devs), packs=len(cr.fns.packs),
+                    base_dense_steps=base.method.dense_steps, rank_dense_steps=cr.method.dense_steps)
         if sel == "quest":  # control: the lag (W=1) selects differently, and the comparison sees it
-            lag = Model(cfg, graphdef, params, None, get_method("asyncspade", budget=48, window=1, dense_layers=(0,)),
-                        jnp.float32, 256)
+            lag = Model(cfg, graphdef, params, None, get_method("asyncspade", budget=48, window=1, dense_layers=(0,),
+                                                                  dense_steps=0), jnp.float32, 256)
             ctl, _ = _greedy(lag.prefill, lag.decode_step, tokens, lengths, lag.init_cache(3, 256))
             _report("control/asyncspade[quest]/window=1-vs-window=4", ctl, got)
 
@@ -89,7 +95,9 @@ def cli_case():
     """``python -m models.generate --attention asyncspade --cache-rank`` (the CLI's ``main``):
     SmolLM2's text with and without the cache rank, and the flag refused for another method."""
     prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 5 + "The capital of Germany is"
-    args = ["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt", "budget=48", "--prompt", prompt,
+    # dense_steps=0: the cache rank's θ_t (the default, the window, resolves to it there)
+    args = ["--model", "smollm2-135m", "--attention", "asyncspade", "--attention-opt", "budget=48",
+            "--attention-opt", "dense_steps=0", "--prompt", prompt,
             "--max-new-tokens", "8"]
     texts, heads = texts_with_and_without(args, ["--cache-rank"])
     refused = run_generate(["--model", "smollm2-135m", "--prompt", "hi", "--cache-rank"])

@@ -123,10 +123,11 @@ def _tiny(method, layers=3):
 @pytest.mark.parametrize("selector", ["quest", "double_sparsity"])
 def test_asyncspade_offloaded_equals_resident(selector):
     """Quest blocks or DS tokens chosen one step ahead from the predicted query: the
-    selection lies in the previous step's prefetch, so the offloaded run matches."""
+    selection lies in the previous step's prefetch, so the offloaded run matches (θ_t = 0:
+    offloaded the default resolves to it, resident it is asked for)."""
     from tests.test_offload import _check_offloaded_equals_resident, _ragged_tokens
 
-    opts = dict(selector=selector, budget=32, window=4, dense_layers=(0,))
+    opts = dict(selector=selector, budget=32, window=4, dense_layers=(0,), dense_steps=0)
     if selector == "quest":
         opts["selector_options"] = (("block_size", 8),)
     else:
@@ -150,18 +151,21 @@ def test_asyncspade_bad_options():
     with pytest.raises(ValueError, match="steady is the program past the warm-up"):  # not a user option
         get_method("asyncspade", dense_steps=2, steady=True).check(num_q_heads=4, num_kv_heads=2, head_dim=16,
                                                                     max_len=256)
-    for bad in (-1, 5, 2.0, True, None):
-        with pytest.raises(ValueError, match="dense_steps must be an int in"):
+    for bad in (-1, 5, 2.0, True):
+        with pytest.raises(ValueError, match="dense_steps must be None"):
             AsyncSpade(window=4, dense_steps=bad).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=256)
-    # offloaded and on the cache rank no whole cache is on the attending device
-    assert AsyncSpade().for_offload().dense_steps == 0
+    # θ_t defaults to the window (issue 51's harness); offloaded and on the cache rank no whole
+    # cache is on the attending device, so the default is 0 there and a count is refused
+    assert AsyncSpade().theta_steps == 16 and AsyncSpade(window=4).warmup_steps == 4
+    assert AsyncSpade(dense_steps=0).warmup_steps == 0
+    assert AsyncSpade().for_offload().dense_steps == 0 and AsyncSpade().for_offload().warmup_steps == 0
     with pytest.raises(ValueError, match="dense_steps=3 attends every key"):
         AsyncSpade(dense_steps=3).for_offload()
 
 
 def test_dense_steps_attend_every_key_then_the_selection():
     """θ_t (``dense_steps``): the first decode steps after the prompt give the dense logits,
-    the later ones select (default 0: every step); rows at different steps in one batch
+    the later ones select (``dense_steps=0``: every step); rows at different steps in one batch
     each take their own (a row's output does not depend on the others)."""
     from tests.test_offload import _ragged_tokens
 
@@ -179,15 +183,15 @@ def test_dense_steps_attend_every_key_then_the_selection():
 
     want, _ = run(dense)
     opts = dict(budget=16, window=3, dense_layers=(0,), selector_options=(("block_size", 8),))
-    warm, cache = run(_tiny(get_method("asyncspade", dense_steps=3, **opts)))  # the whole window
-    cold, _ = run(_tiny(get_method("asyncspade", **opts)))
+    warm, cache = run(_tiny(get_method("asyncspade", **opts)))  # the default: the whole window
+    cold, _ = run(_tiny(get_method("asyncspade", dense_steps=0, **opts)))
     np.testing.assert_allclose(warm[:4], want[:4], rtol=1e-5, atol=1e-5)  # prefill + 3 dense steps
     assert np.abs(warm[4:] - want[4:]).max() > 1e-4  # then it selects
     assert np.abs(cold[1:4] - want[1:4]).max() > 1e-4  # the control: sparse from the first step
     assert int(np.asarray(cache.layers[1].state["count"]).min()) == 4  # W + 1: the window full
     # past the warm-up, the steady program (no per-layer branch) gives the same logits and cache
     _check_steady_program(_tiny(get_method("asyncspade", dense_steps=3, **opts)), tokens, lengths, 3)
-    assert _tiny(get_method("asyncspade", **opts)).fns.steady_decode_step is None  # no warm-up: one program
+    assert _tiny(get_method("asyncspade", dense_steps=0, **opts)).fns.steady_decode_step is None  # one program
     # a row whose count says it is past the warm-up takes the selection while another warms up
     m = AsyncSpade(selector="quest", budget=64, window=4, dense_steps=2)
     steps, qs = _decode_steps(m, 1)
@@ -304,7 +308,8 @@ def test_token_selector_in_a_model_and_where_it_cannot_run():
     want = run(dense)
     whole = _tiny(get_method("asyncspade", selector="oracle_topk", budget=128, window=4, dense_layers=(0,)))
     np.testing.assert_allclose(run(whole), want, rtol=1e-4, atol=1e-4)
-    small = _tiny(get_method("asyncspade", selector="oracle_topk", budget=16, window=4, dense_layers=(0,)))
+    small = _tiny(get_method("asyncspade", selector="oracle_topk", budget=16, window=4, dense_layers=(0,),
+                             dense_steps=0))  # selecting from the first step
     a, b = run(small, unroll=False), run(small, unroll=True)
     assert a.shape == want.shape and np.isfinite(a).all()
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -125,6 +125,9 @@ def test_cache_rank_gives_the_one_device_tokens(multi_device):
         assert r["rank_devices"] == ["cpu:1"] and r["inference_devices"] == ["cpu:0"], r
     assert rows["tiny/asyncspade[quest]/pack=1/device_put/threads"]["packs"] == 5
     assert rows["tiny/asyncspade[quest]/pack=6/device_put/one"]["packs"] == 1
+    # a default AsyncSpade (θ_t = the window) decodes sparsely from the first step on the rank
+    q = rows["tiny/asyncspade[quest]/pack=1/device_put/threads"]
+    assert (q["base_dense_steps"], q["rank_dense_steps"]) == (None, 0), q
     # the comparison can fail: another selection (the lag) moves the logits by far more
     assert rows["control/asyncspade[quest]/window=1-vs-window=4"]["max_dlogit"] > 0.1
 

@@ -384,7 +384,8 @@ class CacheRankFunctions:
 
     def decode_at(self, step: int):
         """:meth:`decode_step` at every step: the cache rank runs no warm-up (AsyncSpade's
-        ``dense_steps`` is refused here; :meth:`models.programs.ModelFunctions.decode_at`)."""
+        θ_t is 0 here: ``dense_steps > 0`` is refused, the default resolves to 0;
+        :meth:`models.programs.ModelFunctions.decode_at`)."""
         return self.decode_step
 
     def decode_step(self, params, tokens, split: SplitCache):
@@ -455,7 +456,7 @@ class CacheRankModel(Model):
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         if int(pack_layers) < 1:
             raise ValueError(f"pack_layers must be >= 1, got {pack_layers}")
-        method.check_no_dense_steps("the cache rank's inference side")
+        method = method.without_dense_steps("the cache rank's inference side")
         check_selector(method, base.config, base.max_len, base.dtype)
         devs = list(jax.devices()) if devices is None else list(devices)
         if len(devs) < 2:

@@ -47,17 +47,19 @@ public code):
 * *start step* (the paper's θ_t, Sec. 4.1: "once the generation length exceeds a
   predefined threshold ... the model transitions to sparse decoding mode"; no value
   given): ``dense_steps`` decode steps after the prompt attend every key, while the
-  history fills (``dense_steps=window``: the first prediction regresses on a full
-  window of ``W + 1`` known queries). The default is 0, sparse from the first decode
-  step (until ``W + 1`` queries are known the candidates use the window sizes the
-  history supports). The warm-up is a program of its own: its per-layer ``lax.cond``
+  history fills, so the first prediction regresses on a full window of ``W + 1`` known
+  queries. The default (``None``) is ``window`` (16): on issue 51's harness (SmolLM2, budget
+  2048, H200) it gives 63.1 against dense's 63.9 at 4K and 51.1 against 54.4 at 8K, where
+  sparse from the first step (``dense_steps=0``; until ``W + 1`` queries are known the
+  candidates use the window sizes the history supports) gives 59.3 and 24.2
+  (``accuracy_smollm2_h200_theta_{4096,8192}.md``). The warm-up is a program of its own: its per-layer ``lax.cond``
   cost 1.2 ms a step even past the warm-up (8.15 against 6.93 ms at 32K, B=4, Qwen3-8B
   shape, H200: ``git show f54dc57:benchmarks/results/asyncspade_e2e_32k_b4_h200.md``), so a step in which no row warms up
   runs :meth:`steady_state`'s program, which has none
   (:meth:`models.programs.ModelFunctions.decode_at`; the engines:
   :class:`models.serving.slots.WarmupSteps`). Resident only: the offloaded tier
   (``for_offload``) and the cache rank hold no whole cache on the attending device
-  (``dense_steps > 0`` there is an error).
+  (``dense_steps > 0`` there is an error; the default resolves to 0 there: :meth:`without_dense_steps`).
 
 **Token-level selection** (the paper's, Sec. 4.2 and Alg. 1 step 7: ``q̂ Kᵀ`` over the
 whole cache, then top-k): ``selector="oracle_topk"``, the exact softmax of ``q̂`` summed
@@ -136,8 +138,9 @@ class AsyncSpade(AttentionMethod):
       ridge: ``ε`` relative to the newest query's squared norm.
       dense_layers: global layers kept exact (the selector's convention: 0, 1).
       dense_steps: θ_t, decode steps after the prompt that attend every key (the
-        predictor's window fills meanwhile); 0 (default): none. At most ``window`` (the
-        step count is the history's); resident only.
+        predictor's window fills meanwhile); ``None`` (default): ``window`` where the whole
+        cache is on the attending device, 0 where it is not (offloaded, the cache rank);
+        0: sparse from the first step. At most ``window`` (the step count is the history's).
       impl: the query predictor's implementation (``auto``: the kernel on the GPU).
       prefetch_block_size: blocks of the offloaded tier under a token selector.
     """
@@ -149,7 +152,7 @@ class AsyncSpade(AttentionMethod):
     window: int = 16
     ridge: float = 1e-2
     dense_layers: tuple[int, ...] = (0, 1)
-    dense_steps: int = 0
+    dense_steps: int | None = None
     impl: str = "auto"
     #: the program of rows past their warm-up (:meth:`steady_state`; not a user option): no
     #: dense steps, and no first-step choice of a token selector
@@ -195,10 +198,10 @@ class AsyncSpade(AttentionMethod):
             raise ValueError(f"asyncspade: impl must be one of {IMPLS}, got {self.impl!r}")
         if self.budget < 2:
             raise ValueError(f"asyncspade: budget must be >= 2, got {self.budget}")
-        if (isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int)
-                or not 0 <= self.dense_steps <= self.window):
-            raise ValueError(f"asyncspade: dense_steps must be an int in [0, window={self.window}] (the steps are "
-                             f"counted by the query history), got {self.dense_steps!r}")
+        if self.dense_steps is not None and (isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int)
+                                             or not 0 <= self.dense_steps <= self.window):
+            raise ValueError(f"asyncspade: dense_steps must be None (the window) or an int in [0, window={self.window}] "
+                             f"(the steps are counted by the query history), got {self.dense_steps!r}")
         inner = self.inner()
         if getattr(inner, "lag", False):
             raise ValueError("asyncspade: the selector must not lag itself (asyncspade selects one step ahead)")
@@ -327,13 +330,18 @@ class AsyncSpade(AttentionMethod):
         return self.step_selection(cur, cur_counts, lengths, prefetch), state, carry
 
     @property
+    def theta_steps(self) -> int:
+        """θ_t, resolved: ``dense_steps``, or ``window`` where it is ``None``."""
+        return self.window if self.dense_steps is None else self.dense_steps
+
+    @property
     def warmup_steps(self) -> int:  # type: ignore[override]
-        """The first ``dense_steps`` decode steps, and with a token selector
+        """The first θ_t (:attr:`theta_steps`) decode steps, and with a token selector
         (``reads_all_keys``) at least the first, whose selection is made from the last
         prompt query then (:meth:`_first_step_choice`); 0 for :meth:`steady_state`."""
         if self.steady:
             return 0
-        return max(self.dense_steps, 1 if self.reads_all_keys else 0)
+        return max(self.theta_steps, 1 if self.reads_all_keys else 0)
 
     def steady_state(self) -> "AsyncSpade":
         """The program of rows past :attr:`warmup_steps`: neither the dense steps' nor the
@@ -341,20 +349,22 @@ class AsyncSpade(AttentionMethod):
         H200, taken or not; 7.05 against 6.95 ms without it: ``step_e2e_32k_b4_h200.md``). The state is the same."""
         return dataclasses.replace(self, steady=True) if self.warmup_steps else self
 
-    def check_no_dense_steps(self, where: str) -> None:
-        """ValueError when ``dense_steps > 0`` on ``where``, a path that holds no whole cache
-        on the attending device."""
+    def without_dense_steps(self, where: str) -> "AsyncSpade":
+        """The method for ``where``, a path that holds no whole cache on the attending device
+        (the offloaded tier, the cache rank): the default θ_t (``dense_steps=None``) resolved
+        to 0 there; ValueError when ``dense_steps > 0`` was asked for."""
         if self.dense_steps:
             raise ValueError(f"asyncspade: dense_steps={self.dense_steps} attends every key, which {where} does not "
-                             f"hold on the attending device: pass dense_steps=0 (the default)")
+                             f"hold on the attending device: pass dense_steps=0")
+        return self if self.dense_steps == 0 else dataclasses.replace(self, dense_steps=0)
 
     def decode(self, q, kv, lengths, state, carry, layer):
-        """The selection's attention; rows within their first ``dense_steps`` decode steps
-        (``1 <= count <= dense_steps``: ``count`` is 1 at the first step after the prompt)
+        """The selection's attention; rows within their first θ_t decode steps
+        (``1 <= count <= theta_steps``: ``count`` is 1 at the first step after the prompt)
         attend every key instead. The whole-cache attention runs only in steps where
         some row warms up (``lax.cond``), and each row takes its own result, so a row's
         output does not depend on the others in the batch."""
-        n = 0 if self.steady else self.dense_steps
+        n = 0 if self.steady else self.theta_steps
         sel, new_state, carry = self.select(q, kv, lengths, state, carry, layer)
         impl = self.impl
 
@@ -372,8 +382,7 @@ class AsyncSpade(AttentionMethod):
         return jax.lax.cond(jnp.any(warm), mixed, sparse, None), new_state, carry
 
     def for_offload(self) -> "AsyncSpade":
-        self.check_no_dense_steps("the offloaded tier")
-        return self
+        return self.without_dense_steps("the offloaded tier")
 
     # -- offloading: the next selection's blocks are the prefetch ---------------------------
     def _prefetch_blocks(self, nxt, counts, lengths, blocks: bool):
