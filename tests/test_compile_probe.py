@@ -26,3 +26,19 @@ def test_compile_probe_times_each_program(tmp_path):
     assert [r["program"] for r in rows] == ["decode step, 2 rows", "chunk of 256 tokens, keys 1536"]
     assert all(r["compile_s"] > 0 and r["run_ms"] > 0 and r["unroll"] is False for r in rows)
     assert "| chunk of 256 tokens, keys 1536 | False |" in (tmp_path / "compile_probe.md").read_text()
+
+
+def test_engine_iteration_refuses_a_cache_that_does_not_fit(monkeypatch):
+    """benchmarks.probes.engine_iteration says so before building a model whose cache exceeds
+    the device (8 rows of 132,096 positions on the Qwen3-8B shape: 156 GB)."""
+    import pytest
+
+    from benchmarks.probes import engine_iteration
+    from sparse_jax.offload import capacity
+
+    monkeypatch.setattr(capacity, "device_budget", lambda reserve=0: 130 << 30)  # an H200's usable bytes
+    with pytest.raises(SystemExit, match=r"batch 8 at capacity 132096 needs 1[0-9]{2}\.\d GiB"):
+        engine_iteration.main(["--caps", "132096", "--batch", "8", "--methods", "dense"])
+    # 4 rows of 128K and 8 of 64K fit (the issue's shapes)
+    engine_iteration._check_fits(engine_iteration.argparse.Namespace(tiny=False, layers=36, batch=[4]), [132096])
+    engine_iteration._check_fits(engine_iteration.argparse.Namespace(tiny=False, layers=36, batch=[8]), [66560])

@@ -44,6 +44,33 @@ def live_table(batch: int, context: int, cap: int, page: int) -> np.ndarray:
     return table
 
 
+def resident_bytes(cfg, batch: int, cap: int, dtype_bytes: int = 2) -> int:
+    """The weights plus one whole-capacity cache of ``batch`` rows: what the bare step (and the
+    engine after it, one at a time) holds on the device."""
+    kv = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cap * cfg.head_dim * dtype_bytes
+    return cfg.num_params() * dtype_bytes + kv
+
+
+def _check_fits(a, caps) -> None:
+    """Refuse, before building anything, a batch x capacity whose cache does not fit the device
+    (a 132,096-position cache of 8 rows is 156 GB: XLA's allocator then retried for minutes
+    instead of failing, H200, 2026-12-05). The CPU reports no limit: not checked."""
+    from benchmarks.offload import qwen3_8b
+    from sparse_jax.offload.capacity import device_budget
+
+    limit = device_budget()
+    if limit is None or a.tiny:
+        return
+    for cap in caps:
+        for batch in a.batch:
+            cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
+            need = resident_bytes(cfg, batch, cap)
+            if need > limit:
+                raise SystemExit(f"batch {batch} at capacity {cap} needs {need / 2**30:.1f} GiB (weights + one "
+                                 f"whole-capacity cache) of the device's {limit / 2**30:.1f} GiB: lower --batch or "
+                                 f"--caps (capacity >= --context + --max-tokens + 2)")
+
+
 def _bare_ms(model, method, cfg, batch: int, context: int, cap: int, steps: int, rounds: int,
              paged: bool = False) -> float:
     """The bare step on a zero cache (``paged``: zero pages through a block table)."""
@@ -241,6 +268,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--engines: of {', '.join(ENGINES)}; got {bad}")
     if min(caps) < a.context + a.max_tokens + 2:
         raise SystemExit(f"--caps must each be >= context + max_tokens + 2 = {a.context + a.max_tokens + 2}")
+    _check_fits(a, caps)
     rows = []
     for name in a.methods.split(","):
         for cap in caps:
