@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 49's GPU measurements of the serving engine, in stages that each fit one 10-minute
+# device command (Qwen3-8B shape, random bf16 weights: no weights to carry).
+#
+#   bash scripts/serving_gpu.sh compile     # why the 128K precompile did not finish: one unrolled and one
+#                                           # scanned chunk program's compile, traced (compile_probe), then
+#                                           # the same without the autotuner (XLA's flag is read once per
+#                                           # process: a second run)
+#   bash scripts/serving_gpu.sh iteration L # benchmark A: the engine's iteration against the bare step at
+#                                           # L = 65536 (8 rows) or 131072 (4 rows); METHODS (dense,asynctls,quest)
+#                                           # and ENGINES (paged,offload-paged) narrow it
+#   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked)
+#
+# Each writes json + md (+ png) to $OUT (the device runner's folder) or benchmarks/results/, and its
+# log through `tee`, so a stage cut off by its limit keeps what it printed. XLA_PYTHON_CLIENT_MEM_FRACTION
+# defaults to 0.92 (jax's 0.75 hides a quarter of the GPU). PY overrides the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+OUTDIR=${OUT:-benchmarks/results}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+stage=${1:?usage: serving_gpu.sh compile|iteration L|load}
+quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
+
+case "$stage" in
+  compile)
+    $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --runs 2 \
+        --trace-compile /tmp/compile_trace --out "$OUTDIR" --name compile_probe_128k 2>&1 | quiet
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+      $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --unroll unrolled --runs 2 \
+        --out "$OUTDIR" --name compile_probe_128k_noautotune 2>&1 | quiet
+    ;;
+  iteration)
+    # every row at the context, the capacity the request's (context + tokens + 2, rounded up):
+    # 73 GiB of cache + 15 GiB of weights at either length (the probe refuses shapes that do not fit)
+    L=${2:?usage: serving_gpu.sh iteration 65536|131072}
+    case "$L" in 65536) B=8 ;; 131072) B=4 ;; *) echo "L: 65536 or 131072" >&2; exit 2 ;; esac
+    $PY -u -m benchmarks.probes.engine_iteration --methods "${METHODS:-dense,asynctls,quest}" \
+        --engines "${ENGINES:-paged,offload-paged}" --context "$L" --caps $((L + 1024)) --batch $B --max-tokens 40 \
+        --out "$OUTDIR" --name "engine_iteration_${L}" 2>&1 | quiet
+    ;;
+  load)
+    $PY -u -m benchmarks.serve_load --methods dense:paged-chunked,asynctls+tsa:paged-chunked \
+        --prefill-opt keep_fraction=0.3 --prompt-mix 65536:1,131072:2 --output-min 256 --output-max 1024 \
+        --slots 8 --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name serve_load_long 2>&1 | quiet
+    ;;
+  *)
+    echo "unknown stage $stage: compile|iteration|load" >&2; exit 2 ;;
+esac
