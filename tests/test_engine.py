@@ -6,14 +6,18 @@ limits; cancellation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib.util
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.serving import paged as paged_mod
 from models.serving.engine import Engine
 from models.serving.requests import Request, SamplingParams
 from models.serving.scheduler import Scheduler
@@ -897,3 +901,28 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     # every step and chunk ran an ahead-of-time executable (the jitted programs are shared by
     # every engine of this model in the process, so their caches say nothing here)
     assert engine.kv.jit_calls == 0 and engine.kv.aot_calls >= 8 + 5, (engine.kv.jit_calls, engine.kv.aot_calls)
+    # in the background (the server's way): precompile returns at once and serving starts; a call
+    # whose program is still compiling waits for it, so nothing compiles twice
+    bg = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
+    assert bg.precompile(sampled=(False,), workers=2, background=True) == \
+        {"programs": 5, "seconds": 0.0, "failed": [], "background": True}
+    bg.start()
+    try:
+        reqs = [bg.submit(bg.make_request(i, SamplingParams(max_tokens=8))) for i in ids]
+        assert all(r.done.wait(120) for r in reqs)
+        assert [r.output_ids for r in reqs] == refs
+    finally:
+        bg.stop()
+    deadline = time.monotonic() + 120
+    while bg.stats()["programs_compiling"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bg.stats()["programs_compiling"] == 0 and not bg.kv.precompile_failed
+    assert bg.kv.jit_calls == 0 and bg.kv.aot_calls >= 8 + 5, (bg.kv.jit_calls, bg.kv.aot_calls)
+    # the wait itself: a call whose program is pending gets that compile's executable once it is done
+    what, program, args, static = bg.kv.program_shapes(sampled=(False,))[0]
+    fresh = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=()).kv
+    pending = concurrent.futures.Future()
+    fresh._pending[paged_mod._aot_key(program, args, static)] = pending
+    threading.Timer(0.2, pending.set_result, [(None, "the executable", None)]).start()
+    assert fresh._ahead(program, args, static) == "the executable"
+    assert (fresh.waited_calls, fresh.aot_calls, fresh.jit_calls) == (1, 1, 0)

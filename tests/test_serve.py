@@ -309,6 +309,7 @@ def test_metrics_parse_and_move(server):
     assert after[itl] - before[itl] == n - 1
     assert after[("sparse_jax:num_requests_running", ())] == 0 and after[("sparse_jax:num_requests_waiting", ())] == 0
     assert after[("sparse_jax:kv_blocks_free", ())] == after[("sparse_jax:kv_blocks_total", ())]
+    assert after[("sparse_jax:programs_compiling", ())] == 0  # nothing precompiled on the CPU
     assert after[("sparse_jax:engine_steps_total", ())] > before[("sparse_jax:engine_steps_total", ())]
 
 

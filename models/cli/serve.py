@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill in one iteration")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the paged engine's programs (every decode batch bucket, greedy and sampled; every "
-                        "chunk size and key bucket, or whole-prefill bucket) in parallel before serving, so no "
-                        "request waits for the compiler (default: on a GPU; off on a CPU, where requests compile "
-                        "what they use)")
+                        "chunk size and key bucket, or whole-prefill bucket) in parallel threads, smallest first, "
+                        "while the server starts serving: a request whose program is still compiling waits for it, "
+                        "none compiles twice, and /health counts programs_compiling (default: on a GPU; off on a "
+                        "CPU, where requests compile what they use)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N replicas of the model, one engine each on its own group of --tensor-parallel devices; "
                         "a request goes to the least-loaded replica (models.serving.replicas); default 1")
@@ -185,11 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
-        done = engine.precompile(progress=True)
-        if done["programs"] or done.get("failed"):
-            print(f"precompiled {done['programs']} programs in {done['seconds']:.1f} s"
-                  + "".join(f"; not compiled ahead (compiles when first used): {f}" for f in done.get("failed", ())),
-                  file=sys.stderr, flush=True)
+        # in the background: at a 128K context the long key buckets take minutes each, and the
+        # short prompts need not wait for them
+        done = engine.precompile(progress=True, background=True)
+        if done["programs"]:
+            print(f"compiling {done['programs']} programs in the background, smallest first (GET /health: "
+                  f"programs_compiling)", file=sys.stderr, flush=True)
     engine.start()
     reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
     chunk = f", prefill in chunks of {engine.prefill_chunk}" if getattr(engine, "prefill_chunk", None) else ""

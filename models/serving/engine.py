@@ -374,6 +374,7 @@ class Engine:
                     "kv_blocks_free": self.kv.kv_blocks_free if self.paged else None,
                     "preempted": self.preempted,
                     "kv_bound": getattr(self.kv, "kv_bound", "slots"),
+                    "programs_compiling": getattr(self.kv, "programs_compiling", 0),
                     "alive": self._thread is not None and self._thread.is_alive()}
 
     def idle(self) -> bool:
@@ -382,8 +383,10 @@ class Engine:
 
     def precompile(self, **options) -> dict:
         """Compile the programs this engine's requests will run before serving them (the paged
-        resident engine: :meth:`PagedSlots.precompile`, in parallel threads); ``{"programs": 0,
-        "seconds": 0.0, "failed": []}`` for the others, which compile as requests arrive."""
+        resident engine: :meth:`PagedSlots.precompile`, in parallel threads; ``background=True``
+        returns at once and serving starts while they compile, ``stats()["programs_compiling"]``
+        counting what is left); ``{"programs": 0, "seconds": 0.0, "failed": []}`` for the
+        others, which compile as requests arrive."""
         if not hasattr(self.kv, "precompile"):
             return {"programs": 0, "seconds": 0.0, "failed": []}
         return self.kv.precompile(**options)

@@ -70,6 +70,8 @@ class _EngineCollector:
         yield counter("num_preemptions", "Requests whose KV pages were taken back (recomputed later).",
                       total("preempted"))
         yield counter("engine_steps", "Decode iterations run.", total("steps"))
+        yield gauge("programs_compiling", "Engine programs still compiling in the background (the server's "
+                    "precompile; a request that needs one waits for it).", total("programs_compiling"))
 
 
 class ServerMetrics:

@@ -485,9 +485,15 @@ class PagedSlots(PagedRequests):
         #: programs compiled ahead of time (:meth:`precompile`), by :func:`_aot_key`: the call
         #: sites run these before falling back to the jitted program (which would compile)
         self._aot: dict[tuple, Any] = {}
+        #: programs :meth:`precompile` is compiling in the background, by :func:`_aot_key`: a call
+        #: that needs one waits for it rather than compiling it a second time
+        self._pending: dict[tuple, Any] = {}
+        #: what failed to compile ahead (each compiles when first used)
+        self.precompile_failed: list[str] = []
         #: calls that ran an ahead-of-time executable, and calls that went to a jitted program
-        #: (which compiles on a new shape): after :meth:`precompile`, the second stays 0
-        self.aot_calls = self.jit_calls = 0
+        #: (which compiles on a new shape): after :meth:`precompile`, the second stays 0;
+        #: ``waited_calls``: of the first, those that waited for their program's compile
+        self.aot_calls = self.jit_calls = self.waited_calls = 0
         self._runner = None
         if self.mesh is None:
             self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
@@ -704,14 +710,30 @@ class PagedSlots(PagedRequests):
                         {"kv_len": kv_len, "last": last}))
         return out
 
-    def _count(self, aot) -> None:
+    def _ahead(self, program, args: tuple, static: dict):
+        """The ahead-of-time executable for this call, waiting for it if :meth:`precompile` is
+        compiling it in the background (that beats compiling it again); None: the call runs
+        the jitted program. Counted in ``aot_calls`` / ``jit_calls`` / ``waited_calls``."""
+        key = _aot_key(program, args, static)
+        aot = self._aot.get(key)
+        if aot is None:
+            fut = self._pending.get(key)
+            if fut is not None:
+                aot = fut.result()[1]  # None if it failed: the jitted program then compiles it
+                self.waited_calls += aot is not None
         if aot is None:
             self.jit_calls += 1
         else:
             self.aot_calls += 1
+        return aot
+
+    @property
+    def programs_compiling(self) -> int:
+        """Programs :meth:`precompile` is still compiling in the background."""
+        return len(self._pending)
 
     def precompile(self, *, workers: int | None = None, sampled=(False, True), shortest_prompt: int = 1,
-                   progress: bool = False) -> dict:
+                   progress: bool = False, background: bool = False) -> dict:
         """Compile every program of :meth:`program_shapes` now, in ``workers`` threads (XLA
         compiles with the GIL released), and run them ahead of the jitted ones: the first
         requests of each size then wait for no compiler. A served model's first long prompts
@@ -720,14 +742,23 @@ class PagedSlots(PagedRequests):
         "seconds": s, "failed": [...]}``: a program that fails to compile here (say, the
         device's memory for autotuning beside the pool) is left to compile when first used, as
         without this, and named in ``failed``; ``sampled`` and ``shortest_prompt``: as
-        :meth:`program_shapes` (what the requests will ask); ``progress``: a bar on stderr."""
+        :meth:`program_shapes` (what the requests will ask); ``progress``: a bar on stderr.
+
+        ``background``: return at once, the programs compiling in the threads, smallest first
+        (the decode steps, then the chunks by key bucket), so serving starts while the long
+        buckets compile (at a 128K context they took minutes each on the H200): a call whose
+        program is still compiling waits for that compile instead of compiling it again
+        (``waited_calls``); :attr:`programs_compiling` counts what is left, failures go to
+        ``precompile_failed``. Returns ``{"programs": n submitted, "seconds": 0.0, "failed":
+        [], "background": True}``."""
         import concurrent.futures
         import os
         import time
 
         jobs = [(what, program, args, static) for what, program, args, static
                 in self.program_shapes(sampled, shortest_prompt)
-                if _aot_key(program, args, static) not in self._aot]
+                if _aot_key(program, args, static) not in self._aot
+                and _aot_key(program, args, static) not in self._pending]
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
 
@@ -744,14 +775,34 @@ class PagedSlots(PagedRequests):
 
             bar = tqdm(total=len(jobs), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
         failed = []
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile") as pool:
-            for key, compiled, error in pool.map(build, jobs):
-                if error is None:
-                    self._aot[key] = compiled
-                else:
-                    failed.append(error)
-                if bar is not None:
-                    bar.update()
+
+        def done(key, fut):  # in the compiling thread: the executable goes in before the pending entry goes
+            _, compiled, error = fut.result()
+            if error is None:
+                self._aot[key] = compiled
+            else:
+                failed.append(error)
+                self.precompile_failed.append(error)
+                if background:  # no caller waits to report it
+                    print(f"not compiled ahead (compiles when first used): {error}", file=sys.stderr, flush=True)
+            self._pending.pop(key, None)
+            if bar is not None:
+                bar.update()
+                if not self._pending:
+                    bar.close()
+
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile")
+        futures = []
+        for job in jobs:  # program_shapes' order: the decode steps, then the chunks by key bucket
+            what, program, args, static = job
+            key = _aot_key(program, args, static)
+            fut = pool.submit(build, job)
+            self._pending[key] = fut  # before the callback, which may run at once
+            fut.add_done_callback(functools.partial(done, key))
+            futures.append(fut)
+        pool.shutdown(wait=not background)  # the threads end once their jobs are done
+        if background:
+            return {"programs": len(jobs), "seconds": 0.0, "failed": [], "background": True}
         if bar is not None:
             bar.close()
         return {"programs": len(jobs) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
@@ -781,8 +832,7 @@ class PagedSlots(PagedRequests):
         loses every request's KV: :class:`PoolLost`, saying ``what`` failed."""
         try:
             args = (self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table))
-            aot = self._aot.get(_aot_key(program, args, static))
-            self._count(aot)
+            aot = self._ahead(program, args, static)
             logits, self.cache = aot(*args) if aot is not None else program(*args, **static)
             if wait:
                 jax.block_until_ready(logits)
@@ -824,8 +874,7 @@ class PagedSlots(PagedRequests):
         self.last_rows = decode_rows(self.slots, used)
         step = self._step if self.warmup.warming(active) else self._steady_step
         args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
-        aot = self._aot.get(_aot_key(step, args, {"rows": self.last_rows}))
-        self._count(aot)
+        aot = self._ahead(step, args, {"rows": self.last_rows})
         out, self.cache = aot(*args) if aot is not None else step(*args, rows=self.last_rows)
         self._lengths += active  # the step advances the active rows only
         self.warmup.stepped(active)

@@ -173,7 +173,8 @@ class EngineReplicas:
         parallel threads): the programs counted and the seconds summed, failures listed."""
         runs = [e.precompile(**options) for e in self.engines]
         return {"programs": sum(r["programs"] for r in runs), "seconds": sum(r["seconds"] for r in runs),
-                "failed": [f for r in runs for f in r.get("failed", [])]}
+                "failed": [f for r in runs for f in r.get("failed", [])],
+                "background": bool(options.get("background"))}
 
     def stop(self, timeout: float | None = 30.0) -> None:
         for e in self.engines:
