@@ -926,3 +926,11 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     threading.Timer(0.2, pending.set_result, [(None, "the executable", None)]).start()
     assert fresh._ahead(program, args, static) == "the executable"
     assert (fresh.waited_calls, fresh.aot_calls, fresh.jit_calls) == (1, 1, 0)
+    # stopping the engine drops the compiles not yet started (a server's exit would wait for them)
+    quit_early = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
+    quit_early.precompile(sampled=(False,), workers=1, background=True)
+    quit_early.stop()
+    deadline = time.monotonic() + 60
+    while quit_early.kv.programs_compiling and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert quit_early.kv.programs_compiling == 0 and len(quit_early.kv._aot) <= 1, len(quit_early.kv._aot)

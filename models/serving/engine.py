@@ -400,6 +400,8 @@ class Engine:
         return self
 
     def stop(self, timeout: float | None = 30.0) -> None:
+        if hasattr(self.kv, "cancel_precompile"):  # background compiles not yet started
+            self.kv.cancel_precompile()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

@@ -718,14 +718,23 @@ class PagedSlots(PagedRequests):
         aot = self._aot.get(key)
         if aot is None:
             fut = self._pending.get(key)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():
                 aot = fut.result()[1]  # None if it failed: the jitted program then compiles it
                 self.waited_calls += aot is not None
+            else:  # its compile may have ended between the two reads (it stores, then unlists)
+                aot = self._aot.get(key)
         if aot is None:
             self.jit_calls += 1
         else:
             self.aot_calls += 1
         return aot
+
+    def cancel_precompile(self) -> None:
+        """Drop the background compiles not yet started (the engine stops: a process exiting
+        would otherwise wait for every one of them); those running finish."""
+        pool = getattr(self, "_compile_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def programs_compiling(self) -> int:
@@ -777,6 +786,9 @@ class PagedSlots(PagedRequests):
         failed = []
 
         def done(key, fut):  # in the compiling thread: the executable goes in before the pending entry goes
+            if fut.cancelled():  # cancel_precompile
+                self._pending.pop(key, None)
+                return
             _, compiled, error = fut.result()
             if error is None:
                 self._aot[key] = compiled
@@ -800,6 +812,7 @@ class PagedSlots(PagedRequests):
             self._pending[key] = fut  # before the callback, which may run at once
             fut.add_done_callback(functools.partial(done, key))
             futures.append(fut)
+        self._compile_pool = pool
         pool.shutdown(wait=not background)  # the threads end once their jobs are done
         if background:
             return {"programs": len(jobs), "seconds": 0.0, "failed": [], "background": True}
