@@ -216,6 +216,41 @@ def test_num_anchors_reruns_the_dp_on_a_stored_calibration(tmp_path):
         fallback_anchors(36)
 
 
+def test_calibration_text_file(tmp_path):
+    """``kascade_calibrate --text-file``: a plain text gives windows from its start, JSON lines
+    give each prompt's last ``--seq-len`` tokens (its question stays); a missing, empty or
+    malformed file or too few tokens is refused before the model loads (exit 2)."""
+    from models.cli import kascade_calibrate as kc
+
+    class Chars:  # one token per character
+        @staticmethod
+        def encode(text):
+            return [ord(c) for c in text]
+
+    plain = tmp_path / "dev.txt"
+    plain.write_text("abcdefgh")
+    assert kc.prompts_from_texts(kc.read_texts(str(plain)), Chars, 3, 2, windows=True).tolist() == \
+        [[97, 98, 99], [100, 101, 102]]
+    lines = tmp_path / "dev.jsonl"
+    lines.write_text('{"text": "xxabc"}\n\n{"text": "yyyydef"}\n')
+    got = kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 3, 2, windows=False)
+    assert got.dtype == np.int32 and got.tolist() == [[97, 98, 99], [100, 101, 102]]
+    with pytest.raises(ValueError, match="prompt 1 has 5 tokens, --seq-len 6"):
+        kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 6, 2, windows=False)
+    with pytest.raises(ValueError, match="2 prompts, --prompts 3"):
+        kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 3, 3, windows=False)
+    bad = tmp_path / "bad.jsonl"
+    for content, message in (('{"txt": 1}\n', 'line 1: expected an object with a string "text"'),
+                             ("not json\n", "line 1 is not JSON"), ("\n", "no prompts")):
+        bad.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            kc.read_texts(str(bad))
+    for path in (tmp_path / "missing.txt", bad):
+        with pytest.raises(SystemExit) as e:
+            kc.main(["--text-file", str(path), "--root", str(tmp_path)])
+        assert e.value.code == 2
+
+
 @pytest.mark.slow
 def test_composed_methods_run_from_the_cli():
     """A composed method by name plus dotted options (AsyncSpade over Double Sparsity, the

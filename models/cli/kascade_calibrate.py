@@ -21,12 +21,22 @@ Departures from the paper's setting, for a CPU run: docstring text instead of
 MuSiQue, and prompts of ``--seq-len`` tokens (the paper's development set
 averages 2.3K tokens); the paper's stats k is 64 (32 effective in its code),
 ``--k`` here (default 64).
+
+``--text-file PATH`` calibrates on other text, as the paper's development set is
+multi-hop QA: a UTF-8 text (consecutive windows from its start), or JSON lines of
+``{"text": ...}`` prompts, each tokenised and cut to its last ``--seq-len`` tokens (so
+a question at the end stays). On SmolLM2 the docstrings weight layers 4-13 ~0.01,
+and the DP then puts no anchor where the first needle-reading layer (7) is
+(docs/methods.md, issue 51).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import json
+import os
 import sys
 import time
 
@@ -125,6 +135,48 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
     }
 
 
+def read_texts(path: str) -> list[str]:
+    """The calibration text of ``path``: ``[text]`` for a plain UTF-8 file, the ``"text"`` of
+    every line of a ``.jsonl`` file. ValueError when it holds none."""
+    with open(path, encoding="utf-8") as f:
+        raw = f.read()
+    if not path.endswith(".jsonl"):
+        if not raw.strip():
+            raise ValueError("the file is empty")
+        return [raw]
+    texts = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {n} is not JSON: {e}") from e
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise ValueError(f"line {n}: expected an object with a string \"text\"")
+        texts.append(rec["text"])
+    if not texts:
+        raise ValueError("no prompts in the file")
+    return texts
+
+
+def prompts_from_texts(texts: list[str], tokenizer, seq_len: int, count: int, *, windows: bool) -> np.ndarray:
+    """``int32[count, seq_len]``: ``windows`` (a plain text: ``texts`` is one) -> consecutive
+    windows from its start; else the first ``count`` prompts, each its last ``seq_len``
+    tokens. ValueError when too short."""
+    if windows:
+        return calibration_batches(tokenizer.encode(texts[0]), seq_len, count)
+    if len(texts) < count:
+        raise ValueError(f"{len(texts)} prompts, --prompts {count} asked")
+    out = []
+    for n, text in enumerate(texts[:count]):
+        ids = tokenizer.encode(text)
+        if len(ids) < seq_len:
+            raise ValueError(f"prompt {n + 1} has {len(ids)} tokens, --seq-len {seq_len} asked")
+        out.append(ids[-seq_len:])
+    return np.asarray(out, np.int32)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.cli.kascade_calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -133,25 +185,47 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=64, help="top-k of the similarity statistic (the paper: 64)")
     p.add_argument("--tile", type=int, default=32, help="query tile the minimum runs over (the code: 32)")
     p.add_argument("--anchors", type=int, default=5, help="anchor layers, layer 0 included (the paper: 5)")
+    p.add_argument("--text-file", default=None, metavar="PATH",
+                   help="calibrate on this UTF-8 text (consecutive windows from its start) or, for a .jsonl file, "
+                        "these {\"text\": ...} prompts (each cut to its last --seq-len tokens) instead of the "
+                        "standard library's docstrings")
     p.add_argument("--root", default=None, help=f"where to save (default {CALIBRATION_ROOT})")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.seq_len <= args.k or args.k < 1 or args.tile < 1 or args.anchors < 1:
         p.error("--prompts, --k, --tile, --anchors must be >= 1 and --seq-len > --k")
+    texts = None
+    if args.text_file is not None:  # read before the model loads: a bad file costs nothing
+        try:
+            texts = read_texts(args.text_file)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            p.error(f"--text-file {args.text_file}: {e}")
 
     import jax.numpy as jnp
 
     model = models.load_model(args.model, dtype=jnp.float32)
     if model.tokenizer is None:
         p.error(f"model {args.model!r} has no tokenizer (random weights): calibrate a model with real weights")
-    ids = model.tokenizer.encode(calibration_text())
-    # prompts from the far end of the text: disjoint from the channel calibration's windows
     need = args.seq_len * args.prompts
-    prompts = calibration_batches(ids[::-1][:need][::-1], args.seq_len, args.prompts)
+    if texts is None:
+        ids = model.tokenizer.encode(calibration_text())
+        # prompts from the far end of the text: disjoint from the channel calibration's windows
+        prompts = calibration_batches(ids[::-1][:need][::-1], args.seq_len, args.prompts)
+        source = "docstrings of the standard-library modules of models.cli.calibrate, from the end"
+    else:
+        try:
+            windows = not args.text_file.endswith(".jsonl")
+            prompts = prompts_from_texts(texts, model.tokenizer, args.seq_len, args.prompts, windows=windows)
+        except ValueError as e:
+            p.error(f"--text-file {args.text_file}: {e}")
+        digest = hashlib.sha256(open(args.text_file, "rb").read()).hexdigest()[:16]
+        source = (f"{os.path.basename(args.text_file)} (sha256 {digest}; "
+                  + ("windows from its start)" if windows
+                     else f"{args.prompts} of its {len(texts)} prompts, each its last {args.seq_len} tokens)"))
     out = calibrate(model, prompts, k=args.k, tile=args.tile, num_anchors=args.anchors,
                     log=lambda s: print(s, file=sys.stderr))
     out["meta"] = {
         "model": args.model, "prompts": args.prompts, "seq_len": args.seq_len, "k": args.k, "tile": args.tile,
-        "text": "docstrings of the standard-library modules of models.cli.calibrate, from the end",
+        "text": source,
         "command": "python -m models.cli.kascade_calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     path = save_kascade_calibration(args.model, out, args.root)
