@@ -157,6 +157,48 @@ def test_anchor_dp_matches_brute_force():
     assert fallback_anchors(36) == (0, 2, 10, 19, 28) and fallback_anchors(3) == (0, 1, 2)
 
 
+def test_shared_topk_is_one_selection_for_every_head():
+    """``shared_topk``: an anchor takes the top-k of its probabilities summed over every head
+    (the paper's shared variant), every KV head attends it, and a reuse layer reads it
+    whatever its head map says; refused with per-head selections (a composed anchor, the
+    tiled prefill)."""
+    rng = np.random.default_rng(2)
+    b, hq, hkv, s, d = 2, 8, 4, 640, 32
+    q = rng.normal(size=(b, hq, d)).astype(np.float32)
+    k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 2
+    v = rng.normal(size=(b, hkv, s, d)).astype(np.float32)
+    lengths = np.array([640, 501], np.int32)
+    head_map = ((0, 1, 2, 3), (3, 3, 0, 1))
+    m = Kascade(anchors=(0,), head_map=head_map, dense_first_anchor=False, min_budget=32, shared_topk=True)
+    kv = ResidentKV(jnp.asarray(k), jnp.asarray(v))
+    carry = m.init_carry(batch=b, num_kv_heads=hkv, max_len=s)
+    ctx0 = single_layer(0, data={k_: jnp.asarray(v_) for k_, v_ in m.layer_data(0).items()})
+    sel0, _, carry = m.select(jnp.asarray(q), kv, jnp.asarray(lengths), None, carry, ctx0)
+    want_k = np.maximum(np.floor(lengths * 0.1).astype(int), 32)
+    for bi in range(b):
+        pooled = _np_group_probs(q[bi:bi + 1], k[bi:bi + 1], lengths[bi])[0].sum(0)
+        top = set(np.argsort(-pooled)[:want_k[bi]].tolist())
+        for h in range(hkv):
+            n = int(sel0.counts[bi, h])
+            assert n == want_k[bi] and set(np.asarray(sel0.indices[bi, h, :n]).tolist()) == top
+    # the per-head selection differs (the check can fail)
+    per_head, _ = Kascade(anchors=(0,), min_budget=32).exact_topk(jnp.asarray(q), kv, jnp.asarray(lengths))
+    assert any(set(np.asarray(per_head[0, h, :want_k[0]]).tolist()) != set(np.asarray(sel0.indices[0, 0, :want_k[0]]).tolist())
+               for h in range(hkv))
+    ctx1 = single_layer(1, data={k_: jnp.asarray(v_) for k_, v_ in m.layer_data(1).items()})
+    sel1, _, _ = m.select(jnp.asarray(q), kv, jnp.asarray(lengths), None, carry, ctx1)
+    np.testing.assert_array_equal(np.asarray(sel1.indices), np.asarray(sel0.indices))
+    for bad, match in ((dict(anchor_selector="quest"), "selects per head"), (dict(tiled_prefill=True), "tiled prefill")):
+        with pytest.raises(ValueError, match=match):
+            Kascade(anchors=(0,), shared_topk=True, **bad).check(num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=64)
+    # through the model: it decodes, and not as the per-head selection does
+    tokens, lens = _tokens()
+    opts = dict(anchors=(0, 2), budget=32)
+    shared = _run(_tiny_model(get_method("kascade", shared_topk=True, **opts)), tokens, lens, 3, 512)
+    heads = _run(_tiny_model(get_method("kascade", **opts)), tokens, lens, 3, 512)
+    assert np.isfinite(shared).all() and np.abs(shared[:, 1:] - heads[:, 1:]).max() > 1e-4
+
+
 def test_registry_options_and_errors():
     m = get_method("kascade", anchor_selector="asynctls", **{"anchor.kb": 8, "anchor.block_size": 16})
     assert dict(m.anchor_options) == {"kb": 8, "block_size": 16}

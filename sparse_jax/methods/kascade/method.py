@@ -13,6 +13,14 @@ Per decode step and sparse layer, by its role (``layer_data``: ``role``,
 * **reuse**: KV head ``h`` attends the carried top-k of anchor head
   ``head_map[h]`` (``sparse_decode_attention`` with the mapped indices).
 
+``shared_topk=True`` is the paper's other head strategy (Sec. 3.5, reported in its
+Sec. 4.2 "for completeness"; LessIsMore and OmniKV do this): an anchor sums its
+probabilities over every head of the layer and takes one top-k that every KV head
+attends, so no head map is read. The paper measured it below the head map on
+AIME-24; on SmolLM2 the reuse layers 25-29 map every head to one anchor head,
+which a shared selection sidesteps (issue 51). Decode only: the tiled prefill
+and a composed anchor selector select per head, and refuse it.
+
 The carry (``init_carry``) is the most recent anchor's token selection
 ``indices int32[B, Hkv, K]``, ``counts int32[B, Hkv]`` (and, composed with a
 lagged selector, its ``prefetch``); it crosses layers in the driver.
@@ -106,6 +114,8 @@ class Kascade(AttentionMethod):
         kernel; anchors select chunk by chunk of tiles, ``prefill_chunk_bytes`` of f32
         logits at a time, no ``[T, T]`` array) or "masked" (the ``[T, T]``-mask reference).
       prefill_chunk_bytes: the composed anchors' selection chunk (default 2 GiB).
+      shared_topk: one top-k per anchor, from the probabilities summed over every head, shared
+        by every KV head (the paper's shared variant; the head map is then not read).
       tiled_prefill_layers: the layers whose prompt attention is tile-sparse (None: all).
         The others attend densely: an anchor among them still selects for the layers
         after it (as the dense first anchor does), a reuse layer leaves the selection
@@ -130,6 +140,8 @@ class Kascade(AttentionMethod):
     calibration_root: str | None = None
     impl: str = "auto"
     dense_layers: tuple[int, ...] = ()
+    #: the paper's shared Top-k across all heads (module docstring): decode's anchors only
+    shared_topk: bool = False
     #: the paper's tile-sparse prefill (:mod:`sparse_jax.methods.kascade.prefill`): anchors take a
     #: top-k per tile of ``prefill_tile`` queries, reuse layers attend it plus their
     #: diagonal tile. Off by default: dense prefill, Kascade in decode only
@@ -205,6 +217,10 @@ class Kascade(AttentionMethod):
                              f"got {self.tiled_prefill_layers}")
         if self.prefill_impl not in ("composed", "masked"):
             raise ValueError(f"kascade: prefill_impl must be 'composed' or 'masked', got {self.prefill_impl!r}")
+        if self.shared_topk and (self.composed or self.tiled_prefill):
+            raise ValueError("kascade: shared_topk is the exact anchors' decode selection; "
+                             + (f"anchor_selector={self.anchor_selector!r} selects per head" if self.composed
+                                else "the tiled prefill selects per head: drop tiled_prefill or shared_topk"))
         if self.anchors is None:
             raise ValueError("kascade needs its anchors: load the model with models.load_model(..., "
                              "attention='kascade') (reads the calibration) or pass anchors=(...)")
@@ -369,6 +385,8 @@ class Kascade(AttentionMethod):
         kk = self.carry_tokens(kv.capacity)
         scores = anchor_group_probabilities(q, kv.k, lengths, impl=self.impl)
         b, hkv, _ = scores.shape
+        if self.shared_topk:  # one selection for the layer: every head's probabilities summed
+            scores = jnp.sum(scores, axis=1, keepdims=True)
         top = topk_indices(scores, kk, lengths[:, None], impl=self.impl)
         if self.fixed_budget:
             counts = jnp.minimum(self.fixed_budget, lengths)
@@ -378,6 +396,7 @@ class Kascade(AttentionMethod):
             sc = jnp.where(top < lengths[:, None, None], sc, -jnp.inf)
             top = jnp.take_along_axis(top, jnp.argsort(-sc, axis=-1), axis=-1)
             counts = kascade_budget(lengths, self.budget_fraction, self.min_budget)
+        top = jnp.broadcast_to(top, (b, hkv, top.shape[-1]))  # shared_topk: the one row for every head
         return top.astype(jnp.int32), jnp.broadcast_to(counts[:, None], (b, hkv)).astype(jnp.int32)
 
     def _anchor(self, q, kv, lengths, state, layer):
