@@ -804,14 +804,12 @@ class PagedSlots(PagedRequests):
                     bar.close()
 
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile")
-        futures = []
         for job in jobs:  # program_shapes' order: the decode steps, then the chunks by key bucket
-            what, program, args, static = job
+            _, program, args, static = job
             key = _aot_key(program, args, static)
             fut = pool.submit(build, job)
             self._pending[key] = fut  # before the callback, which may run at once
             fut.add_done_callback(functools.partial(done, key))
-            futures.append(fut)
         self._compile_pool = pool
         pool.shutdown(wait=not background)  # the threads end once their jobs are done
         if background:
