@@ -19,9 +19,10 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform
 
 @pytest.mark.slow
 def test_server_data_parallel_with_the_openai_client():
-    """``python -m models.serve --data-parallel 2`` (a real server process): concurrent
-    ``openai`` clients get greedy ``Model.generate`` text, both replicas serve, and
-    ``/health`` lists them."""
+    """``python -m models.serve --data-parallel 2 --precompile`` (a real server process, its
+    programs compiling in the background as on a GPU): concurrent ``openai`` clients get
+    greedy ``Model.generate`` text, both replicas serve, and ``/health`` lists them and
+    what is left to compile."""
     openai = pytest.importorskip("openai")
     import httpx
 
@@ -29,7 +30,7 @@ def test_server_data_parallel_with_the_openai_client():
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "models.serve", "--model", "smollm2-135m", "--data-parallel",
-                               "2", "--slots", "2", "--max-len", "256", "--port", str(port)], cwd=ROOT, env=ENV,
+                               "2", "--slots", "2", "--max-len", "256", "--precompile", "--port", str(port)], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -56,7 +57,8 @@ def test_server_data_parallel_with_the_openai_client():
     finally:
         server.terminate()
         out = server.communicate(timeout=60)[0]
-    assert "2 replicas" in out, out[-2000:]
+    assert "2 replicas" in out and "programs in the background" in out, out[-2000:]
+    assert isinstance(health["programs_compiling"], int) and health["programs_compiling"] >= 0, health
     assert health["status"] == "ok" and len(health["replicas"]) == 2, health
     assert sum(health["requests_given"]) == 4 and min(health["requests_given"]) >= 1, health
     # the references on one device, in this process
