@@ -408,6 +408,16 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
     predictions: list[dict] = []
 
     def payload() -> dict:
+        # each method's prompts against dense's at the same length (dense may run in any order)
+        dense = {}
+        for p in predictions:
+            if p["method"] == "dense":
+                dense.setdefault(p["length"], {})[(p["task"], p["index"])] = p["score"]
+        for row in rows:
+            if row["method"] != "dense" and row.get("scores") and row["length"] in dense:
+                mine = [p for p in predictions if (p["method"], p["budget"], p["length"])
+                        == (row["method"], row["budget"], row["length"])]
+                row["against_dense"] = against_dense(mine, dense[row["length"]])
         return {
             "settings": {
                 "model": cfg.name, "dtype": str(jnp.dtype(model.dtype)), "methods": list(methods),
@@ -510,6 +520,19 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
     return payload()
 
 
+def against_dense(results: list[dict], dense: dict) -> dict:
+    """``{task: {"below": [index, ...], "above": [...]}}``: the samples a method scored below
+    and above dense on (``dense``: ``(task, index) -> score``), the prompts to probe next
+    (``benchmarks.probes.selection_cause --indices``); tasks with neither are left out."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for r in sorted(results, key=lambda r: (r["task"], r["index"])):
+        ref = dense.get((r["task"], r["index"]))
+        if ref is None or r["score"] == ref:
+            continue
+        out.setdefault(r["task"], {"below": [], "above": []})["below" if r["score"] < ref else "above"].append(r["index"])
+    return out
+
+
 # -----------------------------------------------------------------------------
 # Reports
 # -----------------------------------------------------------------------------
@@ -563,6 +586,14 @@ def render_markdown(payload: dict) -> str:
                   "||o_method - o_dense|| / ||o_dense|| (same mean); `KL` = mean KL(p_dense || p_method) of "
                   f"the next-token distribution over {s['kl_steps']} steps; `agree` = fraction of those steps "
                   "with the same argmax. Per-layer and per-head values are in the JSON."]
+    moved = [r for r in payload["rows"] if r.get("against_dense")]
+    if moved:
+        lines += ["", "Prompts where a method's score differs from dense's (sample indices per task; `-` below "
+                  "dense, `+` above; `benchmarks.probes.selection_cause --indices` probes them):", ""]
+        for r in moved:
+            cells = [f"{t} -{v['below']}" + (f" +{v['above']}" if v["above"] else "") if v["below"]
+                     else f"{t} +{v['above']}" for t, v in r["against_dense"].items()]
+            lines.append(f"- {r['method']} (budget {r['budget']}, {r['length']}): " + "; ".join(cells))
     if payload.get("method_import_errors"):
         lines += ["", "Method modules that failed to import:", ""]
         lines += [f"- `{k}`: {v}" for k, v in payload["method_import_errors"].items()]

@@ -242,6 +242,20 @@ def test_harness_end_to_end(tokenizer, tmp_path):
     assert tsa["fidelity"]["kl"] > 0
     kas = rows[("kascade", 48)]["fidelity"]  # layer 0 the dense anchor (mass 1), layer 1 reuses it
     assert kas["mass_per_layer"][0] == 1.0 and 0 < kas["mass_per_layer"][1] <= 1 + 1e-6, kas["mass_per_layer"]
+    # each method's prompts against dense's: the indices it scored below or above on
+    preds = {(p["method"], p["budget"], p["task"], p["index"]): p["score"] for p in payload["predictions"]}
+    for (name, budget), r in rows.items():
+        if name == "dense" or not r.get("scores"):
+            continue
+        want = {}
+        for t in ("niah_single_1", "vt"):
+            d, m = preds[("dense", None, t, 0)], preds[(name, budget, t, 0)]
+            if m != d:
+                want[t] = {"below": [0] if m < d else [], "above": [0] if m > d else []}
+        assert r["against_dense"] == want, (name, budget, r["against_dense"], want)
+    a = acc.against_dense([{"task": "t", "index": 3, "score": 0.0}, {"task": "t", "index": 1, "score": 1.0},
+                           {"task": "u", "index": 0, "score": 0.5}], {("t", 3): 1.0, ("t", 1): 0.5, ("u", 0): 0.5})
+    assert a == {"t": {"below": [3], "above": [1]}}
     # a variant runs under its alias, with its own options
     assert rows[("win", 48)]["status"] == "ok" and "window=40" in rows[("win", 48)]["config"]
     if sparse:
