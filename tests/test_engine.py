@@ -891,13 +891,17 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     ids = [rng.integers(4, 97, n).tolist() for n in (100, 30, 64, 65, 110)]
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=8,
                                stop_ids=())[0] for i in ids]
-    engine.start()
-    try:
-        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=8))) for i in ids]
-        assert all(r.done.wait(120) for r in reqs)
-        assert [r.output_ids for r in reqs] == refs
-    finally:
-        engine.stop()
+
+    def serve_all(e):  # every request gets the tokens it gets alone
+        e.start()
+        try:
+            reqs = [e.submit(e.make_request(i, SamplingParams(max_tokens=8))) for i in ids]
+            assert all(r.done.wait(120) for r in reqs)
+            assert [r.output_ids for r in reqs] == refs
+        finally:
+            e.stop()
+
+    serve_all(engine)
     # every step and chunk ran an ahead-of-time executable (the jitted programs are shared by
     # every engine of this model in the process, so their caches say nothing here)
     assert engine.kv.jit_calls == 0 and engine.kv.aot_calls >= 8 + 5, (engine.kv.jit_calls, engine.kv.aot_calls)
@@ -906,13 +910,7 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     bg = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
     assert bg.precompile(sampled=(False,), workers=2, background=True) == \
         {"programs": 5, "seconds": 0.0, "failed": [], "background": True}
-    bg.start()
-    try:
-        reqs = [bg.submit(bg.make_request(i, SamplingParams(max_tokens=8))) for i in ids]
-        assert all(r.done.wait(120) for r in reqs)
-        assert [r.output_ids for r in reqs] == refs
-    finally:
-        bg.stop()
+    serve_all(bg)
     deadline = time.monotonic() + 120
     while bg.stats()["programs_compiling"] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -70,13 +70,18 @@ def _np_group_probs(q, k, length):
     return (p / p.sum(-1, keepdims=True)).sum(2)
 
 
-def test_reuse_layers_attend_the_mapped_anchor_heads_topk():
-    rng = np.random.default_rng(1)
+def _anchor_case(seed):
+    """One decode step's ``q [2, 8, 32]``, ``k, v [2, 4, 640, 32]`` and ragged lengths."""
+    rng = np.random.default_rng(seed)
     b, hq, hkv, s, d = 2, 8, 4, 640, 32
     q = rng.normal(size=(b, hq, d)).astype(np.float32)
     k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 2
     v = rng.normal(size=(b, hkv, s, d)).astype(np.float32)
-    lengths = np.array([640, 501], np.int32)
+    return rng, (b, hq, hkv, s, d), q, k, v, np.array([640, 501], np.int32)
+
+
+def test_reuse_layers_attend_the_mapped_anchor_heads_topk():
+    rng, (b, hq, hkv, s, d), q, k, v, lengths = _anchor_case(1)
     head_map = ((0, 1, 2, 3), (3, 3, 0, 1))  # layer 0 anchor, layer 1 reuse
     m = Kascade(anchors=(0,), head_map=head_map, dense_first_anchor=False, budget=0, min_budget=32)
     kv = ResidentKV(jnp.asarray(k), jnp.asarray(v))
@@ -162,12 +167,7 @@ def test_shared_topk_is_one_selection_for_every_head():
     (the paper's shared variant), every KV head attends it, and a reuse layer reads it
     whatever its head map says; refused with per-head selections (a composed anchor, the
     tiled prefill)."""
-    rng = np.random.default_rng(2)
-    b, hq, hkv, s, d = 2, 8, 4, 640, 32
-    q = rng.normal(size=(b, hq, d)).astype(np.float32)
-    k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 2
-    v = rng.normal(size=(b, hkv, s, d)).astype(np.float32)
-    lengths = np.array([640, 501], np.int32)
+    _, (b, hq, hkv, s, d), q, k, v, lengths = _anchor_case(2)
     head_map = ((0, 1, 2, 3), (3, 3, 0, 1))
     m = Kascade(anchors=(0,), head_map=head_map, dense_first_anchor=False, min_budget=32, shared_topk=True)
     kv = ResidentKV(jnp.asarray(k), jnp.asarray(v))
