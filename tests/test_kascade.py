@@ -271,16 +271,16 @@ def test_calibration_text_file(tmp_path):
 
     plain = tmp_path / "dev.txt"
     plain.write_text("abcdefgh")
-    assert kc.prompts_from_texts(kc.read_texts(str(plain)), Chars, 3, 2, windows=True).tolist() == \
+    assert kc.prompts_from_texts(kc.read_texts(str(plain)).texts, Chars, 3, 2, windows=True).tolist() == \
         [[97, 98, 99], [100, 101, 102]]
     lines = tmp_path / "dev.jsonl"
     lines.write_text('{"text": "xxabc"}\n\n{"text": "yyyydef"}\n')
-    got = kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 3, 2, windows=False)
+    got = kc.prompts_from_texts(kc.read_texts(str(lines)).texts, Chars, 3, 2, windows=False)
     assert got.dtype == np.int32 and got.tolist() == [[97, 98, 99], [100, 101, 102]]
     with pytest.raises(ValueError, match="prompt 1 has 5 tokens, --seq-len 6"):
-        kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 6, 2, windows=False)
+        kc.prompts_from_texts(kc.read_texts(str(lines)).texts, Chars, 6, 2, windows=False)
     with pytest.raises(ValueError, match="2 prompts, --prompts 3"):
-        kc.prompts_from_texts(kc.read_texts(str(lines)), Chars, 3, 3, windows=False)
+        kc.prompts_from_texts(kc.read_texts(str(lines)).texts, Chars, 3, 3, windows=False)
     bad = tmp_path / "bad.jsonl"
     for content, message in (('{"txt": 1}\n', 'line 1: expected an object with a string "text"'),
                              ("not json\n", "line 1 is not JSON"), ("\n", "no prompts")):

@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -135,15 +136,25 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
     }
 
 
-def read_texts(path: str) -> list[str]:
-    """The calibration text of ``path``: ``[text]`` for a plain UTF-8 file, the ``"text"`` of
-    every line of a ``.jsonl`` file. ValueError when it holds none."""
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
+class CalibrationText(NamedTuple):
+    """What ``--text-file`` holds: ``texts``, whether they are cut into ``windows`` (a plain
+    text, one entry) or are prompts (JSON lines), and the file's ``sha256`` (16 hex digits)."""
+
+    texts: list[str]
+    windows: bool
+    sha256: str
+
+
+def read_texts(path: str) -> CalibrationText:
+    """The calibration text of ``path``, read once: ``[text]`` for a plain UTF-8 file, the
+    ``"text"`` of every line of a ``.jsonl`` file. ValueError when it holds none."""
+    with open(path, "rb") as f:
+        data = f.read()
+    raw, digest = data.decode("utf-8"), hashlib.sha256(data).hexdigest()[:16]
     if not path.endswith(".jsonl"):
         if not raw.strip():
             raise ValueError("the file is empty")
-        return [raw]
+        return CalibrationText([raw], True, digest)
     texts = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
@@ -157,7 +168,7 @@ def read_texts(path: str) -> list[str]:
         texts.append(rec["text"])
     if not texts:
         raise ValueError("no prompts in the file")
-    return texts
+    return CalibrationText(texts, False, digest)
 
 
 def prompts_from_texts(texts: list[str], tokenizer, seq_len: int, count: int, *, windows: bool) -> np.ndarray:
@@ -193,10 +204,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prompts < 1 or args.seq_len <= args.k or args.k < 1 or args.tile < 1 or args.anchors < 1:
         p.error("--prompts, --k, --tile, --anchors must be >= 1 and --seq-len > --k")
-    texts = None
+    text = None
     if args.text_file is not None:  # read before the model loads: a bad file costs nothing
         try:
-            texts = read_texts(args.text_file)
+            text = read_texts(args.text_file)
         except (OSError, UnicodeDecodeError, ValueError) as e:
             p.error(f"--text-file {args.text_file}: {e}")
 
@@ -206,21 +217,19 @@ def main(argv=None) -> int:
     if model.tokenizer is None:
         p.error(f"model {args.model!r} has no tokenizer (random weights): calibrate a model with real weights")
     need = args.seq_len * args.prompts
-    if texts is None:
+    if text is None:
         ids = model.tokenizer.encode(calibration_text())
         # prompts from the far end of the text: disjoint from the channel calibration's windows
         prompts = calibration_batches(ids[::-1][:need][::-1], args.seq_len, args.prompts)
         source = "docstrings of the standard-library modules of models.cli.calibrate, from the end"
     else:
         try:
-            windows = not args.text_file.endswith(".jsonl")
-            prompts = prompts_from_texts(texts, model.tokenizer, args.seq_len, args.prompts, windows=windows)
+            prompts = prompts_from_texts(text.texts, model.tokenizer, args.seq_len, args.prompts, windows=text.windows)
         except ValueError as e:
             p.error(f"--text-file {args.text_file}: {e}")
-        digest = hashlib.sha256(open(args.text_file, "rb").read()).hexdigest()[:16]
-        source = (f"{os.path.basename(args.text_file)} (sha256 {digest}; "
-                  + ("windows from its start)" if windows
-                     else f"{args.prompts} of its {len(texts)} prompts, each its last {args.seq_len} tokens)"))
+        source = (f"{os.path.basename(args.text_file)} (sha256 {text.sha256}; "
+                  + ("windows from its start)" if text.windows
+                     else f"{args.prompts} of its {len(text.texts)} prompts, each its last {args.seq_len} tokens)"))
     out = calibrate(model, prompts, k=args.k, tile=args.tile, num_anchors=args.anchors,
                     log=lambda s: print(s, file=sys.stderr))
     out["meta"] = {
