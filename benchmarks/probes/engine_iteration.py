@@ -51,20 +51,30 @@ def resident_bytes(cfg, batch: int, cap: int, dtype_bytes: int = 2) -> int:
     return cfg.num_params() * dtype_bytes + kv
 
 
+def probe_config(a, cap: int):
+    """The model config of one row: the Qwen3-8B shape at ``cap`` positions with ``--layers``
+    layers, or the ``--tiny`` one."""
+    from benchmarks.offload import qwen3_8b
+
+    cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
+    if a.tiny:
+        cfg = dataclasses.replace(cfg, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                                  intermediate_size=128, vocab_size=256)
+    return cfg
+
+
 def _check_fits(a, caps) -> None:
     """Refuse, before building anything, a batch x capacity whose cache does not fit the device
     (a 132,096-position cache of 8 rows is 156 GB: XLA's allocator then retried for minutes
     instead of failing, H200, 2026-12-05). The CPU reports no limit: not checked."""
-    from benchmarks.offload import qwen3_8b
     from sparse_jax.offload.capacity import device_budget
 
     limit = device_budget()
-    if limit is None or a.tiny:
+    if limit is None:
         return
     for cap in caps:
         for batch in a.batch:
-            cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
-            need = resident_bytes(cfg, batch, cap)
+            need = resident_bytes(probe_config(a, cap), batch, cap)
             if need > limit:
                 raise SystemExit(f"batch {batch} at capacity {cap} needs {need / 2**30:.1f} GiB (weights + one "
                                  f"whole-capacity cache) of the device's {limit / 2**30:.1f} GiB: lower --batch or "
@@ -241,7 +251,7 @@ def _bare_offload_ms(model, batch: int, context: int, steps: int, paged: bool, r
 
 
 def main(argv=None) -> int:
-    from benchmarks.offload import asynctls_for, qwen3_8b, random_model
+    from benchmarks.offload import asynctls_for, random_model
     from sparse_jax.methods import get_method
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -272,10 +282,7 @@ def main(argv=None) -> int:
     rows = []
     for name in a.methods.split(","):
         for cap in caps:
-            cfg = dataclasses.replace(qwen3_8b(cap), num_layers=a.layers)
-            if a.tiny:
-                cfg = dataclasses.replace(cfg, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
-                                          intermediate_size=128, vocab_size=256)
+            cfg = probe_config(a, cap)
             budget = 64 if a.tiny else 2048
             method = (asynctls_for(cfg, budget=budget, kb=8 if a.tiny else 128) if name == "asynctls"
                       else get_method(name))
