@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.serving import paged as paged_mod
 from models.serving.engine import Engine
+from models.serving.precompile import aot_key
 from models.serving.requests import Request, SamplingParams
 from models.serving.scheduler import Scheduler
 from models.serving.slots import check_slot_axis
@@ -904,7 +904,7 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     serve_all(engine)
     # every step and chunk ran an ahead-of-time executable (the jitted programs are shared by
     # every engine of this model in the process, so their caches say nothing here)
-    assert engine.kv.jit_calls == 0 and engine.kv.aot_calls >= 8 + 5, (engine.kv.jit_calls, engine.kv.aot_calls)
+    assert engine.kv.aot.jit_calls == 0 and engine.kv.aot.aot_calls >= 8 + 5, (engine.kv.aot.jit_calls, engine.kv.aot.aot_calls)
     # in the background (the server's way): precompile returns at once and serving starts; a call
     # whose program is still compiling waits for it, so nothing compiles twice
     bg = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
@@ -914,16 +914,16 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     deadline = time.monotonic() + 120
     while bg.stats()["programs_compiling"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert bg.stats()["programs_compiling"] == 0 and not bg.kv.precompile_failed
-    assert bg.kv.jit_calls == 0 and bg.kv.aot_calls >= 8 + 5, (bg.kv.jit_calls, bg.kv.aot_calls)
+    assert bg.stats()["programs_compiling"] == 0 and not bg.kv.aot.failed
+    assert bg.kv.aot.jit_calls == 0 and bg.kv.aot.aot_calls >= 8 + 5, (bg.kv.aot.jit_calls, bg.kv.aot.aot_calls)
     # the wait itself: a call whose program is pending gets that compile's executable once it is done
     what, program, args, static = bg.kv.program_shapes(sampled=(False,))[0]
     fresh = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=()).kv
     pending = concurrent.futures.Future()
-    fresh._pending[paged_mod._aot_key(program, args, static)] = pending
-    threading.Timer(0.2, pending.set_result, [(None, "the executable", None)]).start()
-    assert fresh._ahead(program, args, static) == "the executable"
-    assert (fresh.waited_calls, fresh.aot_calls, fresh.jit_calls) == (1, 1, 0)
+    fresh.aot.pending[aot_key(program, args, static)] = pending
+    threading.Timer(0.2, pending.set_result, [("the executable", None)]).start()
+    assert fresh.aot.lookup(program, args, static) == "the executable"
+    assert (fresh.aot.waited_calls, fresh.aot.aot_calls, fresh.aot.jit_calls) == (1, 1, 0)
     # stopping the engine drops the compiles not yet started (a server's exit would wait for them)
     quit_early = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
     quit_early.precompile(sampled=(False,), workers=1, background=True)
@@ -931,4 +931,4 @@ def test_precompiled_engine_serves_without_compiling(tiny):
     deadline = time.monotonic() + 60
     while quit_early.kv.programs_compiling and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert quit_early.kv.programs_compiling == 0 and len(quit_early.kv._aot) <= 1, len(quit_early.kv._aot)
+    assert quit_early.kv.programs_compiling == 0 and len(quit_early.kv.aot.compiled) <= 1, len(quit_early.kv.aot.compiled)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -46,6 +45,7 @@ from models.driver import Driver, init_cache, make_plan
 from models.runtime.sharding import MODEL, local_config, paged_cache_specs, param_specs
 from models.runtime.tiered import TieredRunner
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
+from models.serving.precompile import AheadOfTime
 from models.sampling import RowSampling, SampleOut
 from models.serving.requests import Request
 from models.transformer import abstract_model
@@ -322,14 +322,6 @@ def chunk_kv_len(end: int, page: int, cap: int | None = None) -> int:
     return n if cap is None else min(n, cap)
 
 
-def _aot_key(program, args: tuple, static: dict) -> tuple:
-    """What an ahead-of-time compiled ``program`` is looked up by: the program, its static
-    arguments, and every argument's tree, shapes and dtypes (concrete or abstract alike)."""
-    leaves, tree = jax.tree.flatten(args)
-    return (id(program), tuple(sorted(static.items())), tree,
-            tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
-
-
 class PagedChunkJob:
     """A prompt prefilled ``chunk`` tokens per iteration through every layer, straight into its
     pages (:meth:`models.driver.Driver.prefill_chunk`), beside the decode steps: the engine's
@@ -482,18 +474,9 @@ class PagedSlots(PagedRequests):
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) < 2):
             raise ValueError(f"kv_blocks must be an int >= 2 (page 0 is the null page), got {num_blocks!r}")
         self._compiled_prefill: dict[int, Any] = {}
-        #: programs compiled ahead of time (:meth:`precompile`), by :func:`_aot_key`: the call
-        #: sites run these before falling back to the jitted program (which would compile)
-        self._aot: dict[tuple, Any] = {}
-        #: programs :meth:`precompile` is compiling in the background, by :func:`_aot_key`: a call
-        #: that needs one waits for it rather than compiling it a second time
-        self._pending: dict[tuple, Any] = {}
-        #: what failed to compile ahead (each compiles when first used)
-        self.precompile_failed: list[str] = []
-        #: calls that ran an ahead-of-time executable, and calls that went to a jitted program
-        #: (which compiles on a new shape): after :meth:`precompile`, the second stays 0;
-        #: ``waited_calls``: of the first, those that waited for their program's compile
-        self.aot_calls = self.jit_calls = self.waited_calls = 0
+        #: the programs compiled ahead of time (:meth:`precompile`): the call sites run these
+        #: before falling back to the jitted program (which would compile)
+        self.aot = AheadOfTime()
         self._runner = None
         if self.mesh is None:
             self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
@@ -710,44 +693,20 @@ class PagedSlots(PagedRequests):
                         {"kv_len": kv_len, "last": last}))
         return out
 
-    def _ahead(self, program, args: tuple, static: dict):
-        """The ahead-of-time executable for this call, waiting for it if :meth:`precompile` is
-        compiling it in the background (that beats compiling it again); None: the call runs
-        the jitted program. Counted in ``aot_calls`` / ``jit_calls`` / ``waited_calls``."""
-        key = _aot_key(program, args, static)
-        aot = self._aot.get(key)
-        if aot is None:
-            fut = self._pending.get(key)
-            if fut is not None and not fut.cancelled():
-                aot = fut.result()[1]  # None if it failed: the jitted program then compiles it
-                self.waited_calls += aot is not None
-            else:  # its compile may have ended between the two reads (it stores, then unlists)
-                aot = self._aot.get(key)
-        if aot is None:
-            self.jit_calls += 1
-        else:
-            self.aot_calls += 1
-        return aot
-
     def cancel_precompile(self) -> None:
-        """Drop the background compiles not yet started (the engine stops: a process exiting
-        would otherwise wait for every one of them); those running finish."""
-        pool = getattr(self, "_compile_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the background compiles not yet started (:meth:`AheadOfTime.cancel`)."""
+        self.aot.cancel()
 
     @property
     def programs_compiling(self) -> int:
         """Programs :meth:`precompile` is still compiling in the background."""
-        return len(self._pending)
+        return self.aot.compiling
 
     def precompile(self, *, workers: int | None = None, sampled=(False, True), shortest_prompt: int = 1,
                    progress: bool = False, background: bool = False) -> dict:
-        """Compile every program of :meth:`program_shapes` now, in ``workers`` threads (XLA
-        compiles with the GIL released), and run them ahead of the jitted ones: the first
-        requests of each size then wait for no compiler. A served model's first long prompts
-        otherwise compile a program per chunk size and key bucket as they arrive (~3 min for a
-        32K load on the Qwen3-8B shape on the H200, one at a time). Returns ``{"programs": n,
+        """Compile every program of :meth:`program_shapes` now, in ``workers`` threads, and run
+        them ahead of the jitted ones (:class:`~models.serving.precompile.AheadOfTime`): the
+        first requests of each size then wait for no compiler. Returns ``{"programs": n,
         "seconds": s, "failed": [...]}``: a program that fails to compile here (say, the
         device's memory for autotuning beside the pool) is left to compile when first used, as
         without this, and named in ``failed``; ``sampled`` and ``shortest_prompt``: as
@@ -757,66 +716,11 @@ class PagedSlots(PagedRequests):
         (the decode steps, then the chunks by key bucket), so serving starts while the long
         buckets compile (at a 128K context they took minutes each on the H200): a call whose
         program is still compiling waits for that compile instead of compiling it again
-        (``waited_calls``); :attr:`programs_compiling` counts what is left, failures go to
-        ``precompile_failed``. Returns ``{"programs": n submitted, "seconds": 0.0, "failed":
+        (``aot.waited_calls``); :attr:`programs_compiling` counts what is left, failures go
+        to ``aot.failed``. Returns ``{"programs": n submitted, "seconds": 0.0, "failed":
         [], "background": True}``."""
-        import concurrent.futures
-        import os
-        import time
-
-        jobs = [(what, program, args, static) for what, program, args, static
-                in self.program_shapes(sampled, shortest_prompt)
-                if _aot_key(program, args, static) not in self._aot
-                and _aot_key(program, args, static) not in self._pending]
-        workers = workers or min(8, os.cpu_count() or 1)
-        t0 = time.perf_counter()
-
-        def build(job):
-            what, program, args, static = job
-            try:
-                return _aot_key(program, args, static), program.lower(*args, **static).compile(), None
-            except Exception as e:  # noqa: BLE001 - that program compiles when first used, as without this
-                return None, None, f"{what}: {type(e).__name__}: {str(e)[:300]}"
-
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(jobs), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
-        failed = []
-
-        def done(key, fut):  # in the compiling thread: the executable goes in before the pending entry goes
-            if fut.cancelled():  # cancel_precompile
-                self._pending.pop(key, None)
-                return
-            _, compiled, error = fut.result()
-            if error is None:
-                self._aot[key] = compiled
-            else:
-                failed.append(error)
-                self.precompile_failed.append(error)
-                if background:  # no caller waits to report it
-                    print(f"not compiled ahead (compiles when first used): {error}", file=sys.stderr, flush=True)
-            self._pending.pop(key, None)
-            if bar is not None:
-                bar.update()
-                if not self._pending:
-                    bar.close()
-
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile")
-        for job in jobs:  # program_shapes' order: the decode steps, then the chunks by key bucket
-            _, program, args, static = job
-            key = _aot_key(program, args, static)
-            fut = pool.submit(build, job)
-            self._pending[key] = fut  # before the callback, which may run at once
-            fut.add_done_callback(functools.partial(done, key))
-        self._compile_pool = pool
-        pool.shutdown(wait=not background)  # the threads end once their jobs are done
-        if background:
-            return {"programs": len(jobs), "seconds": 0.0, "failed": [], "background": True}
-        if bar is not None:
-            bar.close()
-        return {"programs": len(jobs) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
+        return self.aot.compile(self.program_shapes(sampled, shortest_prompt), workers=workers,
+                                     progress=progress, background=background)
 
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
@@ -843,8 +747,7 @@ class PagedSlots(PagedRequests):
         loses every request's KV: :class:`PoolLost`, saying ``what`` failed."""
         try:
             args = (self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table))
-            aot = self._ahead(program, args, static)
-            logits, self.cache = aot(*args) if aot is not None else program(*args, **static)
+            logits, self.cache = self.aot.run(program, args, static)
             if wait:
                 jax.block_until_ready(logits)
         except Exception as e:  # the cache was donated: nothing can go on
@@ -885,8 +788,7 @@ class PagedSlots(PagedRequests):
         self.last_rows = decode_rows(self.slots, used)
         step = self._step if self.warmup.warming(active) else self._steady_step
         args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
-        aot = self._ahead(step, args, {"rows": self.last_rows})
-        out, self.cache = aot(*args) if aot is not None else step(*args, rows=self.last_rows)
+        out, self.cache = self.aot.run(step, args, {"rows": self.last_rows})
         self._lengths += active  # the step advances the active rows only
         self.warmup.stepped(active)
         return out

@@ -1,0 +1,138 @@
+"""Programs compiled ahead of time, in background threads, and run before their jitted twins.
+
+A served model's first long prompts otherwise compile a program per chunk size and key bucket
+as they arrive (~3 min for a 32K load on the Qwen3-8B shape on the H200, one at a time).
+:class:`AheadOfTime` compiles a list of ``(what, program, args, static)`` jobs (the engine's
+:meth:`models.serving.paged.PagedSlots.program_shapes`) in threads (XLA compiles with the GIL
+released) and :meth:`AheadOfTime.run` runs a call on its executable when one was built; a call
+whose program is still compiling waits for that compile rather than compiling it a second time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def aot_key(program, args: tuple, static: dict) -> tuple:
+    """What an ahead-of-time compiled ``program`` is looked up by: the program, its static
+    arguments, and every argument's tree, shapes and dtypes (concrete or abstract alike)."""
+    leaves, tree = jax.tree.flatten(args)
+    return (id(program), tuple(sorted(static.items())), tree,
+            tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
+
+
+class AheadOfTime:
+    """The executables of one engine's programs, by :func:`aot_key`.
+
+    ``compiled``: those built; ``pending``: those compiling in the background (futures);
+    ``failed``: what failed to compile ahead (each compiles when first used); ``aot_calls`` /
+    ``jit_calls``: calls that ran an executable / went to the jitted program (which compiles on
+    a new shape; after :meth:`compile` it stays 0); ``waited_calls``: of the first, those that
+    waited for their program's compile."""
+
+    def __init__(self):
+        self.compiled: dict[tuple, Any] = {}
+        self.pending: dict[tuple, concurrent.futures.Future] = {}
+        self.failed: list[str] = []
+        self.aot_calls = self.jit_calls = self.waited_calls = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def compiling(self) -> int:
+        """Programs still compiling in the background."""
+        return len(self.pending)
+
+    def lookup(self, program, args: tuple, static: dict):
+        """The executable for this call, waiting for it if it is compiling in the background;
+        None: the call runs the jitted program. Counted in the ``*_calls``."""
+        key = aot_key(program, args, static)
+        aot = self.compiled.get(key)
+        if aot is None:
+            fut = self.pending.get(key)
+            if fut is not None and not fut.cancelled():
+                aot = fut.result()[0]  # None if it failed: the jitted program then compiles it
+                self.waited_calls += aot is not None
+            else:  # its compile may have ended between the two reads (it stores, then unlists)
+                aot = self.compiled.get(key)
+        if aot is None:
+            self.jit_calls += 1
+        else:
+            self.aot_calls += 1
+        return aot
+
+    def run(self, program, args: tuple, static: dict):
+        """``program(*args, **static)``, on its ahead-of-time executable where there is one."""
+        aot = self.lookup(program, args, static)
+        return aot(*args) if aot is not None else program(*args, **static)
+
+    def cancel(self) -> None:
+        """Drop the background compiles not yet started (the engine stops: a process exiting
+        would otherwise wait for every one of them); those running finish."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def compile(self, jobs, *, workers: int | None = None, progress: bool = False,
+                background: bool = False) -> dict:
+        """Compile ``jobs`` (``(what, program, args, static)``, smallest first) not already
+        built or pending, in ``workers`` threads. Returns ``{"programs": n, "seconds": s,
+        "failed": [...]}``; a job that fails is left to compile when first used, and named.
+        ``progress``: a bar on stderr. ``background``: return at once (``{"programs": n
+        submitted, "seconds": 0.0, "failed": [], "background": True}``), failures printed to
+        stderr and kept in :attr:`failed`."""
+        jobs = [job for job in jobs if aot_key(*job[1:]) not in self.compiled and aot_key(*job[1:]) not in self.pending]
+        workers = workers or min(8, os.cpu_count() or 1)
+        t0 = time.perf_counter()
+
+        def build(job):
+            what, program, args, static = job
+            try:
+                return program.lower(*args, **static).compile(), None
+            except Exception as e:  # noqa: BLE001 - that program compiles when first used, as without this
+                return None, f"{what}: {type(e).__name__}: {str(e)[:300]}"
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
+        failed = []
+
+        def done(key, fut):  # in the compiling thread: the executable goes in before the pending entry goes
+            if fut.cancelled():  # cancel()
+                self.pending.pop(key, None)
+                return
+            compiled, error = fut.result()
+            if error is None:
+                self.compiled[key] = compiled
+            else:
+                failed.append(error)
+                self.failed.append(error)
+                if background:  # no caller waits to report it
+                    print(f"not compiled ahead (compiles when first used): {error}", file=sys.stderr, flush=True)
+            self.pending.pop(key, None)
+            if bar is not None:
+                bar.update()
+                if not self.pending:
+                    bar.close()
+
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile")
+        for job in jobs:
+            key = aot_key(*job[1:])
+            fut = pool.submit(build, job)
+            self.pending[key] = fut  # before the callback, which may run at once
+            fut.add_done_callback(functools.partial(done, key))
+        self._pool = pool
+        pool.shutdown(wait=not background)  # the threads end once their jobs are done
+        if background:
+            return {"programs": len(jobs), "seconds": 0.0, "failed": [], "background": True}
+        if bar is not None:
+            bar.close()
+        return {"programs": len(jobs) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
