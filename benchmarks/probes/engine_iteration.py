@@ -250,6 +250,26 @@ def _bare_offload_ms(model, batch: int, context: int, steps: int, paged: bool, r
     return statistics.median(times)
 
 
+def _markdown(a, rows: list[dict], pinned: str | None) -> str:
+    return (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
+          f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
+          "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
+          "(decode + greedy sampling, as the engine builds it) back to back; `program_cond_ms` the same with the "
+          "sampling's sort decided on the device (a `lax.cond`, the engine's program before 2026-12-04); `iteration_ms`: the engine's median decode iteration with "
+          "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
+          "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
+          "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
+          "zeros; on pages for the paged engine); `program_ms` "
+          "of the paged engine runs its pool with every row given a context's pages again). `engine` offload / "
+          "offload-paged: KV blocks in pinned host memory (offload-paged: the paged host tier); their `bare_ms` is "
+          "the offloaded runner's step (greedy argmax outside) back to back on synthetic KV at the same batch and "
+          "context, no sampling.\n\n"
+          + markdown_table(rows, ["method", "engine", "sampling", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
+                                  "bare_live_ms", "program_ms", "program_cond_ms", "iteration_ms", "iteration_over_bare",
+                                  "program_over_bare", "iteration_over_live", "steps_measured"])
+            + ("" if pinned is None else f"\n\n{pinned[0].upper() + pinned[1:]}.\n"))
+
+
 def main(argv=None) -> int:
     from benchmarks.offload import asynctls_for, random_model
     from sparse_jax.methods import get_method
@@ -278,8 +298,24 @@ def main(argv=None) -> int:
         raise SystemExit(f"--engines: of {', '.join(ENGINES)}; got {bad}")
     if min(caps) < a.context + a.max_tokens + 2:
         raise SystemExit(f"--caps must each be >= context + max_tokens + 2 = {a.context + a.max_tokens + 2}")
+    pinned = None
+    if any(k.startswith("offload") for k in a.engines.split(",")):
+        from sparse_jax.offload import capacity
+
+        # before the GPU client starts (_check_fits starts it): XLA's pinned pool is 64 GiB unless
+        # set, and 8 rows of 64K (or 4 of 128K) on the Qwen3-8B shape are 78 GB of host tier
+        pinned = capacity.plan_pinned_host_limit()
+        print(pinned, flush=True)
     _check_fits(a, caps)
     rows = []
+
+    def report(final: bool = False) -> str:
+        """The table so far, written after every row (a run cut off by its limit keeps its rows)."""
+        md = _markdown(a, rows, pinned)
+        if a.out:
+            write_results(a.name, {"rows": rows, **stamp(), "complete": final, "pinned_host": pinned}, md,
+                          out_dir=a.out)
+        return md
     for name in a.methods.split(","):
         for cap in caps:
             cfg = probe_config(a, cap)
@@ -302,6 +338,7 @@ def main(argv=None) -> int:
                                      "iteration_ms": round(iteration, 3), "steps_measured": n,
                                      "iteration_over_bare": round(iteration / bare_off, 3)})
                         print(rows[-1], flush=True)
+                        report()
                         continue
                     for sampling in a.sampling.split(","):
                         if sampling not in SAMPLING:
@@ -318,27 +355,10 @@ def main(argv=None) -> int:
                                      "program_over_bare": round(program / bare, 3),
                                      "iteration_over_live": round(iteration / live, 3)})
                         print(rows[-1], flush=True)
+                        report()
             del model
             jax.clear_caches()
-    md = (f"# The engine's decode iteration against the bare step\n\n{stamp()}\n\n"
-          f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
-          "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
-          "(decode + greedy sampling, as the engine builds it) back to back; `program_cond_ms` the same with the "
-          "sampling's sort decided on the device (a `lax.cond`, the engine's program before 2026-12-04); `iteration_ms`: the engine's median decode iteration with "
-          "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
-          "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
-          "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
-          "zeros; on pages for the paged engine); `program_ms` "
-          "of the paged engine runs its pool with every row given a context's pages again). `engine` offload / "
-          "offload-paged: KV blocks in pinned host memory (offload-paged: the paged host tier); their `bare_ms` is "
-          "the offloaded runner's step (greedy argmax outside) back to back on synthetic KV at the same batch and "
-          "context, no sampling.\n\n"
-          + markdown_table(rows, ["method", "engine", "sampling", "batch", "context", "capacity", "bare_ms", "bare_paged_ms",
-                                  "bare_live_ms", "program_ms", "program_cond_ms", "iteration_ms", "iteration_over_bare",
-                                  "program_over_bare", "iteration_over_live", "steps_measured"]))
-    print(md)
-    if a.out:
-        write_results(a.name, {"rows": rows, **stamp()}, md, out_dir=a.out)
+    print(report(final=True))
     return 0
 
 
