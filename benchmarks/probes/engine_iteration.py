@@ -316,18 +316,27 @@ def main(argv=None) -> int:
             write_results(a.name, {"rows": rows, **stamp(), "complete": final, "pinned_host": pinned}, md,
                           out_dir=a.out)
         return md
+
+    t0 = time.perf_counter()
+
+    def phase(what: str) -> None:  # where a call's minutes go (compiles and prefills at 64K-128K)
+        print(f"[{time.perf_counter() - t0:6.0f} s] {what}", flush=True)
+
     for name in a.methods.split(","):
         for cap in caps:
             cfg = probe_config(a, cap)
             budget = 64 if a.tiny else 2048
             method = (asynctls_for(cfg, budget=budget, kb=8 if a.tiny else 128) if name == "asynctls"
                       else get_method(name))
+            phase(f"{name}: building the model at capacity {cap}")
             model = random_model(cfg, method, cap)
             for batch in a.batch:
+                phase(f"{name}: the bare step, {batch} rows")
                 bare = _bare_ms(model, method, cfg, batch, a.context, cap, a.steps, a.rounds)
                 bare_paged = (_bare_ms(model, method, cfg, batch, a.context, cap, a.steps, a.rounds, paged=True)
                               if "paged" in a.engines.split(",") else None)
                 for kind in a.engines.split(","):
+                    phase(f"{name}: the {kind} engine, {batch} rows")
                     if kind.startswith("offload"):
                         if name == "dense":  # nothing selects blocks to bring back: it does not offload
                             continue
