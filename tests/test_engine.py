@@ -497,22 +497,30 @@ def test_paged_chunked_prefill_interleaves_with_decode(tiny, name):
         engine.stop()
 
 
-def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
+@pytest.mark.parametrize("name", ["dense", "quest", "asynctls", "asyncspade"])
+def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny, name):
     """``prefill_chunk`` is the iteration's prompt-token budget: short prompts (one chunk each, a
-    power of two >= 64) prefill several per iteration while their chunks fit it, in arrival order;
-    a longer prompt takes the whole budget, and the prompt behind it waits. Each request still
-    gets ``Model.generate``'s tokens, and every page comes back."""
+    power of two >= 64) prefill together in one program (its rows a power of two) while they fit
+    it, in arrival order; a longer prompt takes the whole budget, and the prompt behind it waits.
+    Each request still gets ``Model.generate``'s tokens (each method's state written into its
+    slot from the group), and every page comes back."""
+    model = tiny.with_method(name, **_OPTIONS[name])
     rng = np.random.default_rng(9)
     ids = [rng.integers(4, 97, n).tolist() for n in (40, 50, 60, 150, 30)]
     steps = 6
-    refs = [tiny.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
-                              stop_ids=())[0] for i in ids]
-    engine = Engine(tiny, slots=4, max_len=256, stop_ids=(), paged=True, prefill_chunk=128)
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=steps,
+                               stop_ids=())[0] for i in ids]
+    engine = Engine(model, slots=4, max_len=256, stop_ids=(), paged=True, prefill_chunk=128)
+    # one group program: 2 prompts of 64 tokens fill the budget of 128 (4 of 64, or 2 of 128, would not)
+    assert [w for w, *_ in engine.kv.program_shapes(sampled=(False,)) if "prompts" in w] == \
+        ["prefill of 2 prompts of 64 tokens"]
     reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[:3]]
-    engine.iterate()  # two chunks of 64 fill the budget of 128: the third prompt waits
-    assert engine.prefill_segments == 2 and [bool(r.output_ids) for r in reqs] == [True, True, False]
+    engine.iterate()  # the first two prompts in one program of 2 x 64 rows: the third waits
+    assert engine.prefill_segments == 1 and [bool(r.output_ids) for r in reqs] == [True, True, False]
+    assert (engine.kv.prompt_groups, engine.kv.grouped_prompts) == (1, 2)
     engine.iterate()
-    assert engine.prefill_segments == 3 and reqs[2].output_ids
+    assert engine.prefill_segments == 2 and reqs[2].output_ids
+    assert engine.kv.prompt_groups == 1  # alone, it ran the one-chunk program
     for _ in range(100):
         if engine.idle():
             break
@@ -533,6 +541,19 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny):
     s = engine.stats()
     assert engine.idle() and s["kv_blocks_free"] == s["kv_blocks_total"]
     engine.kv.check()
+    if name == "dense":  # three prompts in a group of 4 rows: the padding row writes no slot and no page
+        three = Engine(model, slots=3, max_len=256, stop_ids=(), paged=True, prefill_chunk=256)
+        reqs = [three.submit(three.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[:3]]
+        three.iterate()
+        assert (three.kv.prompt_groups, three.kv.grouped_prompts) == (1, 3) and all(r.output_ids for r in reqs)
+        for _ in range(100):
+            if three.idle():
+                break
+            three.iterate()
+        assert [r.output_ids for r in reqs] == refs[:3]
+        s = three.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        three.kv.check()
 
 
 def test_paged_decode_runs_on_a_batch_bucket(tiny):

@@ -81,7 +81,7 @@ def compile_phases(lowered, logdir: str, top: int = 15) -> list[dict]:
 def probe(model, kv, unroll: bool, kv_lens: list[int], chunk: int, runs: int) -> list[dict]:
     """Rows for one driver form: each program lowered, compiled and run on ``kv``'s pool (the
     pool is donated and replaced on every call, as the engine does)."""
-    step, _, _, _, chunk_fn = _paged_programs(model.graphdef, model.config, model.method, unroll)
+    step, _, _, _, chunk_fn, _ = _paged_programs(model.graphdef, model.config, model.method, unroll)
     slots = kv.slots
     table = np.zeros(kv.pages_per_request, np.int32)  # the null page: the program's work, not the data's
     z = jnp.zeros((slots,), jnp.int32)

@@ -483,12 +483,19 @@ class Engine:
                 self._waiting.remove(r)
                 self._start_segmented(r, free.pop(0))
             used = 0
-            for entry in list(self._prefilling):  # in arrival order, while their chunks fit the budget
+            pending = list(self._prefilling)
+            while pending:  # in arrival order, while their chunks fit the budget
+                entry = pending.pop(0)
                 t = self._next_tokens(entry[2])
                 if used and used + t > self.prefill_chunk:
                     break
-                self._prefill_segment(entry)
-                used += t
+                group = ([entry] if not self.paged or self.prefill_chunk is None
+                         else self._prompt_group(entry, pending, self.prefill_chunk - used))
+                if len(group) > 1:
+                    used += self._prefill_group(group)
+                else:
+                    self._prefill_segment(entry)
+                    used += t
                 worked = True
         if self._active.any():
             self._decode()
@@ -685,13 +692,46 @@ class Engine:
     def _drop_prefilling(self, r: Request) -> None:
         self._prefilling = [e for e in self._prefilling if e[0] is not r]
 
-    def _prefill_segment(self, entry) -> None:
+    def _prompt_group(self, entry, pending: list, budget: int) -> list:
+        """``entry`` and the short prompts after it in ``pending`` (taken out of it) that one
+        program prefills together (:meth:`models.serving.paged.PagedSlots.run_prompt_group`): in
+        arrival order, while the group's rows (a power of two) times its longest chunk fit
+        ``budget`` tokens. Just ``entry`` where it is not a short prompt."""
+        from models.serving.paged import group_rows
+
+        if not self.kv.groupable(entry[2]):
+            return [entry]
+        group, size = [entry], entry[2].next_tokens
+        for other in [e for e in pending if self.kv.groupable(e[2])]:
+            bigger = max(size, other[2].next_tokens)
+            if group_rows(len(group) + 1) * bigger > budget:
+                break
+            group.append(other)
+            pending.remove(other)
+            size = bigger
+        return group
+
+    def _prefill_group(self, group: list) -> int:
+        """Prefill the short prompts of ``group`` in one program, then sample each one's first
+        token and insert it; returns the prompt tokens it ran (its rows x its chunk)."""
+        from models.serving.paged import group_rows
+
+        jobs = [job for _, _, job in group]
+        self.kv.run_prompt_group(jobs)  # PoolLost if it fails: the engine stops
+        self.prefill_segments += 1
+        for entry in group:
+            self._prefill_segment(entry, advance=False)
+        return group_rows(len(jobs)) * max(job.next_tokens for job in jobs)
+
+    def _prefill_segment(self, entry, advance: bool = True) -> None:
         """Run the next segment of the prompt ``entry`` (its layers within ``max_inject_tokens``, or
-        its next chunk); after its last, sample its first token and insert it."""
+        its next chunk; ``advance=False``: it already ran, in a group); after its last, sample
+        its first token and insert it."""
         r, slot, job = entry
         try:
-            job.advance_budget(self.max_inject_tokens)
-            self.prefill_segments += 1
+            if advance:
+                job.advance_budget(self.max_inject_tokens)
+                self.prefill_segments += 1
             if not job.done:
                 return
             logits, row = job.result()

@@ -117,6 +117,35 @@ def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Ar
     return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
 
 
+def _into_slots(big, rows, slots: jax.Array, pools=None):
+    """:func:`_into_slot` for several rows: row ``i`` of ``rows`` into slot ``slots[i]``; a slot
+    out of range (a padding row's) is dropped."""
+    def put(b, r):
+        return b.at[slots].set(r.astype(b.dtype), mode="drop")
+
+    if isinstance(big, PagedLayer):
+        state = None if big.state is None else jax.tree.map(put, big.state, rows.state)
+        return PagedLayer(*pools, state, big.page)
+    return jax.tree.map(put, big, rows)
+
+
+def prefill_paged_rows(prefill, rows: KVCache, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+                       slots: jax.Array, pages: jax.Array):
+    """Several prompts prefilled at once straight into the pool (:func:`prefill_paged_slot` for
+    ``P`` rows): ``tokens int32[P, S]`` right-padded to ``lengths int32[P]``, ``rows`` an empty
+    ``P``-row cache (as :func:`prefill_paged_slot`'s ``row``), ``slots int32[P]`` and ``pages
+    int32[P, max_len / page]`` each prompt's slot and block table row. A padding row (its slot
+    ``>=`` the cache's rows, its pages null) writes nothing. Returns ``(logits f32[P, V], cache)``."""
+    view = []
+    for big, one in zip(cache.layers, rows.layers):
+        view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
+    logits, out = prefill(tokens, lengths, KVCache(tuple(view), rows.lengths, cache.max_len, pages))
+    layers = tuple(_into_slots(big, one, slots, (one.pool_k, one.pool_v) if isinstance(big, PagedLayer) else None)
+                   for big, one in zip(cache.layers, out.layers))
+    lengths = cache.lengths.at[slots].set(out.lengths, mode="drop")
+    return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
+
+
 def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: jax.Array,
                     dst_pages: jax.Array) -> KVCache:
     """``cache`` (donated) with row ``src``'s prompt copied to row ``dst``: the pool pages
@@ -142,17 +171,17 @@ def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: j
 
 def _paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None = None):
     """The paged engine's programs as functions, not jitted: ``(step, insert, prefill, copy,
-    chunk)`` (:func:`_paged_programs`). ``graphdef`` and ``cfg`` are one device's under
+    chunk, prefill_group)`` (:func:`_paged_programs`). ``graphdef`` and ``cfg`` are one device's under
     tensor parallelism (``tp``: the mesh axis and its size), where the functions run inside
     ``shard_map`` on that device's KV heads (:func:`_sharded_paged_programs`)."""
 
     def decode(params, tokens, cache):
         return programs.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll, tp=tp)
 
-    def empty_row(cache: KVCache) -> KVCache:
-        """The empty one-row cache: method state and rings only (the K/V it would hold is dropped)."""
+    def empty_row(cache: KVCache, rows: int = 1) -> KVCache:
+        """The empty ``rows``-row cache: method state and rings only (the K/V it would hold is dropped)."""
         paged = next(e for e in cache.layers if isinstance(e, PagedLayer))
-        return paged_like(init_cache(cfg, method, 1, cache.max_len, paged.pool_k.dtype), 0, paged.page)
+        return paged_like(init_cache(cfg, method, rows, cache.max_len, paged.pool_k.dtype), 0, paged.page)
 
     def prefill(params, tokens, lengths, cache, slot, pages):
         def run(tokens, lengths, view):
@@ -160,6 +189,13 @@ def _paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | Non
                                     tp=tp)
 
         return prefill_paged_slot(run, empty_row(cache), tokens, lengths, cache, slot, pages)
+
+    def prefill_group(params, tokens, lengths, cache, slots, pages):
+        def run(tokens, lengths, view):
+            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll,
+                                    tp=tp)
+
+        return prefill_paged_rows(run, empty_row(cache, tokens.shape[0]), tokens, lengths, cache, slots, pages)
 
     def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
         # the one-row view (every layer paged): the pools, and (last chunk) the row's empty state
@@ -176,7 +212,7 @@ def _paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | Non
         new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
         return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
 
-    return bucketed_step(engine_step(decode)), insert_paged_slot, prefill, copy_paged_slot, chunk
+    return bucketed_step(engine_step(decode)), insert_paged_slot, prefill, copy_paged_slot, chunk, prefill_group
 
 
 @functools.lru_cache(maxsize=16)
@@ -186,11 +222,12 @@ def _paged_programs(graphdef, cfg, method, unroll: bool):
     sampling; one compilation per bucket), the page scatter of a
     contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
     the pool, a prompt's copy to another slot, and a chunk of a prompt into its pages (every
-    program donates the cache)."""
-    step, insert, prefill, copy, chunk = _paged_bodies(graphdef, cfg, method, unroll)
+    program donates the cache), and several short prompts prefilled together into the pool
+    (:meth:`PagedSlots.run_prompt_group`)."""
+    step, insert, prefill, copy, chunk, group = _paged_bodies(graphdef, cfg, method, unroll)
     return (jax.jit(step, donate_argnums=(2,), static_argnames=("rows",)), jax.jit(insert, donate_argnums=(0,)),
             jax.jit(prefill, donate_argnums=(3,)), jax.jit(copy, donate_argnums=(0,)),
-            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")))
+            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")), jax.jit(group, donate_argnums=(3,)))
 
 
 def _refuse_row_insert(*args, **kwargs):
@@ -210,7 +247,7 @@ def _sharded_paged_programs(model, method, unroll: bool):
     the engine prefills into the pool)."""
     par, mesh = model.parallelism, model.mesh
     local = local_config(model.config, par.model)
-    step, _, prefill, copy, chunk = _paged_bodies(abstract_model(local, model.dtype)[0], local, method, unroll,
+    step, _, prefill, copy, chunk, _ = _paged_bodies(abstract_model(local, model.dtype)[0], local, method, unroll,
                                                   tp=(MODEL, par.model))
     pspecs = param_specs(abstract_model(model.config, model.dtype)[1])
     same = P()
@@ -313,6 +350,12 @@ def chunk_tokens(n: int, chunk: int) -> int:
     return chunk if n > chunk else min(chunk, max(64, 1 << (n - 1).bit_length()))
 
 
+def group_rows(prompts: int) -> int:
+    """The rows of the program that prefills ``prompts`` short prompts together: the next power
+    of two (padding rows write nothing)."""
+    return 1 << (prompts - 1).bit_length()
+
+
 def chunk_kv_len(end: int, page: int, cap: int | None = None) -> int:
     """The keys a chunk ending at position ``end`` gathers from its pages: a power of two (few
     compilations), at least one page, at most ``cap`` (the request's capacity: the last bucket of a
@@ -367,6 +410,12 @@ class PagedChunkJob:
         if last:
             self._result = (logits, PrefilledRow(self.slot, self.table, self.n))
         return True
+
+    def grouped(self, logits) -> None:
+        """Its whole prompt ran in a group of short prompts (:meth:`PagedSlots.run_prompt_group`):
+        ``logits f32[1, V]`` are its last token's."""
+        self.start, self.chunks = self.n, self.chunks + 1
+        self._result = (logits, PrefilledRow(self.slot, self.table, self.n))
 
     def result(self):
         return self._result
@@ -477,9 +526,11 @@ class PagedSlots(PagedRequests):
         #: the programs compiled ahead of time (:meth:`precompile`): the call sites run these
         #: before falling back to the jitted program (which would compile)
         self.aot = AheadOfTime()
+        #: short prompts prefilled together (:meth:`run_prompt_group`), and the programs that ran them
+        self.grouped_prompts = self.prompt_groups = 0
         self._runner = None
         if self.mesh is None:
-            self._step, self._insert, self._prefill, self._copy, self._chunk = _paged_programs(
+            self._step, self._insert, self._prefill, self._copy, self._chunk, self._group = _paged_programs(
                 model.graphdef, model.config, model.method, unroll)
             # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
             # where the method has none)
@@ -487,6 +538,7 @@ class PagedSlots(PagedRequests):
         else:
             self._step, self._insert, self._prefill, self._copy, self._chunk = _sharded_paged_programs(
                 model, model.method, unroll)
+            self._group = None  # over a mesh, short prompts are prefilled one at a time
             steady = model.method.steady_state()
             self._steady_step = self._step if steady is model.method else _sharded_paged_programs(
                 model, steady, unroll)[0]
@@ -647,8 +699,9 @@ class PagedSlots(PagedRequests):
         engine's own): the decode step on each batch bucket (:func:`decode_rows`) for greedy
         and sampled batches without filters, penalties, bias or log-probabilities (the
         common request; another option compiles when first used), and the prompt programs
-        (each chunk size x key bucket x last or not, :class:`PagedChunkJob`; or each whole
-        prefill bucket); ``shortest_prompt``: leave out the programs only shorter prompts run
+        (each chunk size x key bucket x last or not, :class:`PagedChunkJob`, and each group of
+        short prompts' rows x size, :meth:`run_prompt_group`; or each whole prefill bucket);
+        ``shortest_prompt``: leave out the programs only shorter prompts run
         (a one-chunk prompt's chunk sizes, the last chunks of shorter prompts, the
         whole-prefill buckets below its own)."""
         if isinstance(shortest_prompt, bool) or not isinstance(shortest_prompt, int) or shortest_prompt < 1:
@@ -676,12 +729,13 @@ class PagedSlots(PagedRequests):
                 out.append((f"prefill of {bucket} tokens", self._prefill,
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
-        c, longest, keys = self.prefill_chunk, self.max_len - 1, set()
+        c, longest, keys, sizes = self.prefill_chunk, self.max_len - 1, set(), set()
         cap = self.max_len  # a multiple of the page: a request's pages
         for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
             if n < shortest_prompt:  # the bucket of prompts of at most n tokens: none comes
                 continue
             size = chunk_tokens(n, c)
+            sizes.add(size)
             keys.add((size, chunk_kv_len(size, self.page, cap), True))
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
             keys.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
@@ -691,6 +745,13 @@ class PagedSlots(PagedRequests):
             out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
                         (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
                         {"kv_len": kv_len, "last": last}))
+        for size in sorted(sizes) if self._group is not None else ():  # short prompts prefilled together
+            rows = 2
+            while rows <= group_rows(self.slots) and rows * size <= c:
+                out.append((f"prefill of {rows} prompts of {size} tokens", self._group,
+                            (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),
+                             sds((rows, self.pages_per_request), i32)), {}))
+                rows *= 2
         return out
 
     def cancel_precompile(self) -> None:
@@ -722,6 +783,35 @@ class PagedSlots(PagedRequests):
         return self.aot.compile(self.program_shapes(sampled, shortest_prompt), workers=workers,
                                      progress=progress, background=background)
 
+    def groupable(self, job) -> bool:
+        """Whether ``job`` may be prefilled in a group of short prompts (:meth:`run_prompt_group`):
+        a chunked prompt of one chunk that has not started, on one device."""
+        return (self._group is not None and isinstance(job, PagedChunkJob) and job.chunks == 0
+                and job.n <= job.chunk)
+
+    def run_prompt_group(self, jobs: list[PagedChunkJob]) -> None:
+        """Prefill several short prompts (each :meth:`groupable`) in one program: ``P`` =
+        :func:`group_rows` rows of the longest one's chunk size ``S``, each prompt straight into
+        its pages and its slot (:func:`prefill_paged_rows`), so one weight read serves them all
+        where one chunk program each read the weights once per prompt. Each job then holds its
+        result (not waited for: :meth:`wait`). Its failure loses the pool: :class:`PoolLost`."""
+        if not jobs or not all(self.groupable(j) for j in jobs):
+            raise ValueError("run_prompt_group takes short chunked prompts that have not started")
+        rows, size = group_rows(len(jobs)), max(j.next_tokens for j in jobs)
+        pad = self.model._pad_id()
+        tokens = np.full((rows, size), pad, np.int32)
+        lengths = np.ones(rows, np.int32)  # padding rows: one token, written to the null page
+        slots = np.full(rows, self.slots, np.int32)  # padding rows: out of range, dropped
+        tables = np.zeros((rows, self.pages_per_request), np.int32)
+        for i, j in enumerate(jobs):
+            tokens[i, :j.n], lengths[i], slots[i], tables[i] = j.ids, j.n, j.slot, j.table
+        logits = self.run_on_pool(self._group, f"the prefill of {len(jobs)} prompts of up to {size} tokens",
+                                  (jnp.asarray(tokens), jnp.asarray(lengths)), slots, tables, wait=False)
+        for i, j in enumerate(jobs):
+            j.grouped(logits[i:i + 1])
+        self.grouped_prompts += len(jobs)
+        self.prompt_groups += 1
+
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
         ``r`` (which holds the prompt's pages), the prompt goes straight into the pool
@@ -739,14 +829,15 @@ class PagedSlots(PagedRequests):
                                   (jnp.asarray(tokens), jnp.asarray([n], jnp.int32)), slot, table, wait=True)
         return logits, PrefilledRow(slot, table, n)
 
-    def run_on_pool(self, program, what: str, head: tuple, slot: int, table: np.ndarray, *, wait: bool,
+    def run_on_pool(self, program, what: str, head: tuple, slot, table: np.ndarray, *, wait: bool,
                     **static):
-        """The logits of ``program(params, *head, cache, slot, table, **static)``, a program that
+        """The logits of ``program(params, *head, cache, slot, table, **static)`` (``slot`` an int,
+        or ``int32[P]`` with ``table [P, W]`` for a group of prompts), a program that
         writes a prompt into the pool (the prefill, or a chunk of it), the whole cache donated
         and replaced; ``wait``: block until it ran (the prompt's last program). Its failure
         loses every request's KV: :class:`PoolLost`, saying ``what`` failed."""
         try:
-            args = (self.model.params, *head, self.cache, jnp.int32(slot), jnp.asarray(table))
+            args = (self.model.params, *head, self.cache, jnp.asarray(slot, jnp.int32), jnp.asarray(table))
             logits, self.cache = self.aot.run(program, args, static)
             if wait:
                 jax.block_until_ready(logits)
