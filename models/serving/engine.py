@@ -66,7 +66,7 @@ from models.detokenize import IncrementalDetokenizer
 from models.sampling import logprob_width, sample_program
 from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
-from models.serving.paged import PagedSlots, PoolLost, chunk_tokens, page_size
+from models.serving.paged import PagedSlots, PoolLost, chunk_tokens, group_rows, page_size
 from models.serving.slot_sampling import SlotSampling, token_logprob
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, padded_prompt, prefill_bucket
 
@@ -697,8 +697,6 @@ class Engine:
         program prefills together (:meth:`models.serving.paged.PagedSlots.run_prompt_group`): in
         arrival order, while the group's rows (a power of two) times its longest chunk fit
         ``budget`` tokens. Just ``entry`` where it is not a short prompt."""
-        from models.serving.paged import group_rows
-
         if not self.kv.groupable(entry[2]):
             return [entry]
         group, size = [entry], entry[2].next_tokens
@@ -714,8 +712,6 @@ class Engine:
     def _prefill_group(self, group: list) -> int:
         """Prefill the short prompts of ``group`` in one program, then sample each one's first
         token and insert it; returns the prompt tokens it ran (its rows x its chunk)."""
-        from models.serving.paged import group_rows
-
         jobs = [job for _, _, job in group]
         self.kv.run_prompt_group(jobs)  # PoolLost if it fails: the engine stops
         self.prefill_segments += 1
