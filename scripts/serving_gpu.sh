@@ -8,7 +8,9 @@
 #                                           # process: a second run)
 #   bash scripts/serving_gpu.sh iteration L # benchmark A: the engine's iteration against the bare step at
 #                                           # L = 65536 (8 rows) or 131072 (4 rows); METHODS (dense,asynctls,quest)
-#                                           # and ENGINES (paged,offload-paged) narrow it
+#                                           # and ENGINES (paged,offload-paged) narrow it: at 64K one method on
+#                                           # one engine took 8-9 min of a call's 10 on the H200 (2026-12-05), so
+#                                           # name one of each per call (the log times each phase)
 #   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked)
 #
 # Each writes json + md (+ png) to $OUT (the device runner's folder) or benchmarks/results/, and its

@@ -34,7 +34,8 @@ import numpy as np
 from benchmarks.offload import qwen3_8b, random_model
 from benchmarks.timing import markdown_table, parse_list, stamp, write_results
 from models.serving.engine import Engine
-from models.serving.paged import _paged_programs, chunk_kv_len
+from models.serving.paged import chunk_kv_len
+from models.serving.pool_programs import paged_programs
 from models.sampling import RowSampling
 from sparse_jax.methods import get_method
 
@@ -81,7 +82,7 @@ def compile_phases(lowered, logdir: str, top: int = 15) -> list[dict]:
 def probe(model, kv, unroll: bool, kv_lens: list[int], chunk: int, runs: int) -> list[dict]:
     """Rows for one driver form: each program lowered, compiled and run on ``kv``'s pool (the
     pool is donated and replaced on every call, as the engine does)."""
-    step, _, _, _, chunk_fn, _ = _paged_programs(model.graphdef, model.config, model.method, unroll)
+    step, _, _, _, chunk_fn, _ = paged_programs(model.graphdef, model.config, model.method, unroll)
     slots = kv.slots
     table = np.zeros(kv.pages_per_request, np.int32)  # the null page: the program's work, not the data's
     z = jnp.zeros((slots,), jnp.int32)
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     phases = []
     if a.trace_compile:
         n = max(a.kv_lens)
-        chunk_fn = _paged_programs(model.graphdef, model.config, model.method, True)[4]
+        chunk_fn = paged_programs(model.graphdef, model.config, model.method, True)[4]
         head = (jnp.zeros((1, a.chunk), jnp.int32), jnp.int32(max(0, n - a.chunk)),
                 jnp.asarray([a.max_len - 1], jnp.int32))
         jax.clear_caches()  # compiled above: the traced compile must not be a cache hit

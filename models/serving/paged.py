@@ -12,11 +12,11 @@ not ``max_len``.
 
 What stays per slot: each layer's method state (Quest's boxes, AsyncTLS's labels: a
 fraction of the keys' bytes), sliding-window rings, the lengths. A prompt is prefilled
-straight into the pool (:func:`prefill_paged_slot`: the model's prefill on a one-row view
+straight into the pool (:func:`~models.serving.pool_programs.prefill_paged_slot`: the model's prefill on a one-row view
 whose global layers are the pools read through the request's table, its state and length
 written into the slot in the same program), so no one-row cache of ``max_len`` exists (at
 128K on the Qwen3-8B shape that row was 18.9 GB) and nothing is copied afterwards. A
-prompt's ``n`` choices copy its pages and row (:func:`copy_paged_slot`). A layer-segmented
+prompt's ``n`` choices copy its pages and row (:func:`~models.serving.pool_programs.copy_paged_slot`). A layer-segmented
 prompt still goes through a one-row contiguous cache, scattered into its pages on insertion.
 
 The engine drives the blocks (:class:`models.serving.engine.Engine`): it reserves a
@@ -31,27 +31,23 @@ position, not the stale length of its last request.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from models import programs
 from models.driver import Driver, init_cache, make_plan
-from models.runtime.sharding import MODEL, local_config, paged_cache_specs, param_specs
+from models.runtime.sharding import paged_cache_specs
 from models.runtime.tiered import TieredRunner
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
-from models.serving.precompile import AheadOfTime
 from models.sampling import RowSampling, SampleOut
+from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
+from models.serving.pool_programs import decode_rows, paged_programs, sharded_paged_programs
+from models.serving.precompile import AheadOfTime
 from models.serving.requests import Request
-from models.transformer import abstract_model
-from models.serving.slots import (ResidentSlots, WarmupSteps, engine_step, check_engine_mesh, check_slot_axis,
-                                  insert_slot, padded_prompt, prefill_bucket, segmented_prompt_tokens)
-from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
+from models.serving.slots import (ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, padded_prompt,
+                                  prefill_bucket, segmented_prompt_tokens)
+from sparse_jax.cache import PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
 DEFAULT_PAGE = 64  # tokens per page for a method without blocks of its own (dense); the kernels' block
@@ -66,281 +62,11 @@ def page_size(method) -> int:
     return m if m > 1 else DEFAULT_PAGE
 
 
-def _into_slot(big, one, slot: jax.Array, pools=None):
-    """Cache entry ``big`` (every slot) with row ``slot`` taken from the one-row entry ``one``:
-    for a :class:`PagedLayer` its method state (its pools then ``pools``, ``(pool_k,
-    pool_v)``), for any other entry every leaf."""
-    if isinstance(big, PagedLayer):
-        state = None if big.state is None else insert_slot(big.state, one.state, slot)
-        return PagedLayer(*pools, state, big.page)
-    return insert_slot(big, one, slot)
-
-
-def _copy_row(a: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """``a`` with row ``dst`` (axis 0) replaced by row ``src``."""
-    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst, 0)
-
-
-def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.Array) -> KVCache:
-    """``cache`` (donated) with the one-row contiguous ``row`` (a prefilled request) written
-    in: every :class:`PagedLayer`'s row pages to pool pages ``pages int32[max_len / page]``
-    (entries that are the null page are skipped: the request holds no page there), its
-    method state and every other entry into row ``slot``, and its length. The block table
-    is the host's (:meth:`PagedSlots.step` sends it)."""
-    layers = []
-    for big, one in zip(cache.layers, row.layers):
-        pools = None
-        if isinstance(big, PagedLayer):
-            pools = tuple(write_prompt_pages(pool, x, pages[None], big.page, cache.max_len)
-                          for pool, x in ((big.pool_k, one.k), (big.pool_v, one.v)))
-        layers.append(_into_slot(big, one, slot, pools))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
-    return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
-
-
-def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-                       slot: jax.Array, pages: jax.Array):
-    """A prompt prefilled straight into the pool: ``(logits f32[1, V], cache)``. ``prefill``
-    is the model's (:func:`models.programs.prefill` of the params, tokens, lengths and a
-    cache); ``row`` an empty one-row cache whose global layers are :class:`PagedLayer`
-    entries without pages (their state the method's empty one); ``pages int32[max_len /
-    page]`` the request's block table row. The prompt's K/V go to its pages of the batch's
-    pools, and its method state, sliding-window rings and length into row ``slot``: no
-    one-row cache of ``max_len`` exists, and nothing is scattered afterwards."""
-    view = []
-    for big, one in zip(cache.layers, row.layers):
-        view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
-    logits, out = prefill(tokens, lengths, KVCache(tuple(view), row.lengths, cache.max_len, pages[None]))
-    layers = tuple(_into_slot(big, one, slot, (one.pool_k, one.pool_v) if isinstance(big, PagedLayer) else None)
-                   for big, one in zip(cache.layers, out.layers))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, out.lengths[0], slot, 0)
-    return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
-
-
-def _into_slots(big, rows, slots: jax.Array, pools=None):
-    """:func:`_into_slot` for several rows: row ``i`` of ``rows`` into slot ``slots[i]``; a slot
-    out of range (a padding row's) is dropped."""
-    def put(b, r):
-        return b.at[slots].set(r.astype(b.dtype), mode="drop")
-
-    if isinstance(big, PagedLayer):
-        state = None if big.state is None else jax.tree.map(put, big.state, rows.state)
-        return PagedLayer(*pools, state, big.page)
-    return jax.tree.map(put, big, rows)
-
-
-def prefill_paged_rows(prefill, rows: KVCache, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-                       slots: jax.Array, pages: jax.Array):
-    """Several prompts prefilled at once straight into the pool (:func:`prefill_paged_slot` for
-    ``P`` rows): ``tokens int32[P, S]`` right-padded to ``lengths int32[P]``, ``rows`` an empty
-    ``P``-row cache (as :func:`prefill_paged_slot`'s ``row``), ``slots int32[P]`` and ``pages
-    int32[P, max_len / page]`` each prompt's slot and block table row. A padding row (its slot
-    ``>=`` the cache's rows, its pages null) writes nothing. Returns ``(logits f32[P, V], cache)``."""
-    view = []
-    for big, one in zip(cache.layers, rows.layers):
-        view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
-    logits, out = prefill(tokens, lengths, KVCache(tuple(view), rows.lengths, cache.max_len, pages))
-    layers = tuple(_into_slots(big, one, slots, (one.pool_k, one.pool_v) if isinstance(big, PagedLayer) else None)
-                   for big, one in zip(cache.layers, out.layers))
-    lengths = cache.lengths.at[slots].set(out.lengths, mode="drop")
-    return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
-
-
-def copy_paged_slot(cache: KVCache, src: jax.Array, dst: jax.Array, src_pages: jax.Array,
-                    dst_pages: jax.Array) -> KVCache:
-    """``cache`` (donated) with row ``src``'s prompt copied to row ``dst``: the pool pages
-    ``src_pages`` to ``dst_pages`` (``int32[W]``, null entries in ``dst_pages`` dropped), every
-    per-row leaf (method state, rings) and the length (a prompt's ``n`` choices: one prefill)."""
-    layers = []
-    for e in cache.layers:
-        if isinstance(e, PagedLayer):
-            def copy(pool):
-                _, hkv, n, d = pool.shape
-                p = e.page
-                pages = pool.reshape(hkv, n // p, p, d)
-                to = jnp.where(dst_pages == NULL_BLOCK, n // p, dst_pages)
-                return pages.at[:, to].set(pages[:, src_pages], mode="drop").reshape(1, hkv, n, d)
-
-            state = None if e.state is None else jax.tree.map(lambda a: _copy_row(a, src, dst), e.state)
-            layers.append(PagedLayer(copy(e.pool_k), copy(e.pool_v), state, e.page))
-        else:
-            layers.append(jax.tree.map(lambda a: _copy_row(a, src, dst), e))
-    lengths = _copy_row(cache.lengths, src, dst)
-    return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
-
-
-def _paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None = None):
-    """The paged engine's programs as functions, not jitted: ``(step, insert, prefill, copy,
-    chunk, prefill_group)`` (:func:`_paged_programs`). ``graphdef`` and ``cfg`` are one device's under
-    tensor parallelism (``tp``: the mesh axis and its size), where the functions run inside
-    ``shard_map`` on that device's KV heads (:func:`_sharded_paged_programs`)."""
-
-    def decode(params, tokens, cache):
-        return programs.decode_step(nnx.merge(graphdef, params), cfg, method, tokens, cache, unroll=unroll, tp=tp)
-
-    def empty_row(cache: KVCache, rows: int = 1) -> KVCache:
-        """The empty ``rows``-row cache: method state and rings only (the K/V it would hold is dropped)."""
-        paged = next(e for e in cache.layers if isinstance(e, PagedLayer))
-        return paged_like(init_cache(cfg, method, rows, cache.max_len, paged.pool_k.dtype), 0, paged.page)
-
-    def prefill(params, tokens, lengths, cache, slot, pages):
-        def run(tokens, lengths, view):
-            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll,
-                                    tp=tp)
-
-        return prefill_paged_slot(run, empty_row(cache), tokens, lengths, cache, slot, pages)
-
-    def prefill_group(params, tokens, lengths, cache, slots, pages):
-        def run(tokens, lengths, view):
-            return programs.prefill(nnx.merge(graphdef, params), cfg, method, tokens, lengths, view, unroll=unroll,
-                                    tp=tp)
-
-        return prefill_paged_rows(run, empty_row(cache, tokens.shape[0]), tokens, lengths, cache, slots, pages)
-
-    def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
-        # the one-row view (every layer paged): the pools, and (last chunk) the row's empty state
-        states = [e.state for e in empty_row(cache).layers] if last else [None] * len(cache.layers)
-        view = tuple(PagedLayer(big.pool_k, big.pool_v, st, big.page) for big, st in zip(cache.layers, states))
-        logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths,
-                                             KVCache(view, lengths, cache.max_len, pages[None]), kv_len=kv_len,
-                                             last=last, unroll=unroll, tp=tp)
-        if not last:  # the pages only
-            layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
-                           for big, o in zip(cache.layers, out.layers))
-            return logits, dataclasses.replace(cache, layers=layers)
-        layers = tuple(_into_slot(big, o, slot, (o.pool_k, o.pool_v)) for big, o in zip(cache.layers, out.layers))
-        new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
-        return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
-
-    return bucketed_step(engine_step(decode)), insert_paged_slot, prefill, copy_paged_slot, chunk, prefill_group
-
-
-@functools.lru_cache(maxsize=16)
-def _paged_programs(graphdef, cfg, method, unroll: bool):
-    """The paged engine's programs: the step on a decode batch bucket (:func:`bucketed_step`
-    of the model's decode step, which reads paged layers through the table, and the
-    sampling; one compilation per bucket), the page scatter of a
-    contiguous row's insertion (a layer-segmented prefill's row), the prefill straight into
-    the pool, a prompt's copy to another slot, and a chunk of a prompt into its pages (every
-    program donates the cache), and several short prompts prefilled together into the pool
-    (:meth:`PagedSlots.run_prompt_group`)."""
-    step, insert, prefill, copy, chunk, group = _paged_bodies(graphdef, cfg, method, unroll)
-    return (jax.jit(step, donate_argnums=(2,), static_argnames=("rows",)), jax.jit(insert, donate_argnums=(0,)),
-            jax.jit(prefill, donate_argnums=(3,)), jax.jit(copy, donate_argnums=(0,)),
-            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")), jax.jit(group, donate_argnums=(3,)))
-
-
-def _refuse_row_insert(*args, **kwargs):
-    raise NotImplementedError("a paged engine on a mesh prefills into its pages (whole or in chunks): a "
-                              "layer-segmented prefill's contiguous row is not inserted there")
-
-
-def _sharded_paged_programs(model, method, unroll: bool):
-    """:func:`_paged_programs` for a model under tensor parallelism (a
-    :class:`models.runtime.sharding.ShardedModel` with ``data == 1``): each program is one
-    ``shard_map`` over the model's mesh, every device running its KV heads' share of the
-    layers (:func:`_paged_bodies` on one device's config, the attention output and MLP
-    summed over the mesh) on its share of the page pools (the pools split by KV head, the
-    block table, lengths and per-row leaves as :func:`models.runtime.sharding.paged_cache_specs`
-    lays them out, read off each call's cache); tokens, slots, page lists and the sampled
-    outputs are the same on every device. No contiguous row insertion (``insert`` refuses:
-    the engine prefills into the pool)."""
-    par, mesh = model.parallelism, model.mesh
-    local = local_config(model.config, par.model)
-    step, _, prefill, copy, chunk, _ = _paged_bodies(abstract_model(local, model.dtype)[0], local, method, unroll,
-                                                  tp=(MODEL, par.model))
-    pspecs = param_specs(abstract_model(model.config, model.dtype)[1])
-    same = P()
-
-    def specs_of(cache: KVCache):  # the layout of the model's cache (the steady step's method shares it)
-        pool = next(e for e in cache.layers if isinstance(e, PagedLayer))
-        return paged_cache_specs(model.config, model.method, cache.batch, cache.max_len, pool.pool_k.shape[2] // pool.page,
-                                 pool.page, jnp.dtype(pool.pool_k.dtype), par)
-
-    def smap(fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-    def step_on_mesh(params, tokens, cache, active, sampling, rows):
-        body, cache_specs = functools.partial(step, rows=rows), specs_of(cache)
-        return smap(body, (pspecs, same, cache_specs, same, same), (same, cache_specs))(
-            params, tokens, cache, active, sampling)
-
-    def prefill_on_mesh(params, tokens, lengths, cache, slot, pages):
-        cache_specs = specs_of(cache)
-        return smap(prefill, (pspecs, same, same, cache_specs, same, same), (same, cache_specs))(
-            params, tokens, lengths, cache, slot, pages)
-
-    def copy_on_mesh(cache, src, dst, src_pages, dst_pages):
-        cache_specs = specs_of(cache)
-        return smap(copy, (cache_specs, same, same, same, same), cache_specs)(cache, src, dst, src_pages, dst_pages)
-
-    def chunk_on_mesh(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
-        body, cache_specs = functools.partial(chunk, kv_len=kv_len, last=last), specs_of(cache)
-        return smap(body, (pspecs, same, same, same, cache_specs, same, same), (same, cache_specs))(
-            params, tokens, start, lengths, cache, slot, pages)
-
-    return (jax.jit(step_on_mesh, donate_argnums=(2,), static_argnames=("rows",)), _refuse_row_insert,
-            jax.jit(prefill_on_mesh, donate_argnums=(3,)), jax.jit(copy_on_mesh, donate_argnums=(0,)),
-            jax.jit(chunk_on_mesh, donate_argnums=(4,), static_argnames=("kv_len", "last")))
-
-
 #: The server's chunk for chunked prefill (``--prefill-chunk``), vLLM's token budget for a long-context
 #: server. Under the 32K load on the H200 (benchmarks/results/serve_load_chunk_sweep_h200.md) chunks of
 #: 1,024 / 2,048 / 4,096 gave mean TTFT 6.1 / 5.7 / 5.5 s; one chunk costs ~61 / 110 / 201 ms late in a
 #: 32K prompt (chunk_prefill_h200.md), what a running request's token waits for it.
 DEFAULT_PREFILL_CHUNK = 2048
-
-
-def decode_rows(slots: int, used: int) -> int:
-    """The rows a decode step runs when the slots below ``used`` hold every active request:
-    the smallest power of two >= ``used`` (at least 1), at most ``slots`` (few compiled steps)."""
-    return min(slots, 1 << max(used - 1, 0).bit_length())
-
-
-def _first_rows(tree, n: int):
-    return jax.tree.map(lambda a: a[:n], tree)
-
-
-def _put_rows(big, small):
-    return jax.tree.map(lambda b, s: jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), 0, 0), big, small)
-
-
-def bucketed_step(step):
-    """``step(params, tokens, cache, active, sampling, rows)`` (``rows`` static): the engine's
-    ``step`` on the first ``rows`` slots only (the decode batch bucket), the others untouched.
-    Every per-slot leaf (tokens, lengths, block table, the methods' state, sliding-window
-    rings, the rows' sampling) is cut to its first ``rows`` rows; the page pools are shared, so
-    they go in whole and come back written; the outputs are padded back to every slot (the
-    rows past ``rows`` sample token 0, inactive)."""
-
-    def run(params, tokens, cache: KVCache, active, sampling: RowSampling, rows: int):
-        slots = tokens.shape[0]
-        if rows == slots:
-            return step(params, tokens, cache, active, sampling)
-
-        def cut(e):
-            if isinstance(e, PagedLayer):
-                return dataclasses.replace(e, state=_first_rows(e.state, rows))
-            return _first_rows(e, rows)
-
-        small = KVCache(tuple(cut(e) for e in cache.layers), cache.lengths[:rows], cache.max_len,
-                        cache.block_table[:rows])
-        stop = sampling.stop_ids  # the banned stop tokens: one list for every row
-        rows_sampling = dataclasses.replace(_first_rows(dataclasses.replace(sampling, stop_ids=None), rows),
-                                            stop_ids=stop)
-        out, new = step(params, tokens[:rows], small, active[:rows], rows_sampling)
-
-        def put(big, e):
-            if isinstance(big, PagedLayer):
-                return dataclasses.replace(e, state=_put_rows(big.state, e.state))
-            return _put_rows(big, e)
-
-        cache = KVCache(tuple(put(b, e) for b, e in zip(cache.layers, new.layers)),
-                        _put_rows(cache.lengths, new.lengths), cache.max_len, cache.block_table)
-        pad = lambda a: jnp.pad(a, [(0, slots - rows)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
-        return jax.tree.map(pad, out), cache
-
-    return run
 
 
 def chunk_tokens(n: int, chunk: int) -> int:
@@ -530,17 +256,17 @@ class PagedSlots(PagedRequests):
         self.grouped_prompts = self.prompt_groups = 0
         self._runner = None
         if self.mesh is None:
-            self._step, self._insert, self._prefill, self._copy, self._chunk, self._group = _paged_programs(
+            self._step, self._insert, self._prefill, self._copy, self._chunk, self._group = paged_programs(
                 model.graphdef, model.config, model.method, unroll)
             # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
             # where the method has none)
-            self._steady_step = _paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
+            self._steady_step = paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
         else:
-            self._step, self._insert, self._prefill, self._copy, self._chunk = _sharded_paged_programs(
+            self._step, self._insert, self._prefill, self._copy, self._chunk = sharded_paged_programs(
                 model, model.method, unroll)
             self._group = None  # over a mesh, short prompts are prefilled one at a time
             steady = model.method.steady_state()
-            self._steady_step = self._step if steady is model.method else _sharded_paged_programs(
+            self._steady_step = self._step if steady is model.method else sharded_paged_programs(
                 model, steady, unroll)[0]
         self.warmup = WarmupSteps(slots, model.method.warmup_steps)
         self.last_rows = slots  # the rows the last decode step ran (its batch bucket, decode_rows)
@@ -815,7 +541,7 @@ class PagedSlots(PagedRequests):
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
         ``r`` (which holds the prompt's pages), the prompt goes straight into the pool
-        (:func:`prefill_paged_slot`) and ``row`` is a :class:`PrefilledRow` for :meth:`insert`;
+        (:func:`~models.serving.pool_programs.prefill_paged_slot`) and ``row`` is a :class:`PrefilledRow` for :meth:`insert`;
         the prefill is waited for here. It donates the whole cache, so its failure loses
         every request's KV: :class:`PoolLost`. Without them, a one-row contiguous cache (as
         the resident engine's)."""
