@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from models.serving.engine import Engine
+from models.serving.paged import PagedChunkJob
 from models.serving.precompile import aot_key
 from models.serving.requests import Request, SamplingParams
 from models.serving.scheduler import Scheduler
@@ -541,7 +542,15 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny, na
     s = engine.stats()
     assert engine.idle() and s["kv_blocks_free"] == s["kv_blocks_total"]
     engine.kv.check()
-    if name == "dense":  # three prompts in a group of 4 rows: the padding row writes no slot and no page
+    if name == "dense":
+        # with TSA's prefill a prompt it would cut (longer than min_tokens + window = 80) runs alone: its
+        # one-chunk program keeps every token, the group's whole prefill would not
+        tsa = Engine(model.with_method("dense", **_TSA), slots=4, max_len=256, paged=True, prefill_chunk=128).kv
+        job = PagedChunkJob.__new__(PagedChunkJob)
+        job.chunks, job.chunk = 0, 128
+        for job.n, alone in ((80, False), (81, True)):
+            assert tsa.groupable(job) is not alone and engine.kv.groupable(job), job.n
+        # three prompts in a group of 4 rows: the padding row writes no slot and no page
         three = Engine(model, slots=3, max_len=256, stop_ids=(), paged=True, prefill_chunk=256)
         reqs = [three.submit(three.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[:3]]
         three.iterate()

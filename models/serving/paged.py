@@ -511,9 +511,14 @@ class PagedSlots(PagedRequests):
 
     def groupable(self, job) -> bool:
         """Whether ``job`` may be prefilled in a group of short prompts (:meth:`run_prompt_group`):
-        a chunked prompt of one chunk that has not started, on one device."""
-        return (self._group is not None and isinstance(job, PagedChunkJob) and job.chunks == 0
-                and job.n <= job.chunk)
+        a chunked prompt of one chunk that has not started, on one device, and short enough that
+        a sparse prefill (TSA) leaves it whole: the group runs the whole prefill, where TSA drops
+        tokens of a prompt longer than ``min_tokens + window``, while its one-chunk program keeps
+        them all (nothing precedes the chunk), so such a prompt runs alone, as it would."""
+        if self._group is None or not isinstance(job, PagedChunkJob) or job.chunks or job.n > job.chunk:
+            return False
+        tsa = self.model.method.sparse_prefill()
+        return tsa is None or job.n <= tsa.min_tokens + tsa.window
 
     def run_prompt_group(self, jobs: list[PagedChunkJob]) -> None:
         """Prefill several short prompts (each :meth:`groupable`) in one program: ``P`` =
