@@ -2,10 +2,12 @@
 # Issue 49's GPU measurements of the serving engine, in stages that each fit one 10-minute
 # device command (Qwen3-8B shape, random bf16 weights: no weights to carry).
 #
-#   bash scripts/serving_gpu.sh compile     # why the 128K precompile did not finish: one unrolled and one
-#                                           # scanned chunk program's compile, traced (compile_probe), then
-#                                           # the same without the autotuner (XLA's flag is read once per
-#                                           # process: a second run)
+#   bash scripts/serving_gpu.sh compile     # why the 128K precompile did not finish: the unrolled decode step
+#                                           # and chunk program's compiles (compile_probe), the chunk's traced
+#   bash scripts/serving_gpu.sh compile-scanned     # the same programs with the layers scanned
+#   bash scripts/serving_gpu.sh compile-noautotune  # unrolled, XLA's autotuner off (its flag is read once
+#                                           # per process); each stage is one call: a 128K chunk program took
+#                                           # 2 min 14 s to compile, and the engine compiles one to size its pool
 #   bash scripts/serving_gpu.sh iteration L # benchmark A: the engine's iteration against the bare step at
 #                                           # L = 65536 (8 rows) or 131072 (4 rows); METHODS (dense,asynctls,quest)
 #                                           # and ENGINES (paged,offload-paged) narrow it: at 64K one method on
@@ -21,13 +23,19 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python}
 OUTDIR=${OUT:-benchmarks/results}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-stage=${1:?usage: serving_gpu.sh compile|iteration L|load}
+stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
 case "$stage" in
   compile)
-    $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --runs 2 \
+    $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --unroll unrolled --runs 2 \
         --trace-compile /tmp/compile_trace --out "$OUTDIR" --name compile_probe_128k 2>&1 | quiet
+    ;;
+  compile-scanned)
+    $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --unroll scanned --runs 2 \
+        --out "$OUTDIR" --name compile_probe_128k_scanned 2>&1 | quiet
+    ;;
+  compile-noautotune)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
       $PY -u -m benchmarks.probes.compile_probe --max-len 132096 --kv-lens 131072 --unroll unrolled --runs 2 \
         --out "$OUTDIR" --name compile_probe_128k_noautotune 2>&1 | quiet
@@ -47,5 +55,5 @@ case "$stage" in
         --slots 8 --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name serve_load_long 2>&1 | quiet
     ;;
   *)
-    echo "unknown stage $stage: compile|iteration|load" >&2; exit 2 ;;
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load" >&2; exit 2 ;;
 esac
