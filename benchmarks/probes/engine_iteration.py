@@ -156,10 +156,12 @@ def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: i
 
 
 def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-               paged: bool = False, sampling: str = "plain") -> tuple[float, float, int, float, float]:
+               paged: bool = False, sampling: str = "plain",
+               cond: bool = False) -> tuple[float, float, int, float, float | None]:
     """(iteration_ms, program_ms, steps measured, bare_live_ms, program_cond_ms) of an engine of ``batch`` slots at ``cap``
     (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
-    key, what every request asks for)."""
+    key, what every request asks for; ``cond``: also time the step program with the sampling's
+    sort decided on the device, else its ms are None)."""
     from models.serving.engine import Engine
 
     opts = SAMPLING[sampling]
@@ -184,7 +186,8 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
     greedy = RowSampling(jnp.zeros(batch, jnp.uint32), jnp.asarray(z), jnp.zeros(batch, jnp.float32),
                          jnp.ones(batch, jnp.float32), sampled=False)
     program = {}
-    for name, s in (("static", greedy), ("cond", dataclasses.replace(greedy, sampled=None))):
+    variants = (("static", greedy),) + ((("cond", dataclasses.replace(greedy, sampled=None)),) if cond else ())
+    for name, s in variants:
         toks = kv.step(z, active, s).tokens
         jax.block_until_ready(toks)
         times = []
@@ -195,7 +198,7 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
             jax.block_until_ready(toks)
             times.append(1e3 * (time.perf_counter() - t0) / steps)
         program[name] = statistics.median(times)
-    return iteration, program["static"], len(full), live, program["cond"]
+    return iteration, program["static"], len(full), live, program.get("cond")
 
 
 #: ``--engines``: the resident engines, and the offloaded ones (KV blocks in pinned host memory;
@@ -255,7 +258,8 @@ def _markdown(a, rows: list[dict], pinned: str | None) -> str:
           f"{'a tiny config' if a.tiny else 'Qwen3-8B shape'}, {a.layers} layers, random bf16 weights; every row at {a.context} tokens. "
           "`bare_ms`: the model's decode step back to back; `program_ms`: the engine's step program "
           "(decode + greedy sampling, as the engine builds it) back to back; `program_cond_ms` the same with the "
-          "sampling's sort decided on the device (a `lax.cond`, the engine's program before 2026-12-04); `iteration_ms`: the engine's median decode iteration with "
+          "sampling's sort decided on the device (a `lax.cond`, the engine's program before 2026-12-04; with "
+          "`--program-cond`); `iteration_ms`: the engine's median decode iteration with "
           "every slot decoding; `engine` paged: the pages of one pool, shared by the rows, through a block table "
           "(`bare_ms` is the contiguous step at the same capacity, `bare_paged_ms` the bare step on pages; `bare_live_ms` "
           "the bare step on the engine's own cache after its requests (its prompts' K/V and method state, not "
@@ -287,6 +291,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engines", default="contiguous", help=f"which engines to time, of {','.join(ENGINES)} "
                                                                "(the offloaded ones: methods that offload, not dense)")
+    p.add_argument("--program-cond", action="store_true",
+                   help="also time the step program with the sampling's sort in a lax.cond (the engine's before "
+                        "2026-12-04: engine_iteration_sampling_h200.md; one more compile per row)")
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="engine_iteration")
@@ -353,12 +360,13 @@ def main(argv=None) -> int:
                         if sampling not in SAMPLING:
                             raise SystemExit(f"--sampling: {', '.join(SAMPLING)}; got {sampling!r}")
                         iteration, program, n, live, cond = _engine_ms(model, batch, a.context, cap, a.max_tokens, a.steps,
-                                                                 paged=kind == "paged", sampling=sampling)
+                                                                 paged=kind == "paged", sampling=sampling,
+                                                                 cond=a.program_cond)
                         rows.append({"method": name, "engine": kind, "sampling": sampling, "batch": batch,
                                      "context": a.context, "capacity": cap, "bare_ms": round(bare, 3),
                                      "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
                                      "bare_live_ms": round(live, 3), "program_ms": round(program, 3),
-                                     "program_cond_ms": round(cond, 3),
+                                     "program_cond_ms": None if cond is None else round(cond, 3),
                                      "iteration_ms": round(iteration, 3), "steps_measured": n,
                                      "iteration_over_bare": round(iteration / bare, 3),
                                      "program_over_bare": round(program / bare, 3),
