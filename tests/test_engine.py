@@ -139,6 +139,28 @@ def test_paged_engine_preempts_and_recomputes_with_the_same_tokens(tiny, name, s
         engine.stop()
 
 
+def test_a_pool_that_holds_every_slot_full_keeps_no_watermark(tiny):
+    """vLLM's watermark (pages kept free for running requests to grow into) only where requests
+    can run out of pages: a pool holding every slot's max_len admits the last slot's request
+    beside the others however long their prompts (it refused it before, and serve_load's warm-up
+    found no step with every slot decoding); a smaller pool keeps it."""
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(4, 97, 120).tolist() for _ in range(2)]  # 2 pages of 64 each, of 2 per request
+    engine = Engine(tiny, slots=2, max_len=128, stop_ids=(), paged=True)
+    assert engine.kv.holds_every_slot_full and engine.scheduler.headroom_bytes == 0
+    reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=4))) for i in ids]
+    engine.iterate()  # T_max (max_len + slots tokens) takes one prompt per iteration
+    engine.iterate()  # the second, beside the first: its 2 pages and the first's 2 fill the pool
+    assert all(r.output_ids for r in reqs) and engine.scheduler.counters.deferred_for_memory == 0
+    for _ in range(20):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert engine.idle() and engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+    small = Engine(tiny, slots=3, max_len=128, stop_ids=(), paged=True, kv_blocks=5)
+    assert not small.kv.holds_every_slot_full and small.scheduler.headroom_bytes == small.kv.block_bytes
+
+
 def test_a_request_being_prefilled_counts_as_running(tiny):
     """Between its queue and its slot (its prefill running, its pages reserved) a request is
     ``running``, and the engine is not idle: CI of 1e2db3e read an idle engine with a page

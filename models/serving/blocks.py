@@ -168,6 +168,12 @@ class PagedRequests:
     def kv_blocks_free(self) -> int:
         return self.blocks.free_blocks
 
+    @property
+    def holds_every_slot_full(self) -> bool:
+        """Whether the pool holds every slot's ``max_len`` at once: no request can then run out
+        of pages (nor be preempted)."""
+        return self.blocks.total >= self.slots * self.blocks.max_blocks_per_request
+
     def blocks_needed(self, r) -> int:
         """Pages ``r`` holds, or (waiting) the pages of its prefill and its first step."""
         held = self.blocks.held(r.id)

@@ -242,7 +242,10 @@ class Engine:
             page_bytes = self.kv.page_bytes if offload else self.kv.block_bytes
             pool_bytes = self.kv.kv_blocks_total * page_bytes
             default_kv = pool_bytes
-            headroom = max(1, self.kv.kv_blocks_total // 100) * page_bytes
+            # vLLM's watermark, for the running requests to grow into; none where the pool holds every
+            # slot full (it would only refuse a request that fits: the last slot stayed empty when the
+            # others' prompts neared max_len)
+            headroom = 0 if self.kv.holds_every_slot_full else max(1, self.kv.kv_blocks_total // 100) * page_bytes
         else:
             default_kv = self.kv.pool_bytes if shared else cache_bytes
             headroom = 0
