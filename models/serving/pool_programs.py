@@ -67,15 +67,9 @@ def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Ar
     entries without pages (their state the method's empty one); ``pages int32[max_len /
     page]`` the request's block table row. The prompt's K/V go to its pages of the batch's
     pools, and its method state, sliding-window rings and length into row ``slot``: no
-    one-row cache of ``max_len`` exists, and nothing is scattered afterwards."""
-    view = []
-    for big, one in zip(cache.layers, row.layers):
-        view.append(PagedLayer(big.pool_k, big.pool_v, one.state, big.page) if isinstance(big, PagedLayer) else one)
-    logits, out = prefill(tokens, lengths, KVCache(tuple(view), row.lengths, cache.max_len, pages[None]))
-    layers = tuple(_into_slot(big, one, slot, (one.pool_k, one.pool_v) if isinstance(big, PagedLayer) else None)
-                   for big, one in zip(cache.layers, out.layers))
-    lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, out.lengths[0], slot, 0)
-    return logits, KVCache(layers, lengths, cache.max_len, cache.block_table)
+    one-row cache of ``max_len`` exists, and nothing is scattered afterwards. (One row of
+    :func:`prefill_paged_rows`.)"""
+    return prefill_paged_rows(prefill, row, tokens, lengths, cache, jnp.asarray(slot, jnp.int32)[None], pages[None])
 
 
 def _into_slots(big, rows, slots: jax.Array, pools=None):
