@@ -22,19 +22,23 @@ from models.driver import init_cache
 from models.runtime.sharding import MODEL, local_config, paged_cache_specs, param_specs
 from models.sampling import RowSampling
 from models.serving.blocks import NULL_BLOCK
-from models.serving.slots import engine_step, insert_slot
+from models.serving.slots import engine_step
 from models.transformer import abstract_model
 from sparse_jax.cache import KVCache, PagedLayer, paged_like, write_prompt_pages
 
 
-def _into_slot(big, one, slot: jax.Array, pools=None):
-    """Cache entry ``big`` (every slot) with row ``slot`` taken from the one-row entry ``one``:
-    for a :class:`PagedLayer` its method state (its pools then ``pools``, ``(pool_k,
-    pool_v)``), for any other entry every leaf."""
+def _into_slots(big, rows, slots: jax.Array, pools=None):
+    """Cache entry ``big`` (every slot) with row ``i`` of ``rows`` in slot ``slots[i]``
+    (``int32[P]``; a slot out of range, a padding row's, is dropped): for a :class:`PagedLayer`
+    its method state (its pools then ``pools``, ``(pool_k, pool_v)``), for any other entry every
+    leaf."""
+    def put(b, r):
+        return b.at[slots].set(r.astype(b.dtype), mode="drop")
+
     if isinstance(big, PagedLayer):
-        state = None if big.state is None else insert_slot(big.state, one.state, slot)
+        state = None if big.state is None else jax.tree.map(put, big.state, rows.state)
         return PagedLayer(*pools, state, big.page)
-    return insert_slot(big, one, slot)
+    return jax.tree.map(put, big, rows)
 
 
 def _copy_row(a: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
@@ -54,7 +58,7 @@ def insert_paged_slot(cache: KVCache, row: KVCache, slot: jax.Array, pages: jax.
         if isinstance(big, PagedLayer):
             pools = tuple(write_prompt_pages(pool, x, pages[None], big.page, cache.max_len)
                           for pool, x in ((big.pool_k, one.k), (big.pool_v, one.v)))
-        layers.append(_into_slot(big, one, slot, pools))
+        layers.append(_into_slots(big, one, slot[None], pools))
     lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, row.lengths[0], slot, 0)
     return KVCache(tuple(layers), lengths, cache.max_len, cache.block_table)
 
@@ -70,18 +74,6 @@ def prefill_paged_slot(prefill, row: KVCache, tokens: jax.Array, lengths: jax.Ar
     one-row cache of ``max_len`` exists, and nothing is scattered afterwards. (One row of
     :func:`prefill_paged_rows`.)"""
     return prefill_paged_rows(prefill, row, tokens, lengths, cache, jnp.asarray(slot, jnp.int32)[None], pages[None])
-
-
-def _into_slots(big, rows, slots: jax.Array, pools=None):
-    """:func:`_into_slot` for several rows: row ``i`` of ``rows`` into slot ``slots[i]``; a slot
-    out of range (a padding row's) is dropped."""
-    def put(b, r):
-        return b.at[slots].set(r.astype(b.dtype), mode="drop")
-
-    if isinstance(big, PagedLayer):
-        state = None if big.state is None else jax.tree.map(put, big.state, rows.state)
-        return PagedLayer(*pools, state, big.page)
-    return jax.tree.map(put, big, rows)
 
 
 def prefill_paged_rows(prefill, rows: KVCache, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
@@ -163,7 +155,8 @@ def paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None
             layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
                            for big, o in zip(cache.layers, out.layers))
             return logits, dataclasses.replace(cache, layers=layers)
-        layers = tuple(_into_slot(big, o, slot, (o.pool_k, o.pool_v)) for big, o in zip(cache.layers, out.layers))
+        layers = tuple(_into_slots(big, o, slot[None], (o.pool_k, o.pool_v))
+                       for big, o in zip(cache.layers, out.layers))
         new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
         return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
 
