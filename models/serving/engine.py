@@ -715,12 +715,11 @@ class Engine:
     def _prefill_group(self, group: list) -> int:
         """Prefill the short prompts of ``group`` in one program, then sample each one's first
         token and insert it; returns the prompt tokens it ran (its rows x its chunk)."""
-        jobs = [job for _, _, job in group]
-        self.kv.run_prompt_group(jobs)  # PoolLost if it fails: the engine stops
+        tokens = self.kv.run_prompt_group([job for _, _, job in group])  # PoolLost if it fails: the engine stops
         self.prefill_segments += 1
         for entry in group:
             self._prefill_segment(entry, advance=False)
-        return group_rows(len(jobs)) * max(job.next_tokens for job in jobs)
+        return tokens
 
     def _prefill_segment(self, entry, advance: bool = True) -> None:
         """Run the next segment of the prompt ``entry`` (its layers within ``max_inject_tokens``, or

@@ -506,8 +506,8 @@ class PagedSlots(PagedRequests):
         (``aot.waited_calls``); :attr:`programs_compiling` counts what is left, failures go
         to ``aot.failed``. Returns ``{"programs": n submitted, "seconds": 0.0, "failed":
         [], "background": True}``."""
-        return self.aot.compile(self.program_shapes(sampled, shortest_prompt), workers=workers,
-                                     progress=progress, background=background)
+        return self.aot.compile(self.program_shapes(sampled, shortest_prompt), workers=workers, progress=progress,
+                                background=background)
 
     def groupable(self, job) -> bool:
         """Whether ``job`` may be prefilled in a group of short prompts (:meth:`run_prompt_group`):
@@ -520,12 +520,14 @@ class PagedSlots(PagedRequests):
         tsa = self.model.method.sparse_prefill()
         return tsa is None or job.n <= tsa.min_tokens + tsa.window
 
-    def run_prompt_group(self, jobs: list[PagedChunkJob]) -> None:
+    def run_prompt_group(self, jobs: list[PagedChunkJob]) -> int:
         """Prefill several short prompts (each :meth:`groupable`) in one program: ``P`` =
         :func:`group_rows` rows of the longest one's chunk size ``S``, each prompt straight into
         its pages and its slot (:func:`prefill_paged_rows`), so one weight read serves them all
         where one chunk program each read the weights once per prompt. Each job then holds its
-        result (not waited for: :meth:`wait`). Its failure loses the pool: :class:`PoolLost`."""
+        result (not waited for: :meth:`wait`). Returns the prompt tokens the program ran
+        (``P x S``, padding included: the engine's budget). Its failure loses the pool:
+        :class:`PoolLost`."""
         if not jobs or not all(self.groupable(j) for j in jobs):
             raise ValueError("run_prompt_group takes short chunked prompts that have not started")
         rows, size = group_rows(len(jobs)), max(j.next_tokens for j in jobs)
@@ -542,6 +544,7 @@ class PagedSlots(PagedRequests):
             j.grouped(logits[i:i + 1])
         self.grouped_prompts += len(jobs)
         self.prompt_groups += 1
+        return rows * size
 
     def prefill(self, ids, slot: int | None = None, r: Request | None = None):
         """``(logits f32[1, V], row)`` of prompt ``ids``. Given the ``slot`` and the request
