@@ -87,7 +87,8 @@ class AheadOfTime:
         ``progress``: a bar on stderr. ``background``: return at once (``{"programs": n
         submitted, "seconds": 0.0, "failed": [], "background": True}``), failures printed to
         stderr and kept in :attr:`failed`."""
-        jobs = [job for job in jobs if aot_key(*job[1:]) not in self.compiled and aot_key(*job[1:]) not in self.pending]
+        keyed = [(aot_key(*job[1:]), job) for job in jobs]
+        keyed = [(key, job) for key, job in keyed if key not in self.compiled and key not in self.pending]
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
 
@@ -102,7 +103,7 @@ class AheadOfTime:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(jobs), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
+            bar = tqdm(total=len(keyed), desc="precompiling the engine's programs", unit="program", file=sys.stderr)
         failed = []
 
         def done(key, fut):  # in the compiling thread: the executable goes in before the pending entry goes
@@ -124,15 +125,14 @@ class AheadOfTime:
                     bar.close()
 
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparse-jax-compile")
-        for job in jobs:
-            key = aot_key(*job[1:])
+        for key, job in keyed:
             fut = pool.submit(build, job)
             self.pending[key] = fut  # before the callback, which may run at once
             fut.add_done_callback(functools.partial(done, key))
         self._pool = pool
         pool.shutdown(wait=not background)  # the threads end once their jobs are done
         if background:
-            return {"programs": len(jobs), "seconds": 0.0, "failed": [], "background": True}
+            return {"programs": len(keyed), "seconds": 0.0, "failed": [], "background": True}
         if bar is not None:
             bar.close()
-        return {"programs": len(jobs) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
+        return {"programs": len(keyed) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
