@@ -322,6 +322,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     shared = where.startswith("shared")
     inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
     ws_admission = shared and where != "shared-nows"
+    t_build = time.perf_counter()
     engine = Engine(model, slots=slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
                     offload=where not in RESIDENT_PLACES,
                     pool_slots=args.shared_pool_slots if shared else args.pool_slots,
@@ -329,13 +330,16 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
                     paged=where.startswith(("paged", "offload-paged")),
                     prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None)
+    build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
+    print(f"[{label}] engine built in {build_s:.1f} s", flush=True)
     try:
         pre = {"programs": 0, "seconds": 0.0, "failed": []}
         if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
             # the programs in parallel threads, before the engine runs: those the load's greedy
             # requests of at least the mix's shortest prompt run
             pre = engine.precompile(sampled=(False,), shortest_prompt=min(n // 2 + 1 for n, _ in mix), progress=True)
-            print(f"[{label}] precompiled {pre['programs']} programs in {pre['seconds']:.1f} s; not ahead: "
+            print(f"[{label}] precompiled {pre['programs']} programs in {pre['seconds']:.1f} s "
+                  f"({pre.get('from_cache', 0)} loaded from the compile cache); not ahead: "
                   f"{pre['failed'] or 'none'}", flush=True)
         engine.start()
         t0 = time.perf_counter()
@@ -360,7 +364,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
-                "iteration_ms": iteration_ms, "precompile": pre, "warmup_s": warm_s, "rows": rows,
+                "iteration_ms": iteration_ms, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows,
                 "goodput_rps": goodput(rows, iteration_ms)}
     finally:
         engine.stop()
@@ -379,7 +383,12 @@ def render(payload: dict) -> str:
     md.append("")
     summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
                 "iteration_ms": r["iteration_ms"], "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
-                "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none"}
+                "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none",
+                # starting: the engine's build (its pool sized by a compile) and its precompile
+                "build + precompile s": (f"{r['engine_build_s']:.0f} + {r['precompile']['seconds']:.0f} "
+                                         f"({r['precompile']['programs']} programs, "
+                                         f"{r['precompile'].get('from_cache', 0)} cached)"
+                                         if "engine_build_s" in r else "")}
                for r in payload["runs"] if "error" not in r]
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
     md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
@@ -503,6 +512,11 @@ def parse_args(argv=None):
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each paged engine's programs in parallel before its warm-up (Engine.precompile; "
                         "default: on a GPU)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep compiled programs in DIR and load them from there (jax's persistent compilation "
+                        "cache, models.serving.precompile.use_compile_cache): a second run on the same machine "
+                        "loads what the first compiled; the precompile's time and count of programs loaded are "
+                        "in the results")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -560,6 +574,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_cache and not args.merge:
+        from models.serving.precompile import use_compile_cache
+
+        try:
+            print(f"compile cache: {use_compile_cache(args.compile_cache)}", flush=True)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"--compile-cache: {e}")
     payload = merge(args.merge.split(",")) if args.merge else run(args)
     if args.note:
         payload["notes"] = payload.get("notes", []) + args.note

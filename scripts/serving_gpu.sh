@@ -13,7 +13,9 @@
 #                                           # and ENGINES (paged,offload-paged) narrow it: at 64K one method on
 #                                           # one engine took 8-9 min of a call's 10 on the H200 (2026-12-05), so
 #                                           # name one of each per call (the log times each phase)
-#   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked)
+#   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked);
+#                                           # METHODS: one engine per call (cold, one engine's ~15 programs at 128K
+#                                           # compile for minutes), joined by serve_load --merge
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at 35% (49 GB of the H200's 141: 16 GB of weights and
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
@@ -22,12 +24,15 @@
 #
 # Each writes json + md (+ png) to $OUT (the device runner's folder) or benchmarks/results/, and its
 # log through `tee`, so a stage cut off by its limit keeps what it printed. XLA_PYTHON_CLIENT_MEM_FRACTION
-# defaults to 0.92 (jax's 0.75 hides a quarter of the GPU). PY overrides the interpreter.
+# defaults to 0.92 (jax's 0.75 hides a quarter of the GPU). PY overrides the interpreter. Compiled programs
+# go to COMPILE_CACHE (default .jax_cache/, git-ignored: the device runner keeps it between calls on a
+# warm machine), so a stage run again loads what the last run compiled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 OUTDIR=${OUT:-benchmarks/results}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
 stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|memory}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
@@ -55,14 +60,16 @@ case "$stage" in
         --out "$OUTDIR" --name "engine_iteration_${L}" 2>&1 | quiet
     ;;
   load)
-    $PY -u -m benchmarks.serve_load --methods dense:paged-chunked,asynctls+tsa:paged-chunked \
+    m=${METHODS:-dense:paged-chunked,asynctls+tsa:paged-chunked}
+    $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" \
         --prefill-opt keep_fraction=0.3 --prompt-mix 65536:1,131072:2 --output-min 256 --output-max 1024 \
-        --slots 8 --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name serve_load_long 2>&1 | quiet
+        --slots 8 --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
+        2>&1 | quiet
     ;;
   memory)
     m=${METHODS:-dense:paged-chunked}
     XLA_PYTHON_CLIENT_MEM_FRACTION=${C_MEM_FRACTION:-0.35} \
-      $PY -u -m benchmarks.serve_load --methods "$m" --max-inject-tokens 32768 --prompt-mix 65536:1 \
+      $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix 65536:1 \
         --output-min 256 --output-max 512 --slots 16 --rates 1 --requests 16 --time-limit 240 --out "$OUTDIR" \
         --name "serve_load_memory_${m//[:+]/_}" \
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=${C_MEM_FRACTION:-0.35} caps the device" \

@@ -732,6 +732,64 @@ def test_a_process_that_ran_the_engine_exits_cleanly():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_compile_cache_loads_a_restarted_engines_programs(tmp_path):
+    """``use_compile_cache`` (the server's ``--compile-cache``): an engine built again in a process
+    whose in-memory caches are gone loads every program from the directory, compiles none, and
+    serves the same tokens. In a subprocess: jax's cache is process-wide."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""if True:
+        import jax, jax.numpy as jnp, models
+        from models.serving.engine import Engine
+        from models.serving.precompile import use_compile_cache, compile_cache_entries, CACHE_EVENTS
+        from models.serving.requests import SamplingParams
+        from tests.test_engine import _tiny_config
+        path = use_compile_cache({str(tmp_path / "xla")!r}, min_compile_s=0)
+        model = models.load_model(config=_tiny_config(), dtype=jnp.float32)
+
+        def serve():
+            e = Engine(model, slots=2, max_len=128, paged=True, prefill_chunk=64, stop_ids=())
+            done = e.precompile(sampled=(False,), workers=2)
+            e.start()
+            r = e.submit(e.make_request(list(range(5, 75)), SamplingParams(max_tokens=6)))
+            assert r.done.wait(120)
+            e.stop()
+            assert e.kv.aot.jit_calls == 0
+            return done, r.output_ids
+
+        first, tokens = serve()
+        kept = compile_cache_entries(path)
+        assert first["programs"] == 5 and kept >= 5, (first, kept)
+        jax.clear_caches()  # as a new process: nothing compiled in memory
+        misses = CACHE_EVENTS["misses"]
+        again, tokens_again = serve()
+        assert again["programs"] == 5 and again["from_cache"] >= 5, again
+        assert CACHE_EVENTS["misses"] == misses, "a program compiled again"
+        assert tokens_again == tokens
+    """
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_compile_cache_refuses_what_is_not_a_directory(tmp_path):
+    from models.cli import serve
+    from models.serving.precompile import use_compile_cache
+
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        use_compile_cache(str(f))
+    with pytest.raises(ValueError, match="directory path"):
+        use_compile_cache("")
+    with pytest.raises(SystemExit):  # the CLI says so before it loads anything
+        serve.main(["--compile-cache", str(f)])
+
+
 _OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.39GiB " + "%gemm_fusion_dot = bf16[...] " * 80
 
 

@@ -494,7 +494,8 @@ class PagedSlots(PagedRequests):
         """Compile every program of :meth:`program_shapes` now, in ``workers`` threads, and run
         them ahead of the jitted ones (:class:`~models.serving.precompile.AheadOfTime`): the
         first requests of each size then wait for no compiler. Returns ``{"programs": n,
-        "seconds": s, "failed": [...]}``: a program that fails to compile here (say, the
+        "seconds": s, "failed": [...], "from_cache": k}`` (``k`` loaded from the compile cache,
+        :func:`~models.serving.precompile.use_compile_cache`): a program that fails to compile here (say, the
         device's memory for autotuning beside the pool) is left to compile when first used, as
         without this, and named in ``failed``; ``sampled`` and ``shortest_prompt``: as
         :meth:`program_shapes` (what the requests will ask); ``progress``: a bar on stderr.

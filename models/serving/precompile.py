@@ -10,6 +10,7 @@ whose program is still compiling waits for that compile rather than compiling it
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import os
@@ -83,7 +84,8 @@ class AheadOfTime:
                 background: bool = False) -> dict:
         """Compile ``jobs`` (``(what, program, args, static)``, smallest first) not already
         built or pending, in ``workers`` threads. Returns ``{"programs": n, "seconds": s,
-        "failed": [...]}``; a job that fails is left to compile when first used, and named.
+        "failed": [...], "from_cache": k}`` (``k`` compiles loaded from the compile cache,
+        :func:`use_compile_cache`); a job that fails is left to compile when first used, and named.
         ``progress``: a bar on stderr. ``background``: return at once (``{"programs": n
         submitted, "seconds": 0.0, "failed": [], "background": True}``), failures printed to
         stderr and kept in :attr:`failed`."""
@@ -91,6 +93,7 @@ class AheadOfTime:
         keyed = [(key, job) for key, job in keyed if key not in self.compiled and key not in self.pending]
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
+        hits = CACHE_EVENTS["hits"]
 
         def build(job):
             what, program, args, static = job
@@ -135,4 +138,63 @@ class AheadOfTime:
             return {"programs": len(keyed), "seconds": 0.0, "failed": [], "background": True}
         if bar is not None:
             bar.close()
-        return {"programs": len(keyed) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed}
+        return {"programs": len(keyed) - len(failed), "seconds": time.perf_counter() - t0, "failed": failed,
+                "from_cache": CACHE_EVENTS["hits"] - hits}
+
+
+#: the compile cache's events in this process (``hits``, ``misses``), once :func:`use_compile_cache` ran
+CACHE_EVENTS: collections.Counter = collections.Counter()
+_listening = False
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        CACHE_EVENTS["hits"] += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+        CACHE_EVENTS["misses"] += 1
+
+
+def default_compile_cache_dir() -> str:
+    """Where a server keeps its compiled programs by default: ``$SPARSE_JAX_COMPILE_CACHE``, else
+    ``$XDG_CACHE_HOME/sparse-jax/xla`` (``~/.cache/sparse-jax/xla``)."""
+    env = os.environ.get("SPARSE_JAX_COMPILE_CACHE")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sparse-jax", "xla")
+
+
+def use_compile_cache(path: str, min_compile_s: float = 1.0) -> str:
+    """Keep this process's compiled programs in ``path`` (jax's persistent compilation cache, with
+    XLA's per-fusion autotuning results beside them) and load them from there: a server started
+    again on the same machine, jax and flags loads its programs instead of compiling them. At a
+    128K context one program compiles for 11-49 s on an H100 (the decode step 40 s, the last
+    chunk 49 s; `compile_probe_128k_h100.md`) and an engine has ~15-30 of them. Programs that
+    compile in less than ``min_compile_s`` are not kept. Process-wide (jax has one cache); call
+    it before the first compile. Returns the absolute path."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"the compile cache is a directory path, got {path!r}")
+    if min_compile_s < 0:
+        raise ValueError(f"min_compile_s must be >= 0, got {min_compile_s!r}")
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"the compile cache {path!r} is a file, not a directory")
+    os.makedirs(path, exist_ok=True)
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"the compile cache {path!r} is not writable")
+    global _listening
+    if not _listening:  # once per process: jax keeps its listeners
+        jax.monitoring.register_event_listener(_count_cache_event)
+        _listening = True
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def compile_cache_entries(path: str) -> int:
+    """Programs kept in the compile cache at ``path`` (0 where it does not exist)."""
+    try:
+        return sum(1 for e in os.scandir(path) if e.is_file() and e.name.endswith("-cache"))
+    except FileNotFoundError:
+        return 0
