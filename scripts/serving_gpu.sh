@@ -33,6 +33,10 @@ PY=${PY:-python}
 OUTDIR=${OUT:-benchmarks/results}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
+# benchmark B's slots: 8 on an H200; on a GPU of under 100 GB (an H100: ~55 GB of pages beside the weights,
+# 374K tokens) 4, else the warm-up's 8 prompts of 64K at once do not fit the pool
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0)
+LOAD_SLOTS=${SLOTS:-$([ "${gpu_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|memory}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
@@ -63,7 +67,7 @@ case "$stage" in
     m=${METHODS:-dense:paged-chunked,asynctls+tsa:paged-chunked}
     $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" \
         --prefill-opt keep_fraction=0.3 --prompt-mix 65536:1,131072:2 --output-min 256 --output-max 1024 \
-        --slots 8 --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
+        --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
         2>&1 | quiet
     ;;
   memory)
