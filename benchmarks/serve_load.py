@@ -329,7 +329,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     pool="shared" if shared else "per_row", max_inject_tokens=inject,
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
                     paged=where.startswith(("paged", "offload-paged")),
-                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None)
+                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None,
+                    group_prompts=args.group_prompts or where != "paged-chunked")
     build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
     print(f"[{label}] engine built in {build_s:.1f} s", flush=True)
     try:
@@ -361,7 +362,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "pool": ("shared" if shared else "per_row") if where not in RESIDENT_PLACES else None,
                 "ws_admission": ws_admission,
                 "max_inject_tokens": inject,
-                "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None, "prefill_segments": engine.prefill_segments, "slots": engine.slots,
+                "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None,
+                "group_prompts": bool(args.group_prompts) if where == "paged-chunked" else None,
+                "prompt_groups": getattr(engine.kv, "prompt_groups", 0), "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
                 "iteration_ms": iteration_ms, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows,
@@ -444,7 +447,8 @@ def merge(paths: list[str]) -> dict:
     out["parts"] = [p["stamp"] for p in parts]
     for label in {r["method"] for r in runs}:
         same = [r for r in runs if r["method"] == label]
-        for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk")):
+        for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk"),
+                           ("group_prompts", "grouped")):
             if len({r.get(knob) for r in same}) > 1:
                 for r in same:
                     r["method"] = f"{r['method']} ({word} {r.get(knob)})"
@@ -452,7 +456,7 @@ def merge(paths: list[str]) -> dict:
     groups: dict = {}  # in order of first appearance; a failed run stays alone
     for r in runs:
         key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"),
-                                          r.get("prefill_chunk"))
+                                          r.get("prefill_chunk"), r.get("group_prompts"))
         groups.setdefault(key, []).append(r)
     out["runs"] = []
     for first, *more in groups.values():
@@ -517,6 +521,9 @@ def parse_args(argv=None):
                         "cache, models.serving.precompile.use_compile_cache): a second run on the same machine "
                         "loads what the first compiled; the precompile's time and count of programs loaded are "
                         "in the results")
+    p.add_argument("--group-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="NAME:paged-chunked: short prompts starting in an iteration prefill as the rows of one "
+                        "program (default); --no-group-prompts: one program each (Engine(group_prompts=False))")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -548,6 +555,8 @@ def parse_args(argv=None):
                 check_label(label)
             except ValueError as e:
                 p.error(str(e))
+        if not a.group_prompts and not any(m.endswith(":paged-chunked") for m in a.methods.split(",")):
+            p.error("--no-group-prompts applies to NAME:paged-chunked engines, and --methods names none")
         mix = parse_mix(a.prompt_mix)
         if not 1 <= a.output_min <= a.output_max:
             p.error("need 1 <= --output-min <= --output-max")

@@ -585,6 +585,20 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny, na
         s = three.stats()
         assert s["kv_blocks_free"] == s["kv_blocks_total"]
         three.kv.check()
+        # group_prompts=False (the comparison's baseline): one program each, nothing grouped or precompiled
+        # for groups, the same tokens
+        alone = Engine(model, slots=3, max_len=256, stop_ids=(), paged=True, prefill_chunk=256, group_prompts=False)
+        assert not [w for w, *_ in alone.kv.program_shapes(sampled=(False,)) if "prompts" in w]
+        reqs = [alone.submit(alone.make_request(i, SamplingParams(max_tokens=steps))) for i in ids[:3]]
+        alone.iterate()
+        assert alone.kv.prompt_groups == 0 and alone.prefill_segments == 3 and all(r.output_ids for r in reqs)
+        for _ in range(100):
+            if alone.idle():
+                break
+            alone.iterate()
+        assert [r.output_ids for r in reqs] == refs[:3]
+        with pytest.raises(ValueError, match="pass prefill_chunk"):
+            Engine(model, slots=3, max_len=256, paged=True, group_prompts=False)
 
 
 def test_paged_decode_runs_on_a_batch_bucket(tiny):

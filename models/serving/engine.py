@@ -142,8 +142,13 @@ class Engine:
         chunk for it. Needs global layers only and exact prompt attention
         (:func:`models.serving.paged.check_chunked_prefill`). ``prefill_chunk`` is also the
         iteration's prompt-token budget: prompts shorter than it prefill several per iteration
-        (each its own chunk program of a power of two >= 64 tokens, in arrival order, while
-        their chunks fit the budget); a longer one takes the whole budget, one chunk at a time.
+        (in arrival order, while their chunks, each a power of two >= 64 tokens, fit the
+        budget), those starting together as the rows of one program (``group_prompts``); a
+        longer one takes the whole budget, one chunk at a time.
+      group_prompts: with ``prefill_chunk``, the short prompts starting in an iteration prefill
+        as the rows of one program, which reads the weights once for all of them
+        (:meth:`models.serving.paged.PagedSlots.run_prompt_group`); False: one program each
+        (the comparison's baseline).
       max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -162,7 +167,7 @@ class Engine:
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
                  pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row",
                  paged: bool = False, kv_blocks: int | None = None, prefill_chunk: int | None = None,
-                 host_pages: int | None = None):
+                 host_pages: int | None = None, group_prompts: bool = True):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if kv_blocks is not None and not paged:
@@ -183,6 +188,11 @@ class Engine:
                                  "(the contiguous engine chunks with max_inject_tokens)")
             if max_inject_tokens is not None:
                 raise ValueError("prefill_chunk and max_inject_tokens are two ways to split a prompt: pass one")
+        if not isinstance(group_prompts, bool):
+            raise ValueError(f"group_prompts must be a bool, got {group_prompts!r}")
+        if not group_prompts and prefill_chunk is None:
+            raise ValueError("group_prompts=False turns off grouping short prompts of a chunked prefill: "
+                             "pass prefill_chunk (whole prefills run one prompt each)")
 
         if isinstance(model, CacheRankModel):
             raise ValueError("the serving engine does not run AsyncSpade's cache rank (several programs per step): "
@@ -220,7 +230,8 @@ class Engine:
                                          paged=paged, host_pages=host_pages)
             elif paged:
                 self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
-                                     num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk)
+                                     num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk,
+                                     group_prompts=group_prompts)
             else:
                 self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
         self.paged = bool(paged)

@@ -229,7 +229,7 @@ class PagedSlots(PagedRequests):
     paged = True
 
     def __init__(self, model, slots: int, max_len: int, unroll: bool, segmented: bool = False,
-                 num_blocks: int | None = None, prefill_chunk: int | None = None):
+                 num_blocks: int | None = None, prefill_chunk: int | None = None, group_prompts: bool = True):
         check_engine_mesh(model)
         self.mesh = getattr(model, "mesh", None)  # tensor parallelism: pools split by KV head
         if self.mesh is not None and segmented and prefill_chunk is None:
@@ -261,6 +261,8 @@ class PagedSlots(PagedRequests):
             # the step of batches with no row in the method's warm-up (WarmupSteps; the same program
             # where the method has none)
             self._steady_step = paged_programs(model.graphdef, model.config, model.method.steady_state(), unroll)[0]
+            if not group_prompts:  # short prompts one program each (Engine(group_prompts=False))
+                self._group = None
         else:
             self._step, self._insert, self._prefill, self._copy, self._chunk = sharded_paged_programs(
                 model, model.method, unroll)
