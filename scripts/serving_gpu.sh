@@ -16,6 +16,9 @@
 #   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked);
 #                                           # METHODS: one engine per call (cold, one engine's ~15 programs at 128K
 #                                           # compile for minutes), joined by serve_load --merge
+#   bash scripts/serving_gpu.sh group       # short prompts prefilled together against one program each: a chat-like
+#                                           # load (prompts of 256-512, 16 slots, 16-64 req/s), dense paged-chunked,
+#                                           # --group-prompts then --no-group-prompts, merged into one table
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at 35% (49 GB of the H200's 141: 16 GB of weights and
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
@@ -37,7 +40,7 @@ CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
 # 374K tokens) 4, else the warm-up's 8 prompts of 64K at once do not fit the pool
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0)
 LOAD_SLOTS=${SLOTS:-$([ "${gpu_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
-stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|memory}
+stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|memory}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
 case "$stage" in
@@ -70,6 +73,14 @@ case "$stage" in
         --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
         2>&1 | quiet
     ;;
+  group)
+    common=(--methods dense:paged-chunked --compile-cache "$CACHE" --prompt-mix 512:1 --output-min 32 --output-max 128
+            --slots 16 --rates 16,32,64 --requests 96 --time-limit 60 --out "$OUTDIR")
+    $PY -u -m benchmarks.serve_load "${common[@]}" --name serve_load_group_on 2>&1 | quiet
+    $PY -u -m benchmarks.serve_load "${common[@]}" --no-group-prompts --name serve_load_group_off 2>&1 | quiet
+    $PY -m benchmarks.serve_load --merge "$OUTDIR/serve_load_group_on.json,$OUTDIR/serve_load_group_off.json" \
+        --out "$OUTDIR" --name serve_load_grouped_prefill 2>&1 | quiet
+    ;;
   memory)
     m=${METHODS:-dense:paged-chunked}
     XLA_PYTHON_CLIENT_MEM_FRACTION=${C_MEM_FRACTION:-0.35} \
@@ -80,5 +91,5 @@ case "$stage" in
         2>&1 | quiet
     ;;
   *)
-    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|memory" >&2; exit 2 ;;
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|memory" >&2; exit 2 ;;
 esac
