@@ -601,6 +601,34 @@ def test_paged_chunked_prefill_runs_several_short_prompts_per_iteration(tiny, na
             Engine(model, slots=3, max_len=256, paged=True, group_prompts=False)
 
 
+def test_paged_chunk_larger_than_the_context_is_cut_to_it(tiny):
+    """A chunk budget above ``max_len`` (the server's default 2,048 beside ``--max-len 640``): no
+    compiled chunk or group row exceeds the context (a chunk of 2,048 tokens over 640 keys failed
+    to compile on the GPU, "slice_sizes (1, 2048, 8, 128) for operand shape (1, 640, 8, 128)",
+    and a group of 256-token rows in a 192-token context on the CPU), every program precompiles,
+    and prompts up to ``max_len - 1`` tokens, alone or grouped, get their tokens; the budget of
+    prompt tokens per iteration stays what was asked."""
+    rng = np.random.default_rng(21)
+    ids = [rng.integers(4, 97, n).tolist() for n in (150, 180, 100)]
+    refs = [tiny.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=4,
+                              stop_ids=())[0] for i in ids]
+    engine = Engine(tiny, slots=4, max_len=192, paged=True, prefill_chunk=512, stop_ids=(), max_tokens_per_iter=1024)
+    assert (engine.kv.prefill_chunk, engine.kv.prefill_budget, engine.prefill_chunk) == (192, 512, 512)
+    shapes = engine.kv.program_shapes(sampled=(False,))
+    assert all(args[1].shape[-1] <= 192 for what, _, args, _ in shapes if "decode" not in what), \
+        [w for w, *_ in shapes]
+    assert "prefill of 2 prompts of 192 tokens" in [w for w, *_ in shapes]  # 2 x 192 within the budget of 512
+    done = engine.precompile(sampled=(False,), workers=2)
+    assert not done["failed"], done["failed"]
+    reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=4))) for i in ids]
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.iterate()
+    assert engine.kv.prompt_groups >= 1 and [r.output_ids for r in reqs] == refs
+    assert engine.kv.aot.jit_calls == 0
+
+
 def test_paged_decode_runs_on_a_batch_bucket(tiny):
     """The paged step runs the slots up to the last active one, rounded up to a power of two
     (1, 2, 4 of 4 slots), the others untouched: each request still gets the tokens it gets

@@ -696,7 +696,7 @@ class Engine:
         if self.prefill_chunk is None:
             return False
         planned = sum(self._next_tokens(job) for _, _, job in self._prefilling)
-        want = 64 if r is None else chunk_tokens(len(r.prefill_ids), self.prefill_chunk)
+        want = 64 if r is None else chunk_tokens(len(r.prefill_ids), self.kv.prefill_chunk)
         return planned + want <= self.prefill_chunk
 
     def _next_tokens(self, job) -> int:

@@ -238,7 +238,12 @@ class PagedSlots(PagedRequests):
         if prefill_chunk is not None:
             check_chunked_prefill(model)
             segmented = True  # prompts span iterations; their chunks' temporaries are measured below
-        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+        # a chunk never exceeds the context: every prompt fits one chunk of max_len tokens, and a
+        # larger one (the server's default 2,048 beside --max-len 640) would slice past the pages'
+        # gather on a GPU (the engine's budget stays prefill_chunk tokens)
+        self.prefill_chunk = None if prefill_chunk is None else min(int(prefill_chunk), max_len)
+        #: the iteration's prompt tokens (the engine's budget, which groups of short prompts fill)
+        self.prefill_budget = None if prefill_chunk is None else int(prefill_chunk)
         check_slot_axis(model, max_len)
         self.model, self.slots, self.max_len = model, slots, max_len
         self.page = page_size(model.method)
@@ -475,7 +480,7 @@ class PagedSlots(PagedRequests):
                         {"kv_len": kv_len, "last": last}))
         for size in sorted(sizes) if self._group is not None else ():  # short prompts prefilled together
             rows = 2
-            while rows <= group_rows(self.slots) and rows * size <= c:
+            while rows <= group_rows(self.slots) and rows * size <= self.prefill_budget:
                 out.append((f"prefill of {rows} prompts of {size} tokens", self._group,
                             (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),
                              sds((rows, self.pages_per_request), i32)), {}))
