@@ -17,7 +17,7 @@
 #                                           # METHODS: one engine per call (cold, one engine's ~15 programs at 128K
 #                                           # compile for minutes), joined by serve_load --merge
 #   bash scripts/serving_gpu.sh group       # short prompts prefilled together against one program each: a chat-like
-#                                           # load (prompts of 256-512, 16 slots, 16-64 req/s), dense paged-chunked,
+#                                           # load (prompts of 256-512, 16 slots, 32 and 64 req/s), dense paged-chunked,
 #                                           # --group-prompts then --no-group-prompts, merged into one table
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at 35% (49 GB of the H200's 141: 16 GB of weights and
@@ -75,7 +75,7 @@ case "$stage" in
     ;;
   group)
     common=(--methods dense:paged-chunked --compile-cache "$CACHE" --prompt-mix 512:1 --output-min 32 --output-max 128
-            --slots 16 --rates 16,32,64 --requests 96 --time-limit 60 --out "$OUTDIR")
+            --slots 16 --rates 32,64 --requests 64 --time-limit 45 --out "$OUTDIR")
     $PY -u -m benchmarks.serve_load "${common[@]}" --name serve_load_group_on 2>&1 | quiet
     $PY -u -m benchmarks.serve_load "${common[@]}" --no-group-prompts --name serve_load_group_off 2>&1 | quiet
     $PY -m benchmarks.serve_load --merge "$OUTDIR/serve_load_group_on.json,$OUTDIR/serve_load_group_off.json" \
