@@ -132,6 +132,12 @@ def method_for(name: str, cfg):
         return get_method("asyncspade", selector="oracle_topk", budget=2048, dense_steps=0)
     if name == "asyncspade_warm":  # θ_t = window dense steps, timed past them (e2e_rows): the steady program
         return get_method("asyncspade", selector="quest", budget=2048, dense_steps=16)
+    if name == "asyncspade_tls_warm":  # issue 51: AsyncTLS's label selector under the prediction, past θ_t
+        tls = asynctls_for(cfg, budget=2048, kb=128)
+        return get_method("asyncspade", selector="asynctls", budget=2048, dense_steps=16,
+                          selector_options=(("kb", 128), ("channels_per_layer", tls.channels_per_layer)))
+    if name == "kascade_shared":  # issue 51: the paper's shared top-k across heads
+        return get_method("kascade", anchors=QWEN3_ANCHORS if cfg.num_layers == 36 else None, shared_topk=True)
     if name == "asyncspade_w1":
         return get_method("asyncspade", selector="quest", budget=2048, window=1, dense_steps=0)
     if name == "quest":
@@ -165,7 +171,7 @@ def e2e_rows(a) -> list[dict]:
         if name.startswith("asyncspade"):  # the query history exists after a prefill: a short one fills it
             prompt = jnp.zeros((a.batch, 256), jnp.int32)
             _, cache = fns.prefill(model.params, prompt, jnp.full((a.batch,), 256, jnp.int32), cache)
-        if name == "asyncspade_warm":  # every row past its dense steps: the steady program's time
+        if name.endswith("_warm"):  # every row past its dense steps: the steady program's time
             cache = dataclasses.replace(cache, layers=tuple(
                 dataclasses.replace(e, state=dict(e.state, count=jnp.full_like(e.state["count"], past)))
                 if isinstance(getattr(e, "state", None), dict) and "count" in e.state else e for e in cache.layers))
