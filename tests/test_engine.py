@@ -612,7 +612,10 @@ def test_paged_chunk_larger_than_the_context_is_cut_to_it(tiny):
     ids = [rng.integers(4, 97, n).tolist() for n in (150, 180, 100)]
     refs = [tiny.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=4,
                               stop_ids=())[0] for i in ids]
-    engine = Engine(tiny, slots=4, max_len=192, paged=True, prefill_chunk=512, stop_ids=(), max_tokens_per_iter=1024)
+    # the default T_max counts each prompt's first chunk against the chunk budget (a whole prompt
+    # against max_len + slots = 196 let one prompt in per iteration: none grouped)
+    engine = Engine(tiny, slots=4, max_len=192, paged=True, prefill_chunk=512, stop_ids=())
+    assert engine.scheduler.max_tokens_per_iter == 512 + 4
     assert (engine.kv.prefill_chunk, engine.kv.prefill_budget, engine.prefill_chunk) == (192, 512, 512)
     shapes = engine.kv.program_shapes(sampled=(False,))
     assert all(args[1].shape[-1] <= 192 for what, _, args, _ in shapes if "decode" not in what), \

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=4, help="decode slots (R_max)")
     p.add_argument("--max-len", type=int, default=2048, help="context per slot, prompt + output (tokens)")
-    p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max (default: max-len + slots)")
+    p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max, tokens per iteration (default: max-len + slots; "
+                   "with chunked prefill the chunk + slots, a prompt counting its first chunk)")
     p.add_argument("--kv-bytes", type=int, default=None, help="M_avl in bytes (default: the whole decode cache)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     return p

@@ -110,7 +110,8 @@ class Engine:
       slots: decode rows, the most requests decoding at once.
       max_len: cache capacity per slot (prompt + output); default the model's ``max_len``.
       max_requests: R_max (default ``slots``).
-      max_tokens_per_iter: T_max (default ``max_len + slots``: one full prompt per iteration).
+      max_tokens_per_iter: T_max (default ``max_len + slots``: one full prompt per iteration;
+        with ``prefill_chunk``, ``prefill_chunk + slots``, a prompt counting its first chunk).
       kv_bytes: M_avl in bytes (default the decode cache's bytes: every slot full).
       stop_ids: token ids that end a request (default the model's end-of-sequence ids).
       offload: KV blocks in pinned host memory (:class:`OffloadedSlots`; a method whose
@@ -262,10 +263,16 @@ class Engine:
             headroom = 0
         self.scheduler = Scheduler(
             max_requests=rows if max_requests is None else min(int(max_requests), rows),
-            max_tokens_per_iter=(self.max_len + self.slots) if max_tokens_per_iter is None else int(max_tokens_per_iter),
+            max_tokens_per_iter=int(max_tokens_per_iter) if max_tokens_per_iter is not None else
+            # chunked, an iteration runs a chunk budget of prompt tokens (vLLM's max_num_batched_tokens):
+            # a whole prompt counted against max_len + slots let one short prompt in per iteration
+            # where a context of 640 and chunks of 2,048 fit four
+            (self.prefill_chunk if self.prefill_chunk is not None else self.max_len) + self.slots,
             kv_bytes=default_kv if kv_bytes is None else int(kv_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
-            working_set=self.kv.working_set, headroom_bytes=headroom)
+            working_set=self.kv.working_set, headroom_bytes=headroom,
+            prompt_tokens=None if self.prefill_chunk is None else
+            (lambda r: chunk_tokens(r.prefill_len, self.kv.prefill_chunk)))
 
         # host-side per-slot arrays, sent with each step (a few ints per row)
         self._tokens = np.zeros(self.slots, np.int32)

@@ -26,9 +26,10 @@ class Scheduler:
 
     * ``max_requests`` (R_max): requests in the batch (at most the slots);
     * ``max_tokens_per_iter`` (T_max): tokens one iteration runs, the running
-      requests' decode tokens plus the prompts prefilled in it. A prompt longer
-      than what is left runs alone in an iteration without other prefills (it
-      would otherwise never fit: there is no chunked prefill yet);
+      requests' decode tokens plus the prompt tokens prefilled in it
+      (``prompt_tokens(request)``: a whole prompt by default; its first chunk
+      under chunked prefill). A prompt longer than what is left runs alone in an
+      iteration without other prefills (it would otherwise never fit);
     * ``kv_bytes`` (M_avl): device bytes for the KV of the batch (beside running
       requests, less ``headroom_bytes``).
 
@@ -53,7 +54,7 @@ class Scheduler:
 
     def __init__(self, *, max_requests: int, max_tokens_per_iter: int, kv_bytes: int,
                  kv_bytes_per_token: float, working_set: Callable[[Request], int] | None = None,
-                 headroom_bytes: int = 0):
+                 headroom_bytes: int = 0, prompt_tokens: Callable[[Request], int] | None = None):
         if max_requests < 1:
             raise ValueError(f"max_requests (R_max) must be >= 1, got {max_requests}")
         if max_tokens_per_iter < 1:
@@ -65,6 +66,8 @@ class Scheduler:
         self.kv_bytes = int(kv_bytes)
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.working_set = working_set or self.reserved_bytes
+        #: the tokens a waiting request's prompt runs in the iteration that admits it
+        self.prompt_tokens = prompt_tokens or (lambda r: r.prefill_len)
         # paged: M_avl kept free for the running requests to grow into when admitting beside them
         # (vLLM's watermark), so a request admitted into the last pages is not preempted at once
         self.headroom_bytes = int(headroom_bytes)
@@ -90,7 +93,7 @@ class Scheduler:
             if len(candidates) >= room:
                 break
             key = (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None else None
-            cost = 0 if key in groups else r.prefill_len
+            cost = 0 if key in groups else self.prompt_tokens(r)
             if tokens + cost > self.max_tokens_per_iter and candidates:
                 self.counters.deferred_for_tokens += 1
                 break
