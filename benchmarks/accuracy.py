@@ -344,6 +344,30 @@ def _default_tokenizer(model):
     return tok
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is XLA running out of device memory."""
+    return "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
+
+
+def run_fitting(fn, batch_size: int, log) -> tuple[Any, int]:
+    """``(fn(b), b)`` for the largest ``b`` of ``batch_size``, its half, its quarter, ... that fits
+    the device: a method whose prefill asks for more than the others' (AsyncSpade with AsyncTLS's
+    selector asked for 48.75 GiB at 128 rows of 8K on an H100) runs at a smaller batch instead of
+    leaving its row empty. Any other error, or running out at batch 1, is raised."""
+    import gc
+
+    b = batch_size
+    while True:
+        try:
+            return fn(b), b
+        except Exception as e:  # noqa: BLE001 - only XLA's out-of-memory is retried
+            if not out_of_memory(e) or b == 1:
+                raise
+            log(f"out of device memory at batch {b} ({str(e).splitlines()[0][:120]}); again at batch {b // 2}")
+            b //= 2
+            gc.collect()  # the failed batch's buffers go before the next one allocates
+
+
 def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int],
         tasks: Sequence[str] = ruler_tasks.TASKS, samples: int = 5, batch_size: int = 8,
         fidelity: bool = False, probe_steps: int = 16, kl_steps: int = 64, fidelity_batch: int | None = None,
@@ -473,9 +497,13 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 if accuracy:
                     t1 = time.perf_counter()
                     timing: dict = {}
-                    res = run_samples(mm, samp, tokenizer, batch_size=batch_size, progress=progress,
-                                      desc=f"{name} b={budget if budget is not None else '-'} L={L}", timing=timing,
-                                      prefill_chunk=prefill_chunk)
+                    res, used = run_fitting(
+                        lambda b: run_samples(mm, samp, tokenizer, batch_size=b, progress=progress,
+                                              desc=f"{name} b={budget if budget is not None else '-'} L={L}",
+                                              timing=timing, prefill_chunk=prefill_chunk),
+                        batch_size, lambda msg: write(f"[accuracy] {name} b={budget} L={L}: {msg}"))
+                    if used != batch_size:  # bf16 logits depend on the batch: the table says so
+                        row["batch_size"] = used
                     row["accuracy_s"] = time.perf_counter() - t1
                     row["timing"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}
                     write(f"[accuracy] {name} b={budget} L={L}: {row['accuracy_s']:.1f}s {row['timing']}")
@@ -577,6 +605,8 @@ def render_markdown(payload: dict) -> str:
             d["KL"] = f"{f['kl']:.3g}"
             d["agree"] = f"{f['agreement']:.2f}"
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"[:120]
+        if r["status"] == "ok" and "batch_size" in r:
+            d["status"] = f"ok at batch {r['batch_size']} (out of memory at more)"
         rows.append(d)
     lines.append(markdown_table(rows, cols))
     if s["fidelity"]:

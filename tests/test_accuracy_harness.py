@@ -274,6 +274,31 @@ def test_harness_end_to_end(tokenizer, tmp_path):
     assert json.loads((out / "acc_test_predictions.json").read_text())
 
 
+def test_a_method_out_of_memory_runs_at_a_smaller_batch():
+    """XLA's out-of-memory at one batch: the method runs again at half the batch, then a quarter,
+    and the table says at which; another error, or out of memory at batch 1, is raised."""
+    calls, logs = [], []
+
+    def fn(b):
+        calls.append(b)
+        if b > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48.75GiB")
+        return f"ran at {b}"
+
+    assert acc.run_fitting(fn, 8, logs.append) == ("ran at 2", 2)
+    assert calls == [8, 4, 2] and len(logs) == 2 and "again at batch 4" in logs[0]
+    with pytest.raises(ValueError):
+        acc.run_fitting(lambda b: (_ for _ in ()).throw(ValueError("a bug")), 8, logs.append)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        acc.run_fitting(lambda b: fn(8), 1, logs.append)
+    md = acc.render_markdown({"stamp": {}, "settings": {"samples": 1, "seed": 0, "batch_size": 8, "model": "m",
+                                                         "dtype": "float32", "tasks": ["vt"], "fidelity": False,
+                                                         "prefill_chunk": None, "indices": None},
+                              "rows": [{"method": "m", "budget": 64, "length": 128, "status": "ok", "batch_size": 2,
+                                        "scores": {"vt": 1.0}, "average": 1.0}]})
+    assert "ok at batch 2" in md
+
+
 def test_harness_through_the_engines_chunked_prefill(tokenizer):
     """``prefill_chunk``: the samples are served by the paged engine, prompts prefilled in
     chunks (the serving path): for dense and a sparse decode method, exactly the predictions
