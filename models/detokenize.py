@@ -52,3 +52,51 @@ class IncrementalDetokenizer:
         self.text += new
         return new
 
+
+
+def held_for_stop(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that could begin a stop string (held back)."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+class TextStream:
+    """The text one request streams: its ids detokenized incrementally, with stop strings
+    (OpenAI's ``stop``) looked for and never sent. Text that could begin a stop string is held
+    back until it cannot; once ``min_tokens`` ids exist a stop string ends the text before it
+    (vLLM's rules). ``push(ids) -> (delta, stopped)`` after each new id; ``finish(ids)`` the
+    text still held at the end (what preceded a stop string, or, ended otherwise, the held
+    text and an incomplete character's bytes)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), min_tokens: int = 0):
+        self.detok = IncrementalDetokenizer(decode)
+        self.stops = tuple(stops)
+        self.min_tokens = min_tokens
+        self.held = ""        # decoded, not yet sent: a possible stop string's beginning
+        self.stopped = False  # a stop string was found: nothing more is decoded
+
+    def push(self, ids: Sequence[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        # after what was held, the new text (held back by the detokenizer while it ends in an
+        # incomplete UTF-8 sequence); a stop string can only begin in the held text, since any
+        # text that could begin one is held
+        pending = self.held + self.detok.update(ids)
+        hit = -1 if len(ids) < self.min_tokens else \
+            min((i for i in (pending.find(x) for x in self.stops) if i >= 0), default=-1)
+        if hit >= 0:  # the text ends before it (nothing after it is sent)
+            self.held, self.stopped = pending[:hit], True
+            return "", True
+        keep = held_for_stop(pending, self.stops)
+        delta, self.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        return delta, False
+
+    def finish(self, ids: Sequence[int]) -> str:
+        rest = self.held + ("" if self.stopped else self.detok.update(ids, final=True))
+        self.held = ""
+        return rest

@@ -142,6 +142,38 @@ def test_incremental_detokenizer_equals_the_whole_decode(which, tok):
                 assert all("\ufffd" not in p for p in pieces)
 
 
+def test_text_stream_holds_stop_strings_back():
+    """``TextStream``: a stop string is never sent and ends the text before it, text that could
+    begin one is held until it cannot, before ``min_tokens`` ids none is looked for, and without
+    a stop the deltas and the final flush are the whole text (a character-per-id decode)."""
+    from models.detokenize import TextStream, held_for_stop
+
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+    text = "hello wor" + "ld, END here"
+
+    def stream(stops, min_tokens=0):
+        t, ids, sent = TextStream(decode, stops, min_tokens), [], []
+        for ch in text:
+            ids.append(ord(ch))
+            delta, stopped = t.push(ids)
+            sent.append(delta)
+            if stopped:
+                return "".join(sent), t.finish(ids), True
+        return "".join(sent), t.finish(ids), False
+
+    assert stream(()) == (text, "", False)
+    sent, rest, stopped = stream(("END",))
+    assert stopped and sent + rest == "hello world, " and "E" not in sent  # "E" was held: it could begin END
+    assert stream(("world",)) [2] and "".join(stream(("world",))[:2]) == "hello "
+    # a stop string that never completes: its beginning is held, then sent with the rest
+    sent, rest, stopped = stream(("here!",))
+    assert not stopped and sent + rest == text and rest == "here"
+    # min_tokens: before that many ids a stop string is not a stop
+    sent, rest, stopped = stream(("wor",), min_tokens=12)
+    assert not stopped and sent + rest == text
+    assert held_for_stop("abc EN", ("END", "xyz")) == 2 and held_for_stop("abc", ("END",)) == 0
+
+
 @pytest.mark.parametrize("preset", ["smollm2-135m", "gemma3-270m"])
 def test_exported_tokenizer_loads_in_transformers_offline(preset, tmp_path, monkeypatch, capsys):
     """``sparse-jax-export-tokenizer MODEL DIR`` writes a directory that

@@ -62,7 +62,7 @@ import numpy as np
 from models import programs
 from models.api import round_up
 from models.runtime.cache_rank import CacheRankModel
-from models.detokenize import IncrementalDetokenizer
+from models.detokenize import TextStream
 from models.sampling import logprob_width, sample_program
 from models.serving.requests import Event, Request, SamplingParams, TokenLogprob
 from models.serving.scheduler import Scheduler
@@ -77,8 +77,8 @@ class _Slot:
 
     def __init__(self, request: Request, tokenizer=None):
         self.request = request
-        self.detok = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
-        self.held_text = ""  # decoded but not yet sent (a possible stop string)
+        p = request.params
+        self.text = None if tokenizer is None else TextStream(tokenizer.decode, p.stop, p.min_tokens)
 
 
 def placed_device(model):
@@ -855,22 +855,13 @@ class Engine:
         r.output_ids.append(tok)
         r.logprobs.extend(lps)
         self._tokens[slot] = tok
-        if s.detok is None:
+        if s.text is None:
             self._send(r, Event("token", "", (tok,), logprobs=lps))
         else:
-            # the new text (held back while it ends in an incomplete UTF-8 sequence), after
-            # what was held for a possible stop string; a stop string can only begin in the
-            # held text, since any text that could begin one is held
-            pending = s.held_text + s.detok.update(r.output_ids)
-            # before min_tokens tokens no stop string is looked for (vLLM's rule)
-            hit = -1 if len(r.output_ids) < p.min_tokens else \
-                min((i for i in (pending.find(x) for x in p.stop) if i >= 0), default=-1)
-            if hit >= 0:  # a stop string: the text ends before it (nothing after it is flushed)
-                s.held_text, s.detok = pending[:hit], None
+            delta, stopped = s.text.push(r.output_ids)
+            if stopped:  # a stop string: the text before it goes with "done"
                 self._finish(r, "stop", (tok,), lps)
                 return
-            keep = _held_for_stop(pending, p.stop)
-            delta, s.held_text = pending[:len(pending) - keep], pending[len(pending) - keep:]
             r.text += delta
             self._send(r, Event("token", delta, (tok,), logprobs=lps))
         if len(r.output_ids) >= p.max_tokens:
@@ -886,9 +877,9 @@ class Engine:
             self._parked.pop(r.id, None)
         if r.slot is not None:
             s = self._slots[r.slot]
-            if reason in ("length", "stop") and s is not None:
+            if reason in ("length", "stop") and s is not None and s.text is not None:
                 # what was held back, and an incomplete character's bytes at the very end
-                rest = s.held_text + (s.detok.update(r.output_ids, final=True) if s.detok is not None else "")
+                rest = s.text.finish(r.output_ids)
             with self._lock:
                 self._slots[r.slot] = None
                 self._active[r.slot] = False
@@ -928,14 +919,3 @@ def _describe(e: BaseException) -> str:
     (XLA's out-of-memory errors run to pages of HLO)."""
     msg = str(e).strip()
     return f"{type(e).__name__}: {msg[:400]}{' ...' if len(msg) > 400 else ''}"
-
-
-def _held_for_stop(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of ``text`` that could begin a stop string (held back)."""
-    held = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return held
