@@ -120,7 +120,7 @@ def test_offload_config_errors():
 
 
 def test_host_view_writes_reach_the_array():
-    from models.runtime.tiered import _host_view
+    from models.runtime.tiered_state import host_view as _host_view
 
     x = jax.device_put(jnp.arange(24, dtype=jnp.bfloat16).reshape(2, 3, 4), pinned_host_sharding())
     view = _host_view(x)

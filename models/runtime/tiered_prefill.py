@@ -1,0 +1,252 @@
+"""Layer-by-layer prefill into a :class:`~models.runtime.tiered_state.TieredState`
+(SparseServe's layer-segmented prefill, §3.4) for :class:`models.runtime.tiered.TieredRunner`:
+:class:`StateBuilder` turns each layer's K/V into its device tier and, offloaded, its host tier
+(contiguous or paged) as the layer is done; :class:`PrefillJob` runs the layers a few at a time,
+or a layer in chunks, so a serving engine decodes between segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import transformer as tfm
+from models.api import round_up
+from models.runtime.tiered_programs import chunked_layer_kv, finish_layer, padded_rows, prefill_chunk_fn, prefill_layer_fn
+from models.runtime.tiered_state import HostPages, TieredState, host_view
+from sparse_jax.cache import NULL_PAGE, KVCache
+from sparse_jax.offload import pool as off
+from sparse_jax.offload.tiers import HostLayer, device_sharding, pinned_host_sharding
+
+
+class StateBuilder:
+    """A :class:`TieredState` made one layer at a time: each layer's device K/V becomes
+    its device tier (pool, ring, method state) and, for an offloaded layer, a host tier
+    (asynchronous copies to pinned memory), and is then dropped. ``runner``: the
+    :class:`~models.runtime.tiered.TieredRunner` (not imported: it imports this module)."""
+
+    def __init__(self, runner, lengths, max_len: int, pages: HostPages | None = None,
+                 into: tuple | None = None):
+        lengths_np = np.asarray(lengths, np.int32).copy()
+        lengths = jnp.asarray(lengths_np)
+        batch = int(lengths.shape[0])
+        self.runner, self.max_len = runner, max_len
+        self.pool = runner._pool(max_len, batch)
+        runner.check_capacity(batch, max_len)
+        self.layout = runner._layout(batch, max_len) if runner.mesh is not None else None
+        if self.layout is None:
+            self.dev, self.pinned = device_sharding(runner.sharding), pinned_host_sharding(runner.sharding)
+        else:
+            self.dev, self.pinned = self.layout.rows, self.layout.host_tier
+            lengths = jax.device_put(lengths, self.dev)
+        self.lengths = lengths
+        self.layers, self.host = [], []
+        self.pages, self._page_saves, self.into = None, [], None
+        if into is not None and runner.host_pages is None:
+            raise ValueError("into= is a paged host tier's: the runner has no host_pages")
+        if runner.host_pages is not None:
+            bs = runner.method.offload_block_size
+            if pages is None:
+                pages = HostPages(runner.host_pages, batch, max_len // bs, own=True)
+                for row in range(batch):  # the prompt's blocks and the first step's position
+                    pages.ensure(row, int(lengths_np[row]) // bs + 1)
+            if pages.table.shape != (batch, max_len // bs) or pages.num_pages != runner.host_pages:
+                raise ValueError(f"a host page table of {pages.table.shape} over {pages.num_pages} pages for a batch "
+                                 f"of {batch} x {max_len // bs} blocks over {runner.host_pages}")
+            self.pages = pages
+            if into is not None and (pages.own or len(into) != runner.num_layers):
+                raise ValueError("into= writes a caller's page pools: pass the caller's table (pages, own=False) "
+                                 "and one host tier per layer")
+            self.into = into
+            # the (row, block, page) of every block the prompts filled that has a page
+            filled = -(-lengths_np // bs)
+            rows, blocks = np.nonzero(np.arange(max_len // bs)[None] < filled[:, None])
+            at = pages.table[rows, blocks]
+            keep = at != NULL_PAGE
+            self._filled = rows[keep], blocks[keep], at[keep]
+
+    def add(self, i: int, k, v, q_last) -> None:
+        r = self.runner
+        assert i == len(self.layers), (i, len(self.layers))
+        spec = r.plan.specs[i]
+        m = r.method if spec.sparse else None
+        finish = (finish_layer(m, spec, r.offloaded[i], self.pool, r.shared) if self.layout is None
+                  else self.layout.finish[i])
+        entry, hk, hv = finish(k, v, self.lengths, q_last, r.layer_data(i))
+        del k, v
+        # committed to the device, as the decode program's outputs are (the host tier is):
+        # an uncommitted first state would compile the decode program a second time
+        # (a shard_map's outputs are committed to the mesh already)
+        self.layers.append(jax.device_put(entry, self.dev) if self.layout is None else entry)
+        if r.offloaded[i] and self.pages is not None:
+            self.host.append(self._paged_host(i, hk, hv))
+        else:
+            self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
+                             if r.offloaded[i] else None)
+
+    def _paged_host(self, i: int, hk, hv) -> HostLayer:
+        """Layer ``i``'s page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
+        host: nothing of the pool's size on the device; or ``into``'s), and its prompt blocks
+        gathered on the device and copied to the host asynchronously, stored into their pages by
+        :meth:`finish`."""
+        _, hkv, _, bs, d = hk.shape
+        shape = (self.pages.num_pages, hkv, bs, d)
+        if self.into is not None:
+            pk, pv = self.into[i].k, self.into[i].v
+            if pk.shape != shape or pk.dtype != hk.dtype:
+                raise ValueError(f"layer {i}: page pools {pk.shape} {pk.dtype}, the prompt's pages are {shape} "
+                                 f"{hk.dtype}")
+        else:
+            # zeros from the host, one layer's pool at a time (waited for: at most one layer's NumPy
+            # zeros alive beside the pinned pools; nothing of the pool's size on the device)
+            pk, pv = (jax.block_until_ready(jax.device_put(np.zeros(shape, hk.dtype), self.pinned))
+                      for _ in range(2))
+        rows, blocks, pages = self._filled
+        if rows.size:
+            # the lists padded to a power of two (their last entry repeated): few compilations of the gather
+            pad = padded_rows(rows.size) - rows.size
+            rows, blocks = (jnp.asarray(np.pad(a, (0, pad), mode="edge").astype(np.int32)) for a in (rows, blocks))
+            ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n + pad, Hkv, bs, D]
+            ks.copy_to_host_async()
+            vs.copy_to_host_async()
+            self._page_saves.append((pk, pv, pages, ks, vs))
+        return HostLayer(pk, pv)
+
+    def finish(self) -> TieredState:
+        r = self.runner
+        assert len(self.layers) == r.num_layers
+        cache = KVCache(tuple(self.layers), jax.device_put(self.lengths, self.dev), self.max_len)
+        r._compile_save(cache, int(self.lengths.shape[0]))
+        host = tuple(self.host)
+        if self.pages is not None:
+            for pk, pv, pages, ks, vs in self._page_saves:
+                host_view(pk)[pages] = np.asarray(ks)[:pages.size]
+                host_view(pv)[pages] = np.asarray(vs)[:pages.size]
+            self._page_saves = []
+            table = jax.device_put(jnp.asarray(self.pages.table.copy()), self.dev)
+            host = tuple(None if h is None else dataclasses.replace(h, table=table) for h in host)
+            self.pages.dirty = False
+        return TieredState(cache, host, np.asarray(self.lengths).copy(), self.max_len, pages=self.pages)
+
+
+class PrefillJob:
+    """A layer-by-layer prefill that can stop between layers (SparseServe's
+    layer-segmented prefill, §3.4): :meth:`advance` runs the next layers, each
+    layer's K/V goes to its tiers (the host, for an offloaded layer) and is freed
+    before the next, so the device holds one layer of the prompt's KV at a time; a
+    serving engine runs a decode step between segments. The programs, and so the
+    numbers, are those of :meth:`TieredRunner.prefill`."""
+
+    def __init__(self, runner, tokens, lengths, max_len: int | None = None,
+                 pages: HostPages | None = None, into: tuple | None = None):
+        max_len = round_up(int(max_len or runner.model.max_len), runner.method.cache_multiple)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        b, t = tokens.shape
+        if t >= max_len:
+            raise ValueError(f"prompt of {t} tokens leaves no room in a cache of {max_len}")
+        self.runner, self.max_len, self.lengths, self.batch = runner, max_len, lengths, b
+        if runner.shared:  # every row of this batch decodes: one step of all of them must fit the pool
+            off.check_shared_fits(runner.method, runner._pool(max_len, b), max_len, b)
+        self.tokens = t
+        self.x = runner._embed(runner.model.params, tokens)
+        self.carry = runner.method.init_prefill_carry(batch=b, num_kv_heads=runner.local_cfg.num_kv_heads, length=t)
+        if self.carry is not None and runner.mesh is not None:
+            raise ValueError(f"{runner.method.name}: a prefill carry across layers (Kascade's tiled prefill) is not "
+                             f"supported by the layer-by-layer prefill on a mesh yet")
+        self.build = StateBuilder(runner, lengths, max_len, pages, into)
+        self.layers_done = 0
+        self._result = None
+        #: chunked prefill of a layer over budget: the chunk size (fixed at the first
+        #: over-budget call), the tokens of the current layer done, its K/V so far
+        self.chunk: int | None = None
+        self.chunk_pos = 0
+        self._partial = None  # (kbuf, vbuf, q_last) of the layer in progress
+        self.chunks_run = 0
+
+    @property
+    def done(self) -> bool:
+        return self.layers_done == self.runner.num_layers
+
+    def advance_budget(self, tokens: int) -> bool:
+        """Run the next segment within ``tokens`` (prompt tokens x layers; SparseServe's
+        ``max_inject_tokens``): ``tokens // T`` whole layers when one layer fits, else
+        chunks of the current layer (``tokens`` rounded down to a multiple of 64, at least
+        64, fixed by the first such call), each chunk's queries attending the keys of the
+        chunks before it. A layer whose prompt attention cannot be chunked (Token Sparse
+        Attention, a method's prefill hook, a mesh) runs whole. Returns :attr:`done`."""
+        tokens = max(1, int(tokens))
+        if self.tokens <= tokens and self._partial is None:
+            return self.advance(tokens // self.tokens)
+        r = self.runner
+        i = self.layers_done
+        if r.mesh is not None or not r.driver.chunkable(r.plan.specs[i]):
+            return self.advance(1)
+        if self.chunk is None:
+            self.chunk = max(64, tokens // 64 * 64)
+        spent = 0  # at least one chunk; then chunks while the budget lasts, into chunkable layers
+        while not self.done and r.driver.chunkable(r.plan.specs[self.layers_done]):
+            c = min(self.chunk, self.tokens - self.chunk_pos)
+            if spent and spent + c > tokens:
+                break
+            self._run_chunk(self.chunk_pos, c)
+            spent += c
+        return self.done
+
+    def _run_chunk(self, start: int, size: int) -> None:
+        """Prompt positions ``start .. start + size - 1`` of the current layer; after the
+        layer's last chunk its K/V go to the tiers as a whole layer's do."""
+        r, params = self.runner, self.runner.model.params
+        i = self.layers_done
+        spec = r.plan.specs[i]
+        if self._partial is None:
+            b, t = self.batch, self.tokens
+            kv_shape = (b, t, r.local_cfg.num_kv_heads, r.local_cfg.head_dim)
+            self._partial = (jnp.zeros(kv_shape, self.x.dtype), jnp.zeros(kv_shape, self.x.dtype),
+                             jnp.zeros((b, r.local_cfg.num_heads, r.local_cfg.head_dim), self.x.dtype))
+        kbuf, vbuf, q_last = self._partial
+        fn = prefill_chunk_fn(r.driver, spec, size)
+        self.x, kbuf, vbuf, q_last = fn(params["layers"], self.x, jnp.int32(start), kbuf, vbuf, q_last,
+                                        self.lengths, r.layer_data(i))
+        self.chunks_run += 1
+        self.chunk_pos = start + size
+        if self.chunk_pos < self.tokens:
+            self._partial = (kbuf, vbuf, q_last)
+            return
+        k, v = chunked_layer_kv(spec, self.max_len)(kbuf, vbuf, self.lengths)
+        del kbuf, vbuf
+        self._partial, self.chunk_pos = None, 0
+        self.build.add(i, k, v, q_last)
+        self.layers_done = i + 1
+
+    def advance(self, layers: int) -> bool:
+        """Run up to ``layers`` more layers (at least one); returns :attr:`done`."""
+        if self._partial is not None:
+            raise RuntimeError("a layer is half done in chunks: continue it with advance_budget")
+        r, params = self.runner, self.runner.model.params
+        stop = min(r.num_layers, self.layers_done + max(1, int(layers)))
+        for i in range(self.layers_done, stop):
+            if r.mesh is None:
+                fn = prefill_layer_fn(r.driver, r.plan.specs[i], self.max_len)
+                self.x, k, v, q_last, self.carry = fn(params["layers"], self.x, self.lengths, r.layer_data(i),
+                                                      self.carry)
+            else:
+                fn = r._layout(self.batch, self.max_len).prompt[i]
+                self.x, k, v, q_last = fn(params["layers"], self.x, self.lengths, r.layer_data(i))
+            self.build.add(i, k, v, q_last)
+            del k, v
+            self.layers_done = i + 1
+        return self.done
+
+    def result(self):
+        """``(logits f32[B, V], TieredState)`` once :attr:`done`."""
+        if not self.done:
+            raise RuntimeError(f"the prefill ran {self.layers_done} of {self.runner.num_layers} layers")
+        if self._result is None:
+            r = self.runner
+            self._result = (r._head(r.model.params, tfm.last_valid(self.x, self.lengths)), self.build.finish())
+            self.x = None
+        return self._result
