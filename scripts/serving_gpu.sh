@@ -2,12 +2,12 @@
 # Issue 49's GPU measurements of the serving engine, in stages that each fit one 10-minute
 # device command (Qwen3-8B shape, random bf16 weights: no weights to carry).
 #
-#   bash scripts/serving_gpu.sh compile     # why the 128K precompile did not finish: the unrolled decode step
-#                                           # and chunk program's compiles (compile_probe), the chunk's traced
-#   bash scripts/serving_gpu.sh compile-scanned     # the same programs with the layers scanned
-#   bash scripts/serving_gpu.sh compile-noautotune  # unrolled, XLA's autotuner off (its flag is read once
-#                                           # per process); each stage is one call: a 128K chunk program took
-#                                           # 2 min 14 s to compile, and the engine compiles one to size its pool
+#   bash scripts/serving_gpu.sh compile     # the 128K programs' compile times, one at a time (compile_probe),
+#                                           # and where the chunk's compile goes (traced)
+#   bash scripts/serving_gpu.sh compile-scanned     # the same programs with the layers scanned (on an H100 the
+#                                           # chunk program ran out of memory: the scan copies the pool)
+#   bash scripts/serving_gpu.sh compile-noautotune  # unrolled, XLA's autotuner off (its flag is read once per
+#                                           # process): measured on an H100 on 2026-12-06 (docs/serving.md)
 #   bash scripts/serving_gpu.sh iteration L # benchmark A: the engine's iteration against the bare step at
 #                                           # L = 65536 (8 rows) or 131072 (4 rows); METHODS (dense,asynctls,quest)
 #                                           # and ENGINES (paged,offload-paged) narrow it: at 64K one method on
@@ -15,10 +15,14 @@
 #                                           # name one of each per call (the log times each phase)
 #   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked);
 #                                           # METHODS: one engine per call (cold, one engine's ~15 programs at 128K
-#                                           # compile for minutes), joined by serve_load --merge
+#                                           # compile for minutes; 200 s of load a call), joined by serve_load --merge
 #   bash scripts/serving_gpu.sh group       # short prompts prefilled together against one program each: a chat-like
-#                                           # load (prompts of 256-512, 16 slots, 32 and 64 req/s), dense paged-chunked,
-#                                           # --group-prompts then --no-group-prompts, merged into one table
+#                                           # load (prompts of 65-128 tokens, 16 slots, 32 and 64 req/s), dense
+#                                           # paged-chunked, --group-prompts then --no-group-prompts, merged into one
+#                                           # table. Grouping pays where one prompt's program is weight-bound: 16 GB of
+#                                           # weights read in ~3.4 ms on an H200, the time of ~128 tokens of matrix
+#                                           # products at ~600 TFLOP/s (16 GFLOP a token); longer prompts are
+#                                           # compute-bound alone, and a group only pads them
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at 35% (49 GB of the H200's 141: 16 GB of weights and
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
@@ -70,11 +74,11 @@ case "$stage" in
     m=${METHODS:-dense:paged-chunked,asynctls+tsa:paged-chunked}
     $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" \
         --prefill-opt keep_fraction=0.3 --prompt-mix 65536:1,131072:2 --output-min 256 --output-max 1024 \
-        --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 240 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
+        --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 200 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
         2>&1 | quiet
     ;;
   group)
-    common=(--methods dense:paged-chunked --compile-cache "$CACHE" --prompt-mix 512:1 --output-min 32 --output-max 128
+    common=(--methods dense:paged-chunked --compile-cache "$CACHE" --prompt-mix 128:1 --output-min 32 --output-max 128
             --slots 16 --rates 32,64 --requests 64 --time-limit 45 --out "$OUTDIR")
     $PY -u -m benchmarks.serve_load "${common[@]}" --name serve_load_group_on 2>&1 | quiet
     $PY -u -m benchmarks.serve_load "${common[@]}" --no-group-prompts --name serve_load_group_off 2>&1 | quiet
