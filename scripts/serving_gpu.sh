@@ -67,7 +67,7 @@ case "$stage" in
     L=${2:?usage: serving_gpu.sh iteration 65536|131072}
     case "$L" in 65536) B=8 ;; 131072) B=4 ;; *) echo "L: 65536 or 131072" >&2; exit 2 ;; esac
     $PY -u -m benchmarks.probes.engine_iteration --methods "${METHODS:-dense,asynctls,quest}" \
-        --engines "${ENGINES:-paged,offload-paged}" --context "$L" --caps $((L + 1024)) --batch $B --max-tokens 40 \
+        --engines "${ENGINES:-paged,offload-paged}" --compile-cache "$CACHE" --context "$L" --caps $((L + 1024)) --batch $B --max-tokens 40 \
         --out "$OUTDIR" --name "engine_iteration_${L}" 2>&1 | quiet
     ;;
   load)

@@ -295,6 +295,9 @@ def main(argv=None) -> int:
                    help="also time the step program with the sampling's sort in a lax.cond (the engine's before "
                         "2026-12-04: engine_iteration_sampling_h200.md; one more compile per row)")
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep compiled programs in DIR and load them from there (a run of another method or "
+                        "engine on the same machine loads the bare step and shared programs)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="engine_iteration")
     a = p.parse_args(argv)
@@ -313,6 +316,13 @@ def main(argv=None) -> int:
         # set, and 8 rows of 64K (or 4 of 128K) on the Qwen3-8B shape are 78 GB of host tier
         pinned = capacity.plan_pinned_host_limit()
         print(pinned, flush=True)
+    if a.compile_cache:
+        from models.serving.precompile import use_compile_cache
+
+        try:
+            print(f"compile cache: {use_compile_cache(a.compile_cache)}", flush=True)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"--compile-cache: {e}")
     _check_fits(a, caps)
     rows = []
 
