@@ -10,7 +10,8 @@
 #                                           # defaults and the candidates of docs/methods.md ('Anchors between 14
 #                                           # and 24, probed'): Kascade with anchors 18 (kascade_a7) and 18 + 21
 #                                           # (kascade_a8), the identity head map on 18-23; AsyncSpade with
-#                                           # AsyncTLS's selector (~3 min a length on an H100)
+#                                           # AsyncTLS's selector, and with layer 7 (where the predicted query
+#                                           # misses the needle) dense (~3-4 min a length on an H100)
 #   bash scripts/issue51_gpu.sh step        # the decode step at 32K, B=4, Qwen3-8B shape (random weights, no
 #                                           # weights to carry): AsyncSpade's Quest and AsyncTLS selectors, Kascade
 #                                           # and its shared top-k, dense (the issue's "speed must not regress")
@@ -32,8 +33,9 @@ case "$stage" in
   harness)
     L=${2:?usage: issue51_gpu.sh harness 4096|8192}
     $PY -u -m benchmarks.accuracy \
-      --methods dense,asynctls,asyncspade,asyncspade_tls=asyncspade,kascade,kascade_a7=kascade,kascade_a8=kascade \
+      --methods dense,asynctls,asyncspade,asyncspade_tls=asyncspade,asyncspade_tls7=asyncspade,kascade,kascade_a7=kascade,kascade_a8=kascade \
       --set asyncspade_tls.selector=asynctls \
+      --set asyncspade_tls7.selector=asynctls --set 'asyncspade_tls7.dense_layers=(0,1,7)' \
       --set 'kascade_a7.anchors=(0,1,3,7,14,18,24)' --set "kascade_a7.head_map=$MAP" \
       --set 'kascade_a8.anchors=(0,1,3,7,14,18,21,24)' --set "kascade_a8.head_map=$MAP" \
       --budgets 2048 --tasks niah_single_1,niah_single_2,niah_multikey,niah_multivalue,niah_multiquery \
