@@ -169,7 +169,7 @@ def use_compile_cache(path: str, min_compile_s: float = 1.0) -> str:
     XLA's per-fusion autotuning results beside them) and load them from there: a server started
     again on the same machine, jax and flags loads its programs instead of compiling them. At a
     128K context one program compiles for 11-49 s on an H100 (the decode step 40 s, the last
-    chunk 49 s; `compile_probe_128k_h100.md`) and an engine has ~15-30 of them. Programs that
+    chunk 49 s; docs/serving.md, 'Each program alone, measured') and an engine has ~15-30 of them. Programs that
     compile in less than ``min_compile_s`` are not kept. Process-wide (jax has one cache); call
     it before the first compile. Returns the absolute path."""
     if not isinstance(path, str) or not path:
