@@ -271,8 +271,7 @@ class Engine:
             kv_bytes=default_kv if kv_bytes is None else int(kv_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
             working_set=self.kv.working_set, headroom_bytes=headroom,
-            prompt_tokens=None if self.prefill_chunk is None else
-            (lambda r: chunk_tokens(r.prefill_len, self.kv.prefill_chunk)))
+            prompt_tokens=None if self.prefill_chunk is None else self._first_chunk_tokens)
 
         # host-side per-slot arrays, sent with each step (a few ints per row)
         self._tokens = np.zeros(self.slots, np.int32)
@@ -703,8 +702,13 @@ class Engine:
         if self.prefill_chunk is None:
             return False
         planned = sum(self._next_tokens(job) for _, _, job in self._prefilling)
-        want = 64 if r is None else chunk_tokens(len(r.prefill_ids), self.kv.prefill_chunk)
+        want = 64 if r is None else self._first_chunk_tokens(r)
         return planned + want <= self.prefill_chunk
+
+    def _first_chunk_tokens(self, r: Request) -> int:
+        """The prompt tokens ``r``'s first chunk runs (its compiled size): what it costs the
+        iteration that starts it, for the budget here and the scheduler's T_max."""
+        return chunk_tokens(r.prefill_len, self.kv.prefill_chunk)
 
     def _next_tokens(self, job) -> int:
         """The prompt tokens ``job``'s next chunk carries (its compiled size); a layer segment: 0."""
