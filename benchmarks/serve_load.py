@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.timing import markdown_table, stamp, write_final_results
+from benchmarks.timing import markdown_table, stamp, use_compile_cache_flag, write_final_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -584,12 +584,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_cache and not args.merge:
-        from models.serving.precompile import use_compile_cache
-
-        try:
-            print(f"compile cache: {use_compile_cache(args.compile_cache)}", flush=True)
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"--compile-cache: {e}")
+        use_compile_cache_flag(args.compile_cache)
     payload = merge(args.merge.split(",")) if args.merge else run(args)
     if args.note:
         payload["notes"] = payload.get("notes", []) + args.note

@@ -288,6 +288,20 @@ def logit_agreement(got: np.ndarray, ref: np.ndarray) -> dict:
             "argmax_agree": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
 
 
+def use_compile_cache_flag(path: str) -> str:
+    """A benchmark's ``--compile-cache DIR``: jax's persistent compilation cache in ``path``
+    (:func:`models.serving.precompile.use_compile_cache`), said on stdout; exits with the
+    reason where it cannot be used (a file, not writable). Returns the absolute path."""
+    from models.serving.precompile import use_compile_cache
+
+    try:
+        path = use_compile_cache(path)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"--compile-cache: {e}")
+    print(f"compile cache: {path}", flush=True)
+    return path
+
+
 def parse_list(s: str, cast=int) -> list:
     """``"1,2,3"`` -> ``[1, 2, 3]`` (an argparse ``type``; blank items skipped): a bad item
     is an :class:`argparse.ArgumentTypeError` naming the whole argument."""

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import markdown_table, parse_list, stamp, write_results
+from benchmarks.timing import markdown_table, parse_list, stamp, use_compile_cache_flag, write_results
 from models.sampling import RowSampling
 
 
@@ -317,12 +317,7 @@ def main(argv=None) -> int:
         pinned = capacity.plan_pinned_host_limit()
         print(pinned, flush=True)
     if a.compile_cache:
-        from models.serving.precompile import use_compile_cache
-
-        try:
-            print(f"compile cache: {use_compile_cache(a.compile_cache)}", flush=True)
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"--compile-cache: {e}")
+        use_compile_cache_flag(a.compile_cache)
     _check_fits(a, caps)
     rows = []
 
