@@ -136,6 +136,13 @@ def method_for(name: str, cfg):
         tls = asynctls_for(cfg, budget=2048, kb=128)
         return get_method("asyncspade", selector="asynctls", budget=2048, dense_steps=16,
                           selector_options=(("kb", 128), ("channels_per_layer", tls.channels_per_layer)))
+    if name == "asyncspade_tls7_warm":  # issue 51: the AsyncTLS selector with layer 7 dense too (SmolLM2's
+        # default since 2026-12-06: one more dense layer, the cost measured here on this shape)
+        tls = asynctls_for(cfg, budget=2048, kb=128)
+        return get_method("asyncspade", selector="asynctls", budget=2048, dense_steps=16, dense_layers=(0, 1, 7),
+                          selector_options=(("kb", 128), ("channels_per_layer", tls.channels_per_layer)))
+    if name == "kascade_plus2":  # issue 51: two anchors more (SmolLM2 went from 6 to 8), their cost on this shape
+        return get_method("kascade", anchors=tuple(sorted((*QWEN3_ANCHORS, 18, 28))))
     if name == "kascade_shared":  # issue 51: the paper's shared top-k across heads
         return get_method("kascade", anchors=QWEN3_ANCHORS if cfg.num_layers == 36 else None, shared_topk=True)
     if name == "asyncspade_w1":
