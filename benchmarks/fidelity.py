@@ -138,6 +138,9 @@ class FidelityProbe(AttentionMethod):
     inner: AttentionMethod = DenseAttention()
     num_q_heads: int = 1
 
+    def with_model_defaults(self, model_name):
+        return dataclasses.replace(self, inner=self.inner.with_model_defaults(model_name))
+
     def for_model(self, model_name, *, num_layers, head_dim, sparse_layers=None):
         # the measured method may need per-model data (calibrated channels)
         inner = self.inner.for_model(model_name, num_layers=num_layers, head_dim=head_dim, sparse_layers=sparse_layers)

@@ -345,7 +345,8 @@ def bind_method(method: AttentionMethod, cfg: ModelConfig, max_len: int) -> Atte
 
     Raises ValueError (the method cannot run this model) or FileNotFoundError (no
     calibration for it), before anything compiles."""
-    method = _prefill_layers_from_profile(method, cfg)  # first: the plan reads the prefill's layers
+    method = method.with_model_defaults(cfg.name)  # first: the plan reads the dense layers and
+    method = _prefill_layers_from_profile(method, cfg)  # the prefill's layers
     # the layers the method runs on, from the model's plan (layer kinds, the dense-layer rule)
     sparse = tuple(i for i, s in enumerate(make_plan(cfg, method).specs) if s.sparse)
     method = method.for_model(cfg.name, num_layers=cfg.num_layers, head_dim=cfg.head_dim, sparse_layers=sparse)

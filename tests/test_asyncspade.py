@@ -323,3 +323,34 @@ def test_token_selector_in_a_model_and_where_it_cannot_run():
         check_offloadable(small.method)
     with pytest.raises(ValueError, match="reads every key"):
         check_selector(small.method, small.config, 128, jnp.float32)
+
+
+def test_model_defaults_fill_only_the_unset_options(tmp_path):
+    """``selector`` and ``dense_layers`` left unset take the model's shipped
+    ``asyncspade.json``; options given are kept; a model without the file keeps Quest
+    and (0, 1); the layer plan of a bound model follows the shipped dense layers."""
+    import json
+
+    from models.api import bind_method
+    from models.config import get_config
+    from models.driver import make_plan
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "asyncspade.json").write_text(json.dumps({"selector": "double_sparsity", "dense_layers": [0, 5]}))
+    root = str(tmp_path)
+    m = get_method("asyncspade", calibration_root=root)
+    assert (m.selector_name, m.exact_layers) == ("quest", (0, 1))  # unbound: the fallback
+    d = m.with_model_defaults("m")
+    assert (d.selector, d.dense_layers) == ("double_sparsity", (0, 5))
+    assert not d.is_sparse_layer(5, 8) and d.is_sparse_layer(1, 8)
+    assert m.with_model_defaults("other") is m
+    kept = get_method("asyncspade", calibration_root=root, selector="quest", dense_layers=(0,)).with_model_defaults("m")
+    assert (kept.selector, kept.dense_layers) == ("quest", (0,))
+    opts = get_method("asyncspade", calibration_root=root, selector_options=(("block_size", 8),))
+    assert opts.with_model_defaults("m").selector is None  # quest's options keep quest
+    # SmolLM2 ships AsyncTLS's selector with layer 7 dense (issue 51's harness)
+    cfg = get_config("smollm2-135m")
+    bound = bind_method(get_method("asyncspade", budget=256), cfg, 1024)
+    assert bound.inner().name == "asynctls" and bound.dense_layers == (0, 1, 7)
+    sparse = [i for i, s in enumerate(make_plan(cfg, bound).specs) if s.sparse]
+    assert sparse == [i for i in range(cfg.num_layers) if i not in (0, 1, 7)]

@@ -158,7 +158,7 @@ def check_selector(spade: AsyncSpade, cfg, max_len: int, dtype) -> None:
         jax.eval_shape(one)
     except AttributeError as e:
         if "cache rank" in str(e):
-            raise ValueError(f"asyncspade with selector {spade.selector!r}: {e}") from None
+            raise ValueError(f"asyncspade with selector {spade.selector_name!r}: {e}") from None
         raise
 
 

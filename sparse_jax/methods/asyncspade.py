@@ -66,8 +66,18 @@ whole cache, then top-k): ``selector="oracle_topk"``, the exact softmax of ``q̂
 over the GQA group (Kascade's post-softmax pooling; the paper leaves the group reduction
 open), top ``budget - 1`` tokens. It reads every key (``reads_all_keys``): resident only,
 neither offloaded nor on the cache rank (:mod:`models.runtime.cache_rank`, whose rank
-holds no keys). The default stays ``quest`` (16-token blocks), the one measured on the
-GPU harness (``docs/methods.md``).
+holds no keys).
+
+**Per-model defaults** (:meth:`AsyncSpade.with_model_defaults`, before the model's layer
+plan): ``selector`` and ``dense_layers`` left unset take the model's shipped
+``calibration_data/<model>/asyncspade.json``, the choice that measured best on issue 51's
+harness. SmolLM2-135M ships ``selector="asynctls"`` (AsyncTLS's token selection through its
+label filter: it keeps the needle on layers 18-19 where Quest's bound does not) and
+``dense_layers=(0, 1, 7)`` (the predicted query misses the needle on layer 7, where the
+reading query is not among the recent ones): 63.7 and 54.4 against dense's 63.9 and 54.5 at
+4K and 8K, where Quest gives 63.0 and 51.1 (``accuracy_smollm2_issue51_anchors_*.md``). A
+model without the file gets ``quest`` (16-token blocks; it needs no calibration) and the
+selectors' ``(0, 1)``.
 
 **Budget.** ``budget`` is the selector's budget; a token selector chooses
 ``budget - 1`` tokens at step ``t`` and the new token of step ``t + 1`` is
@@ -79,11 +89,15 @@ always attends.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from sparse_jax.calibration import CALIBRATION_ROOT
 from sparse_jax.methods.base import AttentionMethod
 from sparse_jax.methods.registry import get_method, register
 from sparse_jax.methods.sparse_base import BlockSparseMethod
@@ -117,6 +131,20 @@ def predict_next_query(hist: jax.Array, count: jax.Array, window: int, ridge: fl
     return predict_query(hist, count, window=window, ridge=ridge, impl=impl, reference=reference)
 
 
+DEFAULTS_FILE = "asyncspade.json"
+#: without a model's shipped defaults: Quest (needs no calibration) and the selectors' dense layers
+FALLBACK_SELECTOR = "quest"
+FALLBACK_DENSE_LAYERS = (0, 1)
+
+
+@functools.cache
+def load_model_defaults(model_name: str, root: str | None = None) -> dict | None:
+    """``CALIBRATION_ROOT/<model>/asyncspade.json``: ``{"selector": ..., "dense_layers": [...],
+    and how they were measured}``, or None when the model ships none."""
+    path = Path(root or CALIBRATION_ROOT) / model_name / DEFAULTS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Capacity:
     """The one thing a selector's ``select`` reads of the view at prefill time."""
@@ -130,28 +158,32 @@ class AsyncSpade(AttentionMethod):
     """One-step-ahead selection from a ridge-predicted query (module docstring).
 
     Attributes:
-      selector: the registered method that selects from the predicted query.
+      selector: the registered method that selects from the predicted query; None
+        (default): the model's shipped choice (:meth:`with_model_defaults`), else ``quest``.
       selector_options: ``((field, value), ...)`` for it (or dotted keys
-        ``selector.block_size=16`` through ``get_method``).
+        ``selector.block_size=16`` through ``get_method``); given, they keep the
+        selector ``quest`` unless ``selector`` names another (they are that selector's fields).
       budget: the selector's budget (tokens per KV head, the new token included).
       window: W, past queries the predictor regresses on (1: AsyncTLS's lag).
       ridge: ``ε`` relative to the newest query's squared norm.
-      dense_layers: global layers kept exact (the selector's convention: 0, 1).
+      dense_layers: global layers kept exact; None (default): the model's shipped list
+        (:meth:`with_model_defaults`), else the selectors' convention (0, 1).
       dense_steps: θ_t, decode steps after the prompt that attend every key (the
         predictor's window fills meanwhile); ``None`` (default): ``window`` where the whole
         cache is on the attending device, 0 where it is not (offloaded, the cache rank);
         0: sparse from the first step. At most ``window`` (the step count is the history's).
       impl: the query predictor's implementation (``auto``: the kernel on the GPU).
       prefetch_block_size: blocks of the offloaded tier under a token selector.
+      calibration_root: where the per-model defaults live (default ``CALIBRATION_ROOT``).
     """
 
 
-    selector: str = "quest"
+    selector: str | None = None
     selector_options: tuple = ()
     budget: int = 1024
     window: int = 16
     ridge: float = 1e-2
-    dense_layers: tuple[int, ...] = (0, 1)
+    dense_layers: tuple[int, ...] | None = None
     dense_steps: int | None = None
     impl: str = "auto"
     #: the program of rows past their warm-up (:meth:`steady_state`; not a user option): no
@@ -159,18 +191,47 @@ class AsyncSpade(AttentionMethod):
     steady: bool = False
     #: block size of the offloaded tier (and of the prefetch) under a token selector
     prefetch_block_size: int = 16
+    calibration_root: str | None = None
     #: the selector bound to the model (``for_model``)
     bound: Any = dataclasses.field(default=None, repr=False)
+
+    # -- per-model defaults (before the layer plan: dense_layers decides which layers are sparse)
+    def with_model_defaults(self, model_name: str) -> "AsyncSpade":
+        """A copy with ``selector`` and ``dense_layers``, where left unset (None), from the
+        model's shipped ``asyncspade.json`` (the measured best: module docstring); a
+        ``selector_options`` given keeps the selector unset (they name its fields)."""
+        found = load_model_defaults(model_name, self.calibration_root)
+        if not found or self.bound is not None:
+            return self
+        changes = {}
+        if self.selector is None and not self.selector_options and "selector" in found:
+            changes["selector"] = str(found["selector"])
+        if self.dense_layers is None and "dense_layers" in found:
+            changes["dense_layers"] = tuple(int(i) for i in found["dense_layers"])
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def selector_name(self) -> str:
+        """``selector``, resolved (``quest`` where unset)."""
+        return self.selector or FALLBACK_SELECTOR
+
+    @property
+    def exact_layers(self) -> tuple[int, ...]:
+        """``dense_layers``, resolved (the selectors' ``(0, 1)`` where unset)."""
+        return FALLBACK_DENSE_LAYERS if self.dense_layers is None else tuple(self.dense_layers)
+
+    def is_sparse_layer(self, index, num_layers):
+        return index not in {i % num_layers for i in self.exact_layers}
 
     # -- the wrapped selector -------------------------------------------------------
     def inner(self) -> AttentionMethod:
         if self.bound is not None:
             return self.bound
         opts = dict(self.selector_options)
-        blocks = issubclass(type(get_method(self.selector, **opts)), BlockSparseMethod)
+        blocks = issubclass(type(get_method(self.selector_name, **opts)), BlockSparseMethod)
         opts.setdefault("budget", self.budget if blocks else self.budget - 1)
-        opts.setdefault("dense_layers", self.dense_layers)
-        return get_method(self.selector, **opts)
+        opts.setdefault("dense_layers", self.exact_layers)
+        return get_method(self.selector_name, **opts)
 
     @property
     def blocks(self) -> bool:

@@ -33,6 +33,8 @@ brackets), so a method overrides only what it changes: a decode-only method is a
 hook [default]              called
 ==========================  ===================================================
 *binding* (once, before anything compiles)
+``with_model_defaults``     first, by ``load_model``: the model's shipped defaults
+[self]                      for options left unset (before the layer plan)
 ``for_model`` [self]        by ``load_model``: a copy holding per-model data
                             (calibrated channels, anchors), or a clear error
 ``check`` [nothing]         ValueError if the method cannot run the model's shape
@@ -184,6 +186,12 @@ class AttentionMethod:
     prefill_options: tuple = ()
 
     # -- binding (once, before anything compiles) --------------------------------
+    def with_model_defaults(self, model_name: str) -> "AttentionMethod":
+        """Called first by ``load_model``, before the model's layer plan: a copy with the
+        model's shipped defaults for options left unset (AsyncSpade's measured selector and
+        dense layers, which decide the plan's sparse layers); most methods have none."""
+        return self
+
     def for_model(self, model_name: str, *, num_layers: int, head_dim: int,
                   sparse_layers: tuple[int, ...] | None = None) -> "AttentionMethod":
         """Called once by ``load_model``: a method that needs per-model data
