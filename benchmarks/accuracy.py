@@ -486,7 +486,7 @@ def run(model, *, methods: Sequence[str], budgets: Sequence[int], lengths: Seque
                 else:
                     method, budget = build_method(spec, budget, method_options.get(name))
                     method = with_dense_layer_rule(method, method_options.get(name), cfg)
-                row["config"] = repr(method)
+                row["config"] = repr(method.with_model_defaults(cfg.name))  # the model's defaults named
                 if budget is not None and budget >= L and not keep_full_budget:
                     row.update(status="skipped", reason=f"budget {budget} >= length {L}: attends everything (= dense)")
                     rows.append(row)
