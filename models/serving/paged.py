@@ -478,12 +478,21 @@ class PagedSlots(PagedRequests):
             out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
                         (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
                         {"kv_len": kv_len, "last": last}))
-        for size in sorted(sizes) if self._group is not None else ():  # short prompts prefilled together
+        for rows, size in self.prompt_group_shapes(sizes):  # short prompts prefilled together
+            out.append((f"prefill of {rows} prompts of {size} tokens", self._group,
+                        (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),
+                         sds((rows, self.pages_per_request), i32)), {}))
+        return out
+
+    def prompt_group_shapes(self, sizes) -> list[tuple[int, int]]:
+        """``(rows, size)`` of each program that prefills short prompts together
+        (:meth:`run_prompt_group`), for one-chunk prompts of the chunk ``sizes``: rows 2, 4, ... up
+        to the slots' power of two, within the chunk budget; none where prompts are not grouped."""
+        out = []
+        for size in sorted(set(sizes)) if self._group is not None else ():
             rows = 2
             while rows <= group_rows(self.slots) and rows * size <= self.prefill_budget:
-                out.append((f"prefill of {rows} prompts of {size} tokens", self._group,
-                            (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),
-                             sds((rows, self.pages_per_request), i32)), {}))
+                out.append((rows, size))
                 rows *= 2
         return out
 
