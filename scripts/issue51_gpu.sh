@@ -10,7 +10,8 @@
 #                                           # SmolLM2's defaults since 2026-12-06 beside the ones before them:
 #                                           # AsyncSpade (AsyncTLS's selector, layer 7 dense) against Quest with
 #                                           # (0, 1); Kascade's eight anchors against six (0, 1, 3, 7, 14, 24 with
-#                                           # the calibration's head map) (~3 min a length on an H100)
+#                                           # the calibration's head map), and a candidate head map for the eight
+#                                           # (kascade_map) (~3 min a length on an H100)
 #   bash scripts/issue51_gpu.sh step        # the decode step at 32K, B=4, Qwen3-8B shape (random weights, no
 #                                           # weights to carry): AsyncSpade with Quest's selector and with AsyncTLS's
 #                                           # plus a dense layer 7, Kascade with five anchors and with two more,
@@ -27,14 +28,18 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 stage=${1:?usage: issue51_gpu.sh harness 4096|8192 | step}
 # SmolLM2's head map before 2026-12-06 (six anchors; layers 18-23 map to anchor 14's heads)
 OLD_MAP='((0,1,2),(0,1,2),(2,2,2),(0,1,2),(2,2,2),(2,2,2),(2,2,1),(1,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(2,2,2),(0,2,2),(2,0,0),(2,2,0),(2,0,0),(2,0,0),(0,2,2),(2,0,2),(0,2,0),(0,1,2),(1,1,1),(1,1,1),(1,1,1),(1,1,1),(1,1,1))'
+# a candidate head map for the eight anchors (CPU probe, docs/methods.md 'SmolLM2's new defaults'):
+# layers 19-20 read anchor 18 through the calibration's heads, layer 17 reads anchor 14 by identity
+MAP_B='((0,1,2),(0,1,2),(2,2,2),(0,1,2),(2,2,2),(2,2,2),(2,2,1),(1,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(2,2,2),(0,2,2),(0,1,2),(0,1,2),(1,0,0),(0,2,2),(0,1,2),(0,1,2),(0,1,2),(0,1,2),(1,1,1),(1,1,1),(1,1,1),(1,1,1),(1,1,1))'
 
 case "$stage" in
   harness)
     L=${2:?usage: issue51_gpu.sh harness 4096|8192}
     $PY -u -m benchmarks.accuracy \
-      --methods dense,asynctls,asyncspade,asyncspade_quest=asyncspade,kascade,kascade_six=kascade \
+      --methods dense,asynctls,asyncspade,asyncspade_quest=asyncspade,kascade,kascade_six=kascade,kascade_map=kascade \
       --set asyncspade_quest.selector=quest --set 'asyncspade_quest.dense_layers=(0,1)' \
       --set 'kascade_six.anchors=(0,1,3,7,14,24)' --set "kascade_six.head_map=$OLD_MAP" \
+      --set "kascade_map.head_map=$MAP_B" \
       --budgets 2048 --tasks niah_single_1,niah_single_2,niah_multikey,niah_multivalue,niah_multiquery \
       --samples 50 --batch-size 128 --no-progress --lengths "$L" --out "$OUTDIR" \
       --name "accuracy_smollm2_issue51_defaults_$L" --predictions-dir /tmp/pred 2>&1 \
