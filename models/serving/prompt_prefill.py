@@ -147,7 +147,7 @@ class PromptPrefill:
         consume the row), and each samples its first token from the same logits with its own
         seed."""
         r.t_scheduled = time.perf_counter()
-        key = group_key(r) if not self.kv.offloaded else None
+        key = r.prefill_key if not self.kv.offloaded else None
         if shared is not None and key in shared:
             with self._lock:
                 self.prefills_shared += 1
@@ -302,24 +302,24 @@ class PromptPrefill:
             self._fail(r, e)
             return
         self._drop_prefilling(r)
-        key = group_key(r)  # before its first token joins its prefill_ids
+        key = r.prefill_key  # before its first token joins its prefill_ids
         self._insert_prefilled(r, slot, logits, row)
         self._share_prefill(key, logits, row)
 
     def _sibling_in_flight(self, r: Request) -> bool:
         """Whether another of ``r``'s prompt's ``n`` choices is being prefilled (chunked)."""
-        key = group_key(r)
+        key = r.prefill_key
         return key is not None and self.prefill_chunk is not None and \
-            any(group_key(e[0]) == key for e in self._prefilling)
+            any(e[0].prefill_key == key for e in self._prefilling)
 
     def _share_prefill(self, key, logits, row) -> None:
-        """Chunked prefill: the waiting requests of the prompt ``key`` (:func:`group_key`: the ``n``
-        choices of a request) take its prefill (pages and row copied, the first token sampled from
+        """Chunked prefill: the waiting requests of the prompt ``key`` (:attr:`Request.prefill_key`:
+        the ``n`` choices of a request) take its prefill (pages and row copied, the first token sampled from
         the same logits with their own seeds), as many as have a free slot and pages; the others
         prefill on their own later."""
         if key is None or self.prefill_chunk is None:
             return
-        for w in [w for w in self._waiting if group_key(w) == key and not w.cancelled]:
+        for w in [w for w in self._waiting if w.prefill_key == key and not w.cancelled]:
             free = [i for i, s in enumerate(self._slots) if s is None]
             if not free or not self._reserve_prompt(w):
                 return
@@ -328,11 +328,6 @@ class PromptPrefill:
             with self._lock:
                 self.prefills_shared += 1
             self._insert_prefilled(w, free[0], logits, row)
-
-
-def group_key(r: Request):
-    """The key of the prompt ``r`` shares with the other ``n`` choices of its request (None: alone)."""
-    return (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None else None
 
 
 def describe(e: BaseException) -> str:

@@ -170,6 +170,12 @@ class Request:
         return self.prompt_len + len(self.output_ids)
 
     @property
+    def prefill_key(self):
+        """The key of the prefill this request may share with the other ``n`` choices of its
+        request (the same ``prefill_group`` and prefill ids); None: its prefill is its own."""
+        return (self.prefill_group, tuple(self.prefill_ids)) if self.prefill_group is not None else None
+
+    @property
     def reserved_tokens(self) -> int:
         """Cache positions the request can occupy: its prompt and every token it may generate."""
         return self.prompt_len + int(self.params.max_tokens)

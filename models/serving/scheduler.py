@@ -92,7 +92,7 @@ class Scheduler:
         for r in waiting:
             if len(candidates) >= room:
                 break
-            key = (r.prefill_group, tuple(r.prefill_ids)) if r.prefill_group is not None else None
+            key = r.prefill_key
             cost = 0 if key in groups else self.prompt_tokens(r)
             if tokens + cost > self.max_tokens_per_iter and candidates:
                 self.counters.deferred_for_tokens += 1
