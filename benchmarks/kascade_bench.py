@@ -132,14 +132,12 @@ def method_for(name: str, cfg):
         return get_method("asyncspade", selector="oracle_topk", budget=2048, dense_steps=0)
     if name == "asyncspade_warm":  # θ_t = window dense steps, timed past them (e2e_rows): the steady program
         return get_method("asyncspade", selector="quest", budget=2048, dense_steps=16)
-    if name == "asyncspade_tls_warm":  # issue 51: AsyncTLS's label selector under the prediction, past θ_t
+    if name in ("asyncspade_tls_warm", "asyncspade_tls7_warm"):  # issue 51: AsyncTLS's label selector under
+        # the prediction, past θ_t; tls7: layer 7 dense too (SmolLM2's default since 2026-12-06: one more
+        # dense layer, the cost measured here on this shape)
         tls = asynctls_for(cfg, budget=2048, kb=128)
         return get_method("asyncspade", selector="asynctls", budget=2048, dense_steps=16,
-                          selector_options=(("kb", 128), ("channels_per_layer", tls.channels_per_layer)))
-    if name == "asyncspade_tls7_warm":  # issue 51: the AsyncTLS selector with layer 7 dense too (SmolLM2's
-        # default since 2026-12-06: one more dense layer, the cost measured here on this shape)
-        tls = asynctls_for(cfg, budget=2048, kb=128)
-        return get_method("asyncspade", selector="asynctls", budget=2048, dense_steps=16, dense_layers=(0, 1, 7),
+                          dense_layers=(0, 1, 7) if name == "asyncspade_tls7_warm" else (0, 1),
                           selector_options=(("kb", 128), ("channels_per_layer", tls.channels_per_layer)))
     if name == "kascade_plus2":  # issue 51: two anchors more (SmolLM2 went from 6 to 8), their cost on this shape
         return get_method("kascade", anchors=tuple(sorted((*QWEN3_ANCHORS, 18, 28))))

@@ -239,8 +239,8 @@ def warm_prompt_groups(engine, mix, vocab: int, rng) -> int:
     from models.serving.requests import SamplingParams
 
     kv = engine.kv
-    chunk = getattr(kv, "prefill_chunk", None)
-    if chunk is None or not hasattr(kv, "prompt_group_shapes"):
+    chunk = getattr(kv, "prefill_chunk", None)  # the paged engine's (PagedSlots), chunked
+    if chunk is None:
         return 0
     bursts = 0
     for n in sorted({m for m, _ in mix if m <= chunk}):
