@@ -192,9 +192,22 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
             "mean_working_set_mib": float(np.mean(ws_samples)) / 2**20 if ws_samples else 0.0}
 
 
-def warm_up(engine, mix, vocab: int) -> float:
+def decoding_rows(engine, tokens: int) -> int:
+    """Requests of ``tokens`` positions that decode at once: every slot, or fewer where a
+    paged pool smaller than ``slots x max_len`` (benchmark C's capped device) holds fewer."""
+    kv, sched = engine.kv, engine.scheduler
+    if not engine.paged or kv.holds_every_slot_full:
+        return engine.slots
+    total = kv.kv_blocks_total
+    # the scheduler admits a request only while its watermark of pages stays free
+    headroom = -(-sched.headroom_bytes * total // max(sched.kv_bytes, 1))
+    return max(1, min(engine.slots, (total - headroom) // kv.blocks.blocks_for(tokens)))
+
+
+def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
-    (ms): the median step with every slot decoding a prompt of the smallest mix length."""
+    (ms) and its rows: the median step with as many rows decoding a prompt of the smallest
+    mix length as the pool holds at once (every slot, where it holds them)."""
     from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -211,14 +224,15 @@ def warm_up(engine, mix, vocab: int) -> float:
     # iterations a prompt, each with a decode step, so the first request decodes that many tokens per
     # prompt admitted after it (24 tokens each ran out before the last insertion: a one-row median)
     steps = min(24 + engine.slots * segments[n], engine.context - n)
+    rows = decoding_rows(engine, n + steps)
     reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=steps, ignore_eos=True))
-            for _ in range(engine.slots)]
+            for _ in range(rows)]
     k = len(engine.step_times)
     for r in reqs:
         engine.submit(r)
     for r in reqs:
         if not r.done.wait(600) or r.finish_reason != "length":
-            raise RuntimeError(f"warm-up: {engine.slots} requests of {n} tokens at once: one ended "
+            raise RuntimeError(f"warm-up: {rows} requests of {n} tokens at once: one ended "
                                f"{r.finish_reason!r}: {r.error}")
     times, ends = engine.step_times[k:], engine.step_end_times[k:]
     # the steps after the last insertion and before the first request ended: every slot decoding
@@ -226,8 +240,8 @@ def warm_up(engine, mix, vocab: int) -> float:
     first_end = min(r.token_times[-1] for r in reqs)  # then a row leaves the batch
     full = [dt for dt, t in zip(times, ends) if last_insert < t <= first_end]
     if not full:
-        raise RuntimeError(f"warm-up: no decode step with all {engine.slots} slots decoding")
-    return 1e3 * float(np.median(full))
+        raise RuntimeError(f"warm-up: no decode step with all {rows} requests decoding")
+    return 1e3 * float(np.median(full)), rows
 
 
 def warm_prompt_groups(engine, mix, vocab: int, rng) -> int:
@@ -371,9 +385,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                   f"{pre['failed'] or 'none'}", flush=True)
         engine.start()
         t0 = time.perf_counter()
-        iteration_ms = warm_up(engine, mix, model.config.vocab_size)
+        iteration_ms, iteration_rows = warm_up(engine, mix, model.config.vocab_size)
         warm_s = time.perf_counter() - t0
-        print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({engine.slots} slots) "
+        print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({iteration_rows} rows) "
               f"{iteration_ms:.2f} ms", flush=True)
         rows = []
         for rate in rates:
@@ -394,7 +408,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "prompt_groups": getattr(engine.kv, "prompt_groups", 0), "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
-                "iteration_ms": iteration_ms, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows,
+                "iteration_ms": iteration_ms, "iteration_rows": iteration_rows, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows,
                 "goodput_rps": goodput(rows, iteration_ms)}
     finally:
         engine.stop()
@@ -412,7 +426,8 @@ def render(payload: dict) -> str:
                   f"split by KV heads)")
     md.append("")
     summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
-                "iteration_ms": r["iteration_ms"], "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
+                "iteration_ms": r["iteration_ms"], "iteration rows": r.get("iteration_rows", r["slots"]),
+                "SLO P99 TBT ms (25x)": 25 * r["iteration_ms"],
                 "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none",
                 # starting: the engine's build (its pool sized by a compile) and its precompile
                 "build + precompile s": (f"{r['engine_build_s']:.0f} + {r['precompile']['seconds']:.0f} "

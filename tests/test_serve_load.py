@@ -178,3 +178,30 @@ def test_warm_up_runs_every_prompt_group_program():
         finally:
             engine.stop()
     assert grouped.kv.prompt_groups == 2 and grouped.kv.grouped_prompts == 2 + 4
+
+
+def test_warm_up_times_the_rows_a_small_pool_holds():
+    """A paged pool that cannot hold every slot's requests at once (benchmark C's capped device)
+    times the iteration with the rows it holds, not a batch that never forms; a pool that holds
+    every slot full times every slot."""
+    import jax.numpy as jnp
+
+    import models
+    from models.serving.engine import Engine
+    from tests.test_engine import _tiny_config
+
+    model = models.load_model(config=_tiny_config(), dtype=jnp.float32)
+    page = Engine(model, slots=4, max_len=256, paged=True, stop_ids=()).kv.page
+    per_request = -(-64 // page)  # a 40-token prompt and its 24 warm-up tokens
+    # max_len 64: the pool must hold one request of max_len; it holds 3 of 64 tokens, and
+    # 2 beside the scheduler's watermark (a page), not 4
+    small = Engine(model, slots=4, max_len=64, paged=True, kv_blocks=1 + 3 * per_request, stop_ids=())
+    full = Engine(model, slots=4, max_len=64, paged=True, stop_ids=())
+    assert serve_load.decoding_rows(small, 64) == 2 and serve_load.decoding_rows(full, 64) == 4
+    for engine, want in ((small, 2), (full, 4)):
+        engine.start()
+        try:
+            ms, rows = serve_load.warm_up(engine, [(40, 1.0)], 97)
+        finally:
+            engine.stop()
+        assert rows == want and ms > 0
