@@ -24,7 +24,8 @@
 #                                           # products at ~600 TFLOP/s (16 GFLOP a token); longer prompts are
 #                                           # compute-bound alone, and a group only pads them
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
-#                                           # capped at 35% (49 GB of the H200's 141: 16 GB of weights and
+#                                           # capped at ~49 GB (35% of an H200's 141, 62% of an H100's 80;
+#                                           # C_MEM_FRACTION overrides): 16 GB of weights and
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
 #                                           # METHODS: one engine per call (dense:paged-chunked, then
 #                                           # asynctls:offload-paged-segmented), joined by serve_load --merge
@@ -87,11 +88,14 @@ case "$stage" in
     ;;
   memory)
     m=${METHODS:-dense:paged-chunked}
-    XLA_PYTHON_CLIENT_MEM_FRACTION=${C_MEM_FRACTION:-0.35} \
+    # the same ~49 GB on any card: 0.35 of an H200's 141 GB, 0.62 of an H100's 80 (C_MEM_FRACTION overrides)
+    total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    C_MEM_FRACTION=${C_MEM_FRACTION:-$(awk -v t="$total_mib" 'BEGIN { f = 49 * 1024 / t; printf "%.2f", (f < 0.95 ? f : 0.95) }')}
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION \
       $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix 65536:1 \
         --output-min 256 --output-max 512 --slots 16 --rates 1 --requests 16 --time-limit 240 --out "$OUTDIR" \
         --name "serve_load_memory_${m//[:+]/_}" \
-        --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=${C_MEM_FRACTION:-0.35} caps the device" \
+        --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \
         2>&1 | quiet
     ;;
   *)
