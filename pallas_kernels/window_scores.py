@@ -151,14 +151,15 @@ def _lse_kernel(len_ref, rowpos_ref, q_ref, k_ref, m_ref, l_ref, *, seq_len, blo
         l_ref[pl.ds(c * block_q, block_q)] = res[c][1]
 
 
-def _scores_kernel(len_ref, q_ref, lse_ref, k_ref, o_ref, *, seq_len, window, groups, block_q, block_k,
+def _scores_kernel(prefix_ref, q_ref, lse_ref, k_ref, o_ref, *, seq_len, window, groups, block_q, block_k,
                    scale, precision):
-    # len_ref []; q_ref [R, D]; lse_ref [R]; k_ref [T, D]; o_ref [G, T]: this KV head's query heads.
+    # prefix_ref []: the keys scored, [0, prefix); q_ref [R, D]; lse_ref [R]; k_ref [T, D];
+    # o_ref [G, T]: this KV head's query heads.
     tile = pl.program_id(2)
     wp = q_ref.shape[0] // groups
     start = tile * block_k
     kpos = start + jnp.arange(block_k, dtype=jnp.int32)
-    prefix = jnp.clip(len_ref[()], 0, seq_len) - window
+    prefix = prefix_ref[()]
     in_prefix = kpos < prefix
     in_bounds = kpos < seq_len
 
@@ -186,15 +187,21 @@ def _scores_kernel(len_ref, q_ref, lse_ref, k_ref, o_ref, *, seq_len, window, gr
 
 @functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
-def window_scores_pallas(q, k, lengths, *, window, block_q=None, block_k=None, num_splits=None, num_warps=None,
-                         num_stages=None, interpret=False):
+def window_scores_pallas(q, k, lengths, *, window, q_start=None, prefix=None, block_q=None, block_k=None,
+                         num_splits=None, num_warps=None, num_stages=None, interpret=False):
     """The kernel (module docstring); no argument checks (see the public op).
+    A chunk of a prompt (chunked prefill): ``q [B, Tq, Hq, D]`` holds positions
+    ``q_start .. q_start + Tq - 1`` (``q_start`` int32, may be traced); a window row
+    before ``q_start`` has no query and scores nothing, and the result is the mean over
+    the rows that have one. ``prefix int32[B]``: the keys scored, ``[0, prefix)``
+    (default ``L - W``); it must not pass the first live window query's position (pass 2
+    applies no causal mask).
     Tuning: ``block_q`` (window rows per dot, default ``min(64, next_pow2(W))``,
     at least 16), ``block_k`` (keys per tile; 128, or 64 for D = 256),
     ``num_splits`` (pass 1's key splits; default about 264 programs, >= 512 keys
     each), ``num_warps`` (4, or 8 for D = 256), ``num_stages`` (2)."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    b, tq, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     window = int(window)
     bq, bk = resolve_tuning(window, d, block_q=block_q, block_k=block_k)
@@ -206,10 +213,12 @@ def window_scores_pallas(q, k, lengths, *, window, block_q=None, block_k=None, n
                                   num_stages=2 if num_stages is None else int(num_stages))
 
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
+    first = jnp.int32(0) if q_start is None else jnp.asarray(q_start, jnp.int32)
     w = jnp.arange(wp, dtype=jnp.int32)
     pos = lengths[:, None] - window + w[None, :]  # [B, Wp]
-    rowpos = jnp.where(w[None, :] < window, pos, -1)  # < 0: no key at all
-    qw = jnp.take_along_axis(q, jnp.clip(pos, 0, t - 1)[:, :, None, None], axis=1)  # [B, Wp, Hq, D]
+    live = (w[None, :] < window) & (pos >= first)
+    rowpos = jnp.where(live, pos, -1)  # < 0: no key at all
+    qw = jnp.take_along_axis(q, jnp.clip(pos - first, 0, tq - 1)[:, :, None, None], axis=1)  # [B, Wp, Hq, D]
     qw = qw.reshape(b, wp, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, r, d)
 
     tiles = -(-t // bk)
@@ -244,6 +253,7 @@ def window_scores_pallas(q, k, lengths, *, window, block_q=None, block_k=None, n
     l_all = jnp.sum(l * jnp.exp(m - m_all[:, :, None, :]), axis=2)
     lse = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), NO_KEYS_LSE)  # [B, Hkv, R]
 
+    prefix = lengths - window if prefix is None else jnp.minimum(prefix.astype(jnp.int32), t)
     out = pl.pallas_call(
         functools.partial(_scores_kernel, seq_len=t, window=window, groups=g, block_q=bq, block_k=bk, scale=scale,
                           precision=precision),
@@ -254,5 +264,9 @@ def window_scores_pallas(q, k, lengths, *, window, block_q=None, block_k=None, n
         compiler_params=params,
         interpret=interpret,
         name=f"tsa_window_scores_bq{bq}_bk{bk}",
-    )(lengths, qw, lse, k)
-    return out.reshape(b, hq, t)
+    )(prefix, qw, lse, k)
+    out = out.reshape(b, hq, t)
+    if q_start is None:
+        return out
+    n_live = live.sum(-1).astype(jnp.float32)  # pass 2 divided by W: the mean over the live rows
+    return out * (window / jnp.maximum(n_live, 1.0))[:, None, None]

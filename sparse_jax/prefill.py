@@ -49,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.window_scores import unsupported_reason as window_scores_unsupported
 from sparse_jax.calibration import CALIBRATION_ROOT
-from sparse_jax.ops._dispatch import on_gpu
+from sparse_jax.ops._dispatch import on_gpu, resolve_impl
 from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 from sparse_jax.ops.window_scores import window_scores  # step 1 (an op: kernel and reference)
 
@@ -488,24 +489,29 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
 # 128K on the H200, benchmarks/results/chunk_prefill_h200.md); its accuracy is measured apart.
 
 
-def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096):
+def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096, impl: str = "auto"):
     """Step 1 for a chunk: ``[B, Hq, T]`` f32, the mean attention probability each key before
     the chunk gets from the chunk's last ``window`` valid queries (0 at the chunk's own keys
     and past them). ``q [B,C,Hq,D]`` at positions ``start .. start + C - 1`` (``start``
     traced), ``k [B,T,Hkv,D]`` (positions past the chunk never read), ``lengths int32[B]``
     the prompt's tokens (queries past it are padding).
 
-    Two passes over ``tile`` keys at a time (the window-scores kernel's scheme, in jnp): each
-    window query's log-sum-exp, then each key's mean probability. It holds ``[B, Hq, W, tile]``
-    f32, not ``[B, Hq, W, T]`` (2 GiB a layer at 128K with 32 heads): the engine sizes its KV
-    pool beside the chunk program's temporaries."""
+    ``impl``: "auto" (the window-scores kernel on a GPU where it supports the head size,
+    :func:`window_scores` with ``q_start``; else the jnp form), "pallas" (the kernel;
+    interpret mode on a CPU) or "reference" (the jnp form): two passes over ``tile`` keys
+    at a time (the kernel's scheme in jnp), each window query's log-sum-exp, then each key's
+    mean probability. Neither holds ``[B, Hq, W, T]`` f32 (2 GiB a layer at 128K with 32
+    heads): the engine sizes its KV pool beside the chunk program's temporaries."""
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     w = min(int(window), c)
-    tile = min(int(tile), t)
-    n = -(-t // tile)
     start = jnp.asarray(start, jnp.int32)
     end = jnp.minimum(start + c, lengths.astype(jnp.int32))  # [B]: one past the chunk's last valid query
+    choice, _ = resolve_impl(impl, kernel_unsupported=window_scores_unsupported(d, q.dtype, k.dtype))
+    if choice == "pallas":
+        return window_scores(q, k, end, w, q_start=start, prefix=jnp.broadcast_to(start, (b,)), impl=impl)
+    tile = min(int(tile), t)
+    n = -(-t // tile)
     qpos = end[:, None] - w + jnp.arange(w)[None, :]  # [B, W]
     live = qpos >= start  # a short last chunk has fewer than W queries of its own
     qw = jnp.take_along_axis(q, jnp.clip(qpos - start, 0, c - 1)[:, :, None, None], axis=1)
@@ -539,13 +545,13 @@ def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096):
 
 
 def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
-                    keep_fraction: float | None = None):
+                    keep_fraction: float | None = None, scores_impl: str = "auto"):
     """Steps 1-4 for a chunk: ``(kept bool[B, Hq, T], keep int32[B])``, each head's kept keys
     before ``start`` (the same count in every head of a row, as TSA's) and that count. The
     chunk's prefix plays the prompt's prefix: all of it is kept while it is at most
-    ``min_tokens`` or ``tau`` is 0."""
+    ``min_tokens`` or ``tau`` is 0. ``scores_impl``: :func:`chunk_window_scores`' ``impl``."""
     b = q.shape[0]
-    scores = smooth(chunk_window_scores(q, k, start, lengths, window), pool)
+    scores = smooth(chunk_window_scores(q, k, start, lengths, window, impl=scores_impl), pool)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, (b,))  # prefix = ends - window = start
     if keep_fraction is None:
         keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window)
@@ -591,12 +597,12 @@ def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8):
 
 
 def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,
-                                 buckets: int = 8, keep_fraction: float | None = None):
+                                 buckets: int = 8, keep_fraction: float | None = None, scores_impl: str = "auto"):
     """Token Sparse Attention for one chunk of a chunked prefill (see above): ``q [B,C,Hq,D]``
     at positions ``start .. start + C - 1``, ``k, v [B,T,Hkv,D]`` the prompt's keys so far,
     ``lengths int32[B]`` -> ``[B,C,Hq,D]``. Exact chunked attention where nothing is dropped
     (a prefix of at most ``min_tokens``, or ``tau`` 0)."""
     kept, keep = chunk_kept_keys(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window, pool=pool,
-                                 keep_fraction=keep_fraction)
+                                 keep_fraction=keep_fraction, scores_impl=scores_impl)
     return sparse_chunk_attention(q, k, v, start, kept, keep, buckets=buckets)
 

@@ -194,3 +194,66 @@ def test_compress_order_equals_the_stable_argsort():
     kept[1, 2, -1] = True
     got = np.asarray(tsa.compress_order(jnp.asarray(kept)))
     np.testing.assert_array_equal(got, np.argsort(~kept, axis=-1, kind="stable"))
+
+
+def chunk_oracle(q, k, start, length, w, prefix):
+    """float64: the mean over the chunk's window rows that have a query (positions >= start)
+    of their causal softmax, on keys ``[0, prefix)``; ``q`` holds positions start.. only."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    k = np.asarray(k.astype(jnp.float32), np.float64)
+    b, _, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = np.zeros((b, hq, k.shape[1]))
+    live = [p for p in range(length - w, length) if p >= start]
+    for h in range(hq):
+        for p in live:
+            s = k[0, :p + 1, h // g] @ q[0, p - start, h] / np.sqrt(d)
+            e = np.exp(s - s.max())
+            out[0, h, :p + 1] += e / e.sum() / len(live)
+    out[:, :, prefix:] = 0
+    return out
+
+
+# (T keys, chunk C, start, the prompt's length, W, D): a full chunk, a short last chunk whose
+# window reaches before it (rows without a query), a first chunk (nothing scored), T not a
+# multiple of any tile
+CHUNK_CASES = [
+    pytest.param(700, 96, 300, 700, 32, 64, id="full-chunk"),
+    pytest.param(530, 64, 448, 470, 32, 128, id="short-last-chunk"),
+    pytest.param(300, 64, 0, 50, 16, 64, id="first-chunk"),
+]
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, c, start, length, w, d", CHUNK_CASES)
+def test_window_scores_of_a_chunk_match_oracle(t, c, start, length, w, d, dtype, impl):
+    """The op with ``q_start`` / ``prefix`` (a chunk's queries only, its prefix's keys scored),
+    kernel in interpret mode and reference, against float64; and chunk_window_scores through the
+    kernel equal to its jnp form (what the engine's chunked TSA runs on a GPU)."""
+    rng = np.random.default_rng(t + c)
+    q = jnp.asarray(rng.standard_normal((1, c, 8, d)), dtype)
+    k = np.asarray(rng.standard_normal((1, t, 2, d)), np.float32)
+    k[:, ::11] *= 2.5
+    k = jnp.asarray(k, dtype)
+    end = min(start + c, length)
+    got = tsa.window_scores(q, k, jnp.asarray([end], jnp.int32), w, q_start=jnp.int32(start),
+                            prefix=jnp.asarray([start], jnp.int32), impl=impl)
+    want = chunk_oracle(q, k, start, end, w, start)
+    scale = max(want.max(), 1e-30)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=TOL[dtype] * scale)
+    assert (np.asarray(got)[:, :, start:] == 0).all()
+    chunk = tsa.chunk_window_scores(q, k, jnp.int32(start), jnp.asarray([length], jnp.int32), w, tile=128,
+                                    impl=impl)
+    np.testing.assert_allclose(np.asarray(chunk, np.float64), want, rtol=0, atol=TOL[dtype] * scale)
+
+
+def test_window_scores_chunk_argument_checks():
+    q, k = _inputs(0, 1, 64, 4, 2, 64, jnp.float32)
+    n = jnp.asarray([64], jnp.int32)
+    with pytest.raises(ValueError, match="T >= 64"):
+        tsa.window_scores(q, k[:, :32], n, 8, q_start=0)
+    with pytest.raises(ValueError, match="prefix"):
+        tsa.window_scores(q, k, n, 8, q_start=0, prefix=jnp.asarray([1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="k must have shape \\[B=1, T=32"):  # without q_start, q holds every position
+        tsa.window_scores(q[:, :32], k, n, 8)
