@@ -42,6 +42,14 @@ Qwen3-8B heads by default: 32 query / 8 KV heads, D=128, bf16, B=1) times:
   reference (``tiled_attention``) at ``min(context, 2048)`` tokens of the smallest
   context (max |difference|).
 
+* **chunk** (``--parts chunk``): one chunk of a chunked prefill (``--chunk`` queries,
+  B=1) starting at each context, over the keys the paged engine gathers for it (the power
+  of two holding the chunk, at most ``--chunk-cap``): dense (``chunk_prefill_attention``,
+  cuDNN's split form) against Token Sparse Attention's chunk form at a fixed kept fraction
+  (``--chunk-keep``, as benchmark B ran it), whole and in pieces (the window scores by the
+  jnp tiles and by the kernel, the kept set, the selection, the attention over the kept
+  keys); the bars are drawn per chunk position. ``bash scripts/serving_gpu.sh chunk``.
+
 Each row: median ms (``benchmarks.timing.time_fn``: warm-up, synchronised runs),
 the ratio to dense, and the compute floor: causal attention's ``2 * B * Hq * D * T^2``
 FLOP (QK and PV, half the square) over the kept tokens, at the H100's bf16 dense peak
@@ -203,7 +211,7 @@ def kascade_rows(q, k, v, *, tunings, runs: int, check: bool, dense_ms: float, f
 
 def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fractions, dtype, runs: int,
                    check: bool, parts=("tsa", "kascade"), kascade_tunings=None, anchor_impls=("reference", "pallas"),
-                   scores_tunings=(), log=print) -> list[dict]:
+                   scores_tunings=(), chunk: dict | None = None, log=print) -> list[dict]:
     from sparse_jax.ops.dense import dense_prefill_attention
 
     kq, kk, kv, kr = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -220,9 +228,13 @@ def attention_rows(*, b: int, t: int, hq: int, hkv: int, d: int, window: int, fr
         return None if peak is None else 4 * b * hq * d * pairs / peak * 1e3
 
     rows = []
-    dense = time_fn(jax.jit(dense_prefill_attention), (q, k, v), runs=runs, cupti=False)
-    rows.append(dict(context=t, part="dense (cuDNN causal)", kept=1.0, ms=dense.wall_ms, vs_dense=1.0,
-                     floor_ms=floor_ms(t)))
+    if set(parts) & {"tsa", "kascade"}:
+        dense = time_fn(jax.jit(dense_prefill_attention), (q, k, v), runs=runs, cupti=False)
+        rows.append(dict(context=t, part="dense (cuDNN causal)", kept=1.0, ms=dense.wall_ms, vs_dense=1.0,
+                         floor_ms=floor_ms(t)))
+    if "chunk" in parts:
+        rows += chunk_rows(kr, t=t, hq=hq, hkv=hkv, d=d, window=window, dtype=dtype, runs=runs, check=check,
+                           peak=peak, **(chunk or {}))
     if "tsa" in parts:
         rows += tsa_rows(q, k, v, lengths, kr, window=window, fractions=fractions, runs=runs, check=check,
                          dense_ms=dense.wall_ms, floor_ms=floor_ms, log=log)
@@ -310,6 +322,97 @@ def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: 
     return rows
 
 
+def chunk_kv_len(end: int, cap: int) -> int:
+    """The keys the paged engine gathers for a chunk ending at ``end``: the power of two
+    holding it, at most the request's capacity (``models.serving.paged.chunk_kv_len``)."""
+    return min(1 << (end - 1).bit_length(), cap)
+
+
+def chunk_rows(key, *, t: int, hq: int, hkv: int, d: int, window: int, dtype, runs: int, check: bool, peak,
+               size: int = 2048, keep: float = 0.3, cap: int = 132096, log=print) -> list[dict]:
+    """One chunk of ``size`` queries starting at position ``t`` (chunked prefill, B=1), over
+    the keys the engine gathers for it (:func:`chunk_kv_len`): dense (``chunk_prefill_attention``,
+    cuDNN's split form) and Token Sparse Attention's chunk form at ``keep`` of the prefix (the
+    fixed fraction benchmark B ran), whole and in pieces: the window scores (the tiled jnp
+    form, "reference", and the window-scores kernel, "pallas"), the kept set (steps 1-4),
+    the selection alone (pool, count, step 4 from given scores), and the attention over the
+    kept keys (gather + cuDNN). Floor: the chunk's QK and PV over its keys at the bf16 peak."""
+    from pallas_kernels.window_scores import unsupported_reason
+    from sparse_jax import prefill as tsa
+    from sparse_jax.ops.dense import chunk_prefill_attention
+
+    kv_len = chunk_kv_len(t + size, cap)
+    if t + size > kv_len:
+        raise ValueError(f"a chunk at {t} of {size} tokens passes the capacity {cap}")
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (1, size, hq, d), dtype)
+    k = jax.random.normal(kk, (1, kv_len, hkv, d), dtype)
+    v = jax.random.normal(kv, (1, kv_len, hkv, d), dtype)
+    start = jnp.int32(t)
+    lengths = jnp.asarray([t + size], jnp.int32)  # the prompt goes on past this chunk
+    opts = dict(tau=0.005, min_tokens=1024, window=window, pool=7)
+
+    def floor(keys):  # the chunk's queries over ``keys`` prefix keys and, causally, its own
+        return None if peak is None else 4 * hq * d * size * (keys + size / 2) / peak * 1e3
+
+    def timed(fn, args):
+        return time_fn(jax.jit(fn), args, runs=runs, cupti=False).wall_ms
+
+    base = dict(context=t, kv_len=kv_len)
+    dense_fn = jax.jit(lambda q, k, v, s: chunk_prefill_attention(q, k, v, s))
+    dense_ms = timed(lambda q, k, v, s: chunk_prefill_attention(q, k, v, s), (q, k, v, start))
+    rows = [dict(base, part=f"chunk {size}: dense (cuDNN split)", kept=1.0, ms=dense_ms, vs_dense=1.0,
+                 floor_ms=floor(t))]
+    impls = ["reference"] + (["pallas"] if unsupported_reason(d, dtype, dtype) is None else [])
+    scores = {}
+    for impl in impls:
+        def score(q, k, s, n, impl=impl):
+            return tsa.chunk_window_scores(q, k, s, n, window, impl=impl)
+
+        def kept_set(q, k, s, n, impl=impl):
+            return tsa.chunk_kept_keys(q, k, s, n, keep_fraction=keep, scores_impl=impl, **opts)
+
+        def whole(q, k, v, s, n, impl=impl):
+            return tsa.token_sparse_chunk_attention(q, k, v, s, n, keep_fraction=keep, scores_impl=impl, **opts)
+
+        label = "jnp tiles" if impl == "reference" else "kernel"
+        ms = timed(score, (q, k, start, lengths))
+        row = dict(base, part=f"chunk {size}: tsa window scores, {label}", ms=ms, vs_dense=dense_ms / ms)
+        if check:
+            scores[impl] = jax.jit(score)(q, k, start, lengths)
+            if impl != "reference":
+                row["max_abs_err"] = float(jnp.max(jnp.abs(scores[impl] - scores["reference"])))
+        rows.append(row)
+        ms = timed(kept_set, (q, k, start, lengths))
+        rows.append(dict(base, part=f"chunk {size}: tsa kept set (steps 1-4), {label}", ms=ms,
+                         vs_dense=dense_ms / ms))
+        ms = timed(whole, (q, k, v, start, lengths))
+        row = dict(base, part=f"chunk {size}: tsa whole, {keep:g} kept, {label}", kept=keep, ms=ms,
+                   vs_dense=dense_ms / ms, floor_ms=floor(int(keep * t)))
+        if check:  # nothing dropped: exactly the dense chunk
+            exact = tsa.token_sparse_chunk_attention(q, k, v, start, lengths, keep_fraction=1.0, scores_impl=impl,
+                                                     **opts)
+            row["max_abs_err"] = float(jnp.max(jnp.abs(exact.astype(jnp.float32)
+                                                       - dense_fn(q, k, v, start).astype(jnp.float32))))
+        rows.append(row)
+    sm = jax.jit(lambda q, k, s, n: tsa.smooth(tsa.chunk_window_scores(q, k, s, n, window, impl="reference"), 7))(
+        q, k, start, lengths)
+
+    def select(sm, s):
+        ends = jnp.broadcast_to(s + window, (1,))
+        n = tsa.fixed_keep_counts(ends, keep, min_tokens=1024, window=window)
+        return tsa.kept_tokens(sm, n, ends, window) & (jnp.arange(sm.shape[-1]) < s)[None, None, :], n
+
+    ms = timed(select, (sm, start))
+    rows.append(dict(base, part=f"chunk {size}: tsa select (count + step 4 on given scores)", ms=ms,
+                     vs_dense=dense_ms / ms))
+    kept, n = jax.jit(select)(sm, start)
+    ms = timed(tsa.sparse_chunk_attention, (q, k, v, start, kept, n))
+    rows.append(dict(base, part=f"chunk {size}: tsa attend (gather + cuDNN), {keep:g} kept", kept=keep, ms=ms,
+                     vs_dense=dense_ms / ms, floor_ms=floor(int(n[0]))))
+    return rows
+
+
 def render(payload) -> str:
     s = payload["stamp"]
     return (f"# Sparse prefill attention vs cuDNN causal (one layer)\n\n{s['device']}, jax {s['jax']}, {s['date']}, "
@@ -323,7 +426,12 @@ def render(payload) -> str:
             "Kept prefix tokens drawn at random "
             "(random weights have no attention structure; the fraction tau keeps on real text is measured "
             "separately).\n\n"
-            + markdown_table(payload["rows"], ["context", "part", "kept", "ms", "vs_dense", "floor_ms", "max_abs_err"],
+            + ("Chunk rows: `context` is the chunk's first position, `kv_len` the keys the paged engine gathers "
+               "for it; TSA at a fixed kept fraction of the prefix (as benchmark B ran it); max_abs_err: the "
+               "scoring kernel against the jnp tiles, and TSA with nothing dropped against the dense chunk.\n\n"
+               if any("kv_len" in r for r in payload["rows"]) else "")
+            + markdown_table(payload["rows"], ["context", "kv_len", "part", "kept", "ms", "vs_dense", "floor_ms",
+                                               "max_abs_err"],
                              {"kept": ".3f", "ms": ".3f", "vs_dense": ".2f", "floor_ms": ".3f", "max_abs_err": ".2e"}))
 
 
@@ -353,6 +461,8 @@ def plot(payload, path: Path):
 
     curves = {t: c for t, c in tsa_curves(payload["rows"]).items() if len(c) > 1}
     if not curves:
+        if any("kv_len" in r for r in payload["rows"]):
+            chunk_plot(payload, path)
         return
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
     for ax, (t, series) in zip(axes[0], sorted(curves.items())):
@@ -377,6 +487,37 @@ def plot(payload, path: Path):
     plt.close(fig)
 
 
+def chunk_plot(payload, path: Path):
+    """The chunk rows as bars per chunk position (ms, log): dense, TSA whole per scoring
+    implementation, and TSA's pieces."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "kv_len" in r]
+    contexts = sorted({r["context"] for r in rows})
+    parts = list(dict.fromkeys(r["part"].split(": ", 1)[1] for r in rows))
+    ms = {(r["context"], r["part"].split(": ", 1)[1]): r["ms"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(contexts)), 4.5))
+    width = 0.8 / len(parts)
+    for i, part in enumerate(parts):
+        xs = [j + i * width for j, _ in enumerate(contexts)]
+        ax.bar(xs, [ms.get((t, part), 0) for t in contexts], width, label=part,
+               color="k" if part.startswith("dense") else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"chunk at {t // 1024}K" for t in contexts])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    s = payload["stamp"]
+    fig.suptitle(f"One chunk of a chunked prefill: dense against TSA's chunk form, {payload['heads']} heads, "
+                 f"D={payload['head_dim']} ({s['device']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_bench", description=__doc__.split("\n\n")[0])
@@ -387,7 +528,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--parts", default="tsa,kascade", help="which sparse rows besides dense: tsa, kascade")
+    p.add_argument("--parts", default="tsa,kascade",
+                   help="which rows: tsa, kascade (each with the whole-prompt dense row), chunk (one chunk of a "
+                        "chunked prefill starting at each context: dense and TSA's chunk form)")
+    p.add_argument("--chunk", type=int, default=2048, help="chunk rows: the chunk's queries")
+    p.add_argument("--chunk-keep", type=float, default=0.3, help="chunk rows: TSA's kept fraction of the prefix")
+    p.add_argument("--chunk-cap", type=int, default=132096,
+                   help="chunk rows: the request's capacity (the largest key bucket)")
     p.add_argument("--kascade-tunings", default=KASCADE_TUNINGS,
                    help="';'-separated gather-kernel tunings for the Kascade reuse rows ('default' or "
                         "'key=val:key=val', keys from sparse_jax.ops.attention.SPARSE_TUNING_KEYS)")
@@ -419,8 +566,11 @@ def main(argv=None) -> int:
                 "--kascade-tunings and --scores-tunings key=int pairs")
     from sparse_jax.ops.attention import SPARSE_TUNING_KEYS
 
-    if not parts or set(parts) - {"tsa", "kascade"}:
-        p.error("--parts: a comma-separated subset of tsa,kascade")
+    if not parts or set(parts) - {"tsa", "kascade", "chunk"}:
+        p.error("--parts: a comma-separated subset of tsa,kascade,chunk")
+    if "chunk" in parts and (a.chunk < 1 or not 0 < a.chunk_keep <= 1
+                             or max(contexts, default=0) + a.chunk > a.chunk_cap):
+        p.error("chunk rows: --chunk >= 1, --chunk-keep in (0, 1], and every context + --chunk within --chunk-cap")
     if "kascade" in parts and (not tunings or any(set(c) - set(SPARSE_TUNING_KEYS) for c in tunings)):
         p.error(f"--kascade-tunings: at least one, keys from {SPARSE_TUNING_KEYS}")
     if set(anchor_impls) - {"reference", "pallas"} or any(
@@ -438,7 +588,8 @@ def main(argv=None) -> int:
         payload["rows"] += attention_rows(b=a.batch, t=t, hq=hq, hkv=hkv, d=a.head_dim, window=a.window,
                                           fractions=fractions, dtype=dtype, runs=a.runs, check=i == 0,
                                           parts=parts, kascade_tunings=tunings, anchor_impls=anchor_impls,
-                                          scores_tunings=scores_tunings)
+                                          scores_tunings=scores_tunings,
+                                          chunk=dict(size=a.chunk, keep=a.chunk_keep, cap=a.chunk_cap))
         write_results(a.name, payload, render(payload), a.out)
     payload["wall_s"] = time.perf_counter() - t0
     write_final_results(a.name, payload, render, plot, a.out)

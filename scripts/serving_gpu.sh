@@ -23,6 +23,9 @@
 #                                           # weights read in ~3.4 ms on an H200, the time of ~128 tokens of matrix
 #                                           # products at ~600 TFLOP/s (16 GFLOP a token); longer prompts are
 #                                           # compute-bound alone, and a group only pads them
+#   bash scripts/serving_gpu.sh chunk       # where chunked TSA prefill loses to dense (benchmark B): one 2,048-token
+#                                           # chunk at 16K-126K, dense against TSA's chunk form whole and in pieces,
+#                                           # its scores by the jnp tiles and by the kernel (prefill_bench --parts chunk)
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at ~49 GB (35% of an H200's 141, 62% of an H100's 80;
 #                                           # C_MEM_FRACTION overrides): 16 GB of weights and
@@ -86,6 +89,10 @@ case "$stage" in
     $PY -m benchmarks.serve_load --merge "$OUTDIR/serve_load_group_on.json,$OUTDIR/serve_load_group_off.json" \
         --out "$OUTDIR" --name serve_load_grouped_prefill 2>&1 | quiet
     ;;
+  chunk)
+    $PY -u -m benchmarks.prefill_bench --parts chunk --contexts 16384,32768,65536,129024 --chunk 2048 \
+        --chunk-keep 0.3 --runs 10 --out "$OUTDIR" --name prefill_chunk_tsa 2>&1 | quiet
+    ;;
   memory)
     m=${METHODS:-dense:paged-chunked}
     # the same ~49 GB on any card: 0.35 of an H200's 141 GB, 0.62 of an H100's 80 (C_MEM_FRACTION overrides)
@@ -99,5 +106,5 @@ case "$stage" in
         2>&1 | quiet
     ;;
   *)
-    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|memory" >&2; exit 2 ;;
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|memory" >&2; exit 2 ;;
 esac

@@ -55,8 +55,31 @@ def test_prefill_bench_without_a_kernel_for_the_head_size(tmp_path):
     assert not any("kascade" in p for p in parts)  # --parts tsa
 
 
+def test_prefill_bench_chunk_rows(tmp_path):
+    """--parts chunk: one chunk at each context over the engine's key bucket, dense and TSA's
+    chunk form whole and in pieces, per scoring implementation (the kernel in interpret mode);
+    TSA with nothing dropped equals the dense chunk, the kernel's scores the jnp tiles'."""
+    rc = prefill_bench.main(["--contexts", "1200", "--heads", "4,2", "--head-dim", "64", "--window", "16",
+                             "--dtype", "float32", "--runs", "1", "--parts", "chunk", "--chunk", "256",
+                             "--chunk-keep", "0.25", "--chunk-cap", "2048", "--out", str(tmp_path), "--name", "pc"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "pc.json").read_text())["rows"]
+    assert {r["kv_len"] for r in rows} == {2048} and {r["context"] for r in rows} == {1200}  # 1456 -> 2048
+    parts = [r["part"].split(": ", 1)[1] for r in rows]
+    assert parts == ["dense (cuDNN split)",
+                     *(f"tsa {x}, {impl}" for impl in ("jnp tiles", "kernel")
+                       for x in ("window scores", "kept set (steps 1-4)", "whole, 0.25 kept")),
+                     "tsa select (count + step 4 on given scores)", "tsa attend (gather + cuDNN), 0.25 kept"]
+    assert all(r["ms"] > 0 for r in rows)
+    assert rows[4]["max_abs_err"] < 1e-6  # the kernel's scores == the jnp tiles'
+    assert rows[3]["max_abs_err"] < 1e-5 and rows[6]["max_abs_err"] < 1e-5  # nothing dropped == dense
+    assert "| 1200 | 2048 | chunk 256: dense (cuDNN split) |" in (tmp_path / "pc.md").read_text()
+    assert (tmp_path / "pc.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("argv", [["--contexts", "8"], ["--fractions", "0"], ["--heads", "5,2"], ["--contexts", "x"],
-                                  ["--parts", "tsa,x"], ["--kascade-tunings", "block_kk=32"],
+                                  ["--parts", "tsa,x"], ["--parts", "chunk", "--contexts", "131072"],
+                                  ["--parts", "chunk", "--chunk-keep", "0"], ["--kascade-tunings", "block_kk=32"],
                                   ["--kascade-tunings", "num_warps=x"]])
 def test_prefill_bench_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
