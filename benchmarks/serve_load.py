@@ -218,7 +218,9 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
         if r.finish_reason != "length":  # e.g. its bucket's prefill ran out of device memory
             raise RuntimeError(f"warm-up: a {n}-token prompt ended {r.finish_reason!r}: {r.error}")
         segments[n] = engine.prefill_segments - before
-    warm_prompt_groups(engine, mix, vocab, rng)
+    # every short prompt program the precompile compiled, alone and in groups, run once (the
+    # grouped engine's first timed rate was its slow one before: docs/serving.md)
+    engine.warm_up(shortest_prompt=min(m // 2 + 1 for m, _ in mix), sampled=False)
     n = min(m for m, _ in mix)
     # every request still decoding when the last is inserted: a segmented prefill takes `segments`
     # iterations a prompt, each with a decode step, so the first request decodes that many tokens per
@@ -242,32 +244,6 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     if not full:
         raise RuntimeError(f"warm-up: no decode step with all {rows} requests decoding")
     return 1e3 * float(np.median(full)), rows
-
-
-def warm_prompt_groups(engine, mix, vocab: int, rng) -> int:
-    """A grouping engine (paged, chunked): run each program that prefills short prompts together
-    once, with bursts of 2, 4, ... prompts of each short mix length, so the timed rates meet none
-    for the first time (a program's first execution loads its kernels: the grouped run's first
-    rate was the slow one, docs/serving.md). Returns the bursts run."""
-    from models.serving.paged import chunk_tokens
-    from models.serving.requests import SamplingParams
-
-    kv = engine.kv
-    chunk = getattr(kv, "prefill_chunk", None)  # the paged engine's (PagedSlots), chunked
-    if chunk is None:
-        return 0
-    bursts = 0
-    for n in sorted({m for m, _ in mix if m <= chunk}):
-        for rows, _ in kv.prompt_group_shapes([chunk_tokens(n, chunk)]):
-            reqs = engine.submit_all([engine.make_request(rng.integers(0, vocab, n).tolist(),
-                                                          SamplingParams(max_tokens=2, ignore_eos=True))
-                                      for _ in range(min(rows, engine.slots))])
-            for r in reqs:
-                if not r.done.wait(600) or r.finish_reason != "length":
-                    raise RuntimeError(f"warm-up: {len(reqs)} prompts of {n} tokens at once: one ended "
-                                       f"{r.finish_reason!r}: {r.error}")
-            bursts += 1
-    return bursts
 
 
 def goodput(rows: list[dict], iteration_ms: float) -> float | None:

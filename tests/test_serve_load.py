@@ -154,32 +154,6 @@ def test_tsa_prefill_labels(tmp_path):
         serve_load.build_model(serve_load.parse_args(["--tiny", "--prefill-opt", "nope=1"]), "dense+tsa")
 
 
-def test_warm_up_runs_every_prompt_group_program():
-    """serve_load's warm-up runs each program that prefills short prompts together once (one
-    burst a program), so no timed rate meets one for the first time; nothing on an engine that
-    does not group."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    import models
-    from models.serving.engine import Engine
-    from tests.test_engine import _tiny_config
-
-    model = models.load_model(config=_tiny_config(), dtype=jnp.float32)
-    grouped = Engine(model, slots=4, max_len=256, paged=True, prefill_chunk=256, stop_ids=())
-    assert grouped.kv.prompt_group_shapes([64]) == [(2, 64), (4, 64)]  # rows x size within 256 tokens
-    alone = Engine(model, slots=4, max_len=256, paged=True, prefill_chunk=256, stop_ids=(), group_prompts=False)
-    assert alone.kv.prompt_group_shapes([64]) == []
-    for engine, bursts in ((grouped, 2), (alone, 0)):
-        engine.start()
-        try:
-            assert serve_load.warm_prompt_groups(engine, [(40, 0.5), (300, 0.5)], 97, np.random.default_rng(0)) \
-                == bursts
-        finally:
-            engine.stop()
-    assert grouped.kv.prompt_groups == 2 and grouped.kv.grouped_prompts == 2 + 4
-
-
 def test_warm_up_times_the_rows_a_small_pool_holds():
     """A paged pool that cannot hold every slot's requests at once (benchmark C's capped device)
     times the iteration with the rows it holds, not a batch that never forms; a pool that holds

@@ -3,6 +3,7 @@ itself is :mod:`models.serving.server`; also the console script ``sparse-jax-ser
 
 import argparse
 import sys
+import threading
 from typing import Sequence
 
 import jax
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "while the server starts serving: a request whose program is still compiling waits for it, "
                         "none compiles twice, and /health counts programs_compiling (default: on a GPU; off on a "
                         "CPU, where requests compile what they use)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="once serving, run the short programs once (each one-chunk prompt size alone and in every "
+                        "group prefilled together, every decode batch bucket, greedy and sampled) as requests in "
+                        "the background, so the first users do not meet their first execution: on the H100 that "
+                        "cost one 282 ms gap and twice the TTFT (docs/serving.md). Default: with --precompile")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled programs in DIR and load them from there on the next start (jax's persistent "
                         "compilation cache, XLA's autotuning results beside them): at a 128K context each program "
@@ -201,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine, name = make_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
-    if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
+    precompile = args.precompile if args.precompile is not None else jax.default_backend() == "gpu"
+    if precompile:
         # in the background: at a 128K context the long key buckets take minutes each, and the
         # short prompts need not wait for them
         done = engine.precompile(progress=True, background=True)
@@ -209,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"compiling {done['programs']} programs in the background, smallest first (GET /health: "
                   f"programs_compiling)", file=sys.stderr, flush=True)
     engine.start()
+    if args.warm_up if args.warm_up is not None else precompile:
+        threading.Thread(target=warm_up_in_background, args=(engine,), name="sparse-jax-warm-up", daemon=True).start()
     reps = f"{args.data_parallel} replicas, " if args.data_parallel > 1 else ""
     chunk = f", prefill in chunks of {engine.prefill_chunk}" if getattr(engine, "prefill_chunk", None) else ""
     print(f"serving {name!r} ({engine.model.method!r}{', offloaded' if args.offload else ''}{', paged' if args.paged else ''}{chunk}, {reps}{engine.slots} slots "
@@ -222,6 +231,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         engine.stop()
     return 0
+
+
+def warm_up_in_background(engine) -> None:
+    """Each replica's :meth:`Engine.warm_up`, saying on stderr when it is done (or why not)."""
+    for e in getattr(engine, "engines", [engine]):
+        try:
+            done = e.warm_up()
+        except Exception as err:  # noqa: BLE001  (the server keeps serving; the first users pay the first runs)
+            print(f"warm-up stopped: {err}", file=sys.stderr, flush=True)
+            return
+    print(f"warmed up: {done['requests']} requests in {done['bursts']} bursts ran the short programs once "
+          f"({done['seconds']:.1f} s)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

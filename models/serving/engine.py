@@ -70,6 +70,7 @@ from models.serving.paged import PagedSlots, page_size
 from models.serving.prompt_prefill import Occupant, PromptPrefill, describe
 from models.serving.slot_sampling import SlotSampling, token_logprob
 from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
+from models.serving.warmup import warm_up
 
 
 
@@ -402,6 +403,11 @@ class Engine(PromptPrefill):
         if not hasattr(self.kv, "precompile"):
             return {"programs": 0, "seconds": 0.0, "failed": []}
         return self.kv.precompile(**options)
+
+    def warm_up(self, **options) -> dict:
+        """Run the short programs once, as requests, before users meet their first execution
+        (:func:`models.serving.warmup.warm_up`; the engine thread must be running)."""
+        return warm_up(self, **options)
 
     # -- the engine thread -------------------------------------------------------------
     def start(self) -> "Engine":

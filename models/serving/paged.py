@@ -489,7 +489,8 @@ class PagedSlots(PagedRequests):
         (:meth:`run_prompt_group`), for one-chunk prompts of the chunk ``sizes``: rows 2, 4, ... up
         to the slots' power of two, within the chunk budget; none where prompts are not grouped."""
         out = []
-        for size in sorted(set(sizes)) if self._group is not None else ():
+        grouping = self._group is not None and self.prefill_budget is not None  # chunked prompts only
+        for size in sorted(set(sizes)) if grouping else ():
             rows = 2
             while rows <= group_rows(self.slots) and rows * size <= self.prefill_budget:
                 out.append((rows, size))
