@@ -335,7 +335,8 @@ def chunk_rows(key, *, t: int, hq: int, hkv: int, d: int, window: int, dtype, ru
     cuDNN's split form) and Token Sparse Attention's chunk form at ``keep`` of the prefix (the
     fixed fraction benchmark B ran), whole and in pieces: the window scores (the tiled jnp
     form, "reference", and the window-scores kernel, "pallas"), the kept set (steps 1-4),
-    the selection alone (pool, count, step 4 from given scores), and the attention over the
+    the selection alone (pool, count, step 4 from given scores; with the compressed order;
+    and as one argsort, ``select="argsort"``, also timed whole), and the attention over the
     kept keys (gather + cuDNN). Floor: the chunk's QK and PV over its keys at the bf16 peak."""
     from pallas_kernels.window_scores import unsupported_reason
     from sparse_jax import prefill as tsa
@@ -406,6 +407,23 @@ def chunk_rows(key, *, t: int, hq: int, hkv: int, d: int, window: int, dtype, ru
     ms = timed(select, (sm, start))
     rows.append(dict(base, part=f"chunk {size}: tsa select (count + step 4 on given scores)", ms=ms,
                      vs_dense=dense_ms / ms))
+    ms = timed(lambda sm, s: tsa.compress_order(select(sm, s)[0]), (sm, start))
+    rows.append(dict(base, part=f"chunk {size}: tsa select + compressed order (sort, cumsum, scatter)", ms=ms,
+                     vs_dense=dense_ms / ms))
+    ms = timed(tsa.chunk_kept_order, (sm, start))
+    rows.append(dict(base, part=f"chunk {size}: tsa kept order (one argsort)", ms=ms, vs_dense=dense_ms / ms))
+    impl = impls[-1]  # what the engine runs: the kernel's scores where it has them
+    whole_argsort = functools.partial(tsa.token_sparse_chunk_attention, keep_fraction=keep, scores_impl=impl,
+                                      select="argsort", **opts)
+    ms = timed(whole_argsort, (q, k, v, start, lengths))
+    row = dict(base, part=f"chunk {size}: tsa whole, {keep:g} kept, {'jnp tiles' if impl == 'reference' else 'kernel'}"
+                          f", one argsort", kept=keep, ms=ms, vs_dense=dense_ms / ms, floor_ms=floor(int(keep * t)))
+    if check:  # the same keys as the sort's selection
+        sorted_ = tsa.token_sparse_chunk_attention(q, k, v, start, lengths, keep_fraction=keep, scores_impl=impl,
+                                                   **opts)
+        row["max_abs_err"] = float(jnp.max(jnp.abs(jax.jit(whole_argsort)(q, k, v, start, lengths).astype(jnp.float32)
+                                                   - sorted_.astype(jnp.float32))))
+    rows.append(row)
     kept, n = jax.jit(select)(sm, start)
     ms = timed(tsa.sparse_chunk_attention, (q, k, v, start, kept, n))
     rows.append(dict(base, part=f"chunk {size}: tsa attend (gather + cuDNN), {keep:g} kept", kept=keep, ms=ms,

@@ -550,6 +550,17 @@ def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window
     before ``start`` (the same count in every head of a row, as TSA's) and that count. The
     chunk's prefix plays the prompt's prefix: all of it is kept while it is at most
     ``min_tokens`` or ``tau`` is 0. ``scores_impl``: :func:`chunk_window_scores`' ``impl``."""
+    scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
+                                         pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl)
+    ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, keep.shape)  # prefix = ends - window = start
+    kept = kept_tokens(scores, keep, ends, window) & (jnp.arange(scores.shape[-1]) < start)[None, None, :]
+    return kept, keep
+
+
+def chunk_scores_and_keep(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
+                          keep_fraction: float | None = None, scores_impl: str = "auto"):
+    """Steps 1-3 for a chunk: ``(scores f32[B, Hq, T], keep int32[B])``, the smoothed window
+    scores (0 from ``start`` on) and the count of prefix keys each head keeps."""
     b = q.shape[0]
     scores = smooth(chunk_window_scores(q, k, start, lengths, window, impl=scores_impl), pool)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, (b,))  # prefix = ends - window = start
@@ -557,24 +568,38 @@ def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window
         keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window)
     else:
         keep = fixed_keep_counts(ends, keep_fraction, min_tokens=min_tokens, window=window)
-    kept = kept_tokens(scores, keep, ends, window) & (jnp.arange(scores.shape[-1]) < start)[None, None, :]
-    return kept, keep
+    return scores, keep
 
 
-def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8):
+def chunk_kept_order(scores, start):
+    """Step 4 as an order: ``int32[B, Hq, T]``, each head's keys before ``start`` by descending
+    score (ties: the lower position first), then the rest. Its first ``keep`` are
+    :func:`kept_tokens`' set exactly (the same tie rule), in score order rather than position
+    order, which the chunk's attention does not see (every kept key precedes every query).
+    One stable argsort, where the set takes a value sort, a threshold, a cumulative sum and
+    :func:`compress_order`'s scatter (``token_sparse_chunk_attention(select=...)``)."""
+    t = scores.shape[-1]
+    masked = jnp.where(jnp.arange(t)[None, None, :] < start, scores, -jnp.inf)
+    return jnp.argsort(-masked, axis=-1, stable=True).astype(jnp.int32)
+
+
+def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8, order=None):
     """The chunk's queries over each head's ``kept`` keys before ``start`` and every key of the
     chunk (causal): ``q [B,C,Hq,D]``, ``k, v [B,T,Hkv,D]``, ``kept bool[B,Hq,T]`` (only keys
     before ``start``; ``keep[b]`` of them in every head) -> ``[B,C,Hq,D]``. Each head's keys
     are gathered as ``[its kept keys in order, the chunk's C keys]`` and the chunk attends them
     as a chunk starting at ``keep`` (:func:`chunk_prefill_attention`, cuDNN's split form on a
     GPU), so the work follows the kept count: the gathered prefix is the shortest of
-    :func:`bucket_lengths` (``T``, ``buckets``) holding the batch's largest ``keep``."""
+    :func:`bucket_lengths` (``T``, ``buckets``) holding the batch's largest ``keep``.
+    ``order``: each head's kept keys first in any order (:func:`chunk_kept_order`), in place
+    of ``kept`` (then unused)."""
     b, c, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
     if b != 1:  # the chunk's start is one position (chunked prefill runs one prompt's row)
         raise ValueError(f"sparse_chunk_attention: one row (a prompt's chunk), got B={b}")
     start = jnp.asarray(start, jnp.int32)
-    order = compress_order(kept)  # [B, Hq, T]: each head's kept keys first, ascending
+    if order is None:
+        order = compress_order(kept)  # [B, Hq, T]: each head's kept keys first, ascending
     rows = jnp.arange(b)[:, None, None]
     kv_head = (jnp.arange(hq) // (hq // hkv))[None, None, :]
     lengths = bucket_lengths(t, buckets)
@@ -596,12 +621,27 @@ def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8):
     return jax.lax.switch(which, [attend(n) for n in lengths], q, k, v, order, keep)
 
 
+#: how a chunk's kept keys are found (``token_sparse_chunk_attention(select=...)``)
+CHUNK_SELECTS = ("sort", "argsort")
+
+
 def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,
-                                 buckets: int = 8, keep_fraction: float | None = None, scores_impl: str = "auto"):
+                                 buckets: int = 8, keep_fraction: float | None = None, scores_impl: str = "auto",
+                                 select: str = "sort"):
     """Token Sparse Attention for one chunk of a chunked prefill (see above): ``q [B,C,Hq,D]``
     at positions ``start .. start + C - 1``, ``k, v [B,T,Hkv,D]`` the prompt's keys so far,
     ``lengths int32[B]`` -> ``[B,C,Hq,D]``. Exact chunked attention where nothing is dropped
-    (a prefix of at most ``min_tokens``, or ``tau`` 0)."""
+    (a prefix of at most ``min_tokens``, or ``tau`` 0). ``select``: the kept keys by
+    :func:`kept_tokens` and :func:`compress_order` ("sort") or one argsort
+    (:func:`chunk_kept_order`, "argsort"): the same keys, so the same output up to the
+    order of a sum."""
+    if select not in CHUNK_SELECTS:
+        raise ValueError(f"select must be one of {CHUNK_SELECTS}, got {select!r}")
+    if select == "argsort":
+        scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
+                                             pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl)
+        return sparse_chunk_attention(q, k, v, start, None, keep, buckets=buckets,
+                                      order=chunk_kept_order(scores, jnp.asarray(start, jnp.int32)))
     kept, keep = chunk_kept_keys(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window, pool=pool,
                                  keep_fraction=keep_fraction, scores_impl=scores_impl)
     return sparse_chunk_attention(q, k, v, start, kept, keep, buckets=buckets)

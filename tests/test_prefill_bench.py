@@ -69,10 +69,13 @@ def test_prefill_bench_chunk_rows(tmp_path):
     assert parts == ["dense (cuDNN split)",
                      *(f"tsa {x}, {impl}" for impl in ("jnp tiles", "kernel")
                        for x in ("window scores", "kept set (steps 1-4)", "whole, 0.25 kept")),
-                     "tsa select (count + step 4 on given scores)", "tsa attend (gather + cuDNN), 0.25 kept"]
+                     "tsa select (count + step 4 on given scores)",
+                     "tsa select + compressed order (sort, cumsum, scatter)", "tsa kept order (one argsort)",
+                     "tsa whole, 0.25 kept, kernel, one argsort", "tsa attend (gather + cuDNN), 0.25 kept"]
     assert all(r["ms"] > 0 for r in rows)
     assert rows[4]["max_abs_err"] < 1e-6  # the kernel's scores == the jnp tiles'
     assert rows[3]["max_abs_err"] < 1e-5 and rows[6]["max_abs_err"] < 1e-5  # nothing dropped == dense
+    assert rows[-2]["max_abs_err"] < 1e-5  # one argsort keeps the sort's keys
     assert "| 1200 | 2048 | chunk 256: dense (cuDNN split) |" in (tmp_path / "pc.md").read_text()
     assert (tmp_path / "pc.png").stat().st_size > 0
 

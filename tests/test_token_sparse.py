@@ -408,6 +408,13 @@ def test_chunk_form_attends_the_keys_its_window_keeps(start, length, tau, min_to
     got = np.asarray(tsa.token_sparse_chunk_attention(q, k, v, jnp.int32(start), lengths, buckets=4, **opts))
     valid = min(c, length - start)  # queries past the prompt: padding, never read
     np.testing.assert_allclose(got[:, :valid], _chunk_reference(q, k, v, start, kept)[:, :valid], atol=2e-5, rtol=0)
+    # one argsort finds the same keys (in score order): the same output
+    scores, _ = tsa.chunk_scores_and_keep(q, k, jnp.int32(start), lengths, **opts)
+    order = np.asarray(tsa.chunk_kept_order(scores, jnp.int32(start)))
+    assert (np.sort(order[..., :keep], -1) == np.sort(np.nonzero(kept)[-1].reshape(kept.shape[:2] + (keep,)), -1)).all()
+    by_argsort = np.asarray(tsa.token_sparse_chunk_attention(q, k, v, jnp.int32(start), lengths, buckets=4,
+                                                             select="argsort", **opts))
+    np.testing.assert_allclose(by_argsort[:, :valid], got[:, :valid], atol=2e-6, rtol=0)
     if not drops:
         dense = np.asarray(chunk_prefill_attention(q, k, v, jnp.int32(start)))
         np.testing.assert_allclose(got[:, :valid], dense[:, :valid], atol=2e-5, rtol=0)
@@ -436,3 +443,10 @@ def test_chunk_window_scores_in_tiles_equal_numpy(start, length, tile):
                                   tile=tile)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=0)
 
+
+
+def test_chunk_form_refuses_an_unknown_select():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    k = jnp.zeros((1, 32, 1, 16), jnp.float32)
+    with pytest.raises(ValueError, match="select must be one of"):
+        tsa.token_sparse_chunk_attention(q, k, k, jnp.int32(8), jnp.asarray([16], jnp.int32), select="topk")
