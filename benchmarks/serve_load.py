@@ -347,7 +347,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
                     paged=where.startswith(("paged", "offload-paged")),
                     prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None,
-                    group_prompts=args.group_prompts or where != "paged-chunked")
+                    group_prompts=args.group_prompts or where != "paged-chunked",
+                    chunk_parts=args.chunk_parts if where == "paged-chunked" else 1)
     build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
     print(f"[{label}] engine built in {build_s:.1f} s", flush=True)
     try:
@@ -381,6 +382,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "max_inject_tokens": inject,
                 "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None,
                 "group_prompts": bool(args.group_prompts) if where == "paged-chunked" else None,
+                "chunk_parts": args.chunk_parts if where == "paged-chunked" else None,
                 "prompt_groups": getattr(engine.kv, "prompt_groups", 0), "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
@@ -466,7 +468,7 @@ def merge(paths: list[str]) -> dict:
     for label in {r["method"] for r in runs}:
         same = [r for r in runs if r["method"] == label]
         for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk"),
-                           ("group_prompts", "grouped")):
+                           ("group_prompts", "grouped"), ("chunk_parts", "parts")):
             if len({r.get(knob) for r in same}) > 1:
                 for r in same:
                     r["method"] = f"{r['method']} ({word} {r.get(knob)})"
@@ -474,7 +476,7 @@ def merge(paths: list[str]) -> dict:
     groups: dict = {}  # in order of first appearance; a failed run stays alone
     for r in runs:
         key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"),
-                                          r.get("prefill_chunk"), r.get("group_prompts"))
+                                          r.get("prefill_chunk"), r.get("group_prompts"), r.get("chunk_parts"))
         groups.setdefault(key, []).append(r)
     out["runs"] = []
     for first, *more in groups.values():
@@ -544,6 +546,9 @@ def parse_args(argv=None):
                         "program (default); --no-group-prompts: one program each (Engine(group_prompts=False))")
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="NAME:paged-chunked: prompt tokens per iteration, through every layer into the pages")
+    p.add_argument("--chunk-parts", type=int, default=1,
+                   help="NAME:paged-chunked: each chunk of a longer prompt in this many parts by layers, one an "
+                        "iteration (Engine(chunk_parts=N))")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="each engine over N devices, the model and its KV split by KV heads (the paged engine's "
                         "pools included; models.runtime.sharding): against a run of 1 in the same session")
@@ -575,6 +580,10 @@ def parse_args(argv=None):
                 p.error(str(e))
         if not a.group_prompts and not any(m.endswith(":paged-chunked") for m in a.methods.split(",")):
             p.error("--no-group-prompts applies to NAME:paged-chunked engines, and --methods names none")
+        if a.chunk_parts != 1 and not any(m.endswith(":paged-chunked") for m in a.methods.split(",")):
+            p.error("--chunk-parts applies to NAME:paged-chunked engines, and --methods names none")
+        if a.chunk_parts < 1:
+            p.error("--chunk-parts must be >= 1")
         mix = parse_mix(a.prompt_mix)
         if not 1 <= a.output_min <= a.output_max:
             p.error("need 1 <= --output-min <= --output-max")

@@ -385,7 +385,7 @@ class Driver:
         return layer_output(layer, x, o, self._reduce), kbuf, vbuf, q_last
 
     def prefill_chunk(self, stacked, x: jax.Array, start: jax.Array, lengths: jax.Array, cache: KVCache,
-                      kv_len: int, last: bool):
+                      kv_len: int, last: bool, layers: tuple[int, int] | None = None):
         """One chunk of a prompt through every layer, straight into its pages (the paged
         engine's chunked prefill): ``x [1, C, H]`` at positions ``start .. start + C - 1``
         (``start`` traced) of a prompt of ``lengths [1]`` tokens, ``cache`` a one-row view
@@ -397,12 +397,19 @@ class Driver:
         ``last`` (the chunk holding the prompt's last token) each sparse layer's method state
         is computed from the layer's whole prompt in its pages, as :meth:`prefill` computes
         it; before, the entries' states pass through untouched (None in the engine). Only
-        for layers :meth:`chunkable` allows, all global. Returns ``(x, cache)``."""
+        for layers :meth:`chunkable` allows, all global. ``layers``: only the model layers
+        ``[lo, hi)`` (a chunk cut by layers over several iterations: ``x`` is the hidden state
+        layer ``lo`` takes); the other entries pass through. Returns ``(x, cache)``."""
         c = x.shape[1]
         pos = start + jnp.arange(c, dtype=jnp.int32)
         table = cache.block_table
+        lo, hi = (0, len(self.plan.specs)) if layers is None else layers
         layers = list(cache.layers)
-        for seg in self.plan.segments:
+        for whole in self.plan.segments:
+            a, b = max(whole.start, lo), min(whole.start + whole.length, hi)
+            if a >= b:
+                continue
+            seg = Segment(whole.spec, a, b - a)
             spec, m = seg.spec, _method_for(self.method, seg.spec)
 
             def body(carry, data, entry, spec=spec, m=m):

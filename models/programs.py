@@ -63,6 +63,26 @@ def prefill_chunk(model: Transformer, cfg: ModelConfig, method: AttentionMethod,
     return (model.logits(last_valid(x, lengths - start)) if last else None), cache
 
 
+def prefill_chunk_layers(model: Transformer, cfg: ModelConfig, method: AttentionMethod, inputs: jax.Array,
+                         start: jax.Array, lengths: jax.Array, cache: KVCache, *, kv_len: int, last: bool,
+                         layers: tuple[int, int], unroll: bool = False,
+                         tp: tuple[str, int] | None = None) -> tuple[jax.Array | None, KVCache]:
+    """:func:`prefill_chunk` through the model layers ``[lo, hi)`` only (a chunk cut by
+    layers): ``inputs`` the chunk's tokens ``int32[1, C]`` where ``lo`` is 0, else the hidden
+    state ``[1, C, H]`` the previous part returned. Returns the hidden state after layer
+    ``hi - 1`` where ``hi`` is not the last layer, else what :func:`prefill_chunk` returns
+    (the logits with ``last``, else None); and the cache (those layers' pages written; with
+    ``last``, their method states)."""
+    lo, hi = layers
+    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
+    x = model.embed_tokens(inputs) if lo == 0 else inputs
+    x, cache = drv.prefill_chunk(nnx.state(model.layers), x, start, lengths.astype(jnp.int32), cache, kv_len, last,
+                                 layers=(lo, hi))
+    if hi < cfg.num_layers:
+        return x, cache
+    return (model.logits(last_valid(x, lengths - start)) if last else None), cache
+
+
 def decode_step(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
                 cache: KVCache, *, unroll: bool = False,
                 tp: tuple[str, int] | None = None) -> tuple[jax.Array, KVCache]:

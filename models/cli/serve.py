@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_PREFILL_CHUNK} where it runs (a model with sliding-window layers or Kascade's "
                         "tiled prefill gets whole prefills, and the server says so); 0: each prompt's whole "
                         "prefill in one iteration")
+    p.add_argument("--prefill-chunk-parts", type=int, default=1, metavar="N",
+                   help="--paged with chunked prefill: run each chunk of a prompt longer than a chunk in N parts "
+                        "by layers, one an iteration beside the decode step: the longest pause a chunk puts on "
+                        "the running streams shrinks N-fold with no more weight reads, the long prompt waiting "
+                        "behind N-1 more decode steps a chunk (default 1: whole chunks)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the paged engine's programs (every decode batch bucket, greedy and sampled; every "
                         "chunk size and key bucket, or whole-prefill bucket) in parallel threads, smallest first, "
@@ -126,6 +131,9 @@ def make_engine(args) -> tuple[Engine, str]:
         raise ValueError(f"unknown model {args.model!r}; available: {', '.join(models.available_models())}")
     if args.attention not in available_methods():
         raise ValueError(f"unknown attention method {args.attention!r}; available: {', '.join(available_methods())}")
+    if args.prefill_chunk_parts != 1 and not (args.paged and not args.offload):
+        raise ValueError("--prefill-chunk-parts cuts the paged resident engine's chunks: drop it, or --no-paged / "
+                         "--offload")
     for name in ("slots", "max_len", "tensor_parallel", "data_parallel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -180,6 +188,8 @@ def make_engine(args) -> tuple[Engine, str]:
         options.update(paged=True, host_pages=args.host_pages)
     elif args.paged:
         options.update(paged=True, kv_blocks=args.kv_blocks, prefill_chunk=resolve_prefill_chunk(args, model))
+        if args.prefill_chunk_parts != 1:
+            options.update(chunk_parts=args.prefill_chunk_parts)
     if args.data_parallel > 1:
         # one copy per device group; the loaded copy is dropped with `model`
         return replicate(model, args.data_parallel, tensor_parallel=args.tensor_parallel, **options), \

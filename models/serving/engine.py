@@ -143,6 +143,11 @@ class Engine(PromptPrefill):
         as the rows of one program, which reads the weights once for all of them
         (:meth:`models.serving.paged.PagedSlots.run_prompt_group`); False: one program each
         (the comparison's baseline).
+      chunk_parts: with ``prefill_chunk``, each chunk of a prompt longer than a chunk runs its
+        layers in this many parts, one an iteration, each beside a decode step: the longest
+        stall a chunk puts on the running requests shrinks by this factor with no more weight
+        reads (each layer is read once per chunk either way); the prompt waits behind more
+        decode steps. 1 (default): whole chunks.
       max_inject_tokens: layer-segmented prefill (SparseServe §3.4), resident or offloaded. A prompt is
         prefilled a segment of layers per iteration, ``max_inject_tokens // T`` layers for
         a prompt of T (bucketed) tokens, or, when one layer exceeds the budget, chunks of
@@ -161,7 +166,7 @@ class Engine(PromptPrefill):
                  stop_ids: Sequence[int] | None = None, unroll: bool | None = None, offload: bool = False,
                  pool_slots: int | None = None, max_inject_tokens: int | None = None, pool: str = "per_row",
                  paged: bool = False, kv_blocks: int | None = None, prefill_chunk: int | None = None,
-                 host_pages: int | None = None, group_prompts: bool = True):
+                 host_pages: int | None = None, group_prompts: bool = True, chunk_parts: int = 1):
         if int(slots) < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if kv_blocks is not None and not paged:
@@ -184,6 +189,9 @@ class Engine(PromptPrefill):
                 raise ValueError("prefill_chunk and max_inject_tokens are two ways to split a prompt: pass one")
         if not isinstance(group_prompts, bool):
             raise ValueError(f"group_prompts must be a bool, got {group_prompts!r}")
+        if chunk_parts != 1 and (prefill_chunk is None or offload):
+            raise ValueError("chunk_parts cuts the chunks of a chunked prefill (the paged resident engine's) by "
+                             "layers: pass paged=True and prefill_chunk")
         if not group_prompts and prefill_chunk is None:
             raise ValueError("group_prompts=False turns off grouping short prompts of a chunked prefill: "
                              "pass prefill_chunk (whole prefills run one prompt each)")
@@ -225,7 +233,7 @@ class Engine(PromptPrefill):
             elif paged:
                 self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
                                      num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk,
-                                     group_prompts=group_prompts)
+                                     group_prompts=group_prompts, chunk_parts=chunk_parts)
             else:
                 self.kv = ResidentSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented)
         self.paged = bool(paged)

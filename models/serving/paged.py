@@ -109,6 +109,11 @@ class PagedChunkJob:
         self.table = kv.blocks.table(r.id)  # its pages for the prompt, fixed while it prefills
         self.start = 0
         self.chunks = 0
+        #: a prompt longer than a chunk, with the engine's chunks cut by layers
+        #: (``PagedSlots.chunk_layer_ranges``): each iteration runs one part of a chunk, the
+        #: hidden state carried to the next part
+        self.parts = kv.chunk_layer_ranges if self.n > chunk else None
+        self.part, self._hidden = 0, None
         self._result = None
 
     @property
@@ -126,11 +131,25 @@ class PagedChunkJob:
         rest = self.n - self.start
         c = self.next_tokens
         last = rest <= c
-        toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
-        logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
-                                (jnp.asarray(toks), jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
-                                self.slot, self.table, wait=False,  # the engine waits: PagedSlots.wait
-                                kv_len=chunk_kv_len(self.start + c, kv.page, kv.max_len), last=last)
+        kv_len = chunk_kv_len(self.start + c, kv.page, kv.max_len)
+        head = (jnp.int32(self.start), jnp.asarray([self.n], jnp.int32))
+        if self.parts is not None and (self.part > 0 or len(self.parts) > 1):
+            lo, hi = self.parts[self.part]
+            inputs = jnp.asarray(padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())) if lo == 0 \
+                else self._hidden
+            out = kv.run_on_pool(kv._chunk, f"layers {lo}-{hi - 1} of a chunk of the prefill of a {self.n}-token "
+                                 f"prompt", (inputs, *head), self.slot, self.table, wait=False, kv_len=kv_len,
+                                 last=last, layers=(lo, hi))
+            if self.part + 1 < len(self.parts):  # the chunk goes on with the next layers next iteration
+                self.part, self._hidden = self.part + 1, out
+                return True
+            self.part, self._hidden, logits = 0, None, out
+        else:
+            toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
+            logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
+                                    (jnp.asarray(toks), *head), self.slot, self.table,
+                                    wait=False,  # the engine waits: PagedSlots.wait
+                                    kv_len=kv_len, last=last)
         self.start += c
         self.chunks += 1
         if last:
@@ -229,9 +248,22 @@ class PagedSlots(PagedRequests):
     paged = True
 
     def __init__(self, model, slots: int, max_len: int, unroll: bool, segmented: bool = False,
-                 num_blocks: int | None = None, prefill_chunk: int | None = None, group_prompts: bool = True):
+                 num_blocks: int | None = None, prefill_chunk: int | None = None, group_prompts: bool = True,
+                 chunk_parts: int = 1):
         check_engine_mesh(model)
         self.mesh = getattr(model, "mesh", None)  # tensor parallelism: pools split by KV head
+        layers = model.config.num_layers
+        if isinstance(chunk_parts, bool) or not isinstance(chunk_parts, int) or not 1 <= chunk_parts <= layers:
+            raise ValueError(f"chunk_parts must be an int in [1, {layers}] (the model's layers), got {chunk_parts!r}")
+        if chunk_parts > 1 and prefill_chunk is None:
+            raise ValueError("chunk_parts cuts each chunk of a chunked prefill by layers: pass prefill_chunk")
+        if chunk_parts > 1 and self.mesh is not None:
+            raise ValueError("chunk_parts runs on one device; on a mesh each chunk runs whole")
+        #: the model layers of each part of a chunk (prompts longer than a chunk), one part an
+        #: iteration: the stall a chunk puts on the decoding rows shrinks by the part count with
+        #: no more weight reads; None: whole chunks
+        self.chunk_layer_ranges = None if chunk_parts == 1 else tuple(
+            (i * layers // chunk_parts, (i + 1) * layers // chunk_parts) for i in range(chunk_parts))
         if self.mesh is not None and segmented and prefill_chunk is None:
             raise ValueError("a paged engine on a mesh prefills prompts into its pages, whole or in chunks "
                              "(prefill_chunk): a layer-segmented prefill (max_inject_tokens alone) runs on one device")
@@ -462,22 +494,30 @@ class PagedSlots(PagedRequests):
                 out.append((f"prefill of {bucket} tokens", self._prefill,
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
-        c, longest, keys, sizes = self.prefill_chunk, self.max_len - 1, set(), set()
+        c, longest, ones, many, sizes = self.prefill_chunk, self.max_len - 1, set(), set(), set()
         cap = self.max_len  # a multiple of the page: a request's pages
         for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
             if n < shortest_prompt:  # the bucket of prompts of at most n tokens: none comes
                 continue
             size = chunk_tokens(n, c)
             sizes.add(size)
-            keys.add((size, chunk_kv_len(size, self.page, cap), True))
+            ones.add((size, chunk_kv_len(size, self.page, cap), True))
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
-            keys.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
+            many.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
             if start + c >= shortest_prompt:  # the last one, of a prompt of start+1 .. start+c tokens
-                keys.add((c, chunk_kv_len(start + c, self.page, cap), True))
-        for size, kv_len, last in sorted(keys):
+                many.add((c, chunk_kv_len(start + c, self.page, cap), True))
+        parts = self.chunk_layer_ranges
+        whole = ones | (many if parts is None else set())
+        for size, kv_len, last in sorted(whole):
             out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}", self._chunk,
                         (params, sds((1, size), i32), sds((), i32), prompt, cache, slot, pages),
                         {"kv_len": kv_len, "last": last}))
+        hidden = sds((1, c, self.model.config.hidden_size), jnp.dtype(self.model.dtype))
+        for size, kv_len, last in sorted(many) if parts is not None else ():  # a longer prompt's chunks, by part
+            for lo, hi in parts:
+                out.append((f"chunk of {size} tokens, keys {kv_len}{', last' if last else ''}, layers {lo}-{hi - 1}",
+                            self._chunk, (params, sds((1, size), i32) if lo == 0 else hidden, sds((), i32), prompt,
+                                          cache, slot, pages), {"kv_len": kv_len, "last": last, "layers": (lo, hi)}))
         for rows, size in self.prompt_group_shapes(sizes):  # short prompts prefilled together
             out.append((f"prefill of {rows} prompts of {size} tokens", self._group,
                         (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),

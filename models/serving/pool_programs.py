@@ -144,20 +144,31 @@ def paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None
 
         return prefill_paged_rows(run, empty_row(cache, tokens.shape[0]), tokens, lengths, cache, slots, pages)
 
-    def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last):
-        # the one-row view (every layer paged): the pools, and (last chunk) the row's empty state
+    def chunk(params, tokens, start, lengths, cache, slot, pages, kv_len, last, layers=None):
+        # the one-row view (every layer paged): the pools, and (last chunk) the row's empty state.
+        # ``layers`` (lo, hi): a part of a chunk cut by layers (PagedChunkJob); ``tokens`` is then
+        # the hidden state where lo > 0, and the first output the hidden state where hi is not
+        # the last layer; only those layers' states go to the slot, the length with the last part
+        lo, hi = (0, cfg.num_layers) if layers is None else layers
         states = [e.state for e in empty_row(cache).layers] if last else [None] * len(cache.layers)
         view = tuple(PagedLayer(big.pool_k, big.pool_v, st, big.page) for big, st in zip(cache.layers, states))
-        logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths,
-                                             KVCache(view, lengths, cache.max_len, pages[None]), kv_len=kv_len,
-                                             last=last, unroll=unroll, tp=tp)
+        row = KVCache(view, lengths, cache.max_len, pages[None])
+        model = nnx.merge(graphdef, params)
+        if layers is None:
+            logits, out = programs.prefill_chunk(model, cfg, method, tokens, start, lengths, row, kv_len=kv_len,
+                                                 last=last, unroll=unroll, tp=tp)
+        else:
+            logits, out = programs.prefill_chunk_layers(model, cfg, method, tokens, start, lengths, row, kv_len=kv_len,
+                                                        last=last, layers=layers, unroll=unroll, tp=tp)
         if not last:  # the pages only
             layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
                            for big, o in zip(cache.layers, out.layers))
             return logits, dataclasses.replace(cache, layers=layers)
-        layers = tuple(_into_slots(big, o, slot[None], (o.pool_k, o.pool_v))
-                       for big, o in zip(cache.layers, out.layers))
-        new_lengths = jax.lax.dynamic_update_index_in_dim(cache.lengths, lengths[0], slot, 0)
+        layers = tuple(_into_slots(big, o, slot[None], (o.pool_k, o.pool_v)) if lo <= i < hi
+                       else dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
+                       for i, (big, o) in enumerate(zip(cache.layers, out.layers)))
+        new_lengths = cache.lengths if hi < cfg.num_layers else jax.lax.dynamic_update_index_in_dim(
+            cache.lengths, lengths[0], slot, 0)
         return logits, KVCache(layers, new_lengths, cache.max_len, cache.block_table)
 
     return bucketed_step(engine_step(decode)), insert_paged_slot, prefill, copy_paged_slot, chunk, prefill_group
@@ -175,7 +186,8 @@ def paged_programs(graphdef, cfg, method, unroll: bool):
     step, insert, prefill, copy, chunk, group = paged_bodies(graphdef, cfg, method, unroll)
     return (jax.jit(step, donate_argnums=(2,), static_argnames=("rows",)), jax.jit(insert, donate_argnums=(0,)),
             jax.jit(prefill, donate_argnums=(3,)), jax.jit(copy, donate_argnums=(0,)),
-            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last")), jax.jit(group, donate_argnums=(3,)))
+            jax.jit(chunk, donate_argnums=(4,), static_argnames=("kv_len", "last", "layers")),
+            jax.jit(group, donate_argnums=(3,)))
 
 
 def _refuse_row_insert(*args, **kwargs):
