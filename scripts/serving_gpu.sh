@@ -15,7 +15,8 @@
 #                                           # name one of each per call (the log times each phase)
 #   bash scripts/serving_gpu.sh load        # benchmark B at 64K-128K (dense and asynctls+TSA, paged, chunked);
 #                                           # METHODS: one engine per call (cold, one engine's ~15 programs at 128K
-#                                           # compile for minutes; 200 s of load a call), joined by serve_load --merge
+#                                           # compile for minutes; 200 s of load a call), joined by serve_load --merge;
+#                                           # CHUNK_PARTS=N cuts each chunk of a long prompt in N parts by layers
 #   bash scripts/serving_gpu.sh group       # short prompts prefilled together against one program each: a chat-like
 #                                           # load (prompts of 65-128 tokens, 16 slots, 32 and 64 req/s), dense
 #                                           # paged-chunked, --group-prompts then --no-group-prompts, merged into one
@@ -76,10 +77,12 @@ case "$stage" in
     ;;
   load)
     m=${METHODS:-dense:paged-chunked,asynctls+tsa:paged-chunked}
-    $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" \
+    parts=${CHUNK_PARTS:-1}  # each chunk of a long prompt in this many parts by layers (Engine(chunk_parts))
+    suffix=$([ "$parts" = 1 ] || echo "_parts$parts")
+    $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --chunk-parts "$parts" \
         --prefill-opt keep_fraction=0.3 --prompt-mix 65536:1,131072:2 --output-min 256 --output-max 1024 \
-        --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 200 --out "$OUTDIR" --name "serve_load_long_${m//[:+,]/_}" \
-        2>&1 | quiet
+        --slots "$LOAD_SLOTS" --rates 0.5 --requests 10 --time-limit 200 --out "$OUTDIR" \
+        --name "serve_load_long_${m//[:+,]/_}$suffix" 2>&1 | quiet
     ;;
   group)
     common=(--methods dense:paged-chunked --compile-cache "$CACHE" --prompt-mix 128:1 --output-min 32 --output-max 128
