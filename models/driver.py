@@ -427,7 +427,8 @@ class Driver:
                 kbuf = jnp.swapaxes(paged_rows(pk, tbl, entry.page), 1, 2)  # [1, kv_len, Hkv, D]
                 vbuf = jnp.swapaxes(paged_rows(pv, tbl, entry.page), 1, 2)
                 if spec.sparse_prefill:  # TSA's chunk form: the prefix keys the chunk's own window keeps
-                    o = self.method.sparse_prefill().chunk_attention(q, kbuf, vbuf, start, lengths)
+                    o = self.method.sparse_prefill().chunk_attention(q, kbuf, vbuf, start, lengths,
+                                                                     head_axis=self.tp_axis)
                 else:
                     o = chunk_prefill_attention(q, kbuf, vbuf, start)  # cuDNN on a GPU
                 st = entry.state

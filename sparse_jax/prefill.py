@@ -182,13 +182,14 @@ class TokenSparsePrefill:
                                       impl=self.impl, gather=self.gather, buckets=self.buckets,
                                       keep_fraction=self.keep_fraction)
 
-    def chunk_attention(self, q, k, v, start, lengths):
+    def chunk_attention(self, q, k, v, start, lengths, head_axis: str | None = None):
         """One chunk of a prompt under chunked prefill (:func:`token_sparse_chunk_attention`):
         the chunk's queries over the prefix keys its own last ``window`` queries keep, and
-        every key of the chunk."""
+        every key of the chunk. ``head_axis``: as :meth:`attention`'s (the count shared by
+        every device's heads)."""
         return token_sparse_chunk_attention(q, k, v, start, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                             window=self.window, pool=self.pool, buckets=self.buckets,
-                                            keep_fraction=self.keep_fraction)
+                                            keep_fraction=self.keep_fraction, head_axis=head_axis)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -545,27 +546,29 @@ def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096, imp
 
 
 def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
-                    keep_fraction: float | None = None, scores_impl: str = "auto"):
+                    keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None):
     """Steps 1-4 for a chunk: ``(kept bool[B, Hq, T], keep int32[B])``, each head's kept keys
     before ``start`` (the same count in every head of a row, as TSA's) and that count. The
     chunk's prefix plays the prompt's prefix: all of it is kept while it is at most
     ``min_tokens`` or ``tau`` is 0. ``scores_impl``: :func:`chunk_window_scores`' ``impl``."""
     scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
-                                         pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl)
+                                         pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl,
+                                         head_axis=head_axis)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, keep.shape)  # prefix = ends - window = start
     kept = kept_tokens(scores, keep, ends, window) & (jnp.arange(scores.shape[-1]) < start)[None, None, :]
     return kept, keep
 
 
 def chunk_scores_and_keep(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
-                          keep_fraction: float | None = None, scores_impl: str = "auto"):
+                          keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None):
     """Steps 1-3 for a chunk: ``(scores f32[B, Hq, T], keep int32[B])``, the smoothed window
-    scores (0 from ``start`` on) and the count of prefix keys each head keeps."""
+    scores (0 from ``start`` on) and the count of prefix keys each head keeps (``head_axis``:
+    the mesh axis the heads are split over, :func:`keep_counts`')."""
     b = q.shape[0]
     scores = smooth(chunk_window_scores(q, k, start, lengths, window, impl=scores_impl), pool)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, (b,))  # prefix = ends - window = start
     if keep_fraction is None:
-        keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window)
+        keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
     else:
         keep = fixed_keep_counts(ends, keep_fraction, min_tokens=min_tokens, window=window)
     return scores, keep
@@ -627,22 +630,24 @@ CHUNK_SELECTS = ("sort", "argsort")
 
 def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,
                                  buckets: int = 8, keep_fraction: float | None = None, scores_impl: str = "auto",
-                                 select: str = "sort"):
+                                 select: str = "sort", head_axis: str | None = None):
     """Token Sparse Attention for one chunk of a chunked prefill (see above): ``q [B,C,Hq,D]``
     at positions ``start .. start + C - 1``, ``k, v [B,T,Hkv,D]`` the prompt's keys so far,
     ``lengths int32[B]`` -> ``[B,C,Hq,D]``. Exact chunked attention where nothing is dropped
     (a prefix of at most ``min_tokens``, or ``tau`` 0). ``select``: the kept keys by
     :func:`kept_tokens` and :func:`compress_order` ("sort") or one argsort
     (:func:`chunk_kept_order`, "argsort"): the same keys, so the same output up to the
-    order of a sum."""
+    order of a sum. ``head_axis``: the mesh axis the heads are split over (tensor parallelism):
+    the count comes from every device's heads, as :func:`token_sparse_attention`'s."""
     if select not in CHUNK_SELECTS:
         raise ValueError(f"select must be one of {CHUNK_SELECTS}, got {select!r}")
     if select == "argsort":
         scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
-                                             pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl)
+                                             pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl,
+                                             head_axis=head_axis)
         return sparse_chunk_attention(q, k, v, start, None, keep, buckets=buckets,
                                       order=chunk_kept_order(scores, jnp.asarray(start, jnp.int32)))
     kept, keep = chunk_kept_keys(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window, pool=pool,
-                                 keep_fraction=keep_fraction, scores_impl=scores_impl)
+                                 keep_fraction=keep_fraction, scores_impl=scores_impl, head_axis=head_axis)
     return sparse_chunk_attention(q, k, v, start, kept, keep, buckets=buckets)
 

@@ -279,6 +279,39 @@ def engine_case():
             print(json.dumps(line), flush=True)
         finally:
             engine.stop()
+    tsa_chunk_engine_case()
+
+
+def tsa_chunk_engine_case():
+    """Token Sparse Attention's chunk form in the paged engine over a mesh (tiny-kv8, model=2, no
+    padded head): each chunk's kept count comes from every device's heads (``head_axis``), so
+    three prompts through two slots get the one-device paged engine's tokens; before the count
+    was each device's own, and the first prompt's tokens differed from its fourth."""
+    import models
+    from models.config import ModelConfig
+    from models.serving.engine import Engine
+    from models.serving.requests import SamplingParams
+
+    cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
+                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
+                      rms_eps=1e-6)
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(3, 97, n).tolist() for n in (150, 120, 97)]
+    opts = dict(budget=32, block_size=8, dense_layers=(0,), prefill="token_sparse",
+                prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.3)))
+    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention="quest", attention_options=opts)
+    outs = []
+    for m in (model, shard(model, model=2)):
+        engine = Engine(m, slots=2, max_len=256, stop_ids=(), paged=True, prefill_chunk=32).start()
+        try:
+            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=12))) for i in ids]
+            done = all(r.done.wait(300) for r in reqs)
+            outs.append([r.output_ids for r in reqs] if done else None)
+        finally:
+            engine.stop()
+    print(json.dumps(dict(case="engine/tiny-kv8/quest+token_sparse/paged-chunked/data=1,model=2",
+                          completed=outs[1] is not None, tokens_agree=outs[0] is not None and outs[0] == outs[1],
+                          devices=2)), flush=True)
 
 
 def padded_cases(bf16: bool):

@@ -92,7 +92,8 @@ def test_offloaded_decoding_on_a_mesh_matches_one_device(multi_device):
     (the offloaded one, and the paged one with its pools split by KV head)."""
     rows = {c: r for c, r in multi_device.items() if _offload_rows(c)}
     engine = {c: rows.pop(c) for c in list(rows) if c.startswith("engine/")}
-    assert len(rows) == 5 and len(engine) == 2, sorted(rows)  # quest 1x2, asynctls 2x2, controls, kv3
+    # quest 1x2, asynctls 2x2, controls, kv3; the engines: paged, offloaded, paged with TSA's chunk form
+    assert len(rows) == 5 and len(engine) == 3, sorted(rows)
     for r in engine.values():  # the serving engine over the mesh, paged (the server's default) and offloaded
         assert r["completed"] and r["tokens_agree"], r
     assert engine["engine/tiny-kv3/quest/offload/data=1,model=2"]["blocks_loaded"] > 0
