@@ -140,6 +140,24 @@ def test_merge_labels_one_method_at_several_chunk_sizes(tmp_path):
     assert all(row["method"] == labels[0] for row in out["runs"][0]["rows"])
 
 
+def test_goodput_slo_is_one_dense_iteration():
+    """Goodput's P99 TBT bound is 25x one dense iteration (the same engine's dense run where the
+    results hold one): a sparse engine whose own iteration is shorter is not held to a tighter
+    bound; without a dense run, each run's own iteration."""
+    def run(method, iteration_ms, p99):
+        return {"method": method, "iteration_ms": iteration_ms, "goodput_rps": None,
+                "rows": [{"rate": 1.0, "completed": 4, "requests": 4, "p99_tbt_ms": p99, "mean_queue_s": 0.5}]}
+
+    runs = [run("dense:paged-chunked", 20.0, 400.0), run("asynctls:paged-chunked", 10.0, 400.0),
+            run("dense:offload", 30.0, 700.0), run("quest:offload", 12.0, 700.0)]
+    serve_load.apply_dense_slo(runs)
+    assert [r["slo_iteration_ms"] for r in runs] == [20.0, 20.0, 30.0, 30.0]
+    assert [r["goodput_rps"] for r in runs] == [1.0, 1.0, 1.0, 1.0]  # 400 <= 500 and 700 <= 750
+    alone = [run("asynctls:paged-chunked", 10.0, 400.0)]
+    serve_load.apply_dense_slo(alone)
+    assert alone[0]["slo_base"] == "own iteration" and alone[0]["goodput_rps"] is None  # 400 > 250
+
+
 def test_tsa_prefill_labels(tmp_path):
     """``NAME+tsa`` builds the method with Token Sparse Attention's prefill (``--prefill-opt`` its
     options); a bad suffix or a bad option is refused before anything is drawn."""
