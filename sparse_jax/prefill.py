@@ -127,6 +127,10 @@ class TokenSparsePrefill:
         'Token Sparse prefill: τ against speed and accuracy'); ``quantile=0.5`` gives the
         paper's set there. Exclusive
         with ``layers``.
+      query_heads: the model's own query heads, where tensor parallelism padded the KV heads
+        (``models.runtime.sharding.pad_method_heads`` sets it): the head mean that sets the
+        kept count leaves the padded heads out, so a mesh keeps what one device keeps. None:
+        every head counts.
     """
 
     tau: float = 0.005
@@ -140,6 +144,7 @@ class TokenSparsePrefill:
     buckets: int = 8
     keep_fraction: float | None = None
     quantile: float | None = None
+    query_heads: int | None = None
 
     def __post_init__(self):
         if not (self.tau >= 0):
@@ -163,6 +168,9 @@ class TokenSparsePrefill:
                 raise ValueError("token_sparse: give layers or quantile, not both")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.query_heads is not None and (isinstance(self.query_heads, bool) or not isinstance(self.query_heads, int)
+                                             or self.query_heads < 1):
+            raise ValueError(f"token_sparse: query_heads must be a positive int or None, got {self.query_heads!r}")
 
     def layers_for(self, num_layers: int) -> frozenset[int]:
         """The model layers TSA runs on (before the global-only rule)."""
@@ -180,7 +188,7 @@ class TokenSparsePrefill:
         return token_sparse_attention(q, k, v, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                       window=self.window, pool=self.pool, block=self.block, head_axis=head_axis,
                                       impl=self.impl, gather=self.gather, buckets=self.buckets,
-                                      keep_fraction=self.keep_fraction)
+                                      keep_fraction=self.keep_fraction, query_heads=self.query_heads)
 
     def chunk_attention(self, q, k, v, start, lengths, head_axis: str | None = None):
         """One chunk of a prompt under chunked prefill (:func:`token_sparse_chunk_attention`):
@@ -189,7 +197,8 @@ class TokenSparsePrefill:
         every device's heads)."""
         return token_sparse_chunk_attention(q, k, v, start, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                             window=self.window, pool=self.pool, buckets=self.buckets,
-                                            keep_fraction=self.keep_fraction, head_axis=head_axis)
+                                            keep_fraction=self.keep_fraction, head_axis=head_axis,
+                                            query_heads=self.query_heads)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -221,17 +230,25 @@ def smooth(scores, pool: int):
                                  (1,) * scores.ndim, "VALID") / pool
 
 
-def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, head_axis: str | None = None):
+def keep_counts(scores, lengths, *, tau: float, min_tokens: int, window: int, head_axis: str | None = None,
+                query_heads: int | None = None):
     """Step 3: prefix tokens kept per row ``int32[B]`` (the whole prefix where TSA does
     not apply: ``L <= min_tokens + window`` or ``tau == 0``). ``head_axis``: the mesh
     axis the query heads are split over (tensor parallelism): the head mean is taken
-    over every device's heads, so each device keeps the same count."""
+    over every device's heads, so each device keeps the same count. ``query_heads``: the
+    model's own heads, the first ones (padding for the mesh comes after them): only those
+    enter the mean."""
     b, hq, t = scores.shape
     prefix_len = jnp.maximum(lengths.astype(jnp.int32) - window, 0)
     in_prefix = jnp.arange(t)[None, :] < prefix_len[:, None]
+    if query_heads is not None:  # this device's heads are [first, first + hq) of the mesh's
+        first = 0 if head_axis is None else jax.lax.axis_index(head_axis) * hq
+        scores = jnp.where((first + jnp.arange(hq) < query_heads)[None, :, None], scores, 0.0)
     head_sum, heads = scores.sum(axis=1), hq
     if head_axis is not None:
         head_sum, heads = jax.lax.psum(head_sum, head_axis), hq * jax.lax.psum(1, head_axis)
+    if query_heads is not None:
+        heads = query_heads
     m = jnp.where(in_prefix, head_sum / heads, 0.0)
     m = m / jnp.maximum(m.sum(-1, keepdims=True), 1e-30)
     ordered = jnp.sort(jnp.where(in_prefix, m, jnp.inf), axis=-1)  # prefix first, ascending
@@ -455,7 +472,8 @@ def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", bucket
 
 def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7, block=512,
                            head_axis=None, impl: str = "compressed", scores_impl: str = "auto",
-                           gather: str = "gather", buckets: int = 8, keep_fraction: float | None = None):
+                           gather: str = "gather", buckets: int = 8, keep_fraction: float | None = None,
+                           query_heads: int | None = None):
     """Token Sparse Attention over a right-padded prompt: ``q [B,T,Hq,D]``, ``k, v
     [B,T,Hkv,D]``, ``lengths int32[B]`` -> ``[B,T,Hq,D]`` (steps 1-5 above);
     ``head_axis``: see :func:`keep_counts`. ``impl``: "compressed" (gather, attend,
@@ -464,13 +482,14 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
     the GPU where it supports the head size, the reference elsewhere). ``gather``,
     ``buckets``: see :func:`compressed_causal_attention`. ``keep_fraction``: keep this
     fraction of each row's prefix (at least ``min_tokens``) instead of ``tau``'s count
-    (:class:`TokenSparsePrefill`)."""
+    (:class:`TokenSparsePrefill`); ``query_heads``: see :func:`keep_counts`."""
     if impl not in ("compressed", "masked"):
         raise ValueError(f"token_sparse: impl must be 'compressed' or 'masked', got {impl!r}")
     lengths = lengths.astype(jnp.int32)
     scores = smooth(window_scores(q, k, lengths, window, impl=scores_impl), pool)
     if keep_fraction is None:
-        keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
+        keep = keep_counts(scores, lengths, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis,
+                           query_heads=query_heads)
     else:
         keep = fixed_keep_counts(lengths, keep_fraction, min_tokens=min_tokens, window=window)
     kept = kept_tokens(scores, keep, lengths, window)
@@ -546,21 +565,23 @@ def chunk_window_scores(q, k, start, lengths, window: int, tile: int = 4096, imp
 
 
 def chunk_kept_keys(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
-                    keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None):
+                    keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None,
+                    query_heads: int | None = None):
     """Steps 1-4 for a chunk: ``(kept bool[B, Hq, T], keep int32[B])``, each head's kept keys
     before ``start`` (the same count in every head of a row, as TSA's) and that count. The
     chunk's prefix plays the prompt's prefix: all of it is kept while it is at most
     ``min_tokens`` or ``tau`` is 0. ``scores_impl``: :func:`chunk_window_scores`' ``impl``."""
     scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
                                          pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl,
-                                         head_axis=head_axis)
+                                         head_axis=head_axis, query_heads=query_heads)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, keep.shape)  # prefix = ends - window = start
     kept = kept_tokens(scores, keep, ends, window) & (jnp.arange(scores.shape[-1]) < start)[None, None, :]
     return kept, keep
 
 
 def chunk_scores_and_keep(q, k, start, lengths, *, tau: float, min_tokens: int, window: int, pool: int,
-                          keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None):
+                          keep_fraction: float | None = None, scores_impl: str = "auto", head_axis: str | None = None,
+                          query_heads: int | None = None):
     """Steps 1-3 for a chunk: ``(scores f32[B, Hq, T], keep int32[B])``, the smoothed window
     scores (0 from ``start`` on) and the count of prefix keys each head keeps (``head_axis``:
     the mesh axis the heads are split over, :func:`keep_counts`')."""
@@ -568,7 +589,8 @@ def chunk_scores_and_keep(q, k, start, lengths, *, tau: float, min_tokens: int, 
     scores = smooth(chunk_window_scores(q, k, start, lengths, window, impl=scores_impl), pool)
     ends = jnp.broadcast_to(jnp.asarray(start, jnp.int32) + window, (b,))  # prefix = ends - window = start
     if keep_fraction is None:
-        keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis)
+        keep = keep_counts(scores, ends, tau=tau, min_tokens=min_tokens, window=window, head_axis=head_axis,
+                           query_heads=query_heads)
     else:
         keep = fixed_keep_counts(ends, keep_fraction, min_tokens=min_tokens, window=window)
     return scores, keep
@@ -630,7 +652,7 @@ CHUNK_SELECTS = ("sort", "argsort")
 
 def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,
                                  buckets: int = 8, keep_fraction: float | None = None, scores_impl: str = "auto",
-                                 select: str = "sort", head_axis: str | None = None):
+                                 select: str = "sort", head_axis: str | None = None, query_heads: int | None = None):
     """Token Sparse Attention for one chunk of a chunked prefill (see above): ``q [B,C,Hq,D]``
     at positions ``start .. start + C - 1``, ``k, v [B,T,Hkv,D]`` the prompt's keys so far,
     ``lengths int32[B]`` -> ``[B,C,Hq,D]``. Exact chunked attention where nothing is dropped
@@ -644,10 +666,11 @@ def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_toke
     if select == "argsort":
         scores, keep = chunk_scores_and_keep(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window,
                                              pool=pool, keep_fraction=keep_fraction, scores_impl=scores_impl,
-                                             head_axis=head_axis)
+                                             head_axis=head_axis, query_heads=query_heads)
         return sparse_chunk_attention(q, k, v, start, None, keep, buckets=buckets,
                                       order=chunk_kept_order(scores, jnp.asarray(start, jnp.int32)))
     kept, keep = chunk_kept_keys(q, k, start, lengths, tau=tau, min_tokens=min_tokens, window=window, pool=pool,
-                                 keep_fraction=keep_fraction, scores_impl=scores_impl, head_axis=head_axis)
+                                 keep_fraction=keep_fraction, scores_impl=scores_impl, head_axis=head_axis,
+                                 query_heads=query_heads)
     return sparse_chunk_attention(q, k, v, start, kept, keep, buckets=buckets)
 

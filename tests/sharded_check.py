@@ -315,8 +315,8 @@ def tsa_chunk_engine_case():
 
 
 def padded_cases(bf16: bool):
-    """Padded KV heads (3 -> 4) on a mesh, SmolLM2's case in small: dense, quest and asynctls
-    (per-head channels, padded too) on model=2 (data=2 pads nothing: tiny-kv8's asynctls on
+    """Padded KV heads (3 -> 4) on a mesh, SmolLM2's case in small: dense, quest, asynctls
+    (per-head channels, padded too) and quest after a Token Sparse prefill on model=2 (data=2 pads nothing: tiny-kv8's asynctls on
     data=2,model=2 and Kascade on data=2 split rows); with ``bf16``, dense in
     bf16 against an f32 reference on one device and on model=2 (the sharded error is
     rounding of the same size as one device's)."""
@@ -334,7 +334,12 @@ def padded_cases(bf16: bool):
     cases = [("dense", get_method("dense"), Parallelism(1, 2)),
              ("quest", get_method("quest", budget=64, dense_layers=(0,)), Parallelism(1, 2)),
              ("asynctls", get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
-                                     dense_layers=(0,)), Parallelism(1, 2))]
+                                     dense_layers=(0,)), Parallelism(1, 2)),
+             # Token Sparse prefill: the padded heads stay out of the head mean that sets the count
+             # (TokenSparsePrefill.query_heads, set by pad_kv_heads); with them in, the tokens differed
+             ("quest+token_sparse", get_method("quest", budget=64, dense_layers=(0,), prefill="token_sparse",
+                                               prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.2))),
+              Parallelism(1, 2))]
     for name, m, par in cases:
         ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
         pcfg, pparams, pm = sh.pad_kv_heads(cfg, params, par.model, m)

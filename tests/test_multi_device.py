@@ -51,8 +51,8 @@ def test_sharded_decode_matches_one_device(multi_device):
     f32 = [r for c, r in rows.items() if "bf16" not in c]
     # tiny-kv8: dense on 3 meshes, quest, asyncspade and quest+TSA prefill on one, asynctls on two;
     # forward on 1x2 and 1x4, kascade (+ tiled prefill) on data=2; tiny-kv3 (padded to 4 KV heads):
-    # dense, quest, asynctls on model=2; SmolLM2 (real weights): shard(model, model=2).generate
-    assert len(f32) == 16, sorted(rows)
+    # dense, quest, asynctls, quest+TSA on model=2; SmolLM2 (real weights): shard(model, model=2).generate
+    assert len(f32) == 17, sorted(rows)
     meshes = {r["case"].split("/")[-1] for r in f32 if r["case"].startswith("tiny-kv8/")}
     assert {"data=1,model=2", "data=2,model=2", "data=1,model=4"} <= meshes, meshes
     assert rows["smollm2/api-generate/dense/data=1,model=2"]["kv_heads"] == 4  # 3 padded to 4

@@ -450,3 +450,18 @@ def test_chunk_form_refuses_an_unknown_select():
     k = jnp.zeros((1, 32, 1, 16), jnp.float32)
     with pytest.raises(ValueError, match="select must be one of"):
         tsa.token_sparse_chunk_attention(q, k, k, jnp.int32(8), jnp.asarray([16], jnp.int32), select="topk")
+
+
+def test_keep_counts_leave_padded_heads_out():
+    """``query_heads``: a mesh's padded heads (after the model's own) stay out of the head mean
+    that sets the count: the count of the model's heads alone, whatever the padded heads score."""
+    rng = np.random.default_rng(0)
+    scores = jnp.asarray(rng.random((2, 4, 300)) ** 12, jnp.float32)  # peaked: a uniform head shifts the mean
+    lengths = jnp.asarray([300, 250], jnp.int32)
+    opts = dict(tau=0.3, min_tokens=16, window=8)
+    own = tsa.keep_counts(scores[:, :3], lengths, **opts)
+    flat = scores.at[:, 3].set(1.0 / 300)  # a padded head: zero queries, uniform scores
+    np.testing.assert_array_equal(tsa.keep_counts(flat, lengths, query_heads=3, **opts), own)
+    assert (np.asarray(tsa.keep_counts(flat, lengths, **opts)) != np.asarray(own)).any()  # with it in, other counts
+    with pytest.raises(ValueError, match="query_heads"):
+        tsa.TokenSparsePrefill(query_heads=0)

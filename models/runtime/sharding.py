@@ -135,12 +135,20 @@ def pad_kv_heads(cfg: ModelConfig, params, multiple: int, method: AttentionMetho
     params = jax.tree_util.tree_map_with_path(pad, params)
     if method is None:
         return cfg, params
-    return cfg, params, pad_method_heads(method, new)
+    return cfg, params, pad_method_heads(method, new, query_heads=hkv * group)
 
 
-def pad_method_heads(method: AttentionMethod, num_kv_heads: int) -> AttentionMethod:
+def pad_method_heads(method: AttentionMethod, num_kv_heads: int, query_heads: int | None = None) -> AttentionMethod:
     """``method`` with its per-KV-head calibration (Double Sparsity's channels) extended
-    to ``num_kv_heads`` heads, the new heads copying head 0 (see :func:`pad_kv_heads`)."""
+    to ``num_kv_heads`` heads, the new heads copying head 0 (see :func:`pad_kv_heads`);
+    and, given the model's own ``query_heads`` where padding added some, its Token Sparse
+    prefill told them (``TokenSparsePrefill.query_heads``: the padded heads stay out of the
+    head mean that sets the kept count, so the mesh keeps what one device keeps)."""
+    tsa = method.sparse_prefill()
+    if tsa is not None and query_heads is not None and tsa.query_heads is None \
+            and "prefill_options" in {f.name for f in dataclasses.fields(method)}:
+        opts = tuple(kv for kv in method.prefill_options if kv[0] != "query_heads") + (("query_heads", query_heads),)
+        method = dataclasses.replace(method, prefill_options=opts)
     cpl = getattr(method, "channels_per_layer", None)
     if cpl is None or len(cpl[0]) >= num_kv_heads:
         return method
@@ -402,7 +410,9 @@ class ShardedModel(Model):
         check_method(method, self.parallelism.model, self.parallelism.size)
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
-        clone.method = pad_method_heads(method, self.config.num_kv_heads)
+        padded = self.config.num_kv_heads != self.unpadded_config.num_kv_heads
+        clone.method = pad_method_heads(method, self.config.num_kv_heads,
+                                        query_heads=self.unpadded_config.num_heads if padded else None)
         clone.fns = clone._functions(clone.method)
         return clone
 
