@@ -88,6 +88,10 @@ def load_prefill_profile(model_name: str, root=None) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+#: how a chunk's kept keys are found (``token_sparse_chunk_attention(select=...)``)
+CHUNK_SELECTS = ("sort", "argsort")
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenSparsePrefill:
     """Token Sparse Attention's options (the paper's defaults).
@@ -127,6 +131,10 @@ class TokenSparsePrefill:
         'Token Sparse prefill: τ against speed and accuracy'); ``quantile=0.5`` gives the
         paper's set there. Exclusive
         with ``layers``.
+      chunk_select: how the chunk form (chunked prefill) finds each head's kept keys:
+        "sort" (a value sort and a threshold, then the compressed order) or "argsort" (one
+        argsort; the same keys): :data:`CHUNK_SELECTS`, to be chosen by the GPU's timing
+        (``benchmarks.prefill_bench --parts chunk``).
       query_heads: the model's own query heads, where tensor parallelism padded the KV heads
         (``models.runtime.sharding.pad_method_heads`` sets it): the head mean that sets the
         kept count leaves the padded heads out, so a mesh keeps what one device keeps. None:
@@ -144,6 +152,7 @@ class TokenSparsePrefill:
     buckets: int = 8
     keep_fraction: float | None = None
     quantile: float | None = None
+    chunk_select: str = "sort"
     query_heads: int | None = None
 
     def __post_init__(self):
@@ -168,6 +177,8 @@ class TokenSparsePrefill:
                 raise ValueError("token_sparse: give layers or quantile, not both")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.chunk_select not in CHUNK_SELECTS:
+            raise ValueError(f"token_sparse: chunk_select must be one of {CHUNK_SELECTS}, got {self.chunk_select!r}")
         if self.query_heads is not None and (isinstance(self.query_heads, bool) or not isinstance(self.query_heads, int)
                                              or self.query_heads < 1):
             raise ValueError(f"token_sparse: query_heads must be a positive int or None, got {self.query_heads!r}")
@@ -198,7 +209,7 @@ class TokenSparsePrefill:
         return token_sparse_chunk_attention(q, k, v, start, lengths, tau=self.tau, min_tokens=self.min_tokens,
                                             window=self.window, pool=self.pool, buckets=self.buckets,
                                             keep_fraction=self.keep_fraction, head_axis=head_axis,
-                                            query_heads=self.query_heads)
+                                            query_heads=self.query_heads, select=self.chunk_select)
 
 
 def make_prefill(name: str, options=()) -> TokenSparsePrefill | None:
@@ -644,10 +655,6 @@ def sparse_chunk_attention(q, k, v, start, kept, keep, *, buckets: int = 8, orde
         return attend(lengths[0])(q, k, v, order, keep)
     which = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), jnp.max(keep), side="left")
     return jax.lax.switch(which, [attend(n) for n in lengths], q, k, v, order, keep)
-
-
-#: how a chunk's kept keys are found (``token_sparse_chunk_attention(select=...)``)
-CHUNK_SELECTS = ("sort", "argsort")
 
 
 def token_sparse_chunk_attention(q, k, v, start, lengths, *, tau=0.005, min_tokens=1024, window=128, pool=7,

@@ -46,12 +46,15 @@ def _prefill(model, ids, parts: int):
     return np.asarray(logits), steps, layers, int(np.asarray(kv.cache.lengths)[0])
 
 
-@pytest.mark.parametrize("method", ["dense", "quest"])
+@pytest.mark.parametrize("method", ["dense", "quest", "quest+tsa"])
 def test_parts_write_what_whole_chunks_write(tiny, method):
     """A 200-token prompt (4 chunks of 64) in 1, 2 and 3 parts (the tiny model's 3 layers: one
     a part): the same last-token logits, every layer's K/V in its pages and method state in its
-    slot, the slot's length, in chunks x parts iterations."""
-    model = tiny if method == "dense" else tiny.with_method("quest", budget=64)
+    slot, the slot's length, in chunks x parts iterations; Token Sparse Attention's chunk form
+    on layers 1-2 (its kept keys by one argsort) too."""
+    tsa = (("min_tokens", 16), ("window", 16), ("layers", (1, 2)), ("tau", 0.3), ("chunk_select", "argsort"))
+    model = {"dense": tiny, "quest": tiny.with_method("quest", budget=64),
+             "quest+tsa": tiny.with_method("quest", budget=64, prefill="token_sparse", prefill_options=tsa)}[method]
     ids = np.random.default_rng(5).integers(4, 97, 200).tolist()
     base_logits, base_steps, base_layers, base_len = _prefill(model, ids, 1)
     assert base_steps == 4 and base_len == 200

@@ -465,3 +465,5 @@ def test_keep_counts_leave_padded_heads_out():
     assert (np.asarray(tsa.keep_counts(flat, lengths, **opts)) != np.asarray(own)).any()  # with it in, other counts
     with pytest.raises(ValueError, match="query_heads"):
         tsa.TokenSparsePrefill(query_heads=0)
+    with pytest.raises(ValueError, match="chunk_select"):
+        tsa.TokenSparsePrefill(chunk_select="topk")
