@@ -52,32 +52,23 @@ def prefill(model: Transformer, cfg: ModelConfig, method: AttentionMethod, token
 
 def prefill_chunk(model: Transformer, cfg: ModelConfig, method: AttentionMethod, tokens: jax.Array,
                   start: jax.Array, lengths: jax.Array, cache: KVCache, *, kv_len: int, last: bool,
-                  unroll: bool = False, tp: tuple[str, int] | None = None) -> tuple[jax.Array | None, KVCache]:
+                  layers: tuple[int, int] | None = None, unroll: bool = False,
+                  tp: tuple[str, int] | None = None) -> tuple[jax.Array | None, KVCache]:
     """One chunk ``tokens int32[1, C]`` at positions ``start ..`` of a prompt of ``lengths
     [1]`` tokens into a paged one-row view (:meth:`models.driver.Driver.prefill_chunk`):
     the f32 logits ``[1, V]`` at the prompt's last token when ``last``, else None, and the
-    cache (its pages written; with ``last``, the method's state). ``tp``: as :func:`forward`."""
-    drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
-    x, cache = drv.prefill_chunk(nnx.state(model.layers), model.embed_tokens(tokens), start, lengths.astype(jnp.int32),
-                                 cache, kv_len, last)
-    return (model.logits(last_valid(x, lengths - start)) if last else None), cache
+    cache (its pages written; with ``last``, the method's state). ``tp``: as :func:`forward`.
 
-
-def prefill_chunk_layers(model: Transformer, cfg: ModelConfig, method: AttentionMethod, inputs: jax.Array,
-                         start: jax.Array, lengths: jax.Array, cache: KVCache, *, kv_len: int, last: bool,
-                         layers: tuple[int, int], unroll: bool = False,
-                         tp: tuple[str, int] | None = None) -> tuple[jax.Array | None, KVCache]:
-    """:func:`prefill_chunk` through the model layers ``[lo, hi)`` only (a chunk cut by
-    layers): ``inputs`` the chunk's tokens ``int32[1, C]`` where ``lo`` is 0, else the hidden
-    state ``[1, C, H]`` the previous part returned. Returns the hidden state after layer
-    ``hi - 1`` where ``hi`` is not the last layer, else what :func:`prefill_chunk` returns
-    (the logits with ``last``, else None); and the cache (those layers' pages written; with
-    ``last``, their method states)."""
-    lo, hi = layers
+    ``layers`` ``(lo, hi)``: the model layers ``[lo, hi)`` only (a chunk cut by layers);
+    where ``lo > 0``, ``tokens`` is the hidden state ``[1, C, H]`` the previous part returned,
+    and where ``hi`` is not the last layer the hidden state after layer ``hi - 1`` is
+    returned in place of the logits (the cache: those layers' pages and, with ``last``,
+    their method states)."""
+    lo, hi = (0, cfg.num_layers) if layers is None else layers
     drv = _driver(layer_graphdef(cfg, _dtype_of(model)), cfg, method, unroll, tp)
-    x = model.embed_tokens(inputs) if lo == 0 else inputs
+    x = model.embed_tokens(tokens) if lo == 0 else tokens
     x, cache = drv.prefill_chunk(nnx.state(model.layers), x, start, lengths.astype(jnp.int32), cache, kv_len, last,
-                                 layers=(lo, hi))
+                                 layers=layers)
     if hi < cfg.num_layers:
         return x, cache
     return (model.logits(last_valid(x, lengths - start)) if last else None), cache

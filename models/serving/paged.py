@@ -131,29 +131,24 @@ class PagedChunkJob:
         rest = self.n - self.start
         c = self.next_tokens
         last = rest <= c
-        kv_len = chunk_kv_len(self.start + c, kv.page, kv.max_len)
-        head = (jnp.int32(self.start), jnp.asarray([self.n], jnp.int32))
-        if self.parts is not None and (self.part > 0 or len(self.parts) > 1):
-            lo, hi = self.parts[self.part]
-            inputs = jnp.asarray(padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())) if lo == 0 \
-                else self._hidden
-            out = kv.run_on_pool(kv._chunk, f"layers {lo}-{hi - 1} of a chunk of the prefill of a {self.n}-token "
-                                 f"prompt", (inputs, *head), self.slot, self.table, wait=False, kv_len=kv_len,
-                                 last=last, layers=(lo, hi))
-            if self.part + 1 < len(self.parts):  # the chunk goes on with the next layers next iteration
-                self.part, self._hidden = self.part + 1, out
-                return True
-            self.part, self._hidden, logits = 0, None, out
-        else:
-            toks = padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())
-            logits = kv.run_on_pool(kv._chunk, f"a chunk of the prefill of a {self.n}-token prompt",
-                                    (jnp.asarray(toks), *head), self.slot, self.table,
-                                    wait=False,  # the engine waits: PagedSlots.wait
-                                    kv_len=kv_len, last=last)
+        lo, hi = self.parts[self.part] if self.parts is not None else (0, None)
+        inputs = jnp.asarray(padded_prompt(self.ids[self.start:self.start + c], c, m._pad_id())) if lo == 0 \
+            else self._hidden
+        what = f"a chunk of the prefill of a {self.n}-token prompt"
+        static = dict(kv_len=chunk_kv_len(self.start + c, kv.page, kv.max_len), last=last)
+        if self.parts is not None:  # one part of the chunk's layers
+            what, static["layers"] = f"layers {lo}-{hi - 1} of {what}", (lo, hi)
+        # the logits (last chunk), or a part's hidden state before the chunk's last layers
+        out = kv.run_on_pool(kv._chunk, what, (inputs, jnp.int32(self.start), jnp.asarray([self.n], jnp.int32)),
+                             self.slot, self.table, wait=False, **static)  # the engine waits: PagedSlots.wait
+        if self.parts is not None and self.part + 1 < len(self.parts):  # the next layers, next iteration
+            self.part, self._hidden = self.part + 1, out
+            return True
+        self.part, self._hidden = 0, None
         self.start += c
         self.chunks += 1
         if last:
-            self._result = (logits, PrefilledRow(self.slot, self.table, self.n))
+            self._result = (out, PrefilledRow(self.slot, self.table, self.n))
         return True
 
     def grouped(self, logits) -> None:

@@ -153,13 +153,8 @@ def paged_bodies(graphdef, cfg, method, unroll: bool, tp: tuple[str, int] | None
         states = [e.state for e in empty_row(cache).layers] if last else [None] * len(cache.layers)
         view = tuple(PagedLayer(big.pool_k, big.pool_v, st, big.page) for big, st in zip(cache.layers, states))
         row = KVCache(view, lengths, cache.max_len, pages[None])
-        model = nnx.merge(graphdef, params)
-        if layers is None:
-            logits, out = programs.prefill_chunk(model, cfg, method, tokens, start, lengths, row, kv_len=kv_len,
-                                                 last=last, unroll=unroll, tp=tp)
-        else:
-            logits, out = programs.prefill_chunk_layers(model, cfg, method, tokens, start, lengths, row, kv_len=kv_len,
-                                                        last=last, layers=layers, unroll=unroll, tp=tp)
+        logits, out = programs.prefill_chunk(nnx.merge(graphdef, params), cfg, method, tokens, start, lengths, row,
+                                             kv_len=kv_len, last=last, layers=layers, unroll=unroll, tp=tp)
         if not last:  # the pages only
             layers = tuple(dataclasses.replace(big, pool_k=o.pool_k, pool_v=o.pool_v)
                            for big, o in zip(cache.layers, out.layers))
