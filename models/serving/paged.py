@@ -489,14 +489,11 @@ class PagedSlots(PagedRequests):
                 out.append((f"prefill of {bucket} tokens", self._prefill,
                             (params, sds((1, bucket), i32), prompt, cache, slot, pages), {}))
             return out
-        c, longest, ones, many, sizes = self.prefill_chunk, self.max_len - 1, set(), set(), set()
+        c, longest = self.prefill_chunk, self.max_len - 1
         cap = self.max_len  # a multiple of the page: a request's pages
-        for n in {min(c, longest)} | {1 << k for k in range(min(c, longest).bit_length())}:  # one chunk each
-            if n < shortest_prompt:  # the bucket of prompts of at most n tokens: none comes
-                continue
-            size = chunk_tokens(n, c)
-            sizes.add(size)
-            ones.add((size, chunk_kv_len(size, self.page, cap), True))
+        sizes = self.one_chunk_sizes(shortest_prompt)
+        ones = {(size, chunk_kv_len(size, self.page, cap), True) for size in sizes}
+        many = set()
         for start in range(c, longest, c) if longest > c else ():  # the chunks of longer prompts
             many.add((c, chunk_kv_len(start, self.page, cap), False))  # the one ending at `start`, continued
             if start + c >= shortest_prompt:  # the last one, of a prompt of start+1 .. start+c tokens
@@ -518,6 +515,17 @@ class PagedSlots(PagedRequests):
                         (params, sds((rows, size), i32), sds((rows,), i32), cache, sds((rows,), i32),
                          sds((rows, self.pages_per_request), i32)), {}))
         return out
+
+    def one_chunk_sizes(self, shortest_prompt: int = 1) -> list[int]:
+        """The compiled sizes (:func:`chunk_tokens`) of the one-chunk prompts of at least
+        ``shortest_prompt`` tokens, ascending (a chunked engine; none otherwise)."""
+        c, longest = self.prefill_chunk, self.max_len - 1
+        if c is None:
+            return []
+        # the bucket of prompts of at most n tokens, for each n: none comes below shortest_prompt
+        top = min(c, longest)
+        return sorted({chunk_tokens(n, c) for n in {top} | {1 << k for k in range(top.bit_length())}
+                       if n >= shortest_prompt})
 
     def prompt_group_shapes(self, sizes) -> list[tuple[int, int]]:
         """``(rows, size)`` of each program that prefills short prompts together

@@ -19,29 +19,20 @@ import time
 
 import numpy as np
 
-from models.serving.paged import chunk_tokens
 from models.serving.requests import SamplingParams
 
-#: the shortest one-chunk prompt program (``models.serving.paged.chunk_tokens``)
+#: the shortest one-chunk prompt program (``models.serving.paged.chunk_tokens``): an
+#: engine without chunks warms its decode steps with prompts of this many tokens
 SHORTEST_CHUNK = 64
 
 
 def prompt_sizes(engine, shortest_prompt: int = 1) -> list[int]:
     """The one-chunk prompt sizes of a chunked paged engine whose programs serve prompts of
-    at least ``shortest_prompt`` tokens (powers of two from 64 to the chunk); ``[64]`` (the
-    smallest prompt, for the decode steps) for any other engine."""
-    chunk = getattr(engine.kv, "prefill_chunk", None)
-    if chunk is None:
+    at least ``shortest_prompt`` tokens (``PagedSlots.one_chunk_sizes``: what its precompile
+    compiles); ``[64]`` (the smallest prompt, for the decode steps) for any other engine."""
+    if getattr(engine.kv, "prefill_chunk", None) is None:
         return [SHORTEST_CHUNK]
-    if shortest_prompt > chunk:  # every prompt takes several chunks
-        return []
-    first = chunk_tokens(max(1, int(shortest_prompt)), chunk)
-    sizes, n = [], SHORTEST_CHUNK
-    while n < chunk:
-        if n >= first:
-            sizes.append(n)
-        n *= 2
-    return sizes + [chunk] if chunk >= first else sizes
+    return engine.kv.one_chunk_sizes(shortest_prompt)
 
 
 def warm_up(engine, *, shortest_prompt: int = 1, sampled: bool = True, timeout: float = 600.0,
