@@ -322,27 +322,22 @@ def tsa_rows(q, k, v, lengths, kr, *, window: int, fractions, runs: int, check: 
     return rows
 
 
-def chunk_kv_len(end: int, cap: int) -> int:
-    """The keys the paged engine gathers for a chunk ending at ``end``: the power of two
-    holding it, at most the request's capacity (``models.serving.paged.chunk_kv_len``)."""
-    return min(1 << (end - 1).bit_length(), cap)
-
-
 def chunk_rows(key, *, t: int, hq: int, hkv: int, d: int, window: int, dtype, runs: int, check: bool, peak,
                size: int = 2048, keep: float = 0.3, cap: int = 132096, log=print) -> list[dict]:
     """One chunk of ``size`` queries starting at position ``t`` (chunked prefill, B=1), over
-    the keys the engine gathers for it (:func:`chunk_kv_len`): dense (``chunk_prefill_attention``,
-    cuDNN's split form) and Token Sparse Attention's chunk form at ``keep`` of the prefix (the
+    the keys the engine gathers for it (``models.serving.paged.chunk_kv_len``): dense
+    (``chunk_prefill_attention``, cuDNN's split form) and Token Sparse Attention's chunk form at ``keep`` of the prefix (the
     fixed fraction benchmark B ran), whole and in pieces: the window scores (the tiled jnp
     form, "reference", and the window-scores kernel, "pallas"), the kept set (steps 1-4),
     the selection alone (pool, count, step 4 from given scores; with the compressed order;
     and as one argsort, ``select="argsort"``, also timed whole), and the attention over the
     kept keys (gather + cuDNN). Floor: the chunk's QK and PV over its keys at the bf16 peak."""
+    from models.serving.paged import chunk_kv_len
     from pallas_kernels.window_scores import unsupported_reason
     from sparse_jax import prefill as tsa
     from sparse_jax.ops.dense import chunk_prefill_attention
 
-    kv_len = chunk_kv_len(t + size, cap)
+    kv_len = chunk_kv_len(t + size, 64, cap)  # pages of 64 (dense's; a chunk ends past the first page)
     if t + size > kv_len:
         raise ValueError(f"a chunk at {t} of {size} tokens passes the capacity {cap}")
     kq, kk, kv = jax.random.split(key, 3)
@@ -360,8 +355,8 @@ def chunk_rows(key, *, t: int, hq: int, hkv: int, d: int, window: int, dtype, ru
         return time_fn(jax.jit(fn), args, runs=runs, cupti=False).wall_ms
 
     base = dict(context=t, kv_len=kv_len)
-    dense_fn = jax.jit(lambda q, k, v, s: chunk_prefill_attention(q, k, v, s))
-    dense_ms = timed(lambda q, k, v, s: chunk_prefill_attention(q, k, v, s), (q, k, v, start))
+    dense_fn = jax.jit(chunk_prefill_attention)  # timed and, for the cross-check, run: one compile
+    dense_ms = time_fn(dense_fn, (q, k, v, start), runs=runs, cupti=False).wall_ms
     rows = [dict(base, part=f"chunk {size}: dense (cuDNN split)", kept=1.0, ms=dense_ms, vs_dense=1.0,
                  floor_ms=floor(t))]
     impls = ["reference"] + (["pallas"] if unsupported_reason(d, dtype, dtype) is None else [])
