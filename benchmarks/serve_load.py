@@ -406,8 +406,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "prompt_groups": getattr(engine.kv, "prompt_groups", 0), "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
-                "iteration_ms": iteration_ms, "iteration_rows": iteration_rows, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows,
-                "goodput_rps": goodput(rows, iteration_ms)}
+                "iteration_ms": iteration_ms, "iteration_rows": iteration_rows, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows}
     finally:
         engine.stop()
 
@@ -480,8 +479,9 @@ def plot(payload: dict, path: Path) -> None:
 def merge(paths: list[str]) -> dict:
     """One payload from several runs (e.g. one method per device command). Runs of one
     method and configuration (slots, pool, max_inject_tokens) join into one, their rows
-    in rate order (the iteration time is their mean, the goodput recomputed); one method
-    at several ``max_inject_tokens`` or ``prefill_chunk`` gets labels that say which."""
+    in rate order (the iteration time is their mean; every goodput is computed afterwards,
+    :func:`apply_dense_slo`); one method at several ``max_inject_tokens`` or ``prefill_chunk``
+    gets labels that say which."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0])
     runs = [dict(r) for p in parts for r in p["runs"]]
@@ -505,7 +505,6 @@ def merge(paths: list[str]) -> dict:
             same = [first, *more]
             first["iteration_ms"] = sum(r["iteration_ms"] for r in same) / len(same)
             first["rows"] = sorted((row for r in same for row in r["rows"]), key=lambda row: row["rate"])
-            first["goodput_rps"] = goodput(first["rows"], first["iteration_ms"])
         out["runs"].append(first)
     return out
 
