@@ -37,7 +37,17 @@ pool shared by the slots with working-set admission (SparseServe's design),
 with ``dense`` and ``NAME`` (resident) that is SparseServe's Figure 13
 ablation, one component at a time (:data:`PLACES`). ``NAME:offload-paged`` /
 ``NAME:offload-paged-segmented`` run it offloaded on paged host memory (the host pages
-held by the requests, admission by free pages: ``Engine(paged=True, offload=True)``).
+held by the requests, admission by free pages: ``Engine(paged=True, offload=True)``);
+``NAME:offload-paged-shared`` / ``NAME:offload-paged-shared-segmented`` the same on one device
+pool shared by the slots with working-set admission (SparseServe's whole design).
+
+``--churn F`` (offloaded AsyncTLS): random weights have no temporal locality, so an offloaded
+row's next block set shares little with its last and every step misses (measured 2026-12-06:
+18% of the blocks a step reads at 64K, a pool of 128 blocks per row and head); real text
+renews about 1% a step (Gemma 3 at 32K: 0.009, ``benchmarks.offload``'s default). With
+``F`` > 0 each step's prefetch is the last set with ``round(F * (kb - 1))`` blocks moved
+(``AsyncTLS.churn``; the filter still runs, so its cost is paid), as the offload benchmark
+emulates real text's hit rate. 0 (the default): the random model's own selection.
 """
 
 from __future__ import annotations
@@ -300,6 +310,8 @@ def build_model(args, method_name: str):
     method_name, _, tsa = method_name.partition("+")
     if method_name == "asynctls":
         method = asynctls_for(cfg, args.budget, args.kb)
+        if args.churn:  # offloaded only: it moves the lagged filter's prefetch (AsyncTLS.churn)
+            method = dataclasses.replace(method, churn=args.churn)
         if args.tiny:  # 64-token blocks do not fit the tiny prompts
             method = dataclasses.replace(method, block_size=16)
     elif method_name == "double_sparsity":
@@ -356,7 +368,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     model = build_model(args, method_name)
     if args.tensor_parallel > 1:  # the unsharded copy goes with `model`
         model = shard(model, model=args.tensor_parallel)
-    shared = where.startswith("shared")
+    shared = "shared" in where
     inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
     ws_admission = shared and where != "shared-nows"
     t_build = time.perf_counter()
@@ -399,6 +411,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         return {"method": label, "offloaded": where not in RESIDENT_PLACES,
                 "pool": ("shared" if shared else "per_row") if where not in RESIDENT_PLACES else None,
                 "ws_admission": ws_admission,
+                "churn": args.churn if where not in RESIDENT_PLACES and method_name.startswith("asynctls") else None,
                 "max_inject_tokens": inject,
                 "prefill_chunk": args.prefill_chunk if where == "paged-chunked" else None,
                 "group_prompts": bool(args.group_prompts) if where == "paged-chunked" else None,
@@ -434,6 +447,8 @@ def render(payload: dict) -> str:
                for r in payload["runs"] if "error" not in r]
     md += [markdown_table(summary, list(summary[0])) if summary else "", ""]
     md += [f"- **{r['method']} ({r['slots']} slots) failed**: {r['error']}" for r in payload["runs"] if "error" in r]
+    md += [f"- {r['method']}: churn {r['churn']} (each step's prefetch is the last block set with that share moved, "
+           f"emulating real text's hit rate on random weights: `--churn`)" for r in payload["runs"] if r.get("churn")]
     md += [f"- {n}" for n in payload.get("notes", [])] + [""]
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
@@ -489,7 +504,7 @@ def merge(paths: list[str]) -> dict:
     for label in {r["method"] for r in runs}:
         same = [r for r in runs if r["method"] == label]
         for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk"),
-                           ("group_prompts", "grouped"), ("chunk_parts", "parts")):
+                           ("group_prompts", "grouped"), ("chunk_parts", "parts"), ("churn", "churn")):
             if len({r.get(knob) for r in same}) > 1:
                 for r in same:
                     r["method"] = f"{r['method']} ({word} {r.get(knob)})"
@@ -497,7 +512,8 @@ def merge(paths: list[str]) -> dict:
     groups: dict = {}  # in order of first appearance; a failed run stays alone
     for r in runs:
         key = id(r) if "error" in r else (r["method"], r.get("slots"), r.get("pool"), r.get("max_inject_tokens"),
-                                          r.get("prefill_chunk"), r.get("group_prompts"), r.get("chunk_parts"))
+                                          r.get("prefill_chunk"), r.get("group_prompts"), r.get("chunk_parts"),
+                                          r.get("churn"))
         groups.setdefault(key, []).append(r)
     out["runs"] = []
     for first, *more in groups.values():
@@ -516,9 +532,11 @@ def merge(paths: list[str]) -> dict:
 #: Figure 13 ablation is dense, NAME, NAME:offload, NAME:shared-nows, NAME:shared,
 #: NAME:shared-segmented; resident on one pool of pages shared by the requests ("paged", + segmented
 #: prefill: "paged-segmented", + chunked prefill through every layer into the pages: "paged-chunked");
-#: offloaded on paged host memory, per-slot pools ("offload-paged", + segmented prefill)
+#: offloaded on paged host memory, per-slot pools ("offload-paged", + segmented prefill), or one shared
+#: pool with working-set admission ("offload-paged-shared", + segmented prefill)
 PLACES = ("", "offload", "segmented", "resident-segmented", "shared", "shared-segmented", "shared-nows", "paged",
-          "paged-segmented", "paged-chunked", "offload-paged", "offload-paged-segmented")
+          "paged-segmented", "paged-chunked", "offload-paged", "offload-paged-segmented", "offload-paged-shared",
+          "offload-paged-shared-segmented")
 RESIDENT_PLACES = ("", "resident-segmented", "paged", "paged-segmented", "paged-chunked")
 UNBOUNDED_KV_BYTES = 1 << 62
 
@@ -532,7 +550,8 @@ def check_label(label: str) -> None:
     if where not in PLACES:
         raise ValueError(f"method label {label!r}: NAME, NAME:offload, NAME:segmented, NAME:resident-segmented, "
                          f"NAME:shared, NAME:shared-segmented, NAME:shared-nows, NAME:paged, NAME:paged-segmented, "
-                         f"NAME:paged-chunked, NAME:offload-paged or NAME:offload-paged-segmented")
+                         f"NAME:paged-chunked, NAME:offload-paged, NAME:offload-paged-segmented, "
+                         f"NAME:offload-paged-shared or NAME:offload-paged-shared-segmented")
 
 
 def parse_args(argv=None):
@@ -584,6 +603,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens-per-iter", type=int, default=None, help="T_max")
     p.add_argument("--budget", type=int, default=2048, help="sparse methods' token budget")
     p.add_argument("--kb", type=int, default=128, help="asynctls: blocks of the filter")
+    p.add_argument("--churn", type=float, default=0.0,
+                   help="offloaded asynctls: the share of its block set renewed per step, emulating real text's "
+                        "hit rate on random weights (0.009: Gemma 3 at 32K; default 0, the random model's own)")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per rate at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
@@ -604,6 +626,12 @@ def parse_args(argv=None):
             p.error("--chunk-parts applies to NAME:paged-chunked engines, and --methods names none")
         if a.chunk_parts < 1:
             p.error("--chunk-parts must be >= 1")
+        if not 0 <= a.churn < 1:
+            p.error(f"--churn must be in [0, 1), got {a.churn}")
+        if a.churn and not any(m.partition("+")[0].partition(":")[0] == "asynctls"
+                               and m.partition(":")[2] not in RESIDENT_PLACES for m in a.methods.split(",")):
+            p.error("--churn applies to offloaded asynctls engines (asynctls:offload..., asynctls:shared...), "
+                    "and --methods names none")
         mix = parse_mix(a.prompt_mix)
         if not 1 <= a.output_min <= a.output_max:
             p.error("need 1 <= --output-min <= --output-max")

@@ -197,3 +197,23 @@ def test_warm_up_times_the_rows_a_small_pool_holds():
         finally:
             engine.stop()
         assert rows == want and ms > 0
+
+
+def test_offloaded_paged_shared_pool_with_churn(tmp_path):
+    """``asynctls:offload-paged-shared-segmented`` (paged host memory, one shared device pool with
+    working-set admission, segmented prefill) completes every request, and ``--churn`` is recorded
+    on the offloaded AsyncTLS run it moves; it is refused where no such run is named."""
+    rc = serve_load.main(["--tiny", "--methods", "asynctls:offload-paged-shared-segmented", "--budget", "32",
+                          "--churn", "0.5", "--rates", "200", "--requests", "3", "--prompt-mix", "128:1",
+                          "--output-min", "3", "--output-max", "5", "--slots", "2", "--time-limit", "30",
+                          "--out", str(tmp_path), "--name", "ch"])
+    assert rc == 0
+    (run,) = json.loads((tmp_path / "ch.json").read_text())["runs"]
+    assert (run["pool"], run["ws_admission"], run["paged"], run["churn"]) == ("shared", True, True, 0.5)
+    assert run["max_inject_tokens"] and all(row["completed"] == row["requests"] == 3 for row in run["rows"])
+    assert "churn 0.5" in (tmp_path / "ch.md").read_text()
+    for bad in (["--methods", "asynctls:paged-chunked", "--churn", "0.01"],  # resident: no prefetch to move
+                ["--methods", "quest:offload", "--churn", "0.01"],
+                ["--methods", "asynctls:offload", "--churn", "1.5"]):
+        with pytest.raises(SystemExit):
+            serve_load.parse_args(["--tiny", *bad])
