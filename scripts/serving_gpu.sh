@@ -27,6 +27,9 @@
 #   bash scripts/serving_gpu.sh chunk       # where chunked TSA prefill loses to dense (benchmark B): one 2,048-token
 #                                           # chunk at 16K-126K, dense against TSA's chunk form whole and in pieces,
 #                                           # its scores by the jnp tiles and by the kernel (prefill_bench --parts chunk)
+#   bash scripts/serving_gpu.sh hostloop    # issue 49's "fewer host round trips per token": the bare step one call
+#                                           # per token against 4 steps in one program, looped (fori_loop) and
+#                                           # written out (host_probe's multi_unrolled), dense and asynctls, 32K, B=8
 #   bash scripts/serving_gpu.sh memory      # benchmark C, SparseServe's memory regime, emulated: the device
 #                                           # capped at ~49 GB (35% of an H200's 141, 62% of an H100's 80;
 #                                           # C_MEM_FRACTION overrides): 16 GB of weights and
@@ -49,7 +52,7 @@ CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
 # 374K tokens) 4, else the warm-up's 8 prompts of 64K at once do not fit the pool
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0)
 LOAD_SLOTS=${SLOTS:-$([ "${gpu_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
-stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|memory}
+stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|chunk|hostloop|memory}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
 case "$stage" in
@@ -96,6 +99,10 @@ case "$stage" in
     $PY -u -m benchmarks.prefill_bench --parts chunk --contexts 16384,32768,65536,129024 --chunk 2048 \
         --chunk-keep 0.3 --runs 10 --out "$OUTDIR" --name prefill_chunk_tsa 2>&1 | quiet
     ;;
+  hostloop)
+    $PY -u -m benchmarks.probes.host_probe --context 32768 --batch 8 --multi 4 --steps 32 --rounds 5 \
+        --shapes stable,multi,multi_unrolled --tag _multistep --out "$OUTDIR" 2>&1 | quiet
+    ;;
   memory)
     m=${METHODS:-dense:paged-chunked}
     # the same ~49 GB on any card: 0.35 of an H200's 141 GB, 0.62 of an H100's 80 (C_MEM_FRACTION overrides)
@@ -115,5 +122,5 @@ case "$stage" in
         2>&1 | quiet
     ;;
   *)
-    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|memory" >&2; exit 2 ;;
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|hostloop|memory" >&2; exit 2 ;;
 esac

@@ -14,7 +14,12 @@ donated:
   moves from one step to the next. The lead it tests: XLA re-records (or
   updates) a CUDA graph whose buffers moved, a host cost per step.
 - ``multi``: ``--multi`` greedy steps in one program (a ``lax.fori_loop`` over
-  the step), so the host cost is paid once per ``--multi`` tokens.
+  the step), so the host cost is paid once per ``--multi`` tokens. Measured on the
+  H200 (2026-12-01, issue 49) it cost more device time per token, not less: 15.35
+  against 8.46 ms for asynctls, 30.3 against 23.4 for dense.
+- ``multi_unrolled``: the same ``--multi`` steps written out one after another in one
+  program (no loop: straight-line code XLA schedules as one graph), issue 49's
+  "several steps unrolled in one program", the form that may avoid the loop's penalty.
 - ``tiered`` / ``offload``: :class:`models.runtime.tiered.TieredRunner`'s step, resident
   and offloaded (with the benchmark's block churn), on random K/V, as
   ``benchmarks.offload`` runs it.
@@ -43,10 +48,10 @@ from benchmarks.timing import markdown_table, stamp, write_results
 
 
 def _step_fns(graphdef, cfg, method, multi: int):
-    """The three program shapes (see the module docstring)."""
+    """The four program shapes (see the module docstring): ``(logits, stable, multi,
+    multi_unrolled)`` jitted functions."""
     from flax import nnx
 
-    from models import transformer as tfm
     from models import programs
 
     def step(params, tokens, cache):
@@ -68,7 +73,14 @@ def _step_fns(graphdef, cfg, method, multi: int):
 
         return jax.lax.fori_loop(0, multi, body, (tokens, cache))
 
-    return logits_fn, stable_fn, multi_fn
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def multi_unrolled_fn(params, tokens, cache):
+        for _ in range(multi):  # traced `multi` times: one straight-line program
+            logits, cache = step(params, tokens, cache)
+            tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+        return tokens, cache
+
+    return logits_fn, stable_fn, multi_fn, multi_unrolled_fn
 
 
 def _measure(run, state, steps: int, rounds: int, per_call: int):
@@ -134,7 +146,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--multi", type=int, default=8)
     p.add_argument("--methods", default="dense,asynctls")
-    p.add_argument("--shapes", default="logits,stable,multi")
+    p.add_argument("--shapes", default="logits,stable,multi,multi_unrolled")
     p.add_argument("--churn", type=float, default=0.012, help="offload shape: AsyncTLS block churn per step")
     p.add_argument("--profile", action="store_true", help="trace 4 back-to-back calls per shape")
     p.add_argument("--tag", default="")
@@ -147,7 +159,7 @@ def main(argv=None):
     for name in a.methods.split(","):
         method = asynctls_for(cfg, budget=2048, kb=128) if name == "asynctls" else get_method(name)
         model = random_model(cfg, method, cap)
-        logits_fn, stable_fn, multi_fn = _step_fns(model.graphdef, cfg, method, a.multi)
+        logits_fn, stable_fn, multi_fn, multi_unrolled_fn = _step_fns(model.graphdef, cfg, method, a.multi)
         params = model.params
         for shape in a.shapes.split(","):
             tokens = jnp.zeros((a.batch,), jnp.int32)
@@ -182,11 +194,16 @@ def main(argv=None):
                     tok, c = stable_fn(params, *st)
                     return tok, (tok, c)
                 per_call = 1
-            else:
-                def run(st):
-                    tok, c = multi_fn(params, *st)
+            elif shape in ("multi", "multi_unrolled"):
+                fn = multi_fn if shape == "multi" else multi_unrolled_fn
+
+                def run(st, fn=fn):
+                    tok, c = fn(params, *st)
                     return tok, (tok, c)
                 per_call = a.multi
+            else:
+                raise ValueError(f"unknown shape {shape!r}: logits, stable, multi, multi_unrolled, tiered, offload, "
+                                 f"offload_quiet")
             used = (2 + max(4, a.steps // 2) + a.rounds * max(1, a.steps // per_call)) * per_call
             if a.context + used > cap:
                 raise ValueError(f"{used} steps overflow the cache's {cap - a.context} spare slots")
