@@ -112,12 +112,15 @@ case "$stage" in
     # of device memory with POOL_SLOTS=128 (its two dense layers, labels, 128 blocks per head and layer)
     # (SHARED_POOL_SLOTS: NAME:offload-paged-shared-segmented's one pool, per layer and KV head); CHURN=0.009
     # emulates real text's block hit rate on the random weights (serve_load --churn)
+    # MIX, OUT_MIN, OUT_MAX, RATES, REQUESTS, TIME_LIMIT change the load (default: 16 prompts of 64K at
+    # 1 req/s, outputs 256-512, which is prefill-bound for both engines; SparseServe's LongBench trace is
+    # mostly shorter prompts, e.g. MIX=16384:2,32768:2,65536:1)
     C_MEM_FRACTION=${C_MEM_FRACTION:-$(awk -v t="$total_mib" 'BEGIN { f = 49 * 1024 / t; printf "%.2f", (f < 0.95 ? f : 0.95) }')}
     XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION \
-      $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix 65536:1 \
-        --output-min 256 --output-max 512 --slots "${C_SLOTS:-16}" ${POOL_SLOTS:+--pool-slots "$POOL_SLOTS"} \
-        ${SHARED_POOL_SLOTS:+--shared-pool-slots "$SHARED_POOL_SLOTS"} ${CHURN:+--churn "$CHURN"} --rates 1 --requests 16 --time-limit 240 --out "$OUTDIR" \
-        --name "serve_load_memory_${m//[:+]/_}" \
+      $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix "${MIX:-65536:1}" \
+        --output-min "${OUT_MIN:-256}" --output-max "${OUT_MAX:-512}" --slots "${C_SLOTS:-16}" ${POOL_SLOTS:+--pool-slots "$POOL_SLOTS"} \
+        ${SHARED_POOL_SLOTS:+--shared-pool-slots "$SHARED_POOL_SLOTS"} ${CHURN:+--churn "$CHURN"} --rates "${RATES:-1}" --requests "${REQUESTS:-16}" \
+        --time-limit "${TIME_LIMIT:-240}" --out "$OUTDIR" --name "serve_load_memory_${m//[:+,]/_}" \
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \
         2>&1 | quiet
     ;;
