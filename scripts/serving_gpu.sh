@@ -108,8 +108,9 @@ case "$stage" in
     # the same ~49 GB on any card: 0.35 of an H200's 141 GB, 0.62 of an H100's 80 (C_MEM_FRACTION overrides)
     total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     # C_SLOTS (default 16) and POOL_SLOTS (an offloaded engine's block slots per (slot, KV head); default
-    # twice one step's blocks) size the engine to the cap: at 64K an offloaded AsyncTLS row holds ~2.6 GiB
-    # of device memory with POOL_SLOTS=128 (its two dense layers, labels, 128 blocks per head and layer)
+    # twice one step's blocks) size the engine to the cap: at 64K an offloaded AsyncTLS row holds ~2.1 GiB
+    # of device memory with POOL_SLOTS=128 (its two dense layers, labels, 128 blocks per head and layer;
+    # 2.6 before the paged engine built its empty batch without the batch's K/V, 2026-12-06): 10 rows
     # (SHARED_POOL_SLOTS: NAME:offload-paged-shared-segmented's one pool, per layer and KV head); CHURN=0.009
     # emulates real text's block hit rate on the random weights (serve_load --churn)
     # MIX, OUT_MIN, OUT_MAX, RATES, REQUESTS, TIME_LIMIT change the load (default: 16 prompts of 64K at

@@ -394,3 +394,44 @@ def test_offloaded_paged_engine_soak(tiny):
         assert r.finish_reason == "length", (i, r.finish_reason)
         assert r.output_ids == _alone(model, [prompts[i]], outs[i])[0], i
     _check_drained(engine)
+
+
+@pytest.mark.parametrize("pool", ["per_row", "shared"])
+def test_empty_state_is_the_zero_kv_state_without_the_batch_kv(pool):
+    """``TieredRunner.empty_state`` (the paged engine's free slots) builds the state that
+    ``state_from_kv`` of zero K/V builds, leaf for leaf, with no offloaded layer's batch K/V on
+    the device; the capacity check then counts one row's prefill, not the batch's."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparse_jax.offload import capacity
+    from tests.test_offload import _tiny_asynctls_model
+
+    model = _tiny_asynctls_model()
+    runner = TieredRunner(model, "offload", host_pages=9, pool=pool)
+    cfg, bs, slots = model.config, runner.method.offload_block_size, 3
+    pages = lambda: HostPages(9, slots, MAX_LEN // bs, own=False)  # noqa: E731 - every block the null page
+
+    def zeros(i):
+        shape = (slots, cfg.num_kv_heads, MAX_LEN, cfg.head_dim)
+        return jnp.zeros(shape), jnp.zeros(shape), jnp.zeros((slots, cfg.num_heads, cfg.head_dim))
+
+    want = runner.state_from_kv(zeros, np.ones(slots, np.int32), MAX_LEN, pages=pages())
+    got = runner.empty_state(slots, MAX_LEN, pages())
+    assert runner.offloaded_layers and jax.tree.structure(got.cache) == jax.tree.structure(want.cache)
+    for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(want.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(got.host, want.host):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.k.sharding.memory_kind == "pinned_host"
+            np.testing.assert_array_equal(np.asarray(a.k), np.asarray(b.k))
+            np.testing.assert_array_equal(np.asarray(a.table), np.asarray(b.table))
+    np.testing.assert_array_equal(got.lengths_host, want.lengths_host)
+    # what a prefill holds: one row's layer (the engine's), or the batch's (a batch prefill)
+    one = capacity.footprint(cfg, model.method, batch=slots, max_len=MAX_LEN, mode="offload", host_pages=9,
+                             prefill_rows=1)
+    every = capacity.footprint(cfg, model.method, batch=slots, max_len=MAX_LEN, mode="offload", host_pages=9)
+    assert every.device["prefill_layer"] == slots * one.device["prefill_layer"] > 0
+    with pytest.raises(ValueError, match="paged host tier"):
+        TieredRunner(model, "offload").empty_state(slots, MAX_LEN, pages())

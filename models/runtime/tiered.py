@@ -225,7 +225,7 @@ class TieredRunner:
             self._layouts[key] = MeshLayout(self, *key)
         return self._layouts[key]
 
-    def footprint(self, batch: int, max_len: int) -> capacity.Footprint:
+    def footprint(self, batch: int, max_len: int, prefill_rows: int | None = None) -> capacity.Footprint:
         """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`); on a
         mesh, the device bytes are one device's (its KV heads' share of the weights and
         caches, its replica's rows) and the host bytes the whole host tier."""
@@ -236,7 +236,7 @@ class TieredRunner:
             return capacity.footprint(cfg, self.method, batch=b, max_len=max_len, mode=mode,
                                       dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
                                       pool_slots=self._pool(max_len, batch) if self.mode == "offload" else None,
-                                      shared=self.shared, host_pages=self.host_pages)
+                                      shared=self.shared, host_pages=self.host_pages, prefill_rows=prefill_rows)
 
         whole = fp(self.cfg, batch)
         if self.mesh is None:
@@ -244,18 +244,19 @@ class TieredRunner:
         return capacity.Footprint(device=fp(self.local_cfg, -(-batch // self.par.data)).device, host=whole.host)
 
     def check_capacity(self, batch: int, max_len: int, *, device_limit=None, host_limit=None,
-                       prefill_temp_bytes: int = 0, autotune_scratch: int = 0):
+                       prefill_temp_bytes: int = 0, autotune_scratch: int = 0, prefill_rows: int | None = None):
         """Raise :class:`~sparse_jax.offload.capacity.CapacityError` before allocating
         when the batch does not fit (limits: the runner's unless given here).
         ``prefill_temp_bytes``: a prompt's prefill temporaries on top of the batch
         (:meth:`prefill_temp_bytes`; a serving engine prefills beside its batch).
         ``autotune_scratch``: what XLA's GEMM autotuner claims compiling a program after the
-        batch exists (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`)."""
+        batch exists (:func:`~sparse_jax.offload.capacity.autotune_scratch_bytes`). ``prefill_rows``:
+        the rows prefilled at once (:func:`~sparse_jax.offload.capacity.footprint`; default the batch)."""
         device_limit = self.device_limit if device_limit is None else device_limit
         host_limit = self.host_limit if host_limit is None else host_limit
         dl = capacity.device_budget() if device_limit == "auto" else device_limit
         hl = capacity.host_budget() if host_limit == "auto" else host_limit
-        fp = self.footprint(batch, max_len)
+        fp = self.footprint(batch, max_len, prefill_rows)
         extra = {k: int(v) for k, v in (("prefill_temporaries", prefill_temp_bytes),
                                          ("autotune_scratch", autotune_scratch)) if v}
         if extra:
@@ -301,6 +302,21 @@ class TieredRunner:
         build = StateBuilder(self, lengths, max_len, pages)
         for i in range(self.num_layers):
             build.add(i, *kv_of_layer(i))
+        return build.finish()
+
+    def empty_state(self, batch: int, max_len: int, pages: HostPages) -> TieredState:
+        """A paged host tier's batch of ``batch`` one-token rows of zeros (a serving engine's free
+        slots; ``pages``: the caller's table, every block the null page), as :meth:`state_from_kv`
+        of zero K/V gives it, but no offloaded layer's ``[batch, Hkv, max_len, D]`` K/V (nor its
+        block layout) is ever on the device: each such layer's tiers are computed from zeros
+        made inside one program (:func:`~models.runtime.tiered_programs.empty_offloaded_layer`),
+        so the batch's device peak is its tiers, not 2 x a layer's K/V more (at 16 slots of 64K
+        on the Qwen3-8B shape, 8 GiB). Resident layers hold their K/V anyway."""
+        if self.host_pages is None or self.mesh is not None:
+            raise ValueError("empty_state builds a paged host tier's batch on one device (host_pages=N, no mesh)")
+        build = StateBuilder(self, np.ones(batch, np.int32), max_len, pages, empty=True)
+        for i in range(self.num_layers):
+            build.add_empty(i)
         return build.finish()
 
     def _compile_save(self, cache: KVCache, batch: int):

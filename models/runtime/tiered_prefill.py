@@ -15,7 +15,8 @@ import numpy as np
 
 from models import transformer as tfm
 from models.api import round_up
-from models.runtime.tiered_programs import chunked_layer_kv, finish_layer, padded_rows, prefill_chunk_fn, prefill_layer_fn
+from models.runtime.tiered_programs import (chunked_layer_kv, empty_offloaded_layer, finish_layer, padded_rows,
+                                            prefill_chunk_fn, prefill_layer_fn)
 from models.runtime.tiered_state import HostPages, TieredState, host_view
 from sparse_jax.cache import NULL_PAGE, KVCache
 from sparse_jax.offload import pool as off
@@ -29,13 +30,15 @@ class StateBuilder:
     :class:`~models.runtime.tiered.TieredRunner` (not imported: it imports this module)."""
 
     def __init__(self, runner, lengths, max_len: int, pages: HostPages | None = None,
-                 into: tuple | None = None):
+                 into: tuple | None = None, empty: bool = False):
+        """``empty``: the rows are one-token rows of zeros built by :meth:`add_empty` (no batch
+        of K/V prefilled: the capacity check counts one row's prefill, the engine's)."""
         lengths_np = np.asarray(lengths, np.int32).copy()
         lengths = jnp.asarray(lengths_np)
         batch = int(lengths.shape[0])
         self.runner, self.max_len = runner, max_len
         self.pool = runner._pool(max_len, batch)
-        runner.check_capacity(batch, max_len)
+        runner.check_capacity(batch, max_len, prefill_rows=1 if empty else None)
         self.layout = runner._layout(batch, max_len) if runner.mesh is not None else None
         if self.layout is None:
             self.dev, self.pinned = device_sharding(runner.sharding), pinned_host_sharding(runner.sharding)
@@ -87,24 +90,47 @@ class StateBuilder:
             self.host.append(HostLayer(jax.device_put(hk, self.pinned), jax.device_put(hv, self.pinned))  # async D2H
                              if r.offloaded[i] else None)
 
-    def _paged_host(self, i: int, hk, hv) -> HostLayer:
+    def add_empty(self, i: int) -> None:
+        """Layer ``i`` of one-token rows of zeros, as :meth:`add` of zero K/V and queries makes
+        it, without the batch's K/V on the device for an offloaded layer (its tiers come from
+        zeros made inside one program; paged host tier only: its pools are zeros from the host)."""
+        r = self.runner
+        assert i == len(self.layers), (i, len(self.layers))
+        cfg, dt = r.local_cfg, r.model.dtype
+        b = int(self.lengths.shape[0])
+        kv_shape = (b, cfg.num_kv_heads, self.max_len, cfg.head_dim)
+        if not r.offloaded[i] or self.pages is None or self.layout is not None:
+            self.add(i, jnp.zeros(kv_shape, dt), jnp.zeros(kv_shape, dt), jnp.zeros((b, cfg.num_heads, cfg.head_dim), dt))
+            return
+        spec = r.plan.specs[i]
+        run = empty_offloaded_layer(r.method, spec, self.pool, r.shared, batch=b, num_kv_heads=cfg.num_kv_heads,
+                                    max_len=self.max_len, head_dim=cfg.head_dim, num_q_heads=cfg.num_heads,
+                                    dtype=jnp.dtype(dt))
+        self.layers.append(jax.device_put(run(self.lengths, r.layer_data(i)), self.dev))
+        bs = r.method.offload_block_size
+        self.host.append(self._paged_host(i, None, None, like=(cfg.num_kv_heads, bs, cfg.head_dim, jnp.dtype(dt))))
+
+    def _paged_host(self, i: int, hk, hv, like: tuple | None = None) -> HostLayer:
         """Layer ``i``'s page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
         host: nothing of the pool's size on the device; or ``into``'s), and its prompt blocks
         gathered on the device and copied to the host asynchronously, stored into their pages by
         :meth:`finish`."""
-        _, hkv, _, bs, d = hk.shape
+        # like: (Hkv, bs, D, dtype) where no block layout was made (add_empty: nothing to store)
+        (_, hkv, _, bs, d), dtype = (hk.shape, hk.dtype) if hk is not None else ((None, like[0], None, like[1], like[2]), like[3])
         shape = (self.pages.num_pages, hkv, bs, d)
         if self.into is not None:
             pk, pv = self.into[i].k, self.into[i].v
-            if pk.shape != shape or pk.dtype != hk.dtype:
+            if pk.shape != shape or pk.dtype != dtype:
                 raise ValueError(f"layer {i}: page pools {pk.shape} {pk.dtype}, the prompt's pages are {shape} "
-                                 f"{hk.dtype}")
+                                 f"{dtype}")
         else:
             # zeros from the host, one layer's pool at a time (waited for: at most one layer's NumPy
             # zeros alive beside the pinned pools; nothing of the pool's size on the device)
-            pk, pv = (jax.block_until_ready(jax.device_put(np.zeros(shape, hk.dtype), self.pinned))
+            pk, pv = (jax.block_until_ready(jax.device_put(np.zeros(shape, dtype), self.pinned))
                       for _ in range(2))
         rows, blocks, pages = self._filled
+        if rows.size and hk is None:
+            raise ValueError(f"layer {i}: blocks with pages to store and no K/V (add_empty builds rows of zeros)")
         if rows.size:
             # the lists padded to a power of two (their last entry repeated): few compilations of the gather
             pad = padded_rows(rows.size) - rows.size

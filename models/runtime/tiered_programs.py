@@ -133,6 +133,25 @@ def finish_layer_body(method, spec, offloaded: bool, pool: int, shared: bool = F
     return run
 
 
+@functools.lru_cache(maxsize=16)
+def empty_offloaded_layer(method, spec, pool: int, shared: bool, *, batch: int, num_kv_heads: int, max_len: int,
+                          head_dim: int, num_q_heads: int, dtype):
+    """``(lengths, data) -> entry``: :func:`finish_layer`'s offloaded tier of all-zero K/V and
+    queries, the zeros made inside the program and the host copies not returned, so neither is
+    ever a buffer of the batch's size (:meth:`models.runtime.tiered.TieredRunner.empty_state`)."""
+    body = finish_layer_body(method, spec, True, pool, shared)
+    shape = (batch, num_kv_heads, max_len, head_dim)
+
+    @jax.jit
+    def run(lengths, data):
+        k = jnp.zeros(shape, dtype)
+        q = jnp.zeros((batch, num_q_heads, head_dim), dtype)
+        entry, _, _ = body(k, k, lengths, q, data)
+        return entry
+
+    return run
+
+
 def padded_rows(n: int) -> int:
     """The row count a block extraction of ``n`` rows runs with: the next power of two."""
     return 1 << int(n - 1).bit_length()

@@ -484,8 +484,11 @@ class OffloadedSlots(PagedRequests):
 
 
         if device_budget() is not None:  # a GPU: the longest prompt's prefill runs beside the batch
+            # paged: the empty batch is built without its layers' K/V (TieredRunner.empty_state) and prompts
+            # prefill one at a time, so one row's layer is what a prefill holds
             self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
-                self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params))
+                self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params),
+                prefill_rows=1 if self.paged else None)
 
         def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
             shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
@@ -497,7 +500,8 @@ class OffloadedSlots(PagedRequests):
             self.blocks = BlockManager(host_pages, self.block_size, nb)
             pages = HostPages(host_pages, slots, nb, own=False)  # every slot: the null page
             self._owner: list[int | None] = [None] * slots  # request id per slot
-        self.state = self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len, pages=pages)
+        self.state = (self.runner.empty_state(slots, max_len, pages) if self.paged
+                      else self.runner.state_from_kv(empty, np.ones(slots, np.int32), max_len, pages=pages))
         bad = []
         for i, e in enumerate(self.state.cache.layers):
             if isinstance(e, OffloadedLayer) and e.shared:  # the pool is the slots' together: its row leaves

@@ -55,14 +55,18 @@ class Footprint:
 
 
 def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: int = 2,
-              pool_slots: int | None = None, shared: bool = False, host_pages: int | None = None) -> Footprint:
+              pool_slots: int | None = None, shared: bool = False, host_pages: int | None = None,
+              prefill_rows: int | None = None) -> Footprint:
     """Bytes of weights, caches and tiers (not XLA temporaries) for ``cfg`` (a
     :class:`models.config.ModelConfig`) and ``method`` (an AsyncTLS-like method
     for "sparse"/"offload"; ignored for "dense"). ``shared``: the offloaded tier's
     pool is shared by the rows, ``pool_slots`` per (layer, KV head) (default: the
     batch times the per-row default), plus two ring slots per row. ``host_pages``: the
     host tier is a pool of that many pages of one block (every KV head), shared by the
-    rows (:mod:`sparse_jax.offload.tiers`), not ``batch x max_len``."""
+    rows (:mod:`sparse_jax.offload.tiers`), not ``batch x max_len``. ``prefill_rows``: the rows
+    whose layer K/V a prefill holds at once (default ``batch``: a batch prefilled together; a
+    serving engine's prompts one at a time, its empty batch built without them:
+    :meth:`models.runtime.tiered.TieredRunner.empty_state`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     b, hkv, d, s = int(batch), cfg.num_kv_heads, cfg.head_dim, int(max_len)
@@ -95,7 +99,8 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
         dev["slot_pool"] = n_sparse * 2 * b * hkv * (p + 2) * bs * d * e
         dev["block_tables"] = n_sparse * 4 * b * hkv * (nb + 2 * p)
     dev["gather_lists"] = n_sparse * 2 * 4 * b * hkv * max(n1, 0)
-    dev["prefill_layer"] = 2 * kv_layer  # one layer's K/V and its block layout, while it is built
+    rows = b if prefill_rows is None else int(prefill_rows)
+    dev["prefill_layer"] = 2 * (kv_layer // b) * rows  # one layer's K/V and its block layout, while it is built
     if host_pages is None:
         host["kv_blocks"] = n_sparse * kv_layer
     else:
