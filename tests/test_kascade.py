@@ -157,6 +157,11 @@ def test_anchor_dp_matches_brute_force():
     assert set(choose_anchors(score, 2, layers=[1, 3, 5])) <= {1, 3, 5}
     sim = rng.uniform(size=(nl, nl, 2, 2))
     s, heads = layer_scores(sim, np.ones(nl))
+    # each reuse head scored by its own best anchor head, then averaged (microsoft/kascade's order)
+    np.testing.assert_allclose(s, sim.max(axis=-1).mean(axis=2))
+    two = np.zeros((2, 2, 2, 2))
+    two[0, 1] = [[0.9, 0.1], [0.1, 0.9]]  # reuse head 0 reads anchor head 0, reuse head 1 anchor head 1
+    assert layer_scores(two, np.ones(2))[0][0, 1] == pytest.approx(0.9)  # a shared head would score 0.5
     hm = head_map_for([0, 3], heads, nl, 2)
     assert hm[0].tolist() == [0, 1] and hm[3].tolist() == [0, 1] and hm[4].tolist() == heads[3, 4].tolist()
     assert fallback_anchors(36) == (0, 2, 10, 19, 28) and fallback_anchors(3) == (0, 1, 2)

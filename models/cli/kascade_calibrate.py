@@ -132,7 +132,8 @@ def calibrate(model, prompts: np.ndarray, *, k: int, tile: int, num_anchors: int
         "importance": [round(float(x), 6) for x in imp],
         "layer_score": np.round(score, 5).tolist(),  # [len(layers)]^2: positions in ``layers``
         "heads": full_heads.astype(int).tolist(),  # [L, L, Hkv]: best anchor head of (anchor a, layer b, head)
-        "mean_head_similarity": np.round(sim.mean(axis=2).max(axis=-1), 5).tolist(),
+        # [a, b]: the mean over b's heads of each one's best head of a (layer_score before the weights)
+        "mean_head_similarity": np.round(sim.max(axis=-1).mean(axis=2), 5).tolist(),
     }
 
 

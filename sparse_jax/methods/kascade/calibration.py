@@ -135,9 +135,16 @@ def importance(x_in: np.ndarray, x_out: np.ndarray) -> float:
 
 
 def layer_scores(sim: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``S[a, b] = max_{h_a} mean_{h_b} sim[a, b, h_b, h_a] * w_b`` and the head map
-    argmax ``[a, b, h_b] -> h_a``. ``sim [L, L, Hkv, Hkv]``, ``weights [L]``."""
-    score = sim.mean(axis=2).max(axis=-1) * weights[None, :]
+    """``S[a, b] = mean_{h_b} max_{h_a} sim[a, b, h_b, h_a] * w_b`` and the head map
+    argmax ``[a, b, h_b] -> h_a``. ``sim [L, L, Hkv, Hkv]``, ``weights [L]``.
+
+    Each reuse head is scored by the anchor head the map gives it, then the heads are averaged,
+    as ``microsoft/kascade``'s ``StatsRunner._process_select_layers`` does (``amax`` over the
+    anchor's heads, then ``mean`` over the reuse layer's). Before 2026-12-06 the order was the
+    other one (the mean over reuse heads of one anchor head's similarity, the best such head):
+    the score of a single shared anchor head, below the mapped one wherever a layer's heads
+    prefer different anchor heads."""
+    score = sim.max(axis=-1).mean(axis=2) * weights[None, :]
     head = sim.argmax(axis=-1)
     return score, head
 
