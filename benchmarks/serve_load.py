@@ -438,6 +438,8 @@ def render(payload: dict) -> str:
     summary = [{"method": r["method"], "slots": r["slots"], "max_len": r["max_len"],
                 "iteration_ms": r["iteration_ms"], "iteration rows": r.get("iteration_rows", r["slots"]),
                 "SLO P99 TBT ms (25x dense iteration)": 25 * r.get("slo_iteration_ms", r["iteration_ms"]),
+                # which iteration the SLO took: a dense run's, or the run's own where the results hold none
+                "SLO base": r.get("slo_base", ""),
                 "goodput req/s": r["goodput_rps"] if r["goodput_rps"] is not None else "none",
                 # starting: the engine's build (its pool sized by a compile) and its precompile
                 "build + precompile s": (f"{r['engine_build_s']:.0f} + {r['precompile']['seconds']:.0f} "
