@@ -143,7 +143,7 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
     rng = np.random.default_rng(seed + 1)
     reqs = []
     steps0 = engine.steps
-    blocks0 = engine.blocks_loaded
+    blocks0, hits0 = engine.blocks_loaded, getattr(engine.kv, "blocks_hit", 0)
     start = time.perf_counter()
     stop_submitting = threading.Event()
 
@@ -201,7 +201,14 @@ def run_rate(engine, wl: Workload, time_limit: float, vocab: int, seed: int,
             "throughput_tok_s": out_tokens / max(end - start, 1e-9), "output_tokens": out_tokens,
             "decode_steps": steps, "mean_batch": decode_tokens / steps if steps else 0.0,
             "blocks_loaded_per_iter": (engine.blocks_loaded - blocks0) / steps if steps else 0.0,
+            # offloaded: the share of the blocks the steps read that the device pool held
+            "pool_hit_rate": _hit_rate(getattr(engine.kv, "blocks_hit", 0) - hits0, engine.blocks_loaded - blocks0),
             "mean_working_set_mib": float(np.mean(ws_samples)) / 2**20 if ws_samples else 0.0}
+
+
+def _hit_rate(hits: int, misses: int) -> float | None:
+    """``hits / (hits + misses)``; None where no block was read (a resident engine)."""
+    return hits / (hits + misses) if hits + misses else None
 
 
 def decoding_rows(engine, tokens: int) -> int:
@@ -455,8 +462,10 @@ def render(payload: dict) -> str:
     rows = [row for r in payload["runs"] for row in r["rows"]]
     cols = ["method", "rate", "completed", "failed", "requests", "mean_ttft_s", "p99_ttft_s", "mean_tbt_ms", "p99_tbt_ms",
             "max_tbt_ms", "mean_queue_s", "mean_prefill_s", "throughput_tok_s", "mean_batch",
-            "blocks_loaded_per_iter", "mean_working_set_mib"]
-    md += [markdown_table([{"mean_prefill_s": float("nan"), **row} for row in rows], cols), ""]
+            "blocks_loaded_per_iter", "pool_hit_rate", "mean_working_set_mib"]
+    md += [markdown_table([{"mean_prefill_s": float("nan"), **row,
+                            "pool_hit_rate": "" if row.get("pool_hit_rate") is None else row["pool_hit_rate"]}
+                           for row in rows], cols), ""]
     # where the time went (results from before these fields lack them)
     md += [f"- {row['method']} at {row['rate']} req/s: mean prefill (scheduled to first token) by prompt length "
            f"{row['prefill_s_by_length']} s; the longest token gap came {row['max_tbt_at']}"

@@ -26,6 +26,9 @@ def test_serve_load_tiny(tmp_path):
     assert not d["runs"][0]["offloaded"] and d["runs"][0]["prefill_segments"] > 0
     assert d["runs"][2]["offloaded"] and d["runs"][2]["prefill_segments"] > 0
     assert d["runs"][1]["offloaded"] and sum(r["blocks_loaded_per_iter"] for r in d["runs"][1]["rows"]) > 0
+    # the device pool's hit rate: offloaded rows read blocks (some found in the pool), resident ones none
+    assert all(0.0 < r["pool_hit_rate"] < 1.0 for r in d["runs"][1]["rows"])
+    assert all(r["pool_hit_rate"] is None for r in d["runs"][3]["rows"])
     for run in d["runs"]:
         assert run["iteration_ms"] > 0 and run["goodput_rps"] in (None, 20.0, 200.0)
         for row in run["rows"]:

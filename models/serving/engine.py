@@ -384,7 +384,8 @@ class Engine(PromptPrefill):
                     "free_slots": self.slots - active,
                     "prefilling": prefilling, "prefill_segments": self.prefill_segments,
                     "prefills": self.prefills, "prefills_shared": self.prefills_shared,
-                    "blocks_loaded": self.blocks_loaded, "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
+                    "blocks_loaded": self.blocks_loaded, "blocks_hit": getattr(self.kv, "blocks_hit", 0),
+                    "working_set_bytes": sum(self.scheduler.working_set(s.request) for s in self._slots
                                              if s is not None),
                     "kv_bytes_budget": self.scheduler.kv_bytes, "steps": self.steps,
                     "submitted": self.submitted, "admitted": self.scheduler.counters.admitted,

@@ -67,9 +67,9 @@ def insert_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
 
 
 @jax.jit
-def _sum_arrays(arrays: tuple) -> jax.Array:
-    """The elementwise sum of same-shaped arrays (per-layer block counters -> one per step)."""
-    return functools.reduce(jnp.add, arrays)
+def _sum_counters(counters: tuple) -> tuple[jax.Array, jax.Array]:
+    """``((hits, misses), ...)`` per offloaded layer -> their sums over the layers, one program."""
+    return functools.reduce(jnp.add, [h for h, _ in counters]), functools.reduce(jnp.add, [m for _, m in counters])
 
 
 def engine_step(decode):
@@ -521,6 +521,9 @@ class OffloadedSlots(PagedRequests):
         #: shared pool: the bytes of its blocks (the default M_avl)
         self.pool_bytes = self.pool_slots * self.layer_heads * self.block_bytes
         self.ws_blocks = np.zeros(slots, np.int64)  # per slot, as of the last step read back
+        #: the blocks the collected steps found in the device pool (active rows, every offloaded
+        #: layer and KV head): with the engine's ``blocks_loaded``, the pool's hit rate
+        self.blocks_hit = 0
         self._ws_pending = None  # (int32[slots] on the device, the step it measured)
         self._steps = 0
         self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
@@ -696,9 +699,9 @@ class OffloadedSlots(PagedRequests):
     def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         logits = self.runner.decode_step(tokens, self.state, active=active)
         if self.state.counters:
-            # the counters are leaves of the cache the next step donates: keep their sum over the
+            # the counters are leaves of the cache the next step donates: keep their sums over the
             # offloaded layers, one small program (a copy per layer was a dispatch per layer and step)
-            self.state.counters[-1] = [(None, _sum_arrays(tuple(m for _, m in self.state.counters[-1])))]
+            self.state.counters[-1] = [_sum_counters(tuple(self.state.counters[-1]))]
         self._steps += 1
         self._take_working_sets()  # last step's, copied meanwhile: one step stale
         ws = self._working_set(self.state.cache)
@@ -751,4 +754,5 @@ class OffloadedSlots(PagedRequests):
         done, st.counters[:] = st.counters[:-1], st.counters[-1:]
         hkv = self.model.config.num_kv_heads
         rows = np.asarray(active, bool)
+        self.blocks_hit += int(sum(np.asarray(h).reshape(self.slots, hkv)[rows].sum() for step in done for h, _ in step))
         return int(sum(np.asarray(m).reshape(self.slots, hkv)[rows].sum() for step in done for _, m in step))
