@@ -754,5 +754,8 @@ class OffloadedSlots(PagedRequests):
         done, st.counters[:] = st.counters[:-1], st.counters[-1:]
         hkv = self.model.config.num_kv_heads
         rows = np.asarray(active, bool)
-        self.blocks_hit += int(sum(np.asarray(h).reshape(self.slots, hkv)[rows].sum() for step in done for h, _ in step))
-        return int(sum(np.asarray(m).reshape(self.slots, hkv)[rows].sum() for step in done for _, m in step))
+        # one transfer of every pair's hits and misses: [steps, 2, slots * Hkv]
+        counts = np.asarray(jax.device_get(done)).reshape(len(done), -1, 2, self.slots, hkv)[:, :, :, rows].sum(
+            axis=(0, 1, 3, 4))
+        self.blocks_hit += int(counts[0])
+        return int(counts[1])
