@@ -116,7 +116,7 @@ class StateBuilder:
         gathered on the device and copied to the host asynchronously, stored into their pages by
         :meth:`finish`."""
         # like: (Hkv, bs, D, dtype) where no block layout was made (add_empty: nothing to store)
-        (_, hkv, _, bs, d), dtype = (hk.shape, hk.dtype) if hk is not None else ((None, like[0], None, like[1], like[2]), like[3])
+        hkv, bs, d, dtype = like if hk is None else (hk.shape[1], hk.shape[3], hk.shape[4], hk.dtype)
         shape = (self.pages.num_pages, hkv, bs, d)
         if self.into is not None:
             pk, pv = self.into[i].k, self.into[i].v
