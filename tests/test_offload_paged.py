@@ -435,3 +435,84 @@ def test_empty_state_is_the_zero_kv_state_without_the_batch_kv(pool):
     assert every.device["prefill_layer"] == slots * one.device["prefill_layer"] > 0
     with pytest.raises(ValueError, match="paged host tier"):
         TieredRunner(model, "offload").empty_state(slots, MAX_LEN, pages())
+
+
+def test_prefill_page_stores_overlapped_equal_the_serial_ones(monkeypatch):
+    """A prefill's blocks go to their host pages on worker threads while the next layers run
+    (``tiered_prefill.PAGE_STORE_THREADS``): the pages hold exactly what the serial store after
+    the last layer (``PAGE_STORE_THREADS = 0``, the way before) writes, and the stores did run
+    before the last layer (the overlap, not a store in ``finish``)."""
+    from models.runtime import tiered_prefill
+    from tests.test_offload import _tiny_asynctls_model
+
+    model = _tiny_asynctls_model()
+    tokens, lengths = _ragged_tokens(3)
+    _scattered_pages(monkeypatch, seed=3)
+
+    def prefill(threads):
+        monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", threads)
+        runner = TieredRunner(model, "offload", host_pages=64)
+        job = runner.start_prefill(tokens, lengths, MAX_LEN)
+        job.advance(runner.num_layers - 1)
+        in_flight = len(job.build._stores)
+        job.advance(1)
+        logits, state = job.result()
+        return np.asarray(logits), [(np.asarray(h.k), np.asarray(h.v)) for h in state.host if h is not None], in_flight
+
+    serial_logits, serial, serial_in_flight = prefill(0)
+    logits, threaded, in_flight = prefill(2)
+    assert serial_in_flight == 0 and in_flight > 0  # stored per layer, before the last one ran
+    np.testing.assert_array_equal(logits, serial_logits)
+    assert serial and any(np.abs(k).max() > 0 for k, _ in serial)
+    for (k, v), (sk, sv) in zip(threaded, serial):
+        np.testing.assert_array_equal(k, sk)
+        np.testing.assert_array_equal(v, sv)
+
+
+def test_a_prefill_given_up_midway_leaves_no_page_store_in_flight(monkeypatch):
+    """A layer-segmented prefill dropped after some layers (cancelled, preempted, failed): its
+    stores still in flight land before ``drain`` returns, so none writes into a page the pool
+    has given to another request since. The stores are slowed to be still running."""
+    import threading
+    import time
+
+    from models.runtime import tiered_prefill
+    from tests.test_offload import _tiny_asynctls_model
+
+    monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 2)
+    landed, real = [], tiered_prefill._store_pages
+    gate = threading.Event()
+
+    def slow(pool, pages, blocks):
+        gate.wait(5)
+        time.sleep(0.05)
+        real(pool, pages, blocks)
+        landed.append(pages.size)
+
+    monkeypatch.setattr(tiered_prefill, "_store_pages", slow)
+    model = _tiny_asynctls_model()
+    tokens, lengths = _ragged_tokens(4)
+    runner = TieredRunner(model, "offload", host_pages=64)
+    job = runner.start_prefill(tokens, lengths, MAX_LEN)
+    job.advance(runner.num_layers - 1)
+    pending = list(job.build._stores)
+    assert pending and not landed
+    gate.set()
+    job.drain()
+    assert all(f.done() for f in pending) and len(landed) == len(pending) and not job.build._stores
+
+
+def test_offload_prefill_probe_runs_on_cpu(tmp_path):
+    """``benchmarks.probes.offload_prefill --tiny``: every variant runs, and the whole-layer ones
+    give the same first-token logits and the same stored pages (the A/B's numerics)."""
+    import json
+
+    from benchmarks.probes import offload_prefill
+
+    assert offload_prefill.main(["--tiny", "--length", "512", "--layers", "3", "--segment", "256", "--rounds", "1",
+                                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "offload_prefill.json").read_text())["rows"]
+    assert [r["variant"].split(",")[0] for r in rows] == ["resident (no host tier)", "offload", "offload", "offload"]
+    for r in rows[1:3]:
+        assert r["max_logit_diff"] == 0 and r["pages_max_rel_diff"] == 0
+    assert all(r["median_s"] > 0 for r in rows)

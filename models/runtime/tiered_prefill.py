@@ -7,7 +7,10 @@ or a layer in chunks, so a serving engine decodes between segments.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,29 @@ from models.runtime.tiered_state import HostPages, TieredState, host_view
 from sparse_jax.cache import NULL_PAGE, KVCache
 from sparse_jax.offload import pool as off
 from sparse_jax.offload.tiers import HostLayer, device_sharding, pinned_host_sharding
+
+#: threads that store a prefilled layer's blocks into their host pages while the next layers
+#: run (SparseServe's CPU-assisted saving). 0 stores every layer in :meth:`StateBuilder.finish`,
+#: on the caller's thread, after the last layer: the way before 2026-12-06, kept as the A/B
+#: baseline of ``benchmarks.probes.offload_prefill``. One thread copies ~5-10 GB/s; a 64K
+#: prompt of Qwen3-8B stores 9.6 GB of blocks.
+PAGE_STORE_THREADS = min(8, os.cpu_count() or 1)
+_store_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (its threads, it)
+
+
+def _page_store_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The store threads, made again when :data:`PAGE_STORE_THREADS` changed (a probe's A/B)."""
+    global _store_pool
+    if _store_pool is None or _store_pool[0] != PAGE_STORE_THREADS:
+        _store_pool = (PAGE_STORE_THREADS, concurrent.futures.ThreadPoolExecutor(
+            max(1, PAGE_STORE_THREADS), thread_name_prefix="page-store"))
+    return _store_pool[1]
+
+
+def _store_pages(pool: jax.Array, pages: np.ndarray, blocks: jax.Array) -> None:
+    """Write ``blocks [n + pad, Hkv, bs, D]`` (their copy to the host already started) into
+    the pinned page ``pool [N, Hkv, bs, D]`` at ``pages int[n]`` (NumPy copies release the GIL)."""
+    host_view(pool)[pages] = np.asarray(blocks)[:pages.size]
 
 
 class StateBuilder:
@@ -48,6 +74,7 @@ class StateBuilder:
         self.lengths = lengths
         self.layers, self.host = [], []
         self.pages, self._page_saves, self.into = None, [], None
+        self._stores: list[concurrent.futures.Future] = []  # page stores in flight (PAGE_STORE_THREADS)
         if into is not None and runner.host_pages is None:
             raise ValueError("into= is a paged host tier's: the runner has no host_pages")
         if runner.host_pages is not None:
@@ -138,8 +165,19 @@ class StateBuilder:
             ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n + pad, Hkv, bs, D]
             ks.copy_to_host_async()
             vs.copy_to_host_async()
-            self._page_saves.append((pk, pv, pages, ks, vs))
+            if PAGE_STORE_THREADS > 0:  # stored while the next layers run, not after the last
+                run = _page_store_pool()
+                self._stores += [run.submit(_store_pages, pk, pages, ks), run.submit(_store_pages, pv, pages, vs)]
+            else:
+                self._page_saves.append((pk, pv, pages, ks, vs))
         return HostLayer(pk, pv)
+
+    def drain(self) -> None:
+        """Wait for the page stores in flight, their errors dropped: a prefill given up (failed or
+        cancelled mid-way) calls it before its request's pages go back to the pool, so no store
+        lands in a page another request holds by then."""
+        stores, self._stores = self._stores, []
+        concurrent.futures.wait(stores)
 
     def finish(self) -> TieredState:
         r = self.runner
@@ -148,6 +186,10 @@ class StateBuilder:
         r._compile_save(cache, int(self.lengths.shape[0]))
         host = tuple(self.host)
         if self.pages is not None:
+            stores, self._stores = self._stores, []
+            concurrent.futures.wait(stores)  # all landed before one's error is raised
+            for f in stores:
+                f.result()
             for pk, pv, pages, ks, vs in self._page_saves:
                 host_view(pk)[pages] = np.asarray(ks)[:pages.size]
                 host_view(pv)[pages] = np.asarray(vs)[:pages.size]
@@ -235,23 +277,28 @@ class PrefillJob:
                              jnp.zeros((b, r.local_cfg.num_heads, r.local_cfg.head_dim), self.x.dtype))
         kbuf, vbuf, q_last = self._partial
         fn = prefill_chunk_fn(r.driver, spec, size)
-        self.x, kbuf, vbuf, q_last = fn(params["layers"], self.x, jnp.int32(start), kbuf, vbuf, q_last,
-                                        self.lengths, r.layer_data(i))
-        self.chunks_run += 1
-        self.chunk_pos = start + size
-        if self.chunk_pos < self.tokens:
-            self._partial = (kbuf, vbuf, q_last)
-            return
-        k, v = chunked_layer_kv(spec, self.max_len)(kbuf, vbuf, self.lengths)
-        del kbuf, vbuf
-        self._partial, self.chunk_pos = None, 0
-        self.build.add(i, k, v, q_last)
-        self.layers_done = i + 1
+        with self._drained_on_error():
+            self.x, kbuf, vbuf, q_last = fn(params["layers"], self.x, jnp.int32(start), kbuf, vbuf, q_last,
+                                            self.lengths, r.layer_data(i))
+            self.chunks_run += 1
+            self.chunk_pos = start + size
+            if self.chunk_pos < self.tokens:
+                self._partial = (kbuf, vbuf, q_last)
+                return
+            k, v = chunked_layer_kv(spec, self.max_len)(kbuf, vbuf, self.lengths)
+            del kbuf, vbuf
+            self._partial, self.chunk_pos = None, 0
+            self.build.add(i, k, v, q_last)
+            self.layers_done = i + 1
 
     def advance(self, layers: int) -> bool:
         """Run up to ``layers`` more layers (at least one); returns :attr:`done`."""
         if self._partial is not None:
             raise RuntimeError("a layer is half done in chunks: continue it with advance_budget")
+        with self._drained_on_error():
+            return self._advance(layers)
+
+    def _advance(self, layers: int) -> bool:
         r, params = self.runner, self.runner.model.params
         stop = min(r.num_layers, self.layers_done + max(1, int(layers)))
         for i in range(self.layers_done, stop):
@@ -266,6 +313,20 @@ class PrefillJob:
             del k, v
             self.layers_done = i + 1
         return self.done
+
+    @contextlib.contextmanager
+    def _drained_on_error(self):
+        """A layer that fails leaves no page store in flight behind it (its caller frees the pages)."""
+        try:
+            yield
+        except BaseException:
+            self.build.drain()
+            raise
+
+    def drain(self) -> None:
+        """Wait for this prefill's page stores in flight: call it before giving up a prefill
+        mid-way (cancelled, preempted) whose request's pages go back to the pool."""
+        self.build.drain()
 
     def result(self):
         """``(logits f32[B, V], TieredState)`` once :attr:`done`."""

@@ -249,6 +249,10 @@ class PromptPrefill:
         return job.next_tokens if self.prefill_chunk is not None else 0
 
     def _drop_prefilling(self, r: Request) -> None:
+        for _, _, job in [e for e in self._prefilling if e[0] is r]:
+            drain = getattr(job, "drain", None)  # an offloaded prefill's page stores land before its pages go back
+            if drain is not None:
+                drain()
         self._prefilling = [e for e in self._prefilling if e[0] is not r]
 
     def _prompt_group(self, entry, pending: list, budget: int) -> list:
