@@ -433,10 +433,16 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
 
 def render(payload: dict) -> str:
     s = payload["stamp"]
-    md = [f"# Serving under load ({payload['model']})", "",
-          f"- device: {s['device']} ({s['backend']}), jax {s['jax']}, {s['date']}, commit {s['git_commit']}",
-          f"- command: `{s['command']}`",
-          f"- prompt mix {payload['prompt_mix']}, outputs {payload['output_range']} tokens, "
+    md = [f"# Serving under load ({payload['model']})", ""]
+    parts = payload.get("parts") or [s]
+    if len(parts) == 1:
+        md += [f"- device: {s['device']} ({s['backend']}), jax {s['jax']}, {s['date']}, commit {s['git_commit']}",
+               f"- command: `{s['command']}`"]
+    else:  # joined by --merge: where and how each part ran
+        md += [f"- joined from {len(parts)} runs (`--merge`), each:"]
+        md += [f"  {i}. {p['device']} ({p['backend']}), jax {p['jax']}, {p['date']}, commit {p['git_commit']}: "
+               f"`{p['command']}`" for i, p in enumerate(parts, 1)]
+    md += [f"- prompt mix {payload['prompt_mix']}, outputs {payload['output_range']} tokens, "
           f"{payload['requests_per_rate']} requests per rate, at most {payload['time_limit_s']} s per rate"]
     if payload.get("tensor_parallel", 1) > 1:
         md.append(f"- tensor parallel: each engine over {payload['tensor_parallel']} devices (the model and its KV "
@@ -511,7 +517,7 @@ def merge(paths: list[str]) -> dict:
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0])
     runs = [dict(r) for p in parts for r in p["runs"]]
-    out["parts"] = [p["stamp"] for p in parts]
+    out["parts"] = [st for p in parts for st in (p.get("parts") or [p["stamp"]])]  # a merged input keeps its own
     for label in {r["method"] for r in runs}:
         same = [r for r in runs if r["method"] == label]
         for knob, word in (("max_inject_tokens", "inject"), ("prefill_chunk", "chunk"),

@@ -48,7 +48,11 @@ def test_serve_load_tiny(tmp_path):
     assert [r["method"] for r in m["runs"]] == ["dense:resident-segmented", "quest:offload", "quest:segmented",
                                                 "dense:paged-chunked"]
     assert [row["rate"] for row in m["runs"][0]["rows"]] == [20, 20, 200, 200]
-    assert "- two copies" in (tmp_path / "m.md").read_text()
+    md = (tmp_path / "m.md").read_text()
+    assert "- two copies" in md
+    # where and how each part ran, not only the first's command; a merged input keeps its parts
+    assert "joined from 2 runs" in md and "\n  1. cpu (cpu), jax" in md and "\n  2. cpu (cpu), jax" in md
+    assert len(serve_load.merge([str(tmp_path / "m.json"), str(tmp_path / "t.json")])["parts"]) == 3
     # one method at two max_inject_tokens: merged, the labels say which
     d["runs"] = d["runs"][2:3]
     (tmp_path / "a.json").write_text(json.dumps(d))
