@@ -518,10 +518,11 @@ def test_offload_prefill_probe_runs_on_cpu(tmp_path):
     assert all(r["median_s"] > 0 for r in rows)
 
 
-def test_a_prefills_gathered_blocks_leave_the_device_once_stored(monkeypatch):
-    """Each layer's blocks gathered for its host pages are freed on the device as soon as their
-    host copy lands, not held to the prefill's end (a 64K prompt of Qwen3-8B: 9.1 GB beside the
-    engine's pools), and at most 2 x PAGE_STORE_THREADS stores are in flight."""
+def test_a_prefills_gathered_blocks_leave_the_device_for_pinned_staging(monkeypatch):
+    """Each layer's blocks gathered for its host pages go straight to pinned host staging
+    buffers, so nothing of them stays on the device until the prefill's end (a 64K prompt of
+    Qwen3-8B: 9.1 GB beside the engine's pools, held that way until 2026-12-06), and at most
+    2 x PAGE_STORE_THREADS stores are in flight."""
     from models.runtime import tiered_prefill
     from sparse_jax.methods import get_method
     from tests.test_offload import _tiny_model
@@ -540,5 +541,5 @@ def test_a_prefills_gathered_blocks_leave_the_device_once_stored(monkeypatch):
         in_flight.append(sum(not f.done() for f in job.build._stores))
     job.result()
     assert len(seen) == 2 * len(runner.offloaded_layers) == 10
-    assert all(b.is_deleted() for b in seen)
+    assert {b.sharding.memory_kind for b in seen} == {"pinned_host"}
     assert max(in_flight) <= 2

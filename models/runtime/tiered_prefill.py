@@ -27,9 +27,8 @@ from sparse_jax.offload.tiers import HostLayer, device_sharding, pinned_host_sha
 
 #: threads that store a prefilled layer's blocks into their host pages while the next layers
 #: run (SparseServe's CPU-assisted saving). 0 stores every layer in :meth:`StateBuilder.finish`,
-#: on the caller's thread, after the last layer, holding every layer's gathered blocks on the
-#: device until then: the way before 2026-12-06, kept as the A/B baseline of
-#: ``benchmarks.probes.offload_prefill``. One thread copies ~5-10 GB/s; a 64K prompt of
+#: on the caller's thread, after the last layer (the order before 2026-12-06: the A/B baseline
+#: of ``benchmarks.probes.offload_prefill``). One thread copies ~5-10 GB/s; a 64K prompt of
 #: Qwen3-8B stores 9.1 GB of blocks (34 offloaded layers).
 PAGE_STORE_THREADS = min(8, os.cpu_count() or 1)
 _store_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (its threads, it)
@@ -44,14 +43,11 @@ def _page_store_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _store_pool[1]
 
 
-def _store_pages(pool: jax.Array, pages: np.ndarray, blocks: jax.Array) -> None:
-    """Write ``blocks [n + pad, Hkv, bs, D]`` (their copy to the host already started) into
-    the pinned page ``pool [N, Hkv, bs, D]`` at ``pages int[n]`` (NumPy copies release the GIL),
-    and free their device memory as soon as the host has them: held until the prefill's end, a
-    64K prompt's blocks of Qwen3-8B are 9.1 GB of device memory beside the engine's pools."""
-    host = np.asarray(blocks)
-    blocks.delete()
-    host_view(pool)[pages] = host[:pages.size]
+def _store_pages(pool: jax.Array, pages: np.ndarray, staged: jax.Array) -> None:
+    """Write ``staged [n + pad, Hkv, bs, D]``, a layer's blocks on their way to pinned host
+    memory, into the pinned page ``pool [N, Hkv, bs, D]`` at ``pages int[n]``: pinned to pinned,
+    a NumPy copy that releases the GIL (``host_view`` waits for the blocks to land)."""
+    host_view(pool)[pages] = host_view(staged)[:pages.size]
 
 
 class StateBuilder:
@@ -167,12 +163,16 @@ class StateBuilder:
             # the lists padded to a power of two (their last entry repeated): few compilations of the gather
             pad = padded_rows(rows.size) - rows.size
             rows, blocks = (jnp.asarray(np.pad(a, (0, pad), mode="edge").astype(np.int32)) for a in (rows, blocks))
-            ks, vs = hk[rows, :, blocks], hv[rows, :, blocks]  # [n + pad, Hkv, bs, D]
-            ks.copy_to_host_async()
-            vs.copy_to_host_async()
+            # [n + pad, Hkv, bs, D] copied asynchronously into pinned staging buffers (XLA's pinned
+            # pool, reused prefill to prefill): the device copies go once the transfers land, and
+            # the host side is a DMA into locked memory. Until 2026-12-06 they went to NumPy
+            # (`np.asarray` at the prefill's end): fresh pageable buffers, whose first touch costs
+            # page faults on 9.1 GB for a 64K prompt, and 9.1 GB of blocks held on the device until
+            # then (likely benchmark C's 10-row OOM, docs/serving.md)
+            ks, vs = (jax.device_put(h[rows, :, blocks], self.pinned) for h in (hk, hv))
             if PAGE_STORE_THREADS > 0:  # stored while the next layers run, not after the last
                 run = _page_store_pool()
-                # at most a few layers' blocks on the device: a store frees its blocks once copied
+                # a few layers' staging buffers at a time (each freed once its store ran)
                 live = [f for f in self._stores if not f.done()]
                 excess = len(live) + 2 - 2 * PAGE_STORE_THREADS
                 if excess > 0:  # the oldest first: they were submitted first
@@ -201,8 +201,8 @@ class StateBuilder:
             for f in stores:
                 f.result()
             for pk, pv, pages, ks, vs in self._page_saves:
-                host_view(pk)[pages] = np.asarray(ks)[:pages.size]
-                host_view(pv)[pages] = np.asarray(vs)[:pages.size]
+                _store_pages(pk, pages, ks)
+                _store_pages(pv, pages, vs)
             self._page_saves = []
             table = jax.device_put(jnp.asarray(self.pages.table.copy()), self.dev)
             host = tuple(None if h is None else dataclasses.replace(h, table=table) for h in host)
