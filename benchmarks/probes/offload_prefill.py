@@ -5,12 +5,15 @@ and 10.7 s (layer-segmented), where the dense engine's chunked prefill took 3.2 
 (``benchmarks/results/serve_load_memory_churn_h100.md``), and the load is prefill-bound. The
 offloaded prefill runs the layers one program each (:class:`models.runtime.tiered_prefill.
 PrefillJob`) and stores each layer's blocks into the request's pinned host pages. Until
-2026-12-06 every store ran after the last layer, on the engine's thread: 9.6 GB of NumPy copies
-for a 64K prompt of Qwen3-8B. ``python -m benchmarks.probes.offload_prefill`` times, on the
-Qwen3-8B shape with random bf16 weights and AsyncTLS (one row of ``--length``):
+2026-12-06 every store ran after the last layer, on the engine's thread, from fresh NumPy buffers
+(``np.asarray``): 9.1 GB for a 64K prompt of Qwen3-8B. Now each layer's blocks go to pinned
+staging buffers and are stored by threads while the next layers run
+(:data:`models.runtime.tiered_prefill.PAGE_STORE_THREADS`). ``python -m
+benchmarks.probes.offload_prefill`` times, on the Qwen3-8B shape with random bf16 weights and
+AsyncTLS (one row of ``--length``):
 
 - ``resident``: the same layer programs, the K/V kept on the device (no host tier): the compute;
-- ``offload, stores after the last layer``: ``PAGE_STORE_THREADS = 0`` (the way before);
+- ``offload, stores after the last layer``: ``PAGE_STORE_THREADS = 0`` (the order before);
 - ``offload, stores overlapped (N threads)``: each layer's blocks stored by N threads while the
   next layers run (the default now);
 - with ``--segment T``, the overlapped prefill in segments of T tokens x layers, as the engine runs
