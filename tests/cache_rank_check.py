@@ -7,8 +7,9 @@ prints one JSON line per case: a ragged prefill and ``STEPS`` greedy steps, ever
 logits against ``decode_step`` on one device, whether the greedy tokens agree, and where
 the two ranks' state lives. Cases: a tiny random config (8 KV heads, 5 layers, budgets
 below the prompts so every sparse layer selects) with the Quest, Double Sparsity and
-AsyncTLS selectors, packs of 1, 2, 3 and 6 layers, both transfers (``device_put``, a
-``ppermute`` program), issued from one host thread or two; a control (the one-device reference
+AsyncTLS selectors, packs of 2, 3 and 6 layers (three packs, the last shorter; two; one),
+both transfers (``device_put``, a ``ppermute`` program), issued from one host thread or two;
+a control (the one-device reference
 with the lag, ``window=1``: a different selection must show as a logit difference);
 with ``--smollm2``, SmolLM2-135M on its real weights through ``generate`` (the test
 runs SmolLM2 through the CLI instead).
@@ -72,7 +73,9 @@ def tiny_cases():
         ref, _ = _greedy(ref_model.prefill, ref_model.decode_step, tokens, lengths, ref_model.init_cache(3, 256))
         base = ref_model if sel != "quest" else ref_model.with_method("asyncspade", budget=48, window=4,
                                                                       dense_layers=(0,))
-        runs = [(1, "device_put", "threads"), (2, "collective", "one"), (6, "device_put", "one")] \
+        # packs of 2 (three, the last shorter) and 6 (one) layers, each transfer and dispatch once
+        # (packs of 1 compiled five packs' programs for what packs of 2 check)
+        runs = [(2, "collective", "threads"), (6, "device_put", "one")] \
             if sel == "quest" else [(3, "device_put", "threads-wait")]
         for pack, transfer, dispatch in runs:
             threads = dispatch != "one"

@@ -11,17 +11,18 @@ greedy tokens agree, and the cache's sharding.
 ``--only offload``: offloaded decoding on a mesh (host tier and pool split by KV head and
 row) against one device, resident: Quest and AsyncTLS (lag, per-head channels) on 1x2 and
 2x2, a control that drops the block saves, AsyncTLS on a tiny config of 3 KV heads padded
-to 4 on model=2, and the serving engine on that config (model=2, resident and offloaded)
-against single-request generation on one device. ``--with-offload``: every case, the
+to 4 on model=2, and the serving engine on that config over model=2: paged (AsyncSpade after
+Token Sparse Attention's chunks) against the paged engine on one device, offloaded (Quest)
+against single-request generation. ``--with-offload``: every case, the
 offload ones included, in one process (``tests/test_sharding.py`` runs its 4-device checks
 so, paying for one process start, one SmolLM2 load and one set of compilations).
 
 Cases: a tiny random Qwen3-style config with 8 KV heads (dense, quest, asynctls,
 asyncspade and quest after a Token Sparse Attention prefill, every method selecting:
-budgets below the prompts): dense on meshes 1x2, 2x2 and 1x4, each other method on one or
-two of them, and kascade on data=2; a tiny Llama-style config of 3 KV heads padded to 4,
-SmolLM2's shape in small (dense, quest and
-asynctls on model=2, its per-head channels padded too; the paged engine, chunked, and the offloaded
+budgets below the prompts): each method on one of the meshes 1x2, 2x2 and 1x4, and Kascade
+(tiled prefill) on data=2; a tiny Llama-style config of 3 KV heads padded to 4,
+SmolLM2's shape in small (dense, asynctls and quest after a Token Sparse prefill on model=2,
+its per-head channels padded too; the paged engine, chunked, and the offloaded
 one over model=2), with
 ``--bf16`` also in bf16 against an f32 reference, one device and model=2, to show the
 sharded error is rounding of the same size as one device's. SmolLM2-135M on its real
@@ -122,10 +123,12 @@ def tiny_cases(meshes):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 150)), jnp.int32)
     lengths = jnp.asarray([150, 120, 97, 141], jnp.int32)
-    # dense on every mesh; each sparse method on one or two, so that every mesh sees three
-    # methods and every method splits its KV heads (a full method x mesh matrix compiled
-    # 15 sharded programs for what these 8 check)
-    on = {"dense": meshes, "quest": [(1, 2)], "asynctls": [(2, 2), (1, 4)], "asyncspade": [(1, 4)],
+    # each method on one mesh, every mesh under at least one: 1x2 quest, 2x2 dense, asynctls and
+    # quest+TSA (rows and heads split), 1x4 asyncspade. Every sparse method's layer 0 is dense, so
+    # the dense path runs on each mesh, and padded_cases' dense and asynctls run on model=2: dense
+    # on 1x2 and 1x4 and asynctls on 1x4 too compiled 3 sharded programs for what these check (a
+    # full method x mesh matrix, 15)
+    on = {"dense": [(2, 2)], "quest": [(1, 2)], "asynctls": [(2, 2)], "asyncspade": [(1, 4)],
           "quest+token_sparse": [(2, 2)]}
     for name, m in methods.items():
         ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
@@ -144,8 +147,10 @@ def tiny_cases(meshes):
                               max_dlogit=float(np.max(np.abs(want - got))), logit_scale=float(np.max(np.abs(want))),
                               tokens_agree=bool((want.argmax(-1) == got.argmax(-1)).all()),
                               k_spec="no cache", devices=len(fs.mesh.devices.flat))), flush=True)
-    # Kascade reads other heads' selections (its head map): data replicas only
-    for name, opts in (("kascade", {}), ("kascade+tiled_prefill", dict(tiled_prefill=True, prefill_tile=16))):
+    # Kascade reads other heads' selections (its head map): data replicas only. With its tiled
+    # prefill: the same decode (the head map) as plain Kascade's, whose prefill is the base
+    # class's, every sparse case's above (plain Kascade's own case compiled two programs more)
+    for name, opts in (("kascade+tiled_prefill", dict(tiled_prefill=True, prefill_tile=16)),):
         m = get_method("kascade", budget=64, anchors=(0, 1), **opts)
         ref = one_device(cfg, graphdef, params, m, tokens, lengths, 256, jnp.float32)
         got = sharded(cfg, params, m, tokens, lengths, 256, jnp.float32, Parallelism(2, 1))
@@ -243,79 +248,71 @@ def _tiny_kv3(eos: bool = False):
 
 
 def engine_case():
-    """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2): five requests
-    through two slots give each request's single-request tokens on one device. The paged
-    engine (the server's default: pools split by KV head, chunked prefill) serving AsyncSpade with two dense steps (the warm-up's and the steady
-    program), and the contiguous offloaded one serving Quest (budget 32, below every
-    prompt: both really select)."""
+    """The serving engine over a mesh (tiny-kv3 padded to 4 KV heads, model=2).
+
+    The paged engine (the server's default: pools split by KV head, chunked prefill) serving
+    AsyncSpade with two dense steps (the warm-up's and the steady program) after Token Sparse
+    Attention's chunk form: three prompts through two slots get the one-device paged engine's
+    tokens. Each chunk's kept count comes from every device's heads (``head_axis``), the padded
+    heads left out of its head mean (``TokenSparsePrefill.query_heads``): with either undone by
+    hand (``head_axis=None``; no ``query_heads``) the mesh's tokens differed. (Before,
+    AsyncSpade's paged engine was checked against single-request generation and TSA's chunks
+    on tiny-kv8 in an engine of their own: two engines over the mesh where one checks both; the
+    engine's chunked prefill against whole prompts is tests/test_engine.py's, on one device.)
+
+    The contiguous offloaded engine serving Quest (budget 32, below every prompt: it really
+    selects): five requests through two slots give each request's single-request tokens on one
+    device."""
     import models
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(3)
-    ids = [rng.integers(3, 97, n).tolist() for n in (70, 41, 88, 53, 60)]
-    for name, opts, engine_opts in (
-            ("asyncspade", dict(budget=32, window=4, dense_steps=2, dense_layers=(0,)),
-             dict(paged=True, prefill_chunk=32)),
-            ("quest", dict(budget=32, block_size=8, dense_layers=(0,)), dict(offload=True))):
-        model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention=name,
-                                  attention_options=opts)
-        refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
-                                   stop_ids=())[0] for i in ids]
-        engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), **engine_opts).start()
-        try:
-            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
-            done = all(r.done.wait(300) for r in reqs)
-            s, kv = engine.stats(), engine.kv
-            line = dict(case=f"engine/tiny-kv3/{name}/{'paged-chunked' if engine.paged else 'offload'}/data=1,model=2",
-                        completed=done, tokens_agree=done and [r.output_ids for r in reqs] == refs,
-                        blocks_loaded=s.get("blocks_loaded"), devices=2)
-            if engine.paged:
-                kv.check()
-                pool = kv.cache.layers[-1].pool_k
-                line.update(blocks_free=[s["kv_blocks_free"], s["kv_blocks_total"]], pool_spec=str(pool.sharding.spec),
-                            pool_shard=list(pool.addressable_shards[0].data.shape), pool=list(pool.shape),
-                            warm_steps=kv.warmup.warm_steps, steady_steps=kv.warmup.steady_steps)
-            print(json.dumps(line), flush=True)
-        finally:
-            engine.stop()
-    tsa_chunk_engine_case()
-
-
-def tsa_chunk_engine_case():
-    """Token Sparse Attention's chunk form in the paged engine over a mesh (tiny-kv8, model=2, no
-    padded head): each chunk's kept count comes from every device's heads (``head_axis``), so
-    three prompts through two slots get the one-device paged engine's tokens; before the count
-    was each device's own, and the first prompt's tokens differed from its fourth."""
-    import models
-    from models.config import ModelConfig
-    from models.serving.engine import Engine
-    from models.serving.requests import SamplingParams
-
-    cfg = ModelConfig(name="tiny-kv8", arch="qwen3", num_layers=3, hidden_size=64, num_heads=16, num_kv_heads=8,
-                      head_dim=16, intermediate_size=96, vocab_size=97, max_position=512, rope_theta=1e4,
-                      rms_eps=1e-6)
-    rng = np.random.default_rng(3)
-    ids = [rng.integers(3, 97, n).tolist() for n in (150, 120, 97)]
-    opts = dict(budget=32, block_size=8, dense_layers=(0,), prefill="token_sparse",
+    # three chunks of 32 at most (three chunk programs a side); shorter prompts (two chunks) hid
+    # a count of each device's own heads
+    ids = [rng.integers(3, 97, n).tolist() for n in (96, 80, 70)]
+    opts = dict(budget=32, window=4, dense_steps=2, dense_layers=(0,), prefill="token_sparse",
                 prefill_options=(("min_tokens", 16), ("window", 8), ("tau", 0.3)))
-    model = models.load_model(config=cfg, dtype=jnp.float32, max_len=256, attention="quest", attention_options=opts)
+    model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention="asyncspade",
+                              attention_options=opts)
     outs = []
     for m in (model, shard(model, model=2)):
         engine = Engine(m, slots=2, max_len=256, stop_ids=(), paged=True, prefill_chunk=32).start()
         try:
-            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=12))) for i in ids]
+            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
             done = all(r.done.wait(300) for r in reqs)
             outs.append([r.output_ids for r in reqs] if done else None)
+            s, kv = engine.stats(), engine.kv
+            kv.check()
         finally:
             engine.stop()
-    print(json.dumps(dict(case="engine/tiny-kv8/quest+token_sparse/paged-chunked/data=1,model=2",
+    pool = kv.cache.layers[-1].pool_k
+    print(json.dumps(dict(case="engine/tiny-kv3/asyncspade+token_sparse/paged-chunked/data=1,model=2",
                           completed=outs[1] is not None, tokens_agree=outs[0] is not None and outs[0] == outs[1],
-                          devices=2)), flush=True)
+                          devices=2, blocks_free=[s["kv_blocks_free"], s["kv_blocks_total"]],
+                          pool_spec=str(pool.sharding.spec), pool_shard=list(pool.addressable_shards[0].data.shape),
+                          pool=list(pool.shape), warm_steps=kv.warmup.warm_steps,
+                          steady_steps=kv.warmup.steady_steps)), flush=True)
+
+    # one prefill bucket (64): fewer programs to compile on both sides, every prompt above the budget
+    ids = [rng.integers(3, 97, n).tolist() for n in (60, 41, 64, 53, 45)]
+    model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention="quest",
+                              attention_options=dict(budget=32, block_size=8, dense_layers=(0,)))
+    refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
+                               stop_ids=())[0] for i in ids]
+    engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), offload=True).start()
+    try:
+        reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
+        done = all(r.done.wait(300) for r in reqs)
+        print(json.dumps(dict(case="engine/tiny-kv3/quest/offload/data=1,model=2", completed=done,
+                              tokens_agree=done and [r.output_ids for r in reqs] == refs,
+                              blocks_loaded=engine.stats().get("blocks_loaded"), devices=2)), flush=True)
+    finally:
+        engine.stop()
 
 
 def padded_cases(bf16: bool):
-    """Padded KV heads (3 -> 4) on a mesh, SmolLM2's case in small: dense, quest, asynctls
+    """Padded KV heads (3 -> 4) on a mesh, SmolLM2's case in small: dense, asynctls
     (per-head channels, padded too) and quest after a Token Sparse prefill on model=2 (data=2 pads nothing: tiny-kv8's asynctls on
     data=2,model=2 and Kascade on data=2 split rows); with ``bf16``, dense in
     bf16 against an f32 reference on one device and on model=2 (the sharded error is
@@ -331,8 +328,9 @@ def padded_cases(bf16: bool):
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 200)), jnp.int32)
     lengths = jnp.asarray([200, 170], jnp.int32)
+    # (plain quest's padded decode and metadata are quest+token_sparse's below: only the prefill
+    # differs, the dense one every other case runs)
     cases = [("dense", get_method("dense"), Parallelism(1, 2)),
-             ("quest", get_method("quest", budget=64, dense_layers=(0,)), Parallelism(1, 2)),
              ("asynctls", get_method("asynctls", budget=64, block_size=16, kb=6, channels_per_layer=channels,
                                      dense_layers=(0,)), Parallelism(1, 2)),
              # Token Sparse prefill: the padded heads stay out of the head mean that sets the count
