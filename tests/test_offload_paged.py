@@ -543,3 +543,34 @@ def test_a_prefills_gathered_blocks_leave_the_device_for_pinned_staging(monkeypa
     assert len(seen) == 2 * len(runner.offloaded_layers) == 10
     assert {b.sharding.memory_kind for b in seen} == {"pinned_host"}
     assert max(in_flight) <= 2
+
+
+def test_a_prefills_result_waits_for_its_stores_and_raises_their_errors(monkeypatch):
+    """``result()`` returns only once every page store has landed (slowed here, so a result that
+    did not wait would see them unfinished), and a store's error is raised there, not lost."""
+    import time
+
+    from models.runtime import tiered_prefill
+    from tests.test_offload import _tiny_asynctls_model
+
+    monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 2)
+    real, landed = tiered_prefill._store_pages, []
+
+    def slow(pool, pages, staged):
+        time.sleep(0.2)
+        real(pool, pages, staged)
+        landed.append(pages.size)
+
+    monkeypatch.setattr(tiered_prefill, "_store_pages", slow)
+    model = _tiny_asynctls_model()
+    tokens, lengths = _ragged_tokens(6)
+    runner = TieredRunner(model, "offload", host_pages=64)
+    runner.prefill(tokens, lengths, MAX_LEN)
+    assert len(landed) == 2 * len(runner.offloaded_layers) > 0
+
+    def broken(pool, pages, staged):
+        raise OSError("store failed")
+
+    monkeypatch.setattr(tiered_prefill, "_store_pages", broken)
+    with pytest.raises(OSError, match="store failed"):
+        TieredRunner(model, "offload", host_pages=64).prefill(tokens, lengths, MAX_LEN)

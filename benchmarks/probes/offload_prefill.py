@@ -32,6 +32,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         "",
         markdown_table(rows, list(rows[0])),
         ""])
-    path = write_results(a.name, payload, md, None if a.out is None else __import__("pathlib").Path(a.out))
+    path = write_results(a.name, payload, md, None if a.out is None else Path(a.out))
     print(md)
     print(f"[offload_prefill] wrote {path}", file=sys.stderr)
     return 0

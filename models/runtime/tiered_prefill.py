@@ -38,6 +38,8 @@ def _page_store_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The store threads, made again when :data:`PAGE_STORE_THREADS` changed (a probe's A/B)."""
     global _store_pool
     if _store_pool is None or _store_pool[0] != PAGE_STORE_THREADS:
+        if _store_pool is not None:  # its queued stores still run; its idle threads then end
+            _store_pool[1].shutdown(wait=False)
         _store_pool = (PAGE_STORE_THREADS, concurrent.futures.ThreadPoolExecutor(
             max(1, PAGE_STORE_THREADS), thread_name_prefix="page-store"))
     return _store_pool[1]
@@ -141,8 +143,9 @@ class StateBuilder:
     def _paged_host(self, i: int, hk, hv, like: tuple | None = None) -> HostLayer:
         """Layer ``i``'s page pools ``[N, Hkv, bs, D]`` in pinned host memory (zeros put from the
         host: nothing of the pool's size on the device; or ``into``'s), and its prompt blocks
-        gathered on the device and copied to the host asynchronously, stored into their pages by
-        :meth:`finish`."""
+        gathered on the device and copied asynchronously into pinned staging buffers, stored into
+        their pages by the store threads while the next layers run (by :meth:`finish` where
+        :data:`PAGE_STORE_THREADS` is 0)."""
         # like: (Hkv, bs, D, dtype) where no block layout was made (add_empty: nothing to store)
         hkv, bs, d, dtype = like if hk is None else (hk.shape[1], hk.shape[3], hk.shape[4], hk.dtype)
         shape = (self.pages.num_pages, hkv, bs, d)
@@ -182,12 +185,14 @@ class StateBuilder:
                 self._page_saves.append((pk, pv, pages, ks, vs))
         return HostLayer(pk, pv)
 
-    def drain(self) -> None:
-        """Wait for the page stores in flight, their errors dropped: a prefill given up (failed or
-        cancelled mid-way) calls it before its request's pages go back to the pool, so no store
-        lands in a page another request holds by then."""
+    def drain(self) -> list[concurrent.futures.Future]:
+        """Wait for the page stores in flight and return them, their errors not raised: a prefill
+        given up (failed or cancelled mid-way) calls it before its request's pages go back to the
+        pool, so no store lands in a page another request holds by then; :meth:`finish` raises
+        their errors."""
         stores, self._stores = self._stores, []
         concurrent.futures.wait(stores)
+        return stores
 
     def finish(self) -> TieredState:
         r = self.runner
@@ -196,9 +201,7 @@ class StateBuilder:
         r._compile_save(cache, int(self.lengths.shape[0]))
         host = tuple(self.host)
         if self.pages is not None:
-            stores, self._stores = self._stores, []
-            concurrent.futures.wait(stores)  # all landed before one's error is raised
-            for f in stores:
+            for f in self.drain():  # all landed before one's error is raised
                 f.result()
             for pk, pv, pages, ks, vs in self._page_saves:
                 _store_pages(pk, pages, ks)
