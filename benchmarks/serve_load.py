@@ -223,6 +223,9 @@ def decoding_rows(engine, tokens: int) -> int:
     return max(1, min(engine.slots, (total - headroom) // kv.blocks.blocks_for(tokens)))
 
 
+FULL_STEPS = 24  # warm-up: decode steps measured with every row decoding
+
+
 def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
     (ms) and its rows: the median step with as many rows decoding a prompt of the smallest
@@ -241,18 +244,30 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     # grouped engine's first timed rate was its slow one before: docs/serving.md)
     engine.warm_up(shortest_prompt=min(m // 2 + 1 for m, _ in mix), sampled=False)
     n = min(m for m, _ in mix)
-    # every request still decoding when the last is inserted: a segmented prefill takes `segments`
-    # iterations a prompt, each with a decode step, so the first request decodes that many tokens per
-    # prompt admitted after it (24 tokens each ran out before the last insertion: a one-row median)
+    # the pool is sized for the tokens a row holds when the last is inserted: a segmented prefill
+    # takes `segments` iterations a prompt, each with a decode step
     steps = min(24 + engine.slots * segments[n], engine.context - n)
     rows = decoding_rows(engine, n + steps)
-    reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=steps, ignore_eos=True))
+    # each may decode to the context, and is cancelled once FULL_STEPS steps ran with every row
+    # decoding: a fixed output ran out before the last insertion (10 rows of 64K, segmented,
+    # 2026-12-06), as 24 tokens each did before
+    reqs = [engine.make_request(rng.integers(0, vocab, n).tolist(),
+                                SamplingParams(max_tokens=engine.context - n, ignore_eos=True))
             for _ in range(rows)]
     k = len(engine.step_times)
     for r in reqs:
         engine.submit(r)
+    give_up = time.perf_counter() + 600
+    while time.perf_counter() < give_up and not any(r.done.is_set() for r in reqs):
+        if all(r.t_first is not None for r in reqs):
+            last_insert = max(r.t_first for r in reqs)
+            if sum(t > last_insert for t in engine.step_end_times[k:]) >= FULL_STEPS:
+                break
+        time.sleep(0.005)
     for r in reqs:
-        if not r.done.wait(600) or r.finish_reason != "length":
+        engine.cancel(r)
+    for r in reqs:
+        if not r.done.wait(60) or r.finish_reason not in ("cancelled", "length") or r.t_first is None:
             raise RuntimeError(f"warm-up: {rows} requests of {n} tokens at once: one ended "
                                f"{r.finish_reason!r}: {r.error}")
     times, ends = engine.step_times[k:], engine.step_end_times[k:]
@@ -261,7 +276,11 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     first_end = min(r.token_times[-1] for r in reqs)  # then a row leaves the batch
     full = [dt for dt, t in zip(times, ends) if last_insert < t <= first_end]
     if not full:
-        raise RuntimeError(f"warm-up: no decode step with all {rows} requests decoding")
+        t0 = min(r.t_arrival for r in reqs)
+        raise RuntimeError(
+            f"warm-up: no decode step with all {rows} requests decoding ({len(times)} steps; first "
+            f"tokens at {[round(r.t_first - t0, 2) for r in reqs]} s, the first request's last at "
+            f"{first_end - t0:.2f} s, {len(reqs[0].output_ids)} tokens)")
     return 1e3 * float(np.median(full)), rows
 
 
