@@ -574,3 +574,28 @@ def test_a_prefills_result_waits_for_its_stores_and_raises_their_errors(monkeypa
     monkeypatch.setattr(tiered_prefill, "_store_pages", broken)
     with pytest.raises(OSError, match="store failed"):
         TieredRunner(model, "offload", host_pages=64).prefill(tokens, lengths, MAX_LEN)
+
+
+def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
+    """A paged host tier's footprint counts the pinned buffers a prefill stages its blocks in
+    (one layer's K or V of the longest prompt, rows padded to a power of two), as many as the
+    store threads keep in flight, or every offloaded layer's without threads; and the capacity
+    check refuses a host limit that holds the pages but not the staging."""
+    from models.runtime import tiered_prefill
+    from sparse_jax.offload import capacity
+    from tests.test_offload import _tiny_asynctls_model
+
+    model = _tiny_asynctls_model()
+    runner = TieredRunner(model, "offload", host_pages=9)
+    cfg, bs = model.config, runner.method.offload_block_size
+    nb = MAX_LEN // bs
+    one = (1 << (nb - 1).bit_length()) * cfg.num_kv_heads * bs * cfg.head_dim * np.dtype(model.dtype).itemsize
+    every = 2 * len(runner.offloaded_layers)
+    for threads, buffers in ((1, min(4, every)), (0, every), (64, every)):
+        monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", threads)
+        assert runner.footprint(2, MAX_LEN).host["prefill_staging"] == buffers * one
+    assert "prefill_staging" not in TieredRunner(model, "offload").footprint(2, MAX_LEN).host
+    host = runner.footprint(2, MAX_LEN).host
+    with pytest.raises(capacity.CapacityError, match="host"):
+        runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=host["kv_pages"] + one)
+    runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=sum(host.values()))

@@ -59,6 +59,7 @@ from models import transformer as tfm
 from models.api import round_up
 from models.driver import Driver, make_plan
 from models.runtime import sharding as shd
+from models.runtime import tiered_prefill
 from models.runtime.tiered_prefill import PrefillJob, StateBuilder
 from models.runtime.tiered_programs import (
     MeshLayout, decode_fn, embed_fn, extract_block_fn, greedy_fn, head_fn, padded_rows, prefill_layer_fn)
@@ -225,6 +226,18 @@ class TieredRunner:
             self._layouts[key] = MeshLayout(self, *key)
         return self._layouts[key]
 
+    @property
+    def staging_buffers(self) -> int:
+        """Pinned host buffers a paged prefill stages at once (one layer's K or V each): two per
+        store thread (:data:`~models.runtime.tiered_prefill.PAGE_STORE_THREADS`) in flight, and
+        the layer's two staged before the oldest are waited for; with no store threads every
+        offloaded layer's two until the prefill's end; 0 without pages."""
+        if self.host_pages is None:
+            return 0
+        every = 2 * len(self.offloaded_layers)
+        threads = tiered_prefill.PAGE_STORE_THREADS
+        return every if threads <= 0 else min(2 * threads + 2, every)
+
     def footprint(self, batch: int, max_len: int, prefill_rows: int | None = None) -> capacity.Footprint:
         """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`); on a
         mesh, the device bytes are one device's (its KV heads' share of the weights and
@@ -236,7 +249,8 @@ class TieredRunner:
             return capacity.footprint(cfg, self.method, batch=b, max_len=max_len, mode=mode,
                                       dtype_bytes=jnp.dtype(self.model.dtype).itemsize,
                                       pool_slots=self._pool(max_len, batch) if self.mode == "offload" else None,
-                                      shared=self.shared, host_pages=self.host_pages, prefill_rows=prefill_rows)
+                                      shared=self.shared, host_pages=self.host_pages, prefill_rows=prefill_rows,
+                                      staging_buffers=self.staging_buffers)
 
         whole = fp(self.cfg, batch)
         if self.mesh is None:

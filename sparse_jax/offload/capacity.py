@@ -56,7 +56,7 @@ class Footprint:
 
 def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: int = 2,
               pool_slots: int | None = None, shared: bool = False, host_pages: int | None = None,
-              prefill_rows: int | None = None) -> Footprint:
+              prefill_rows: int | None = None, staging_buffers: int = 0) -> Footprint:
     """Bytes of weights, caches and tiers (not XLA temporaries) for ``cfg`` (a
     :class:`models.config.ModelConfig`) and ``method`` (an AsyncTLS-like method
     for "sparse"/"offload"; ignored for "dense"). ``shared``: the offloaded tier's
@@ -66,7 +66,10 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
     rows (:mod:`sparse_jax.offload.tiers`), not ``batch x max_len``. ``prefill_rows``: the rows
     whose layer K/V a prefill holds at once (default ``batch``: a batch prefilled together; a
     serving engine's prompts one at a time, its empty batch built without them:
-    :meth:`models.runtime.tiered.TieredRunner.empty_state`)."""
+    :meth:`models.runtime.tiered.TieredRunner.empty_state`). ``staging_buffers``: with ``host_pages``,
+    the pinned host buffers a prefill stages at once, each one layer's K or V of a prompt's
+    blocks (``[blocks, Hkv, bs, D]``, its rows padded to a power of two) on its way into the
+    pages (:mod:`models.runtime.tiered_prefill`): up to 2.1 GB beside the pages for a 64K prompt."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     b, hkv, d, s = int(batch), cfg.num_kv_heads, cfg.head_dim, int(max_len)
@@ -105,6 +108,8 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
         host["kv_blocks"] = n_sparse * kv_layer
     else:
         host["kv_pages"] = n_sparse * 2 * int(host_pages) * hkv * bs * d * e
+        if staging_buffers:  # the longest prompt's blocks (its rows padded as the gather pads them)
+            host["prefill_staging"] = int(staging_buffers) * (1 << int(max(nb, 1) - 1).bit_length()) * hkv * bs * d * e
         dev["host_block_table"] = 4 * b * nb
     return Footprint(dev, host)
 
