@@ -262,8 +262,16 @@ def engine_case():
 
     The contiguous offloaded engine serving Quest (budget 32, below every prompt: it really
     selects): five requests through two slots give each request's single-request tokens on one
-    device."""
+    device.
+
+    Both report the programs their step compiled while serving (the jitted step's cache; the
+    offloaded engine's sampling after its runner's step): one per batch bucket and sampling
+    structure. Before the step's inputs were placed on the mesh (``models.serving.slots.step_inputs``),
+    the tokens, lengths and block table came now from the host (one device), now from the last step
+    (the mesh), and each mix compiled the step once more (the paged steps 4 + 3 programs, not 2 + 2;
+    the offloaded sampling 2, not 1)."""
     import models
+    from models.sampling import sample_step_program
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
@@ -292,7 +300,9 @@ def engine_case():
                           devices=2, blocks_free=[s["kv_blocks_free"], s["kv_blocks_total"]],
                           pool_spec=str(pool.sharding.spec), pool_shard=list(pool.addressable_shards[0].data.shape),
                           pool=list(pool.shape), warm_steps=kv.warmup.warm_steps,
-                          steady_steps=kv.warmup.steady_steps)), flush=True)
+                          steady_steps=kv.warmup.steady_steps,
+                          # the jitted warm-up and steady steps' programs (two batch buckets: rows 1, 2)
+                          step_programs=[kv._step._cache_size(), kv._steady_step._cache_size()])), flush=True)
 
     # one prefill bucket (64): fewer programs to compile on both sides, every prompt above the budget
     ids = [rng.integers(3, 97, n).tolist() for n in (60, 41, 64, 53, 45)]
@@ -301,12 +311,14 @@ def engine_case():
     refs = [model.generate_ids(np.asarray([i], np.int32), np.asarray([len(i)], np.int32), max_new_tokens=18,
                                stop_ids=())[0] for i in ids]
     engine = Engine(shard(model, model=2), slots=2, max_len=256, stop_ids=(), offload=True).start()
+    samplers = sample_step_program._cache_size()
     try:
         reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
         done = all(r.done.wait(300) for r in reqs)
         print(json.dumps(dict(case="engine/tiny-kv3/quest/offload/data=1,model=2", completed=done,
                               tokens_agree=done and [r.output_ids for r in reqs] == refs,
-                              blocks_loaded=engine.stats().get("blocks_loaded"), devices=2)), flush=True)
+                              blocks_loaded=engine.stats().get("blocks_loaded"), devices=2,
+                              step_programs=[sample_step_program._cache_size() - samplers])), flush=True)
     finally:
         engine.stop()
 

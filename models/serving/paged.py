@@ -31,6 +31,7 @@ position, not the stale length of its last request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ from models.serving.pool_programs import decode_rows, paged_programs, sharded_pa
 from models.serving.precompile import AheadOfTime
 from models.serving.requests import Request
 from models.serving.slots import (ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, padded_prompt,
-                                  prefill_bucket, segmented_prompt_tokens)
+                                  prefill_bucket, replicated, segmented_prompt_tokens, step_inputs)
 from sparse_jax.cache import PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
@@ -247,6 +248,7 @@ class PagedSlots(PagedRequests):
                  chunk_parts: int = 1):
         check_engine_mesh(model)
         self.mesh = getattr(model, "mesh", None)  # tensor parallelism: pools split by KV head
+        self._inputs = replicated(self.mesh)  # the step's host inputs, on every device (step_inputs)
         layers = model.config.num_layers
         if isinstance(chunk_parts, bool) or not isinstance(chunk_parts, int) or not 1 <= chunk_parts <= layers:
             raise ValueError(f"chunk_parts must be an int in [1, {layers}] (the model's layers), got {chunk_parts!r}")
@@ -470,18 +472,18 @@ class PagedSlots(PagedRequests):
         params, cache = self.model.params, self.cache
         slot, pages = sds((), i32), sds((self.pages_per_request,), i32)
         out = []
-        # the warm-up's step (AsyncSpade's dense_steps) and the steady one, where they differ
+        # the warm-up's step (AsyncSpade's dense_steps) and the steady one, where they differ; its
+        # host inputs as step() places them (step_inputs: on a mesh, on every device)
         steps = [("", self._step)] + ([(", past the warm-up", self._steady_step)]
                                       if self._steady_step is not self._step else [])
+        row = functools.partial(sds, (self.slots,), sharding=self._inputs)
         for rows in sorted({decode_rows(self.slots, u) for u in range(1, self.slots + 1)}):
             for s in sampled:
-                f32 = sds((self.slots,), jnp.float32)
-                sampling = RowSampling(sds((self.slots,), jnp.uint32), sds((self.slots,), i32), f32, f32,
-                                       sampled=bool(s))
+                f32 = row(jnp.float32)
+                sampling = RowSampling(row(jnp.uint32), row(i32), f32, f32, sampled=bool(s))
                 for which, step in steps:
                     out.append((f"decode step, {rows} rows, {'sampled' if s else 'greedy'}{which}", step,
-                                (params, sds((self.slots,), i32), cache, sds((self.slots,), bool), sampling),
-                                {"rows": rows}))
+                                (params, row(i32), cache, row(bool), sampling), {"rows": rows}))
         prompt = sds((1,), i32)
         if self.prefill_chunk is None:
             for bucket in sorted({prefill_bucket(n, self.max_len) for n in range(min(shortest_prompt, self.max_len - 1),
@@ -664,8 +666,13 @@ class PagedSlots(PagedRequests):
 
     def step(self, tokens, active, sampling: RowSampling) -> SampleOut:
         if self._dirty:  # copies: the host arrays change while the step is queued
-            self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self._table.copy()),
-                                             lengths=jnp.asarray(self._lengths.copy()))
+            table, lengths = self._table.copy(), self._lengths.copy()
+            if self.mesh is None:
+                table, lengths = jnp.asarray(table), jnp.asarray(lengths)
+            else:  # as the step leaves them (their specs'), not on one device: see step_inputs
+                table, lengths = jax.device_put((table, lengths), (self.cache.block_table.sharding,
+                                                                   self.cache.lengths.sharding))
+            self.cache = dataclasses.replace(self.cache, block_table=table, lengths=lengths)
             self._dirty = False
         active = np.asarray(active, bool)
         # the decode batch bucket: the rows up to the last active one (the engine fills the lowest free
@@ -673,7 +680,8 @@ class PagedSlots(PagedRequests):
         used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         self.last_rows = decode_rows(self.slots, used)
         step = self._step if self.warmup.warming(active) else self._steady_step
-        args = (self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
+        tokens, active_, sampling = step_inputs(self._inputs, tokens, active, sampling)
+        args = (self.model.params, tokens, self.cache, active_, sampling)
         out, self.cache = self.aot.run(step, args, {"rows": self.last_rows})
         self._lengths += active  # the step advances the active rows only
         self.warmup.stepped(active)

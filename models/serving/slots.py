@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import programs
 from models.runtime.tiered import HostPages, TieredRunner
@@ -148,6 +149,26 @@ def check_engine_mesh(model) -> None:
     if par is not None and par.data != 1:
         raise ValueError(f"an engine serves one replica: the model is sharded with data={par.data}; shard it "
                          f"with data=1 (tensor parallelism) and run one engine per device group")
+
+
+def replicated(mesh) -> NamedSharding | None:
+    """Where an engine over ``mesh`` (tensor parallelism) places what its step takes from the
+    host: every device holds it whole (``NamedSharding(mesh, P())``, the sharding the paged
+    engine's ``shard_map`` step gives its own sampled tokens and penalty counts, which the next
+    step takes); None on one device."""
+    return None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+
+def step_inputs(sharding: NamedSharding | None, tokens, active, sampling: RowSampling):
+    """``(tokens, active, sampling)`` as the engine's step takes them: on one device
+    ``jnp.asarray`` (uncommitted, as ever); on a mesh each array placed on ``sharding``
+    (:func:`replicated`), a no-op for one already there. Left as they came, the tokens were a
+    host array (uncommitted, on device 0) at a batch's first step and the last step's output
+    (on the mesh) after it, and the penalty counts likewise: the jitted step, keyed on its
+    arguments' shardings, compiled a program for each mix it met, during serving."""
+    if sharding is None:
+        return jnp.asarray(tokens), jnp.asarray(active), sampling
+    return jax.device_put((tokens, active, sampling), sharding)
 
 
 @jax.jit
@@ -283,6 +304,7 @@ class ResidentSlots:
         self._compiled_prefill: dict[int, Any] = {}  # bucket -> program compiled ahead of time
         self._runner = None  # the layer-by-layer prefill's (start_prefill), made at its first use
         self.warmup = WarmupSteps(slots, model.method.warmup_steps)
+        self._inputs = replicated(getattr(model, "mesh", None))  # the step's host inputs (step_inputs)
         if getattr(model, "mesh", None) is not None:
             self._step, self._insert = _sharded_programs(model.fns.decode_step)
             steady = model.fns.steady_decode_step
@@ -333,7 +355,8 @@ class ResidentSlots:
         sampling; the cache is donated and replaced. The method's steady program when no
         active row is within its warm-up (:class:`WarmupSteps`)."""
         step = self._step if self.warmup.warming(active) else self._steady_step
-        out, self.cache = step(self.model.params, jnp.asarray(tokens), self.cache, jnp.asarray(active), sampling)
+        tokens, active_, sampling = step_inputs(self._inputs, tokens, active, sampling)
+        out, self.cache = step(self.model.params, tokens, self.cache, active_, sampling)
         self.warmup.stepped(active)
         return out
 
@@ -451,6 +474,7 @@ class OffloadedSlots(PagedRequests):
                  pool: str = "per_row", paged: bool = False, host_pages: int | None = None):
         check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
+        self._inputs = replicated(getattr(model, "mesh", None))  # the sampling's host inputs (step_inputs)
         self.shared = off.check_pool(pool) == "shared"
         self.paged = bool(paged)
         if host_pages is not None and not self.paged:
@@ -707,7 +731,7 @@ class OffloadedSlots(PagedRequests):
         ws = self._working_set(self.state.cache)
         ws.copy_to_host_async()
         self._ws_pending = (ws, self._steps)
-        return sample_step_program(logits, jnp.asarray(tokens), jnp.asarray(active), sampling)
+        return sample_step_program(logits, *step_inputs(self._inputs, tokens, active, sampling))
 
     def working_set(self, r: Request) -> int:
         """Device bytes of ``r``'s working set: measured (:func:`offloaded_working_set`)
