@@ -226,6 +226,20 @@ def decoding_rows(engine, tokens: int) -> int:
 FULL_STEPS = 24  # warm-up: decode steps measured with every row decoding
 
 
+def bucket_prompts(engine, n: int) -> list[int]:
+    """Prompt lengths of (n/2, n] (the workload's draws for a mix length ``n``), the longest
+    of each prefill bucket, where the engine's prompts run at buckets
+    (``engine.kv.prompt_tokens``: the offloaded layer-by-layer prefill, four an octave); else
+    ``[n]`` (chunked prefill: one program per chunk whatever the prompt)."""
+    bucket = getattr(engine.kv, "prompt_tokens", None)
+    if bucket is None:
+        return [n]
+    longest = {}
+    for m in range(n // 2 + 1, n + 1):
+        longest[bucket(m)] = m
+    return sorted(longest.values())
+
+
 def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
     (ms) and its rows: the median step with as many rows decoding a prompt of the smallest
@@ -235,11 +249,15 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     rng = np.random.default_rng(0)
     segments = {}  # prefill iterations of one prompt of each length (layer-segmented prefill; else 0)
     for n, _ in mix:
-        before = engine.prefill_segments
-        r = engine.generate(rng.integers(0, vocab, n).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
-        if r.finish_reason != "length":  # e.g. its bucket's prefill ran out of device memory
-            raise RuntimeError(f"warm-up: a {n}-token prompt ended {r.finish_reason!r}: {r.error}")
-        segments[n] = engine.prefill_segments - before
+        # an engine whose prompts run at buckets (the offloaded layer-by-layer prefill) compiles
+        # each bucket the load's prompts of (n/2, n] reach, the longest first, not in the timed load
+        for m in sorted(bucket_prompts(engine, n), reverse=True):
+            before = engine.prefill_segments
+            r = engine.generate(rng.integers(0, vocab, m).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+            if r.finish_reason != "length":  # e.g. its bucket's prefill ran out of device memory
+                raise RuntimeError(f"warm-up: a {m}-token prompt ended {r.finish_reason!r}: {r.error}")
+            if m == n:
+                segments[n] = engine.prefill_segments - before
     # every short prompt program the precompile compiled, alone and in groups, run once (the
     # grouped engine's first timed rate was its slow one before: docs/serving.md)
     engine.warm_up(shortest_prompt=min(m // 2 + 1 for m, _ in mix), sampled=False)

@@ -378,6 +378,29 @@ def test_resident_segmented_prefill_equals_whole_prefill(tiny, name):
             np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
 
 
+def test_layer_by_layer_prefill_buckets_are_a_quarter_octave_apart():
+    """A layer-by-layer prefill pads a long prompt to the next of four buckets an octave, not to
+    a power of two (benchmark C's 64K-128K prompts all ran at 131,072): each bucket holds the
+    prompt, pads it by at most a quarter, is a multiple of 2,048 (every method's tile), grows
+    with the prompt, and stops at the cache; short prompts keep ``prefill_bucket``'s."""
+    from models.serving.slots import FINE_BUCKETS_FROM, prefill_bucket, segmented_bucket, segmented_prompt_tokens
+
+    max_len = 133120
+    ns = np.unique(np.concatenate([np.arange(1, 140000, 997), [8192, 8193, 65536, 65537, 131072, 133119]]))
+    last = 0
+    for n in ns.tolist():
+        b = segmented_bucket(n, max_len)
+        assert min(n, max_len) <= b <= max_len and b >= last, (n, b)
+        last = b
+        if n <= FINE_BUCKETS_FROM:
+            assert b == prefill_bucket(n, max_len)
+        elif b < max_len:
+            assert b % 2048 == 0 and b - n < n / 4, (n, b)
+    assert sorted({segmented_bucket(n, max_len) for n in range(65537, 131073, 64)}) == [81920, 98304, 114688, 131072]
+    assert segmented_prompt_tokens(71388, max_len) == 81920
+    assert segmented_prompt_tokens(65537, 66048) == 65984  # past the last bucket: the last multiple of 64 in the cache
+
+
 def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatch):
     """On a device with a memory limit, a resident engine with layer-segmented prefill checks
     its capacity with one layer's prefill temporaries (its layer programs compiled ahead of
@@ -1002,16 +1025,17 @@ def test_resident_capacity_counts_the_longest_prefill(tiny):
 
 
 def test_offloaded_prompt_buckets_past_the_last_power_of_two():
-    """An offloaded prompt between the last power of two and the cache runs at one bucket (the
-    last multiple of 64 below ``max_len``), not at its own length: each length compiled its own
-    layer programs (H100, 98K slots: 14 s prefills, 3.5 s stalls of the running requests)."""
+    """An offloaded prompt between the last bucket and the cache runs at one bucket (the last
+    multiple of 64 below ``max_len``), not at its own length: each length compiled its own
+    layer programs (H100, 98K slots: 14 s prefills, 3.5 s stalls of the running requests);
+    below it, at its quarter-octave bucket."""
     import types
 
     from models.serving.slots import OffloadedSlots
 
     kv = types.SimpleNamespace(max_len=98816)
     tokens = [OffloadedSlots.prompt_tokens(kv, n) for n in (1000, 5000, 65536, 65537, 80000, 98304, 98752)]
-    assert tokens == [1024, 8192, 65536, 98752, 98752, 98752, 98752]
+    assert tokens == [1024, 8192, 65536, 81920, 81920, 98304, 98752]
     assert OffloadedSlots.prompt_tokens(kv, 98760) == 98760  # past the last bucket: its own length
     assert all(t < kv.max_len for t in tokens)  # room for the first decode token
 

@@ -224,3 +224,18 @@ def test_offloaded_paged_shared_pool_with_churn(tmp_path):
                 ["--methods", "asynctls:offload", "--churn", "1.5"]):
         with pytest.raises(SystemExit):
             serve_load.parse_args(["--tiny", *bad])
+
+
+def test_warm_up_prompts_reach_every_prefill_bucket_of_the_mix():
+    """The warm-up prefills the longest prompt of each bucket the workload's draws of (n/2, n]
+    reach, where the engine's prompts run at buckets (the offloaded engine's ``prompt_tokens``),
+    so no bucket's layer programs compile in the timed load; one prompt of n otherwise."""
+    import types
+
+    from benchmarks import serve_load
+    from models.serving.slots import segmented_prompt_tokens
+
+    offloaded = types.SimpleNamespace(kv=types.SimpleNamespace(prompt_tokens=lambda n: segmented_prompt_tokens(n, 133120)))
+    assert serve_load.bucket_prompts(offloaded, 131072) == [81920, 98304, 114688, 131072]
+    assert serve_load.bucket_prompts(offloaded, 4096) == [4096]  # (2048, 4096]: one power-of-two bucket
+    assert serve_load.bucket_prompts(types.SimpleNamespace(kv=object()), 131072) == [131072]

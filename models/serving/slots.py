@@ -193,15 +193,37 @@ def prefill_bucket(n: int, max_len: int) -> int:
     return min(b, max_len)
 
 
+#: Prompts longer than this run a layer-by-layer prefill at a finer bucket than a power of two:
+#: :data:`FINE_BUCKETS_PER_OCTAVE` of them per octave (:func:`segmented_bucket`).
+FINE_BUCKETS_FROM = 8192
+FINE_BUCKETS_PER_OCTAVE = 4
+
+
+def segmented_bucket(n: int, max_len: int) -> int:
+    """The padded length of a layer-by-layer prefill of ``n`` tokens: :func:`prefill_bucket`
+    up to :data:`FINE_BUCKETS_FROM` tokens, then the next of :data:`FINE_BUCKETS_PER_OCTAVE`
+    steps per octave (64K-128K: 80K, 96K, 112K, 128K; multiples of 2,048, so of any method's
+    tile), capped at ``max_len``.
+    Power-of-two buckets ran every prompt of 64K-128K at 131,072 tokens, whose causal
+    attention is ~1.7x a uniform mix's mean prompt: benchmark C's offloaded engine prefilled
+    1.6x slower than dense's chunks of the same prompts (H100, 2026-12-06, docs/serving.md).
+    Each bucket compiles its layer programs once; four an octave cap the padding at a quarter."""
+    if n <= FINE_BUCKETS_FROM:
+        return prefill_bucket(n, max_len)
+    octave = 1 << (n - 1).bit_length() - 1  # the largest power of two below n
+    step = max(64, octave // FINE_BUCKETS_PER_OCTAVE // 64 * 64)
+    return min(-(-n // step) * step, max_len)
+
+
 def segmented_prompt_tokens(n: int, max_len: int) -> int:
     """Tokens a prompt of ``n`` runs through each layer of a layer-by-layer prefill
-    (:class:`models.runtime.tiered.PrefillJob`): its prefill bucket, where the bucket would
-    fill the cache (the tiered prefill needs room for one decode token) the last multiple of
-    64 below ``max_len``, and ``n`` only for a prompt past that. Every prompt between the last
-    power of two and the cache used to run at its own length, each compiling its own layer
+    (:class:`models.runtime.tiered.PrefillJob`): its :func:`segmented_bucket`, where the bucket
+    would fill the cache (the tiered prefill needs room for one decode token) the last multiple
+    of 64 below ``max_len``, and ``n`` only for a prompt past that. Every prompt between the last
+    bucket and the cache used to run at its own length, each compiling its own layer
     programs: on the H100 a 98K slot's prompts over 64K took 14 s to prefill, with 3.5 s
     stalls of the running requests."""
-    t = prefill_bucket(n, max_len)
+    t = segmented_bucket(n, max_len)
     if t < max_len:
         return t
     top = (max_len - 1) // 64 * 64
