@@ -54,6 +54,11 @@ from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
 from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 
+#: Tokens of a whole-prompt layer's output projection and MLP run at once
+#: (:func:`models.transformer.layer_output`'s ``token_chunk``), where the prompt is longer and a
+#: multiple of it: the prefill programs' temporaries are a slice's activations, not the prompt's.
+PROMPT_OUTPUT_CHUNK = 8192
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -344,7 +349,8 @@ class Driver:
         o, carry = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
                                     self.method, self.tp_axis, carry)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
-        return layer_output(layer, x, o, self._reduce), kc, vc, last_valid(q, lengths), carry
+        return (layer_output(layer, x, o, self._reduce, token_chunk=PROMPT_OUTPUT_CHUNK), kc, vc,
+                last_valid(q, lengths), carry)
 
     def chunkable(self, spec: LayerSpec, sparse_chunks: bool = False) -> bool:
         """Whether a layer's prompt attention can run in chunks: exact attention there (no

@@ -294,13 +294,28 @@ def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array)
 
 
 def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array,
-                 reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                 reduce: Callable[[jax.Array], jax.Array] | None = None, token_chunk: int | None = None) -> jax.Array:
     """The attention output ``o [..., Hq, D]`` added to ``x``, then the MLP block
     (Gemma 3: each branch normed before it is added).
 
     ``reduce``: applied to the output projection's and the MLP's results before they
     are added (tensor parallelism: a ``psum`` of the row-parallel partial sums; it
-    comes before Gemma's post-norms, which need the whole sum)."""
+    comes before Gemma's post-norms, which need the whole sum).
+
+    ``token_chunk``: for ``x [B, T, H]`` with ``T`` a multiple of it and longer, the block runs
+    on ``token_chunk`` tokens at a time (a ``lax.map``; every op here is per token): a long
+    prompt's MLP activations ``[T, intermediate]`` are not held at once. At 128K tokens on the
+    Qwen3-8B shape they were most of a layer program's 10.3 GiB of temporaries, which the
+    offloaded engine's capacity check counts beside its batch (benchmark C, 2026-12-06)."""
+    if token_chunk and x.ndim == 3 and x.shape[1] > token_chunk and x.shape[1] % token_chunk == 0:
+        b, t = x.shape[:2]
+        n = t // token_chunk
+
+        def split(a):  # [B, T, ...] -> [n, B, token_chunk, ...]
+            return jnp.moveaxis(a.reshape((b, n, token_chunk) + a.shape[2:]), 1, 0)
+
+        out = jax.lax.map(lambda xo: layer_output(layer, xo[0], xo[1], reduce), (split(x), split(o)))
+        return jnp.moveaxis(out, 0, 1).reshape(x.shape)
     reduce = reduce or (lambda y: y)
     if layer.pre_feedforward_layernorm is not None:
         x = x + layer.post_attention_layernorm(reduce(layer.self_attn.out(o)))

@@ -265,3 +265,34 @@ def test_decode_over_layer_ranges_equals_one_decode(unroll):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
     for a, b in zip(jax.tree.leaves(entries), jax.tree.leaves(want.layers)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
+    """A whole-prompt layer runs its output projection and MLP ``PROMPT_OUTPUT_CHUNK`` tokens at
+    a time where the prompt is longer and a multiple of it (the prefill programs' temporaries
+    are a slice's activations): the prefill's logits and every cache leaf equal the unsliced
+    program's, on a hybrid model with a sparse method, Gemma 3's normed branches included."""
+    from models import driver
+
+    cfg = dataclasses.replace(hybrid_config(), arch=arch, num_layers=3, layer_types=("local", "global", "global"))
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 48)), jnp.int32)
+    lengths = jnp.asarray([48, 37], jnp.int32)
+
+    def prefill(chunk):
+        monkeypatch.setattr(driver, "PROMPT_OUTPUT_CHUNK", chunk)
+        # a config of its own: the jitted programs are cached by config and read the constant when traced
+        model = models.load_model(config=dataclasses.replace(cfg, name=f"slices-{chunk}"), dtype=jnp.float32,
+                                  attention="quest",
+                                  attention_options=dict(budget=16, block_size=4, dense_layers=(0,)))
+        return model.prefill(tokens, lengths, model.init_cache(2, 64))
+
+    whole = prefill(0)
+    calls = []
+    real = tfm.layer_output
+    monkeypatch.setattr(driver, "layer_output", lambda *a, **k: (calls.append(k.get("token_chunk")), real(*a, **k))[1])
+    sliced = prefill(16)  # 3 slices of 16
+    assert calls and set(calls) == {16}  # the sliced path was the one taken
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
