@@ -427,6 +427,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                     chunk_parts=args.chunk_parts if where == "paged-chunked" else 1)
     build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
     print(f"[{label}] engine built in {build_s:.1f} s", flush=True)
+    checked = getattr(getattr(engine.kv, "runner", None), "checked_footprint", None)
+    if checked is not None:  # an offloaded engine on a GPU: what its capacity check counted
+        print(f"[{label}] capacity check: {checked.describe()}", flush=True)
     try:
         pre = {"programs": 0, "seconds": 0.0, "failed": []}
         if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":

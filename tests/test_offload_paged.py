@@ -599,3 +599,4 @@ def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
     with pytest.raises(capacity.CapacityError, match="host"):
         runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=host["kv_pages"] + one)
     runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=sum(host.values()))
+    assert runner.checked_footprint.host == host  # what was checked, kept for a benchmark to print
