@@ -275,7 +275,7 @@ def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
     program's, on a hybrid model with a sparse method, Gemma 3's normed branches included."""
     from models import driver
 
-    cfg = dataclasses.replace(hybrid_config(), arch=arch, num_layers=3, layer_types=("local", "global", "global"))
+    cfg = dataclasses.replace(hybrid_config(), arch=arch, num_layers=2, layer_types=("local", "global"))
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 48)), jnp.int32)
     lengths = jnp.asarray([48, 37], jnp.int32)
