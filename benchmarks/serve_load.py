@@ -434,8 +434,9 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         pre = {"programs": 0, "seconds": 0.0, "failed": []}
         if args.precompile if args.precompile is not None else jax.default_backend() == "gpu":
             # the programs in parallel threads, before the engine runs: those the load's greedy
-            # requests of at least the mix's shortest prompt run
-            pre = engine.precompile(sampled=(False,), shortest_prompt=min(n // 2 + 1 for n, _ in mix), progress=True)
+            # requests of at least the mix's shortest prompt run (offloaded: its prompt buckets' prefills)
+            opts = {} if getattr(engine.kv, "offloaded", False) else {"sampled": (False,)}
+            pre = engine.precompile(shortest_prompt=min(n // 2 + 1 for n, _ in mix), progress=True, **opts)
             print(f"[{label}] precompiled {pre['programs']} programs in {pre['seconds']:.1f} s "
                   f"({pre.get('from_cache', 0)} loaded from the compile cache); not ahead: "
                   f"{pre['failed'] or 'none'}", flush=True)

@@ -178,14 +178,16 @@ def tiny():
 HOST_PAGES = 17  # one request of max_len (16 blocks of 16) and the null page: the smallest pool, shared compiles
 
 
-def _serve(model, prompts, steps, **kw):
-    """Every prompt through an offloaded paged engine of 2 slots; ``(requests, engine, owners)``,
-    ``owners``: page -> the request ids that held it (the reserve calls seen)."""
+def _serve(model, prompts, steps, engine=None, **kw):
+    """Every prompt through an offloaded paged engine of 2 slots (``engine``'s, not started, or a
+    new one); ``(requests, engine, owners)``, ``owners``: page -> the request ids that held it
+    (the reserve calls seen)."""
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
-    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True,
-                    host_pages=HOST_PAGES, **kw)
+    if engine is None:
+        engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True,
+                        host_pages=HOST_PAGES, **kw)
     owners: dict[int, set] = {}
     real = engine.kv.blocks.reserve
 
@@ -600,3 +602,45 @@ def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
         runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=host["kv_pages"] + one)
     runner.check_capacity(2, MAX_LEN, device_limit=None, host_limit=sum(host.values()))
     assert runner.checked_footprint.host == host  # what was checked, kept for a benchmark to print
+
+
+def test_offloaded_engine_precompiles_its_prompt_buckets(tiny):
+    """``Engine.precompile`` on an offloaded engine compiles each prompt bucket's prefill
+    programs (the embedding, each layer kind's layer program) ahead; prompts of those buckets
+    then compile no layer program while they are served, and get the tokens they get alone."""
+    import logging
+
+    import jax
+
+    from models.serving.engine import Engine
+
+    # a budget no other test uses: programs of their own, not compiled by an earlier test
+    model = tiny.with_method("quest", budget=48)
+    engine = Engine(model, slots=2, max_len=MAX_LEN, stop_ids=(), paged=True, offload=True, host_pages=HOST_PAGES)
+    kv = engine.kv
+    assert kv.prefill_buckets() == [64, 128, 192] and kv.prefill_buckets(shortest_prompt=100) == [128, 192]
+    jobs = kv.program_shapes()
+    assert len(jobs) == 3 * (1 + len(set(kv.prefill_runner.plan.specs)))
+    compiled: list[str] = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            if "jit(prefill_layer)" in record.getMessage() and record.getMessage().startswith("Compiling"):
+                compiled.append(record.getMessage())
+
+    handler, log = Compiles(), logging.getLogger("jax")
+    log.addHandler(handler)
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        out = engine.precompile()
+        assert out["programs"] == len(jobs) and not out["failed"] and compiled  # the layer programs, here
+        compiled.clear()
+        rng = np.random.default_rng(6)
+        prompts = [rng.integers(4, 97, n).tolist() for n in (40, 150)]  # buckets 64 and 192
+        reqs, engine, _ = _serve(model, prompts, 4, engine=engine)
+    finally:
+        jax.config.update("jax_log_compiles", before)
+        log.removeHandler(handler)
+    assert compiled == []
+    assert [r.output_ids for r in reqs] == _alone(model, prompts, 4)

@@ -290,22 +290,40 @@ class TieredRunner:
         (fewer queries) hold less."""
         if self.mesh is not None:
             return 0
+        most = 0
+        for _, fn, args, static in self.prefill_layer_jobs(tokens, max_len, embed=False):
+            stats = fn.lower(*args, **static).compile().memory_analysis()
+            most = max(most, int(getattr(stats, "temp_size_in_bytes", 0) or 0))
+        return most
+
+    def prefill_layer_jobs(self, tokens: int, max_len: int, embed: bool = True) -> list[tuple]:
+        """The programs a one-row whole-layer prefill of ``tokens`` tokens (a prompt bucket)
+        runs, as ``(what, program, args, static)`` with abstract arguments placed as the real
+        call's (:meth:`models.serving.precompile.AheadOfTime.compile`'s jobs): the embedding
+        (``embed``) and each layer kind's :func:`prefill_layer_fn`. Compiled ahead, a prefill of
+        that length reuses them (jit's cache; the hidden state's shape carries the device
+        placement the embedding's output has: jit's cache tells a committed argument from an
+        unplaced one). None on a mesh (its layer programs are the layout's)."""
+        if self.mesh is not None:
+            return []
         max_len = round_up(int(max_len), self.method.cache_multiple)
-        params = self.model.params
-        x = jax.eval_shape(self._embed, params, jax.ShapeDtypeStruct((1, int(tokens)), jnp.int32))
+        params, t = self.model.params, int(tokens)
+        ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+        x = jax.eval_shape(self._embed, params, ids)
         leaf = jax.tree.leaves(params)[0]  # the embedding's output is placed as the weights are
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf.sharding if getattr(leaf, "committed", False) else None)
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-        carry = self.method.init_prefill_carry(batch=1, num_kv_heads=self.local_cfg.num_kv_heads, length=int(tokens))
-        most, seen = 0, set()
+        carry = self.method.init_prefill_carry(batch=1, num_kv_heads=self.local_cfg.num_kv_heads, length=t)
+        jobs = [(f"the embedding of {t} tokens", self._embed, (params, ids), {})] if embed else []
+        seen = set()
         for i, spec in enumerate(self.plan.specs):
             if spec in seen:
                 continue
             seen.add(spec)
-            fn = prefill_layer_fn(self.driver, spec, max_len)
-            stats = fn.lower(params["layers"], x, lengths, self.layer_data(i), carry).compile().memory_analysis()
-            most = max(most, int(getattr(stats, "temp_size_in_bytes", 0) or 0))
-        return most
+            jobs.append((f"a {spec.kind}{' sparse' if spec.sparse else ''} layer's prefill of {t} tokens",
+                         prefill_layer_fn(self.driver, spec, max_len), (params["layers"], x, lengths, self.layer_data(i),
+                                                                        carry), {}))
+        return jobs
 
     # -- building the state --------------------------------------------------------
     def state_from_kv(self, kv_of_layer, lengths, max_len: int, pages: HostPages | None = None) -> TieredState:

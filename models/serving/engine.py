@@ -229,7 +229,7 @@ class Engine(PromptPrefill):
         with device_scope(self.device):
             if offload:
                 self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool,
-                                         paged=paged, host_pages=host_pages)
+                                         paged=paged, host_pages=host_pages, inject_tokens=self.max_inject_tokens)
             elif paged:
                 self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
                                      num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk,
@@ -405,10 +405,11 @@ class Engine(PromptPrefill):
 
     def precompile(self, **options) -> dict:
         """Compile the programs this engine's requests will run before serving them (the paged
-        resident engine: :meth:`PagedSlots.precompile`, in parallel threads; ``background=True``
-        returns at once and serving starts while they compile, ``stats()["programs_compiling"]``
-        counting what is left); ``{"programs": 0, "seconds": 0.0, "failed": []}`` for the
-        others, which compile as requests arrive."""
+        resident engine: :meth:`PagedSlots.precompile`; the offloaded one: its prompt buckets'
+        prefill programs, :meth:`OffloadedSlots.precompile`; in parallel threads;
+        ``background=True`` returns at once and serving starts while they compile,
+        ``stats()["programs_compiling"]`` counting what is left); ``{"programs": 0, "seconds":
+        0.0, "failed": []}`` for the others, which compile as requests arrive."""
         if not hasattr(self.kv, "precompile"):
             return {"programs": 0, "seconds": 0.0, "failed": []}
         return self.kv.precompile(**options)
