@@ -607,7 +607,7 @@ def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
 def test_offloaded_engine_precompiles_its_prompt_buckets(tiny):
     """``Engine.precompile`` on an offloaded engine compiles each prompt bucket's prefill
     programs (the embedding, each layer kind's layer program) ahead; prompts of those buckets
-    then compile no layer program while they are served, and get the tokens they get alone."""
+    then compile no layer program while they are served (their tokens are the other tests')."""
     import logging
 
     import jax
@@ -638,9 +638,8 @@ def test_offloaded_engine_precompiles_its_prompt_buckets(tiny):
         compiled.clear()
         rng = np.random.default_rng(6)
         prompts = [rng.integers(4, 97, n).tolist() for n in (40, 150)]  # buckets 64 and 192
-        reqs, engine, _ = _serve(model, prompts, 4, engine=engine)
+        reqs, engine, _ = _serve(model, prompts, 2, engine=engine)
     finally:
         jax.config.update("jax_log_compiles", before)
         log.removeHandler(handler)
-    assert compiled == []
-    assert [r.output_ids for r in reqs] == _alone(model, prompts, 4)
+    assert compiled == [] and all(len(r.output_ids) == 2 for r in reqs)
