@@ -406,6 +406,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
 
     from models.runtime.sharding import shard
     from models.serving.engine import Engine
+    from sparse_jax.offload.capacity import CapacityError
 
     method_name, _, where = label.partition(":")
     check_label(label)
@@ -416,15 +417,27 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
     inject = (args.max_inject_tokens or max(length for length, _ in mix)) if where.endswith("segmented") else None
     ws_admission = shared and where != "shared-nows"
     t_build = time.perf_counter()
-    engine = Engine(model, slots=slots, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
-                    offload=where not in RESIDENT_PLACES,
-                    pool_slots=args.shared_pool_slots if shared else args.pool_slots,
-                    pool="shared" if shared else "per_row", max_inject_tokens=inject,
-                    kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
-                    paged=where.startswith(("paged", "offload-paged")),
-                    prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None,
-                    group_prompts=args.group_prompts or where != "paged-chunked",
-                    chunk_parts=args.chunk_parts if where == "paged-chunked" else 1)
+
+    def build(n: int):
+        return Engine(model, slots=n, max_len=args.max_len, max_tokens_per_iter=args.max_tokens_per_iter,
+                      offload=where not in RESIDENT_PLACES,
+                      pool_slots=args.shared_pool_slots if shared else args.pool_slots,
+                      pool="shared" if shared else "per_row", max_inject_tokens=inject,
+                      kv_bytes=UNBOUNDED_KV_BYTES if shared and not ws_admission else None,
+                      paged=where.startswith(("paged", "offload-paged")),
+                      prefill_chunk=args.prefill_chunk if where == "paged-chunked" else None,
+                      group_prompts=args.group_prompts or where != "paged-chunked",
+                      chunk_parts=args.chunk_parts if where == "paged-chunked" else 1)
+
+    engine = None
+    while engine is None:
+        try:
+            engine = build(slots)
+        except CapacityError as e:  # refused before allocating: with --fit-slots, one row fewer
+            if not args.fit_slots or slots == 1:
+                raise
+            print(f"[{label}] {slots} slots refused ({str(e)[:160]}...); trying {slots - 1}", flush=True)
+            slots -= 1
     build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
     print(f"[{label}] engine built in {build_s:.1f} s", flush=True)
     checked = getattr(getattr(engine.kv, "runner", None), "checked_footprint", None)
@@ -665,6 +678,9 @@ def parse_args(argv=None):
                    help="offloaded asynctls: the share of its block set renewed per step, emulating real text's "
                         "hit rate on random weights (0.009: Gemma 3 at 32K; default 0, the random model's own)")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per rate at most")
+    p.add_argument("--fit-slots", action="store_true",
+                   help="where the capacity check refuses an engine's slots (before allocating), one fewer until "
+                        "it fits: benchmark C's most rows under the cap, found without a call per try")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small random model (CPU smoke test)")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")

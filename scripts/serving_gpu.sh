@@ -107,7 +107,7 @@ case "$stage" in
     m=${METHODS:-dense:paged-chunked}
     # the same ~49 GB on any card: 0.35 of an H200's 141 GB, 0.62 of an H100's 80 (C_MEM_FRACTION overrides)
     total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-    # C_SLOTS (default 16) and POOL_SLOTS (an offloaded engine's block slots per (slot, KV head); default
+    # C_SLOTS (default 16: at most; --fit-slots takes one fewer until the capacity check passes) and POOL_SLOTS (an offloaded engine's block slots per (slot, KV head); default
     # twice one step's blocks) size the engine to the cap: at 64K an offloaded AsyncTLS row holds ~2.1 GiB
     # of device memory with POOL_SLOTS=128 (its two dense layers, labels, 128 blocks per head and layer;
     # 2.6 before the paged engine built its empty batch without the batch's K/V, 2026-12-06): 10 rows
@@ -119,7 +119,7 @@ case "$stage" in
     C_MEM_FRACTION=${C_MEM_FRACTION:-$(awk -v t="$total_mib" 'BEGIN { f = 49 * 1024 / t; printf "%.2f", (f < 0.95 ? f : 0.95) }')}
     XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION \
       $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix "${MIX:-65536:1}" \
-        --output-min "${OUT_MIN:-256}" --output-max "${OUT_MAX:-512}" --slots "${C_SLOTS:-16}" ${POOL_SLOTS:+--pool-slots "$POOL_SLOTS"} \
+        --output-min "${OUT_MIN:-256}" --output-max "${OUT_MAX:-512}" --slots "${C_SLOTS:-16}" --fit-slots ${POOL_SLOTS:+--pool-slots "$POOL_SLOTS"} \
         ${SHARED_POOL_SLOTS:+--shared-pool-slots "$SHARED_POOL_SLOTS"} ${CHURN:+--churn "$CHURN"} --rates "${RATES:-1}" --requests "${REQUESTS:-16}" \
         --time-limit "${TIME_LIMIT:-240}" --out "$OUTDIR" --name "serve_load_memory_${m//[:+,]/_}" \
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \

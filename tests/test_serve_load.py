@@ -106,10 +106,21 @@ def test_a_method_whose_prefill_fails_is_reported_and_the_next_runs(tmp_path, mo
     """On the H100 a dense engine's 64K prefill ran out of memory compiling, the engine thread
     died, and the warm-up waited 600 s for a request nobody would finish. Now the failed
     request ends with its error, the warm-up stops the method at once, the results say why,
-    the next method runs, and the exit status is 1."""
+    the next method runs, and the exit status is 1. With ``--fit-slots`` an engine whose slots
+    the capacity check refuses is built with fewer (here the offloaded one, at 1 of 2)."""
+    from models.serving import engine as engine_mod
     from models.serving import slots as eng
+    from sparse_jax.offload.capacity import CapacityError
 
     real = eng.ResidentSlots.prefill
+    real_engine = engine_mod.Engine
+
+    def refusing(model, slots, **kw):
+        if kw.get("offload") and slots > 1:
+            raise CapacityError(f"offload batch of {slots}: needs more device memory than is usable")
+        return real_engine(model, slots=slots, **kw)
+
+    monkeypatch.setattr(engine_mod, "Engine", refusing)
 
     def prefill(self, ids):
         if len(ids) > 96:
@@ -120,9 +131,10 @@ def test_a_method_whose_prefill_fails_is_reported_and_the_next_runs(tmp_path, mo
     rc = serve_load.main(["--tiny", "--methods", "dense,quest:offload", "--budget", "32", "--rates", "200",
                           "--requests", "3", "--prompt-mix", "64:0.5,128:0.5", "--output-min", "3",
                           "--output-max", "4", "--slots", "2", "--time-limit", "30", "--out", str(tmp_path),
-                          "--name", "f"])
+                          "--name", "f", "--fit-slots"])
     assert rc == 1
     dense, offloaded = json.loads((tmp_path / "f.json").read_text())["runs"]
+    assert offloaded["slots"] == 1
     assert "warm-up: a 128-token prompt ended 'error'" in dense["error"] and "RESOURCE_EXHAUSTED" in dense["error"]
     assert offloaded["rows"][0]["completed"] == 3 and offloaded["rows"][0]["failed"] == 0
     assert "**dense (2 slots) failed**: RuntimeError: warm-up" in (tmp_path / "f.md").read_text()
