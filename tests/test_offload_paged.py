@@ -605,9 +605,10 @@ def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
 
 
 def test_offloaded_engine_precompiles_its_prompt_buckets(tiny):
-    """``Engine.precompile`` on an offloaded engine compiles each prompt bucket's prefill
-    programs (the embedding, each layer kind's layer program) ahead; prompts of those buckets
-    then compile no layer program while they are served (their tokens are the other tests')."""
+    """``Engine.precompile`` on an offloaded engine compiles its decode step and each prompt
+    bucket's prefill programs (the embedding, each layer kind's layer program) ahead; prompts
+    of those buckets then compile no layer program and no step while they are served (their
+    tokens are the other tests')."""
     import logging
 
     import jax
@@ -620,13 +621,14 @@ def test_offloaded_engine_precompiles_its_prompt_buckets(tiny):
     kv = engine.kv
     assert kv.prefill_buckets() == [64, 128, 192] and kv.prefill_buckets(shortest_prompt=100) == [128, 192]
     jobs = kv.program_shapes()
-    assert len(jobs) == 3 * (1 + len(set(kv.prefill_runner.plan.specs)))
+    assert len(jobs) == 1 + 3 * (1 + len(set(kv.prefill_runner.plan.specs)))  # the step, then 3 buckets
     compiled: list[str] = []
 
     class Compiles(logging.Handler):
         def emit(self, record):
-            if "jit(prefill_layer)" in record.getMessage() and record.getMessage().startswith("Compiling"):
-                compiled.append(record.getMessage())
+            m = record.getMessage()
+            if m.startswith("Compiling") and ("jit(prefill_layer)" in m or "jit(offloaded_decode_step)" in m):
+                compiled.append(m)
 
     handler, log = Compiles(), logging.getLogger("jax")
     log.addHandler(handler)

@@ -404,6 +404,25 @@ class TieredRunner:
         self._after_step(state, live, active is not None)
         return logits
 
+    def decode_step_job(self, state: TieredState) -> tuple | None:
+        """:meth:`decode_step`'s program over ``state``'s batch as an ahead-of-time job
+        (:meth:`models.serving.precompile.AheadOfTime.compile`), its arguments abstract and
+        placed as the step's calls place them (the tokens as the lengths, the state's leaves as
+        they are); None on a mesh (its step is the layout's)."""
+        if self.mesh is not None:
+            return None
+        def aval(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+        tokens = jax.ShapeDtypeStruct(state.lengths_host.shape, jnp.int32, sharding=state.cache.lengths.sharding)
+        # the cache abstract (the step donates it: a background compile may lower after the first
+        # step); the host tiers as they are: a ShapeDtypeStruct's aval has no host memory space,
+        # so a pinned pool's would be a device array's, another program (never donated, they stay)
+        args = (self.model.params, tokens, jax.tree.map(aval, state.cache), state.host)
+        if self.shared:
+            args += (jax.ShapeDtypeStruct(state.lengths_host.shape, jnp.bool_),)
+        return (f"the decode step of {state.lengths_host.shape[0]} rows", self._decode, args, {})
+
     def _sync_pages(self, state: TieredState, live) -> None:
         """A paged host tier before a step: every ``live`` row holds the pages of its blocks up
         to the position the step writes (the runner's own pages given now; a caller's checked:

@@ -591,15 +591,17 @@ class OffloadedSlots(PagedRequests):
         return sorted({self.prompt_tokens(n) for n in range(lo, top + 1)})
 
     def program_shapes(self, shortest_prompt: int = 1) -> list[tuple[str, Any, tuple, dict]]:
-        """The prefill programs of every bucket a prompt runs whole layers at (all of them; with
-        a segmented prefill, those within its budget), as :meth:`AheadOfTime.compile`'s jobs,
-        smallest first: the embedding and each layer kind's layer program. Not in it: the
-        decode step (one program set, compiled by the first step), a segmented prefill's chunk
-        programs, and a mesh's layer programs."""
+        """The batch's decode step, then the prefill programs of every bucket a prompt runs whole
+        layers at (all of them; with a segmented prefill, those within its budget), smallest
+        first: the embedding and each layer kind's layer program; as
+        :meth:`AheadOfTime.compile`'s jobs. Not in it: the small programs around the step
+        (sampling, insertion, the working set), a segmented prefill's chunk programs, and a
+        mesh's programs."""
         runner = self.prefill_runner
         buckets = [t for t in self.prefill_buckets(shortest_prompt)
                    if self.inject_tokens is None or t <= self.inject_tokens]
-        return [job for t in buckets for job in runner.prefill_layer_jobs(t, self.max_len)]
+        step = self.runner.decode_step_job(self.state)  # first: every request's first step needs it
+        return [step] * (step is not None) + [job for t in buckets for job in runner.prefill_layer_jobs(t, self.max_len)]
 
     def precompile(self, *, workers: int | None = None, shortest_prompt: int = 1, progress: bool = False,
                    background: bool = False) -> dict:
