@@ -405,7 +405,8 @@ def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatc
     """On a device with a memory limit, a resident engine with layer-segmented prefill checks
     its capacity with one layer's prefill temporaries (its layer programs compiled ahead of
     time) and compiles no whole-prompt prefill it would never run; without segments it
-    compiles the longest prompt's whole prefill, as before. (CPU, a limit patched in.)"""
+    compiles the longest prompt's whole prefill, as before. The layer programs are measured at
+    the longest bucket, which prompts of that bucket then reuse. (CPU, a limit patched in.)"""
     import models.serving.slots as slots_mod
     from sparse_jax.offload import capacity
 
@@ -415,9 +416,15 @@ def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatc
     real = slots_mod.check_resident_fits
     monkeypatch.setattr(slots_mod, "check_resident_fits",
                         lambda *a, prefill_temp_bytes=0, **k: (seen.append(prefill_temp_bytes), real(*a, **k)))
+    measured = []  # the prompt lengths whose layer programs sized the check
+    real_temps = slots_mod.TieredRunner.prefill_temp_bytes
+    monkeypatch.setattr(slots_mod.TieredRunner, "prefill_temp_bytes",
+                        lambda self, tokens, max_len: (measured.append(tokens), real_temps(self, tokens, max_len))[1])
     model = tiny.with_method("quest", budget=64)
     seg = slots_mod.ResidentSlots(model, 2, 256, unroll=True, segmented=True)
     assert seg._compiled_prefill == {} and seg._runner is not None
+    # the longest bucket prompts run at (192: prompts of 129-192 tokens), not 255, a length one prompt runs
+    assert measured == [192] == [slots_mod.longest_bucket(256)]
     whole = slots_mod.ResidentSlots(model, 2, 256, unroll=True)
     assert list(whole._compiled_prefill) == [256] and whole._runner is None
     assert len(seen) == 2 and 0 < seen[0] < seen[1]  # one layer's temporaries, then the whole prompt's

@@ -46,8 +46,8 @@ from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRe
 from models.serving.pool_programs import decode_rows, paged_programs, sharded_paged_programs
 from models.serving.precompile import AheadOfTime
 from models.serving.requests import Request
-from models.serving.slots import (ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, padded_prompt,
-                                  prefill_bucket, replicated, segmented_prompt_tokens, step_inputs)
+from models.serving.slots import (ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, longest_bucket,
+                                  padded_prompt, prefill_bucket, replicated, step_inputs)
 from sparse_jax.cache import PagedLayer, paged_like
 from sparse_jax.offload import capacity
 
@@ -313,7 +313,7 @@ class PagedSlots(PagedRequests):
             temps = self._chunk_temp_bytes()
         elif limit is not None and segmented:
             self._runner = TieredRunner(model, "resident")
-            temps = self._runner.prefill_temp_bytes(segmented_prompt_tokens(max_len - 1, max_len), max_len)
+            temps = self._runner.prefill_temp_bytes(longest_bucket(max_len), max_len)
         elif limit is not None:
             temps = self._prefill_temp_bytes()
         self.footprint = fp = paged_footprint(model, slots, max_len, self.page, temps,

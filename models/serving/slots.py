@@ -216,6 +216,16 @@ def segmented_bucket(n: int, max_len: int) -> int:
     return min(-(-n // step) * step, max_len)
 
 
+def longest_bucket(max_len: int) -> int:
+    """The longest layer-by-layer prefill bucket of a cache of ``max_len`` (the last multiple of
+    64 in it): the capacity check measures one layer's temporaries at it, a program prompts of
+    that bucket then reuse. Measured at ``max_len - 1`` before, a length only a prompt of exactly
+    that many tokens runs, it compiled a whole 128K layer program set at every build for
+    nothing. A prompt past it (at most 63 tokens longer) holds no more than a rounding more."""
+    top = (max_len - 1) // 64 * 64
+    return segmented_prompt_tokens(top, max_len) if top else max_len - 1  # a cache under 65: every prompt its own
+
+
 def segmented_prompt_tokens(n: int, max_len: int) -> int:
     """Tokens a prompt of ``n`` runs through each layer of a layer-by-layer prefill
     (:class:`models.runtime.tiered.PrefillJob`): its :func:`segmented_bucket`, where the bucket
@@ -341,7 +351,7 @@ class ResidentSlots:
                 # prompts prefill a layer at a time (start_prefill): one layer's program holds the
                 # temporaries, not the whole prompt's (the longest's layer programs compiled here)
                 self._runner = TieredRunner(model, "resident")
-                temps = self._runner.prefill_temp_bytes(segmented_prompt_tokens(max_len - 1, max_len), max_len)
+                temps = self._runner.prefill_temp_bytes(longest_bucket(max_len), max_len)
             elif device_budget() is not None and hasattr(model.fns.prefill, "lower"):  # one jitted program
                 bucket, compiled, temps = compile_longest_prefill(model, max_len)
                 self._compiled_prefill[bucket] = compiled
@@ -539,7 +549,7 @@ class OffloadedSlots(PagedRequests):
             # paged: the empty batch is built without its layers' K/V (TieredRunner.empty_state) and prompts
             # prefill one at a time, so one row's layer is what a prefill holds
             self.runner.check_capacity(slots, max_len, prefill_temp_bytes=self.prefill_runner.prefill_temp_bytes(
-                self.prompt_tokens(max_len - 1), max_len), autotune_scratch=autotune_scratch_bytes(model.params),
+                longest_bucket(max_len), max_len), autotune_scratch=autotune_scratch_bytes(model.params),
                 prefill_rows=1 if self.paged else None)
 
         def empty(i):  # every slot starts as a one-token row of zeros (free slots never advance)
