@@ -228,8 +228,8 @@ class Engine(PromptPrefill):
         self.device = placed_device(model)
         with device_scope(self.device):
             if offload:
-                self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, segmented=segmented, pool=pool,
-                                         paged=paged, host_pages=host_pages, inject_tokens=self.max_inject_tokens)
+                self.kv = OffloadedSlots(model, self.slots, self.max_len, pool_slots, pool=pool, paged=paged,
+                                         host_pages=host_pages, inject_tokens=self.max_inject_tokens)
             elif paged:
                 self.kv = PagedSlots(model, self.slots, self.max_len, bool(unroll), segmented=segmented,
                                      num_blocks=kv_blocks, prefill_chunk=self.prefill_chunk,

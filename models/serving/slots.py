@@ -216,13 +216,20 @@ def segmented_bucket(n: int, max_len: int) -> int:
     return min(-(-n // step) * step, max_len)
 
 
+def last_bucket_end(max_len: int) -> int:
+    """The last multiple of 64 below ``max_len``: the longest bucket a layer-by-layer prefill
+    pads to (the tiered prefill keeps a position for the first decode token); a prompt past it
+    runs at its own length."""
+    return (max_len - 1) // 64 * 64
+
+
 def longest_bucket(max_len: int) -> int:
     """The longest layer-by-layer prefill bucket of a cache of ``max_len`` (the last multiple of
     64 in it): the capacity check measures one layer's temporaries at it, a program prompts of
     that bucket then reuse. Measured at ``max_len - 1`` before, a length only a prompt of exactly
     that many tokens runs, it compiled a whole 128K layer program set at every build for
     nothing. A prompt past it (at most 63 tokens longer) holds no more than a rounding more."""
-    top = (max_len - 1) // 64 * 64
+    top = last_bucket_end(max_len)
     return segmented_prompt_tokens(top, max_len) if top else max_len - 1  # a cache under 65: every prompt its own
 
 
@@ -237,7 +244,7 @@ def segmented_prompt_tokens(n: int, max_len: int) -> int:
     t = segmented_bucket(n, max_len)
     if t < max_len:
         return t
-    top = (max_len - 1) // 64 * 64
+    top = last_bucket_end(max_len)
     return top if n <= top else n
 
 
@@ -503,13 +510,13 @@ class OffloadedSlots(PagedRequests):
 
     offloaded = True
 
-    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, segmented: bool = False,
-                 pool: str = "per_row", paged: bool = False, host_pages: int | None = None,
-                 inject_tokens: int | None = None):
+    def __init__(self, model, slots: int, max_len: int, pool_slots: int | None = None, pool: str = "per_row",
+                 paged: bool = False, host_pages: int | None = None, inject_tokens: int | None = None):
         check_engine_mesh(model)
         self.model, self.slots, self.max_len = model, slots, max_len
-        #: the segmented prefill's budget (Engine.max_inject_tokens): prompt buckets past it run in
-        #: chunks of a layer, not the whole-layer programs :meth:`precompile` compiles
+        #: the layer-segmented prefill's budget (Engine.max_inject_tokens; None: whole prefills):
+        #: prompt buckets past it run in chunks of a layer, not the whole-layer programs
+        #: :meth:`precompile` compiles
         self.inject_tokens = inject_tokens
         self.aot = AheadOfTime()
         self._inputs = replicated(getattr(model, "mesh", None))  # the sampling's host inputs (step_inputs)
@@ -589,14 +596,18 @@ class OffloadedSlots(PagedRequests):
         self._ws_pending = None  # (int32[slots] on the device, the step it measured)
         self._steps = 0
         self._inserted_at = np.full(slots, -1)  # the step count when each slot was last filled
-        self.segmented = segmented  # prompts prefill a few layers per iteration (Engine.max_inject_tokens)
+
+    @property
+    def segmented(self) -> bool:
+        """Whether prompts prefill a few layers per iteration (:attr:`inject_tokens` given)."""
+        return self.inject_tokens is not None
 
     # -- compiling ahead ------------------------------------------------------------------------
     def prefill_buckets(self, shortest_prompt: int = 1) -> list[int]:
         """Every prompt bucket (:meth:`prompt_tokens`) a prompt of ``shortest_prompt`` tokens or
         more runs at, smallest first: up to the last multiple of 64 in the cache (the few prompts
         past it run at their own lengths, each its own program)."""
-        top = (self.max_len - 1) // 64 * 64
+        top = last_bucket_end(self.max_len)
         lo = max(1, min(int(shortest_prompt), top))
         return sorted({self.prompt_tokens(n) for n in range(lo, top + 1)})
 
