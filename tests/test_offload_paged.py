@@ -471,6 +471,23 @@ def test_prefill_page_stores_overlapped_equal_the_serial_ones(monkeypatch):
         np.testing.assert_array_equal(v, sv)
 
 
+def _slowed_stores(monkeypatch, wait) -> list:
+    """The prefill's page stores on 2 threads, each after ``wait()``; returns the list each
+    store's page count is appended to once it landed."""
+    from models.runtime import tiered_prefill
+
+    monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 2)
+    real, landed = tiered_prefill._store_pages, []
+
+    def slow(pool, pages, staged):
+        wait()
+        real(pool, pages, staged)
+        landed.append(pages.size)
+
+    monkeypatch.setattr(tiered_prefill, "_store_pages", slow)
+    return landed
+
+
 def test_a_prefill_given_up_midway_leaves_no_page_store_in_flight(monkeypatch):
     """A layer-segmented prefill dropped after some layers (cancelled, preempted, failed): its
     stores still in flight land before ``drain`` returns, so none writes into a page the pool
@@ -478,20 +495,10 @@ def test_a_prefill_given_up_midway_leaves_no_page_store_in_flight(monkeypatch):
     import threading
     import time
 
-    from models.runtime import tiered_prefill
     from tests.test_offload import _tiny_asynctls_model
 
-    monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 2)
-    landed, real = [], tiered_prefill._store_pages
     gate = threading.Event()
-
-    def slow(pool, pages, blocks):
-        gate.wait(5)
-        time.sleep(0.05)
-        real(pool, pages, blocks)
-        landed.append(pages.size)
-
-    monkeypatch.setattr(tiered_prefill, "_store_pages", slow)
+    landed = _slowed_stores(monkeypatch, lambda: (gate.wait(5), time.sleep(0.05)))
     model = _tiny_asynctls_model()
     tokens, lengths = _ragged_tokens(4)
     runner = TieredRunner(model, "offload", host_pages=64)
@@ -555,15 +562,7 @@ def test_a_prefills_result_waits_for_its_stores_and_raises_their_errors(monkeypa
     from models.runtime import tiered_prefill
     from tests.test_offload import _tiny_asynctls_model
 
-    monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 2)
-    real, landed = tiered_prefill._store_pages, []
-
-    def slow(pool, pages, staged):
-        time.sleep(0.2)
-        real(pool, pages, staged)
-        landed.append(pages.size)
-
-    monkeypatch.setattr(tiered_prefill, "_store_pages", slow)
+    landed = _slowed_stores(monkeypatch, lambda: time.sleep(0.2))
     model = _tiny_asynctls_model()
     tokens, lengths = _ragged_tokens(6)
     runner = TieredRunner(model, "offload", host_pages=64)
