@@ -113,6 +113,7 @@ case "$stage" in
     # 2.6 before the paged engine built its empty batch without the batch's K/V, 2026-12-06): 10 rows
     # (SHARED_POOL_SLOTS: NAME:offload-paged-shared-segmented's one pool, per layer and KV head); CHURN=0.009
     # emulates real text's block hit rate on the random weights (serve_load --churn)
+    # PREFILL_OPT (e.g. keep_fraction=0.3, as benchmark B's): NAME+tsa's prefill option
     # MIX, OUT_MIN, OUT_MAX, RATES, REQUESTS, TIME_LIMIT change the load (default: 16 prompts of 64K at
     # 1 req/s, outputs 256-512, which is prefill-bound for both engines; SparseServe's LongBench trace is
     # mostly shorter prompts, e.g. MIX=16384:2,32768:2,65536:1)
@@ -120,7 +121,7 @@ case "$stage" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION \
       $PY -u -m benchmarks.serve_load --methods "$m" --compile-cache "$CACHE" --max-inject-tokens 32768 --prompt-mix "${MIX:-65536:1}" \
         --output-min "${OUT_MIN:-256}" --output-max "${OUT_MAX:-512}" --slots "${C_SLOTS:-16}" --fit-slots ${POOL_SLOTS:+--pool-slots "$POOL_SLOTS"} \
-        ${SHARED_POOL_SLOTS:+--shared-pool-slots "$SHARED_POOL_SLOTS"} ${CHURN:+--churn "$CHURN"} --rates "${RATES:-1}" --requests "${REQUESTS:-16}" \
+        ${SHARED_POOL_SLOTS:+--shared-pool-slots "$SHARED_POOL_SLOTS"} ${CHURN:+--churn "$CHURN"} ${PREFILL_OPT:+--prefill-opt "$PREFILL_OPT"} --rates "${RATES:-1}" --requests "${REQUESTS:-16}" \
         --time-limit "${TIME_LIMIT:-240}" --out "$OUTDIR" --name "serve_load_memory_${m//[:+,]/_}" \
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \
         2>&1 | quiet
