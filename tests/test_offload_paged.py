@@ -527,6 +527,28 @@ def test_offload_prefill_probe_runs_on_cpu(tmp_path):
     assert all(r["median_s"] > 0 for r in rows)
 
 
+def test_prefill_temps_probe_runs_on_cpu(tmp_path, capsys):
+    """``benchmarks.probes.prefill_temps --tiny``: each layer kind's prefill program is compiled
+    and its bytes printed; the memory-usage report's head is read back (its first table only)."""
+    from benchmarks.probes import prefill_temps
+
+    assert prefill_temps.main(["--tiny", "--length", "512", "--layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "a global layer's prefill of 512 tokens: temporaries" in out
+    assert "a global sparse layer's prefill of 512 tokens: temporaries" in out
+    (tmp_path / "module_0007.jit_prefill_layer.gpu_after_optimizations-memory-usage-report.txt").write_text(
+        "Memory Space: default (color=0)\nTotal bytes: 3072 (3.00KiB)\n"
+        "  cumulative_size;       size;       offset; used_by_n_values; shapes_list\n  ----\n"
+        "    2.00KiB( 67%);    2.00KiB;            0;                2; bf16[1024], f32[512]\n"
+        "    3.00KiB(100%);    1.00KiB;         2048;                1; f32[256]\n\n"
+        "  cumulative_size;       size;       offset; used_by_n_values; shapes_list\n"
+        "    9.00KiB(100%);    9.00KiB;            0;                1; f32[9]\n")
+    lines = prefill_temps.usage_reports(tmp_path, "prefill_layer", top=1)
+    assert lines == ["module_0007 (prefill_layer): Total bytes: 3072 (3.00KiB)",
+                     "    2.00KiB( 67%);    2.00KiB;            0;                2; bf16[1024], f32[512]"]
+    assert len(prefill_temps.usage_reports(tmp_path, "prefill_layer", top=5)) == 3  # the second table is not read
+
+
 def test_a_prefills_gathered_blocks_leave_the_device_for_pinned_staging(monkeypatch):
     """Each layer's blocks gathered for its host pages go straight to pinned host staging
     buffers, so nothing of them stays on the device until the prefill's end (a 64K prompt of
