@@ -436,7 +436,7 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
         except CapacityError as e:  # refused before allocating: with --fit-slots, one row fewer
             if not args.fit_slots or slots == 1:
                 raise
-            print(f"[{label}] {slots} slots refused ({str(e)[:160]}...); trying {slots - 1}", flush=True)
+            print(f"[{label}] {slots} slots refused ({e}); trying {slots - 1}", flush=True)
             slots -= 1
     build_s = time.perf_counter() - t_build  # a paged engine on a GPU compiles its largest prompt program here
     print(f"[{label}] engine built in {build_s:.1f} s", flush=True)

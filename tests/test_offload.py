@@ -303,6 +303,10 @@ def test_runner_refuses_before_allocating():
     # a serving engine adds its prefill's temporaries and the GEMM autotuner's scratch
     runner.check_capacity(2, 4096, device_limit=fp.device_bytes + 30, host_limit=None,
                           prefill_temp_bytes=10, autotune_scratch=20)
+    # the batch's own check later (as an engine builds it) keeps the check with the prefill beside it
+    runner.check_capacity(2, 4096, device_limit=fp.device_bytes, host_limit=None)
+    assert runner.checked_footprint.device_bytes == fp.device_bytes + 30
+    assert runner.checked_footprint.device["prefill_temporaries"] == 10
     with pytest.raises(capacity.CapacityError, match=r"prefill_temporaries .*autotune_scratch"):
         runner.check_capacity(2, 4096, device_limit=fp.device_bytes + 29, host_limit=None,
                               prefill_temp_bytes=10, autotune_scratch=20)

@@ -164,7 +164,9 @@ class TieredRunner:
         self.num_layers = self.cfg.num_layers
         self.offloaded = [mode == "offload" and sp.sparse for sp in self.plan.specs]
         self.offloaded_layers = [i for i, o in enumerate(self.offloaded) if o]
-        self.checked_footprint: capacity.Footprint | None = None  # the last check_capacity's
+        # the largest footprint check_capacity passed (an engine checks its batch with a prompt's
+        # prefill beside it, then builds the batch, whose own check counts the batch alone)
+        self.checked_footprint: capacity.Footprint | None = None
         # a sharded model (models.runtime.sharding.ShardedModel): every piece runs as one shard_map on
         # its mesh, each device on its KV heads and rows; the host tiers split the same way
         self.mesh = getattr(model, "mesh", None)
@@ -276,8 +278,9 @@ class TieredRunner:
                                          ("autotune_scratch", autotune_scratch)) if v}
         if extra:
             fp = capacity.Footprint({**fp.device, **extra}, fp.host)
-        self.checked_footprint = fp  # the last footprint checked, with its terms (a benchmark prints it)
         capacity.check_fits(fp, device_limit=dl, host_limit=hl, what=f"{self.mode} batch of {batch} x {max_len} tokens")
+        if self.checked_footprint is None or fp.device_bytes >= self.checked_footprint.device_bytes:
+            self.checked_footprint = fp  # with its terms (a benchmark prints it; a refusal says its own)
 
     def prefill_temp_bytes(self, tokens: int, max_len: int) -> int:
         """The largest temporaries, over the layer kinds, of one layer's prefill program for
