@@ -54,10 +54,12 @@ from sparse_jax.offload.tiers import OffloadedLayer
 from sparse_jax.ops.attention import dense_decode_attention  # the Pallas kernel on a GPU, the einsum elsewhere
 from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attention
 
-#: Tokens of a whole-prompt layer's output projection and MLP run at once
-#: (:func:`models.transformer.layer_output`'s ``token_chunk``), where the prompt is longer and a
-#: multiple of it: the prefill programs' temporaries are a slice's activations, not the prompt's.
-PROMPT_OUTPUT_CHUNK = 8192
+#: Tokens of a whole-prompt layer's per-token blocks run at once: the norm, projections and RoPE
+#: before attention, the output projection and MLP after it (``token_chunk`` of
+#: :func:`models.transformer.layer_qkv` and :func:`~models.transformer.layer_output`), where the
+#: prompt is longer and a multiple of it: the prefill programs' temporaries are a slice's
+#: activations, not the prompt's.
+PROMPT_TOKEN_CHUNK = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,11 +347,11 @@ class Driver:
         Shared by :meth:`prefill` and the layer-by-layer prefill of :mod:`models.runtime.tiered`."""
         layer = _layer_at(self.layer_graph, stacked, data["index"])
         cos, sin = rope_cos_sin(jnp.arange(x.shape[1]), inv_freq(self.cfg, spec))
-        q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, H*, D]
+        q, k, v = layer_qkv(layer, x, cos, sin, token_chunk=PROMPT_TOKEN_CHUNK)  # [B, T, H*, D]
         o, carry = prompt_attention(_method_for(self.method, spec), spec, q, k, v, lengths, LayerCtx(spec, data),
                                     self.method, self.tp_axis, carry)
         kc, vc = prefill_kv(k, v, lengths, cap, spec)
-        return (layer_output(layer, x, o, self._reduce, token_chunk=PROMPT_OUTPUT_CHUNK), kc, vc,
+        return (layer_output(layer, x, o, self._reduce, token_chunk=PROMPT_TOKEN_CHUNK), kc, vc,
                 last_valid(q, lengths), carry)
 
     def chunkable(self, spec: LayerSpec, sparse_chunks: bool = False) -> bool:

@@ -288,8 +288,40 @@ def rope_for(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arr
     return rope_cos_sin(positions, _inv_freq(cfg))
 
 
-def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Pre-norm and projections of one layer: post-RoPE ``q, k, v`` of ``x [..., H]``."""
+def _token_slices(token_chunk: int | None, x: jax.Array) -> int:
+    """How many ``token_chunk``-token slices ``x [B, T, ...]`` runs in (0: whole): where ``T``
+    is longer than the chunk and a multiple of it."""
+    if not token_chunk or x.ndim < 3 or x.shape[1] <= token_chunk or x.shape[1] % token_chunk:
+        return 0
+    return x.shape[1] // token_chunk
+
+
+def _map_token_slices(fn, n: int, batched: tuple, shared: tuple = ()):
+    """``fn(*batched, *shared)`` run on ``n`` token slices at a time (a ``lax.map``): each of
+    ``batched`` is ``[B, T, ...]`` and each of ``shared`` ``[T, ...]`` (no batch axis, e.g.
+    RoPE's ``cos, sin``); ``fn``'s outputs (a pytree of ``[B, T/n, ...]``) come back joined
+    along ``T``. Exact for per-token blocks; what a slice holds is what the program holds."""
+    b, t = batched[0].shape[:2]
+    c = t // n
+
+    def split(a):  # [B, T, ...] -> [n, B, c, ...]
+        return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda xs: fn(*xs[0], *xs[1]),
+                      (tuple(split(a) for a in batched), tuple(a.reshape((n, c) + a.shape[1:]) for a in shared)))
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((b, t) + y.shape[3:]), out)
+
+
+def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, token_chunk: int | None = None):
+    """Pre-norm and projections of one layer: post-RoPE ``q, k, v`` of ``x [..., H]``.
+
+    ``token_chunk``: for ``x [B, T, H]`` (``cos, sin [T, D/2]``) with ``T`` a multiple of it
+    and longer, the block runs on ``token_chunk`` tokens at a time (as :func:`layer_output`):
+    the norms and RoPE's f32 intermediates are a slice's, not the prompt's (at 128K on the
+    Qwen3-8B shape the queries alone are 2 GiB in f32)."""
+    n = _token_slices(token_chunk, x) if cos.ndim == 2 and cos.shape[0] == x.shape[1] else 0
+    if n:
+        return _map_token_slices(lambda xs, c, s: layer_qkv(layer, xs, c, s), n, (x,), (cos, sin))
     return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
 
 
@@ -307,15 +339,9 @@ def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array,
     prompt's MLP activations ``[T, intermediate]`` are not held at once. At 128K tokens on the
     Qwen3-8B shape they were most of a layer program's 10.3 GiB of temporaries, which the
     offloaded engine's capacity check counts beside its batch (benchmark C, 2026-12-06)."""
-    if token_chunk and x.ndim == 3 and x.shape[1] > token_chunk and x.shape[1] % token_chunk == 0:
-        b, t = x.shape[:2]
-        n = t // token_chunk
-
-        def split(a):  # [B, T, ...] -> [n, B, token_chunk, ...]
-            return jnp.moveaxis(a.reshape((b, n, token_chunk) + a.shape[2:]), 1, 0)
-
-        out = jax.lax.map(lambda xo: layer_output(layer, xo[0], xo[1], reduce), (split(x), split(o)))
-        return jnp.moveaxis(out, 0, 1).reshape(x.shape)
+    n = _token_slices(token_chunk, x)
+    if n:
+        return _map_token_slices(lambda xs, os_: layer_output(layer, xs, os_, reduce), n, (x, o))
     reduce = reduce or (lambda y: y)
     if layer.pre_feedforward_layernorm is not None:
         x = x + layer.post_attention_layernorm(reduce(layer.self_attn.out(o)))

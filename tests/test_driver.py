@@ -269,10 +269,11 @@ def test_decode_over_layer_ranges_equals_one_decode(unroll):
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
-    """A whole-prompt layer runs its output projection and MLP ``PROMPT_OUTPUT_CHUNK`` tokens at
-    a time where the prompt is longer and a multiple of it (the prefill programs' temporaries
-    are a slice's activations): the prefill's logits and every cache leaf equal the unsliced
-    program's, on a hybrid model with a sparse method, Gemma 3's normed branches included."""
+    """A whole-prompt layer runs its norm, projections and RoPE, and its output projection and
+    MLP, ``PROMPT_TOKEN_CHUNK`` tokens at a time where the prompt is longer and a multiple of it
+    (the prefill programs' temporaries are a slice's activations): the prefill's logits and
+    every cache leaf equal the unsliced program's, on a hybrid model with a sparse method,
+    Gemma 3's normed branches and sliding-window RoPE included."""
     from models import driver
 
     cfg = dataclasses.replace(hybrid_config(), arch=arch, num_layers=2, layer_types=("local", "global"))
@@ -281,7 +282,7 @@ def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
     lengths = jnp.asarray([48, 37], jnp.int32)
 
     def prefill(chunk):
-        monkeypatch.setattr(driver, "PROMPT_OUTPUT_CHUNK", chunk)
+        monkeypatch.setattr(driver, "PROMPT_TOKEN_CHUNK", chunk)
         # a config of its own: the jitted programs are cached by config and read the constant when traced
         model = models.load_model(config=dataclasses.replace(cfg, name=f"slices-{chunk}"), dtype=jnp.float32,
                                   attention="quest",
@@ -289,10 +290,12 @@ def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
         return model.prefill(tokens, lengths, model.init_cache(2, 64))
 
     whole = prefill(0)
-    calls = []
-    real = tfm.layer_output
+    calls, slices = [], []
+    real, real_map = tfm.layer_output, tfm._map_token_slices
     monkeypatch.setattr(driver, "layer_output", lambda *a, **k: (calls.append(k.get("token_chunk")), real(*a, **k))[1])
+    monkeypatch.setattr(tfm, "_map_token_slices", lambda fn, n, *a: (slices.append(n), real_map(fn, n, *a))[1])
     sliced = prefill(16)  # 3 slices of 16
     assert calls and set(calls) == {16}  # the sliced path was the one taken
+    assert slices == [3, 3] * cfg.num_layers  # before attention and after it, in every layer
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
