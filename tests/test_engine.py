@@ -383,7 +383,7 @@ def test_layer_by_layer_prefill_buckets_are_a_quarter_octave_apart():
     a power of two (benchmark C's 64K-128K prompts all ran at 131,072): each bucket holds the
     prompt, pads it by at most a quarter, is a multiple of 2,048 (every method's tile), grows
     with the prompt, and stops at the cache; short prompts keep ``prefill_bucket``'s."""
-    from models.serving.slots import FINE_BUCKETS_FROM, prefill_bucket, segmented_bucket, segmented_prompt_tokens
+    from models.serving.buckets import FINE_BUCKETS_FROM, prefill_bucket, segmented_bucket, segmented_prompt_tokens
 
     max_len = 133120
     ns = np.unique(np.concatenate([np.arange(1, 140000, 997), [8192, 8193, 65536, 65537, 131072, 133119]]))
@@ -408,6 +408,7 @@ def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatc
     compiles the longest prompt's whole prefill, as before. The layer programs are measured at
     the longest bucket, which prompts of that bucket then reuse. (CPU, a limit patched in.)"""
     import models.serving.slots as slots_mod
+    from models.serving.buckets import longest_bucket
     from sparse_jax.offload import capacity
 
     seen = []
@@ -424,7 +425,7 @@ def test_segmented_resident_slots_size_the_prefill_by_one_layer(tiny, monkeypatc
     seg = slots_mod.ResidentSlots(model, 2, 256, unroll=True, segmented=True)
     assert seg._compiled_prefill == {} and seg._runner is not None
     # the longest bucket prompts run at (192: prompts of 129-192 tokens), not 255, a length one prompt runs
-    assert measured == [192] == [slots_mod.longest_bucket(256)]
+    assert measured == [192] == [longest_bucket(256)]
     whole = slots_mod.ResidentSlots(model, 2, 256, unroll=True)
     assert list(whole._compiled_prefill) == [256] and whole._runner is None
     assert len(seen) == 2 and 0 < seen[0] < seen[1]  # one layer's temporaries, then the whole prompt's

@@ -245,7 +245,7 @@ def test_warm_up_prompts_reach_every_prefill_bucket_of_the_mix():
     import types
 
     from benchmarks import serve_load
-    from models.serving.slots import segmented_prompt_tokens
+    from models.serving.buckets import segmented_prompt_tokens
 
     offloaded = types.SimpleNamespace(kv=types.SimpleNamespace(prompt_tokens=lambda n: segmented_prompt_tokens(n, 133120)))
     assert serve_load.bucket_prompts(offloaded, 131072) == [81920, 98304, 114688, 131072]

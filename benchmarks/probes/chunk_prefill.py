@@ -82,10 +82,10 @@ def ceilings() -> tuple[float, float]:
 def main(argv=None) -> int:
     from benchmarks import trace_overlap
     from benchmarks.offload import asynctls_for, qwen3_8b, random_model
+    from models.serving.buckets import padded_prompt
     from models.serving.engine import Engine
     from models.serving.paged import chunk_kv_len, page_size
     from models.serving.requests import SamplingParams
-    from models.serving.slots import padded_prompt
     from sparse_jax.methods import get_method
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -43,11 +43,11 @@ from models.runtime.sharding import paged_cache_specs
 from models.runtime.tiered import TieredRunner
 from models.sampling import RowSampling, SampleOut
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
+from models.serving.buckets import longest_bucket, padded_prompt, prefill_bucket
 from models.serving.pool_programs import decode_rows, paged_programs, sharded_paged_programs
 from models.serving.precompile import AheadOfTime
 from models.serving.requests import Request
-from models.serving.slots import (ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, longest_bucket,
-                                  padded_prompt, prefill_bucket, replicated, step_inputs)
+from models.serving.slots import ResidentSlots, WarmupSteps, check_engine_mesh, check_slot_axis, replicated, step_inputs
 from sparse_jax.cache import PagedLayer, paged_like
 from sparse_jax.offload import capacity
 

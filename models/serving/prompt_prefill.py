@@ -39,10 +39,10 @@ from models import programs
 from models.api import round_up
 from models.detokenize import TextStream
 from models.sampling import logprob_width, sample_program
+from models.serving.buckets import padded_prompt, prefill_bucket
 from models.serving.paged import PoolLost, chunk_tokens, group_rows
 from models.serving.requests import Request, TokenLogprob
 from models.serving.slot_sampling import token_logprob
-from models.serving.slots import padded_prompt, prefill_bucket
 
 
 class Occupant:
