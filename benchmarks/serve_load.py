@@ -570,6 +570,8 @@ def merge(paths: list[str]) -> dict:
     gets labels that say which."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0])
+    # the header's "at most N s per rate" holds for every part (parts ran under their own limits)
+    out["time_limit_s"] = max(p.get("time_limit_s", 0) for p in parts)
     runs = [dict(r) for p in parts for r in p["runs"]]
     out["parts"] = [st for p in parts for st in (p.get("parts") or [p["stamp"]])]  # a merged input keeps its own
     for label in {r["method"] for r in runs}:

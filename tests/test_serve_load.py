@@ -142,17 +142,19 @@ def test_a_method_whose_prefill_fails_is_reported_and_the_next_runs(tmp_path, mo
 
 def test_merge_labels_one_method_at_several_chunk_sizes(tmp_path):
     """``--merge`` of runs of one method at different ``prefill_chunk`` keeps them apart (a
-    label that says the chunk), and joins runs of one configuration in rate order."""
-    def part(name, chunk, rate, tps):
+    label that says the chunk), and joins runs of one configuration in rate order; the header's
+    time limit is the longest any part ran under."""
+    def part(name, chunk, rate, tps, limit=150.0):
         run = {"method": "asynctls:paged-chunked", "slots": 8, "pool": None, "max_inject_tokens": None,
                "prefill_chunk": chunk, "iteration_ms": 10.0, "goodput_rps": None,
                "rows": [{"method": "asynctls:paged-chunked", "rate": rate, "throughput_tok_s": tps, "completed": 1,
                          "requests": 1, "p99_tbt_ms": 50.0, "mean_queue_s": 0.5}]}
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"stamp": {"command": name}, "model": "m", "runs": [run]}))
+        path.write_text(json.dumps({"stamp": {"command": name}, "model": "m", "time_limit_s": limit, "runs": [run]}))
         return str(path)
 
-    out = serve_load.merge([part("a", 1024, 2.0, 1.0), part("b", 4096, 2.0, 2.0), part("c", 1024, 1.0, 3.0)])
+    out = serve_load.merge([part("a", 1024, 2.0, 1.0), part("b", 4096, 2.0, 2.0, 240.0), part("c", 1024, 1.0, 3.0)])
+    assert out["time_limit_s"] == 240.0
     labels = [r["method"] for r in out["runs"]]
     assert labels == ["asynctls:paged-chunked (chunk 1024)", "asynctls:paged-chunked (chunk 4096)"]
     assert [row["rate"] for row in out["runs"][0]["rows"]] == [1.0, 2.0]
