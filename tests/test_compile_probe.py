@@ -42,3 +42,20 @@ def test_engine_iteration_refuses_a_cache_that_does_not_fit(monkeypatch):
     # 4 rows of 128K and 8 of 64K fit (the issue's shapes)
     engine_iteration._check_fits(engine_iteration.argparse.Namespace(tiny=False, layers=36, batch=[4]), [132096])
     engine_iteration._check_fits(engine_iteration.argparse.Namespace(tiny=False, layers=36, batch=[8]), [66560])
+
+
+def test_engine_iteration_probe_runs_on_cpu(tmp_path):
+    """``benchmarks.probes.engine_iteration --tiny``: benchmark A's probe runs end to end on the
+    paged and offloaded engines with their programs precompiled, and writes a row each (it
+    broke unseen once: host_probe's step functions grew a fourth, 2026-12-06)."""
+    import json
+
+    from benchmarks.probes import engine_iteration
+
+    assert engine_iteration.main(["--tiny", "--layers", "3", "--context", "130", "--caps", "192", "--batch", "2",
+                                  "--methods", "asynctls", "--engines", "paged,offload-paged", "--max-tokens", "4",
+                                  "--steps", "2", "--rounds", "1", "--precompile", "--out", str(tmp_path),
+                                  "--name", "e"]) == 0
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["paged", "offload-paged"]
+    assert all(r["iteration_ms"] > 0 and r["bare_ms"] > 0 and r["steps_measured"] > 0 for r in rows)

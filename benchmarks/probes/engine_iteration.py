@@ -106,7 +106,7 @@ def _bare_on(model, method, cfg, cache, steps: int, rounds: int):
     ``cache`` (donated; the returned cache is its successor)."""
     from benchmarks.probes.host_probe import _measure, _step_fns
 
-    logits_fn, _, _ = _step_fns(model.graphdef, cfg, method, 1)
+    logits_fn = _step_fns(model.graphdef, cfg, method, 1)[0]
     batch = cache.lengths.shape[0]
 
     def run(st):
@@ -127,13 +127,24 @@ SAMPLING = {"plain": {}, "options": dict(temperature=0.8, top_p=0.95, top_k=50, 
                                          min_tokens=8, logprobs=5)}
 
 
-def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: int, opts: dict):
+def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: int, opts: dict,
+                          precompile: bool = False):
     """``(iteration_ms, steps)``: ``engine`` (not started; stopped on return) warmed up by one
     short request (its prefill and step compile), then ``batch`` requests of ``context`` random
     tokens and ``max_tokens`` each (``opts``: their sampling options); the median of its decode
-    iterations after the last of them was inserted (every slot decoding), and those steps."""
+    iterations after the last of them was inserted (every slot decoding), and those steps.
+    ``precompile``: the engine's programs for prompts of ``context`` compiled first, in parallel
+    threads (:meth:`Engine.precompile`), not one after another in front of the warm-up request:
+    at 64K one method on one engine took 8-9 minutes of a 10-minute device call (2026-12-05)."""
     from models.serving.requests import SamplingParams
 
+    if precompile:
+        kw = {} if getattr(engine.kv, "offloaded", False) else {"sampled": (False, True) if opts.get("temperature")
+                                                                   else (False,)}
+        t0 = time.perf_counter()
+        pre = engine.precompile(shortest_prompt=context, **kw)
+        print(f"  precompiled {pre['programs']} programs in {time.perf_counter() - t0:.1f} s "
+              f"({pre.get('from_cache', 0)} from the compile cache); not ahead: {pre['failed'] or 'none'}", flush=True)
     engine.start()
     rng = np.random.default_rng(0)
     try:
@@ -157,7 +168,7 @@ def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: i
 
 def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
                paged: bool = False, sampling: str = "plain",
-               cond: bool = False) -> tuple[float, float, int, float, float | None]:
+               cond: bool = False, precompile: bool = False) -> tuple[float, float, int, float, float | None]:
     """(iteration_ms, program_ms, steps measured, bare_live_ms, program_cond_ms) of an engine of ``batch`` slots at ``cap``
     (``paged``: the paged engine, its pool as many pages as fit; ``sampling``: a :data:`SAMPLING`
     key, what every request asks for; ``cond``: also time the step program with the sampling's
@@ -166,7 +177,7 @@ def _engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps
 
     opts = SAMPLING[sampling]
     engine = Engine(model, slots=batch, max_len=cap, stop_ids=(1,) if opts else (), paged=paged)
-    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, opts)
+    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, opts, precompile)
     # the engine's step program on its own cache, every row active, back to back
     kv = engine.kv
     if paged:  # its requests ended and gave their pages back: give every row a context's pages again
@@ -207,7 +218,7 @@ ENGINES = ("contiguous", "paged", "offload", "offload-paged")
 
 
 def _offload_engine_ms(model, batch: int, context: int, cap: int, max_tokens: int, steps: int,
-                       paged: bool) -> tuple[float, int, float]:
+                       paged: bool, precompile: bool = False) -> tuple[float, int, float]:
     """``(iteration_ms, steps measured, bare_ms)`` of an offloaded engine of ``batch`` slots at
     ``cap`` (``paged``: its host tier a pool of pages, as many as every slot full) with every
     slot decoding a ``context``-token prompt, and the bare offloaded step at the same batch,
@@ -216,7 +227,7 @@ def _offload_engine_ms(model, batch: int, context: int, cap: int, max_tokens: in
     from models.serving.engine import Engine
 
     engine = Engine(model, slots=batch, max_len=cap, stop_ids=(), offload=True, paged=paged)
-    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, {})
+    iteration, full = _full_batch_iteration(engine, model, batch, context, max_tokens, {}, precompile)
     del engine
     return iteration, len(full), _bare_offload_ms(model, batch, context, steps, paged)
 
@@ -298,6 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled programs in DIR and load them from there (a run of another method or "
                         "engine on the same machine loads the bare step and shared programs)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each engine's programs in parallel threads before its requests (default: on a GPU)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="engine_iteration")
     a = p.parse_args(argv)
@@ -319,6 +332,8 @@ def main(argv=None) -> int:
     if a.compile_cache:
         use_compile_cache_flag(a.compile_cache)
     _check_fits(a, caps)
+    if a.precompile is None:  # after the pinned host limit is set: this starts the backend
+        a.precompile = jax.default_backend() == "gpu"
     rows = []
 
     def report(final: bool = False) -> str:
@@ -353,7 +368,8 @@ def main(argv=None) -> int:
                         if name == "dense":  # nothing selects blocks to bring back: it does not offload
                             continue
                         iteration, n, bare_off = _offload_engine_ms(model, batch, a.context, cap, a.max_tokens,
-                                                                    a.steps, paged=kind == "offload-paged")
+                                                                    a.steps, paged=kind == "offload-paged",
+                                                                    precompile=a.precompile)
                         rows.append({"method": name, "engine": kind, "sampling": "plain", "batch": batch,
                                      "context": a.context, "capacity": cap, "bare_ms": round(bare_off, 3),
                                      "iteration_ms": round(iteration, 3), "steps_measured": n,
@@ -366,7 +382,7 @@ def main(argv=None) -> int:
                             raise SystemExit(f"--sampling: {', '.join(SAMPLING)}; got {sampling!r}")
                         iteration, program, n, live, cond = _engine_ms(model, batch, a.context, cap, a.max_tokens, a.steps,
                                                                  paged=kind == "paged", sampling=sampling,
-                                                                 cond=a.program_cond)
+                                                                 cond=a.program_cond, precompile=a.precompile)
                         rows.append({"method": name, "engine": kind, "sampling": sampling, "batch": batch,
                                      "context": a.context, "capacity": cap, "bare_ms": round(bare, 3),
                                      "bare_paged_ms": None if bare_paged is None else round(bare_paged, 3),
