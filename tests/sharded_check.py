@@ -271,7 +271,7 @@ def engine_case():
     (the mesh), and each mix compiled the step once more (the paged steps 4 + 3 programs, not 2 + 2;
     the offloaded sampling 2, not 1)."""
     import models
-    from models.sampling import sample_step_program
+    from models.sampling import sample_program, sample_step_program
     from models.serving.engine import Engine
     from models.serving.requests import SamplingParams
 
@@ -284,14 +284,20 @@ def engine_case():
     model = models.load_model(config=_tiny_kv3(eos=True), dtype=jnp.float32, max_len=256, attention="asyncspade",
                               attention_options=opts)
     outs = []
+    # the second and third requests penalised: the third's first token is sampled after steps
+    # have returned the penalty counts (on the mesh), the second's before any has
+    params = [SamplingParams(max_tokens=18), SamplingParams(max_tokens=18, presence_penalty=0.5),
+              SamplingParams(max_tokens=18, presence_penalty=0.5)]
     for m in (model, shard(model, model=2)):
         engine = Engine(m, slots=2, max_len=256, stop_ids=(), paged=True, prefill_chunk=32).start()
+        first_token_programs = sample_program._cache_size()
         try:
-            reqs = [engine.submit(engine.make_request(i, SamplingParams(max_tokens=18))) for i in ids]
+            reqs = [engine.submit(engine.make_request(i, p)) for i, p in zip(ids, params)]
             done = all(r.done.wait(300) for r in reqs)
             outs.append([r.output_ids for r in reqs] if done else None)
             s, kv = engine.stats(), engine.kv
             kv.check()
+            first_token_programs = sample_program._cache_size() - first_token_programs
         finally:
             engine.stop()
     pool = kv.cache.layers[-1].pool_k
@@ -302,7 +308,9 @@ def engine_case():
                           pool=list(pool.shape), warm_steps=kv.warmup.warm_steps,
                           steady_steps=kv.warmup.steady_steps,
                           # the jitted warm-up and steady steps' programs (two batch buckets: rows 1, 2)
-                          step_programs=[kv._step._cache_size(), kv._steady_step._cache_size()])), flush=True)
+                          step_programs=[kv._step._cache_size(), kv._steady_step._cache_size()],
+                          # the mesh run's first-token samplers: plain and penalised
+                          first_token_programs=first_token_programs)), flush=True)
 
     # one prefill bucket (64): fewer programs to compile on both sides, every prompt above the budget
     ids = [rng.integers(3, 97, n).tolist() for n in (60, 41, 64, 53, 45)]

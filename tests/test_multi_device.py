@@ -100,11 +100,16 @@ def test_offloaded_decoding_on_a_mesh_matches_one_device(multi_device):
     for r in engine.values():  # the serving engine over the mesh, paged (the server's default) and offloaded
         assert r["completed"] and r["tokens_agree"], r
     # the step's inputs keep one sharding on the mesh: one program per batch bucket (paged: rows 1
-    # and 2, its warm-up and steady steps) and greedy sampling, none compiled again mid-serving
-    # (before, the tokens, lengths and block table alternated between one device and the mesh: 4 + 3, 2)
-    assert all(n <= 2 for n in engine["engine/tiny-kv3/asyncspade+token_sparse/paged-chunked/data=1,model=2"]
+    # and 2, its warm-up and steady steps) and sampling structure (plain; with penalties, two of its
+    # three requests), none compiled again mid-serving (before, the tokens, lengths and block
+    # table alternated between one device and the mesh: 4 + 3 programs with no penalised request)
+    assert all(n <= 4 for n in engine["engine/tiny-kv3/asyncspade+token_sparse/paged-chunked/data=1,model=2"]
                ["step_programs"]), engine
     assert engine["engine/tiny-kv3/quest/offload/data=1,model=2"]["step_programs"] == [1], engine
+    # the first token's sampler: one program for plain rows and one for penalised ones (before the
+    # penalty counts were made on the mesh, the first penalised request compiled one more)
+    assert engine["engine/tiny-kv3/asyncspade+token_sparse/paged-chunked/data=1,model=2"][
+        "first_token_programs"] == 2, engine
     assert engine["engine/tiny-kv3/quest/offload/data=1,model=2"]["blocks_loaded"] > 0
     paged = engine["engine/tiny-kv3/asyncspade+token_sparse/paged-chunked/data=1,model=2"]
     # the pools split by KV head (4 padded heads, 2 a device), every page back, and both the warm-up's

@@ -69,7 +69,7 @@ from models.serving.scheduler import Scheduler
 from models.serving.paged import PagedSlots, page_size
 from models.serving.prompt_prefill import Occupant, PromptPrefill, describe
 from models.serving.slot_sampling import SlotSampling, token_logprob
-from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens
+from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, replicated
 from models.serving.warmup import warm_up
 
 
@@ -279,7 +279,8 @@ class Engine(PromptPrefill):
         self._active = np.zeros(self.slots, bool)
         self._counters = np.zeros(self.slots, np.int32)
         # every slot's sampling options (host) and the penalties' state (device)
-        self._sampling = SlotSampling(self.slots, model.config.vocab_size, self.stop_ids)
+        self._sampling = SlotSampling(self.slots, model.config.vocab_size, self.stop_ids,
+                                      sharding=replicated(getattr(model, "mesh", None)))
         self._slots: list[Occupant | None] = [None] * self.slots
         self._fresh = np.zeros(self.slots, bool)  # inserted since the last step: its token is on the host
         self._inflight = None  # (tokens int32[B] on the device, the request per slot, issue time): not yet read

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +32,13 @@ def _set_rows(counts: jax.Array, seen: jax.Array, slot: jax.Array, row_counts: j
 
 class SlotSampling:
     """Per-slot sampling options of ``slots`` rows over a ``vocab``-token vocabulary;
-    ``stop_ids``: the tokens ``min_tokens`` bans."""
+    ``stop_ids``: the tokens ``min_tokens`` bans. ``sharding``: where the penalties' device state
+    is made (an engine over a mesh: :func:`models.serving.slots.replicated`, where its step
+    leaves the counts it returns; made on one device, the first penalised request's first token
+    compiled its sampler for that placement and the next one's for the mesh's)."""
 
-    def __init__(self, slots: int, vocab: int, stop_ids: Sequence[int]):
-        self.slots, self.vocab = slots, vocab
+    def __init__(self, slots: int, vocab: int, stop_ids: Sequence[int], sharding: Any = None):
+        self.slots, self.vocab, self.sharding = slots, vocab, sharding
         self.seeds = np.zeros(slots, np.uint32)
         self.temperature = np.zeros(slots, np.float32)
         self.top_p = np.ones(slots, np.float32)
@@ -73,6 +76,8 @@ class SlotSampling:
             if self.counts is None:
                 self.counts = jnp.zeros((self.slots, self.vocab), jnp.int32)
                 self.prompt_seen = jnp.zeros((self.slots, self.vocab), bool)
+                if self.sharding is not None:
+                    self.counts, self.prompt_seen = jax.device_put((self.counts, self.prompt_seen), self.sharding)
             counts = np.bincount(np.asarray(r.output_ids, np.int64), minlength=self.vocab).astype(np.int32)
             seen = np.zeros(self.vocab, bool)
             seen[r.prompt_ids] = True
