@@ -297,19 +297,28 @@ def _token_slices(token_chunk: int | None, x: jax.Array) -> int:
 
 
 def _map_token_slices(fn, n: int, batched: tuple, shared: tuple = ()):
-    """``fn(*batched, *shared)`` run on ``n`` token slices at a time (a ``lax.map``): each of
-    ``batched`` is ``[B, T, ...]`` and each of ``shared`` ``[T, ...]`` (no batch axis, e.g.
-    RoPE's ``cos, sin``); ``fn``'s outputs (a pytree of ``[B, T/n, ...]``) come back joined
-    along ``T``. Exact for per-token blocks; what a slice holds is what the program holds."""
+    """``fn(*batched, *shared)`` run on ``n`` token slices at a time: each of ``batched`` is
+    ``[B, T, ...]`` and each of ``shared`` ``[T, ...]`` (no batch axis, e.g. RoPE's ``cos,
+    sin``); ``fn``'s outputs (a pytree of ``[B, T/n, ...]``) come back joined along ``T``. Exact
+    for per-token blocks; what a slice holds is what the program holds. A ``fori_loop`` reads
+    each slice in place and writes its outputs into buffers of the whole prompt: a ``lax.map``
+    over split inputs held a copy of each input and a stacked copy of each output (1 GiB each
+    for a 128K prompt's hidden state on the Qwen3-8B shape)."""
     b, t = batched[0].shape[:2]
     c = t // n
 
-    def split(a):  # [B, T, ...] -> [n, B, c, ...]
-        return jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
+    def piece(a, i, axis):
+        return jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=axis)
 
-    out = jax.lax.map(lambda xs: fn(*xs[0], *xs[1]),
-                      (tuple(split(a) for a in batched), tuple(a.reshape((n, c) + a.shape[1:]) for a in shared)))
-    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((b, t) + y.shape[3:]), out)
+    shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((b, c) + a.shape[2:], a.dtype) for a in batched),
+                            *(jax.ShapeDtypeStruct((c,) + a.shape[1:], a.dtype) for a in shared))
+
+    def body(i, out):
+        y = fn(*(piece(a, i, 1) for a in batched), *(piece(a, i, 0) for a in shared))
+        return jax.tree.map(lambda o, yi: jax.lax.dynamic_update_slice_in_dim(o, yi, i * c, axis=1), out, y)
+
+    out = jax.tree.map(lambda sd: jnp.zeros((b, t) + sd.shape[2:], sd.dtype), shapes)
+    return jax.lax.fori_loop(0, n, body, out)
 
 
 def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, token_chunk: int | None = None):
