@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="enough for every layer kind (AsyncTLS keeps its first dense)")
     p.add_argument("--dump", action="store_true", help="XLA's buffer assignment: the largest values by name")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--tsa-keep", type=float, default=None, metavar="F",
+                   help="prefill with Token Sparse Attention keeping this fraction (serve_load's NAME+tsa)")
     p.add_argument("--tiny", action="store_true", help="a small random model (a CPU check of this probe)")
     a = p.parse_args(argv)
     if a.length < 64:
@@ -67,11 +69,14 @@ def main(argv=None) -> int:
     if a.tiny:
         cfg = dataclasses.replace(cfg, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128)
     method = asynctls_for(cfg, 256 if a.tiny else 2048, 32)  # serve_load's AsyncTLS
+    if a.tsa_keep is not None:
+        method = dataclasses.replace(method, prefill="token_sparse", prefill_options=(("keep_fraction", a.tsa_keep),))
+        method.sparse_prefill()  # a bad fraction: ValueError before the weights are drawn
     max_len = cache_capacity(a.length, 64)
     model = random_model(cfg, method, max_len)
     runner = TieredRunner(model, "offload", host_pages=a.length // method.for_offload().offload_block_size + 2)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: one row of {a.length} tokens, cache {max_len}",
-          flush=True)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: one row of {a.length} tokens, cache {max_len}"
+          f"{'' if a.tsa_keep is None else f', TSA prefill keeping {a.tsa_keep}'}", flush=True)
     for what, fn, args, static in runner.prefill_layer_jobs(a.length, max_len, embed=False):
         stats = fn.lower(*args, **static).compile().memory_analysis()
         get = lambda k: int(getattr(stats, k, 0) or 0) / GIB  # noqa: E731
