@@ -344,7 +344,7 @@ def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array,
     comes before Gemma's post-norms, which need the whole sum).
 
     ``token_chunk``: for ``x [B, T, H]`` with ``T`` a multiple of it and longer, the block runs
-    on ``token_chunk`` tokens at a time (a ``lax.map``; every op here is per token): a long
+    on ``token_chunk`` tokens at a time (:func:`_map_token_slices`; every op here is per token): a long
     prompt's MLP activations ``[T, intermediate]`` are not held at once. At 128K tokens on the
     Qwen3-8B shape they were most of a layer program's 10.3 GiB of temporaries, which the
     offloaded engine's capacity check counts beside its batch (benchmark C, 2026-12-06)."""

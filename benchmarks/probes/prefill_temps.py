@@ -32,9 +32,10 @@ def usage_reports(dump_dir: Path, module_hint: str, top: int) -> list[str]:
     out = []
     for f in sorted(dump_dir.glob(f"*{module_hint}*memory-usage-report.txt")):
         lines = f.read_text(errors="replace").splitlines()
-        total = next((ln.strip() for ln in lines if ln.startswith("Total bytes")), "Total bytes: ?")
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("Total bytes")), None)
+        total = "Total bytes: ?" if at is None else lines[at].strip()
         rows = []
-        for ln in lines[lines.index(total) + 1 if total in lines else 0:]:
+        for ln in lines[0 if at is None else at + 1:]:
             if rows and not ln.strip():
                 break  # the first memory space's table ends at its blank line
             if ";" in ln and not ln.lstrip().startswith(("cumulative", "-")):
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--length", type=int, default=131072, help="the prompt bucket, tokens")
     p.add_argument("--layers", type=int, default=4, help="enough for every layer kind (AsyncTLS keeps its first dense)")
-    p.add_argument("--dump", action="store_true", help="XLA's buffer assignment: the largest values by name")
+    p.add_argument("--dump", action="store_true",
+                   help="XLA's memory-usage reports: each program's largest buffer slices and the shapes sharing them")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--tsa-keep", type=float, default=None, metavar="F",
                    help="prefill with Token Sparse Attention keeping this fraction (serve_load's NAME+tsa)")
