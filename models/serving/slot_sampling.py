@@ -74,10 +74,8 @@ class SlotSampling:
                            np.asarray([b for _, b in p.logit_bias], np.float32)) if p.logit_bias else None
         if p.penalized:
             if self.counts is None:
-                self.counts = jnp.zeros((self.slots, self.vocab), jnp.int32)
-                self.prompt_seen = jnp.zeros((self.slots, self.vocab), bool)
-                if self.sharding is not None:
-                    self.counts, self.prompt_seen = jax.device_put((self.counts, self.prompt_seen), self.sharding)
+                self.counts = jnp.zeros((self.slots, self.vocab), jnp.int32, device=self.sharding)
+                self.prompt_seen = jnp.zeros((self.slots, self.vocab), bool, device=self.sharding)
             counts = np.bincount(np.asarray(r.output_ids, np.int64), minlength=self.vocab).astype(np.int32)
             seen = np.zeros(self.vocab, bool)
             seen[r.prompt_ids] = True
