@@ -141,9 +141,8 @@ def _full_batch_iteration(engine, model, batch: int, context: int, max_tokens: i
     if precompile:
         kw = {} if getattr(engine.kv, "offloaded", False) else {"sampled": (False, True) if opts.get("temperature")
                                                                    else (False,)}
-        t0 = time.perf_counter()
         pre = engine.precompile(shortest_prompt=context, **kw)
-        print(f"  precompiled {pre['programs']} programs in {time.perf_counter() - t0:.1f} s "
+        print(f"  precompiled {pre['programs']} programs in {pre['seconds']:.1f} s "
               f"({pre.get('from_cache', 0)} from the compile cache); not ahead: {pre['failed'] or 'none'}", flush=True)
     engine.start()
     rng = np.random.default_rng(0)
