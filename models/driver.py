@@ -57,8 +57,8 @@ from sparse_jax.ops.dense import chunk_prefill_attention, dense_prefill_attentio
 #: Tokens of a whole-prompt layer's per-token blocks run at once: the norm, projections and RoPE
 #: before attention, the output projection and MLP after it (``token_chunk`` of
 #: :func:`models.transformer.layer_qkv` and :func:`~models.transformer.layer_output`), where the
-#: prompt is longer and a multiple of it: the prefill programs' temporaries are a slice's
-#: activations, not the prompt's.
+#: prompt is longer (its last slice may be shorter): the prefill programs' temporaries are a
+#: slice's activations, not the prompt's.
 PROMPT_TOKEN_CHUNK = 8192
 
 

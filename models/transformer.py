@@ -289,48 +289,54 @@ def rope_for(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arr
 
 
 def _token_slices(token_chunk: int | None, x: jax.Array) -> int:
-    """How many ``token_chunk``-token slices ``x [B, T, ...]`` runs in (0: whole): where ``T``
-    is longer than the chunk and a multiple of it."""
-    if not token_chunk or x.ndim < 3 or x.shape[1] <= token_chunk or x.shape[1] % token_chunk:
+    """The slice length ``x [B, T, ...]`` runs in (0: whole): ``token_chunk`` where ``T`` is
+    longer than it (the last slice may be shorter)."""
+    if not token_chunk or x.ndim < 3 or x.shape[1] <= token_chunk:
         return 0
-    return x.shape[1] // token_chunk
+    return token_chunk
 
 
-def _map_token_slices(fn, n: int, batched: tuple, shared: tuple = ()):
-    """``fn(*batched, *shared)`` run on ``n`` token slices at a time: each of ``batched`` is
+def _map_token_slices(fn, c: int, batched: tuple, shared: tuple = ()):
+    """``fn(*batched, *shared)`` run on ``c`` tokens at a time: each of ``batched`` is
     ``[B, T, ...]`` and each of ``shared`` ``[T, ...]`` (no batch axis, e.g. RoPE's ``cos,
-    sin``); ``fn``'s outputs (a pytree of ``[B, T/n, ...]``) come back joined along ``T``. Exact
+    sin``); ``fn``'s outputs (a pytree of ``[B, c, ...]``) come back joined along ``T``. Exact
     for per-token blocks; what a slice holds is what the program holds. A ``fori_loop`` reads
-    each slice in place and writes its outputs into buffers of the whole prompt: a ``lax.map``
-    over split inputs held a copy of each input and a stacked copy of each output (1 GiB each
-    for a 128K prompt's hidden state on the Qwen3-8B shape)."""
+    each whole slice in place and writes its outputs into buffers of the whole prompt (a
+    ``lax.map`` over split inputs held a copy of each input and a stacked copy of each output:
+    1 GiB each for a 128K prompt's hidden state on the Qwen3-8B shape); a ``T`` that is not a
+    multiple of ``c`` runs its last ``T mod c`` tokens as one shorter slice after the loop. The
+    capacity check's bucket is such a length (133,056 tokens for a 133,120 cache): sliced only
+    where ``T`` was a multiple, its program held 10.25 GiB on the H100 against 2.56 at 131,072
+    (benchmark C, 2026-12-06)."""
     b, t = batched[0].shape[:2]
-    c = t // n
+    n, tail = divmod(t, c)
 
-    def piece(a, i, axis):
-        return jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=axis)
+    def piece(a, start, size, axis):
+        return jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+
+    def run(start, size):
+        return fn(*(piece(a, start, size, 1) for a in batched), *(piece(a, start, size, 0) for a in shared))
+
+    def write(out, y, start):
+        return jax.tree.map(lambda o, yi: jax.lax.dynamic_update_slice_in_dim(o, yi, start, axis=1), out, y)
 
     shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((b, c) + a.shape[2:], a.dtype) for a in batched),
                             *(jax.ShapeDtypeStruct((c,) + a.shape[1:], a.dtype) for a in shared))
-
-    def body(i, out):
-        y = fn(*(piece(a, i, 1) for a in batched), *(piece(a, i, 0) for a in shared))
-        return jax.tree.map(lambda o, yi: jax.lax.dynamic_update_slice_in_dim(o, yi, i * c, axis=1), out, y)
-
     out = jax.tree.map(lambda sd: jnp.zeros((b, t) + sd.shape[2:], sd.dtype), shapes)
-    return jax.lax.fori_loop(0, n, body, out)
+    out = jax.lax.fori_loop(0, n, lambda i, out: write(out, run(i * c, c), i * c), out)
+    return write(out, run(n * c, tail), n * c) if tail else out
 
 
 def layer_qkv(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, token_chunk: int | None = None):
     """Pre-norm and projections of one layer: post-RoPE ``q, k, v`` of ``x [..., H]``.
 
-    ``token_chunk``: for ``x [B, T, H]`` (``cos, sin [T, D/2]``) with ``T`` a multiple of it
-    and longer, the block runs on ``token_chunk`` tokens at a time (as :func:`layer_output`):
+    ``token_chunk``: for ``x [B, T, H]`` (``cos, sin [T, D/2]``) with ``T`` longer than it, the
+    block runs on ``token_chunk`` tokens at a time (as :func:`layer_output`):
     the norms and RoPE's f32 intermediates are a slice's, not the prompt's (at 128K on the
     Qwen3-8B shape the queries alone are 2 GiB in f32)."""
-    n = _token_slices(token_chunk, x) if cos.ndim == 2 and cos.shape[0] == x.shape[1] else 0
-    if n:
-        return _map_token_slices(lambda xs, c, s: layer_qkv(layer, xs, c, s), n, (x,), (cos, sin))
+    c = _token_slices(token_chunk, x) if cos.ndim == 2 and cos.shape[0] == x.shape[1] else 0
+    if c:
+        return _map_token_slices(lambda xs, cs, sn: layer_qkv(layer, xs, cs, sn), c, (x,), (cos, sin))
     return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
 
 
@@ -343,14 +349,14 @@ def layer_output(layer: DecoderLayer, x: jax.Array, o: jax.Array,
     are added (tensor parallelism: a ``psum`` of the row-parallel partial sums; it
     comes before Gemma's post-norms, which need the whole sum).
 
-    ``token_chunk``: for ``x [B, T, H]`` with ``T`` a multiple of it and longer, the block runs
-    on ``token_chunk`` tokens at a time (:func:`_map_token_slices`; every op here is per token): a long
+    ``token_chunk``: for ``x [B, T, H]`` with ``T`` longer than it, the block runs on
+    ``token_chunk`` tokens at a time (:func:`_map_token_slices`; every op here is per token): a long
     prompt's MLP activations ``[T, intermediate]`` are not held at once. At 128K tokens on the
     Qwen3-8B shape they were most of a layer program's 10.3 GiB of temporaries, which the
     offloaded engine's capacity check counts beside its batch (benchmark C, 2026-12-06)."""
-    n = _token_slices(token_chunk, x)
-    if n:
-        return _map_token_slices(lambda xs, os_: layer_output(layer, xs, os_, reduce), n, (x, o))
+    c = _token_slices(token_chunk, x)
+    if c:
+        return _map_token_slices(lambda xs, os_: layer_output(layer, xs, os_, reduce), c, (x, o))
     reduce = reduce or (lambda y: y)
     if layer.pre_feedforward_layernorm is not None:
         x = x + layer.post_attention_layernorm(reduce(layer.self_attn.out(o)))

@@ -270,8 +270,8 @@ def test_decode_over_layer_ranges_equals_one_decode(unroll):
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
     """A whole-prompt layer runs its norm, projections and RoPE, and its output projection and
-    MLP, ``PROMPT_TOKEN_CHUNK`` tokens at a time where the prompt is longer and a multiple of it
-    (the prefill programs' temporaries are a slice's activations): the prefill's logits and
+    MLP, ``PROMPT_TOKEN_CHUNK`` tokens at a time where the prompt is longer, a multiple of it or
+    not (the last slice shorter; the prefill programs' temporaries are a slice's activations): the prefill's logits and
     every cache leaf equal the unsliced program's, on a hybrid model with a sparse method,
     Gemma 3's normed branches and sliding-window RoPE included."""
     from models import driver
@@ -294,8 +294,10 @@ def test_prompt_output_block_in_token_slices_equals_it_whole(arch, monkeypatch):
     real, real_map = tfm.layer_output, tfm._map_token_slices
     monkeypatch.setattr(driver, "layer_output", lambda *a, **k: (calls.append(k.get("token_chunk")), real(*a, **k))[1])
     monkeypatch.setattr(tfm, "_map_token_slices", lambda fn, n, *a: (slices.append(n), real_map(fn, n, *a))[1])
-    sliced = prefill(16)  # 3 slices of 16
-    assert calls and set(calls) == {16}  # the sliced path was the one taken
-    assert slices == [3, 3] * cfg.num_layers  # before attention and after it, in every layer
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
+    for chunk in (16, 20):  # 3 slices of 16; 2 of 20 and one of 8
+        calls.clear(), slices.clear()
+        sliced = prefill(chunk)
+        assert calls and set(calls) == {chunk}  # the sliced path was the one taken
+        assert slices == [chunk, chunk] * cfg.num_layers  # before attention and after it, in every layer
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
