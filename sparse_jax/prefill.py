@@ -279,6 +279,12 @@ def fixed_keep_counts(lengths, fraction: float, *, min_tokens: int, window: int)
     return _bounded_keep(keep, lengths, prefix_len, min_tokens=min_tokens, window=window)
 
 
+def fixed_keep_max(t: int, fraction: float, *, min_tokens: int, window: int) -> int:
+    """A static bound on the tokens :func:`fixed_keep_counts` keeps in a row of a ``t``-token
+    prompt, the window included (one more than the fraction's floor: the device rounds in f32)."""
+    return min(t, max(min_tokens, int(fraction * max(t - window, 0)) + 1) + window)
+
+
 def _bounded_keep(keep, lengths, prefix_len, *, min_tokens: int, window: int, applies=True):
     """Step 3's shared rule: ``keep`` raised to ``min_tokens`` and cut to the prefix; the
     whole prefix where TSA does not apply (``L <= min_tokens + window``, or not
@@ -439,7 +445,8 @@ def bucket_lengths(t: int, buckets: int) -> tuple[int, ...]:
 GATHER_MODES = ("scatter", "gather")
 
 
-def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", buckets: int = 8):
+def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", buckets: int = 8,
+                                max_count: int | None = None):
     """Step 5, compressed: each query head's kept tokens gathered into a shorter
     sequence (original order, so causal stays causal), causal attention over it (cuDNN
     on the GPU, with the row's kept count as its sequence length; the blockwise flash
@@ -450,11 +457,17 @@ def compressed_causal_attention(q, k, v, kept, *, gather: str = "gather", bucket
     numbers). ``buckets``: the compressed sequences are cut to the shortest of
     :func:`bucket_lengths` that holds the batch's largest kept count (one
     ``lax.switch`` branch per length, each compiled once), so the attention's work
-    scales with the square of the kept fraction; 1 keeps the full length."""
+    scales with the square of the kept fraction; 1 keeps the full length. ``max_count``: a
+    static bound on every row's kept count (a fixed fraction's, :func:`fixed_keep_max`): the
+    lengths past the first that holds it are never run, so they are not compiled, and the
+    program's temporaries are the longest kept bucket's (at 131,072 tokens keeping 0.3 on the
+    H100: 4.29 GiB a layer program with every bucket, the largest a full-length gather)."""
     if gather not in GATHER_MODES:
         raise ValueError(f"token_sparse: gather must be one of {GATHER_MODES}, got {gather!r}")
     b, t, hq, d = q.shape
     lengths = bucket_lengths(t, buckets)
+    if max_count is not None:
+        lengths = lengths[:1 + sum(n < max_count for n in lengths)]
     counts = kept[:, 0, :].sum(-1).astype(jnp.int32)  # [B], the same in every head
     order, dest = compress_positions(kept)  # kept first, ascending
     rep = gather == "scatter"
@@ -506,7 +519,9 @@ def token_sparse_attention(q, k, v, lengths, *, tau=0.005, min_tokens=1024, wind
     kept = kept_tokens(scores, keep, lengths, window)
     if impl == "masked":
         return masked_causal_attention(q, k, v, kept, block)
-    return compressed_causal_attention(q, k, v, kept, gather=gather, buckets=buckets)
+    bound = None if keep_fraction is None else fixed_keep_max(q.shape[1], keep_fraction, min_tokens=min_tokens,
+                                                             window=window)
+    return compressed_causal_attention(q, k, v, kept, gather=gather, buckets=buckets, max_count=bound)
 
 
 # -- chunked prefill ------------------------------------------------------------------------------

@@ -363,6 +363,34 @@ def test_keep_fraction_fixes_the_count():
     assert tsa.make_prefill("token_sparse", {"keep_fraction": 0.5}).keep_fraction == 0.5
 
 
+def test_a_fixed_fraction_compiles_only_the_buckets_it_can_reach():
+    """With ``keep_fraction`` the kept count has a static bound (:func:`fixed_keep_max`, never
+    below what :func:`fixed_keep_counts` keeps plus the window, at any length), so the
+    compressed attention's switch holds only the buckets up to the first that holds it (the
+    longer ones' gathers set a long prompt's temporaries), with the same output as every bucket."""
+    for t in (64, 150, 1000, 4099, 131072):
+        for f in (0.0, 0.1, 0.3, 0.77, 1.0):
+            lengths = jnp.arange(1, t + 1, max(1, t // 257), dtype=jnp.int32)
+            kept = np.asarray(tsa.fixed_keep_counts(lengths, f, min_tokens=20, window=16)) + np.minimum(
+                np.asarray(lengths), 16)
+            assert kept.max() <= tsa.fixed_keep_max(t, f, min_tokens=20, window=16) <= t
+    q, k, v = (jnp.asarray(a) for a in _data(12))  # [2, 150, 4, 16] queries
+    n = jnp.asarray([150, 121], jnp.int32)
+    opts = dict(min_tokens=8, window=16, buckets=8)
+
+    def branches(**kw):
+        jaxpr = jax.make_jaxpr(lambda *a: tsa.token_sparse_attention(*a, **opts, **kw))(q, k, v, n)
+        return [len(e.params["branches"]) for e in jaxpr.eqns if e.primitive.name == "cond"]
+
+    assert branches(tau=0.005) == [len(tsa.bucket_lengths(150, 8))] == [2]  # 128, 150
+    assert branches(keep_fraction=0.3) == []  # at most 0.3 * 134 + 1 + 16 = 57 tokens: the first bucket only
+    bounded = tsa.token_sparse_attention(q, k, v, n, keep_fraction=0.3, **opts)
+    scores = tsa.smooth(tsa.window_scores(q, k, n, 16), 7)
+    kept = tsa.kept_tokens(scores, tsa.fixed_keep_counts(n, 0.3, min_tokens=8, window=16), n, 16)
+    every = tsa.compressed_causal_attention(q, k, v, kept, buckets=8)
+    np.testing.assert_array_equal(np.asarray(bounded), np.asarray(every))
+
+
 def _chunk_reference(q, k, v, start, kept):
     """NumPy f64: chunk query ``i`` (position ``start + i``) of head ``h`` attends the keys
     before ``start`` that ``kept[0, h]`` keeps and the chunk's own keys up to its position."""
