@@ -302,6 +302,29 @@ def test_offloaded_paged_engine_refuses_before_allocating(tiny):
     assert small.stats()["kv_bound"] == "asked" and "host memory: 1 request of" in small.kv.kv_plan, small.kv.kv_plan
 
 
+def test_offloaded_paged_engine_leaves_the_host_budget_room_for_staging(tiny, monkeypatch):
+    """A host budget that cannot hold every slot full: the default host pages are as many as fit
+    beside a prefill's pinned staging buffers, so pages and staging together (the capacity
+    check's host terms) fit the budget. They took the whole budget before, and a GPU's check
+    then refused the batch by the staging (H100, 2026-12-06: 9 GiB over 106 at 128K)."""
+    from models.serving.engine import Engine
+    from sparse_jax.offload import capacity
+
+    model = tiny.with_method("quest", budget=64)
+    full = Engine(model, slots=4, max_len=MAX_LEN, paged=True, offload=True)
+    runner = full.kv.runner
+    host = runner.footprint(4, MAX_LEN).host
+    page_bytes = full.kv.page_bytes
+    budget = host["kv_pages"] // 2 + host["prefill_staging"]  # half the full pages, beside the staging
+    monkeypatch.setattr(capacity, "host_budget", lambda *a, **k: budget)
+    engine = Engine(model, slots=4, max_len=MAX_LEN, paged=True, offload=True)  # refused here before
+    pages = engine.kv.runner.host_pages
+    assert pages == (budget - host["prefill_staging"]) // page_bytes  # not budget // page_bytes
+    assert sum(engine.kv.runner.footprint(4, MAX_LEN).host.values()) <= budget
+    assert engine.stats()["kv_bound"] == "host memory", engine.kv.kv_plan
+    engine.kv.runner.check_capacity(4, MAX_LEN, device_limit=None, host_limit=budget)
+
+
 def test_offloaded_paged_engine_on_a_shared_pool(tiny):
     """The shared device pool (one per layer and KV head, LRU across slots) over the paged host
     tier: an insertion places the prompt's primed blocks (AsyncTLS's first prefetch) from its

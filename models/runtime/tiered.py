@@ -231,15 +231,9 @@ class TieredRunner:
 
     @property
     def staging_buffers(self) -> int:
-        """Pinned host buffers a paged prefill stages at once (one layer's K or V each): two per
-        store thread (:data:`~models.runtime.tiered_prefill.PAGE_STORE_THREADS`) in flight, and
-        the layer's two staged before the oldest are waited for; with no store threads every
-        offloaded layer's two until the prefill's end; 0 without pages."""
-        if self.host_pages is None:
-            return 0
-        every = 2 * len(self.offloaded_layers)
-        threads = tiered_prefill.PAGE_STORE_THREADS
-        return every if threads <= 0 else min(2 * threads + 2, every)
+        """Pinned host buffers a paged prefill stages at once
+        (:func:`~models.runtime.tiered_prefill.staging_buffer_count`); 0 without pages."""
+        return 0 if self.host_pages is None else tiered_prefill.staging_buffer_count(len(self.offloaded_layers))
 
     def footprint(self, batch: int, max_len: int, prefill_rows: int | None = None) -> capacity.Footprint:
         """Device and host bytes of a batch (see :mod:`sparse_jax.offload.capacity`); on a

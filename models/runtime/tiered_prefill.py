@@ -34,6 +34,15 @@ PAGE_STORE_THREADS = min(8, os.cpu_count() or 1)
 _store_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (its threads, it)
 
 
+def staging_buffer_count(offloaded_layers: int) -> int:
+    """Pinned host buffers a paged prefill stages at once (one layer's K or V each): two per
+    store thread (:data:`PAGE_STORE_THREADS`) in flight, and the layer's two staged before the
+    oldest are waited for; with no store threads every offloaded layer's two until the
+    prefill's end."""
+    every = 2 * int(offloaded_layers)
+    return every if PAGE_STORE_THREADS <= 0 else min(2 * PAGE_STORE_THREADS + 2, every)
+
+
 def _page_store_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The store threads, made again when :data:`PAGE_STORE_THREADS` changed (a probe's A/B)."""
     global _store_pool

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import programs
 from models.runtime.tiered import HostPages, TieredRunner
+from models.runtime.tiered_prefill import staging_buffer_count
 from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
 from models.serving.buckets import last_bucket_end, longest_bucket, padded_prompt, prefill_bucket, segmented_prompt_tokens
 from models.serving.precompile import AheadOfTime
@@ -579,7 +580,8 @@ class OffloadedSlots(PagedRequests):
     # -- the paged host tier's pages (paged=True; the engine's calls, as PagedSlots') ---------------
     def _host_pages(self, host_pages: int | None) -> int:
         """The host pool's pages, the null page included: ``host_pages``, or as many as the host
-        budget holds, at most every slot full;
+        budget holds beside a prefill's pinned staging buffers (the capacity check counts both),
+        at most every slot full;
         :class:`~sparse_jax.offload.capacity.CapacityError` (before anything is allocated) when
         that cannot hold one request of ``max_len``."""
         nb = self.max_len // self.block_size
@@ -588,14 +590,20 @@ class OffloadedSlots(PagedRequests):
                                        or host_pages < 2):
             raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
         limit = capacity.host_budget()
-        fit = None if limit is None else limit // self.page_bytes
+        if limit is not None:  # the pages took the whole budget, and the check then refused them by the staging
+            cfg = self.model.config  # (H100, 2026-12-06: 6 and 7 rows at 128K, 9 GiB over 106)
+            limit -= capacity.staging_bytes(
+                staging_buffer_count(self.layer_heads // cfg.num_kv_heads), max_len=self.max_len,
+                block_size=self.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                dtype_bytes=jnp.dtype(self.model.dtype).itemsize)
+        fit = None if limit is None else max(limit, 0) // self.page_bytes
         asked = host_pages is not None
         if host_pages is None:
             host_pages = full if fit is None else min(full, fit)
         elif fit is not None and host_pages > fit:
             raise capacity.CapacityError(
                 f"host_pages={host_pages} pages of {self.page_bytes / 2**20:.2f} MiB do not fit the pinned host "
-                f"memory: {max(fit, 0)} fit ({limit / 2**30:.2f} GiB usable)")
+                f"memory: {max(fit, 0)} fit ({limit / 2**30:.2f} GiB usable beside the prefill's staging buffers)")
         host_pages = int(host_pages)
         if host_pages - 1 < nb:
             raise capacity.CapacityError(

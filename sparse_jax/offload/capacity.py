@@ -108,8 +108,9 @@ def footprint(cfg, method, *, batch: int, max_len: int, mode: str, dtype_bytes: 
         host["kv_blocks"] = n_sparse * kv_layer
     else:
         host["kv_pages"] = n_sparse * 2 * int(host_pages) * hkv * bs * d * e
-        if staging_buffers:  # the longest prompt's blocks (its rows padded as the gather pads them)
-            host["prefill_staging"] = int(staging_buffers) * (1 << int(max(nb, 1) - 1).bit_length()) * hkv * bs * d * e
+        if staging_buffers:
+            host["prefill_staging"] = staging_bytes(staging_buffers, max_len=s, block_size=bs, num_kv_heads=hkv,
+                                                    head_dim=d, dtype_bytes=e)
         dev["host_block_table"] = 4 * b * nb
     return Footprint(dev, host)
 
@@ -122,6 +123,15 @@ def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2
     shapes = jax.eval_shape(lambda: method.init_state(LayerSpec(sparse=True), batch=batch, num_kv_heads=num_kv_heads, max_len=max_len,
                                                       head_dim=head_dim, dtype=dtype, num_q_heads=num_q_heads))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def staging_bytes(buffers: int, *, max_len: int, block_size: int, num_kv_heads: int, head_dim: int,
+                  dtype_bytes: int = 2) -> int:
+    """Pinned host bytes of ``buffers`` prefill staging buffers (:func:`footprint`'s
+    ``staging_buffers``): each one layer's K or V of the longest prompt's blocks, ``[blocks,
+    Hkv, bs, D]`` with the blocks padded to a power of two as the gather pads them."""
+    nb = max(int(max_len) // int(block_size), 1)
+    return int(buffers) * (1 << (nb - 1).bit_length()) * num_kv_heads * block_size * head_dim * dtype_bytes
 
 
 def autotune_scratch_bytes(params) -> int:
