@@ -579,6 +579,7 @@ def test_a_prefills_gathered_blocks_leave_the_device_for_pinned_staging(monkeypa
     2 x PAGE_STORE_THREADS stores are in flight."""
     from models.runtime import tiered_prefill
     from sparse_jax.methods import get_method
+    from sparse_jax.offload import capacity
     from tests.test_offload import _tiny_model
 
     monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", 1)
@@ -596,6 +597,8 @@ def test_a_prefills_gathered_blocks_leave_the_device_for_pinned_staging(monkeypa
     job.result()
     assert len(seen) == 2 * len(runner.offloaded_layers) == 10
     assert {b.sharding.memory_kind for b in seen} == {"pinned_host"}
+    filled = int((-(-np.asarray(lengths) // runner.method.offload_block_size)).sum())  # every block has a page
+    assert {b.shape[0] for b in seen} == {capacity.staged_rows(filled)} != {filled}  # padded as the check counts
     assert max(in_flight) <= 2
 
 
@@ -622,6 +625,18 @@ def test_a_prefills_result_waits_for_its_stores_and_raises_their_errors(monkeypa
         TieredRunner(model, "offload", host_pages=64).prefill(tokens, lengths, MAX_LEN)
 
 
+def test_staged_rows_pad_by_quarter_octaves():
+    """A prefill's page gather pads its block list to a power of two up to 8, then to the next
+    of four steps an octave: never less than the list, at most a quarter more, and few sizes."""
+    from sparse_jax.offload import capacity
+
+    assert [capacity.staged_rows(n) for n in (1, 2, 3, 5, 8, 9, 11, 16, 17, 2048, 2049, 2079)] == [
+        1, 2, 4, 8, 8, 10, 12, 16, 20, 2048, 2560, 2560]
+    sizes = {capacity.staged_rows(n) for n in range(1, 1 << 14)}
+    assert all(n <= capacity.staged_rows(n) <= max(8, 1.25 * n) for n in range(1, 1 << 14))
+    assert len(sizes) == 4 + 4 * 11  # 1, 2, 4, 8, then four an octave
+
+
 def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
     """A paged host tier's footprint counts the pinned buffers a prefill stages its blocks in
     (one layer's K or V of the longest prompt, rows padded to a power of two), as many as the
@@ -635,7 +650,7 @@ def test_capacity_counts_the_prefills_pinned_staging(monkeypatch):
     runner = TieredRunner(model, "offload", host_pages=9)
     cfg, bs = model.config, runner.method.offload_block_size
     nb = MAX_LEN // bs
-    one = (1 << (nb - 1).bit_length()) * cfg.num_kv_heads * bs * cfg.head_dim * np.dtype(model.dtype).itemsize
+    one = capacity.staged_rows(nb) * cfg.num_kv_heads * bs * cfg.head_dim * np.dtype(model.dtype).itemsize
     every = 2 * len(runner.offloaded_layers)
     for threads, buffers in ((1, min(4, every)), (0, every), (64, every)):
         monkeypatch.setattr(tiered_prefill, "PAGE_STORE_THREADS", threads)

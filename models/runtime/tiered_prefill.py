@@ -18,10 +18,11 @@ import numpy as np
 
 from models import transformer as tfm
 from models.api import round_up
-from models.runtime.tiered_programs import (chunked_layer_kv, empty_offloaded_layer, finish_layer, padded_rows,
-                                            prefill_chunk_fn, prefill_layer_fn)
+from models.runtime.tiered_programs import (chunked_layer_kv, empty_offloaded_layer, finish_layer, prefill_chunk_fn,
+                                            prefill_layer_fn)
 from models.runtime.tiered_state import HostPages, TieredState, host_view
 from sparse_jax.cache import NULL_PAGE, KVCache
+from sparse_jax.offload import capacity
 from sparse_jax.offload import pool as off
 from sparse_jax.offload.tiers import HostLayer, device_sharding, pinned_host_sharding
 
@@ -172,8 +173,9 @@ class StateBuilder:
         if rows.size and hk is None:
             raise ValueError(f"layer {i}: blocks with pages to store and no K/V (add_empty builds rows of zeros)")
         if rows.size:
-            # the lists padded to a power of two (their last entry repeated): few compilations of the gather
-            pad = padded_rows(rows.size) - rows.size
+            # the lists padded (their last entry repeated): few compilations of the gather, and
+            # staging buffers the capacity check counts (capacity.staged_rows)
+            pad = capacity.staged_rows(rows.size) - rows.size
             rows, blocks = (jnp.asarray(np.pad(a, (0, pad), mode="edge").astype(np.int32)) for a in (rows, blocks))
             # [n + pad, Hkv, bs, D] copied asynchronously into pinned staging buffers (XLA's pinned
             # pool, reused prefill to prefill): the device copies go once the transfers land, and
