@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from sparse_jax.offload.capacity import round_up_in_octave
+
 
 def padded_prompt(ids: Sequence[int], width: int, pad_id: int) -> np.ndarray:
     """``int32[1, width]``: a prompt's ids, then ``pad_id`` (a prefill bucket's padding)."""
@@ -46,9 +48,7 @@ def segmented_bucket(n: int, max_len: int) -> int:
     Each bucket compiles its layer programs once; four an octave cap the padding at a quarter."""
     if n <= FINE_BUCKETS_FROM:
         return prefill_bucket(n, max_len)
-    octave = 1 << (n - 1).bit_length() - 1  # the largest power of two below n
-    step = max(64, octave // FINE_BUCKETS_PER_OCTAVE // 64 * 64)
-    return min(-(-n // step) * step, max_len)
+    return min(round_up_in_octave(n, FINE_BUCKETS_PER_OCTAVE, 64), max_len)
 
 
 def last_bucket_end(max_len: int) -> int:

@@ -125,6 +125,17 @@ def state_bytes(method, *, batch, num_kv_heads, max_len, head_dim, dtype_bytes=2
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
+def round_up_in_octave(n: int, steps: int, multiple: int = 1) -> int:
+    """``n`` rounded up to the next of ``steps`` equal steps of its octave (the octave from the
+    largest power of two below ``n``), each step a multiple of ``multiple`` (at least one):
+    padding of at most ``1/steps``, and ``steps`` sizes an octave to compile. The prompt
+    buckets of a layer-by-layer prefill (:func:`models.serving.buckets.segmented_bucket`) and
+    a prefill's staged blocks (:func:`staged_rows`) both round this way."""
+    octave = 1 << (int(n) - 1).bit_length() - 1
+    step = max(multiple, octave // steps // multiple * multiple)
+    return -(-int(n) // step) * step
+
+
 def staged_rows(n: int) -> int:
     """The blocks a prefill's page gather of ``n`` blocks (and so its staging buffer) is padded
     to: a power of two up to 8, then the next of four steps an octave (at most a quarter
@@ -132,10 +143,7 @@ def staged_rows(n: int) -> int:
     cache's longest prompt (2,079 blocks of 64) staged 4,096: 9.0 GiB of benchmark C's pinned
     host memory for 18 buffers where 2,560 need 5.6."""
     n = max(int(n), 1)
-    if n <= 8:
-        return 1 << (n - 1).bit_length()
-    step = (1 << ((n - 1).bit_length() - 1)) // 4
-    return -(-n // step) * step
+    return 1 << (n - 1).bit_length() if n <= 8 else round_up_in_octave(n, 4)
 
 
 def staging_bytes(buffers: int, *, max_len: int, block_size: int, num_kv_heads: int, head_dim: int,
