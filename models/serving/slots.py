@@ -463,7 +463,8 @@ class OffloadedSlots(PagedRequests):
         cfg, dt = model.config, model.dtype
         probe = TieredRunner(model, "offload", pool_slots=pool_slots, pool=pool)  # the method's offload variant
         self.block_size = probe.method.offload_block_size
-        self.layer_heads = len(probe.offloaded_layers) * cfg.num_kv_heads
+        self.num_offloaded_layers = len(probe.offloaded_layers)
+        self.layer_heads = self.num_offloaded_layers * cfg.num_kv_heads
         self.block_bytes = 2 * self.block_size * cfg.head_dim * jnp.dtype(dt).itemsize  # K and V of one head
         #: paged: bytes of one host page (a block of every offloaded layer and KV head)
         self.page_bytes = self.layer_heads * self.block_bytes
@@ -593,7 +594,7 @@ class OffloadedSlots(PagedRequests):
         if limit is not None:  # the pages took the whole budget, and the check then refused them by the staging
             cfg = self.model.config  # (H100, 2026-12-06: 6 and 7 rows at 128K, 9 GiB over 106)
             limit -= capacity.staging_bytes(
-                staging_buffer_count(self.layer_heads // cfg.num_kv_heads), max_len=self.max_len,
+                staging_buffer_count(self.num_offloaded_layers), max_len=self.max_len,
                 block_size=self.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 dtype_bytes=jnp.dtype(self.model.dtype).itemsize)
         fit = None if limit is None else max(limit, 0) // self.page_bytes
