@@ -87,9 +87,9 @@ def asynctls_for(cfg, budget: int, kb: int):
     return get_method("asynctls", budget=budget, kb=kb, channels_per_layer=(chans,) * cfg.num_layers)
 
 
-def timed_steps(warmup: int, steps: int, rounds: int) -> int:
+def timed_steps(warmup: int, steps: int, rounds: int, round_steps: int = ROUND_STEPS) -> int:
     """Decode steps a configuration may take: warm-up, settle rounds, the synced steps, the timed rounds."""
-    return warmup + (1 + SETTLE_ROUNDS) * steps + rounds * ROUND_STEPS
+    return warmup + (1 + SETTLE_ROUNDS) * steps + rounds * round_steps
 
 
 def cache_capacity(context: int, decode_steps: int) -> int:
@@ -152,8 +152,8 @@ def with_churn(model, churn: float):
 
 
 def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_slots=None, trace_dir=None,
-               host_limit="auto", concurrent=None, rounds=ROUNDS, bandwidth=None, pool="per_row", save="deferred",
-               loop="host", paged=False):
+               host_limit="auto", concurrent=None, rounds=ROUNDS, round_steps=ROUND_STEPS, bandwidth=None,
+               pool="per_row", save="deferred", loop="host", paged=False):
     """Fill a batch, decode it (:func:`timed_steps` tokens at most), return the measurements.
     ``concurrent``: TieredRunner's (None: its default schedule for ``mode``); ``pool``:
     the offloaded tier's pool, "per_row" or "shared" (``pool_slots`` then per KV head); ``loop``:
@@ -168,7 +168,7 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
         raise ValueError('loop="device" runs offloaded per-row pools')
     from models.runtime.tiered import TieredRunner
 
-    max_len = cache_capacity(context, timed_steps(warmup, steps, rounds))  # checked before filling
+    max_len = cache_capacity(context, timed_steps(warmup, steps, rounds, round_steps))  # checked before filling
     host_pages = None
     if paged and mode == "offload":
         host_pages = batch * (max_len // model.method.for_offload().offload_block_size) + 1
@@ -187,7 +187,8 @@ def run_config(model, mode, *, context, batch, steps, warmup, churn=0.0, pool_sl
     gc.disable()  # the step is dispatch-bound: keep Python's collector out of the timed loops
     try:
         out = _timed_decode(runner, state, tok, decode=LOOPS[loop], mode=mode, context=context, batch=batch,
-                            churn=churn, steps=steps, warmup=warmup, rounds=rounds, fill_s=fill_s, max_len=max_len,
+                            churn=churn, steps=steps, warmup=warmup, rounds=rounds, round_steps=round_steps,
+                            fill_s=fill_s, max_len=max_len,
                             trace_dir=trace_dir, bandwidth=bandwidth)
         if host_pages is not None:
             out["host_pages"] = host_pages
@@ -242,8 +243,8 @@ def _decode_on_device(runner, state, tok, n):
 LOOPS = {"host": _decode, "device": _decode_on_device}
 
 
-def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, steps, warmup, rounds, fill_s, max_len,
-                  trace_dir, bandwidth=None):
+def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, steps, warmup, rounds, round_steps,
+                  fill_s, max_len, trace_dir, bandwidth=None):
     logits, tok = decode(runner, state, tok, warmup)
     jax.block_until_ready(tok)
     # settle: right after a large pinned allocation, back-to-back rounds ran slower for about
@@ -284,10 +285,10 @@ def _timed_decode(runner, state, tok, *, decode, mode, context, batch, churn, st
     state.record_transfers = False
     for _ in range(rounds):
         t1 = time.perf_counter()
-        logits, tok = decode(runner, state, tok, ROUND_STEPS)
-        issue_s.append((time.perf_counter() - t1) / ROUND_STEPS)
+        logits, tok = decode(runner, state, tok, round_steps)
+        issue_s.append((time.perf_counter() - t1) / round_steps)
         jax.block_until_ready(tok)
-        rounds_s.append((time.perf_counter() - t1) / ROUND_STEPS)
+        rounds_s.append((time.perf_counter() - t1) / round_steps)
     tpot = statistics.median(rounds_s)
     fp = runner.footprint(batch, max_len)
     out = {"mode": mode, "concurrent": runner.concurrent, "unroll": runner.unroll,
@@ -545,7 +546,8 @@ def merge(paths, name: str, out_dir=None):
 
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = {"stamp": parts[0]["stamp"], "parts": [p["stamp"] for p in parts], "budget": parts[0]["budget"],
-           "kb": parts[0]["kb"], "throughput": [], "equal_batch": []}
+           "kb": parts[0]["kb"], "rounds": parts[0].get("rounds", ROUNDS),
+           "round_steps": parts[0].get("round_steps", ROUND_STEPS), "throughput": [], "equal_batch": []}
     for p in parts:
         out["throughput"] += p.get("throughput", [])
         out["equal_batch"] += p.get("equal_batch", [])
@@ -567,7 +569,8 @@ def render(payload) -> str:
              f"- date: {st.get('date')}"] + [f"- command: `{r.get('command')}` ({r.get('date')}, commit {r.get('git_commit')})" for r in runs] + [
              f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
              f"set renewed per step (0 = the random weights' own behaviour); tpot = median of "
-             f"{ROUNDS} back-to-back rounds of {ROUND_STEPS} steps (one block per row: the host save of "
+             f"{payload.get('rounds', ROUNDS)} back-to-back rounds of {payload.get('round_steps', ROUND_STEPS)} "
+             f"steps ({ROUND_STEPS}: one block per row, the host save of "
              f"completed blocks included), after untimed rounds until two agree within 5%", ""]
     if payload.get("save", "deferred") != "deferred" or payload.get("shared_slot_impl", "auto") != "auto":
         lines += [f"- offloaded rows: save `{payload.get('save', 'deferred')}` (deferred = FlashD2H), shared-pool "
@@ -614,6 +617,11 @@ def parse_args(argv=None):
     p.add_argument("--kb", type=int, default=128)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"timed rounds per configuration, the median reported (default {ROUNDS})")
+    p.add_argument("--round-steps", type=int, default=ROUND_STEPS,
+                   help=f"back-to-back steps per timed round (default {ROUND_STEPS}: one 64-token block per row, "
+                        "so a round pays the host save of its completed blocks once)")
     p.add_argument("--churn", type=float, default=0.009,
                    help="block-set renewal per step (default 0.009: Gemma 3 270M's measured miss rate at 32K with "
                         "the default pool, twice the filter's set; 0.096 with the smallest pool. SmolLM2 at 8K: "
@@ -682,7 +690,9 @@ def main(argv=None) -> int:
     pinned = capacity.plan_pinned_host_limit(a.host_fraction)  # before the GPU client starts (stamp() starts it)
     log(pinned)
     payload = {"stamp": stamp("python -m benchmarks.offload " + shlex.join(argv)), "budget": a.budget, "kb": a.kb,
-               "pinned_host": pinned, "throughput": [], "equal_batch": []}
+               "pinned_host": pinned, "rounds": a.rounds, "round_steps": a.round_steps, "throughput": [],
+               "equal_batch": []}
+    timing = dict(rounds=a.rounds, round_steps=a.round_steps)  # every configuration's timed rounds
     out_dir = Path(a.out) if a.out else None
 
     def save():
@@ -726,7 +736,7 @@ def main(argv=None) -> int:
     bw = measure_bandwidth((1 << 24) if a.tiny else (4 << 30))
     payload["bandwidth_gbps"] = bw / 1e9
     for ctx in contexts:
-        max_len = cache_capacity(ctx, timed_steps(a.warmup, a.steps, ROUNDS))
+        max_len = cache_capacity(ctx, timed_steps(a.warmup, a.steps, **timing))
         found = {}
         for mode in modes:
             mdl, rmode = (dense, "resident") if mode == "dense" else (model, "resident" if mode == "sparse" else "offload")
@@ -740,11 +750,13 @@ def main(argv=None) -> int:
             saves = a.saves if rmode == "offload" else ["deferred"]
             pool = "shared" if shared else "per_row"
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
+                          **timing,
                           host_limit=hl, bandwidth=bw, pool=pool, save=saves[0], paged=paged)
             rows = [r]
             for sv in saves[1:] if r.get("batch") else ():  # the same batch: an A/B of the save alone
                 try:
                     r2 = run_config(mdl, rmode, context=ctx, batch=r["batch"], steps=a.steps, warmup=a.warmup,
+                                    **timing,
                                     churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv, paged=paged)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] {mode} save={sv} batch={r['batch']} failed: {type(e).__name__}: {str(e)[:200]}")
@@ -764,7 +776,7 @@ def main(argv=None) -> int:
 
             def eq_run(mode, concurrent, churn):
                 try:
-                    return run_config(model, mode, context=ctx, batch=b, steps=a.steps, warmup=a.warmup,
+                    return run_config(model, mode, context=ctx, batch=b, steps=a.steps, warmup=a.warmup, **timing,
                                       churn=churn, host_limit=hl, concurrent=concurrent)["tpot_ms"]
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] equal batch {ctx} {mode} concurrent={concurrent} failed: "
@@ -809,18 +821,18 @@ def main(argv=None) -> int:
         trace_dir = Path(a.out or ".") / "offload_trace" if a.trace else None
         d = next((r["tokens_per_s"] for r in payload["throughput"] if r["label"] == "dense" and r["context"] == ctx
                   and r.get("tokens_per_s")), None)
-        n1 = method.for_offload().offload_blocks_per_step(cache_capacity(ctx, timed_steps(a.warmup, a.steps, ROUNDS)))
+        n1 = method.for_offload().offload_blocks_per_step(cache_capacity(ctx, timed_steps(a.warmup, a.steps, **timing)))
         for label, churn, pool in (("offload (smallest pool, churn 0.10)", 0.10, n1),
                                    ("offload (random weights' own locality)", 0.0, None)):
             raw = run_config(model, "offload", context=ctx, batch=b, steps=max(a.steps // 2, 2), warmup=a.warmup,
-                             churn=churn, pool_slots=pool, host_limit=hl, bandwidth=bw)
+                             churn=churn, pool_slots=pool, host_limit=hl, bandwidth=bw, **timing)
             raw["label"] = label
             raw["x_dense"] = raw["tokens_per_s"] / d if d else None
             payload["throughput"].append(raw)
             log(f"[offload] {label}: {raw['tokens_per_s']:.1f} tok/s, hit {raw.get('hit_rate')}")
             save()
         if trace_dir is not None:
-            tr = run_config(model, "offload", context=ctx, batch=b, steps=2, warmup=a.warmup, churn=a.churn,
+            tr = run_config(model, "offload", context=ctx, batch=b, steps=2, warmup=a.warmup, churn=a.churn, **timing,
                             trace_dir=trace_dir, host_limit=hl)
             payload["trace"] = tr["trace"]
             from benchmarks import trace_overlap
