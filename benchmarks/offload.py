@@ -570,8 +570,8 @@ def render(payload) -> str:
              f"- budget {payload['budget']} tokens, kb {payload['kb']}, block 64; churn = fraction of the block "
              f"set renewed per step (0 = the random weights' own behaviour); tpot = median of "
              f"{payload.get('rounds', ROUNDS)} back-to-back rounds of {payload.get('round_steps', ROUND_STEPS)} "
-             f"steps ({ROUND_STEPS}: one block per row, the host save of "
-             f"completed blocks included), after untimed rounds until two agree within 5%", ""]
+             f"steps (a round of {ROUND_STEPS} is one block per row, so it pays the host save of the blocks it "
+             f"completes), after untimed rounds until two agree within 5%", ""]
     if payload.get("save", "deferred") != "deferred" or payload.get("shared_slot_impl", "auto") != "auto":
         lines += [f"- offloaded rows: save `{payload.get('save', 'deferred')}` (deferred = FlashD2H), shared-pool "
                   f"slot assignment `{payload.get('shared_slot_impl', 'auto')}`", ""]
