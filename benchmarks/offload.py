@@ -670,6 +670,8 @@ def parse_args(argv=None):
     bad = set(a.modes.split(",")) - {"dense", "sparse", "offload", "offload-shared", "offload-paged"}
     if bad:  # before any model is built or compiled
         p.error(f"--modes: unknown {sorted(bad)}; choose from dense, sparse, offload, offload-shared, offload-paged")
+    if a.rounds < 1 or a.round_steps < 1:
+        p.error(f"--rounds and --round-steps: at least 1 each, got {a.rounds} and {a.round_steps}")
     a.saves = [x.strip() for x in a.save.split(",")]
     if not a.saves or set(a.saves) - {"deferred", "sync"}:
         p.error(f"--save: a comma list of deferred and sync, got {a.save!r}")

@@ -87,6 +87,9 @@ def test_offload_benchmark_save_ab_at_one_batch(tmp_path):
 
     with pytest.raises(SystemExit):
         offload.main(["--tiny", "--save", "deferred,flash"])
+    for bad in (["--rounds", "0"], ["--round-steps", "0"]):  # refused before any model is built
+        with pytest.raises(SystemExit):
+            offload.parse_args(["--tiny", *bad])
 
 
 def test_flashd2h_ab_tiny(tmp_path):
