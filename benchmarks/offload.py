@@ -691,10 +691,9 @@ def main(argv=None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     pinned = capacity.plan_pinned_host_limit(a.host_fraction)  # before the GPU client starts (stamp() starts it)
     log(pinned)
-    payload = {"stamp": stamp("python -m benchmarks.offload " + shlex.join(argv)), "budget": a.budget, "kb": a.kb,
-               "pinned_host": pinned, "rounds": a.rounds, "round_steps": a.round_steps, "throughput": [],
-               "equal_batch": []}
     timing = dict(rounds=a.rounds, round_steps=a.round_steps)  # every configuration's timed rounds
+    payload = {"stamp": stamp("python -m benchmarks.offload " + shlex.join(argv)), "budget": a.budget, "kb": a.kb,
+               "pinned_host": pinned, **timing, "throughput": [], "equal_batch": []}
     out_dir = Path(a.out) if a.out else None
 
     def save():
@@ -752,14 +751,12 @@ def main(argv=None) -> int:
             saves = a.saves if rmode == "offload" else ["deferred"]
             pool = "shared" if shared else "per_row"
             r = fit_batch(mdl, rmode, ctx, start=start, steps=a.steps, warmup=a.warmup, churn=churn, log=log,
-                          **timing,
-                          host_limit=hl, bandwidth=bw, pool=pool, save=saves[0], paged=paged)
+                          **timing, host_limit=hl, bandwidth=bw, pool=pool, save=saves[0], paged=paged)
             rows = [r]
             for sv in saves[1:] if r.get("batch") else ():  # the same batch: an A/B of the save alone
                 try:
                     r2 = run_config(mdl, rmode, context=ctx, batch=r["batch"], steps=a.steps, warmup=a.warmup,
-                                    **timing,
-                                    churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv, paged=paged)
+                                    **timing, churn=churn, host_limit=hl, bandwidth=bw, pool=pool, save=sv, paged=paged)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     log(f"[offload] {mode} save={sv} batch={r['batch']} failed: {type(e).__name__}: {str(e)[:200]}")
                     r2 = {"mode": rmode, "context": ctx, "batch": 0, "error": f"{type(e).__name__}"}
