@@ -1039,7 +1039,7 @@ def test_offloaded_prompt_buckets_past_the_last_power_of_two():
     below it, at its quarter-octave bucket."""
     import types
 
-    from models.serving.slots import OffloadedSlots
+    from models.serving.offloaded_slots import OffloadedSlots
 
     kv = types.SimpleNamespace(max_len=98816)
     tokens = [OffloadedSlots.prompt_tokens(kv, n) for n in (1000, 5000, 65536, 65537, 80000, 98304, 98752)]

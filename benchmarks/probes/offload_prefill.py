@@ -20,7 +20,7 @@ AsyncTLS (one row of ``--length``):
   it with ``max_inject_tokens`` (no decode step between them here: the segments' own cost).
 
 Each offloaded prefill writes into one engine-like host tier (``into=``, the request's pages), as
-:class:`models.serving.slots.OffloadedSlots` does; the rows alternate and the median of
+:class:`models.serving.offloaded_slots.OffloadedSlots` does; the rows alternate and the median of
 ``--rounds`` is reported, with the first token's logits and the stored pages (their sums per layer) compared across
 variants: equal for whole layers, within bf16 for the segmented row (its layers run in chunks).
 """

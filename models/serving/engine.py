@@ -69,7 +69,8 @@ from models.serving.scheduler import Scheduler
 from models.serving.paged import PagedSlots, page_size
 from models.serving.prompt_prefill import Occupant, PromptPrefill, describe
 from models.serving.slot_sampling import SlotSampling, token_logprob
-from models.serving.slots import OffloadedSlots, ResidentSlots, merge_tokens, replicated
+from models.serving.offloaded_slots import OffloadedSlots
+from models.serving.slots import ResidentSlots, merge_tokens, replicated
 from models.serving.warmup import warm_up
 
 
