@@ -20,7 +20,7 @@ import re
 from typing import Iterable, Sequence
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models as tk_models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models as tk_models, normalizers, pre_tokenizers
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4

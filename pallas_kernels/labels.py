@@ -129,7 +129,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._util import exp_fast, fma_f32, next_pow2, prev_pow2
+from pallas_kernels._util import exp_fast, fma_f32, next_pow2
 
 __all__ = [
     "LabelCache",

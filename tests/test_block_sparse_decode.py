@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.block_sparse_decode import resolve_block_tuning
-from pallas_kernels.merge import MASK_VALUE
 from sparse_jax.ops.attention import (
     dense_decode_attention,
     block_sparse_decode_attention,

@@ -23,7 +23,7 @@ from models import transformer as tfm
 from models import programs
 from models.driver import make_plan, ring_prefill_rows
 from sparse_jax.layers import LayerSpec, layer_specs, segments
-from sparse_jax.methods import DenseAttention, get_method
+from sparse_jax.methods import get_method
 
 FIXTURE = Path(__file__).parent / "fixtures" / "driver_logits.npz"
 

@@ -5,7 +5,6 @@ budget rule; the calibration DP; composed over AsyncTLS, offloaded == resident."
 
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

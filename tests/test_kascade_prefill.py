@@ -145,7 +145,6 @@ def test_composed_equals_the_masked_reference(t, hq, hkv, d, dtype, max_rows, tu
 def test_budget_covering_the_prompt_is_dense_prefill(unroll, monkeypatch):
     """Every key before each tile selected: anchors and reuse layers attend the whole
     causal prefix (the traced role of a scanned segment takes lax.switch)."""
-    from models import programs
 
     driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()
@@ -364,7 +363,6 @@ def test_tiled_prefill_layers_choose_the_sparse_layers(unroll, monkeypatch):
     """``tiled_prefill_layers`` (4 layers): none listed is Kascade with a dense prefill, all listed is the
     default tiled prefill, and a subset is neither (its anchors outside the set still select
     for the reuse layers after them); scanned (traced roles) and unrolled alike."""
-    from models import programs
 
     driver_mode(monkeypatch, unroll)
     tokens, lengths = _tokens()

@@ -11,7 +11,7 @@ from sparse_jax.kv import ResidentKV
 import pytest
 
 from sparse_jax.layers import LayerSpec
-from sparse_jax.methods import BlockSparseMethod, DenseAttention, get_method
+from sparse_jax.methods import BlockSparseMethod, get_method
 from sparse_jax.methods.base import single_layer
 from sparse_jax.ops.dense import dense_decode_reference
 

@@ -13,8 +13,7 @@ import pytest
 import models
 from models import transformer as tfm
 from models.config import ModelConfig, RopeScaling
-from sparse_jax.methods import AttentionMethod, DenseAttention
-from sparse_jax.ops.dense import masked_decode_attention
+from sparse_jax.methods import AttentionMethod
 from sparse_jax.selection import Selection
 
 TOL = dict(rtol=1e-5, atol=1e-5)
