@@ -7,8 +7,10 @@ working-set estimate (:func:`offloaded_working_set`) and its layer-segmented pre
 ``slots x max_len``.
 
 :class:`OffloadedSlots` gives the engine the calls :class:`models.serving.slots.ResidentSlots`
-gives (``prefill``, ``insert``, ``step``, ``wait``, ``settle``, ``blocks_loaded``), whose jitted
-step and insertion it shares.
+gives (``prefill``, ``insert``, ``step``, ``wait``, ``settle``, ``blocks_loaded``); its step is
+the runner's decode step, then the sampling on the step's inputs placed as the resident step's
+(:func:`models.serving.slots.step_inputs`), and its insertion writes each leaf's row as
+:func:`models.serving.slots.insert_slot` does.
 """
 
 from __future__ import annotations
