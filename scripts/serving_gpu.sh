@@ -36,6 +36,8 @@
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
 #                                           # METHODS: one engine per call (dense:paged-chunked, then
 #                                           # asynctls:offload-paged-segmented), joined by serve_load --merge
+#   bash scripts/serving_gpu.sh memory-pair # benchmark C's dense and offloaded AsyncTLS + TSA engines in one call, each
+#                                           # under a deadline, joined (the LongBench-like mix by default)
 #
 # Each writes json + md (+ png) to $OUT (the device runner's folder) or benchmarks/results/, and its
 # log through `tee`, so a stage cut off by its limit keeps what it printed. XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -52,7 +54,7 @@ CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
 # 374K tokens) 4, else the warm-up's 8 prompts of 64K at once do not fit the pool
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0)
 LOAD_SLOTS=${SLOTS:-$([ "${gpu_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
-stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|chunk|hostloop|memory}
+stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|chunk|hostloop|memory|memory-pair}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
 case "$stage" in
@@ -126,6 +128,28 @@ case "$stage" in
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \
         2>&1 | quiet
     ;;
+  memory-pair)
+    # benchmark C's two engines in one device call (when one call's time is what is left): dense, then
+    # offloaded AsyncTLS + TSA prefill, each a `memory` run under a deadline (DEADLINE s for both,
+    # default 560; dense at most DENSE_S, default 300: its cold compile is most of it), joined by
+    # serve_load --merge as serve_load_memory_pair. The load is `memory`'s variables, here by default
+    # the LongBench-like mix at 2 req/s, 24 requests. Each engine's files go to PAIR_PARTS (default
+    # /tmp/serving_gpu_pair) and only its json to the output folder: the device runner returns 8 files
+    t0=$SECONDS
+    parts=${PAIR_PARTS:-/tmp/serving_gpu_pair}
+    mkdir -p "$parts"
+    export MIX=${MIX:-16384:2,32768:2,65536:1} C_SLOTS=${C_SLOTS:-24} RATES=${RATES:-2} REQUESTS=${REQUESTS:-24} \
+      TIME_LIMIT=${TIME_LIMIT:-100}
+    OUT=$parts METHODS=dense:paged-chunked timeout "${DENSE_S:-300}" bash scripts/serving_gpu.sh memory \
+      || echo "dense: rc=$?" | quiet
+    left=$(( ${DEADLINE:-560} - (SECONDS - t0) ))
+    OUT=$parts CHURN=${CHURN:-0.009} POOL_SLOTS=${POOL_SLOTS:-128} PREFILL_OPT=${PREFILL_OPT:-keep_fraction=0.3} \
+      METHODS=asynctls+tsa:offload-paged timeout "$left" bash scripts/serving_gpu.sh memory || echo "offloaded: rc=$?" | quiet
+    cp "$parts"/serve_load_memory_*.json "$OUTDIR"/ 2>/dev/null || true
+    $PY -m benchmarks.serve_load --merge "$parts/serve_load_memory_dense_paged-chunked.json,$parts/serve_load_memory_asynctls_tsa_offload-paged.json" \
+      --out "$OUTDIR" --name serve_load_memory_pair 2>&1 | quiet
+    ;;
   *)
-    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|hostloop|memory" >&2; exit 2 ;;
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|hostloop|memory|memory-pair" >&2
+    exit 2 ;;
 esac
