@@ -325,6 +325,55 @@ def test_offloaded_paged_engine_leaves_the_host_budget_room_for_staging(tiny, mo
     engine.kv.runner.check_capacity(4, MAX_LEN, device_limit=None, host_limit=budget)
 
 
+def test_the_pinned_pool_model_places_what_the_h100_placed():
+    """:func:`capacity.bfc_fits`, the model of XLA's growing pinned-host allocator, against the
+    GPU (H100, 2026-12-07): under a 105 GiB pool, 68 page arrays of 1,613,496,320 bytes (12,310
+    pages) passed the budget by 0.01 GiB and the 68th failed to allocate; under 106 GiB, 68 arrays
+    of 12,091 pages had run (2026-12-07 00:38). Power-of-two arrays pack every region."""
+    from sparse_jax.offload.capacity import GiB, bfc_fits, pages_the_pool_places
+
+    page = 8 * 64 * 128 * 2  # one page of one layer's K: 8 KV heads x 64 tokens x 128 x bf16
+    assert bfc_fits(105 * GiB, [12_310 * page] * 68) == 67
+    assert bfc_fits(106 * GiB, [12_091 * page] * 68) == 68
+    assert bfc_fits(64 * GiB, [GiB] * 64) == 64  # regions of 1, 1, 2, 4, ... GiB: nothing stranded
+    assert bfc_fits(GiB, [GiB + 1]) == 0 and bfc_fits(GiB, []) == 0
+    # the pages planned under the 105 GiB pool: fewer, so that all 68 arrays and the staging place
+    got = pages_the_pool_places(12_310, limit=105 * GiB, page_bytes=68 * page, arrays=68,
+                                staging=int(2.81 * GiB / 18), staging_buffers=18)
+    assert 11_500 < got < 12_310
+    assert bfc_fits(105 * GiB, [got * page] * 68 + [int(2.81 * GiB / 18)] * 18) == 86
+    assert bfc_fits(105 * GiB, [(got + 1) * page] * 68 + [int(2.81 * GiB / 18)] * 18) < 86
+
+
+def test_offloaded_paged_engine_plans_its_pages_below_the_pinned_pool(tiny, monkeypatch):
+    """Where XLA's pinned pool has a limit (a GPU), the default host pages are as many as its
+    allocator places whole (:func:`capacity.pages_the_pool_places`), not what the budget's bytes
+    hold; asked for more, the engine refuses before allocating. In small: the pool's first region
+    4 KiB, so the tiny model's page arrays (33 pages: 67,584 bytes, just over 64 KiB) strand most of
+    a region, as 1.50 GiB arrays did on the H100."""
+    from models.serving.engine import Engine
+    from sparse_jax.offload import capacity
+
+    model = tiny.with_method("quest", budget=64)
+    kv = Engine(model, slots=4, max_len=MAX_LEN, paged=True, offload=True).kv
+    staging = kv.runner.footprint(4, MAX_LEN).host["prefill_staging"]
+    budget = 33 * kv.page_bytes + staging  # the bytes hold 33 pages beside the staging
+    monkeypatch.setattr(capacity, "host_budget", lambda *a, **k: budget)
+    monkeypatch.setattr(capacity, "pinned_pool_limit", lambda: budget)  # the pool exactly the budget
+    monkeypatch.setattr(capacity, "BFC_FIRST_REGION", 4096)
+    engine = Engine(model, slots=4, max_len=MAX_LEN, paged=True, offload=True)
+    pages, arrays = engine.kv.runner.host_pages, 2 * engine.kv.num_offloaded_layers
+    one = capacity.staging_bytes(1, max_len=MAX_LEN, block_size=engine.kv.block_size,
+                                 num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim, dtype_bytes=4)
+    n_buffers = staging // one
+    sizes = lambda n: [n * engine.kv.page_bytes // arrays] * arrays + [one] * n_buffers  # noqa: E731
+    assert pages < 33, pages
+    assert capacity.bfc_fits(budget, sizes(pages)) == arrays + n_buffers
+    assert capacity.bfc_fits(budget, sizes(pages + 1)) < arrays + n_buffers
+    with pytest.raises(capacity.CapacityError, match="do not fit the pinned host"):
+        Engine(model, slots=4, max_len=MAX_LEN, paged=True, offload=True, host_pages=pages + 1)
+
+
 def test_offloaded_paged_engine_on_a_shared_pool(tiny):
     """The shared device pool (one per layer and KV head, LRU across slots) over the paged host
     tier: an insertion places the prompt's primed blocks (AsyncTLS's first prefetch) from its

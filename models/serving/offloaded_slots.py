@@ -283,13 +283,21 @@ class OffloadedSlots(PagedRequests):
                                        or host_pages < 2):
             raise ValueError(f"host_pages must be an int >= 2 (page 0 is the null page), got {host_pages!r}")
         limit = capacity.host_budget()
+        cfg = self.model.config
+        buffers = staging_buffer_count(self.num_offloaded_layers)
+        one_buffer = capacity.staging_bytes(1, max_len=self.max_len, block_size=self.block_size,
+                                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                            dtype_bytes=jnp.dtype(self.model.dtype).itemsize)
         if limit is not None:  # the pages took the whole budget, and the check then refused them by the staging
-            cfg = self.model.config  # (H100, 2026-12-06: 6 and 7 rows at 128K, 9 GiB over 106)
-            limit -= capacity.staging_bytes(
-                staging_buffer_count(self.num_offloaded_layers), max_len=self.max_len,
-                block_size=self.block_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                dtype_bytes=jnp.dtype(self.model.dtype).itemsize)
+            limit -= buffers * one_buffer  # (H100, 2026-12-06: 6 and 7 rows at 128K, 9 GiB over 106)
         fit = None if limit is None else max(limit, 0) // self.page_bytes
+        pool = capacity.pinned_pool_limit()
+        if fit is not None and pool is not None:  # and as XLA's pinned pool places them: each layer's K and V
+            # page array whole in one of its regions (H100, 2026-12-07: the budget passed 68 arrays of
+            # 1.50 GiB by 0.01 GiB, and the 68th did not allocate; capacity.bfc_fits)
+            fit = capacity.pages_the_pool_places(min(fit, full), limit=pool, page_bytes=self.page_bytes,
+                                                 arrays=2 * self.num_offloaded_layers, staging=one_buffer,
+                                                 staging_buffers=buffers)
         asked = host_pages is not None
         if host_pages is None:
             host_pages = full if fit is None else min(full, fit)
