@@ -159,6 +159,32 @@ class PagedRequests:
     (a :class:`BlockManager`). ``pages_name``: how their messages call a page."""
 
     pages_name = "pages"
+    #: a request grows by at least this many positions at a time while the pool has them: each
+    #: change of a table row is a new buffer for the step (set by each back-end)
+    grow_tokens = 1
+
+    def reserve(self, r, tokens: int) -> bool:
+        """Give ``r`` pages for its first ``tokens`` positions; False (nothing changed) when the
+        pool lacks them. Its slot's table row follows (:meth:`_table_row_changed`, sent with the
+        next step). While the pool has them, :attr:`grow_tokens` positions at a time (at most
+        what ``r`` may use), so the table changes once per ``grow_tokens`` steps of a row, not
+        once per page."""
+        if self.blocks.blocks_for(tokens) > self.blocks.held(r.id):
+            ahead = min(-(-tokens // self.grow_tokens) * self.grow_tokens, self.max_len,
+                        max(r.reserved_tokens, tokens))
+            if ahead > tokens and self.blocks.can_reserve(r.id, ahead):
+                tokens = ahead
+        try:
+            added = self.blocks.reserve(r.id, tokens)
+        except OutOfBlocks:
+            return False
+        if added and r.slot is not None and self._owner[r.slot] == r.id:
+            self._table_row_changed(r.slot, self.blocks.table(r.id))
+        return True
+
+    def _table_row_changed(self, slot: int, table) -> None:
+        """Write a slot's new table row where the back-end's step reads it."""
+        raise NotImplementedError
 
     @property
     def kv_blocks_total(self) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 
 from models.runtime.tiered import HostPages, TieredRunner
 from models.runtime.tiered_prefill import staging_buffer_count
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
+from models.serving.blocks import NULL_BLOCK, BlockManager, PagedRequests, pool_plan
 from models.serving.buckets import last_bucket_end, longest_bucket, padded_prompt, segmented_prompt_tokens
 from models.serving.precompile import AheadOfTime
 from models.serving.requests import Request
@@ -57,8 +57,9 @@ def insert_tiered_slot(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache
 
 
 #: a paged host tier's request grows by at least this many positions at a time while the pool has
-#: them (as models.serving.paged.GROW_TOKENS): each change of the table is a new device buffer for
-#: the step, and a new buffer makes XLA update the step's CUDA graph on the host (docs/offload.md)
+#: them (PagedRequests.grow_tokens, as models.serving.paged.GROW_TOKENS): each change of the table is
+#: a new device buffer for the step, and a new buffer makes XLA update the step's CUDA graph on the
+#: host (docs/offload.md)
 HOST_GROW_TOKENS = 64
 
 WORKING_SET_WINDOW = 12  # SparseServe's w: decode steps whose selected blocks form a request's working set
@@ -132,6 +133,7 @@ class OffloadedSlots(PagedRequests):
     page."""
 
     pages_name = "host pages"  # paged: the host tier's (PagedRequests' messages)
+    grow_tokens = HOST_GROW_TOKENS
 
     offloaded = True
 
@@ -330,22 +332,8 @@ class OffloadedSlots(PagedRequests):
                              f"({r.reserved_tokens} tokens: prompt + max_tokens), more than this engine's "
                              f"{self.blocks.total}")
 
-    def reserve(self, r: Request, tokens: int) -> bool:
-        """Give ``r`` host pages for its first ``tokens`` positions; False (nothing changed) when
-        the pool lacks them. Its slot's table row follows (sent with the next step). While the
-        pool has them, :data:`HOST_GROW_TOKENS` positions at a time (at most what ``r`` may use)."""
-        if self.blocks.blocks_for(tokens) > self.blocks.held(r.id):
-            ahead = min(-(-tokens // HOST_GROW_TOKENS) * HOST_GROW_TOKENS, self.max_len,
-                        max(r.reserved_tokens, tokens))
-            if ahead > tokens and self.blocks.can_reserve(r.id, ahead):
-                tokens = ahead
-        try:
-            added = self.blocks.reserve(r.id, tokens)
-        except OutOfBlocks:
-            return False
-        if added and r.slot is not None and self._owner[r.slot] == r.id:
-            self.state.pages.set_row(r.slot, self.blocks.table(r.id))
-        return True
+    def _table_row_changed(self, slot: int, table) -> None:
+        self.state.pages.set_row(slot, table)
 
     def release(self, r: Request) -> None:
         """Free ``r``'s pages; its slot (if it had one) gets the null page. A save of its blocks

@@ -42,7 +42,7 @@ from models.driver import Driver, init_cache, make_plan
 from models.runtime.sharding import paged_cache_specs
 from models.runtime.tiered import TieredRunner
 from models.sampling import RowSampling, SampleOut
-from models.serving.blocks import NULL_BLOCK, BlockManager, OutOfBlocks, PagedRequests, pool_plan
+from models.serving.blocks import NULL_BLOCK, BlockManager, PagedRequests, pool_plan
 from models.serving.buckets import longest_bucket, padded_prompt, prefill_bucket
 from models.serving.pool_programs import decode_rows, paged_programs, sharded_paged_programs
 from models.serving.precompile import AheadOfTime
@@ -240,6 +240,8 @@ class PagedSlots(PagedRequests):
     ``slots`` full rows use; on the CPU exactly that (no limit to fill). A pool that cannot
     hold one request of ``max_len`` tokens is refused (:class:`CapacityError`)."""
 
+    grow_tokens = GROW_TOKENS
+
     offloaded = False
     paged = True
 
@@ -372,24 +374,9 @@ class PagedSlots(PagedRequests):
             raise ValueError(f"the request needs {need} KV pages of {self.page} tokens ({r.reserved_tokens} tokens: "
                              f"prompt + max_tokens), more than this engine's {self.blocks.total}")
 
-    def reserve(self, r: Request, tokens: int) -> bool:
-        """Give ``r`` pages for its first ``tokens`` positions; False (nothing changed) when the
-        pool lacks them. Its slot's table row follows (sent with the next step). Pages smaller
-        than :data:`GROW_TOKENS` are given that many positions at a time while the pool has
-        them, so the table changes (and is sent) once per ``GROW_TOKENS`` steps of a row, not
-        once per page."""
-        if self.blocks.blocks_for(tokens) > self.blocks.held(r.id):
-            ahead = min(-(-tokens // GROW_TOKENS) * GROW_TOKENS, self.max_len, max(r.reserved_tokens, tokens))
-            if ahead > tokens and self.blocks.can_reserve(r.id, ahead):
-                tokens = ahead
-        try:
-            added = self.blocks.reserve(r.id, tokens)
-        except OutOfBlocks:
-            return False
-        if added and r.slot is not None and self._owner[r.slot] == r.id:
-            self._table[r.slot] = self.blocks.table(r.id)
-            self._dirty = True
-        return True
+    def _table_row_changed(self, slot: int, table) -> None:
+        self._table[slot] = table
+        self._dirty = True
 
     def release(self, r: Request) -> None:
         """Free ``r``'s pages; its slot (if it had one) gets null pages and length 0."""
