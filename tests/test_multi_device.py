@@ -51,7 +51,7 @@ def test_sharded_decode_matches_one_device(multi_device):
     f32 = [r for c, r in rows.items() if "bf16" not in c]
     # tiny-kv8: each method on one mesh (1x2 quest; 2x2 dense, asynctls, quest+TSA; 1x4 asyncspade);
     # forward on 1x2 and 1x4, kascade with its tiled prefill on data=2; tiny-kv3 (padded to 4 KV heads):
-    # dense, asynctls, quest+TSA on model=2; SmolLM2 (real weights, its first 12 layers:
+    # dense, asynctls, quest+TSA on model=2; SmolLM2 (real weights, its first 4 layers:
     # tests/multi_device_check.py's sharded_case): shard(model, model=2).generate
     assert len(f32) == 12, sorted(rows)
     meshes = {r["case"].split("/")[-1] for r in f32 if r["case"].startswith("tiny-kv8/")}
