@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import shlex
 import statistics
@@ -99,24 +100,24 @@ def cache_capacity(context: int, decode_steps: int) -> int:
     return round_up(context + decode_steps + 8, 64)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(key, shape, std):
+    """One random bf16 leaf ``N(0, std^2)``: at module level, so every model a process draws
+    (a benchmark's several engines, the tests') shares its compiled programs by shape."""
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(jnp.bfloat16)
+
+
 def random_model(cfg, method, max_len: int, seed: int = 0):
     """A :class:`models.api.Model` with random bf16 weights, drawn leaf by leaf (one
     small jit per distinct shape: seconds, where jitting the whole 8B-parameter
     initialiser took far longer: docs/architecture.md, 'Measured reasons for runtime and
     benchmark choices'). Norm weights are ones; matrices
     ``N(0, 1/fan_in)``; the embedding ``N(0, 0.02^2)``."""
-    import functools
-
     from models import transformer as tfm
     from models.api import Model
 
     graphdef, abstract = tfm.abstract_model(cfg, jnp.bfloat16)
     leaves, treedef = jax.tree.flatten(abstract)
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def draw(key, shape, std):
-        return (jax.random.normal(key, shape, jnp.float32) * std).astype(jnp.bfloat16)
-
     key = jax.random.key(seed)
     out = []
     for i, leaf in enumerate(leaves):
@@ -125,7 +126,7 @@ def random_model(cfg, method, max_len: int, seed: int = 0):
             out.append(jnp.ones(shape, leaf.dtype))
         else:
             std = 0.02 if shape[0] == cfg.vocab_size else shape[0] ** -0.5
-            out.append(draw(jax.random.fold_in(key, i), shape, float(std)))
+            out.append(_draw(jax.random.fold_in(key, i), shape, float(std)))
     params = jax.tree.unflatten(treedef, out)
     return Model(cfg, graphdef, params, None, method, jnp.bfloat16, max_len)
 
