@@ -36,6 +36,9 @@
 #                                           # ~30 GB of KV, a 48 GB GPU's), the host tier the box's RAM;
 #                                           # METHODS: one engine per call (dense:paged-chunked, then
 #                                           # asynctls:offload-paged-segmented), joined by serve_load --merge
+#   bash scripts/serving_gpu.sh pinned      # XLA's pinned-host pool against the planner's model of it
+#                                           # (capacity.bfc_fits): how many page-array-sized copies it places
+#                                           # under PINNED_GIB (default 105), no model or compile (~1 min)
 #   bash scripts/serving_gpu.sh memory-pair # benchmark C's dense and offloaded AsyncTLS + TSA engines in one call, each
 #                                           # under a deadline, joined (the LongBench-like mix by default)
 #
@@ -54,7 +57,7 @@ CACHE=${COMPILE_CACHE:-$PWD/.jax_cache}
 # 374K tokens) 4, else the warm-up's 8 prompts of 64K at once do not fit the pool
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0)
 LOAD_SLOTS=${SLOTS:-$([ "${gpu_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
-stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|chunk|hostloop|memory|memory-pair}
+stage=${1:?usage: serving_gpu.sh compile|compile-scanned|compile-noautotune|iteration L|load|group|chunk|hostloop|memory|pinned|memory-pair}
 quiet() { grep --line-buffered -v "^W0000\|^I0000" | tee -a "$OUTDIR/serving_gpu_$stage.log"; }
 
 case "$stage" in
@@ -128,6 +131,9 @@ case "$stage" in
         --note "benchmark C, emulated: XLA_PYTHON_CLIENT_MEM_FRACTION=$C_MEM_FRACTION caps the device (~49 GB)" \
         2>&1 | quiet
     ;;
+  pinned)
+    $PY -u -m benchmarks.probes.pinned_pool --limit-gib "${PINNED_GIB:-105}" --out "$OUTDIR" 2>&1 | quiet
+    ;;
   memory-pair)
     # benchmark C's two engines in one device call (when one call's time is what is left): dense, then
     # offloaded AsyncTLS + TSA prefill, each a `memory` run under a deadline (DEADLINE s for both,
@@ -150,6 +156,6 @@ case "$stage" in
       --out "$OUTDIR" --name serve_load_memory_pair 2>&1 | quiet
     ;;
   *)
-    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|hostloop|memory|memory-pair" >&2
+    echo "unknown stage $stage: compile|compile-scanned|compile-noautotune|iteration|load|group|chunk|hostloop|memory|pinned|memory-pair" >&2
     exit 2 ;;
 esac

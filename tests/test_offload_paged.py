@@ -345,6 +345,28 @@ def test_the_pinned_pool_model_places_what_the_h100_placed():
     assert bfc_fits(105 * GiB, [(got + 1) * page] * 68 + [int(2.81 * GiB / 18)] * 18) < 86
 
 
+def test_pinned_pool_probe_puts_the_count_placed_beside_the_model(tmp_path, monkeypatch):
+    """``benchmarks.probes.pinned_pool`` (the GPU check of :func:`capacity.bfc_fits`), on the CPU:
+    every copy is placed there (no pool), in this process and in the fresh process per size that
+    a GPU run uses; the model's column is bfc_fits's count; a CPU run that would copy more than
+    1 GiB of ordinary memory is refused before copying."""
+    from benchmarks.probes import pinned_pool
+    from sparse_jax.offload import capacity
+
+    monkeypatch.setattr(capacity, "BFC_FIRST_REGION", 4096)
+    # regions of 16 KiB (grown to fit), 32 KiB and the 56.9 KiB the limit leaves: 1 + 3 + 5 arrays
+    [row] = pinned_pool.probe([10_000], 12, 107_374, fresh_process=False)
+    assert (row["placed"], row["model"], row["agree"], row["error"]) == (12, 9, False, None)
+    [row] = pinned_pool.probe([4096], 3, capacity.GiB, fresh_process=True, limit_gib=1)
+    assert (row["placed"], row["model"], row["agree"]) == (3, 3, True), row
+    md = pinned_pool.render({"stamp": {"device": "cpu", "jax": "x", "date": "d", "command": "c", "git_commit": "g"},
+                             "limit_gib": 1, "pool": False, "rows": [row]})
+    assert "| 4,096 | 0.0 | 3 | 3 | 3 | yes |" in md and "agrees on 1 of 1" in md
+    with pytest.raises(SystemExit):
+        pinned_pool.main(["--limit-gib", "2", "--sizes", str(capacity.GiB), "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
 def test_offloaded_paged_engine_plans_its_pages_below_the_pinned_pool(tiny, monkeypatch):
     """Where XLA's pinned pool has a limit (a GPU), the default host pages are as many as its
     allocator places whole (:func:`capacity.pages_the_pool_places`), not what the budget's bytes
