@@ -40,7 +40,9 @@ def place(size: int, count: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    from sparse_jax.offload.tiers import pinned_host_sharding
+
+    pinned = pinned_host_sharding()  # the first device's pinned_host memory, as the host tier's arrays
     x = jnp.zeros((size,), jnp.uint8)
     kept, error, t0 = [], None, time.perf_counter()
     for _ in range(count):
