@@ -80,6 +80,8 @@ def probe(sizes, count: int, limit_bytes: int, *, fresh_process: bool = True, li
         model = bfc_fits(limit_bytes, [size] * count)
         rows.append({"bytes": int(size), "gib": round(size / GIB, 4), "count": count, "model": model, **got,
                      "agree": got["placed"] == model})
+        # each size as it lands: pinning ~100 GiB takes minutes, and a call cut off keeps what it printed
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
