@@ -19,7 +19,6 @@ printing JSON lines (``{"case": ...}``) that the tests read:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import io
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import cache_rank_check, sharded_check
+from tests.smollm2_layers import smollm2_layers
 
 
 def _freeze_what_full_collections_keep():
@@ -50,27 +50,6 @@ def _freeze_what_full_collections_keep():
     gc.callbacks.append(freeze)
 
 
-@contextlib.contextmanager
-def _smollm2_layers(n: int):
-    """SmolLM2-135M cut to its first ``n`` layers (its real weights and tokenizer, the
-    process's one read of them), for the models loaded inside."""
-    from models import api
-
-    read = api.read_real_weights
-
-    def first_layers(name, dtype):
-        cfg, params, tok = read(name, dtype)
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, a: a[:n] if getattr(path[0], "key", None) == "layers" else a, params)
-        return dataclasses.replace(cfg, num_layers=n), params, tok
-
-    api.read_real_weights = first_layers
-    try:
-        yield
-    finally:
-        api.read_real_weights = read
-
-
 def cache_rank_cli_case():
     """The generate CLI with ``--cache-rank`` (:func:`tests.cache_rank_check.cli_case`: the text
     with and without it, the header, the flag refused for another method) on SmolLM2's first 12
@@ -79,7 +58,7 @@ def cache_rank_cli_case():
     device logit by logit, packs of 2, 3 and 6 layers, both transfers and every dispatch: the
     cache_rank step). The text is no weaker a check for it: the 30 layers' text is the same
     with the lag (``window=1``, another selection), the 12 layers' is not."""
-    with _smollm2_layers(12):
+    with smollm2_layers(12):
         cache_rank_check.cli_case()
 
 
@@ -93,7 +72,7 @@ def sharded_case():
     against 13-14 for 12 layers (the weights read apart, 2026-12-07). The texts on each side must
     still be equal and non-empty (a padded head's weights left non-zero on the mesh side makes
     them differ on 4 layers as on 12)."""
-    with _smollm2_layers(4):
+    with smollm2_layers(4):
         sharded_check.main(["--bf16", "--with-offload"])
 
 
