@@ -1,8 +1,9 @@
 """The OpenAI-compatible server (models/serving/server.py) over the engine, driven by the
-official ``openai`` client on CPU with SmolLM2-135M: greedy output equals
-``Model.generate``; streaming equals non-streaming; concurrent clients each get
-their own output; bad input gets a 4xx before any device work; a stream the
-client abandons frees its slot and the engine's counters return to empty.
+official ``openai`` client on CPU with SmolLM2-135M (its real weights and tokenizer, 4 of its
+layers: ``LAYERS``): greedy output equals ``Model.generate``; streaming equals
+non-streaming; concurrent clients each get their own output; bad input gets a 4xx before
+any device work; a stream the client abandons frees its slot and the engine's counters
+return to empty.
 
 One server for the module (a uvicorn thread on a free loopback port)."""
 
@@ -24,12 +25,19 @@ from models.api import Model
 from models.serving.engine import Engine
 from models.serving.paged import DEFAULT_PREFILL_CHUNK
 from models.serving.server import serve_in_thread
+from tests.smollm2_layers import smollm2_layers
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 MODEL = "smollm2-135m"
 MAX_LEN = 256
+# SmolLM2's first two layers and last two (tests/smollm2_layers.py says why these): every test
+# here compares texts of the same model, served and not, and the 30 layers' run time made
+# this file ~150 s of CI, 4 of them ~100 s (2-core box, 2026-12-08). Their greedy texts are
+# word salad, but each prompt's differs from the others' in every token, as the checks need
+# (``references`` asserts it).
+LAYERS = (0, 1, 28, 29)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
 
@@ -59,7 +67,8 @@ def _serving(engine: Engine, model):
 @pytest.fixture(scope="module")
 def server():
     try:
-        model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
+        with smollm2_layers(LAYERS):
+            model = models.load_model(MODEL, dtype=jnp.float32, max_len=MAX_LEN)
     except Exception as e:  # noqa: BLE001  (weights package missing)
         pytest.skip(str(e))
     # the server's default engine: pages shared by the requests (the soak and the cancellation storm check
@@ -72,7 +81,13 @@ def server():
 @pytest.fixture(scope="module")
 def references(server):
     """Greedy ``Model.generate`` of each prompt (12 tokens)."""
-    return {p: server.model.generate(p, max_new_tokens=12) for p in PROMPTS}
+    refs = {p: server.model.generate(p, max_new_tokens=12) for p in PROMPTS}
+    # what the tests lean on, so that a weaker model (fewer or other layers) fails here, not
+    # passes vacuously: the prompts' texts tell them apart (a request given another's output or
+    # cache), and the first has words to stop at (test_stop_string)
+    assert len(set(refs.values())) == len(PROMPTS), refs
+    assert len(set(refs[PROMPTS[0]].split())) >= 4, refs
+    return refs
 
 
 def _complete(client, prompt, **kw):
@@ -232,9 +247,10 @@ def test_generated_logprobs_completions_and_chat(server, references):
         assert len(top) == 3 and max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the top token
     ids = server.model.tokenizer.encode(p)
     gen = server.model.tokenizer.encode(p + c.text)[len(ids):]
-    if gen and server.model.tokenizer.encode(p + c.text)[:len(ids)] == ids:
-        ref = _log_softmax(server.model, ids + gen)
-        np.testing.assert_allclose(lp.token_logprobs[0], ref[len(ids) - 1, gen[0]], atol=1e-4)
+    # the text re-encodes to the prompt's tokens and then its own (else the check below could not be made)
+    assert gen and server.model.tokenizer.encode(p + c.text)[:len(ids)] == ids, (ids, gen)
+    ref = _log_softmax(server.model, ids + gen)
+    np.testing.assert_allclose(lp.token_logprobs[0], ref[len(ids) - 1, gen[0]], atol=1e-4)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = server.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
                                                  logprobs=True, top_logprobs=2)
@@ -410,10 +426,12 @@ def test_streamed_usage_equals_non_streamed_usage(server, chat):
 
 def test_developer_role_is_the_system_role(server):
     q = "What is 2 + 2?"
-    ask = lambda role: server.client.chat.completions.create(  # noqa: E731
-        model=MODEL, messages=[{"role": role, "content": "Answer briefly."}, {"role": "user", "content": q}],
+    ask = lambda role, content="Answer briefly.": server.client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": role, "content": content}, {"role": "user", "content": q}],
         max_tokens=8, temperature=0).choices[0].message.content
     assert ask("developer") == ask("system")
+    # and the system message reaches the answer (else a dropped developer message passed too)
+    assert ask("system", "Answer at length.") != ask("system")
 
 
 def test_model_ping_version_and_tokenizer_endpoints(server):
