@@ -25,7 +25,7 @@ export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JA
 # serving SmolLM2 to its clients, tests/test_serve.py: 305 s wall, 337 s CPU with it against
 # 222 s, 201 s without, two at once on the 2-core machine, 2026-12-04; since it serves 4 of
 # SmolLM2's layers, alike: 79 s and 84 s with it against 86 s and 83 s without, alone,
-# 2026-12-08: noise, so it keeps the passes, what users compile) and keep XLA's passes
+# 2026-12-07: noise, so it keeps the passes, what users compile) and keep XLA's passes
 # (each is a `heavy` part of its own: the setting is per process). Not test_engine, test_offload,
 # test_offload_benchmark or test_replicas: measured alike, as fast or faster with it.
 export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"

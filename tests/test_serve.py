@@ -34,7 +34,7 @@ MODEL = "smollm2-135m"
 MAX_LEN = 256
 # SmolLM2's first two layers and last two (tests/smollm2_layers.py says why these): every test
 # here compares texts of the same model, served and not, and the 30 layers' run time made
-# this file ~150 s of CI, 4 of them ~100 s (2-core box, 2026-12-08). Their greedy texts are
+# this file ~150 s of CI, 4 of them ~85 s (2-core box, 2026-12-07). Their greedy texts are
 # word salad, but each prompt's differs from the others' in every token, as the checks need
 # (``references`` asserts it).
 LAYERS = (0, 1, 28, 29)
@@ -704,8 +704,8 @@ def test_offloaded_server_with_layer_segmented_prefill(server):
     few layers per iteration) behind the server: two concurrent ``openai`` clients get the
     resident method's greedy tokens, and the engine drains. A small random model of 4 layers
     (two dense, two offloaded) with SmolLM2's tokenizer: the test is about the offloaded engine
-    behind the server (SmolLM2's own engine serves every other test here); SmolLM2's 30 layers
-    compiled for about 30 s of CI, with XLA's passes on, and 8 layers for 11 s."""
+    behind the server (SmolLM2's own engine, 4 of its layers, serves every other test here); SmolLM2's 30 layers
+    compiled for about 30 s of CI here, with XLA's passes on, and 8 layers for 11 s."""
     cfg = dataclasses.replace(server.model.config, name="small-smollm2-vocab", num_layers=4, hidden_size=64,
                               num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
     small = models.load_model(config=cfg, dtype=jnp.float32, max_len=MAX_LEN, attention="quest",
