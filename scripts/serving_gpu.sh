@@ -38,7 +38,7 @@
 #                                           # asynctls:offload-paged-segmented), joined by serve_load --merge
 #   bash scripts/serving_gpu.sh pinned      # XLA's pinned-host pool against the planner's model of it
 #                                           # (capacity.bfc_fits): how many page-array-sized copies it places
-#                                           # under PINNED_GIB (default 105), no model or compile (~1 min)
+#                                           # under PINNED_GIB (default 105), no model or compile (~3 min: pinning ~100 GiB took ~50 s a size on an H100)
 #   bash scripts/serving_gpu.sh memory-pair # benchmark C's dense and offloaded AsyncTLS + TSA engines in one call, each
 #                                           # under a deadline, joined (the LongBench-like mix by default)
 #
