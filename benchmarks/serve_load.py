@@ -240,10 +240,12 @@ def bucket_prompts(engine, n: int) -> list[int]:
     return sorted(longest.values())
 
 
-def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
+def warm_up(engine, mix, vocab: int) -> tuple[float, int, int]:
     """Compile every prefill bucket of the mix and the step; returns one decode iteration
-    (ms) and its rows: the median step with as many rows decoding a prompt of the smallest
-    mix length as the pool holds at once (every slot, where it holds them)."""
+    (ms), its rows and their prompt's tokens: the median step with as many rows decoding a
+    prompt of the smallest mix length as the pool holds at once (every slot, where it holds
+    them); a shorter prompt where that length leaves a row no room to decode while the others
+    prefill (:func:`warm_up_prompt`)."""
     from models.serving.requests import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -264,8 +266,9 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
     n = min(m for m, _ in mix)
     # the pool is sized for the tokens a row holds when the last is inserted: a segmented prefill
     # takes `segments` iterations a prompt, each with a decode step
-    steps = min(24 + engine.slots * segments[n], engine.context - n)
+    steps = min(FULL_STEPS + engine.slots * segments[n], engine.context - n)
     rows = decoding_rows(engine, n + steps)
+    n = warm_up_prompt(engine.context, n, rows, segments[n])
     # each may decode to the context, and is cancelled once FULL_STEPS steps ran with every row
     # decoding: a fixed output ran out before the last insertion (10 rows of 64K, segmented,
     # 2026-12-06), as 24 tokens each did before
@@ -299,7 +302,26 @@ def warm_up(engine, mix, vocab: int) -> tuple[float, int]:
             f"warm-up: no decode step with all {rows} requests decoding ({len(times)} steps; first "
             f"tokens at {[round(r.t_first - t0, 2) for r in reqs]} s, the first request's last at "
             f"{first_end - t0:.2f} s, {len(reqs[0].output_ids)} tokens)")
-    return 1e3 * float(np.median(full)), rows
+    return 1e3 * float(np.median(full)), rows, n
+
+
+def warm_up_prompt(context: int, n: int, rows: int, segments: int) -> int:
+    """The warm-up's prompt length: ``n``, or shorter where ``rows`` prompts of ``n`` leave the
+    first no room in ``context`` to decode while each later one prefills (``segments``
+    iterations each) and then ``FULL_STEPS`` beside them all. A prompt near ``max_len`` whose
+    chunks run in layer parts needs it: 4 rows of 64K in a 66,048 context, 8 parts, 256
+    iterations a prompt (H100, 2026-12-07: the first row ended at its context before the last
+    was inserted, and the warm-up failed)."""
+    # + the first token, the step in flight, and the few steps that may pass between the loop's
+    # poll and its cancel
+    room = FULL_STEPS + (rows - 1) * segments + 8
+    if n + room <= context:
+        return n
+    if context - room < n // 2:  # the iteration would no longer be the mix's
+        raise ValueError(f"warm-up: {rows} rows of {n} tokens, {segments} prefill iterations each, need "
+                         f"{room} decode positions beyond the prompt in a {context}-token context; "
+                         f"give the engine a longer max_len or fewer slots")
+    return context - room
 
 
 def goodput(rows: list[dict], iteration_ms: float) -> float | None:
@@ -455,10 +477,10 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                   f"{pre['failed'] or 'none'}", flush=True)
         engine.start()
         t0 = time.perf_counter()
-        iteration_ms, iteration_rows = warm_up(engine, mix, model.config.vocab_size)
+        iteration_ms, iteration_rows, iteration_tokens = warm_up(engine, mix, model.config.vocab_size)
         warm_s = time.perf_counter() - t0
-        print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({iteration_rows} rows) "
-              f"{iteration_ms:.2f} ms", flush=True)
+        print(f"[{label}] warm-up {warm_s:.1f} s; one decode iteration ({iteration_rows} rows of "
+              f"{iteration_tokens} tokens) {iteration_ms:.2f} ms", flush=True)
         rows = []
         for rate in rates:
             # every rate (and method) runs the same requests, their arrivals scaled: rows compare
@@ -480,7 +502,8 @@ def run_method(args, label: str, mix, rates, slots: int) -> dict:
                 "prompt_groups": getattr(engine.kv, "prompt_groups", 0), "prefill_segments": engine.prefill_segments, "slots": engine.slots,
                 "max_len": engine.max_len, "paged": engine.paged,
                 "kv_blocks_total": engine.stats()["kv_blocks_total"], "preempted": engine.preempted,
-                "iteration_ms": iteration_ms, "iteration_rows": iteration_rows, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows}
+                "iteration_ms": iteration_ms, "iteration_rows": iteration_rows,
+                "iteration_tokens": iteration_tokens, "precompile": pre, "engine_build_s": build_s, "warmup_s": warm_s, "rows": rows}
     finally:
         engine.stop()
 

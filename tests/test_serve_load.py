@@ -214,10 +214,37 @@ def test_warm_up_times_the_rows_a_small_pool_holds():
     for engine, want in ((small, 2), (full, 4)):
         engine.start()
         try:
-            ms, rows = serve_load.warm_up(engine, [(40, 1.0)], 97)
+            ms, rows, _ = serve_load.warm_up(engine, [(40, 1.0)], 97)
         finally:
             engine.stop()
         assert rows == want and ms > 0
+
+
+def test_warm_up_leaves_the_first_row_room_while_the_others_prefill():
+    """A prompt near ``max_len`` whose chunks run in layer parts: the first warm-up row decodes
+    while each later one prefills (a chunk's parts, one an iteration), and at the mix's length it
+    reached its context before the last was inserted (H100, 4 rows of 64K in 66,048, 8 parts,
+    2026-12-07: the warm-up failed). The rows then decode a shorter prompt, and say so."""
+    import jax.numpy as jnp
+
+    import models
+    from models.serving.engine import Engine
+    from tests.test_engine import _tiny_config
+
+    room = serve_load.FULL_STEPS + 3 * 256 + 8
+    assert serve_load.warm_up_prompt(66048, 65536, 4, 256) == 66048 - room
+    assert serve_load.warm_up_prompt(66048 + room, 65536, 4, 256) == 65536  # room enough: the mix's
+    with pytest.raises(ValueError, match="longer max_len or fewer slots"):
+        serve_load.warm_up_prompt(128, 120, 4, 64)  # the iteration would not be the mix's
+    model = models.load_model(config=_tiny_config(), dtype=jnp.float32)
+    # 188 tokens: 6 chunks of 32 in 3 parts, 18 iterations a prompt, in a context of 192
+    engine = Engine(model, slots=2, max_len=192, paged=True, prefill_chunk=32, chunk_parts=3, stop_ids=())
+    engine.start()
+    try:
+        ms, rows, tokens = serve_load.warm_up(engine, [(188, 1.0)], 97)
+    finally:
+        engine.stop()
+    assert rows == 2 and ms > 0 and tokens == 192 - (serve_load.FULL_STEPS + 18 + 8)
 
 
 def test_offloaded_paged_shared_pool_with_churn(tmp_path):
